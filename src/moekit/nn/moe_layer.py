@@ -1,0 +1,107 @@
+"""MoELayer: router + permute + GroupedMLP experts + weighted combine.
+
+Legend: T tokens, K experts per token, N experts, H hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.ops.permute import permute, unpermute
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+class _AuxLossInjector(torch.autograd.Function):
+    """Identity on the output; its backward also starts the auxiliary loss's backward, so the loss
+    trains the router without the caller adding it to theirs (Megatron-Core's approach)."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, d_output):
+        (aux_loss,) = ctx.saved_tensors
+        return d_output, torch.ones_like(aux_loss)
+
+
+class MoELayer(nn.Module):
+    """Top-k routed mixture of `GroupedMLP` experts.
+
+    forward(x (..., H)) -> (..., H). The router is a bias-free linear gate; scores are
+    softmax or sigmoid in fp32, the top-k of them (optionally renormalised) weight the experts'
+    outputs: they enter the experts as `probs` (scaling the activation and fc2 bias).
+    With `aux_loss_coef > 0`, the Switch-Transformer load-balancing loss
+    `coef * N * sum_e f_e * P_e` (f_e: share of routed copies to e, P_e: mean score of e) is added
+    to the gradient through the output and kept, detached, in `self.aux_loss` for logging.
+    No step reads device values on the host.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = True,
+        aux_loss_coef: float = 0.0,
+        bias: bool = False,
+        activation: str = "swiglu",
+        glu_interleave_size: int | None = None,
+        single_grouped_weight: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"unknown score_func {score_func!r}; expected one of {SCORE_FUNCS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
+        self.aux_loss_coef = aux_loss_coef
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = GroupedMLP(
+            num_experts, hidden_size, ffn_hidden_size, bias=bias, activation=activation,
+            glu_interleave_size=glu_interleave_size, single_grouped_weight=single_grouped_weight,
+            backend=backend, device=device, dtype=dtype,
+        )
+        self.aux_loss: torch.Tensor | None = None
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top-k weights (T, K) fp32, expert ids (T, K), all scores (T, N) fp32)."""
+        logits = self.router(x_TH).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights, ids, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"input's last dimension is {x.shape[-1]}; expected hidden_size={self.hidden_size}")
+        x_TH = x.reshape(-1, self.hidden_size)
+        weights, ids, scores = self.route(x_TH)
+        x_sorted, m_splits, row_map = permute(x_TH, ids, self.num_experts)
+        probs_sorted = torch.empty_like(weights.reshape(-1))
+        probs_sorted = probs_sorted.index_put((row_map.reshape(-1),), weights.reshape(-1))
+        y_sorted = self.experts(x_sorted, m_splits, probs=probs_sorted)
+        y_TH = unpermute(y_sorted, row_map)
+        if self.aux_loss_coef > 0 and self.training:
+            routed_share = m_splits.float() / ids.numel()
+            aux = self.aux_loss_coef * self.num_experts * (routed_share * scores.mean(0)).sum()
+            self.aux_loss = aux.detach()
+            y_TH = _AuxLossInjector.apply(y_TH, aux)
+        return y_TH.reshape(x.shape)

@@ -1,0 +1,431 @@
+"""Grouped linear: `y_i = x_i W_i^T + b_i` over rows sorted by group.
+
+Legend: M rows, N groups, I in_features, O out_features.
+
+One autograd Function serves every backend; a backend supplies the three products (forward, dgrad,
+wgrad) and the bias reduction. Weights arrive as one `(N, O, I)` tensor or as N `(O, I)` tensors;
+N separate tensors that are adjacent slices of one buffer (what `GroupedLinear` keeps) are viewed
+as `(N, O, I)` without a copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from moekit._splits import GroupOffsets, MSplits, resolve_splits
+
+BACKENDS = ("auto", "loop", "torch", "triton")
+
+Weight = torch.Tensor | Sequence[torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------------
+
+
+class _LoopBackend:
+    """Per-group matmuls: the reference schedule; any device and dtype. Reads device offsets on
+    the host (a sync), which is why it is never what `auto` picks on CUDA when another can run."""
+
+    name = "loop"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        return None
+
+    def forward(self, x_MI, w_NOI, go: GroupOffsets, bias_NO, bias_scale_M):
+        offs = go.host_offsets()
+        y_MO = x_MI.new_zeros(x_MI.shape[0], w_NOI.shape[1])
+        for g in range(w_NOI.shape[0]):
+            lo, hi = offs[g], offs[g + 1]
+            if hi == lo:
+                continue
+            acc = x_MI[lo:hi] @ w_NOI[g].t()
+            if bias_NO is not None:
+                b = bias_NO[g].float()
+                acc = (acc.float() + (b * bias_scale_M[lo:hi, None].float() if bias_scale_M is not None else b))
+            y_MO[lo:hi] = acc.to(y_MO.dtype)
+        return y_MO
+
+    def dgrad(self, dy_MO, w_NOI, go: GroupOffsets):
+        offs = go.host_offsets()
+        dx_MI = dy_MO.new_zeros(dy_MO.shape[0], w_NOI.shape[2])
+        for g in range(w_NOI.shape[0]):
+            lo, hi = offs[g], offs[g + 1]
+            if hi > lo:
+                dx_MI[lo:hi] = dy_MO[lo:hi] @ w_NOI[g]
+        return dx_MI
+
+    def wgrad(self, dy_MO, x_MI, go: GroupOffsets, num_groups: int):
+        offs = go.host_offsets()
+        dw_NOI = dy_MO.new_zeros(num_groups, dy_MO.shape[1], x_MI.shape[1])
+        for g in range(num_groups):
+            lo, hi = offs[g], offs[g + 1]
+            if hi > lo:
+                dw_NOI[g] = dy_MO[lo:hi].t() @ x_MI[lo:hi]
+        return dw_NOI
+
+    def dbias(self, dy_MO, go: GroupOffsets, num_groups: int, bias_scale_M):
+        offs = go.host_offsets()
+        src = dy_MO.float() if bias_scale_M is None else dy_MO.float() * bias_scale_M[:, None].float()
+        db = torch.zeros(num_groups, dy_MO.shape[1], dtype=torch.float32, device=dy_MO.device)
+        for g in range(num_groups):
+            lo, hi = offs[g], offs[g + 1]
+            if hi > lo:
+                db[g] = src[lo:hi].sum(0)
+        return db.to(dy_MO.dtype)
+
+
+class _TorchBackend:
+    """torch's grouped GEMM (`torch.nn.functional.grouped_mm`); device offsets stay on the device."""
+
+    name = "torch"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        grouped_mm = _torch_grouped_mm()
+        if grouped_mm is None:
+            return f"this torch ({torch.__version__}) has no grouped_mm"
+        if x.device.type == "cuda":
+            if x.dtype != torch.bfloat16:
+                return f"torch's CUDA grouped_mm runs on bfloat16 only, got {x.dtype}"
+            if torch.cuda.get_device_capability(x.device) < (8, 0):
+                return "torch's CUDA grouped_mm needs compute capability >= 8.0"
+        elif x.device.type == "cpu":
+            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                return f"torch's CPU grouped_mm supports float32/bfloat16/float16, got {x.dtype}"
+        else:
+            return f"torch's grouped_mm does not run on {x.device.type}"
+        # grouped_mm requires 16-byte aligned row strides for every operand it touches.
+        align = 16 // x.element_size()
+        bad = [n for n, d in (("in_features", x.shape[1]), ("out_features", w_NOI.shape[1])) if d % align]
+        if bad:
+            return (
+                f"torch's grouped_mm needs {', '.join(bad)} to be a multiple of {align} for {x.dtype} "
+                f"(got in={x.shape[1]}, out={w_NOI.shape[1]}); use backend='loop' or 'triton'"
+            )
+        return None
+
+    def forward(self, x_MI, w_NOI, go: GroupOffsets, bias_NO, bias_scale_M):
+        ends = go.offs[1:].to(torch.int32)
+        y_MO = _torch_grouped_mm()(x_MI, w_NOI.transpose(-2, -1), offs=ends)
+        if bias_NO is not None:
+            y_MO = _add_group_bias(y_MO, bias_NO, go, bias_scale_M)
+        return _zero_padding_rows(y_MO, go)
+
+    def dgrad(self, dy_MO, w_NOI, go: GroupOffsets):
+        ends = go.offs[1:].to(torch.int32)
+        return _zero_padding_rows(_torch_grouped_mm()(dy_MO, w_NOI, offs=ends), go)
+
+    def wgrad(self, dy_MO, x_MI, go: GroupOffsets, num_groups: int):
+        ends = go.offs[1:].to(torch.int32)
+        return _torch_grouped_mm()(dy_MO.t(), x_MI, offs=ends)
+
+    def dbias(self, dy_MO, go: GroupOffsets, num_groups: int, bias_scale_M):
+        return _group_sum(dy_MO, go, num_groups, bias_scale_M)
+
+
+class _TritonBackend:
+    """moekit's own Triton grouped GEMM (`moekit.ops.grouped_gemm`)."""
+
+    name = "triton"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        try:
+            from moekit.ops import grouped_gemm
+        except ImportError as exc:
+            return f"the Triton kernels could not be imported ({exc})"
+        return grouped_gemm.triton_unavailable_reason(x.device, x.dtype)
+
+    def forward(self, x_MI, w_NOI, go: GroupOffsets, bias_NO, bias_scale_M):
+        from moekit.ops.grouped_gemm import grouped_gemm_forward
+
+        return grouped_gemm_forward(x_MI, w_NOI, go.offs, bias_NO, bias_scale_M)
+
+    def dgrad(self, dy_MO, w_NOI, go: GroupOffsets):
+        from moekit.ops.grouped_gemm import grouped_gemm_dgrad
+
+        return grouped_gemm_dgrad(dy_MO, w_NOI, go.offs)
+
+    def wgrad(self, dy_MO, x_MI, go: GroupOffsets, num_groups: int):
+        from moekit.ops.grouped_gemm import grouped_gemm_wgrad
+
+        dw, _ = grouped_gemm_wgrad(dy_MO, x_MI, go.offs)
+        return dw
+
+    def dbias(self, dy_MO, go: GroupOffsets, num_groups: int, bias_scale_M):
+        return _group_sum(dy_MO, go, num_groups, bias_scale_M)
+
+
+_BACKENDS = {b.name: b for b in (_LoopBackend(), _TorchBackend(), _TritonBackend())}
+
+
+def _torch_grouped_mm():
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def _zero_padding_rows(t_MX: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
+    """grouped_mm leaves rows past the last offset unwritten; the contract says zeros."""
+    if go.host is not None:
+        if go.host[-1] < go.rows:
+            t_MX[go.host[-1]:] = 0
+        return t_MX
+    rows = torch.arange(go.rows, device=t_MX.device)
+    return t_MX.masked_fill_((rows >= go.offs[-1])[:, None], 0)
+
+
+def _group_onehot(go: GroupOffsets, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N, M) 0/1 matrix of group membership; padding rows belong to no group."""
+    groups = torch.arange(num_groups, device=go.offs.device)
+    return (go.row_group()[None, :] == groups[:, None]).to(dtype)
+
+
+def _group_sum(dy_MO, go: GroupOffsets, num_groups: int, scale_M) -> torch.Tensor:
+    """Per-group row sums as a (N, M) x (M, O) product: deterministic (no atomics), no sync."""
+    src = dy_MO.float() if scale_M is None else dy_MO.float() * scale_M[:, None].float()
+    return (_group_onehot(go, num_groups, torch.float32) @ src).to(dy_MO.dtype)
+
+
+def _add_group_bias(y_MO, bias_NO, go: GroupOffsets, bias_scale_M):
+    """y += bias[group(row)] (* scale[row]), math in fp32, one rounding."""
+    zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
+    bias_MO = torch.cat([bias_NO, zero_row]).float()[go.row_group()]
+    if bias_scale_M is not None:
+        bias_MO = bias_MO * bias_scale_M[:, None].float()
+    return (y_MO.float() + bias_MO).to(y_MO.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight packing
+# --------------------------------------------------------------------------------------------------
+
+
+def packed_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """View N same-shaped contiguous tensors as one (N, ...) tensor when they are adjacent slices of
+    one storage (in order); None when they are not."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    numel = first.numel()
+    base = first.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (
+            t.shape != first.shape
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != base
+            or t.storage_offset() != first.storage_offset() + i * numel
+        ):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
+
+
+_warned_unpacked: set[int] = set()
+
+
+def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    view = packed_view(tensors)
+    if view is not None:
+        return view
+    # Not silent: a wrapper (FSDP2, a manual `.data =`) split the expert weights apart; results are
+    # still right but every call now pays a copy of all experts' weights.
+    key = id(tensors[0])
+    if key not in _warned_unpacked:
+        _warned_unpacked.add(key)
+        warnings.warn(
+            f"moekit: the {len(tensors)} per-expert {what} tensors are not adjacent slices of one buffer; "
+            "each call stacks them (a copy of all experts). GroupedLinear repacks on .to()/.cuda(); use "
+            "single_grouped_weight=True to avoid this entirely.",
+            stacklevel=4,
+        )
+    return torch.stack(list(tensors))
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    """Inputs after the fixed ones: n_w weight tensors then n_b bias tensors (n_w, n_b in {0, 1, N})."""
+
+    @staticmethod
+    def forward(ctx, backend, go, bias_scale_M, n_w, n_b, x_MI, *params):
+        weights, biases = params[:n_w], params[n_w:]
+        w_NOI = weights[0] if n_w == 1 else _stack_weights(weights, "weight")
+        bias_NO = None
+        if n_b:
+            bias_NO = biases[0] if n_b == 1 else _stack_weights(biases, "bias")
+        y_MO = backend.forward(x_MI, w_NOI, go, bias_NO, bias_scale_M)
+        ctx.backend, ctx.go, ctx.n_w, ctx.n_b = backend, go, n_w, n_b
+        ctx.save_for_backward(x_MI, bias_scale_M, bias_NO, *weights)
+        return y_MO
+
+    @staticmethod
+    def backward(ctx, dy_MO):
+        x_MI, bias_scale_M, bias_NO, *weights = ctx.saved_tensors
+        backend, go, n_w, n_b = ctx.backend, ctx.go, ctx.n_w, ctx.n_b
+        w_NOI = weights[0] if n_w == 1 else _stack_weights(weights, "weight")
+        num_groups = w_NOI.shape[0]
+        dy_MO = dy_MO.contiguous()
+        dx = dw = db = dscale = None
+        if ctx.needs_input_grad[5]:
+            dx = backend.dgrad(dy_MO, w_NOI, go)
+        if any(ctx.needs_input_grad[6:6 + n_w]):
+            dw = backend.wgrad(dy_MO, x_MI, go, num_groups)
+        if n_b and any(ctx.needs_input_grad[6 + n_w:]):
+            db = backend.dbias(dy_MO, go, num_groups, bias_scale_M)
+        if bias_scale_M is not None and ctx.needs_input_grad[2]:
+            zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
+            bias_MO = torch.cat([bias_NO, zero_row]).float()[go.row_group()]
+            dscale = (dy_MO.float() * bias_MO).sum(-1).to(bias_scale_M.dtype)
+        dws = (dw,) if n_w == 1 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
+        dbs = () if not n_b else ((db,) if n_b == 1 else (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
+        return (None, None, dscale, None, None, dx, *dws, *dbs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_list(t: Weight | None) -> list[torch.Tensor]:
+    if t is None:
+        return []
+    if isinstance(t, torch.Tensor):
+        return [t]
+    return list(t)
+
+
+def _check_params(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> tuple[int, int]:
+    """Validate weight/bias shapes against x; return (num_groups, out_features)."""
+    if not weights:
+        raise ValueError("weight must be a (N, out, in) tensor or a non-empty list of N (out, in) tensors")
+    if len(weights) == 1 and weights[0].dim() == 3:
+        num_groups, out_f, in_f = weights[0].shape
+    else:
+        shapes = {tuple(w.shape) for w in weights}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"per-group weights must all be 2-D (out, in) of one shape; got {sorted(shapes)}")
+        num_groups = len(weights)
+        out_f, in_f = weights[0].shape
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, in_features), got shape {tuple(x.shape)}")
+    if x.shape[1] != in_f:
+        raise ValueError(f"x has {x.shape[1]} features in its last dimension; the weights expect in_features={in_f}")
+    for w in weights:
+        if w.dtype != x.dtype:
+            raise TypeError(f"input dtype {x.dtype} differs from weight dtype {w.dtype}; cast one to match")
+        if w.device != x.device:
+            raise ValueError(f"input is on {x.device} but a weight is on {w.device}")
+    if biases:
+        if len(biases) == 1 and biases[0].dim() == 2:
+            if tuple(biases[0].shape) != (num_groups, out_f):
+                raise ValueError(f"bias has shape {tuple(biases[0].shape)}; expected ({num_groups}, {out_f})")
+        elif len(biases) != num_groups or any(tuple(b.shape) != (out_f,) for b in biases):
+            raise ValueError(
+                f"bias must be a ({num_groups}, {out_f}) tensor or {num_groups} tensors of shape ({out_f},); got "
+                f"{[tuple(b.shape) for b in biases]}"
+            )
+        for b in biases:
+            if b.dtype != x.dtype:
+                raise TypeError(f"input dtype {x.dtype} differs from bias dtype {b.dtype}; cast one to match")
+            if b.device != x.device:
+                raise ValueError(f"input is on {x.device} but a bias is on {b.device}")
+    return num_groups, out_f
+
+
+def _probe_weight(weights: list[torch.Tensor]) -> torch.Tensor:
+    """A (N, O, I)-shaped stand-in (no copy) used only for capability checks."""
+    w = weights[0]
+    return w if w.dim() == 3 else w.unsqueeze(0).expand(len(weights), *w.shape)
+
+
+def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
+    """Resolve a backend name for this input, raising ValueError if an explicit one cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        impl = _BACKENDS[backend]
+        reason = impl.unavailable_reason(x, w_NOI)
+        if reason is not None:
+            usable = [n for n, b in _BACKENDS.items() if b.unavailable_reason(x, w_NOI) is None]
+            raise ValueError(f"backend={backend!r} cannot run here: {reason}. Usable here: {usable}")
+        return impl
+    for name in _auto_order(x):
+        impl = _BACKENDS[name]
+        if impl.unavailable_reason(x, w_NOI) is None:
+            return impl
+    return _BACKENDS["loop"]
+
+
+def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
+    # Measured order, see benchmarks/results: on CUDA bf16 torch's grouped_mm is the one to beat;
+    # Triton covers what grouped_mm does not (fp16/fp32, odd dims) without the loop's host sync.
+    if x.device.type == "cuda":
+        return ("torch", "triton", "loop")
+    return ("torch", "loop")
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: Weight,
+    m_splits: MSplits | GroupOffsets,
+    bias: Weight | None = None,
+    *,
+    backend: str = "auto",
+    bias_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped linear over rows sorted by group.
+
+    x: (M, I). weight: (N, O, I) or N tensors (O, I). m_splits: (N,) rows per group (list, CPU tensor
+    or device tensor); rows past sum(m_splits) are padding and give zeros. bias: (N, O), N tensors
+    (O,), or None. bias_scale: optional (M,) per-row factor on the bias (router probabilities).
+    Returns (M, O) in x's dtype.
+    """
+    weights, biases = _as_list(weight), _as_list(bias)
+    num_groups, _ = _check_params(x, weights, biases)
+    go = resolve_splits(m_splits, num_groups, x.shape[0], x.device)
+    impl = select_backend(backend, x, _probe_weight(weights))
+    if bias_scale is not None:
+        if not biases:
+            raise ValueError("bias_scale scales the bias; it needs a bias")
+        if bias_scale.shape not in ((x.shape[0],), (x.shape[0], 1)):
+            raise ValueError(f"bias_scale must have shape ({x.shape[0]},), got {tuple(bias_scale.shape)}")
+        bias_scale = bias_scale.reshape(-1)
+    x = x.contiguous()
+    return _GroupedLinearFn.apply(impl, go, bias_scale, len(weights), len(biases), x, *weights, *biases)
+
+
+def grouped_linear_reference(
+    x: torch.Tensor,
+    weight: Weight,
+    m_splits: MSplits,
+    bias: Weight | None = None,
+    *,
+    backend: str = "auto",
+    bias_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 reference of `grouped_linear`, differentiable by autograd; returns float64."""
+    del backend
+    weights = [w.double() for w in _as_list(weight)]
+    w_list = list(weights[0].unbind(0)) if len(weights) == 1 and weights[0].dim() == 3 else weights
+    biases = [b.double() for b in _as_list(bias)]
+    b_list = list(biases[0].unbind(0)) if len(biases) == 1 and biases[0].dim() == 2 else biases
+    go = resolve_splits(m_splits, len(w_list), x.shape[0], torch.device("cpu") if not isinstance(m_splits, torch.Tensor)
+                        else m_splits.device)
+    offs = go.host_offsets()
+    x64 = x.double()
+    rows = []
+    for g, w in enumerate(w_list):
+        y = x64[offs[g]:offs[g + 1]] @ w.t()
+        if b_list:
+            s = 1.0 if bias_scale is None else bias_scale.reshape(-1)[offs[g]:offs[g + 1], None].double()
+            y = y + b_list[g] * s
+        rows.append(y)
+    rows.append(x64.new_zeros(x.shape[0] - offs[-1], w_list[0].shape[0]))
+    return torch.cat(rows)

@@ -1,0 +1,128 @@
+"""Token permutation: T tokens with K expert choices each -> T*K rows sorted by expert, and back.
+
+Legend: T tokens, K experts per token (top-k), N experts, H hidden size.
+
+Everything stays on the device: the sort, the per-expert counts (a scatter of integer ones, exact
+in any order) and the inverse map. Both directions are gathers with deterministic backward passes:
+no floating-point atomics, so gradients are bit-identical run after run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, token_of_row, row_map_TK):
+        ctx.save_for_backward(row_map_TK)
+        return x_TH[token_of_row]
+
+    @staticmethod
+    def backward(ctx, d_sorted):
+        (row_map_TK,) = ctx.saved_tensors
+        # Each token's K copies gathered and summed in a fixed order.
+        return d_sorted[row_map_TK].sum(1, dtype=torch.float32).to(d_sorted.dtype), None, None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted, row_map_TK, weights_TK):
+        y_TKH = y_sorted[row_map_TK]
+        ctx.save_for_backward(y_sorted, row_map_TK, weights_TK)
+        if weights_TK is None:
+            return y_TKH.sum(1, dtype=torch.float32).to(y_sorted.dtype)
+        return torch.einsum("tkh,tk->th", y_TKH.float(), weights_TK.float()).to(y_sorted.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out_TH):
+        y_sorted, row_map_TK, weights_TK = ctx.saved_tensors
+        d_TKH = d_out_TH.float()[:, None, :].expand(*row_map_TK.shape, -1)
+        if weights_TK is not None:
+            d_TKH = d_TKH * weights_TK.float()[..., None]
+        # row_map is a permutation: every sorted row receives exactly one value.
+        d_sorted = torch.empty_like(y_sorted)
+        d_sorted[row_map_TK.reshape(-1)] = d_TKH.reshape(-1, y_sorted.shape[1]).to(y_sorted.dtype)
+        d_weights = None
+        if weights_TK is not None and ctx.needs_input_grad[2]:
+            y_TKH = y_sorted[row_map_TK].float()
+            d_weights = torch.einsum("tkh,th->tk", y_TKH, d_out_TH.float()).to(weights_TK.dtype)
+        return d_sorted, None, d_weights
+
+
+def permute(
+    x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the routed copies of each token by expert (stable: token order within an expert).
+
+    x: (T, H). expert_ids: (T, K) integer expert of each copy.
+    Returns x_sorted (T*K, H), m_splits (N,) int64 on x's device, row_map (T, K) int64: the sorted
+    row of copy (t, k), which `unpermute` uses to bring the copies back.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expert_ids must be (tokens, top_k) with tokens={x.shape[0]}, got shape {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if expert_ids.device != x.device:
+        raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
+    if expert_ids.device.type == "cpu" and expert_ids.numel():
+        # On the host the check is free; on an accelerator it would need a sync, so ids outside
+        # [0, N) there are undefined input (they are clamped into the counts).
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1).to(torch.int64)
+    order = torch.sort(flat_ids, stable=True).indices
+    row_map = torch.empty_like(order)
+    row_map[order] = torch.arange(order.numel(), device=x.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat_ids.clamp(0, num_experts - 1), torch.ones_like(flat_ids))
+    token_of_row = torch.div(order, top_k, rounding_mode="floor")
+    x_sorted = _PermuteFn.apply(x, token_of_row, row_map.view(num_tokens, top_k))
+    return x_sorted, counts, row_map.view(num_tokens, top_k)
+
+
+def unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum each token's K expert outputs back, optionally weighted.
+
+    y_sorted: (T*K, H). row_map: (T, K) from `permute`. weights: optional (T, K).
+    Returns (T, H) in y_sorted's dtype (sum in fp32).
+    """
+    if row_map.dim() != 2 or row_map.numel() != y_sorted.shape[0]:
+        raise ValueError(
+            f"row_map must be the (tokens, top_k) map from permute with tokens*top_k = {y_sorted.shape[0]} "
+            f"rows; got shape {tuple(row_map.shape)}"
+        )
+    if weights is not None and weights.shape != row_map.shape:
+        raise ValueError(f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}")
+    return _UnpermuteFn.apply(y_sorted, row_map, weights)
+
+
+def permute_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """float64 reference of `permute` (a Python loop over experts)."""
+    x64 = x.double()
+    top_k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).tolist()
+    rows, counts = [], []
+    row_map = torch.empty(len(flat), dtype=torch.int64)
+    for e in range(num_experts):
+        members = [j for j, v in enumerate(flat) if v == e]
+        counts.append(len(members))
+        for j in members:
+            row_map[j] = len(rows)
+            rows.append(x64[j // top_k])
+    x_sorted = torch.stack(rows) if rows else x64.new_zeros(0, x.shape[1])
+    return x_sorted, torch.tensor(counts), row_map.view(expert_ids.shape)
+
+
+def unpermute_reference(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None):
+    """float64 reference of `unpermute`."""
+    y_TKH = y_sorted.double()[row_map.cpu()]
+    if weights is not None:
+        y_TKH = y_TKH * weights.double()[..., None]
+    return y_TKH.sum(1)

@@ -1,0 +1,18 @@
+"""float64 pure-PyTorch references of every op, with the ops' own arguments.
+
+Each returns float64 and is differentiable by plain autograd; tests compare the ops' outputs and
+gradients against these.
+"""
+
+from moekit.ops.grouped_linear import grouped_linear_reference
+from moekit.ops.grouped_mlp import grouped_mlp_reference
+from moekit.ops.permute import permute_reference, unpermute_reference
+from moekit.ops.swiglu import swiglu_reference
+
+__all__ = [
+    "grouped_linear_reference",
+    "grouped_mlp_reference",
+    "permute_reference",
+    "swiglu_reference",
+    "unpermute_reference",
+]
