@@ -30,7 +30,9 @@ def save_safetensors(module_or_state: nn.Module | dict, path: str | os.PathLike)
         elif key.endswith("_extra_state"):
             extra[key] = value
         else:
-            raise TypeError(f"state entry {key!r} is a {type(value).__name__}; only tensors and extra states can be saved")
+            raise TypeError(
+                f"state entry {key!r} is a {type(value).__name__}; only tensors and extra states can be saved"
+            )
     metadata = {"format": "pt", EXTRA_STATE_METADATA_KEY: json.dumps(extra)}
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
