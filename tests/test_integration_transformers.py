@@ -137,7 +137,7 @@ def test_apply_moekit_matches_model(name):
         layout = SUPPORTED_EXPERTS[type(old).__name__][1]
         mlp = new.grouped_mlp
         assert mlp.hidden_size == reference.config.hidden_size
-        assert 2 * mlp.ffn_hidden_size == mlp.fc1.out_features == mlp.fc2.in_features
+        assert 2 * mlp.ffn_hidden_size == mlp.fc1.out_features == 2 * mlp.fc2.in_features
         assert mlp.fc1.in_features == mlp.fc2.out_features == reference.config.hidden_size
         if not layout.transposed:
             # Same layout: the model's own Parameters, not copies.
