@@ -129,7 +129,8 @@ class GroupedLinear(nn.Module):
             )
         x = inp.reshape(-1, self.in_features)
         y = grouped_linear(x, self.weights(), m_splits, self.biases(), backend=self.backend)
-        return y.reshape(*inp.shape[:-1], self.out_features)
+        # A 2-D input gets the op's own output back, not a view of it (FSDP2 warns about views).
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
