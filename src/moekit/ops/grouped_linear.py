@@ -224,7 +224,10 @@ def packed_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
 
 
-_warned_unpacked: set[int] = set()
+# Marks a first expert tensor whose set was already warned about. An attribute on the tensor itself
+# dies with it; a set of id()s would outlive the tensors and, once an id is reused by a new module's
+# parameter, silence that module's warning.
+_WARNED_ATTR = "_moekit_warned_unpacked"
 
 
 def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -233,9 +236,8 @@ def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         return view
     # Not silent: a wrapper (FSDP2, a manual `.data =`) split the expert weights apart; results are
     # still right but every call now pays a copy of all experts' weights.
-    key = id(tensors[0])
-    if key not in _warned_unpacked:
-        _warned_unpacked.add(key)
+    if not getattr(tensors[0], _WARNED_ATTR, False):
+        setattr(tensors[0], _WARNED_ATTR, True)
         warnings.warn(
             f"moekit: the {len(tensors)} per-expert {what} tensors are not adjacent slices of one buffer; "
             "each call stacks them (a copy of all experts). GroupedLinear repacks on .to()/.cuda(); use "
