@@ -252,6 +252,15 @@ def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def _row_major(t_MX: torch.Tensor) -> torch.Tensor:
+    """Contiguous with dense row-major strides. `.contiguous()` alone is not enough: a tensor with no
+    elements counts as contiguous whatever its strides, e.g. the zero strides of the expanded
+    gradient of `y.sum()` when there are no rows, and grouped_mm rejects those strides."""
+    if t_MX.numel() == 0:
+        return t_MX.clone(memory_format=torch.contiguous_format)  # differentiable, and dense strides
+    return t_MX.contiguous()
+
+
 class _GroupedLinearFn(torch.autograd.Function):
     """Inputs after the fixed ones: n_w weight tensors then n_b bias tensors (n_w, n_b in {0, 1, N})."""
 
@@ -273,7 +282,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         backend, go, n_w, n_b = ctx.backend, ctx.go, ctx.n_w, ctx.n_b
         w_NOI = weights[0] if n_w == 1 else _stack_weights(weights, "weight")
         num_groups = w_NOI.shape[0]
-        dy_MO = dy_MO.contiguous()
+        dy_MO = _row_major(dy_MO)
         dx = dw = db = dscale = None
         if ctx.needs_input_grad[5]:
             dx = backend.dgrad(dy_MO, w_NOI, go)
@@ -399,7 +408,7 @@ def grouped_linear(
         if bias_scale.shape not in ((x.shape[0],), (x.shape[0], 1)):
             raise ValueError(f"bias_scale must have shape ({x.shape[0]},), got {tuple(bias_scale.shape)}")
         bias_scale = bias_scale.reshape(-1)
-    x = x.contiguous()
+    x = _row_major(x)
     return _GroupedLinearFn.apply(impl, go, bias_scale, len(weights), len(biases), x, *weights, *biases)
 
 
