@@ -1,0 +1,386 @@
+"""grouped_linear (functional) and GroupedLinear (module) on CPU, backends loop and torch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import moekit
+from conftest import (
+    BACKENDS,
+    HYPOTHESIS,
+    LOWP_DTYPES,
+    SPLIT_CASES,
+    SPLIT_KINDS,
+    assert_no_nan,
+    check_against_reference,
+    rand,
+    rel_err,
+    splits_as,
+    torch_grouped_linear,
+)
+from moekit._splits import _device_splits
+from moekit.ops.grouped_linear import packed_view, select_backend
+from moekit.reference import grouped_linear_reference
+
+IN, OUT = 16, 32  # multiples of 8: torch's CPU grouped_mm runs them in fp32 and bf16
+
+
+def _ids(dt):
+    return str(dt).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional op against the float64 reference
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m_splits, rows", SPLIT_CASES)
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(backend, dtype, m_splits, rows, nan_poison):
+    n = len(m_splits)
+    inputs = {"x": rand(rows, IN, seed=1), "weight": rand(n, OUT, IN, seed=2), "bias": rand(n, OUT, seed=3)}
+    res = check_against_reference(
+        lambda x, weight, bias: moekit.grouped_linear(x, weight, m_splits, bias, backend=backend),
+        lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
+        lambda x, weight, bias: grouped_linear_reference(x, weight, m_splits, bias),
+        inputs,
+        dtype,
+    )
+    for name in ("out", "x", "weight", "bias"):
+        assert_no_nan(res[name], name)
+    used = sum(m_splits)
+    # Padding rows: zero output and zero gradient, exactly (the upstream gradient there is not zero).
+    assert torch.equal(res["out"][used:], torch.zeros(rows - used, OUT, dtype=dtype))
+    assert torch.equal(res["x"][used:], torch.zeros(rows - used, IN, dtype=dtype))
+    # Experts with no rows: exactly zero weight and bias gradients.
+    for g, count in enumerate(m_splits):
+        if count == 0:
+            assert torch.count_nonzero(res["weight"][g]) == 0
+            assert torch.count_nonzero(res["bias"][g]) == 0
+        else:
+            assert torch.count_nonzero(res["weight"][g]) > 0
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_scale_matches_reference(backend, dtype):
+    m_splits, rows = [4, 0, 7, 3], 16
+    inputs = {
+        "x": rand(rows, IN, seed=4),
+        "weight": rand(4, OUT, IN, seed=5),
+        "bias": rand(4, OUT, seed=6),
+        "bias_scale": rand(rows, seed=7).abs(),
+    }
+    check_against_reference(
+        lambda x, weight, bias, bias_scale: moekit.grouped_linear(
+            x, weight, m_splits, bias, backend=backend, bias_scale=bias_scale),
+        lambda x, weight, bias, bias_scale: torch_grouped_linear(x, weight, m_splits, bias, bias_scale=bias_scale),
+        lambda x, weight, bias, bias_scale: grouped_linear_reference(x, weight, m_splits, bias, bias_scale=bias_scale),
+        inputs,
+        dtype,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:moekit. the 4 per-expert")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_weights_match_reference(backend):
+    """Weights and biases as N separate tensors (not one buffer) still work, each gets its gradient."""
+    m_splits, rows = [0, 6, 0, 5], 13
+    inputs = {"x": rand(rows, IN, seed=8), "weight": list(rand(4, OUT, IN, seed=9)),
+              "bias": list(rand(4, OUT, seed=10))}
+    res = check_against_reference(
+        lambda x, weight, bias: moekit.grouped_linear(x, weight, m_splits, bias, backend=backend),
+        lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
+        lambda x, weight, bias: grouped_linear_reference(x, weight, m_splits, bias),
+        inputs,
+        torch.float32,
+    )
+    assert torch.count_nonzero(res["weight[0]"]) == 0 and torch.count_nonzero(res["bias[2]"]) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_bias(backend):
+    m_splits = [3, 0, 2]
+    x, w = rand(6, IN, seed=11), rand(3, OUT, IN, seed=12)
+    y = moekit.grouped_linear(x, w, m_splits, backend=backend)
+    ref = grouped_linear_reference(x, w, m_splits)
+    assert rel_err(y, ref) < 1e-6
+    assert torch.equal(y[5:], torch.zeros(1, OUT))
+
+
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_m_splits_forms_agree(backend, kind):
+    m_splits, rows = [2, 0, 5, 1], 9
+    x, w, b = rand(rows, IN, seed=13), rand(4, OUT, IN, seed=14), rand(4, OUT, seed=15)
+    expected = moekit.grouped_linear(x, w, m_splits, b, backend=backend)
+    got = moekit.grouped_linear(x, w, splits_as(kind, m_splits), b, backend=backend)
+    assert torch.equal(got, expected)
+    assert rel_err(got, grouped_linear_reference(x, w, m_splits, b)) < 1e-6
+
+
+@pytest.mark.parametrize("m_splits, rows", [
+    pytest.param([2, 0, 5, 1], 8, id="exact"),
+    pytest.param([2, 0, 5, 1], 11, id="padding-rows"),
+    pytest.param([0, 0, 0, 0], 3, id="nothing-routed"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_offsets_path(backend, m_splits, rows, nan_poison):
+    """Offsets the host does not know (what device m_splits become) give the host path's results;
+    the torch backend then zeroes padding rows without reading the offsets on the host."""
+    go = _device_splits(torch.tensor(m_splits, dtype=torch.int32), 4, rows, torch.device("cpu"))
+    assert go.host is None
+    x = rand(rows, IN, seed=16).requires_grad_()
+    w, b = rand(4, OUT, IN, seed=17).requires_grad_(), rand(4, OUT, seed=18).requires_grad_()
+    dy = rand(rows, OUT, seed=19)
+    y_dev = moekit.grouped_linear(x, w, go, b, backend=backend)
+    grads_dev = torch.autograd.grad(y_dev, (x, w, b), dy)
+    y_host = moekit.grouped_linear(x, w, m_splits, b, backend=backend)
+    grads_host = torch.autograd.grad(y_host, (x, w, b), dy)
+    torch.testing.assert_close(y_dev, y_host, rtol=1e-6, atol=1e-6)
+    for a, h in zip(grads_dev, grads_host, strict=True):
+        assert_no_nan(a, "gradient")
+        torch.testing.assert_close(a, h, rtol=1e-6, atol=1e-6)
+    used = sum(m_splits)
+    assert torch.equal(y_dev[used:], torch.zeros(rows - used, OUT))
+    assert torch.equal(grads_dev[0][used:], torch.zeros(rows - used, IN))
+
+
+@pytest.mark.parametrize("in_f, out_f", [
+    pytest.param(97, 97, id="97x97"),
+    pytest.param(97, 32, id="in97"),
+    pytest.param(32, 97, id="out97"),
+    pytest.param(2880, 2880, id="2880x2880"),
+])
+def test_odd_dims(in_f, out_f):
+    """auto runs whatever the dims; torch is refused (ValueError saying why) where grouped_mm cannot."""
+    m_splits, rows = [3, 0, 2], 6
+    x, w, b = rand(rows, in_f, seed=20), rand(3, out_f, in_f, seed=21), rand(3, out_f, seed=22)
+    torch_ok = in_f % 4 == 0 and out_f % 4 == 0
+    backends = ["auto", "loop"] + (["torch"] if torch_ok else [])
+    for backend in backends:
+        res = check_against_reference(
+            lambda x, weight, bias, backend=backend: moekit.grouped_linear(x, weight, m_splits, bias, backend=backend),
+            lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
+            lambda x, weight, bias: grouped_linear_reference(x, weight, m_splits, bias),
+            {"x": x, "weight": w, "bias": b},
+            torch.float32,
+        )
+        assert torch.equal(res["out"][5:], torch.zeros(1, out_f))
+    assert select_backend("auto", x, w).name == ("torch" if torch_ok else "loop")
+    if not torch_ok:
+        msg = r"backend='torch' cannot run here: .*multiple of 4.*Usable here: \['loop'"
+        with pytest.raises(ValueError, match=msg):
+            moekit.grouped_linear(x, w, m_splits, b, backend="torch")
+
+
+def test_auto_picks_a_working_backend():
+    w32 = torch.zeros(2, 32, 16)
+    assert select_backend("auto", torch.zeros(4, 16), w32).name == "torch"
+    assert select_backend("auto", torch.zeros(4, 16, dtype=torch.bfloat16), w32.bfloat16()).name == "torch"
+    # float64 and odd sizes: grouped_mm cannot, the loop can.
+    assert select_backend("auto", torch.zeros(4, 16, dtype=torch.float64), w32.double()).name == "loop"
+    assert select_backend("auto", torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(2, 36, 16)).name == "loop"
+    x64 = rand(5, 16, dtype=torch.float64, seed=23)
+    w64 = rand(2, 32, 16, dtype=torch.float64, seed=24)
+    y = moekit.grouped_linear(x64, w64, [2, 3])
+    assert rel_err(y, grouped_linear_reference(x64, w64, [2, 3])) < 1e-14
+
+
+def test_zero_rows_input():
+    for backend in BACKENDS:
+        x = torch.zeros(0, IN, requires_grad=True)
+        w = rand(3, OUT, IN, seed=25).requires_grad_()
+        y = moekit.grouped_linear(x, w, [0, 0, 0], backend=backend)
+        assert y.shape == (0, OUT)
+        y.sum().backward()
+        assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@HYPOTHESIS
+@given(data=st.data())
+def test_random_splits_hypothesis(backend, data):
+    n = data.draw(st.integers(1, 7), label="N")
+    m_splits = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n), label="m_splits")
+    pad = data.draw(st.integers(0, 3), label="padding")
+    dtype = data.draw(st.sampled_from(LOWP_DTYPES), label="dtype")
+    rows = sum(m_splits) + pad
+    inputs = {"x": rand(rows, IN, seed=26), "weight": rand(n, OUT, IN, seed=27), "bias": rand(n, OUT, seed=28)}
+    check_against_reference(
+        lambda x, weight, bias: moekit.grouped_linear(x, weight, m_splits, bias, backend=backend),
+        lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
+        lambda x, weight, bias: grouped_linear_reference(x, weight, m_splits, bias),
+        inputs,
+        dtype,
+    )
+
+
+def test_reference_is_independent_float64():
+    """moekit's reference equals a plain per-group float64 computation written from the contract."""
+    m_splits, rows = [2, 0, 3, 1], 8
+    x, w, b = (rand(rows, IN, dtype=torch.float64, seed=29), rand(4, OUT, IN, dtype=torch.float64, seed=30),
+               rand(4, OUT, dtype=torch.float64, seed=31))
+    s = rand(rows, dtype=torch.float64, seed=32)
+    ref = grouped_linear_reference(x, w, m_splits, b, bias_scale=s)
+    mine = torch_grouped_linear(x, w, m_splits, b, bias_scale=s)
+    torch.testing.assert_close(ref, mine, rtol=1e-13, atol=1e-13)
+    expected_row = x[3] @ w[2].t() + b[2] * s[3]  # row 3 is the second row of group 2
+    torch.testing.assert_close(ref[3], expected_row, rtol=1e-13, atol=1e-13)
+
+
+# --------------------------------------------------------------------------------------------------
+# GroupedLinear module: layouts
+# --------------------------------------------------------------------------------------------------
+
+LAYOUTS = [
+    pytest.param(False, False, id="discrete-w-discrete-b"),
+    pytest.param(True, False, id="single-w-discrete-b"),
+    pytest.param(False, True, id="discrete-w-single-b"),
+    pytest.param(True, True, id="single-w-single-b"),
+]
+
+
+def _module(n, in_f, out_f, single_w, single_b, *, bias=True, backend="auto", dtype=torch.float32, seed=0):
+    m = moekit.GroupedLinear(n, in_f, out_f, bias=bias, single_grouped_weight=single_w,
+                             single_grouped_bias=single_b, backend=backend, dtype=dtype)
+    with torch.no_grad():
+        w = rand(n, out_f, in_f, dtype=dtype, seed=seed)
+        b = rand(n, out_f, dtype=dtype, seed=seed + 1)
+        for i in range(n):
+            (m.weight[i] if single_w else getattr(m, f"weight{i}")).copy_(w[i])
+            if bias:
+                (m.bias[i] if single_b else getattr(m, f"bias{i}")).copy_(b[i])
+    return m, w, b
+
+
+def _grads(m, n, single_w, single_b, bias=True):
+    gw = m.weight.grad if single_w else torch.stack([getattr(m, f"weight{i}").grad for i in range(n)])
+    gb = None
+    if bias:
+        gb = m.bias.grad if single_b else torch.stack([getattr(m, f"bias{i}").grad for i in range(n)])
+    return gw, gb
+
+
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layouts_identical(backend, dtype):
+    """Every layout gives bitwise the same output and gradients on one backend; every parameter gets
+    a gradient (zeros for experts with no rows); a single grouped weight gets one (N, O, I) gradient."""
+    n, m_splits, rows = 5, [0, 4, 0, 3, 0], 9
+    x = rand(rows, IN, dtype=dtype, seed=33)
+    dy = rand(rows, OUT, dtype=dtype, seed=34)
+    results = []
+    for single_w, single_b in [(False, False), (True, False), (False, True), (True, True)]:
+        m, w, b = _module(n, IN, OUT, single_w, single_b, backend=backend, dtype=dtype)
+        xi = x.clone().requires_grad_()
+        y = m(xi, m_splits)
+        y.backward(dy)
+        for name, p in m.named_parameters():
+            assert p.grad is not None, f"{name} got no gradient"
+            assert p.grad.shape == p.shape
+        if single_w:
+            assert m.weight.grad.shape == (n, OUT, IN)
+        gw, gb = _grads(m, n, single_w, single_b)
+        for g in (0, 2, 4):
+            assert torch.count_nonzero(gw[g]) == 0 and torch.count_nonzero(gb[g]) == 0
+        results.append((y.detach(), xi.grad, gw, gb))
+    ref = grouped_linear_reference(x, w, m_splits, b)
+    assert rel_err(results[0][0], ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    for other in results[1:]:
+        for a, o in zip(results[0], other, strict=True):
+            assert torch.equal(a, o)
+
+
+@pytest.mark.parametrize("single_w, single_b", LAYOUTS)
+def test_module_matches_reference_and_3d_input(single_w, single_b):
+    n, m_splits = 3, [5, 0, 6]
+    m, w, b = _module(n, IN, OUT, single_w, single_b)
+    x = rand(2, 6, IN, seed=35)  # 12 rows, the last one padding
+    y = m(x, m_splits)
+    assert y.shape == (2, 6, OUT)
+    ref = grouped_linear_reference(x.reshape(-1, IN), w, m_splits, b).reshape(2, 6, OUT)
+    assert rel_err(y, ref) < 1e-6
+    assert torch.equal(y[1, 5], torch.zeros(OUT))
+
+
+def test_module_no_bias_layouts():
+    for single_w in (False, True):
+        m, w, _ = _module(4, IN, OUT, single_w, False, bias=False)
+        assert m.bias is None and not any(n.startswith("bias") for n, _ in m.named_parameters())
+        x = rand(7, IN, seed=36)
+        assert rel_err(m(x, [2, 2, 0, 3]), grouped_linear_reference(x, w, [2, 2, 0, 3])) < 1e-6
+
+
+def test_module_defaults_and_init():
+    m = moekit.GroupedLinear(3, 10, 6)
+    assert [n for n, _ in m.named_parameters()] == [f"weight{i}" for i in range(3)] + [f"bias{i}" for i in range(3)]
+    bound = 1 / 10 ** 0.5
+    for i in range(3):
+        w = getattr(m, f"weight{i}")
+        assert w.shape == (6, 10) and w.abs().max() <= bound and w.std() > 0
+        assert torch.equal(getattr(m, f"bias{i}"), torch.zeros(6))
+    # Experts are initialised independently, not as copies.
+    assert not torch.equal(m.weight0, m.weight1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Discrete layout: one buffer underneath
+# --------------------------------------------------------------------------------------------------
+
+
+def test_discrete_parameters_are_views_of_one_buffer():
+    m, _, _ = _module(4, IN, OUT, False, False)
+    weights, biases = m.weights(), m.biases()
+    view = packed_view(weights)
+    assert view is not None and view.shape == (4, OUT, IN)
+    assert torch.equal(view[2], m.weight2)
+    assert packed_view(biases) is not None
+    with torch.no_grad():
+        m.weight3.fill_(7.0)  # writing a parameter writes the buffer
+    assert torch.equal(packed_view(m.weights())[3], torch.full((OUT, IN), 7.0))
+    # Still packed after a dtype conversion, and still equal.
+    before = torch.stack([w.detach().clone() for w in m.weights()])
+    m.to(torch.float64)
+    assert m.weight0.dtype == torch.float64
+    assert packed_view(m.weights()) is not None and packed_view(m.biases()) is not None
+    torch.testing.assert_close(packed_view(m.weights()), before.double(), rtol=0, atol=0)
+
+
+def test_replaced_storage_still_correct_and_warns():
+    m, w, b = _module(4, IN, OUT, False, False, seed=40)
+    with torch.no_grad():
+        m.weight1.data = m.weight1.data.clone()
+    assert packed_view(m.weights()) is None
+    x = rand(10, IN, seed=41).requires_grad_()
+    with pytest.warns(UserWarning, match="not adjacent slices of one buffer"):
+        y = m(x, [3, 3, 0, 4])
+    assert rel_err(y, grouped_linear_reference(x, w, [3, 3, 0, 4], b)) < 1e-6
+    y.sum().backward()
+    assert torch.count_nonzero(m.weight1.grad) > 0 and torch.count_nonzero(m.weight2.grad) == 0
+    expected = grouped_linear_reference(x.detach(), w.requires_grad_(), [3, 3, 0, 4], b)
+    (dw,) = torch.autograd.grad(expected.sum(), w)
+    assert rel_err(m.weight1.grad, dw[1]) < 1e-6
+    # A conversion repacks the buffer; no warning any more, same result.
+    m.to(torch.float32)
+    assert packed_view(m.weights()) is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y2 = m(x, [3, 3, 0, 4])
+    assert torch.equal(y2, y)
+
+
+def test_replaced_storage_warns_for_every_module():
+    """The warning is per module, not once per process: a second module split apart warns too."""
+    for seed in (50, 51, 52):
+        m, _, _ = _module(3, IN, OUT, False, False, seed=seed)
+        m.weight0.data = m.weight0.data.clone()
+        with pytest.warns(UserWarning, match="not adjacent slices"):
+            m(rand(3, IN, seed=seed), [1, 1, 1])
+        del m
