@@ -1,0 +1,391 @@
+"""`moekit convert` / `moekit inspect`: round trips, refusals, streaming, and loading the result.
+
+Legend: N experts, H hidden size, F expert ffn size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+save_file, load_file = safetensors_torch.save_file, safetensors_torch.load_file
+
+from moekit import GroupedMLP, interleave_glu  # noqa: E402
+from moekit.convert import (  # noqa: E402
+    META_GLU,
+    META_LAYOUT,
+    Checkpoint,
+    CheckpointError,
+    analyze,
+    convert_checkpoint,
+    format_inspection,
+    main,
+)
+
+N, H, F = 4, 8, 6
+
+
+def _hf_per_expert(layers=2, naming=("gate_proj", "up_proj", "down_proj"), dtype=torch.bfloat16, seed=0,
+                   prefix="model.layers.{l}.mlp.experts"):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    gate, up, down = naming
+    for layer in range(layers):
+        p = prefix.format(l=layer)
+        for i in range(N):
+            sd[f"{p}.{i}.{gate}.weight"] = torch.randn(F, H, generator=g).to(dtype)
+            sd[f"{p}.{i}.{up}.weight"] = torch.randn(F, H, generator=g).to(dtype)
+            sd[f"{p}.{i}.{down}.weight"] = torch.randn(H, F, generator=g).to(dtype)
+        sd[f"model.layers.{layer}.mlp.gate.weight"] = torch.randn(N, H, generator=g)
+    sd["model.embed_tokens.weight"] = torch.randn(16, H, generator=g)
+    return sd
+
+
+def _te_per_expert(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i in range(N):
+        sd[f"decoder.layers.0.mlp.experts.linear_fc1.weight{i}"] = torch.randn(2 * F, H, generator=g)
+        sd[f"decoder.layers.0.mlp.experts.linear_fc1.bias{i}"] = torch.randn(2 * F, generator=g)
+        sd[f"decoder.layers.0.mlp.experts.linear_fc2.weight{i}"] = torch.randn(H, F, generator=g)
+    return sd
+
+
+def _save_sharded(sd: dict, directory, shards=3):
+    """Split keys round-robin over `shards` files with an index, as Hugging Face writes them."""
+    directory.mkdir()
+    keys = sorted(sd)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: sd[k] for k in keys[s::shards]}
+        save_file(part, str(directory / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+             "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def _load_all(path) -> dict:
+    ckpt = Checkpoint(path)
+    out = {}
+    for f in ckpt.files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+def _leftovers(directory, name):
+    return [p for p in os.listdir(directory) if p.startswith(f".{name}") or p == name]
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("glu", [None, 1, 2, 3], ids=["concat", "k1", "k2", "k3"])
+def test_single_file_round_trip(tmp_path, glu):
+    sd = _hf_per_expert()
+    save_file(sd, str(tmp_path / "src.safetensors"), metadata={"format": "pt"})
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "grouped.safetensors", "grouped",
+                       "none" if glu is None else glu)
+    grouped = load_file(str(tmp_path / "grouped.safetensors"))
+    p = "model.layers.1.mlp.experts"
+    fc1 = torch.stack([torch.cat([sd[f"{p}.{i}.gate_proj.weight"], sd[f"{p}.{i}.up_proj.weight"]]) for i in range(N)])
+    assert torch.equal(grouped[f"{p}.gate_up_proj"], fc1 if glu is None else interleave_glu(fc1, glu, dim=1))
+    assert torch.equal(grouped[f"{p}.down_proj"], torch.stack([sd[f"{p}.{i}.down_proj.weight"] for i in range(N)]))
+    assert grouped[f"{p}.gate_up_proj"].shape == (N, 2 * F, H)
+    meta = Checkpoint(tmp_path / "grouped.safetensors").metadata
+    assert meta[META_LAYOUT] == "grouped" and meta[META_GLU] == ("none" if glu is None else str(glu))
+    assert meta["format"] == "pt"
+
+    convert_checkpoint(tmp_path / "grouped.safetensors", tmp_path / "back.safetensors", "per-expert")
+    _assert_same(load_file(str(tmp_path / "back.safetensors")), sd)
+
+
+def test_sharded_round_trip_keeps_shards_and_sidecars(tmp_path):
+    sd = _hf_per_expert(layers=3, dtype=torch.float16)
+    src = _save_sharded(sd, tmp_path / "src")
+    result = convert_checkpoint(src, tmp_path / "grouped", "grouped")
+    assert result.destination.is_dir() and len(result.files) == 3
+    assert (tmp_path / "grouped" / "config.json").read_text() == "{}"
+    index = json.loads((tmp_path / "grouped" / "model.safetensors.index.json").read_text())
+    grouped = _load_all(tmp_path / "grouped")
+    assert set(index["weight_map"]) == set(grouped)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in grouped.values())
+    assert index["metadata"][META_LAYOUT] == "grouped"
+    assert sum(k.endswith("gate_up_proj") for k in grouped) == 3
+
+    convert_checkpoint(tmp_path / "grouped" / "model.safetensors.index.json", tmp_path / "back", "per-expert")
+    _assert_same(_load_all(tmp_path / "back"), sd)
+
+
+def test_mixtral_names_round_trip(tmp_path):
+    sd = _hf_per_expert(naming=("w1", "w3", "w2"), prefix="model.layers.{l}.block_sparse_moe.experts")
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "g.safetensors", "grouped")
+    grouped = load_file(str(tmp_path / "g.safetensors"))
+    p = "model.layers.0.block_sparse_moe.experts"
+    assert torch.equal(grouped[f"{p}.gate_up_proj"][2], torch.cat([sd[f"{p}.2.w1.weight"], sd[f"{p}.2.w3.weight"]]))
+    convert_checkpoint(tmp_path / "g.safetensors", tmp_path / "b.safetensors", "per-expert")
+    _assert_same(load_file(str(tmp_path / "b.safetensors")), sd)
+
+
+def test_transformer_engine_round_trip_and_interleave(tmp_path):
+    sd = _te_per_expert()
+    save_file(sd, str(tmp_path / "te.safetensors"))
+    # TE's fc1 rows: their gate/up order is not in the file; it must be stated.
+    with pytest.raises(CheckpointError, match="src-glu-interleave"):
+        convert_checkpoint(tmp_path / "te.safetensors", tmp_path / "g.safetensors", "grouped")
+    convert_checkpoint(tmp_path / "te.safetensors", tmp_path / "g.safetensors", "grouped", 2,
+                       src_glu_interleave="none")
+    grouped = load_file(str(tmp_path / "g.safetensors"))
+    p = "decoder.layers.0.mlp.experts"
+    fc1 = torch.stack([sd[f"{p}.linear_fc1.weight{i}"] for i in range(N)])
+    assert torch.equal(grouped[f"{p}.linear_fc1.weight"], interleave_glu(fc1, 2, dim=1))
+    b1 = torch.stack([sd[f"{p}.linear_fc1.bias{i}"] for i in range(N)])
+    assert torch.equal(grouped[f"{p}.linear_fc1.bias"], interleave_glu(b1, 2, dim=1))
+    assert torch.equal(grouped[f"{p}.linear_fc2.weight"], torch.stack([sd[f"{p}.linear_fc2.weight{i}"]
+                                                                        for i in range(N)]))
+    # The grouped file records k=2, so going back needs no --src-glu-interleave; the default would
+    # keep k=2 in the per-expert fc1 tensors, so ask for the TE file's [gates; ups] order.
+    convert_checkpoint(tmp_path / "g.safetensors", tmp_path / "b.safetensors", "per-expert", "none")
+    _assert_same(load_file(str(tmp_path / "b.safetensors")), sd)
+
+
+def test_conversion_streams_one_expert_at_a_time(tmp_path, monkeypatch):
+    import moekit.convert as convert
+
+    # Non-expert tensors are copied in pieces (64 MiB by default; 64 bytes here, to see it).
+    monkeypatch.setattr(convert, "COPY_PIECE_BYTES", 64)
+    sd = _hf_per_expert(layers=4, dtype=torch.float32)
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    result = convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "g.safetensors", "grouped")
+    one_expert_fc1 = 2 * F * H * 4
+    layer_experts = N * 3 * F * H * 4
+    whole = sum(t.numel() * t.element_size() for t in sd.values())
+    assert result.peak_bytes <= one_expert_fc1 < layer_experts < whole
+
+
+# ---- loading converted checkpoints -------------------------------------------------------------
+
+
+def _tiny_qwen3(transformers):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=H * 4, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=32,
+                                      moe_intermediate_size=F * 2, num_experts=N, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_converted_checkpoint_loads_into_transformers_and_grouped_mlp(tmp_path, sharded):
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_qwen3(transformers)
+    # save_pretrained writes the hub's per-expert layout (experts.{i}.gate_proj.weight ...).
+    model.save_pretrained(tmp_path / "hf", max_shard_size="40KB" if sharded else "1GB")
+    assert any(".experts.0.gate_proj.weight" in k for k in _load_all(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists() == sharded
+    convert_checkpoint(tmp_path / "hf", tmp_path / "grouped", "grouped")
+    grouped = _load_all(tmp_path / "grouped")
+    assert not any(".experts.0." in k for k in grouped)
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids).logits
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grouped", experts_implementation="eager")
+    assert torch.equal(loaded(input_ids=ids).logits, expected)
+
+    # The same tensors in a moekit GroupedMLP give the experts' outputs.
+    prefix = "model.layers.1.mlp.experts"
+    mlp = GroupedMLP(N, model.config.hidden_size, model.config.moe_intermediate_size, backend="loop")
+    mlp.load_state_dict({"fc1.weight": grouped[f"{prefix}.gate_up_proj"], "fc2.weight": grouped[f"{prefix}.down_proj"]},
+                        strict=False)
+    hidden = torch.randn(9, model.config.hidden_size)
+    top_k_index = torch.randint(0, N, (9, 2), generator=torch.Generator().manual_seed(1))
+    top_k_weights = torch.rand(9, 2)
+    reference = model.get_submodule(prefix)(hidden, top_k_index, top_k_weights)
+    from moekit import permute, unpermute
+
+    x_sorted, m_splits, row_map = permute(hidden, top_k_index, N)
+    y = unpermute(mlp(x_sorted, m_splits), row_map, top_k_weights)
+    assert torch.allclose(y, reference, rtol=1e-5, atol=1e-6)
+
+    convert_checkpoint(tmp_path / "grouped", tmp_path / "back", "per-expert")
+    _assert_same(_load_all(tmp_path / "back"), _load_all(tmp_path / "hf"))
+
+
+# ---- refusals: nothing written ----------------------------------------------------------------
+
+
+def _refuse(tmp_path, sd, match, **kwargs):
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    with pytest.raises(CheckpointError, match=match):
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", kwargs.pop("to", "grouped"),
+                           **kwargs)
+    assert _leftovers(tmp_path, "out.safetensors") == []
+
+
+def test_refuses_missing_expert(tmp_path):
+    sd = _hf_per_expert()
+    del sd["model.layers.1.mlp.experts.2.up_proj.weight"]
+    _refuse(tmp_path, sd, r"missing expert indices \[2\]")
+
+
+def test_refuses_missing_last_experts_of_one_projection(tmp_path):
+    sd = _hf_per_expert()
+    del sd["model.layers.0.mlp.experts.3.down_proj.weight"]
+    _refuse(tmp_path, sd, r"down_proj.weight: missing expert indices \[3\]")
+
+
+def test_refuses_duplicated_expert_index(tmp_path):
+    sd = _hf_per_expert()
+    sd["model.layers.0.mlp.experts.01.gate_proj.weight"] = sd["model.layers.0.mlp.experts.1.gate_proj.weight"].clone()
+    _refuse(tmp_path, sd, "appears twice")
+
+
+def test_refuses_tensor_duplicated_across_shards(tmp_path):
+    sd = _hf_per_expert()
+    src = _save_sharded(sd, tmp_path / "src")
+    first = sorted(src.glob("*.safetensors"))[0]
+    extra = dict(load_file(str(first)))
+    key = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    extra[key] = sd[key]
+    save_file(extra, str(first))
+    with pytest.raises(CheckpointError, match="duplicate tensor|index maps"):
+        convert_checkpoint(src, tmp_path / "out", "grouped")
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_refuses_disagreeing_shapes(tmp_path):
+    sd = _hf_per_expert()
+    sd["model.layers.0.mlp.experts.3.up_proj.weight"] = torch.randn(F + 2, H).to(torch.bfloat16)
+    _refuse(tmp_path, sd, "shapes of up_proj.weight disagree")
+
+
+def test_refuses_disagreeing_dtypes(tmp_path):
+    sd = _hf_per_expert()
+    sd["model.layers.0.mlp.experts.3.up_proj.weight"] = sd["model.layers.0.mlp.experts.3.up_proj.weight"].float()
+    _refuse(tmp_path, sd, "dtypes disagree")
+
+
+def test_refuses_mixed_layouts(tmp_path):
+    sd = _hf_per_expert()
+    sd["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(N, 2 * F, H)
+    sd["model.layers.0.mlp.experts.down_proj"] = torch.zeros(N, H, F)
+    _refuse(tmp_path, sd, "both per-expert and grouped")
+
+
+def test_refuses_grouped_without_recorded_glu_order(tmp_path):
+    sd = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
+          "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F)}
+    _refuse(tmp_path, sd, "not recorded", to="per-expert")
+    # Stated, it converts.
+    os.remove(tmp_path / "src.safetensors")
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "per-expert",
+                       src_glu_interleave="none")
+    out = load_file(str(tmp_path / "out.safetensors"))
+    up = out["model.layers.0.mlp.experts.2.up_proj.weight"]
+    assert torch.equal(up, sd["model.layers.0.mlp.experts.gate_up_proj"][2, F:])
+
+
+def test_refuses_transposed_grouped(tmp_path):
+    sd = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, H, 2 * F),
+          "model.layers.0.mlp.experts.down_proj": torch.randn(N, F, H)}
+    _refuse(tmp_path, sd, r"\[N, in, out\]", src_glu_interleave=1)
+
+
+def test_refuses_unrecognised_expert_tensor(tmp_path):
+    sd = _hf_per_expert()
+    sd["model.layers.0.mlp.experts.0.gate_proj.weight_scale"] = torch.ones(1)
+    _refuse(tmp_path, sd, "unrecognised per-expert tensor")
+
+
+def test_refuses_interleave_not_dividing_ffn(tmp_path):
+    _refuse(tmp_path, _hf_per_expert(), "does not divide", glu_interleave=4)
+
+
+def test_refuses_existing_destination(tmp_path):
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    (tmp_path / "out.safetensors").write_bytes(b"keep me")
+    with pytest.raises(CheckpointError, match="exists"):
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
+    assert (tmp_path / "out.safetensors").read_bytes() == b"keep me"
+
+
+def test_failed_verification_leaves_nothing(tmp_path, monkeypatch):
+    import moekit.convert as convert
+
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    _src_dir = _save_sharded(_hf_per_expert(), tmp_path / "sharded")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated verification failure")
+
+    monkeypatch.setattr(convert, "_verify_round_trip", fail)
+    for src, dst in ((tmp_path / "src.safetensors", "out.safetensors"), (_src_dir, "out_dir")):
+        with pytest.raises(RuntimeError, match="simulated"):
+            convert_checkpoint(src, tmp_path / dst, "grouped")
+        assert _leftovers(tmp_path, dst) == []
+
+
+def test_verification_catches_a_corrupted_output(tmp_path, monkeypatch):
+    import moekit.convert as convert
+
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    real = convert._reorder_fc1
+    calls = []
+
+    def corrupt_once(rows, src, dst):
+        calls.append(1)
+        out = real(rows, src, dst)
+        return out.flip(0) if len(calls) == 1 else out  # write one expert's rows reversed
+
+    monkeypatch.setattr(convert, "_reorder_fc1", corrupt_once)
+    with pytest.raises(RuntimeError, match="verification failed"):
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
+    assert _leftovers(tmp_path, "out.safetensors") == []
+
+
+# ---- inspect and the command line -------------------------------------------------------------
+
+
+def test_inspect_table(tmp_path):
+    sd = _hf_per_expert()
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    ckpt = Checkpoint(tmp_path / "src.safetensors")
+    text = format_inspection(ckpt, analyze(ckpt))
+    assert "model.layers.1.mlp.experts" in text and "per-expert" in text and "BF16" in text
+    assert f"fc1_weight [{2 * F}, {H}]" in text and "problems" not in text
+    del sd["model.layers.1.mlp.experts.0.down_proj.weight"]
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    bad = Checkpoint(tmp_path / "bad.safetensors")
+    assert "missing expert indices [0]" in format_inspection(bad, analyze(bad))
+
+
+def test_command_line(tmp_path, capsys):
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    assert main(["convert", str(tmp_path / "src.safetensors"), str(tmp_path / "g.safetensors"), "--to", "grouped",
+                 "--glu-interleave", "2"]) == 0
+    assert "verified" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "g.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "grouped" in out and "moekit.glu_interleave_size=2" in out
+    assert main(["convert", str(tmp_path / "src.safetensors"), str(tmp_path / "g.safetensors"), "--to",
+                 "grouped"]) == 2
+    assert "refused" in capsys.readouterr().err
