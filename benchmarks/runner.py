@@ -1,0 +1,554 @@
+"""Shared machinery of moekit's benchmarks: shapes, splits, timing, correctness checks, JSON, tables, plots.
+
+Legend: M routed rows, N experts, H hidden size, F expert ffn size.
+
+Every benchmark script builds a list of *records*, one per measured cell (shape x split distribution
+x op x backend), with the same keys, so that `run_all.py` can merge the records of several scripts
+(and of several worker processes) and print, plot and save them together:
+
+    bench, shape, rows, experts, hidden, ffn, dist, op, backend,
+    status        "ok" | "check_failed" | "unavailable" | "error"
+    reason        why a cell is unavailable / errored / failed its check (None when ok)
+    flops         2 * M * in * out per GEMM of the op
+    ms, tflops    median time of one call, and flops / time
+    roof_tflops   the dense 8192^3 matmul measured by the same process
+    ratio_to_torch, ratio_to_roof   tflops / the torch backend's tflops of the same cell, / roof_tflops
+    check         {"bound", "ok", "errors": {tensor: {"fro", "worst_slice"}}} against a float32 reference
+    host_sync     whether one call synchronized with the host (CUDA only; None elsewhere)
+    peak_bytes, peak_extra_bytes    (grouped_mlp) peak allocated memory of one call, and above what was
+                  allocated before the call
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import moekit
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes and splits
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One expert layer: `rows` routed rows (tokens x top-k) over `experts` experts."""
+
+    name: str
+    rows: int
+    experts: int
+    hidden: int
+    ffn: int
+
+
+# design.md's performance table.
+SHAPES = (
+    MoEShape("mixtral-8x7b", rows=32768, experts=8, hidden=4096, ffn=14336),
+    MoEShape("deepseek-v3-32e", rows=16384, experts=32, hidden=7168, ffn=2048),
+    MoEShape("qwen3-30b-a3b", rows=131072, experts=128, hidden=2048, ffn=768),
+    MoEShape("gpt-oss-20b", rows=65536, experts=32, hidden=2880, ffn=2880),
+)
+
+# Tiny stand-ins for --smoke (CPU checks that the scripts work end to end); dims are multiples of 8
+# so that torch's grouped_mm accepts them in every dtype.
+SMOKE_SHAPES = (
+    MoEShape("smoke-4e", rows=96, experts=4, hidden=32, ffn=48),
+    MoEShape("smoke-7e", rows=200, experts=7, hidden=64, ffn=40),
+)
+
+DISTS = ("balanced", "skewed")
+SKEW_SEED = 0
+
+
+def balanced_splits(rows: int, experts: int) -> list[int]:
+    """Equal counts; the remainder goes one row each to the first experts."""
+    base, extra = divmod(rows, experts)
+    return [base + (1 if e < extra else 0) for e in range(experts)]
+
+
+def skewed_splits(rows: int, experts: int, seed: int = SKEW_SEED) -> list[int]:
+    """Counts from expert shares drawn from Dirichlet(alpha=1) (uniform over the simplex), rounded to
+    integers that sum to `rows` by the largest-remainder rule. Zero counts are allowed."""
+    shares = np.random.default_rng(seed).dirichlet(np.ones(experts))
+    exact = shares * rows
+    counts = np.floor(exact).astype(np.int64)
+    short = rows - int(counts.sum())
+    # The experts with the largest dropped fractions get the missing rows (stable order for ties).
+    for e in np.argsort(-(exact - counts), kind="stable")[:short]:
+        counts[e] += 1
+    return [int(c) for c in counts]
+
+
+def make_splits(shape: MoEShape, dist: str) -> list[int]:
+    if dist == "balanced":
+        return balanced_splits(shape.rows, shape.experts)
+    if dist == "skewed":
+        return skewed_splits(shape.rows, shape.experts)
+    raise ValueError(f"unknown split distribution {dist!r}; expected one of {DISTS}")
+
+
+def splits_table(cfg: BenchConfig) -> dict[str, dict[str, list[int]]]:
+    """The exact counts of every (shape, dist) measured, for the JSON (to reproduce a cell)."""
+    return {s.name: {d: make_splits(s, d) for d in cfg.dists} for s in cfg.shapes}
+
+
+def select_by_name(items: Sequence, names: str | None, what: str, all_names: Iterable[str]) -> list:
+    """Filter `items` (things with .name, or strings) by a comma list; error on unknown names."""
+    if not names:
+        return list(items)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = list(all_names)
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; known: {known}")
+    return [it for it in items if (it if isinstance(it, str) else it.name) in wanted]
+
+
+def shape_fields(shape: MoEShape) -> dict:
+    fields = asdict(shape)
+    return {"shape": fields.pop("name"), **fields}
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration shared by the scripts
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    device: torch.device
+    dtype: torch.dtype
+    warmup_ms: float
+    rep_ms: float
+    smoke: bool
+    quick: bool
+    shapes: list[MoEShape]
+    dists: list[str]
+    backends: list[str]
+    out: Path
+    plot: bool
+    # Where the records so far are saved after each (shape, dist), so that a crashed or killed run
+    # still leaves its measurements behind (run_all's workers read it back).
+    partial_path: Path | None = None
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backends", default="torch,triton", help="comma list of loop,torch,triton")
+    parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    parser.add_argument("--dists", default=",".join(DISTS), help="comma list of balanced,skewed")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (noisier numbers)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, runs on CPU too: proves the script works, measures nothing useful")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    shape_pool = SMOKE_SHAPES if args.smoke else SHAPES
+    # do_bench's defaults are warmup=25 ms, rep=100 ms; --quick trades noise for wall time.
+    warmup_ms, rep_ms = (10.0, 30.0) if args.quick or args.smoke else (25.0, 100.0)
+    return BenchConfig(
+        device=device,
+        dtype=dtype,
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        smoke=args.smoke,
+        quick=args.quick,
+        shapes=select_by_name(shape_pool, args.shapes, "shapes", [s.name for s in shape_pool]),
+        dists=select_by_name(DISTS, args.dists, "dists", DISTS),
+        backends=[b.strip() for b in args.backends.split(",") if b.strip()],
+        out=args.out,
+        plot=args.plot,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], object], cfg: BenchConfig, grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of one call of `fn`.
+
+    CUDA: triton.testing.do_bench (CUDA events around each call, L2 flushed between calls, no CUDA
+    graph), so what is timed is the eager launch sequence a training step runs; a call that syncs
+    with the host pays for it here too. CPU (--smoke only): a few wall-clock calls.
+    """
+    if cfg.device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
+                                             grad_to_none=grad_to_none, return_mode="median"))
+    times = []
+    for _ in range(3):
+        for t in grad_to_none or ():
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_roof(cfg: BenchConfig) -> dict:
+    """The dense matmul roof of this process: bf16 8192^3 on CUDA (smaller and cfg's dtype on CPU)."""
+    size = 8192 if cfg.device.type == "cuda" else 256
+    dtype = torch.bfloat16 if cfg.device.type == "cuda" else cfg.dtype
+    gen = torch.Generator(device=cfg.device).manual_seed(0)
+    a = torch.randn(size, size, device=cfg.device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=cfg.device, dtype=dtype, generator=gen)
+    a @ b  # cuBLAS heuristics and handle creation outside the timing
+    ms = time_ms(lambda: a @ b, cfg)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
+
+
+def check_host_sync(fn: Callable[[], object], device: torch.device) -> bool | None:
+    """Whether one (already warmed-up) call of `fn` synchronizes with the host. CUDA only."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError as exc:
+        if "synchroniz" in str(exc):
+            return True
+        raise
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness checks
+# --------------------------------------------------------------------------------------------------
+
+# Bound on both errors below for a result rounded once to the dtype from an fp32 accumulator:
+# bf16's unit roundoff is 2^-9 ~ 2e-3 per element, so a correct cell stays under ~5e-3 even through
+# the MLP's intermediate roundings, while a wrong group, a missing or stale row gives O(1).
+CHECK_BOUND = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative errors of `got` against the float32 `ref`.
+
+    fro: ||got - ref||_F / ||ref||_F over the whole tensor.
+    worst_slice: the largest of the same ratio per slice along dim 0 (per row of an activation, per
+        expert of a weight gradient), so that one wrong row or one wrong expert among 131072 rows or
+        128 experts cannot hide in the global norm. A slice whose reference is zero (an expert
+        without rows) must be zero: its denominator is 1e-6 of the global norm.
+    """
+    diff = got.detach().float() - ref.float()
+    ref_norm = ref.float().norm()
+    fro = (diff.norm() / ref_norm.clamp_min(1e-30)).item()
+    diff_rows = diff.reshape(diff.shape[0], -1).norm(dim=1)
+    ref_rows = ref.float().reshape(ref.shape[0], -1).norm(dim=1)
+    worst = (diff_rows / ref_rows.clamp_min(1e-6 * ref_norm.item() + 1e-30)).max().item() if diff.numel() else 0.0
+    return {"fro": _finite_or_none(fro), "worst_slice": _finite_or_none(worst)}
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # NaN/inf (unwritten rows) are not JSON; None fails the check
+
+
+def check_summary(errors: dict[str, dict], dtype: torch.dtype) -> dict:
+    bound = CHECK_BOUND[dtype]
+    ok = all(e["fro"] is not None and e["worst_slice"] is not None and e["fro"] <= bound and e["worst_slice"] <= bound
+             for e in errors.values())
+    return {"bound": bound, "ok": ok, "errors": errors}
+
+
+def failed_check_reason(check: dict) -> str:
+    bad = {k: v for k, v in check["errors"].items()
+           if v["fro"] is None or v["worst_slice"] is None or max(v["fro"], v["worst_slice"]) > check["bound"]}
+    return f"error above {check['bound']:.0e} vs float32 reference: {bad}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Cells
+# --------------------------------------------------------------------------------------------------
+
+
+def new_record(bench: str, shape: MoEShape, dist: str, op: str, backend: str, flops: int, roof: dict) -> dict:
+    return {
+        "bench": bench, **shape_fields(shape), "dist": dist, "op": op, "backend": backend,
+        "status": None, "reason": None, "flops": flops, "ms": None, "tflops": None,
+        "roof_tflops": roof["tflops"], "ratio_to_torch": None, "ratio_to_roof": None,
+        "check": None, "host_sync": None,
+    }
+
+
+def error_reason(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def measure_cell(record: dict, fn: Callable[[], object], check: Callable[[], dict], cfg: BenchConfig,
+                 grad_to_none: Sequence[torch.Tensor] | None = None) -> dict:
+    """Check, then time one cell; failures are written into the record, never raised.
+
+    `check()` runs the op (its first call: compilation and autotuning happen there, outside the
+    timing) and returns check_summary(...). A failed check still gets timed, marked check_failed.
+    """
+    try:
+        record["check"] = check()
+        record["host_sync"] = check_host_sync(fn, cfg.device)
+        ms = time_ms(fn, cfg, grad_to_none)
+        record["ms"], record["tflops"] = ms, record["flops"] / ms / 1e9
+        record["status"] = "ok" if record["check"]["ok"] else "check_failed"
+        if not record["check"]["ok"]:
+            record["reason"] = failed_check_reason(record["check"])
+    except Exception as exc:  # one broken cell must not lose the rest of a scarce GPU run
+        record["status"], record["reason"] = "error", error_reason(exc)
+        if cfg.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    print_progress(record)
+    return record
+
+
+def unavailable_record(record: dict, reason: str) -> dict:
+    record["status"], record["reason"] = "unavailable", reason
+    print_progress(record)
+    return record
+
+
+def print_progress(record: dict) -> None:
+    timing = f"{record['ms']:9.3f} ms {record['tflops']:7.1f} TFLOP/s" if record["ms"] is not None else ""
+    note = f"  ({_short(record['reason'], 160)})" if record["reason"] else ""
+    print(f"  {record['shape']:<16} {record['dist']:<8} {record['op']:<22} {record['backend']:<6} "
+          f"{record['status']:<12} {timing}{note}", flush=True)
+
+
+def add_ratios(records: list[dict]) -> list[dict]:
+    """Fill ratio_to_torch (same shape, dist, op) and ratio_to_roof in place."""
+    torch_tflops = {_cell_key(r): r["tflops"] for r in records if r["backend"] == "torch" and r["tflops"]}
+    for r in records:
+        if r["tflops"]:
+            base = torch_tflops.get(_cell_key(r))
+            r["ratio_to_torch"] = r["tflops"] / base if base else None
+            r["ratio_to_roof"] = r["tflops"] / r["roof_tflops"] if r["roof_tflops"] else None
+    return records
+
+
+def _cell_key(r: dict) -> tuple:
+    return (r["bench"], r["shape"], r["dist"], r["op"])
+
+
+def save_partial(cfg: BenchConfig, records: list[dict]) -> None:
+    if cfg.partial_path is not None:
+        cfg.partial_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg.partial_path.write_text(json.dumps({"records": records}) + "\n")
+
+
+def release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment and output
+# --------------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # Only trailing whitespace: `status --porcelain` lines start with a meaningful space.
+    return done.stdout.rstrip() if done.returncode == 0 else None
+
+
+def environment(cfg: BenchConfig, roof: dict) -> dict:
+    """What a result depends on: machine, versions, code revision, settings."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    status = _git("status", "--porcelain")
+    dirty_paths = [line[3:] for line in status.splitlines()] if status else []
+    gpu = None
+    if cfg.device.type == "cuda":
+        props = torch.cuda.get_device_properties(cfg.device)
+        gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+               "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": str(cfg.device),
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "moekit": moekit.__version__,
+        "git_commit": _git("rev-parse", "HEAD"),
+        # Untracked files count: a kernel not yet committed changes what was measured.
+        "git_dirty": bool(dirty_paths) if status is not None else None,
+        "git_dirty_paths": dirty_paths[:50],
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "smoke": cfg.smoke,
+        "quick": cfg.quick,
+        "warmup_ms": cfg.warmup_ms,
+        "rep_ms": cfg.rep_ms,
+        "timer": "triton.testing.do_bench median, L2 flushed, no CUDA graph" if cfg.device.type == "cuda"
+        else "wall clock median of 3 (smoke)",
+        "check_bound": CHECK_BOUND[cfg.dtype],
+        "skew_seed": SKEW_SEED,
+        "roof": roof,
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MOEKIT_", "TRITON_", "CUDA_VISIBLE"))},
+    }
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Table and plot
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str) -> str:
+    width = spec.split(".")[0]
+    return format(v, spec) if v is not None else format("-", f">{width}")
+
+
+def _short(reason: str | None, limit: int = 100) -> str:
+    return "" if not reason else reason if len(reason) <= limit else reason[:limit - 3] + "..."
+
+
+def _worst_error(r: dict) -> float | None:
+    if not r["check"] or not r["check"]["errors"]:
+        return None
+    return max(max(v["fro"], v["worst_slice"]) if None not in (v["fro"], v["worst_slice"]) else math.inf
+               for v in r["check"]["errors"].values())
+
+
+def print_table(records: list[dict], roofs: Sequence[dict]) -> None:
+    """One line per cell; the reasons of unavailable backends once each, below the table."""
+    roof_txt = ", ".join(f"{r['tflops']:.1f} TFLOP/s ({r['dtype']} {r['size']}^3)" for r in roofs)
+    print(f"\ndense roof: {roof_txt}")
+    has_mem = any(r.get("peak_bytes") is not None for r in records)
+    header = (f"{'shape':<16} {'dist':<8} {'op':<22} {'backend':<7} {'ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
+              f"{'x roof':>6} {'max err':>8} {'sync':>5}" + (f" {'peak GiB':>8}" if has_mem else "") + "  status")
+    print(header)
+    print("-" * len(header))
+    unavailable: dict[str, str] = {}
+    for r in records:
+        sync = {True: "yes", False: "no", None: "-"}[r["host_sync"]]
+        peak = r.get("peak_bytes")
+        mem = f" {_fmt(peak / 2**30 if peak is not None else None, '8.2f')}" if has_mem else ""
+        if r["status"] == "unavailable":
+            unavailable.setdefault(r["backend"], r["reason"])
+        status = r["status"] if r["status"] in ("ok", "unavailable") else f"{r['status']}: {_short(r['reason'])}"
+        print(f"{r['shape']:<16} {r['dist']:<8} {r['op']:<22} {r['backend']:<7} {_fmt(r['ms'], '9.3f')} "
+              f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['ratio_to_torch'], '7.2f')} {_fmt(r['ratio_to_roof'], '6.2f')} "
+              f"{_fmt(_worst_error(r), '8.1e')} {sync:>5}{mem}  {status}")
+    for backend, reason in unavailable.items():
+        print(f"unavailable {backend}: {reason}")
+    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "check_failed", "error", "unavailable")}
+    print("cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
+
+
+def plot(records: list[dict], roofs: Sequence[dict], path: Path, title: str) -> None:
+    """One panel per op: TFLOP/s per (shape, dist), a bar per backend, the roof as a dashed line.
+    Bars of cells that failed their check are hatched; missing bars are unavailable/errored cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    cells = list(dict.fromkeys((r["shape"], r["dist"]) for r in records))
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    if not ops:
+        return
+    ncols = 2 if len(ops) > 1 else 1
+    nrows = math.ceil(len(ops) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, 3.4 * nrows), squeeze=False)
+    width = 0.8 / max(len(backends), 1)
+    by_key = {(r["op"], r["shape"], r["dist"], r["backend"]): r for r in records}
+    for ax, op in zip(axes.flat, ops, strict=False):
+        for b_idx, backend in enumerate(backends):
+            xs, heights, hatches = [], [], []
+            for c_idx, (shape, dist) in enumerate(cells):
+                r = by_key.get((op, shape, dist, backend))
+                if r and r["tflops"]:
+                    xs.append(c_idx + (b_idx - (len(backends) - 1) / 2) * width)
+                    heights.append(r["tflops"])
+                    hatches.append("//" if r["status"] == "check_failed" else "")
+            bars = ax.bar(xs, heights, width, label=backend, color=f"C{b_idx}")
+            for bar, hatch in zip(bars, hatches, strict=True):
+                bar.set_hatch(hatch)
+        for i, roof in enumerate(roofs):
+            ax.axhline(roof["tflops"], color="k", linestyle="--", linewidth=0.8,
+                       label=f"dense {roof['size']}^3" if i == 0 else None)
+        ax.set_title(op, fontsize=10)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncols=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+def plot_title(env: dict) -> str:
+    gpu = env["gpu"]["name"] if env.get("gpu") else env["device"]
+    commit = (env["git_commit"] or "unknown")[:10] + ("+dirty" if env["git_dirty"] else "")
+    return f"moekit {env['dtype']} on {gpu}, torch {env['torch']}, triton {env['triton']}, {commit}, {env['date']}"
+
+
+def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict]) -> dict:
+    """Ratios, table, JSON and PNG of one script's (or run_all's merged) records."""
+    add_ratios(records)
+    print_table(records, roofs)
+    payload = {"meta": env, "records": records}
+    write_json(cfg.out / f"{name}.json", payload)
+    if cfg.plot:
+        plot(records, roofs, cfg.out / f"{name}.png", plot_title(env))
+    if cfg.partial_path is not None:
+        cfg.partial_path.unlink(missing_ok=True)
+    return payload
+
+
+def partial_path_for(out: Path, name: str) -> Path:
+    return out / f".{name}.partial.json"
