@@ -620,6 +620,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _block_g(n: int) -> int:
+    # The per-group vectors are tiny next to a tile; one size for up to 255 groups means one
+    # compiled kernel for every model instead of one per expert count.
+    return max(256, triton.next_power_of_2(n))
+
+
 def _bucket(m: int) -> int:
     return 1 << max(int(m) - 1, 0).bit_length()
 
@@ -665,7 +671,7 @@ def _run_mm(a, w, offs, out, bias, scale, b_is_nk, cfg: _Cfg, use_tma: bool):
         B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
-        BLOCK_G=triton.next_power_of_2(G + 2), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
+        BLOCK_G=_block_g(G + 2), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
@@ -754,7 +760,7 @@ def _run_wgrad(dy, x, offs, dw, cfg: _Cfg, use_tma: bool):
         dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
-        BLOCK_G=triton.next_power_of_2(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
+        BLOCK_G=_block_g(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
