@@ -274,3 +274,17 @@ def test_from_pretrained_selects_moekit(tmp_path, monkeypatch):
     calls.clear()
     loaded(input_ids=_batch())
     assert not calls
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_save_pretrained_after_apply_moekit_round_trips(tmp_path, name):
+    model = apply_moekit(_model(name))
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager",
+                                                                 torch_dtype=torch.float32)
+    saved, state = reloaded.state_dict(), model.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[k], state[k]) for k in state)
+    ids = _batch()
+    with torch.no_grad():
+        assert _rel_err(reloaded(input_ids=ids).logits, model(input_ids=ids).logits) <= REL_TOL

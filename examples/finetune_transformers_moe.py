@@ -1,0 +1,101 @@
+"""Fine-tune a small Hugging Face transformers MoE model with moekit experts.
+
+Builds a small Qwen3-MoE (or OLMoE / Mixtral / gpt-oss, `--model`) from a config (no download; pass
+`--from-pretrained PATH` to start from a local checkpoint instead), swaps its experts for moekit's
+with `apply_moekit`, and trains it with AdamW on a synthetic task (each sequence counts up by a
+step of its own modulo the vocabulary, so the next token is predictable from the previous two).
+The model's router, attention and everything else stay transformers' own; the optimizer is built
+after `apply_moekit`, though one built before would also work: the expert Parameters are the same
+objects. At the end the model is saved with `save_pretrained` in the usual transformers layout.
+
+    python examples/finetune_transformers_moe.py --steps 60          # CPU, about a minute
+    python examples/finetune_transformers_moe.py --device cuda --dtype bfloat16 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+
+def build_model(name: str, vocab: int):
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64,
+                                                         num_experts=8, num_experts_per_tok=2, head_dim=32, **common),
+        "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                                  **common),
+        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_local_experts=8,
+                                                      num_experts_per_tok=2, **common),
+        "gpt_oss": lambda: transformers.GptOssConfig(intermediate_size=64, num_local_experts=8,
+                                                     num_experts_per_tok=2, head_dim=32, sliding_window=64,
+                                                     layer_types=["sliding_attention", "full_attention"], **common),
+    }
+    return transformers.AutoModelForCausalLM.from_config(configs[name]())
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """(batch, seq) token ids: start + step * position, modulo vocab; start and step random per row."""
+    start = torch.randint(0, vocab, (batch, 1), generator=generator)
+    step = torch.randint(1, 8, (batch, 1), generator=generator)
+    return (start + step * torch.arange(seq)) % vocab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_moe", choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
+    parser.add_argument("--from-pretrained", type=Path, help="a local transformers MoE checkpoint to start from")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--backend", default="auto", help="moekit GEMM backend: auto, torch, triton, loop")
+    parser.add_argument("--save", type=Path, help="save the fine-tuned model here (save_pretrained)")
+    args = parser.parse_args()
+
+    import transformers
+
+    from moekit.integrations.transformers import MoekitExperts, apply_moekit
+
+    torch.manual_seed(0)
+    vocab = 64
+    if args.from_pretrained:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.from_pretrained)
+        vocab = model.config.vocab_size
+    else:
+        model = build_model(args.model, vocab)
+    model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    apply_moekit(model, backend=args.backend)
+    replaced = sum(isinstance(m, MoekitExperts) for m in model.modules())
+    print(f"{type(model).__name__}: {replaced} experts modules now run on moekit")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(1)
+    model.train()
+    first = None
+    for step in range(1, args.steps + 1):
+        ids = synthetic_batch(args.batch, args.seq, vocab, generator).to(args.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        first = loss.item() if first is None else first
+        if step % 10 == 0 or step == 1:
+            print(f"step {step:4d}  loss {loss.item():.4f}")
+    print(f"loss {first:.4f} -> {loss.item():.4f}")
+    if args.save:
+        # state_dict() keeps transformers' names, so this is a regular transformers checkpoint.
+        model.save_pretrained(args.save)
+        print(f"saved to {args.save}")
+
+
+if __name__ == "__main__":
+    main()
