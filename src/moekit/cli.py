@@ -1,4 +1,4 @@
-"""Command line: `moekit demo` (and the checkpoint tools when available)."""
+"""Command line: `moekit demo`, `moekit convert`, `moekit inspect`."""
 
 from __future__ import annotations
 
@@ -22,16 +22,19 @@ def _add_demo(subparsers) -> None:
         run_demo(steps=args.steps, device=args.device, backend=args.backend, out=args.out, seed=args.seed)
         return 0
 
-    p.set_defaults(handler=run)
+    p.set_defaults(func=run)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekit", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
+    from moekit.convert import add_convert_subcommands
+
+    add_convert_subcommands(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    return args.func(args)
