@@ -15,6 +15,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 save_file, load_file = safetensors_torch.save_file, safetensors_torch.load_file
 
 from moekit import GroupedMLP, interleave_glu  # noqa: E402
+from moekit.cli import main  # noqa: E402
 from moekit.convert import (  # noqa: E402
     META_GLU,
     META_LAYOUT,
@@ -23,7 +24,6 @@ from moekit.convert import (  # noqa: E402
     analyze,
     convert_checkpoint,
     format_inspection,
-    main,
 )
 
 N, H, F = 4, 8, 6
