@@ -34,8 +34,9 @@ SPLITS = [
 ]
 
 
-def _require_backend(backend: str, in_features: int, out_features: int, device=CUDA, dtype=BF16) -> None:
+def _require_backend(backend: str, in_features: int, out_features: int, device=None, dtype=BF16) -> None:
     """Skip (with select_backend's reason) when the backend cannot run these operands."""
+    device = device or CUDA
     try:
         select_backend(backend, torch.empty(0, in_features, device=device, dtype=dtype),
                        torch.empty(1, out_features, in_features, device=device, dtype=dtype))
