@@ -1,0 +1,193 @@
+"""swiglu / clamped_swiglu with probs and GLU interleave sizes, and interleave_glu / deinterleave_glu."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import moekit
+from conftest import (
+    HYPOTHESIS,
+    LOWP_DTYPES,
+    check_against_reference,
+    glu_indices,
+    rand,
+    torch_swiglu,
+)
+from moekit.reference import swiglu_reference
+
+F = 8
+M = 24
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+KS = [pytest.param(None, id="k=None"), pytest.param(1, id="k=1"), pytest.param(2, id="k=2"),
+      pytest.param(F, id="k=F")]
+
+
+def _ids(dt):
+    return str(dt).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("with_probs", [False, True], ids=["no-probs", "probs"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+def test_matches_reference(dtype, activation, with_probs, k, nan_poison):
+    # Scale 4 so that clamped_swiglu's limits (|u| > 7, g > 7) are hit by some entries.
+    inputs = {"h": rand(M, 2 * F, scale=4.0, seed=1)}
+    if with_probs:
+        inputs["probs"] = rand(M, seed=2).abs()
+    assert (inputs["h"].abs() > 7).any()
+
+    def call(fn):
+        return lambda h, probs=None: fn(h, probs=probs, glu_interleave_size=k, activation=activation)
+
+    res = check_against_reference(call(moekit.swiglu), call(torch_swiglu), call(swiglu_reference), inputs, dtype)
+    assert not torch.isnan(res["h"]).any()
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_reference_is_independent_float64(activation, k):
+    """moekit's reference equals the contract's formula written with explicit column indices."""
+    h = rand(M, 2 * F, dtype=torch.float64, scale=4.0, seed=3)
+    p = rand(M, dtype=torch.float64, seed=4)
+    torch.testing.assert_close(
+        swiglu_reference(h, probs=p, glu_interleave_size=k, activation=activation),
+        torch_swiglu(h, probs=p, glu_interleave_size=k, activation=activation),
+        rtol=1e-14, atol=1e-14,
+    )
+
+
+def test_gate_comes_first_by_hand():
+    """out_j = silu(h[:, j]) * h[:, F + j]: the gate is the FIRST half (unlike torch's glu)."""
+    ln3 = math.log(3.0)  # sigmoid(ln 3) = 3/4, so silu(ln 3) = 0.75 ln 3
+    h = torch.tensor([[ln3, 0.0, 2.0, 5.0]])  # F = 2: gates (ln3, 0), ups (2, 5)
+    out = moekit.swiglu(h)
+    expected = torch.tensor([[0.75 * ln3 * 2.0, 0.0]])
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    # Swapping the halves gives something else, so the order is really tested.
+    assert not torch.allclose(moekit.swiglu(h[:, [2, 3, 0, 1]]), expected)
+
+
+def test_probs_by_hand():
+    """out = act * p; d h scales by p, d p = sum_j act_j * d out_j."""
+    ln3 = math.log(3.0)
+    h = torch.tensor([[ln3, 2.0], [0.0, 7.0]], requires_grad=True)  # F = 1
+    p = torch.tensor([0.5, 0.25], requires_grad=True)
+    out = moekit.swiglu(h, probs=p)
+    act0 = 0.75 * ln3 * 2.0
+    torch.testing.assert_close(out, torch.tensor([[act0 * 0.5], [0.0]]), rtol=1e-6, atol=1e-7)
+    out.backward(torch.tensor([[2.0], [3.0]]))
+    # d p_r = act_r * d out_r
+    torch.testing.assert_close(p.grad, torch.tensor([act0 * 2.0, 0.0]), rtol=1e-6, atol=1e-7)
+    # d up = silu(g) * p * d out; d gate = u * silu'(g) * p * d out, silu'(g) = s (1 + g (1 - s)).
+    s = 0.75
+    d_gate0 = 2.0 * s * (1 + ln3 * (1 - s)) * 0.5 * 2.0
+    d_up0 = 0.75 * ln3 * 0.5 * 2.0
+    d_gate1 = 7.0 * 0.5 * 0.25 * 3.0  # silu'(0) = 1/2
+    torch.testing.assert_close(h.grad, torch.tensor([[d_gate0, d_up0], [d_gate1, 0.0]]), rtol=1e-6, atol=1e-7)
+
+
+def test_clamped_swiglu_by_hand():
+    """g = min(g, 7), u = clamp(u, -7, 7), out = g sigmoid(1.702 g) (u + 1); no gradient where clamped."""
+    h = torch.tensor([[8.0, 1.0, -9.0, 0.5]], requires_grad=True)  # gates (8, 1), ups (-9, 0.5)
+    out = moekit.swiglu(h, activation="clamped_swiglu")
+
+    def sig(v):
+        return 1.0 / (1.0 + math.exp(-v))
+
+    expected = [7.0 * sig(1.702 * 7.0) * (-7.0 + 1.0), 1.0 * sig(1.702) * 1.5]
+    torch.testing.assert_close(out, torch.tensor([expected]), rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    s1 = sig(1.702)
+    d_gate1 = 1.5 * s1 * (1 + 1.702 * 1.0 * (1 - s1))
+    torch.testing.assert_close(h.grad, torch.tensor([[0.0, d_gate1, 0.0, s1]]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, F])
+def test_interleaved_input_gives_standard_output(k):
+    """swiglu(interleave_glu(h, k, dim=1), glu_interleave_size=k) == swiglu(h), to fp32 rounding (the
+    gathers are exact; vectorised and scalar CPU paths of silu/sigmoid may differ in the last bit)."""
+    h = rand(M, 2 * F, seed=5)
+    p = rand(M, seed=6)
+    for activation in ACTIVATIONS:
+        expected = moekit.swiglu(h, probs=p, activation=activation)
+        got = moekit.swiglu(moekit.interleave_glu(h, k, dim=1), probs=p, glu_interleave_size=k, activation=activation)
+        torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-7)
+
+
+def test_probs_column_shape_and_dtype():
+    h = rand(M, 2 * F, dtype=torch.bfloat16, seed=7)
+    p = rand(M, seed=8).abs()  # fp32 probabilities with bf16 activations, as MoELayer passes them
+    out = moekit.swiglu(h, probs=p[:, None])
+    assert out.dtype == torch.bfloat16 and out.shape == (M, F)
+    assert torch.equal(out, moekit.swiglu(h, probs=p))
+
+
+# --------------------------------------------------------------------------------------------------
+# interleave_glu / deinterleave_glu
+# --------------------------------------------------------------------------------------------------
+
+
+def test_interleave_example_from_design():
+    """k=2, F=4: [g0 g1 g2 g3 u0 u1 u2 u3] -> [g0 g1 u0 u1 g2 g3 u2 u3]."""
+    g = torch.tensor([10.0, 11.0, 12.0, 13.0])
+    u = torch.tensor([20.0, 21.0, 22.0, 23.0])
+    standard = torch.cat([g, u])
+    inter = moekit.interleave_glu(standard, 2)
+    assert inter.tolist() == [10.0, 11.0, 20.0, 21.0, 12.0, 13.0, 22.0, 23.0]
+    # k=1: gpt-oss's alternating layout.
+    assert moekit.interleave_glu(standard, 1).tolist() == [10.0, 20.0, 11.0, 21.0, 12.0, 22.0, 13.0, 23.0]
+    # k=F: the standard layout itself.
+    assert torch.equal(moekit.interleave_glu(standard, 4), standard)
+    assert torch.equal(moekit.deinterleave_glu(inter, 2), standard)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_interleave_matches_contract_indices(k):
+    ffn = 6
+    t = torch.arange(2 * ffn, dtype=torch.float32)  # standard: gates 0..5, ups 6..11
+    inter = moekit.interleave_glu(t, k)
+    gi, ui = glu_indices(ffn, k)
+    # In the interleaved order, the gate columns hold gates 0..F-1 and the up columns ups 0..F-1.
+    assert inter[gi].tolist() == list(range(ffn))
+    assert inter[ui].tolist() == list(range(ffn, 2 * ffn))
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, F])
+@pytest.mark.parametrize("shape, dim", [
+    pytest.param((2 * F, 5), 0, id="weight-2FxH-dim0"),
+    pytest.param((2 * F,), 0, id="bias-2F-dim0"),
+    pytest.param((3, 2 * F, 5), 1, id="grouped-weight-Nx2FxH-dim1"),
+    pytest.param((3, 2 * F), 1, id="grouped-bias-Nx2F-dim1"),
+])
+def test_interleave_round_trip(shape, dim, k):
+    t = rand(*shape, seed=9)
+    inter = moekit.interleave_glu(t, k, dim=dim)
+    assert inter.shape == t.shape and inter.is_contiguous()
+    assert torch.equal(moekit.deinterleave_glu(inter, k, dim=dim), t)
+    # Each slice along dim is moved as a whole: the grouped form equals the per-expert one.
+    if len(shape) == 3:
+        for n in range(shape[0]):
+            assert torch.equal(inter[n], moekit.interleave_glu(t[n], k, dim=0))
+    if len(shape) == 2 and dim == 1:
+        for n in range(shape[0]):
+            assert torch.equal(inter[n], moekit.interleave_glu(t[n], k, dim=0))
+    if k != F:
+        assert not torch.equal(inter, t)
+
+
+@HYPOTHESIS
+@given(ffn=st.integers(1, 12), data=st.data())
+def test_interleave_round_trip_hypothesis(ffn, data):
+    divisors = [d for d in range(1, ffn + 1) if ffn % d == 0]
+    k = data.draw(st.sampled_from(divisors), label="k")
+    t = torch.randn(2, 2 * ffn, 3)
+    inter = moekit.interleave_glu(t, k, dim=1)
+    assert torch.equal(moekit.deinterleave_glu(inter, k, dim=1), t)
+    gi, ui = glu_indices(ffn, k)
+    assert torch.equal(inter[:, gi], t[:, :ffn]) and torch.equal(inter[:, ui], t[:, ffn:])
