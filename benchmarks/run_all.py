@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma list of backends that run in a worker process of their own ('' for none)")
     parser.add_argument("--worker-timeout", type=float, default=None,
                         help="seconds after which a worker is killed (its partial results are kept)")
+    # Set by the parent for its workers: the parent prints the merged table and draws the plot.
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -61,7 +63,7 @@ def _worker_groups(backends: list[str], isolate: list[str]) -> list[list[str]]:
 
 def _worker_argv(args: argparse.Namespace, backends: list[str], out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--backends", ",".join(backends), "--isolate", "",
-            "--out", str(out), "--no-plot", "--dists", args.dists]
+            "--out", str(out), "--no-plot", "--worker", "--dists", args.dists]
     for flag, value in (("--shapes", args.shapes), ("--device", args.device), ("--dtype", args.dtype)):
         if value:
             argv += [flag, value]
@@ -122,8 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
         records, env, roof = run_in_process(cfg)
         roofs = [roof]
     else:
+        start = time.perf_counter()
         records, env, roofs = run_workers(args, groups)
-    return runner.finish(NAME, records, env, cfg, roofs)
+        env["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"== {'worker' if args.worker else 'all benchmarks'} took {env['wall_s']:.0f} s", flush=True)
+    return runner.finish(NAME, records, env, cfg, roofs, table=not args.worker)
 
 
 if __name__ == "__main__":

@@ -411,7 +411,10 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "moekit": moekit.__version__,
-        "git_commit": _git("rev-parse", "HEAD"),
+        # Without a .git (a bare copy of the tree on the GPU machine) the caller may name the commit.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("MOEKIT_BENCH_COMMIT"),
+        "git_commit_from": "git" if status is not None else ("MOEKIT_BENCH_COMMIT" if
+                                                              os.environ.get("MOEKIT_BENCH_COMMIT") else None),
         # Untracked files count: a kernel not yet committed changes what was measured.
         "git_dirty": bool(dirty_paths) if status is not None else None,
         "git_dirty_paths": dirty_paths[:50],
@@ -537,10 +540,12 @@ def plot_title(env: dict) -> str:
     return f"moekit {env['dtype']} on {gpu}, torch {env['torch']}, triton {env['triton']}, {commit}, {env['date']}"
 
 
-def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict]) -> dict:
+def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict],
+           table: bool = True) -> dict:
     """Ratios, table, JSON and PNG of one script's (or run_all's merged) records."""
     add_ratios(records)
-    print_table(records, roofs)
+    if table:
+        print_table(records, roofs)
     payload = {"meta": env, "records": records}
     write_json(cfg.out / f"{name}.json", payload)
     if cfg.plot:
