@@ -100,6 +100,8 @@ def _bench_cell_group(cfg, roof, shape: runner.MoEShape, dist: str, splits: list
                           {"peak_bytes": None, "peak_extra_bytes": None})
             records.append(record)
         del leaves, grads
+    # All backends' forward cells first, then the forward+backward ones (stable: backend order kept).
+    records.sort(key=lambda r: r["op"] == "mlp.forward+backward")
     return records
 
 
