@@ -128,8 +128,9 @@ def test_probs_semantics_by_hand(backend):
     torch.testing.assert_close(p.grad, torch.tensor([6 * ln3 + 10, -2.0]), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(b2.grad, torch.tensor([[0.5], [0.25]]))
     torch.testing.assert_close(w2.grad, torch.tensor([[[0.75 * ln3]], [[0.0]]]), rtol=1e-6, atol=1e-6)
-    # d up of expert 0 = silu(g) * p * fc2 = 3/4 ln3 * 1/2 * 4; d b1 of expert 1's up = silu(0) * ... = 0.
-    # d gate of expert 1 = u * silu'(0) * p * fc2 = 6 * 1/2 * 1/4 * 3 (u = 5 * 2 + 1 = 11? no: 5*2+1)
+    # d b1 = (d gate, d up) per expert, with d act = p * fc2 and silu'(g) = s (1 + g (1 - s)), s = sigmoid(g):
+    # expert 0: d up = silu(ln 3) * 1/2 * 4, d gate = u * silu'(ln 3) * 1/2 * 4 (s = 3/4, u = 2);
+    # expert 1: u = 5 * 2 + 1 = 11, d gate = u * silu'(0) * 1/4 * 3 (silu'(0) = 1/2), d up = silu(0) ... = 0.
     d_up0 = 0.75 * ln3 * 0.5 * 4.0
     s = 0.75
     d_gate0 = 2.0 * s * (1 + ln3 * (1 - s)) * 0.5 * 4.0
