@@ -171,13 +171,27 @@ def _load_ab(
 
 
 @triton.jit
+def _split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) -> two (BLOCK_M, BLOCK_N // 2) column halves: the epilogue stores half a
+    tile at a time, which halves its shared-memory staging buffer."""
+    acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    return tl.split(acc)
+
+
+@triton.jit
 def _fwd_epilogue(
-    acc, c_ptr, bias_ptr, scale_ptr, g, G, row0, n0, row_lo, row_hi, N,
+    acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, G, M, row0, n0, row_lo, row_hi, N,
     stride_cm, stride_bias_g,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EPI_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """acc (BLOCK_M, BLOCK_N) fp32 -> (+ bias[g] (* scale[r])) -> output dtype -> rows of the group."""
+    """acc (BLOCK_M, BLOCK_N) fp32 -> (+ bias[g] (* scale[r])) -> output dtype -> rows of the group.
+
+    EPI_TMA: the tile leaves through asynchronous TMA stores, so the next tile's main loop
+    overlaps the write-back. c_desc is the tile's own descriptor whose row extent ends at the
+    group's end: rows of the next group are clipped by the hardware, not by a branch (a branch
+    here breaks Triton's loop fusion).
+    """
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
@@ -193,8 +207,14 @@ def _fwd_epilogue(
             acc = acc + scale[:, None] * bias[None, :]
         else:
             acc = acc + bias[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    out_ty = c_ptr.dtype.element_ty
+    if EPI_TMA:
+        acc0, acc1 = _split_halves(acc, BLOCK_M, BLOCK_N)
+        c_desc.store([row0, n0], acc0.to(out_ty))
+        c_desc.store([row0, n0 + BLOCK_N // 2], acc1.to(out_ty))
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,7 +231,7 @@ def _grouped_mm_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, EPI_TMA: tl.constexpr,
 ):
     """Forward (B_IS_NK) and dgrad: c (M, N) = a (M, K) @ op(w[g]) per group, padding rows zero.
 
@@ -242,7 +262,6 @@ def _grouped_mm_kernel(
     else:
         a_desc = None
         b_desc = None
-
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         g, first_tile, row_lo, row_hi = _locate_tile(tile_id, tile_end, row_start, row_end)
         pid_m, pid_n = _swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_n, GROUP_M)
@@ -252,6 +271,11 @@ def _grouped_mm_kernel(
         # the tile loop and the K loop into one software pipeline). Padding tiles (g == G) point
         # their TMA boxes past the end of a and b, so they read zeros and no memory.
         a_row0 = tl.where(g < G, row0, M)
+        if EPI_TMA:
+            c_desc = tl.make_tensor_descriptor(
+                c_ptr, shape=[row_hi, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+        else:
+            c_desc = None
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_steps):
             a, b = _load_ab(
@@ -263,8 +287,8 @@ def _grouped_mm_kernel(
         # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
         acc = tl.where(g < G, acc, 0.0)
         _fwd_epilogue(
-            acc, c_ptr, bias_ptr, scale_ptr, g, G, row0, n0, row_lo, row_hi, N,
-            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, BLOCK_M, BLOCK_N,
+            acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, G, M, row0, n0, row_lo, row_hi, N,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_N,
         )
 
 
@@ -310,14 +334,22 @@ def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride
 
 
 @triton.jit
-def _wgrad_epilogue(acc, dw_ptr, g, o0, i0, O, I, stride_dwg, stride_dwo,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = o0 + tl.arange(0, BLOCK_M)
-    offs_n = i0 + tl.arange(0, BLOCK_N)
-    dw_ptrs = (dw_ptr + g.to(tl.int64) * stride_dwg
-               + offs_m.to(tl.int64)[:, None] * stride_dwo + offs_n[None, :])
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
+def _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
+                    EPI_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw[g, o0:o0+BM, i0:i0+BN] = acc. EPI_TMA: asynchronous TMA stores through a (G, O, I)
+    descriptor, whose bounds clip the O and I tails (wgrad tiles are short in K, so overlapping
+    their write-back with the next tile matters)."""
+    out_ty = dw_ptr.dtype.element_ty
+    if EPI_TMA:
+        acc0, acc1 = _split_halves(acc, BLOCK_M, BLOCK_N)
+        dw_desc.store([g, o0, i0], acc0.to(out_ty).reshape(1, BLOCK_M, BLOCK_N // 2))
+        dw_desc.store([g, o0, i0 + BLOCK_N // 2], acc1.to(out_ty).reshape(1, BLOCK_M, BLOCK_N // 2))
+    else:
+        offs_m = o0 + tl.arange(0, BLOCK_M)
+        offs_n = i0 + tl.arange(0, BLOCK_N)
+        dw_ptrs = (dw_ptr + g.to(tl.int64) * stride_dwg
+                   + offs_m.to(tl.int64)[:, None] * stride_dwo + offs_n[None, :])
+        tl.store(dw_ptrs, acc.to(out_ty), mask=(offs_m[:, None] < O) & (offs_n[None, :] < I))
 
 
 @triton.jit
@@ -328,6 +360,7 @@ def _grouped_wgrad_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    EPI_TMA: tl.constexpr,
 ):
     """dw[g] (O, I) = dy[rows of g]^T @ x[rows of g] for every group in one launch.
 
@@ -350,6 +383,12 @@ def _grouped_wgrad_kernel(
     num_pid_n = tl.cdiv(I, BLOCK_N)
     tiles_per_group = num_pid_m * num_pid_n
     num_tiles = G * tiles_per_group
+    if EPI_TMA:
+        dw_desc = tl.make_tensor_descriptor(
+            dw_ptr, shape=[G, O, I], strides=[stride_dwg, stride_dwo, 1],
+            block_shape=[1, BLOCK_M, BLOCK_N // 2])
+    else:
+        dw_desc = None
     if FLATTEN:
         # K steps this program will run: each of its tiles takes max(1, steps of its group); an
         # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
@@ -401,7 +440,8 @@ def _grouped_wgrad_kernel(
                 # An empty group's single step may have read row 0 (its descriptor's extent is at
                 # least 1): store zeros for it.
                 acc = tl.where(row_hi > row_lo, acc, 0.0)
-                _wgrad_epilogue(acc, dw_ptr, g, o0, i0, O, I, stride_dwg, stride_dwo, BLOCK_M, BLOCK_N)
+                _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
+                                EPI_TMA, BLOCK_M, BLOCK_N)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # The step counter must not depend on the epilogue branch: the next tile's loads
             # (pipeline stage 0) would then wait for this tile's store (last stage).
@@ -425,7 +465,7 @@ def _grouped_wgrad_kernel(
                 a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
                                    stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            _wgrad_epilogue(acc, dw_ptr, g, o0, i0, O, I, stride_dwg, stride_dwo, BLOCK_M, BLOCK_N)
+            _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -542,12 +582,12 @@ def _ensure_allocator() -> None:
 
 
 class _Cfg(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten)"""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten, epi_tma)"""
 
     __slots__ = ()
 
-    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten):
-        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten))
+    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten, epi_tma=False):
+        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten, epi_tma))
 
     bm = property(lambda s: s[0])
     bn = property(lambda s: s[1])
@@ -556,6 +596,7 @@ class _Cfg(tuple):
     stages = property(lambda s: s[4])
     warps = property(lambda s: s[5])
     flatten = property(lambda s: s[6])
+    epi_tma = property(lambda s: s[7])
 
 
 def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int], n: int) -> list[_Cfg]:
@@ -565,18 +606,23 @@ def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int]
     if dtype == torch.float32:
         return [_Cfg(64, 64, 32, 8, 3, 4, False)]
     if cap[0] >= 9 and use_tma:
+        # (flatten, epi_tma) variants of the 128x256x64 / 3-stage / 8-warp tile that won on the
+        # H200 (notes/grouped_gemm.md); 128x128 only for narrow outputs.
         if op == "wgrad":
             return [
-                _Cfg(128, 256, 64, 8, 3, 8, True),
-                _Cfg(128, 128, 64, 8, 4, 8, True),
-                _Cfg(128, 256, 64, 8, 3, 8, False),
+                _Cfg(128, 256, 64, 8, 3, 8, False, False),
+                _Cfg(128, 256, 64, 8, 3, 8, False, True),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True),
+                _Cfg(128, 256, 64, 8, 3, 8, True, False),
+                _Cfg(256, 128, 64, 8, 3, 8, True, True),
             ]
         big = [
-            _Cfg(128, 256, 64, 8, 3, 8, True),
-            _Cfg(128, 128, 64, 8, 4, 8, True),
-            _Cfg(128, 256, 64, 8, 3, 8, False),
+            _Cfg(128, 256, 64, 8, 3, 8, True, False),
+            _Cfg(128, 256, 64, 8, 3, 8, True, True),
+            _Cfg(128, 256, 64, 8, 3, 8, False, True),
+            _Cfg(128, 256, 64, 8, 3, 8, False, False),
         ]
-        return big if n > 128 else [big[1], big[0]]
+        return big if n > 128 else [_Cfg(128, 128, 64, 8, 4, 8, True, False), big[0]]
     # Pointer path (unaligned operands, or Ampere/Ada): conservative shapes that fit 100 KB smem.
     return [_Cfg(128, 128, 32, 8, 3, 8, False), _Cfg(128, 64, 32, 8, 4, 4, False)]
 
@@ -611,6 +657,12 @@ def _pick(key: tuple, cands: list[_Cfg], launch, device: torch.device) -> _Cfg:
             best, best_t = cfg, t
     _TUNED[key] = best
     return best
+
+
+def _empty(shape, device, dtype) -> torch.Tensor:
+    """Every output is allocated here, uninitialised: the kernels write every element. (Tests
+    replace this with a NaN-filled allocation to prove it.)"""
+    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -660,7 +712,9 @@ def _run_mm(a, w, offs, out, bias, scale, b_is_nk, cfg: _Cfg, use_tma: bool):
     N = out.shape[1]
     bound = (triton.cdiv(M, cfg.bm) + G + 1) * triton.cdiv(N, cfg.bn)
     nprog = _grid_size(a.device, bound)
-    if use_tma:
+    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
+    epi_tma = bool(cfg.epi_tma and use_tma and (N * out.element_size()) % 16 == 0)
+    if use_tma or epi_tma:
         _ensure_allocator()
     _grouped_mm_kernel[(nprog,)](
         a, w, out,
@@ -671,7 +725,7 @@ def _run_mm(a, w, offs, out, bias, scale, b_is_nk, cfg: _Cfg, use_tma: bool):
         B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
-        BLOCK_G=_block_g(G + 2), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
+        BLOCK_G=_block_g(G + 2), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
@@ -694,7 +748,7 @@ def _mm(op, a, w, offs, bias=None, scale=None, *, cfg=None, use_tma=None):
         raise ValueError(f"input has {a.shape[1]} columns, w {tuple(w.shape)} needs {K}")
     offs = _check_offs(offs, G, a.device)
     M = a.shape[0]
-    out = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    out = _empty((M, N), a.device, a.dtype)
     if M == 0 or N == 0:
         return out
     if G == 0:
@@ -753,14 +807,15 @@ def _run_wgrad(dy, x, offs, dw, cfg: _Cfg, use_tma: bool):
     G = dw.shape[0]
     bound = G * triton.cdiv(O, cfg.bm) * triton.cdiv(I, cfg.bn)
     nprog = _grid_size(dy.device, bound)
-    if use_tma:
+    epi_tma = bool(cfg.epi_tma and use_tma and (I * dw.element_size()) % 16 == 0)
+    if use_tma or epi_tma:
         _ensure_allocator()
     _grouped_wgrad_kernel[(nprog,)](
         dy, x, dw, offs, M, O, I, G,
         dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
-        BLOCK_G=_block_g(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten,
+        BLOCK_G=_block_g(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
@@ -798,7 +853,7 @@ def grouped_gemm_wgrad(dy_MO, x_MI, offs_G1, *, with_dbias=False, num_groups=Non
     offs = _check_offs(offs_G1, G, dy.device)
     M, O = dy.shape
     I = x.shape[1]
-    dw = torch.empty((G, O, I), device=dy.device, dtype=dy.dtype)
+    dw = _empty((G, O, I), dy.device, dy.dtype)
     cfg = _kw.get("cfg")
     use_tma = _kw.get("use_tma")
     if G > 0 and O > 0 and I > 0:

@@ -1,0 +1,319 @@
+"""moekit.ops.grouped_gemm: the Triton grouped GEMM kernels against float64 references.
+
+legend: M routed rows, G groups (experts), I in_features, O out_features.
+
+On a machine without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set
+here, before triton is imported; run this file in its own pytest process). The Triton 3.6
+interpreter gets bfloat16 wrong (dot operands as raw integers, truncating casts), so CPU tests use
+float32 and float16. GPU tests (`-m gpu`) run the real kernels in bfloat16.
+Tolerance (design.md): a low-precision result may be off the float64 reference by at most 2x the
+error of torch's own computation in the same precision, plus a small eps.
+"""
+
+# ruff: noqa: E741  (I and O are the legend's feature sizes)
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+gg = pytest.importorskip("moekit.ops.grouped_gemm")
+
+ON_CPU = gg.triton_unavailable_reason("cpu", torch.float32) is None
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ---------------------------------------------------------------------------------------------
+# references and helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def offs_of(splits, device):
+    o = [0]
+    for s in splits:
+        o.append(o[-1] + s)
+    return torch.tensor(o, device=device, dtype=torch.int64)
+
+
+def ref_forward(x, w, splits, bias=None, scale=None, dtype=torch.float64):
+    """Per-group torch matmul in `dtype`; padding rows zero."""
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=dtype, device=x.device)
+    r = 0
+    for g, m in enumerate(splits):
+        if m:
+            y[r:r + m] = x[r:r + m].to(dtype) @ w[g].to(dtype).T
+            if bias is not None:
+                b = bias[g].to(dtype)[None]
+                y[r:r + m] += b * scale[r:r + m].to(dtype)[:, None] if scale is not None else b
+        r += m
+    return y
+
+
+def ref_dgrad(dy, w, splits, dtype=torch.float64):
+    dx = torch.zeros(dy.shape[0], w.shape[2], dtype=dtype, device=dy.device)
+    r = 0
+    for g, m in enumerate(splits):
+        if m:
+            dx[r:r + m] = dy[r:r + m].to(dtype) @ w[g].to(dtype)
+        r += m
+    return dx
+
+
+def ref_wgrad(dy, x, splits, dtype=torch.float64):
+    G = len(splits)
+    dw = torch.zeros(G, dy.shape[1], x.shape[1], dtype=dtype, device=dy.device)
+    db = torch.zeros(G, dy.shape[1], dtype=dtype, device=dy.device)
+    r = 0
+    for g, m in enumerate(splits):
+        if m:
+            dw[g] = dy[r:r + m].to(dtype).T @ x[r:r + m].to(dtype)
+            db[g] = dy[r:r + m].to(dtype).sum(0)
+        r += m
+    return dw, db
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def assert_close(out, ref64, torch_same_precision, dtype):
+    """design.md's rule: error <= 2x torch's own error in the same precision + eps."""
+    assert torch.isfinite(out).all(), "non-finite values (unwritten output?)"
+    err = rel_err(out, ref64)
+    if dtype == torch.float32:
+        assert err < 1e-5, err
+    else:
+        torch_err = rel_err(torch_same_precision, ref64)
+        assert err <= 2 * torch_err + 1e-4, (err, torch_err)
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Every output the module allocates starts as NaN, so an element the kernels skip fails."""
+
+    def empty_nan(shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(gg, "_empty", empty_nan)
+
+
+def make_problem(M, G, O, I, splits, dtype, device, bias=False, scale=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, I, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(G, O, I, generator=gen) / I**0.5).to(device=device, dtype=dtype)
+    dy = torch.randn(M, O, generator=gen).to(device=device, dtype=dtype)
+    used = sum(splits)
+    # Padding rows hold NaN: they must produce zeros and contribute nothing.
+    x[used:] = float("nan")
+    dy[used:] = float("nan")
+    b = torch.randn(G, O, generator=gen).to(device=device, dtype=dtype) if bias else None
+    s = torch.rand(M, generator=gen).to(device=device) if scale else None
+    return x, w, dy, b, s
+
+
+def check_all(M, G, O, I, splits, dtype, device, bias=False, scale=False, **kw):
+    x, w, dy, b, s = make_problem(M, G, O, I, splits, dtype, device, bias, scale)
+    offs = offs_of(splits, device)
+    used = sum(splits)
+    xs, dys = x[:used], dy[:used]
+    # forward
+    y = gg.grouped_gemm_forward(x, w, offs, b, s, **kw)
+    assert y.shape == (M, O) and y.dtype == dtype
+    assert (y[used:] == 0).all(), "padding rows must be exact zeros"
+    assert_close(y[:used], ref_forward(xs, w, splits, b, s), ref_forward(xs, w, splits, b, s, dtype=dtype), dtype)
+    # dgrad
+    dx = gg.grouped_gemm_dgrad(dy, w, offs, **kw)
+    assert dx.shape == (M, I) and dx.dtype == dtype
+    assert (dx[used:] == 0).all()
+    assert_close(dx[:used], ref_dgrad(dys, w, splits), ref_dgrad(dys, w, splits, dtype=dtype), dtype)
+    # wgrad + dbias
+    dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True, **kw)
+    assert dw.shape == (G, O, I) and db.shape == (G, O) and dw.dtype == db.dtype == dtype
+    rdw, rdb = ref_wgrad(dys, xs, splits)
+    tdw, tdb = ref_wgrad(dys, xs, splits, dtype=dtype)
+    for g, m in enumerate(splits):
+        if m == 0:
+            assert (dw[g] == 0).all() and (db[g] == 0).all(), f"empty group {g} must get zeros"
+    assert_close(dw, rdw, tdw, dtype)
+    assert_close(db, rdb, tdb, dtype)
+    dw2, db2 = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True, **kw)
+    assert torch.equal(dw, dw2) and torch.equal(db, db2), "wgrad/dbias must be deterministic"
+    return y, dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernels under the Triton interpreter
+# ---------------------------------------------------------------------------------------------
+
+# (M rows, G groups, O, I, splits, bias, bias_scale); O, I of 97/33 take the pointer-load path
+# (rows not 16-byte aligned), 72/40 the TMA-descriptor path.
+CASES = {
+    "empty_first": (70, 3, 72, 40, [0, 40, 30], False, False),
+    "empty_middle": (70, 3, 72, 40, [33, 0, 37], True, False),
+    "empty_last": (70, 3, 72, 40, [50, 20, 0], True, True),
+    "all_rows_on_one": (64, 4, 72, 40, [0, 0, 64, 0], False, False),
+    "one_row": (1, 2, 72, 40, [0, 1], True, True),
+    "sum_lt_rows": (90, 3, 72, 40, [20, 0, 31], True, True),
+    "prime_G_odd_dims": (60, 7, 97, 33, [5, 0, 17, 9, 0, 20, 3], True, True),
+    "odd_dims_sum_lt_rows": (50, 2, 33, 97, [0, 37], False, False),
+    "small_dims": (40, 3, 8, 4, [10, 25, 5], True, False),
+}
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_interpreter_matches_reference(case, dtype, nan_outputs):
+    M, G, O, I, splits, bias, scale = CASES[case]
+    check_all(M, G, O, I, splits, dtype, "cpu", bias, scale)
+
+
+# Every code path of the kernels: TMA or pointer loads, fused (flattened) or nested tile loops,
+# TMA-store or masked-store epilogues.
+PATHS = [
+    pytest.param(use_tma, flatten, epi, id=f"{'tma' if use_tma else 'ptr'}-{'flat' if flatten else 'nested'}"
+                 f"-{'tmastore' if epi else 'store'}")
+    for use_tma in (True, False) for flatten in (True, False) for epi in (True, False)
+    if use_tma or not epi
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("use_tma,flatten,epi", PATHS)
+def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
+    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, flatten, epi)
+    check_all(75, 4, 48, 40, [0, 30, 1, 33], torch.float32, "cpu", True, True, cfg=cfg, use_tma=use_tma)
+
+
+@cpu_only
+def test_interpreter_many_tiles_per_program(nan_outputs):
+    # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
+    # persistent schedule must visit every tile exactly once.
+    cfg = gg._Cfg(16, 16, 16, 2, 1, 4, True, True)
+    check_all(130, 5, 40, 24, [17, 0, 50, 33, 9], torch.float32, "cpu", True, False, cfg=cfg, use_tma=True)
+
+
+@cpu_only
+def test_interpreter_empty_inputs(nan_outputs):
+    offs = torch.zeros(4, dtype=torch.int64)
+    x = torch.randn(0, 8)
+    w = torch.randn(3, 16, 8)
+    assert gg.grouped_gemm_forward(x, w, offs).shape == (0, 16)
+    dw, db = gg.grouped_gemm_wgrad(torch.randn(0, 16), x, offs, with_dbias=True)
+    assert (dw == 0).all() and (db == 0).all() and dw.shape == (3, 16, 8)
+    # all rows padding
+    x = torch.randn(5, 8)
+    y = gg.grouped_gemm_forward(x, w, offs)
+    assert (y == 0).all()
+
+
+@cpu_only
+def test_interpreter_strided_weight_view(nan_outputs):
+    # w may be any 3D view whose last dim has stride 1 (here: every other expert of a bigger stack).
+    x = torch.randn(30, 16)
+    big = torch.randn(6, 24, 16)
+    w = big[::2]
+    offs = offs_of([10, 0, 20], "cpu")
+    y = gg.grouped_gemm_forward(x, w, offs)
+    torch.testing.assert_close(y.double(), ref_forward(x, w, [10, 0, 20]), rtol=1e-5, atol=1e-5)
+    dy = torch.randn(30, 24)
+    dx = gg.grouped_gemm_dgrad(dy, w, offs)
+    torch.testing.assert_close(dx.double(), ref_dgrad(dy, w, [10, 0, 20]), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments():
+    x = torch.randn(10, 8)
+    w = torch.randn(3, 16, 8)
+    if ON_CPU:
+        with pytest.raises(ValueError, match="offs"):
+            gg.grouped_gemm_forward(x, w, torch.zeros(3, dtype=torch.int64))
+        with pytest.raises(ValueError, match="columns"):
+            gg.grouped_gemm_forward(torch.randn(10, 7), w, torch.zeros(4, dtype=torch.int64))
+        with pytest.raises(ValueError):
+            gg.grouped_gemm_forward(x, w.double(), torch.zeros(4, dtype=torch.int64))
+    assert "int32" in gg.triton_unavailable_reason("cpu", torch.int32)
+    assert gg.triton_unavailable_reason("meta", torch.float32) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernels in bfloat16
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "gptoss_dims_edges": (4096, 8, 2880, 2880, [0, 700, 0, 1000, 377, 901, 1000, 0], True, True),
+    "prime_G_skewed": (3000, 7, 1536, 1024, [1, 1499, 0, 500, 17, 600, 300], True, False),
+    "all_rows_on_one": (2048, 4, 512, 768, [0, 0, 2048, 0], False, False),
+    "one_row": (64, 3, 256, 128, [0, 1, 0], True, True),
+    "odd_dims_pointer_path": (1000, 5, 97, 33, [0, 300, 0, 450, 200], True, True),
+    "small_dims": (500, 6, 16, 8, [10, 0, 90, 300, 0, 50], False, False),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+def test_gpu_matches_reference(case, dtype, nan_outputs):
+    M, G, O, I, splits, bias, scale = GPU_CASES[case]
+    check_all(M, G, O, I, splits, dtype, "cuda", bias, scale)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp32(nan_outputs):
+    check_all(1000, 3, 320, 192, [0, 700, 200], torch.float32, "cuda", True, True)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_replay_with_new_splits():
+    dev = "cuda"
+    M, G, O, I = 2048, 8, 512, 384
+    x, w, dy, b, _ = make_problem(M, G, O, I, [M // G] * G, torch.bfloat16, dev, bias=True)
+    offs = offs_of([M // G] * G, dev)
+    for _ in range(2):  # compile and autotune outside the capture
+        gg.grouped_gemm_forward(x, w, offs, b)
+        gg.grouped_gemm_dgrad(dy, w, offs)
+        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y = gg.grouped_gemm_forward(x, w, offs, b)
+        dx = gg.grouped_gemm_dgrad(dy, w, offs)
+        dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for splits in ([0, 500, 0, 700, 3, 0, 500, 300], [2000, 0, 0, 0, 0, 0, 0, 0], [100] * 8):
+        offs.copy_(offs_of(splits, dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, gg.grouped_gemm_forward(x, w, offs, b))
+        assert torch.equal(dx, gg.grouped_gemm_dgrad(dy, w, offs))
+        dwe, dbe = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        assert torch.equal(dw, dwe) and torch.equal(db, dbe)
+        used = sum(splits)
+        assert (y[used:] == 0).all() and (dx[used:] == 0).all()
+
+
+@gpu
+@needs_cuda
+def test_gpu_no_host_sync():
+    dev = "cuda"
+    x, w, dy, b, s = make_problem(1024, 4, 256, 512, [256] * 4, torch.bfloat16, dev, bias=True, scale=True)
+    offs = offs_of([256] * 4, dev)
+    gg.grouped_gemm_forward(x, w, offs, b, s)
+    gg.grouped_gemm_dgrad(dy, w, offs)
+    gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gg.grouped_gemm_forward(x, w, offs, b, s)
+        gg.grouped_gemm_dgrad(dy, w, offs)
+        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
