@@ -27,6 +27,10 @@ def _check_mlp(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias):
     if two_f % 2:
         raise ValueError(f"fc1 must map to 2F features (gate and up), got out_features={two_f}")
     ffn = two_f // 2
+    fc2_in = [w.shape[-1] for w in _as_list(fc2_weight)]
+    if fc2_in and fc2_in[0] != ffn:
+        # Checked here so the message names fc2, not the activation that _check_params would call x.
+        raise ValueError(f"fc2 takes {fc2_in[0]} input features; fc1's 2F = {two_f} outputs give F = {ffn}")
     probe = x.new_empty(0, ffn)
     n2, h_out = _check_params(probe, _as_list(fc2_weight), _as_list(fc2_bias))
     if n1 != n2:
