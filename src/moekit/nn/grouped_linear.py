@@ -12,6 +12,7 @@ Layouts (independent for weight and bias):
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -118,6 +119,15 @@ class GroupedLinear(nn.Module):
                 store = GroupedTensor.from_tensors([p.data for p in params])
                 for p, member in zip(params, store.tensors(), strict=True):
                     p.data = member
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy clones every Parameter on its own (Parameter.__deepcopy__), which splits the
+        # discrete experts' shared buffer (EMA copies, reference models); copy as usual, then repack.
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        new._repack()
+        return new
 
     # ---- forward -----------------------------------------------------------------------------
 
