@@ -15,10 +15,13 @@ from conftest import (
     HYPOTHESIS,
     LOWP_DTYPES,
     SPLIT_CASES,
+    SPLIT_KINDS,
     assert_no_nan,
     check_against_reference,
+    nan_like,
     rand,
     rel_err,
+    splits_as,
     torch_grouped_mlp,
 )
 from moekit.reference import grouped_mlp_reference
@@ -296,3 +299,20 @@ def test_module_odd_dims_auto():
     assert torch.equal(y[7:], torch.zeros(2, 97))
     with pytest.raises(ValueError, match="backend='torch' cannot run here"):
         moekit.GroupedMLP(3, 97, 7, backend="torch")(x, [4, 0, 3])
+
+
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_garbage_padding_rows_and_split_forms(backend, kind):
+    """NaN in the padding rows of x stays out of every result; every host form of m_splits agrees."""
+    m_splits, rows, used = [3, 0, 4, 1], 11, 8
+    m = _mlp(4, single=True, bias=True, backend=backend)
+    x = torch.cat([rand(used, H, seed=70), nan_like(torch.zeros(rows - used, H))])
+    probs = rand(rows, seed=71).abs()
+    y, dx, dp = _run(m, x, splits_as(kind, m_splits), probs, rand(rows, H, seed=72))
+    for name, t in [("y", y), ("dx", dx), ("dprobs", dp)] + [(n, p.grad) for n, p in m.named_parameters()]:
+        assert_no_nan(t, name)
+    assert torch.equal(y[used:], torch.zeros(rows - used, H)) and torch.equal(dx[used:], torch.zeros(rows - used, H))
+    assert torch.equal(dp[used:], torch.zeros(rows - used))
+    y_list, _, _ = _run(_mlp(4, single=True, bias=True, backend=backend), x, m_splits, probs, rand(rows, H, seed=72))
+    assert torch.equal(y, y_list)
