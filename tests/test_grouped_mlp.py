@@ -24,6 +24,7 @@ from conftest import (
     splits_as,
     torch_grouped_mlp,
 )
+from moekit._splits import _device_splits
 from moekit.reference import grouped_mlp_reference
 
 H, F = 16, 16  # 2F = 32: torch's CPU grouped_mm runs every GEMM of the MLP in fp32 and bf16
@@ -316,3 +317,25 @@ def test_garbage_padding_rows_and_split_forms(backend, kind):
     assert torch.equal(dp[used:], torch.zeros(rows - used))
     y_list, _, _ = _run(_mlp(4, single=True, bias=True, backend=backend), x, m_splits, probs, rand(rows, H, seed=72))
     assert torch.equal(y, y_list)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_offsets_path(backend, nan_poison):
+    """Offsets the host does not know (what device m_splits become on CUDA) give the host path's results,
+    padding rows included."""
+    m_splits, rows = [3, 0, 4, 1], 10
+    go = _device_splits(torch.tensor(m_splits), 4, rows, torch.device("cpu"))
+    assert go.host is None
+    d = _inputs(4, rows, probs=True, bias=True, seed=80)
+    dy = rand(rows, H, seed=81)
+    outs = []
+    for splits in (go, m_splits):
+        leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
+        y = moekit.grouped_mlp(leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), splits,
+                               backend=backend, **leaves)
+        y.backward(dy)
+        outs.append([y.detach()] + [v.grad for v in leaves.values()])
+    for a, b in zip(*outs, strict=True):
+        assert_no_nan(a, "result")
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(outs[0][0][8:], torch.zeros(2, H))
