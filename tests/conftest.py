@@ -12,7 +12,8 @@ twice the error that torch's own computation of the same thing, in the same prec
 - `torch_lowp` is the same op written with plain torch ops (per-group `@`, `silu(g) * u`, ...) and
   run, forward and autograd backward, in the low precision itself.
 - `rel_err(a, r) = ||a - r||_F / ||r||_F` (relative Frobenius norm); where `r` is exactly zero (an
-  expert without rows, padding rows) it is the absolute norm `||a||_F`, so such results must be zero.
+  expert without rows, padding rows) it is the absolute norm `||a||_F`, so such results must be zero
+  up to eps (the tests also assert those exact zeros directly).
 - `eps(dtype)` is one unit roundoff of the dtype (`finfo.eps / 2`: 2^-8 for bfloat16, 2^-24 for
   float32): one rounding step of slack. Tests run on small tensors, where the rounding of one large
   element can dominate the norm; an op that rounds once (ours, fp32 math inside) must not fail
@@ -23,8 +24,9 @@ twice the error that torch's own computation of the same thing, in the same prec
 
 NaN poison: `nan_poison` (fixture) makes `torch.empty`, `torch.empty_like` and `Tensor.new_empty`
 return NaN-filled floating tensors (and a sentinel in integer ones) while a test runs, so a buffer
-an op allocates and then fails to write in full shows up as NaN in its result. `nan_like` gives a
-test's own freshly allocated buffers the same treatment.
+an op allocates and then fails to write in full shows up as NaN in its result (allocations inside
+C++ kernels, e.g. grouped_mm's output, are not reached; tests check their padding rows for exact
+zeros instead). `nan_like` gives a test's own freshly allocated buffers the same treatment.
 """
 
 from __future__ import annotations
