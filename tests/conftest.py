@@ -119,9 +119,9 @@ def check_against_reference(
     assert_within_tolerance(y_ours, y_ref, y_lowp, "output")
     gen = torch.Generator().manual_seed(seed)
     grad_out = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64).to(dtype)
-    y_ours.backward(grad_out)
-    y_lowp.backward(grad_out)
-    y_ref.backward(grad_out.double())
+    y_ours.backward(grad_out.to(y_ours.device))
+    y_lowp.backward(grad_out.to(y_lowp.device))
+    y_ref.backward(grad_out.double().to(y_ref.device))
     result = {"out": y_ours.detach()}
     for (name, t_ours), (_, t_lowp), (_, t_ref) in zip(
         _flatten(ins_ours), _flatten(ins_lowp), _flatten(ins_ref), strict=True
@@ -166,7 +166,7 @@ def torch_grouped_linear(x, weight, m_splits, bias=None, *, bias_scale=None):
             y = y + (b * bias_scale.reshape(-1)[lo:lo + c, None].to(b.dtype) if bias_scale is not None else b)
         pieces.append(y)
         lo += c
-    pieces.append(torch.zeros(x.shape[0] - lo, ws[0].shape[0], dtype=x.dtype))
+    pieces.append(torch.zeros(x.shape[0] - lo, ws[0].shape[0], dtype=x.dtype, device=x.device))
     return torch.cat(pieces)
 
 
