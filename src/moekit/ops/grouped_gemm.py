@@ -411,10 +411,14 @@ def _grouped_wgrad_kernel(
         row_lo = 0
         row_hi = 0
         if USE_TMA:
-            dy_desc = tl.make_tensor_descriptor(
+            # Whole-tensor descriptors, built once: a group whose row count is a multiple of
+            # BLOCK_K never reads past its end, so it needs no descriptor of its own.
+            dy_full = tl.make_tensor_descriptor(
                 dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_K, BLOCK_M])
-            x_desc = tl.make_tensor_descriptor(
+            x_full = tl.make_tensor_descriptor(
                 x_ptr, shape=[M, I], strides=[stride_xm, 1], block_shape=[BLOCK_K, BLOCK_N])
+            dy_desc = dy_full
+            x_desc = x_full
         else:
             dy_desc = None
             x_desc = None
@@ -426,12 +430,18 @@ def _grouped_wgrad_kernel(
                     tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
                 k_len = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_K), 1)
                 if USE_TMA:
-                    dy_desc = tl.make_tensor_descriptor(
-                        dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
-                        block_shape=[BLOCK_K, BLOCK_M])
-                    x_desc = tl.make_tensor_descriptor(
-                        x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
-                        block_shape=[BLOCK_K, BLOCK_N])
+                    if (row_hi - row_lo) % BLOCK_K != 0:
+                        # Building a descriptor costs a tensormap write and a proxy fence on the
+                        # path to the tile's first loads; only ragged groups pay it.
+                        dy_desc = tl.make_tensor_descriptor(
+                            dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
+                            block_shape=[BLOCK_K, BLOCK_M])
+                        x_desc = tl.make_tensor_descriptor(
+                            x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
+                            block_shape=[BLOCK_K, BLOCK_N])
+                    else:
+                        dy_desc = dy_full
+                        x_desc = x_full
             a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
                                stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -606,20 +616,18 @@ def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int]
     if dtype == torch.float32:
         return [_Cfg(64, 64, 32, 8, 3, 4, False)]
     if cap[0] >= 9 and use_tma:
-        # (flatten, epi_tma) variants of the 128x256x64 / 3-stage / 8-warp tile that won on the
-        # H200 (notes/grouped_gemm.md); 128x128 only for narrow outputs.
+        # Variants of the 128x256x64 / 8-warp tile that won on the H200 (notes/grouped_gemm.md):
+        # (flatten, epi_tma, stages). 128x128 only for narrow outputs.
         if op == "wgrad":
             return [
-                _Cfg(128, 256, 64, 8, 3, 8, False, False),
-                _Cfg(128, 256, 64, 8, 3, 8, False, True),
                 _Cfg(128, 256, 64, 8, 3, 8, True, True),
+                _Cfg(128, 256, 64, 8, 4, 8, True, True),
+                _Cfg(128, 256, 64, 8, 3, 8, False, False),
                 _Cfg(128, 256, 64, 8, 3, 8, True, False),
-                _Cfg(256, 128, 64, 8, 3, 8, True, True),
             ]
         big = [
             _Cfg(128, 256, 64, 8, 3, 8, True, False),
             _Cfg(128, 256, 64, 8, 3, 8, True, True),
-            _Cfg(128, 256, 64, 8, 3, 8, False, True),
             _Cfg(128, 256, 64, 8, 3, 8, False, False),
         ]
         return big if n > 128 else [_Cfg(128, 128, 64, 8, 4, 8, True, False), big[0]]
