@@ -1,20 +1,12 @@
-"""float64 inputs: the ops should compute in float64 so that torch.autograd.gradcheck can verify them.
-
-The ops do their "math in fp32, one rounding at the store" with `.float()`, which for float64 inputs
-is a down-cast: results and gradients are only fp32-accurate, and gradcheck fails. Whether float64
-should be honoured (math in `promote_types(dtype, float32)`) is a question for the design; the cases
-that fail today are strict xfails so that fixing it shows up.
-"""
+"""float64 inputs: the ops compute in float64 (their elementwise math runs in promote_types(dtype,
+float32): fp32 for low-precision inputs), so torch.autograd.gradcheck can verify them."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.autograd import gradcheck
 
 import moekit
-
-FP32_INSIDE = "ops compute in fp32 via .float() even for float64 inputs (design: 'math in fp32'); gradcheck fails"
 
 
 def _t(*shape, seed, positive=False):
@@ -34,25 +26,21 @@ def test_gradcheck_permute():
     assert gradcheck(lambda x: moekit.permute(x, ids, 3)[0], (_t(3, 4, seed=2),))
 
 
-@pytest.mark.xfail(strict=True, reason=FP32_INSIDE)
 def test_gradcheck_grouped_linear_loop_with_bias():
     assert gradcheck(lambda x, w, b: moekit.grouped_linear(x, w, [1, 0, 3], b, backend="loop"),
                      (_t(5, 3, seed=3), _t(3, 4, 3, seed=4), _t(3, 4, seed=5)))
 
 
-@pytest.mark.xfail(strict=True, reason=FP32_INSIDE)
 def test_gradcheck_swiglu():
     assert gradcheck(lambda h, p: moekit.swiglu(h, probs=p), (_t(4, 8, seed=6), _t(4, seed=7, positive=True)))
 
 
-@pytest.mark.xfail(strict=True, reason=FP32_INSIDE)
 def test_gradcheck_unpermute():
     row_map = torch.tensor([[0, 2], [1, 3]])
     assert gradcheck(lambda y, w: moekit.unpermute(y, row_map, w),
                      (_t(4, 3, seed=8), _t(2, 2, seed=9, positive=True)))
 
 
-@pytest.mark.xfail(strict=True, reason="MoELayer.route casts router logits to fp32 (.float()) for a float64 layer")
 def test_moe_layer_routes_float64_in_float64():
     layer = moekit.MoELayer(8, 4, 4, 2, dtype=torch.float64)
     weights, _, scores = layer.route(torch.randn(3, 8, dtype=torch.float64))

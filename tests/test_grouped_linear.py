@@ -429,10 +429,6 @@ def test_garbage_in_padding_input_rows_does_not_leak(backend):
     assert rel_err(y[:used], ref) < 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "non-finite upstream gradient in padding rows leaks: d bias_scale of padding rows (both backends) and, on "
-    "the torch backend, every expert's d bias (the one-hot matmul multiplies 0 * NaN); masking dy costs an "
-    "extra pass over it on the bias path: a design decision"))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_gradient_in_padding_rows_does_not_leak(backend):
     m_splits, rows, used = [3, 0, 4], 10, 7

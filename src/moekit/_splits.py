@@ -119,3 +119,12 @@ def _device_splits(m_splits: torch.Tensor, num_groups: int, rows: int, device: t
     torch.cumsum(m_splits.to(torch.int64).clamp(min=0), 0, out=offs[1:])
     offs.clamp_(max=rows)
     return GroupOffsets(offs=offs, host=None, rows=rows)
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The dtype elementwise math runs in: fp32 for low-precision inputs, float64 stays float64."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype

@@ -82,7 +82,8 @@ class MoELayer(nn.Module):
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top-k weights (T, K) fp32, expert ids (T, K), all scores (T, N) fp32)."""
-        logits = self.router(x_TH).float()
+        logits = self.router(x_TH)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         weights, ids = scores.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moekit._splits import GroupOffsets, MSplits, resolve_splits
+from moekit._splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -45,8 +45,9 @@ class _LoopBackend:
                 continue
             acc = x_MI[lo:hi] @ w_NOI[g].t()
             if bias_NO is not None:
-                b = bias_NO[g].float()
-                acc = (acc.float() + (b * bias_scale_M[lo:hi, None].float() if bias_scale_M is not None else b))
+                acc_t = compute_dtype(x_MI, bias_scale_M)
+                b = bias_NO[g].to(acc_t)
+                acc = acc.to(acc_t) + (b * bias_scale_M[lo:hi, None].to(acc_t) if bias_scale_M is not None else b)
             y_MO[lo:hi] = acc.to(y_MO.dtype)
         return y_MO
 
@@ -70,8 +71,9 @@ class _LoopBackend:
 
     def dbias(self, dy_MO, go: GroupOffsets, num_groups: int, bias_scale_M):
         offs = go.host_offsets()
-        src = dy_MO.float() if bias_scale_M is None else dy_MO.float() * bias_scale_M[:, None].float()
-        db = torch.zeros(num_groups, dy_MO.shape[1], dtype=torch.float32, device=dy_MO.device)
+        acc_t = compute_dtype(dy_MO, bias_scale_M)
+        src = dy_MO.to(acc_t) if bias_scale_M is None else dy_MO.to(acc_t) * bias_scale_M[:, None].to(acc_t)
+        db = torch.zeros(num_groups, dy_MO.shape[1], dtype=acc_t, device=dy_MO.device)
         for g in range(num_groups):
             lo, hi = offs[g], offs[g + 1]
             if hi > lo:
@@ -185,17 +187,19 @@ def _group_onehot(go: GroupOffsets, num_groups: int, dtype: torch.dtype) -> torc
 
 def _group_sum(dy_MO, go: GroupOffsets, num_groups: int, scale_M) -> torch.Tensor:
     """Per-group row sums as a (N, M) x (M, O) product: deterministic (no atomics), no sync."""
-    src = dy_MO.float() if scale_M is None else dy_MO.float() * scale_M[:, None].float()
-    return (_group_onehot(go, num_groups, torch.float32) @ src).to(dy_MO.dtype)
+    acc_t = compute_dtype(dy_MO, scale_M)
+    src = dy_MO.to(acc_t) if scale_M is None else dy_MO.to(acc_t) * scale_M[:, None].to(acc_t)
+    return (_group_onehot(go, num_groups, acc_t) @ src).to(dy_MO.dtype)
 
 
 def _add_group_bias(y_MO, bias_NO, go: GroupOffsets, bias_scale_M):
     """y += bias[group(row)] (* scale[row]), math in fp32, one rounding."""
     zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
-    bias_MO = torch.cat([bias_NO, zero_row]).float()[go.row_group()]
+    acc_t = compute_dtype(y_MO, bias_scale_M)
+    bias_MO = torch.cat([bias_NO, zero_row]).to(acc_t)[go.row_group()]
     if bias_scale_M is not None:
-        bias_MO = bias_MO * bias_scale_M[:, None].float()
-    return (y_MO.float() + bias_MO).to(y_MO.dtype)
+        bias_MO = bias_MO * bias_scale_M[:, None].to(acc_t)
+    return (y_MO.to(acc_t) + bias_MO).to(y_MO.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,16 +288,20 @@ class _GroupedLinearFn(torch.autograd.Function):
         num_groups = w_NOI.shape[0]
         dy_MO = _row_major(dy_MO)
         dx = dw = db = dscale = None
+        # The GEMMs never read padding rows of dy; the bias reductions would (0 * inf = nan), so
+        # they get a copy with those rows zeroed: padding rows receive zero gradient whatever dy holds.
+        dy_bias_MO = _zero_padding_rows(dy_MO.clone(), go) if n_b else None
         if ctx.needs_input_grad[5]:
             dx = backend.dgrad(dy_MO, w_NOI, go)
         if any(ctx.needs_input_grad[6:6 + n_w]):
             dw = backend.wgrad(dy_MO, x_MI, go, num_groups)
         if n_b and any(ctx.needs_input_grad[6 + n_w:]):
-            db = backend.dbias(dy_MO, go, num_groups, bias_scale_M)
+            db = backend.dbias(dy_bias_MO, go, num_groups, bias_scale_M)
         if bias_scale_M is not None and ctx.needs_input_grad[2]:
             zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
-            bias_MO = torch.cat([bias_NO, zero_row]).float()[go.row_group()]
-            dscale = (dy_MO.float() * bias_MO).sum(-1).to(bias_scale_M.dtype)
+            acc_t = compute_dtype(dy_MO, bias_scale_M)
+            bias_MO = torch.cat([bias_NO, zero_row]).to(acc_t)[go.row_group()]
+            dscale = (dy_bias_MO.to(acc_t) * bias_MO).sum(-1).to(bias_scale_M.dtype)
         dws = (dw,) if n_w == 1 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
         dbs = () if not n_b else ((db,) if n_b == 1 else (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
         return (None, None, dscale, None, None, dx, *dws, *dbs)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit._splits import compute_dtype
+
 
 class _PermuteFn(torch.autograd.Function):
     @staticmethod
@@ -22,7 +24,7 @@ class _PermuteFn(torch.autograd.Function):
     def backward(ctx, d_sorted):
         (row_map_TK,) = ctx.saved_tensors
         # Each token's K copies gathered and summed in a fixed order.
-        return d_sorted[row_map_TK].sum(1, dtype=torch.float32).to(d_sorted.dtype), None, None
+        return d_sorted[row_map_TK].sum(1, dtype=compute_dtype(d_sorted)).to(d_sorted.dtype), None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
@@ -30,23 +32,25 @@ class _UnpermuteFn(torch.autograd.Function):
     def forward(ctx, y_sorted, row_map_TK, weights_TK):
         y_TKH = y_sorted[row_map_TK]
         ctx.save_for_backward(y_sorted, row_map_TK, weights_TK)
+        acc_t = compute_dtype(y_sorted, weights_TK)
         if weights_TK is None:
-            return y_TKH.sum(1, dtype=torch.float32).to(y_sorted.dtype)
-        return torch.einsum("tkh,tk->th", y_TKH.float(), weights_TK.float()).to(y_sorted.dtype)
+            return y_TKH.sum(1, dtype=acc_t).to(y_sorted.dtype)
+        return torch.einsum("tkh,tk->th", y_TKH.to(acc_t), weights_TK.to(acc_t)).to(y_sorted.dtype)
 
     @staticmethod
     def backward(ctx, d_out_TH):
         y_sorted, row_map_TK, weights_TK = ctx.saved_tensors
-        d_TKH = d_out_TH.float()[:, None, :].expand(*row_map_TK.shape, -1)
+        acc_t = compute_dtype(y_sorted, weights_TK, d_out_TH)
+        d_TKH = d_out_TH.to(acc_t)[:, None, :].expand(*row_map_TK.shape, -1)
         if weights_TK is not None:
-            d_TKH = d_TKH * weights_TK.float()[..., None]
+            d_TKH = d_TKH * weights_TK.to(acc_t)[..., None]
         # row_map is a permutation: every sorted row receives exactly one value.
         d_sorted = torch.empty_like(y_sorted)
         d_sorted[row_map_TK.reshape(-1)] = d_TKH.reshape(-1, y_sorted.shape[1]).to(y_sorted.dtype)
         d_weights = None
         if weights_TK is not None and ctx.needs_input_grad[2]:
-            y_TKH = y_sorted[row_map_TK].float()
-            d_weights = torch.einsum("tkh,th->tk", y_TKH, d_out_TH.float()).to(weights_TK.dtype)
+            y_TKH = y_sorted[row_map_TK].to(acc_t)
+            d_weights = torch.einsum("tkh,th->tk", y_TKH, d_out_TH.to(acc_t)).to(weights_TK.dtype)
         return d_sorted, None, d_weights
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit._splits import compute_dtype
+
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 CLAMPED_SWIGLU_LIMIT = 7.0
 CLAMPED_SWIGLU_ALPHA = 1.702
@@ -82,9 +84,10 @@ class _GluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_M2F, probs_M, k, activation):
         gate, up = _split_gate_up(h_M2F, k)
-        out = _act_fwd(gate.float(), up.float(), activation)
+        acc_t = compute_dtype(h_M2F, probs_M)
+        out = _act_fwd(gate.to(acc_t), up.to(acc_t), activation)
         if probs_M is not None:
-            out = out * probs_M.float()[:, None]
+            out = out * probs_M.to(acc_t)[:, None]
         ctx.save_for_backward(h_M2F, probs_M)
         ctx.k, ctx.activation = k, activation
         return out.to(h_M2F.dtype)
@@ -93,12 +96,13 @@ class _GluFn(torch.autograd.Function):
     def backward(ctx, d_out_MF):
         h_M2F, probs_M = ctx.saved_tensors
         gate, up = _split_gate_up(h_M2F, ctx.k)
-        gate, up, d_out = gate.float(), up.float(), d_out_MF.float()
+        acc_t = compute_dtype(h_M2F, probs_M)
+        gate, up, d_out = gate.to(acc_t), up.to(acc_t), d_out_MF.to(acc_t)
         d_probs = None
         if probs_M is not None:
             if ctx.needs_input_grad[1]:
                 d_probs = (_act_fwd(gate, up, ctx.activation) * d_out).sum(-1).to(probs_M.dtype)
-            d_out = d_out * probs_M.float()[:, None]
+            d_out = d_out * probs_M.to(acc_t)[:, None]
         d_gate, d_up = _act_bwd(gate, up, d_out, ctx.activation)
         return _join_gate_up(d_gate, d_up, ctx.k).to(h_M2F.dtype), d_probs, None, None
 
