@@ -24,7 +24,8 @@ pytestmark = [
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
-GPU_BACKENDS = ("torch", "triton")
+# "auto" on CUDA bf16 mixes them per product (triton forward/dgrad, torch wgrad).
+GPU_BACKENDS = ("torch", "triton", "auto")
 M, N, H, F = 4096, 8, 1024, 1536
 
 SPLITS = [
@@ -136,9 +137,11 @@ def _assert_no_host_sync(step) -> None:
     torch.cuda.synchronize()
 
 
-def test_moe_layer_forward_backward_has_no_host_sync():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_layer_forward_backward_has_no_host_sync(backend):
+    _require_backend(backend, H, 2 * F)
     torch.manual_seed(0)
-    layer = moekit.MoELayer(H, F, N, top_k=2, aux_loss_coef=0.01, backend="torch", device=CUDA, dtype=BF16)
+    layer = moekit.MoELayer(H, F, N, top_k=2, aux_loss_coef=0.01, backend=backend, device=CUDA, dtype=BF16)
     x = torch.randn(M // 2, H, device=CUDA, dtype=BF16, requires_grad=True)
     dy = torch.randn_like(x)
 

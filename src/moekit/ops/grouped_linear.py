@@ -375,19 +375,40 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
             usable = [n for n, b in _BACKENDS.items() if b.unavailable_reason(x, w_NOI) is None]
             raise ValueError(f"backend={backend!r} cannot run here: {reason}. Usable here: {usable}")
         return impl
-    for name in _auto_order(x):
-        impl = _BACKENDS[name]
-        if impl.unavailable_reason(x, w_NOI) is None:
-            return impl
-    return _BACKENDS["loop"]
+    usable = [name for name in _auto_order(x) if _BACKENDS[name].unavailable_reason(x, w_NOI) is None]
+    if x.device.type == "cuda" and {"torch", "triton"} <= set(usable):
+        return _FASTEST_ON_CUDA
+    return _BACKENDS[usable[0]] if usable else _BACKENDS["loop"]
 
 
 def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
-    # Measured order, see benchmarks/results: on CUDA bf16 torch's grouped_mm is the one to beat;
-    # Triton covers what grouped_mm does not (fp16/fp32, odd dims) without the loop's host sync.
+    # Where only one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which
+    # also syncs with the host.
     if x.device.type == "cuda":
         return ("torch", "triton", "loop")
     return ("torch", "loop")
+
+
+class _PerProductBackend:
+    """Each product from the backend measured fastest for it (H200, bf16, the four model shapes of
+    design.md: benchmarks/results/grouped_gemm_tune_v2.json and the run_all JSON). moekit's kernels
+    win forward and dgrad; torch's grouped_mm wins most wgrad cells."""
+
+    name = "auto"
+
+    def __init__(self, forward: str, dgrad: str, wgrad: str, dbias: str) -> None:
+        self.choice = {"forward": forward, "dgrad": dgrad, "wgrad": wgrad, "dbias": dbias}
+        self.forward = _BACKENDS[forward].forward
+        self.dgrad = _BACKENDS[dgrad].dgrad
+        self.wgrad = _BACKENDS[wgrad].wgrad
+        self.dbias = _BACKENDS[dbias].dbias
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        reasons = {_BACKENDS[n].unavailable_reason(x, w_NOI) for n in set(self.choice.values())} - {None}
+        return "; ".join(sorted(reasons)) or None
+
+
+_FASTEST_ON_CUDA = _PerProductBackend(forward="triton", dgrad="triton", wgrad="torch", dbias="torch")
 
 
 def grouped_linear(
