@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import subprocess
 import time
@@ -33,7 +34,8 @@ def _git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # The GPU machine gets a copy of the tree without .git; the caller names the commit.
+        return os.environ.get("MOEKIT_BENCH_COMMIT", "unknown")
 
 
 def _config(tiny: bool):
