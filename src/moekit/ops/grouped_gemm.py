@@ -785,6 +785,7 @@ def grouped_gemm_forward(x_MI, w_GOI, offs_G1, bias_GO=None, bias_scale_M=None, 
     bias_GO: optional (G, O) (unit column stride); bias_scale_M: optional (M,) per-row factor of the
     bias (router probabilities), any float dtype. Rows r >= offs[G] are written as 0.
     Returns a fresh (M, O) tensor of x's dtype; accumulation and epilogue math in fp32.
+    M and every feature size must stay below 2**31 (TMA coordinates are int32).
     """
     if bias_GO is None and bias_scale_M is not None:
         raise ValueError("bias_scale_M given without bias_GO")
@@ -792,11 +793,15 @@ def grouped_gemm_forward(x_MI, w_GOI, offs_G1, bias_GO=None, bias_scale_M=None, 
         G, O, _ = w_GOI.shape
         if tuple(bias_GO.shape) != (G, O):
             raise ValueError(f"bias must have shape ({G}, {O}), got {tuple(bias_GO.shape)}")
+        if bias_GO.device != x_MI.device:
+            raise ValueError(f"bias is on {bias_GO.device}, x on {x_MI.device}")
         if bias_GO.stride(-1) != 1:
             bias_GO = bias_GO.contiguous()
     if bias_scale_M is not None:
         if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x_MI.shape[0]:
             raise ValueError(f"bias_scale must have shape ({x_MI.shape[0]},), got {tuple(bias_scale_M.shape)}")
+        if bias_scale_M.device != x_MI.device:
+            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x_MI.device}")
         bias_scale_M = bias_scale_M.contiguous()
     return _mm("fwd", x_MI, w_GOI, offs_G1, bias_GO, bias_scale_M, **_kw)
 
