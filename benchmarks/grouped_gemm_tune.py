@@ -258,7 +258,7 @@ def run_checks():
         dump()
     if DRY:
         return
-    os.environ["MOEKIT_GG_AUTOTUNE"] = "1"
+    gg.set_autotune(True)
     try:
         out["graph_sync"] = check_graph_and_sync()
     except Exception:
@@ -363,9 +363,9 @@ def main():
     if not args.skip_checks:
         # One config per kernel variant here (compiles cost device time); the graph/sync check
         # turns autotuning back on so that the tuning path runs too.
-        os.environ["MOEKIT_GG_AUTOTUNE"] = "0"
+        gg.set_autotune(False)
         run_checks()
-        os.environ["MOEKIT_GG_AUTOTUNE"] = "1"
+        gg.set_autotune(True)
     print(f"checks done at {time.time() - t0:.0f}s", flush=True)
     if not args.skip_timing:
         run_timing(args.only.split(","), args.configs, args.dists.split(","))

@@ -42,7 +42,6 @@ Design (see notes/grouped_gemm.md for the measurements behind it):
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -638,8 +637,15 @@ def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int]
 _TUNED: dict[tuple, _Cfg] = {}
 
 
-def _autotune_enabled() -> bool:
-    return os.environ.get("MOEKIT_GG_AUTOTUNE", "1") != "0"
+_AUTOTUNE = {"enabled": True}
+
+
+def set_autotune(enabled: bool) -> None:
+    """Turn the per-problem-class config search on (default) or off (first candidate config).
+
+    The search benchmarks a few configs on the first call of each problem class, which synchronizes
+    with the host once; turn it off for runs that must not sync even on their first step."""
+    _AUTOTUNE["enabled"] = bool(enabled)
 
 
 def _pick(key: tuple, cands: list[_Cfg], launch, device: torch.device) -> _Cfg:
@@ -651,7 +657,7 @@ def _pick(key: tuple, cands: list[_Cfg], launch, device: torch.device) -> _Cfg:
     hit = _TUNED.get(key)
     if hit is not None:
         return hit
-    if len(cands) == 1 or not _autotune_enabled() or device.type != "cuda" or _INTERPRET:
+    if len(cands) == 1 or not _AUTOTUNE["enabled"] or device.type != "cuda" or _INTERPRET:
         return cands[0]
     if torch.cuda.is_current_stream_capturing():
         return cands[0]
