@@ -106,7 +106,7 @@ def _host_splits(m_splits: MSplits, num_groups: int, rows: int) -> list[int]:
 def _device_splits(m_splits: torch.Tensor, num_groups: int, rows: int, device: torch.device) -> GroupOffsets:
     if m_splits.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"device m_splits must be int32 or int64, got {m_splits.dtype}")
-    if m_splits.device != torch.device(device):
+    if _canonical(m_splits.device) != _canonical(torch.device(device)):
         raise ValueError(
             f"m_splits is on {m_splits.device} but the input is on {device}; pass it on the input's "
             "device, on the CPU, or as a list"
@@ -119,6 +119,13 @@ def _device_splits(m_splits: torch.Tensor, num_groups: int, rows: int, device: t
     torch.cumsum(m_splits.to(torch.int64).clamp(min=0), 0, out=offs[1:])
     offs.clamp_(max=rows)
     return GroupOffsets(offs=offs, host=None, rows=rows)
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """`cuda` and `cuda:<current>` are the same device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
