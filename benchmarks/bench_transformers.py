@@ -31,6 +31,8 @@ import torch
 
 def _git_commit() -> str:
     try:
+        if os.environ.get("MOEKIT_BENCH_COMMIT"):
+            return os.environ["MOEKIT_BENCH_COMMIT"]
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -98,7 +100,9 @@ def main() -> None:
 
     cfg = _config(args.tiny)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).to(device)
+    # Built on the device: initialising billions of parameters on the host takes minutes.
+    with device:
+        base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     base.train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     tokens = batch * seq

@@ -412,7 +412,7 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
         "triton": triton_version,
         "moekit": moekit.__version__,
         # Without a .git (a bare copy of the tree on the GPU machine) the caller may name the commit.
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("MOEKIT_BENCH_COMMIT"),
+        "git_commit": os.environ.get("MOEKIT_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
         "git_commit_from": "git" if status is not None else ("MOEKIT_BENCH_COMMIT" if
                                                               os.environ.get("MOEKIT_BENCH_COMMIT") else None),
         # Untracked files count: a kernel not yet committed changes what was measured.
