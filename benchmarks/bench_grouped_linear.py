@@ -14,7 +14,6 @@ without autograd or the other two. Each cell is first checked against a float32 
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import runner
@@ -91,16 +90,7 @@ def _check(fn, ref: torch.Tensor, dtype: torch.dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    runner.add_common_args(parser)
-    cfg = runner.config_from_args(parser.parse_args(argv))
-    cfg.partial_path = runner.partial_path_for(cfg.out, NAME)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
-    roof = runner.measure_roof(cfg)
-    env = runner.environment(cfg, roof)
-    env["splits"] = runner.splits_table(cfg)
-    records = run(cfg, roof, [])
-    return runner.finish(NAME, records, env, cfg, [roof])
+    return runner.run_script(NAME, __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ both weights) against a float32 run of the per-group loop.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import runner
@@ -136,16 +135,7 @@ def _peak_memory(fn, grads: list[torch.Tensor], device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    runner.add_common_args(parser)
-    cfg = runner.config_from_args(parser.parse_args(argv))
-    cfg.partial_path = runner.partial_path_for(cfg.out, NAME)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
-    roof = runner.measure_roof(cfg)
-    env = runner.environment(cfg, roof)
-    env["splits"] = runner.splits_table(cfg)
-    records = run(cfg, roof, [])
-    return runner.finish(NAME, records, env, cfg, [roof])
+    return runner.run_script(NAME, __doc__, run, argv)
 
 
 if __name__ == "__main__":

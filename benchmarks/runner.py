@@ -557,3 +557,18 @@ def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: S
 
 def partial_path_for(out: Path, name: str) -> Path:
     return out / f".{name}.partial.json"
+
+
+def run_script(name: str, doc: str | None, run: Callable, argv: Sequence[str] | None = None) -> dict:
+    """What each benchmark script's main does: parse the common options, measure the roof, run the
+    script's cells, then table, JSON and PNG."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    cfg = config_from_args(parser.parse_args(argv))
+    cfg.partial_path = partial_path_for(cfg.out, name)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
+    roof = measure_roof(cfg)
+    env = environment(cfg, roof)
+    env["splits"] = splits_table(cfg)
+    records = run(cfg, roof, [])
+    return finish(name, records, env, cfg, [roof])

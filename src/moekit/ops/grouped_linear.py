@@ -192,11 +192,16 @@ def _group_sum(dy_MO, go: GroupOffsets, num_groups: int, scale_M) -> torch.Tenso
     return (_group_onehot(go, num_groups, acc_t) @ src).to(dy_MO.dtype)
 
 
+def _bias_rows(bias_NO, go: GroupOffsets, dtype: torch.dtype) -> torch.Tensor:
+    """(M, O): the bias of every row's group in `dtype`; zeros for padding rows."""
+    zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
+    return torch.cat([bias_NO, zero_row]).to(dtype)[go.row_group()]
+
+
 def _add_group_bias(y_MO, bias_NO, go: GroupOffsets, bias_scale_M):
     """y += bias[group(row)] (* scale[row]), math in fp32, one rounding."""
-    zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
     acc_t = compute_dtype(y_MO, bias_scale_M)
-    bias_MO = torch.cat([bias_NO, zero_row]).to(acc_t)[go.row_group()]
+    bias_MO = _bias_rows(bias_NO, go, acc_t)
     if bias_scale_M is not None:
         bias_MO = bias_MO * bias_scale_M[:, None].to(acc_t)
     return (y_MO.to(acc_t) + bias_MO).to(y_MO.dtype)
@@ -298,9 +303,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         if n_b and any(ctx.needs_input_grad[6 + n_w:]):
             db = backend.dbias(dy_bias_MO, go, num_groups, bias_scale_M)
         if bias_scale_M is not None and ctx.needs_input_grad[2]:
-            zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
             acc_t = compute_dtype(dy_MO, bias_scale_M)
-            bias_MO = torch.cat([bias_NO, zero_row]).to(acc_t)[go.row_group()]
+            bias_MO = _bias_rows(bias_NO, go, acc_t)
             dscale = (dy_bias_MO.to(acc_t) * bias_MO).sum(-1).to(bias_scale_M.dtype)
         dws = (dw,) if n_w == 1 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
         dbs = () if not n_b else ((db,) if n_b == 1 else (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
