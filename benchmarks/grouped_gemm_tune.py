@@ -25,6 +25,7 @@ import subprocess
 import time
 import traceback
 
+import runner
 import torch
 import torch.nn.functional as F
 import triton
@@ -69,16 +70,11 @@ def dense_roof():
     return 2 * n**3 / ms / 1e9
 
 
-def make_splits(M, G, kind, gen):
+def make_splits(M, G, kind):
+    # The same counts as the benchmarks harness (runner.py), so tuning cells match run_all's cells.
     if kind == "balanced":
-        base = [M // G] * G
-        for i in range(M - sum(base)):
-            base[i] += 1
-        return base
-    p = torch.distributions.Dirichlet(torch.ones(G)).sample()
-    counts = torch.floor(p * M).long()
-    counts[torch.argmax(counts)] += M - int(counts.sum())
-    return counts.tolist()
+        return runner.balanced_splits(M, G)
+    return runner.skewed_splits(M, G)
 
 
 def offs_of(splits, dev):
@@ -296,7 +292,7 @@ def run_timing(ops, config_mode, dists):
     dev = DEV
     cells = []
     RES["cells"] = cells
-    gen = torch.manual_seed(1)
+    torch.manual_seed(1)
     models = {"tiny": (256, 4, 64, 48)} if DRY else MODELS
     for model, (M, G, H, Fd) in models.items():
         for layer, (I, O) in (("fc1", (H, 2 * Fd)), ("fc2", (Fd, H))):
@@ -305,7 +301,7 @@ def run_timing(ops, config_mode, dists):
             dy = torch.randn(M, O, device=dev, dtype=torch.bfloat16)
             flops = 2.0 * M * O * I
             for dist in dists:
-                splits = make_splits(M, G, dist, gen)
+                splits = make_splits(M, G, dist)
                 offs = offs_of(splits, dev)
                 offs32 = offs[1:].to(torch.int32)
                 for op in ops:
@@ -356,8 +352,8 @@ def main():
     t0 = time.time()
     RES["env"] = {"gpu": "dry" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
                   "triton": triton.__version__,
-                  "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=ROOT).stdout.strip()}
+                  "commit": os.environ.get("MOEKIT_BENCH_COMMIT") or subprocess.run(
+                      ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
     RES["dense_roof_tflops_before"] = dense_roof()
     print("dense roof", RES["dense_roof_tflops_before"], flush=True)
     if not args.skip_checks:

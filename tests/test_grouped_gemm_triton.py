@@ -192,6 +192,26 @@ def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
 
 
 @cpu_only
+@pytest.mark.parametrize("tail", [0, 1, 2])
+@pytest.mark.parametrize("lpt", [False, True], ids=["group-order", "lpt"])
+def test_interpreter_wgrad_tails_and_order(tail, lpt, nan_outputs):
+    # Each way of keeping a ragged group's last K step inside the group (per-group descriptors,
+    # dy descriptor only, dy masked in registers), in group or longest-first order. Six tiles per
+    # group over four programs: programs meet a group on consecutive tiles (descriptor reuse).
+    # Groups: ragged, empty, whole K steps, one row, ragged into the NaN padding rows 92..99.
+    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, True, True, tail, lpt)
+    x, w, dy, _, _ = make_problem(100, 5, 96, 64, [35, 0, 32, 1, 24], torch.float32, "cpu", False, False)
+    splits = [35, 0, 32, 1, 24]
+    used = sum(splits)
+    dw, _ = gg.grouped_gemm_wgrad(dy, x, offs_of(splits, "cpu"), cfg=cfg, use_tma=True)
+    rdw, _ = ref_wgrad(dy[:used], x[:used], splits)
+    tdw, _ = ref_wgrad(dy[:used], x[:used], splits, dtype=torch.float32)
+    assert (dw[1] == 0).all()
+    for g in (0, 2, 3, 4):
+        assert_close(dw[g], rdw[g], tdw[g], torch.float32)
+
+
+@cpu_only
 def test_interpreter_many_tiles_per_program(nan_outputs):
     # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
     # persistent schedule must visit every tile exactly once.
@@ -262,6 +282,26 @@ GPU_CASES = {
 def test_gpu_matches_reference(case, dtype, nan_outputs):
     M, G, O, I, splits, bias, scale = GPU_CASES[case]
     check_all(M, G, O, I, splits, dtype, "cuda", bias, scale)
+
+
+@gpu
+@needs_cuda
+def test_gpu_every_wgrad_candidate(nan_outputs):
+    # Each tuning candidate (tail handling, schedule order, stages) must be exact on its own: the
+    # autotuner may pick any of them. Ragged, empty and one-row groups, NaN padding rows.
+    splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
+    M, G, O, I = 6000, len(splits), 1024, 768
+    x, w, dy, _, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda")
+    offs = offs_of(splits, "cuda")
+    used = sum(splits)
+    rdw, _ = ref_wgrad(dy[:used], x[:used], splits)
+    tdw, _ = ref_wgrad(dy[:used], x[:used], splits, dtype=torch.bfloat16)
+    for cfg in gg._candidates("wgrad", torch.bfloat16, True, gg._capability(0), I):
+        dw, _ = gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)
+        assert (dw[1] == 0).all() and (dw[7] == 0).all(), cfg
+        for g in range(G):
+            if splits[g]:  # per group: a wrong one-row group would hide in a global norm
+                assert_close(dw[g], rdw[g], tdw[g], torch.bfloat16)
 
 
 @gpu

@@ -292,27 +292,49 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
-def _wgrad_tile(tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M,
+def _wgrad_tile(tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M,
                 GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """wgrad tile -> (group, o0, i0, group's row start, group's row end)."""
-    g = tile_id // tiles_per_group
+    """wgrad tile of group g -> (o0, i0, group's row start, group's row end)."""
     pid_m, pid_n = _swizzle(tile_id % tiles_per_group, num_pid_m, num_pid_n, GROUP_M)
     row_lo = tl.load(offs_ptr + g).to(tl.int32)
     row_hi = tl.load(offs_ptr + g + 1).to(tl.int32)
     row_lo = tl.minimum(tl.maximum(row_lo, 0), M)
     row_hi = tl.minimum(tl.maximum(row_hi, row_lo), M)
-    return g, pid_m * BLOCK_M, pid_n * BLOCK_N, row_lo, row_hi
+    return pid_m * BLOCK_M, pid_n * BLOCK_N, row_lo, row_hi
+
+
+@triton.jit
+def _lpt_positions(steps_v, G, BLOCK_G: tl.constexpr):
+    """Schedule position of every group: most K steps first (ties by group id).
+
+    Every group has the same number of tiles, so with skewed splits a tile's cost is its group's
+    row count. Programs take tiles with a stride; walking the groups longest first leaves the
+    cheap tiles for the end, where they even out the programs' finishing times (the longest-
+    processing-time-first rule). O(G) vector steps, once per program."""
+    offs_g = tl.arange(0, BLOCK_G)
+    steps_v = tl.where(offs_g < G, steps_v, -1)
+    pos_v = tl.zeros((BLOCK_G,), dtype=tl.int32)
+    for h in range(0, G):
+        steps_h = tl.sum(tl.where(offs_g == h, steps_v, 0), 0)
+        before = (steps_h > steps_v) | ((steps_h == steps_v) & (h < offs_g))
+        pos_v += before.to(tl.int32)
+    return pos_v
 
 
 @triton.jit
 def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride_dym, stride_xm,
-                USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                USE_TMA: tl.constexpr, MASK_A: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K step of wgrad operands: a = dy[r0:r0+BK, o0:o0+BM]^T (BM, BK), b = x[r0:.., i0:..] (BK, BN);
-    rows at or past row_hi read as zeros."""
+    rows at or past row_hi read as zeros. With TMA the descriptors' row extents do that, unless
+    MASK_A: then a's rows past row_hi are zeroed in registers and b's are whatever x holds there
+    (finite rows of the next group, or zeros past the descriptor's end), so they add exact zeros."""
     if USE_TMA:
         a = dy_desc.load([r0, o0]).T
         b = x_desc.load([r0, i0])
+        if MASK_A:
+            offs_k = r0 + tl.arange(0, BLOCK_K)
+            a = tl.where((offs_k < row_hi)[None, :], a, 0.0)
     else:
         offs_k = r0 + tl.arange(0, BLOCK_K)
         offs_m = o0 + tl.arange(0, BLOCK_M)
@@ -359,7 +381,7 @@ def _grouped_wgrad_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_TMA: tl.constexpr,
+    EPI_TMA: tl.constexpr, TAIL: tl.constexpr, LPT: tl.constexpr,
 ):
     """dw[g] (O, I) = dy[rows of g]^T @ x[rows of g] for every group in one launch.
 
@@ -367,15 +389,22 @@ def _grouped_wgrad_kernel(
     (stride_dwg, stride_dwo, 1). Tiles: BLOCK_M over O, BLOCK_N over I, BLOCK_K over rows.
     Every group owns the same (o, i) tile grid; its K loop runs over its own rows.
 
-    With TMA the operand descriptors are rebuilt per tile with a row extent that ends at the
-    group's end: TMA zero-fills the K tail, so neither the next group's rows nor padding rows
-    (which may hold anything) reach the sum.
+    The last K step of a group whose row count is not a multiple of BLOCK_K reaches past the
+    group's end into the next group's rows or the padding rows (which may hold anything); they
+    must add nothing. TAIL (TMA only) picks how:
+      0: per-group dy and x descriptors whose row extent ends at the group's end (TMA zero-fills);
+      1: a per-group dy descriptor only; x's descriptor ends at offs[G], so the rows past the group
+         read finite x rows times zero dy rows;
+      2: no per-group descriptor: the dy tile's rows past the group's end are zeroed in registers
+         (the wgmma takes that operand from registers), x as in 1.
+    Groups with a whole number of K steps use the whole-tensor descriptors in every mode, and a
+    program keeps a group's descriptors for its consecutive tiles of that group (FLATTEN only).
 
     FLATTEN: the K loops of a program's tiles have different lengths, which Triton's loop fusion
     cannot flatten, so the kernel writes the fused loop itself: one loop over all K steps of all
     of the program's tiles, with the tile set-up in a `ki == 0` branch and the store in a
     `ki == last` branch. The pipeliner then prefetches the next tile's first operands while the
-    current tile's epilogue runs.
+    current tile's epilogue runs. LPT (FLATTEN only): groups are scheduled longest first.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(O, BLOCK_M)
@@ -389,17 +418,21 @@ def _grouped_wgrad_kernel(
     else:
         dw_desc = None
     if FLATTEN:
-        # K steps this program will run: each of its tiles takes max(1, steps of its group); an
-        # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
         offs_g = tl.arange(0, BLOCK_G)
         lo_v, hi_v = _group_rows(offs_ptr, M, G, BLOCK_G, False)
-        steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_K), 1)
-        first_v = offs_g * tiles_per_group
+        steps_v = tl.cdiv(hi_v - lo_v, BLOCK_K)
+        if LPT:
+            pos_v = _lpt_positions(steps_v, G, BLOCK_G)
+        else:
+            pos_v = offs_g
+        # K steps this program will run: each of its tiles takes max(1, steps of its group); an
+        # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
+        first_v = pos_v * tiles_per_group
         # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
         mine_v = ((first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
                   - (first_v - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS)
         mine_v = tl.where(offs_g < G, mine_v, 0)
-        total_steps = tl.sum(mine_v * steps_v, 0)
+        total_steps = tl.sum(mine_v * tl.maximum(steps_v, 1), 0)
 
         tile_id = pid - NUM_PROGRAMS
         ki = 0
@@ -409,13 +442,21 @@ def _grouped_wgrad_kernel(
         i0 = 0
         row_lo = 0
         row_hi = 0
+        desc_g = -1
         if USE_TMA:
             # Whole-tensor descriptors, built once: a group whose row count is a multiple of
             # BLOCK_K never reads past its end, so it needs no descriptor of its own.
             dy_full = tl.make_tensor_descriptor(
                 dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_K, BLOCK_M])
-            x_full = tl.make_tensor_descriptor(
-                x_ptr, shape=[M, I], strides=[stride_xm, 1], block_shape=[BLOCK_K, BLOCK_N])
+            if TAIL == 0:
+                x_full = tl.make_tensor_descriptor(
+                    x_ptr, shape=[M, I], strides=[stride_xm, 1], block_shape=[BLOCK_K, BLOCK_N])
+            else:
+                # Rows past offs[G] (padding, may be NaN) read as zeros.
+                rows_used = tl.max(tl.where(offs_g < G, hi_v, 0), 0)
+                x_full = tl.make_tensor_descriptor(
+                    x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1],
+                    block_shape=[BLOCK_K, BLOCK_N])
             dy_desc = dy_full
             x_desc = x_full
         else:
@@ -425,29 +466,37 @@ def _grouped_wgrad_kernel(
         for _step in range(0, total_steps):
             if ki == 0:
                 tile_id += NUM_PROGRAMS
-                g, o0, i0, row_lo, row_hi = _wgrad_tile(
-                    tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
+                if LPT:
+                    g = tl.sum(tl.where(pos_v == tile_id // tiles_per_group, offs_g, 0), 0)
+                else:
+                    g = tile_id // tiles_per_group
+                o0, i0, row_lo, row_hi = _wgrad_tile(
+                    tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
                 k_len = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_K), 1)
-                if USE_TMA:
-                    if (row_hi - row_lo) % BLOCK_K != 0:
+                if USE_TMA and TAIL != 2:
+                    if (row_hi - row_lo) % BLOCK_K == 0:
+                        dy_desc = dy_full
+                        x_desc = x_full
+                        desc_g = -1
+                    elif g != desc_g:
                         # Building a descriptor costs a tensormap write and a proxy fence on the
-                        # path to the tile's first loads; only ragged groups pay it.
+                        # path to the tile's first loads: only ragged groups pay it, once per run
+                        # of consecutive tiles of the group.
                         dy_desc = tl.make_tensor_descriptor(
                             dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
                             block_shape=[BLOCK_K, BLOCK_M])
-                        x_desc = tl.make_tensor_descriptor(
-                            x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
-                            block_shape=[BLOCK_K, BLOCK_N])
-                    else:
-                        dy_desc = dy_full
-                        x_desc = x_full
+                        if TAIL == 0:
+                            x_desc = tl.make_tensor_descriptor(
+                                x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
+                                block_shape=[BLOCK_K, BLOCK_N])
+                        desc_g = g
             a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
-                               stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                               stride_dym, stride_xm, USE_TMA, USE_TMA and TAIL == 2, UPCAST,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             last = ki == k_len - 1
             if last:
-                # An empty group's single step may have read row 0 (its descriptor's extent is at
-                # least 1): store zeros for it.
+                # An empty group's single step may have read rows of other groups: store zeros.
                 acc = tl.where(row_hi > row_lo, acc, 0.0)
                 _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
                                 EPI_TMA, BLOCK_M, BLOCK_N)
@@ -457,8 +506,9 @@ def _grouped_wgrad_kernel(
             ki = tl.where(last, 0, ki + 1)
     else:
         for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS):
-            g, o0, i0, row_lo, row_hi = _wgrad_tile(
-                tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
+            g = tile_id // tiles_per_group
+            o0, i0, row_lo, row_hi = _wgrad_tile(
+                tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
             if USE_TMA:
                 dy_desc = tl.make_tensor_descriptor(
                     dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
@@ -472,7 +522,7 @@ def _grouped_wgrad_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(tl.cdiv(row_hi - row_lo, BLOCK_K)):
                 a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
-                                   stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   stride_dym, stride_xm, USE_TMA, False, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_M, BLOCK_N)
 
@@ -591,12 +641,13 @@ def _ensure_allocator() -> None:
 
 
 class _Cfg(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten, epi_tma)"""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten, epi_tma, tail, lpt);
+    tail and lpt are wgrad's TAIL and LPT (see _grouped_wgrad_kernel)."""
 
     __slots__ = ()
 
-    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten, epi_tma=False):
-        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten, epi_tma))
+    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten, epi_tma=False, tail=0, lpt=False):
+        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten, epi_tma, tail, lpt))
 
     bm = property(lambda s: s[0])
     bn = property(lambda s: s[1])
@@ -606,6 +657,8 @@ class _Cfg(tuple):
     warps = property(lambda s: s[5])
     flatten = property(lambda s: s[6])
     epi_tma = property(lambda s: s[7])
+    tail = property(lambda s: s[8])
+    lpt = property(lambda s: s[9])
 
 
 def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int], n: int) -> list[_Cfg]:
@@ -619,10 +672,12 @@ def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int]
         # (flatten, epi_tma, stages). 128x128 only for narrow outputs.
         if op == "wgrad":
             return [
-                _Cfg(128, 256, 64, 8, 3, 8, True, True),
-                _Cfg(128, 256, 64, 8, 4, 8, True, True),
-                _Cfg(128, 256, 64, 8, 3, 8, False, False),
-                _Cfg(128, 256, 64, 8, 3, 8, True, False),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 1, True),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 0, False),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 0, True),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 2, True),
+                _Cfg(128, 256, 64, 8, 4, 8, True, True, 1, True),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 1, False),
             ]
         big = [
             _Cfg(128, 256, 64, 8, 3, 8, True, False),
@@ -835,6 +890,7 @@ def _run_wgrad(dy, x, offs, dw, cfg: _Cfg, use_tma: bool):
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
         BLOCK_G=_block_g(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
+        TAIL=cfg.tail, LPT=cfg.lpt,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
