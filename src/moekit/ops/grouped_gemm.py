@@ -304,37 +304,15 @@ def _wgrad_tile(tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M,
 
 
 @triton.jit
-def _lpt_positions(steps_v, G, BLOCK_G: tl.constexpr):
-    """Schedule position of every group: most K steps first (ties by group id).
-
-    Every group has the same number of tiles, so with skewed splits a tile's cost is its group's
-    row count. Programs take tiles with a stride; walking the groups longest first leaves the
-    cheap tiles for the end, where they even out the programs' finishing times (the longest-
-    processing-time-first rule). O(G) vector steps, once per program."""
-    offs_g = tl.arange(0, BLOCK_G)
-    steps_v = tl.where(offs_g < G, steps_v, -1)
-    pos_v = tl.zeros((BLOCK_G,), dtype=tl.int32)
-    for h in range(0, G):
-        steps_h = tl.sum(tl.where(offs_g == h, steps_v, 0), 0)
-        before = (steps_h > steps_v) | ((steps_h == steps_v) & (h < offs_g))
-        pos_v += before.to(tl.int32)
-    return pos_v
-
-
-@triton.jit
 def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride_dym, stride_xm,
-                USE_TMA: tl.constexpr, MASK_A: tl.constexpr, UPCAST: tl.constexpr,
+                USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of wgrad operands: a = dy[r0:r0+BK, o0:o0+BM]^T (BM, BK), b = x[r0:.., i0:..] (BK, BN);
-    rows at or past row_hi read as zeros. With TMA the descriptors' row extents do that, unless
-    MASK_A: then a's rows past row_hi are zeroed in registers and b's are whatever x holds there
-    (finite rows of the next group, or zeros past the descriptor's end), so they add exact zeros."""
+    """One K step of wgrad operands: a = dy[r0:r0+BK, o0:o0+BM]^T (BM, BK), b = x[r0:.., i0:..] (BK, BN).
+    Rows at or past row_hi must add nothing: the pointer path masks them, with TMA the descriptors'
+    row extents make them zeros (see TAIL in _grouped_wgrad_kernel)."""
     if USE_TMA:
         a = dy_desc.load([r0, o0]).T
         b = x_desc.load([r0, i0])
-        if MASK_A:
-            offs_k = r0 + tl.arange(0, BLOCK_K)
-            a = tl.where((offs_k < row_hi)[None, :], a, 0.0)
     else:
         offs_k = r0 + tl.arange(0, BLOCK_K)
         offs_m = o0 + tl.arange(0, BLOCK_M)
@@ -381,7 +359,7 @@ def _grouped_wgrad_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_TMA: tl.constexpr, TAIL: tl.constexpr, LPT: tl.constexpr,
+    EPI_TMA: tl.constexpr, TAIL: tl.constexpr,
 ):
     """dw[g] (O, I) = dy[rows of g]^T @ x[rows of g] for every group in one launch.
 
@@ -392,19 +370,19 @@ def _grouped_wgrad_kernel(
     The last K step of a group whose row count is not a multiple of BLOCK_K reaches past the
     group's end into the next group's rows or the padding rows (which may hold anything); they
     must add nothing. TAIL (TMA only) picks how:
-      0: per-group dy and x descriptors whose row extent ends at the group's end (TMA zero-fills);
-      1: a per-group dy descriptor only; x's descriptor ends at offs[G], so the rows past the group
-         read finite x rows times zero dy rows;
-      2: no per-group descriptor: the dy tile's rows past the group's end are zeroed in registers
-         (the wgmma takes that operand from registers), x as in 1.
-    Groups with a whole number of K steps use the whole-tensor descriptors in every mode, and a
+      0: per-group dy and x descriptors whose row extent ends at the group's end (TMA zero-fills):
+         exact whatever the other rows hold;
+      1: a per-group dy descriptor only (half the set-up cost); x's descriptor ends at offs[G], so
+         the rows past the group are zero dy rows times x rows of the next group, which add exact
+         zeros as long as those x rows are finite (an inf there would make the loss NaN anyway).
+    Groups with a whole number of K steps use the whole-tensor descriptors in both modes, and a
     program keeps a group's descriptors for its consecutive tiles of that group (FLATTEN only).
 
     FLATTEN: the K loops of a program's tiles have different lengths, which Triton's loop fusion
     cannot flatten, so the kernel writes the fused loop itself: one loop over all K steps of all
     of the program's tiles, with the tile set-up in a `ki == 0` branch and the store in a
     `ki == last` branch. The pipeliner then prefetches the next tile's first operands while the
-    current tile's epilogue runs. LPT (FLATTEN only): groups are scheduled longest first.
+    current tile's epilogue runs.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(O, BLOCK_M)
@@ -420,19 +398,15 @@ def _grouped_wgrad_kernel(
     if FLATTEN:
         offs_g = tl.arange(0, BLOCK_G)
         lo_v, hi_v = _group_rows(offs_ptr, M, G, BLOCK_G, False)
-        steps_v = tl.cdiv(hi_v - lo_v, BLOCK_K)
-        if LPT:
-            pos_v = _lpt_positions(steps_v, G, BLOCK_G)
-        else:
-            pos_v = offs_g
+        steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_K), 1)
         # K steps this program will run: each of its tiles takes max(1, steps of its group); an
         # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
-        first_v = pos_v * tiles_per_group
+        first_v = offs_g * tiles_per_group
         # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
         mine_v = ((first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
                   - (first_v - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS)
         mine_v = tl.where(offs_g < G, mine_v, 0)
-        total_steps = tl.sum(mine_v * tl.maximum(steps_v, 1), 0)
+        total_steps = tl.sum(mine_v * steps_v, 0)
 
         tile_id = pid - NUM_PROGRAMS
         ki = 0
@@ -466,14 +440,11 @@ def _grouped_wgrad_kernel(
         for _step in range(0, total_steps):
             if ki == 0:
                 tile_id += NUM_PROGRAMS
-                if LPT:
-                    g = tl.sum(tl.where(pos_v == tile_id // tiles_per_group, offs_g, 0), 0)
-                else:
-                    g = tile_id // tiles_per_group
+                g = tile_id // tiles_per_group
                 o0, i0, row_lo, row_hi = _wgrad_tile(
                     tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
                 k_len = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_K), 1)
-                if USE_TMA and TAIL != 2:
+                if USE_TMA:
                     if (row_hi - row_lo) % BLOCK_K == 0:
                         dy_desc = dy_full
                         x_desc = x_full
@@ -491,8 +462,7 @@ def _grouped_wgrad_kernel(
                                 block_shape=[BLOCK_K, BLOCK_N])
                         desc_g = g
             a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
-                               stride_dym, stride_xm, USE_TMA, USE_TMA and TAIL == 2, UPCAST,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
+                               stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             last = ki == k_len - 1
             if last:
@@ -522,7 +492,7 @@ def _grouped_wgrad_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(tl.cdiv(row_hi - row_lo, BLOCK_K)):
                 a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + ki * BLOCK_K, o0, i0, row_hi, O, I,
-                                   stride_dym, stride_xm, USE_TMA, False, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_M, BLOCK_N)
 
@@ -641,13 +611,13 @@ def _ensure_allocator() -> None:
 
 
 class _Cfg(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten, epi_tma, tail, lpt);
-    tail and lpt are wgrad's TAIL and LPT (see _grouped_wgrad_kernel)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, flatten, epi_tma, tail);
+    tail is wgrad's TAIL (see _grouped_wgrad_kernel)."""
 
     __slots__ = ()
 
-    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten, epi_tma=False, tail=0, lpt=False):
-        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten, epi_tma, tail, lpt))
+    def __new__(cls, bm, bn, bk, gm, stages, warps, flatten, epi_tma=False, tail=0):
+        return super().__new__(cls, (bm, bn, bk, gm, stages, warps, flatten, epi_tma, tail))
 
     bm = property(lambda s: s[0])
     bn = property(lambda s: s[1])
@@ -658,7 +628,6 @@ class _Cfg(tuple):
     flatten = property(lambda s: s[6])
     epi_tma = property(lambda s: s[7])
     tail = property(lambda s: s[8])
-    lpt = property(lambda s: s[9])
 
 
 def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int], n: int) -> list[_Cfg]:
@@ -672,12 +641,10 @@ def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int]
         # (flatten, epi_tma, stages). 128x128 only for narrow outputs.
         if op == "wgrad":
             return [
-                _Cfg(128, 256, 64, 8, 3, 8, True, True, 1, True),
-                _Cfg(128, 256, 64, 8, 3, 8, True, True, 0, False),
-                _Cfg(128, 256, 64, 8, 3, 8, True, True, 0, True),
-                _Cfg(128, 256, 64, 8, 3, 8, True, True, 2, True),
-                _Cfg(128, 256, 64, 8, 4, 8, True, True, 1, True),
-                _Cfg(128, 256, 64, 8, 3, 8, True, True, 1, False),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 1),
+                _Cfg(128, 256, 64, 8, 4, 8, True, True, 1),
+                _Cfg(128, 256, 64, 8, 3, 8, True, True, 0),
+                _Cfg(128, 256, 64, 8, 4, 8, True, True, 0),
             ]
         big = [
             _Cfg(128, 256, 64, 8, 3, 8, True, False),
@@ -890,7 +857,7 @@ def _run_wgrad(dy, x, offs, dw, cfg: _Cfg, use_tma: bool):
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
         BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
         BLOCK_G=_block_g(G + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
-        TAIL=cfg.tail, LPT=cfg.lpt,
+        TAIL=cfg.tail,
         num_stages=cfg.stages, num_warps=cfg.warps,
     )
 
