@@ -173,11 +173,12 @@ def test_interpreter_matches_reference(case, dtype, nan_outputs):
 
 
 # Every code path of the kernels: TMA or pointer loads, fused (flattened) or nested tile loops,
-# TMA-store or masked-store epilogues.
+# TMA-store (half tiles or whole tiles) or masked-store epilogues.
+EPILOGUES = {False: "store", True: "tmastore-halves", gg._WHOLE_TILE: "tmastore-whole"}
 PATHS = [
     pytest.param(use_tma, flatten, epi, id=f"{'tma' if use_tma else 'ptr'}-{'flat' if flatten else 'nested'}"
-                 f"-{'tmastore' if epi else 'store'}")
-    for use_tma in (True, False) for flatten in (True, False) for epi in (True, False)
+                 f"-{EPILOGUES[epi]}")
+    for use_tma in (True, False) for flatten in (True, False) for epi in EPILOGUES
     if use_tma or not epi
 ]
 
@@ -285,22 +286,40 @@ def test_gpu_matches_reference(case, dtype, nan_outputs):
 
 @gpu
 @needs_cuda
-def test_gpu_every_wgrad_candidate(nan_outputs):
-    # Each tuning candidate (tail handling, stages) must be exact on its own: the
-    # autotuner may pick any of them. Ragged, empty and one-row groups, NaN padding rows.
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_gpu_every_candidate(op, nan_outputs):
+    # Each tuning candidate (loop structure, epilogue, wgrad tail handling) must be exact on its
+    # own: the autotuner may pick any of them. Ragged, empty and one-row groups, NaN padding rows.
     splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
     M, G, O, I = 6000, len(splits), 1024, 768
-    x, w, dy, _, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda")
+    x, w, dy, b, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda", bias=True)
     offs = offs_of(splits, "cuda")
     used = sum(splits)
-    rdw, _ = ref_wgrad(dy[:used], x[:used], splits)
-    tdw, _ = ref_wgrad(dy[:used], x[:used], splits, dtype=torch.bfloat16)
-    for cfg in gg._candidates("wgrad", torch.bfloat16, True, gg._capability(0), I):
-        dw, _ = gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)
-        assert (dw[1] == 0).all() and (dw[7] == 0).all(), cfg
-        for g in range(G):
-            if splits[g]:  # per group: a wrong one-row group would hide in a global norm
-                assert_close(dw[g], rdw[g], tdw[g], torch.bfloat16)
+    if op == "fwd":
+        ref64, ref_bf16 = (ref_forward(x[:used], w, splits, b, dtype=d) for d in (torch.float64, torch.bfloat16))
+        cands = gg._candidates("fwd", torch.bfloat16, True, gg._capability(0), O)
+    elif op == "dgrad":
+        ref64, ref_bf16 = (ref_dgrad(dy[:used], w, splits, dtype=d) for d in (torch.float64, torch.bfloat16))
+        cands = gg._candidates("dgrad", torch.bfloat16, True, gg._capability(0), I)
+    else:
+        ref64, ref_bf16 = (ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0] for d in (torch.float64, torch.bfloat16))
+        cands = gg._candidates("wgrad", torch.bfloat16, True, gg._capability(0), I)
+    assert len(cands) > 1
+    for cfg in cands:
+        if op == "fwd":
+            out = gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True)
+        elif op == "dgrad":
+            out = gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True)
+        else:
+            out = gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)[0]
+        if op == "wgrad":
+            assert (out[1] == 0).all() and (out[7] == 0).all(), cfg
+            for g in range(G):
+                if splits[g]:  # per group: a wrong one-row group would hide in a global norm
+                    assert_close(out[g], ref64[g], ref_bf16[g], torch.bfloat16)
+        else:
+            assert (out[used:] == 0).all(), cfg
+            assert_close(out[:used], ref64, ref_bf16, torch.bfloat16)
 
 
 @gpu
