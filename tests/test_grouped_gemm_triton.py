@@ -173,12 +173,11 @@ def test_interpreter_matches_reference(case, dtype, nan_outputs):
 
 
 # Every code path of the kernels: TMA or pointer loads, fused (flattened) or nested tile loops,
-# TMA-store (half tiles or whole tiles) or masked-store epilogues.
-EPILOGUES = {False: "store", True: "tmastore-halves", gg._WHOLE_TILE: "tmastore-whole"}
+# TMA-store or masked-store epilogues.
 PATHS = [
     pytest.param(use_tma, flatten, epi, id=f"{'tma' if use_tma else 'ptr'}-{'flat' if flatten else 'nested'}"
-                 f"-{EPILOGUES[epi]}")
-    for use_tma in (True, False) for flatten in (True, False) for epi in EPILOGUES
+                 f"-{'tmastore' if epi else 'store'}")
+    for use_tma in (True, False) for flatten in (True, False) for epi in (True, False)
     if use_tma or not epi
 ]
 
@@ -193,13 +192,12 @@ def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
 
 
 @cpu_only
-@pytest.mark.parametrize("tail", [0, 1])
-def test_interpreter_wgrad_tails(tail, nan_outputs):
-    # Both ways of keeping a ragged group's last K step inside the group (dy and x descriptors
-    # per group, or dy only). Six tiles per group over four programs: programs meet a group on
-    # consecutive tiles (descriptor reuse). Groups: ragged, empty, whole K steps, one row, ragged
-    # into the NaN padding rows 92..99.
-    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, True, True, tail)
+def test_interpreter_wgrad_ragged_tails(nan_outputs):
+    # A ragged group's last K step reads past the group: its dy rows must come in as zeros (per-
+    # group descriptor) and the padding rows of x (NaN here) as zeros too (x's descriptor ends at
+    # offs[G]). Six tiles per group over four programs: programs meet a group on consecutive tiles
+    # (descriptor reuse). Groups: ragged, empty, whole K steps, one row, ragged into the padding.
+    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, True, True)
     x, w, dy, _, _ = make_problem(100, 5, 96, 64, [35, 0, 32, 1, 24], torch.float32, "cpu", False, False)
     splits = [35, 0, 32, 1, 24]
     used = sum(splits)
@@ -288,8 +286,8 @@ def test_gpu_matches_reference(case, dtype, nan_outputs):
 @needs_cuda
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
 def test_gpu_every_candidate(op, nan_outputs):
-    # Each tuning candidate (loop structure, epilogue, wgrad tail handling) must be exact on its
-    # own: the autotuner may pick any of them. Ragged, empty and one-row groups, NaN padding rows.
+    # Each tuning candidate (loop structure, epilogue) must be exact on its own: the autotuner may
+    # pick any of them. Ragged, empty and one-row groups, NaN padding rows.
     splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
     M, G, O, I = 6000, len(splits), 1024, 768
     x, w, dy, b, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda", bias=True)
@@ -304,7 +302,6 @@ def test_gpu_every_candidate(op, nan_outputs):
     else:
         ref64, ref_bf16 = (ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0] for d in (torch.float64, torch.bfloat16))
         cands = gg._candidates("wgrad", torch.bfloat16, True, gg._capability(0), I)
-    assert len(cands) > 1
     for cfg in cands:
         if op == "fwd":
             out = gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True)
