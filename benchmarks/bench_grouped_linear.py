@@ -73,6 +73,7 @@ def _bench_layer(cfg, roof, shape, dist, splits, layer, in_f, out_f) -> list[dic
     for product in PRODUCTS:
         run_op, run_ref = product_fns[product]
         ref = run_ref() if impls else None
+        timed = []
         for backend in cfg.backends:
             record = runner.new_record("grouped_linear", shape, dist, f"{layer}.{product}", backend, flops, roof)
             if backend in reasons:
@@ -81,6 +82,8 @@ def _bench_layer(cfg, roof, shape, dist, splits, layer, in_f, out_f) -> list[dic
             fn = functools.partial(run_op, impls[backend])
             check = functools.partial(_check, fn, ref, cfg.dtype)
             records.append(runner.measure_cell(record, fn, check, cfg))
+            timed.append((record, fn, None))
+        runner.retime_interleaved(timed, cfg)
         del ref
     return records
 

@@ -141,6 +141,9 @@ class BenchConfig:
     rep_ms: float
     smoke: bool
     quick: bool
+    # Timing rounds per cell: backends compared in one cell are timed again in interleaved rounds
+    # and each keeps its median (retime_interleaved).
+    rounds: int
     shapes: list[MoEShape]
     dists: list[str]
     backends: list[str]
@@ -180,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rep_ms=rep_ms,
         smoke=args.smoke,
         quick=args.quick,
+        rounds=1 if args.quick or args.smoke else 3,
         shapes=select_by_name(shape_pool, args.shapes, "shapes", [s.name for s in shape_pool]),
         dists=select_by_name(DISTS, args.dists, "dists", DISTS),
         backends=[b.strip() for b in args.backends.split(",") if b.strip()],
@@ -321,6 +325,7 @@ def measure_cell(record: dict, fn: Callable[[], object], check: Callable[[], dic
         record["host_sync"] = check_host_sync(fn, cfg.device)
         ms = time_ms(fn, cfg, grad_to_none)
         record["ms"], record["tflops"] = ms, record["flops"] / ms / 1e9
+        record["ms_rounds"] = [ms]
         record["status"] = "ok" if record["check"]["ok"] else "check_failed"
         if not record["check"]["ok"]:
             record["reason"] = failed_check_reason(record["check"])
@@ -330,6 +335,31 @@ def measure_cell(record: dict, fn: Callable[[], object], check: Callable[[], dic
             torch.cuda.set_sync_debug_mode(0)
     print_progress(record)
     return record
+
+
+def retime_interleaved(timed: Sequence[tuple[dict, Callable[[], object], Sequence[torch.Tensor] | None]],
+                       cfg: BenchConfig) -> None:
+    """Time the cells of one comparison (the backends of one op) cfg.rounds - 1 more times, in
+    rounds that rotate their order, and give each its median.
+
+    The H200's clocks drift within seconds (a dense roof of 790 -> 670 TFLOP/s in one run), so
+    backends timed once, one after another, would be compared at different clocks; interleaving
+    gives every backend the same mix of them. Every backend gets the same treatment.
+    """
+    cells = [(r, fn, g) for r, fn, g in timed if r.get("ms_rounds")]
+    for rnd in range(1, cfg.rounds if cells else 0):
+        k = rnd % len(cells)
+        for record, fn, grads in cells[k:] + cells[:k]:
+            try:
+                record["ms_rounds"].append(time_ms(fn, cfg, grads))
+            except Exception as exc:  # keep the rounds already measured; say what went wrong
+                record["reason"] = record["reason"] or f"round {rnd}: {error_reason(exc)}"
+    for record, _, _ in cells:
+        record["ms"] = statistics.median(record["ms_rounds"])
+        record["tflops"] = record["flops"] / record["ms"] / 1e9
+    if cfg.rounds > 1 and cells:
+        medians = "  ".join(f"{r['backend']} {r['tflops']:.1f}" for r, _, _ in cells)
+        print(f"    median of {cfg.rounds} rounds: {medians}", flush=True)
 
 
 def unavailable_record(record: dict, reason: str) -> dict:
@@ -421,6 +451,7 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "smoke": cfg.smoke,
         "quick": cfg.quick,
+        "rounds": cfg.rounds,
         "warmup_ms": cfg.warmup_ms,
         "rep_ms": cfg.rep_ms,
         "timer": "triton.testing.do_bench median, L2 flushed, no CUDA graph" if cfg.device.type == "cuda"
