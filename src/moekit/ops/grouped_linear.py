@@ -380,39 +380,19 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
             raise ValueError(f"backend={backend!r} cannot run here: {reason}. Usable here: {usable}")
         return impl
     usable = [name for name in _auto_order(x) if _BACKENDS[name].unavailable_reason(x, w_NOI) is None]
-    if x.device.type == "cuda" and {"torch", "triton"} <= set(usable):
-        return _FASTEST_ON_CUDA
     return _BACKENDS[usable[0]] if usable else _BACKENDS["loop"]
 
 
 def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
-    # Where only one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which
-    # also syncs with the host.
+    """Backends `auto` tries, in order. On Hopper moekit's kernels were measured at least as fast
+    as grouped_mm in every product (H200, bf16, design.md's shapes: benchmarks/results, README);
+    on older GPUs they run an untuned pointer path, so grouped_mm comes first there. Where only
+    one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which also syncs."""
     if x.device.type == "cuda":
+        if torch.cuda.get_device_capability(x.device)[0] >= 9:
+            return ("triton", "torch", "loop")
         return ("torch", "triton", "loop")
     return ("torch", "loop")
-
-
-class _PerProductBackend:
-    """Each product from the backend measured fastest for it (H200, bf16, the four model shapes of
-    design.md: benchmarks/results/grouped_gemm_tune_v2.json and the run_all JSON). moekit's kernels
-    win forward and dgrad; torch's grouped_mm wins most wgrad cells."""
-
-    name = "auto"
-
-    def __init__(self, forward: str, dgrad: str, wgrad: str, dbias: str) -> None:
-        self.choice = {"forward": forward, "dgrad": dgrad, "wgrad": wgrad, "dbias": dbias}
-        self.forward = _BACKENDS[forward].forward
-        self.dgrad = _BACKENDS[dgrad].dgrad
-        self.wgrad = _BACKENDS[wgrad].wgrad
-        self.dbias = _BACKENDS[dbias].dbias
-
-    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
-        reasons = {_BACKENDS[n].unavailable_reason(x, w_NOI) for n in set(self.choice.values())} - {None}
-        return "; ".join(sorted(reasons)) or None
-
-
-_FASTEST_ON_CUDA = _PerProductBackend(forward="triton", dgrad="triton", wgrad="torch", dbias="torch")
 
 
 def grouped_linear(
