@@ -72,6 +72,11 @@ def _bench_cell_group(cfg, roof, shape: runner.MoEShape, dist: str, splits: list
     flops_fwd = 2 * M * H * 2 * F + 2 * M * F * H
     records = []
     timed = {"mlp.forward": [], "mlp.forward+backward": []}
+    # One set of leaves for every backend: each check and each timed call sets the gradients to
+    # None first, so nothing accumulates across backends, and every backend's peak memory is
+    # measured with the same tensors alive (the interleaved rounds keep all backends' cells live).
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    grads = list(leaves.values())
     for backend in cfg.backends:
         fwd_record = runner.new_record("grouped_mlp", shape, dist, "mlp.forward", backend, flops_fwd, roof)
         bwd_record = runner.new_record("grouped_mlp", shape, dist, "mlp.forward+backward", backend,
@@ -79,8 +84,6 @@ def _bench_cell_group(cfg, roof, shape: runner.MoEShape, dist: str, splits: list
         if reasons[backend] is not None:
             records += [runner.unavailable_record(r, reasons[backend]) for r in (fwd_record, bwd_record)]
             continue
-        # Fresh leaves per backend: gradients of one backend never accumulate into another's.
-        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
 
         def forward(leaves=leaves, backend=backend):
             return moekit.grouped_mlp(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], m_splits,
@@ -89,7 +92,6 @@ def _bench_cell_group(cfg, roof, shape: runner.MoEShape, dist: str, splits: list
         def forward_backward(forward=forward):
             forward().backward(dy_MH)
 
-        grads = list(leaves.values())
         # One checked run serves both cells: the forward cell checks the output, the other all four.
         checked = functools.cache(functools.partial(_check_all, forward, leaves, dy_MH, ref, cfg.dtype))
         for record, fn, names in ((fwd_record, forward, ("out",)),
