@@ -104,7 +104,6 @@ def _bench_cell_group(cfg, roof, shape: runner.MoEShape, dist: str, splits: list
             timed[record["op"]].append((record, fn, grads))
     for cells in timed.values():
         runner.retime_interleaved(cells, cfg)
-    del timed
     # All backends' forward cells first, then the forward+backward ones (stable: backend order kept).
     records.sort(key=lambda r: r["op"] == "mlp.forward+backward")
     return records

@@ -198,8 +198,8 @@ def test_interpreter_wgrad_ragged_tails(nan_outputs):
     # offs[G]). Six tiles per group over four programs: programs meet a group on consecutive tiles
     # (descriptor reuse). Groups: ragged, empty, whole K steps, one row, ragged into the padding.
     cfg = gg._Cfg(16, 32, 16, 2, 1, 4, True, True)
-    x, w, dy, _, _ = make_problem(100, 5, 96, 64, [35, 0, 32, 1, 24], torch.float32, "cpu", False, False)
     splits = [35, 0, 32, 1, 24]
+    x, w, dy, _, _ = make_problem(100, 5, 96, 64, splits, torch.float32, "cpu", False, False)
     used = sum(splits)
     dw, _ = gg.grouped_gemm_wgrad(dy, x, offs_of(splits, "cpu"), cfg=cfg, use_tma=True)
     rdw, _ = ref_wgrad(dy[:used], x[:used], splits)
@@ -293,22 +293,19 @@ def test_gpu_every_candidate(op, nan_outputs):
     x, w, dy, b, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda", bias=True)
     offs = offs_of(splits, "cuda")
     used = sum(splits)
-    if op == "fwd":
-        ref64, ref_bf16 = (ref_forward(x[:used], w, splits, b, dtype=d) for d in (torch.float64, torch.bfloat16))
-        cands = gg._candidates("fwd", torch.bfloat16, True, gg._capability(0), O)
-    elif op == "dgrad":
-        ref64, ref_bf16 = (ref_dgrad(dy[:used], w, splits, dtype=d) for d in (torch.float64, torch.bfloat16))
-        cands = gg._candidates("dgrad", torch.bfloat16, True, gg._capability(0), I)
-    else:
-        ref64, ref_bf16 = (ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0] for d in (torch.float64, torch.bfloat16))
-        cands = gg._candidates("wgrad", torch.bfloat16, True, gg._capability(0), I)
-    for cfg in cands:
-        if op == "fwd":
-            out = gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True)
-        elif op == "dgrad":
-            out = gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True)
-        else:
-            out = gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)[0]
+    # op -> (reference in a dtype, our product with a config, its output width N)
+    products = {
+        "fwd": (lambda d: ref_forward(x[:used], w, splits, b, dtype=d),
+                lambda cfg: gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True), O),
+        "dgrad": (lambda d: ref_dgrad(dy[:used], w, splits, dtype=d),
+                  lambda cfg: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True), I),
+        "wgrad": (lambda d: ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0],
+                  lambda cfg: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)[0], I),
+    }
+    ref, run, n = products[op]
+    ref64, ref_bf16 = ref(torch.float64), ref(torch.bfloat16)
+    for cfg in gg._candidates(op, torch.bfloat16, True, gg._capability(0), n):
+        out = run(cfg)
         if op == "wgrad":
             assert (out[1] == 0).all() and (out[7] == 0).all(), cfg
             for g in range(G):

@@ -292,15 +292,16 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
-def _wgrad_tile(tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M,
+def _wgrad_tile(tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M,
                 GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """wgrad tile of group g -> (o0, i0, group's row start, group's row end)."""
+    """wgrad tile -> (group, o0, i0, group's row start, group's row end)."""
+    g = tile_id // tiles_per_group
     pid_m, pid_n = _swizzle(tile_id % tiles_per_group, num_pid_m, num_pid_n, GROUP_M)
     row_lo = tl.load(offs_ptr + g).to(tl.int32)
     row_hi = tl.load(offs_ptr + g + 1).to(tl.int32)
     row_lo = tl.minimum(tl.maximum(row_lo, 0), M)
     row_hi = tl.minimum(tl.maximum(row_hi, row_lo), M)
-    return pid_m * BLOCK_M, pid_n * BLOCK_N, row_lo, row_hi
+    return g, pid_m * BLOCK_M, pid_n * BLOCK_N, row_lo, row_hi
 
 
 @triton.jit
@@ -435,9 +436,8 @@ def _grouped_wgrad_kernel(
         for _step in range(0, total_steps):
             if ki == 0:
                 tile_id += NUM_PROGRAMS
-                g = tile_id // tiles_per_group
-                o0, i0, row_lo, row_hi = _wgrad_tile(
-                    tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
+                g, o0, i0, row_lo, row_hi = _wgrad_tile(
+                    tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
                 k_len = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_K), 1)
                 if USE_TMA:
                     if (row_hi - row_lo) % BLOCK_K == 0:
@@ -466,9 +466,8 @@ def _grouped_wgrad_kernel(
             ki = tl.where(last, 0, ki + 1)
     else:
         for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS):
-            g = tile_id // tiles_per_group
-            o0, i0, row_lo, row_hi = _wgrad_tile(
-                tile_id, g, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
+            g, o0, i0, row_lo, row_hi = _wgrad_tile(
+                tile_id, tiles_per_group, num_pid_m, num_pid_n, offs_ptr, M, GROUP_M, BLOCK_M, BLOCK_N)
             if USE_TMA:
                 dy_desc = tl.make_tensor_descriptor(
                     dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
@@ -680,6 +679,17 @@ def _pick(key: tuple, cands: list[_Cfg], launch, device: torch.device) -> _Cfg:
     return best
 
 
+def _resolve_tma(use_tma: bool | None, has_k: bool, *operands: torch.Tensor) -> tuple[bool, tuple[int, int]]:
+    """(whether the operands go through TMA descriptors, the compute capability to pick configs
+    for). use_tma given (tests, tuning) is kept as is, with Hopper's configs; otherwise TMA needs
+    sm_90 (or the interpreter), a non-empty reduction and 16-byte aligned operands."""
+    if use_tma is not None:
+        return use_tma, (9, 0)
+    device = operands[0].device
+    cap = (9, 0) if (_INTERPRET or device.type != "cuda") else _capability(device.index)
+    return (cap[0] >= 9 or _INTERPRET) and has_k and _tma_ok(*operands), cap
+
+
 def _empty(shape, device, dtype) -> torch.Tensor:
     """Every output is allocated here, uninitialised: the kernels write every element. (Tests
     replace this with a NaN-filled allocation to prove it.)"""
@@ -774,11 +784,7 @@ def _mm(op, a, w, offs, bias=None, scale=None, *, cfg=None, use_tma=None):
         return out
     if G == 0:
         return out.zero_()
-    if use_tma is None:
-        cap = (9, 0) if (_INTERPRET or a.device.type != "cuda") else _capability(a.device.index)
-        use_tma = (cap[0] >= 9 or _INTERPRET) and K > 0 and _tma_ok(a, w)
-    else:
-        cap = (9, 0)
+    use_tma, cap = _resolve_tma(use_tma, K > 0, a, w)
     with _device_ctx(a.device):
         if cfg is None:
             cands = _candidates(op, a.dtype, use_tma, cap, N)
@@ -883,11 +889,7 @@ def grouped_gemm_wgrad(dy_MO, x_MI, offs_G1, *, with_dbias=False, num_groups=Non
     cfg = _kw.get("cfg")
     use_tma = _kw.get("use_tma")
     if G > 0 and O > 0 and I > 0:
-        if use_tma is None:
-            cap = (9, 0) if (_INTERPRET or dy.device.type != "cuda") else _capability(dy.device.index)
-            use_tma = (cap[0] >= 9 or _INTERPRET) and M > 0 and _tma_ok(dy, x)
-        else:
-            cap = (9, 0)
+        use_tma, cap = _resolve_tma(use_tma, M > 0, dy, x)
         with _device_ctx(dy.device):
             if cfg is None:
                 cands = _candidates("wgrad", dy.dtype, use_tma, cap, I)
