@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moekit
-from conftest import rand
+from helpers import rand
 from moekit.ops.grouped_linear import select_backend
 
 N, IN, OUT = 4, 16, 32

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moekit
-from conftest import rand
+from helpers import rand
 from moekit.ops.grouped_linear import packed_view
 
 N, IN, OUT = 4, 16, 24

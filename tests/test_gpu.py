@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moekit
-from conftest import assert_no_nan, check_against_reference, rand, rel_err, torch_grouped_linear, torch_grouped_mlp
+from helpers import assert_no_nan, check_against_reference, rand, rel_err, torch_grouped_linear, torch_grouped_mlp
 from moekit.ops.grouped_linear import select_backend
 from moekit.reference import grouped_linear_reference, grouped_mlp_reference
 
@@ -48,7 +48,7 @@ def _require_backend(backend: str, in_features: int, out_features: int, device=N
 def _on_device(fn, device):
     """Wrap `fn` so that it receives its tensor arguments on `device` and returns its result on the
     CPU, both moves differentiable: check_against_reference makes its leaves and the upstream
-    gradient on the CPU (as do conftest's plain-torch helpers), while the op under test and the
+    gradient on the CPU (as do the plain-torch helpers of tests/helpers.py), while the op under test and the
     float64 reference run on the GPU."""
 
     def wrapped(**tensors):
@@ -70,7 +70,7 @@ def test_grouped_linear_bf16_matches_float64(backend, m_splits, nan_poison, devi
     splits_dev = torch.tensor(m_splits, device=device)
     inputs = {"x": rand(M, H, seed=1), "weight": rand(N, 2 * F, H, scale=H**-0.5, seed=2),
               "bias": rand(N, 2 * F, seed=3)}
-    # torch's own bf16 computation (conftest's per-group loop) runs on the CPU: same rounding of
+    # torch's own bf16 computation (helpers' per-group loop) runs on the CPU: same rounding of
     # each product (fp32 accumulation, one bf16 rounding), so the same error scale.
     res = check_against_reference(
         _on_device(lambda x, weight, bias: moekit.grouped_linear(x, weight, splits_dev, bias, backend=backend), device),

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moekit
-from conftest import (
+from helpers import (
     BACKENDS,
     HYPOTHESIS,
     LOWP_DTYPES,

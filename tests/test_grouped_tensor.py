@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import rand
+from helpers import rand
 from moekit import GroupedTensor
 
 

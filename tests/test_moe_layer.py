@@ -7,7 +7,7 @@ import torch
 from torch.func import functional_call
 
 import moekit
-from conftest import (
+from helpers import (
     BACKENDS,
     LOWP_DTYPES,
     assert_no_nan,

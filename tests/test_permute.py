@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moekit
-from conftest import HYPOTHESIS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand
+from helpers import HYPOTHESIS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand
 from moekit.reference import permute_reference, unpermute_reference
 
 

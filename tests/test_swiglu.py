@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moekit
-from conftest import (
+from helpers import (
     HYPOTHESIS,
     LOWP_DTYPES,
     check_against_reference,

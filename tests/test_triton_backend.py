@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moekit
-from conftest import check_against_reference, rand, torch_grouped_linear, torch_grouped_mlp
+from helpers import check_against_reference, rand, torch_grouped_linear, torch_grouped_mlp
 from moekit._splits import _device_splits
 from moekit.reference import grouped_linear_reference, grouped_mlp_reference
 

@@ -1,0 +1,251 @@
+"""Helpers of moekit's CPU and GPU tests: the tolerance rule of tests/conftest.py, plain-torch versions
+of the ops written from their documented semantics (not from moekit's code), shared edge cases, NaN
+poison for buffers a test allocates, and seeded random inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from hypothesis import settings
+
+# Hypothesis settings of the property tests: modest, deterministic, no per-example deadline.
+HYPOTHESIS = settings(max_examples=25, deadline=None, derandomize=True)
+
+BACKENDS = ("loop", "torch")
+LOWP_DTYPES = (torch.float32, torch.bfloat16)
+
+# Unit roundoff (finfo.eps / 2) of each dtype: one rounding step.
+UNIT_ROUNDOFF = {dt: torch.finfo(dt).eps / 2 for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+
+# The reordering allowance of the rule, in fp32 unit roundoffs per sqrt(reduction length) (see conftest).
+REORDER_SLACK = 16
+
+INT_SENTINEL = -(2**30)
+
+
+# --------------------------------------------------------------------------------------------------
+# The tolerance rule (stated in tests/conftest.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of `a` against `ref` in float64; absolute where `ref` is all zero."""
+    a64, r64 = a.detach().double(), ref.detach().double()
+    assert a64.shape == r64.shape, f"shape {tuple(a64.shape)} != reference shape {tuple(r64.shape)}"
+    diff = (a64 - r64).norm().item()
+    if diff != diff:  # NaN anywhere in `a` (e.g. an unwritten, poisoned row)
+        return float("inf")
+    scale = r64.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def tolerance_floor(dtype: torch.dtype, reduction_length: int) -> float:
+    """The rule's floor: one rounding of the result's dtype, plus the error a reordered fp32 sum of
+    `reduction_length` terms may make (REORDER_SLACK * sqrt(length) fp32 unit roundoffs)."""
+    return UNIT_ROUNDOFF[dtype] + REORDER_SLACK * max(reduction_length, 1) ** 0.5 * UNIT_ROUNDOFF[torch.float32]
+
+
+def assert_within_tolerance(ours: torch.Tensor, ref64: torch.Tensor, torch_lowp: torch.Tensor, what: str,
+                            *, reduction_length: int | None = None) -> None:
+    """The one tolerance rule: rel_err(ours) <= 2 * rel_err(torch_lowp) + floor(dtype, reduction length).
+    `reduction_length` defaults to the largest dimension of the reference (a bound on the sums that
+    produced it in these small tests)."""
+    assert ours.dtype == torch_lowp.dtype, f"{what}: dtype {ours.dtype} vs torch's {torch_lowp.dtype}"
+    length = reduction_length if reduction_length is not None else max(ref64.shape, default=1)
+    err_ours = rel_err(ours, ref64)
+    err_torch = rel_err(torch_lowp, ref64)
+    floor = tolerance_floor(ours.dtype, length)
+    bound = 2 * err_torch + floor
+    assert err_ours <= bound, (
+        f"{what} ({ours.dtype}): relative error {err_ours:.3e} vs float64 exceeds 2 x torch's own "
+        f"{err_torch:.3e} + floor {floor:.1e} (reduction length {length}) = {bound:.3e}"
+    )
+
+
+def _flatten(inputs: dict) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            out.append((name, v))
+        else:
+            out.extend((f"{name}[{i}]", t) for i, t in enumerate(v))
+    return out
+
+
+def _leaves(inputs: dict, dtype: torch.dtype, diff: set[str]) -> dict:
+    def leaf(name, t):
+        t = t.detach().clone().to(dtype) if t.is_floating_point() else t
+        return t.requires_grad_(True) if name in diff and t.is_floating_point() else t
+
+    return {k: (leaf(k, v) if isinstance(v, torch.Tensor) else [leaf(k, t) for t in v]) for k, v in inputs.items()}
+
+
+def check_against_reference(
+    ours: Callable[..., torch.Tensor],
+    torch_lowp: Callable[..., torch.Tensor],
+    ref64: Callable[..., torch.Tensor],
+    inputs: dict,
+    dtype: torch.dtype,
+    *,
+    differentiable: Sequence[str] | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Run ours, torch's low-precision version and the float64 reference on the same inputs (rounded
+    to `dtype` first), back-propagate the same random upstream gradient, and apply the tolerance rule
+    to the output and to the gradient of every differentiable input. Each of `inputs` is a tensor or a
+    list of tensors; returns ours' output and gradients (by input name) for further checks."""
+    diff = set(differentiable if differentiable is not None else inputs)
+    rounded = {k: (v.detach().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+               if isinstance(v, torch.Tensor) else [t.detach().to(dtype) for t in v] for k, v in inputs.items()}
+    ins_ours, ins_lowp, ins_ref = (_leaves(rounded, d, diff) for d in (dtype, dtype, torch.float64))
+    y_ours, y_lowp, y_ref = ours(**ins_ours), torch_lowp(**ins_lowp), ref64(**ins_ref)
+    assert y_ref.dtype == torch.float64
+    assert y_ours.dtype == dtype, f"output dtype {y_ours.dtype}, expected {dtype}"
+    # Every sum in these ops runs over rows, features or tokens: bounded by the largest input dimension.
+    length = max(max(t.shape, default=1) for _, t in _flatten(rounded))
+    assert_within_tolerance(y_ours, y_ref, y_lowp, "output", reduction_length=length)
+    gen = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64).to(dtype)
+    y_ours.backward(grad_out.to(y_ours.device))
+    y_lowp.backward(grad_out.to(y_lowp.device))
+    y_ref.backward(grad_out.double().to(y_ref.device))
+    result = {"out": y_ours.detach()}
+    for (name, t_ours), (_, t_lowp), (_, t_ref) in zip(
+        _flatten(ins_ours), _flatten(ins_lowp), _flatten(ins_ref), strict=True
+    ):
+        if not t_ours.requires_grad:
+            continue
+        assert t_ours.grad is not None, f"{name} got no gradient"
+        assert t_ours.grad.shape == t_ours.shape, f"{name}: gradient shape {tuple(t_ours.grad.shape)}"
+        assert_within_tolerance(t_ours.grad, t_ref.grad, t_lowp.grad, f"d {name}", reduction_length=length)
+        result[name] = t_ours.grad
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain-torch implementations, written from design.md's text (not from moekit's code). They keep
+# their inputs' dtype: in float64 they are an independent check of moekit.reference; in bf16/fp32
+# they are "torch's own computation" of the tolerance rule.
+# --------------------------------------------------------------------------------------------------
+
+
+def splits_list(m_splits) -> list[int]:
+    return [int(v) for v in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+
+
+def _members(t, n=None) -> list[torch.Tensor]:
+    if t is None:
+        return []
+    if isinstance(t, torch.Tensor):
+        return list(t.unbind(0))
+    return list(t)
+
+
+def torch_grouped_linear(x, weight, m_splits, bias=None, *, bias_scale=None):
+    """Per-group `x_g @ W_g^T + b_g (* s)`, padding rows zero, in x's dtype."""
+    ws, bs = _members(weight), _members(bias)
+    counts = splits_list(m_splits)
+    pieces, lo = [], 0
+    for g, c in enumerate(counts):
+        y = x[lo:lo + c] @ ws[g].t()
+        if bs:
+            b = bs[g][None, :]
+            y = y + (b * bias_scale.reshape(-1)[lo:lo + c, None].to(b.dtype) if bias_scale is not None else b)
+        pieces.append(y)
+        lo += c
+    pieces.append(torch.zeros(x.shape[0] - lo, ws[0].shape[0], dtype=x.dtype, device=x.device))
+    return torch.cat(pieces)
+
+
+def glu_indices(ffn: int, k: int | None) -> tuple[list[int], list[int]]:
+    """Column indices of the gates and ups in fc1's output, from design.md: block b of size 2k holds
+    gates [2kb, 2kb+k) and ups [2kb+k, 2kb+2k); k=None is [all gates | all ups]."""
+    if k is None:
+        return list(range(ffn)), list(range(ffn, 2 * ffn))
+    gates = [2 * k * b + r for b in range(ffn // k) for r in range(k)]
+    ups = [2 * k * b + k + r for b in range(ffn // k) for r in range(k)]
+    return gates, ups
+
+
+def torch_swiglu(h, *, probs=None, glu_interleave_size=None, activation="swiglu"):
+    ffn = h.shape[1] // 2
+    gi, ui = glu_indices(ffn, glu_interleave_size)
+    g, u = h[:, gi], h[:, ui]
+    if activation == "swiglu":
+        out = torch.nn.functional.silu(g) * u
+    else:
+        g = torch.clamp(g, max=7.0)
+        u = torch.clamp(u, -7.0, 7.0)
+        out = g * torch.sigmoid(1.702 * g) * (u + 1)
+    if probs is not None:
+        out = out * probs.reshape(-1, 1).to(out.dtype)
+    return out
+
+
+def torch_grouped_mlp(x, fc1_weight, fc2_weight, m_splits, *, probs=None, fc1_bias=None, fc2_bias=None,
+                      activation="swiglu", glu_interleave_size=None):
+    h = torch_grouped_linear(x, fc1_weight, m_splits, fc1_bias)
+    a = torch_swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
+    return torch_grouped_linear(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Edge cases shared by the grouped ops: (m_splits, rows), with readable ids
+# --------------------------------------------------------------------------------------------------
+
+SPLIT_CASES = [
+    pytest.param([5, 3, 6, 4], 18, id="balanced"),
+    pytest.param([0, 7, 5, 6], 18, id="empty-first"),
+    pytest.param([6, 0, 0, 12], 18, id="empty-middle"),
+    pytest.param([9, 4, 5, 0], 18, id="empty-last"),
+    pytest.param([0, 0, 18, 0], 18, id="all-on-one"),
+    pytest.param([0, 1, 0, 0], 1, id="one-row"),
+    pytest.param([3, 0, 4, 2], 14, id="padding-rows"),
+    pytest.param([0, 0, 0, 0], 5, id="nothing-routed"),
+    pytest.param([3, 1, 0, 4, 2, 0, 5], 15, id="prime-N7"),
+]
+
+
+def splits_as(kind: str, m_splits: list[int]):
+    """m_splits in each accepted host form."""
+    return {
+        "list": list(m_splits),
+        "tuple": tuple(m_splits),
+        "cpu-int32": torch.tensor(m_splits, dtype=torch.int32),
+        "cpu-int64": torch.tensor(m_splits, dtype=torch.int64),
+    }[kind]
+
+
+SPLIT_KINDS = ("list", "tuple", "cpu-int32", "cpu-int64")
+
+
+# --------------------------------------------------------------------------------------------------
+# NaN poison
+# --------------------------------------------------------------------------------------------------
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta" or t.numel() == 0:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(INT_SENTINEL if t.dtype in (torch.int32, torch.int64) else -1)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor like `t`, filled with NaN (floats) or a sentinel (integers)."""
+    return poison(torch.empty_like(t))
+
+
+def assert_no_nan(t: torch.Tensor, what: str) -> None:
+    bad = torch.isnan(t.detach())
+    assert not bad.any(), f"{what} has NaN (unwritten?) at rows {sorted(set(bad.nonzero()[:, 0].tolist()))[:10]}"
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
