@@ -214,12 +214,38 @@ def test_bad_module_arguments():
         moekit.GroupedLinear(N, 16.0, OUT)
     with pytest.raises(ValueError, match=r"unknown score_func 'relu'; expected one of \('softmax', 'sigmoid'\)"):
         moekit.MoELayer(H, F, N, 2, score_func="relu")
-    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
-        moekit.MoELayer(H, F, N, 5)
-    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 0"):
-        moekit.MoELayer(H, F, N, 0)
     with pytest.raises(ValueError, match=r"aux_loss_coef must be >= 0, got -0.1"):
         moekit.MoELayer(H, F, N, 2, aux_loss_coef=-0.1)
+
+
+@pytest.mark.parametrize("top_k", [5, 0, -1, 2.0, True, "2"], ids=["5>N", "0", "-1", "float-2.0", "bool", "str"])
+def test_bad_top_k_fails_at_construction(top_k):
+    msg = rf"top_k must be an int in \[1, num_experts=4\], got {re.escape(repr(top_k))}"
+    with pytest.raises(ValueError, match=msg):
+        moekit.MoELayer(H, F, N, top_k)
+
+
+@pytest.mark.parametrize("module", ["GroupedMLP", "MoELayer"])
+@pytest.mark.parametrize("name, sizes", [
+    pytest.param("num_experts", (0, H, F), id="0-experts"),
+    pytest.param("ffn_hidden_size", (N, H, 0), id="F=0"),
+    pytest.param("hidden_size", (N, -3, F), id="H=-3"),
+    pytest.param("num_experts", (4.0, H, F), id="float-experts"),
+])
+def test_bad_sizes_name_the_constructor_argument(module, name, sizes):
+    num_experts, hidden, ffn = sizes
+    bad = dict(zip(("num_experts", "hidden_size", "ffn_hidden_size"), sizes, strict=True))[name]
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {re.escape(repr(bad))}$"):
+        if module == "GroupedMLP":
+            moekit.GroupedMLP(num_experts, hidden, ffn)
+        else:
+            moekit.MoELayer(hidden, ffn, num_experts, 1)
+
+
+def test_moe_layer_dtype_mismatch_is_reported_at_entry():
+    layer = moekit.MoELayer(H, F, N, 2)
+    with pytest.raises(TypeError, match=r"MoELayer's parameters are torch.float32 but the input is torch.bfloat16"):
+        layer(rand(3, H, dtype=torch.bfloat16, seed=40))
 
 
 def test_bad_permute_inputs():
@@ -239,6 +265,43 @@ def test_bad_permute_inputs():
         moekit.unpermute(torch.zeros(5, 4), row_map)
     with pytest.raises(ValueError, match=r"weights must have row_map's shape \(3, 2\), got \(3, 1\)"):
         moekit.unpermute(torch.zeros(6, 4), row_map, torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("row_map, exc, msg", [
+    pytest.param([[0, 6], [1, 2], [3, 4]], ValueError, r"values must lie in \[0, 6\).*found values in \[0, 6\]",
+                 id="past-the-rows"),
+    pytest.param([[0, -1], [1, 2], [3, 4]], ValueError, r"found values in \[-1, 4\]", id="negative"),
+    pytest.param([[0, 1], [1, 2], [3, 4]], ValueError,
+                 r"permutation of the sorted rows.*rows \[1\] appear more than once and rows \[5\] never",
+                 id="not-a-permutation"),
+    pytest.param([[0.0, 1], [2, 3], [4, 5]], TypeError, r"row_map must be an integer tensor.*torch.float32",
+                 id="float"),
+    pytest.param([[True, False], [True, False], [True, False]], TypeError, r"integer tensor.*torch.bool", id="bool"),
+])
+def test_bad_unpermute_row_map(row_map, exc, msg):
+    """On the CPU the map is checked before any gather: no raw IndexError, no unwritten gradient rows."""
+    y = torch.zeros(6, 4, requires_grad=True)
+    with pytest.raises(exc, match=msg):
+        moekit.unpermute(y, torch.tensor(row_map))
+    with pytest.raises(exc, match=msg):
+        moekit.unpermute(y, torch.tensor(row_map), torch.ones(3, 2))
+
+
+def test_bad_unpermute_operands():
+    row_map = torch.arange(6).view(3, 2)
+    with pytest.raises(TypeError, match=r"weights must be floating point, got torch.int64"):
+        moekit.unpermute(torch.zeros(6, 4), row_map, torch.ones(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"row_map is on meta but y_sorted is on cpu"):
+        moekit.unpermute(torch.zeros(6, 4), row_map.to("meta"))
+    with pytest.raises(ValueError, match=r"y_sorted must be 2-D"):
+        moekit.unpermute(torch.zeros(6), row_map)
+
+
+def test_device_row_map_is_not_read():
+    """Off the CPU the values are not read (a read would sync): a device map passes the checks (meta
+    stands in for CUDA here: any read of its values would raise)."""
+    out = moekit.unpermute(torch.zeros(6, 4, device="meta"), torch.empty(3, 2, dtype=torch.int64, device="meta"))
+    assert out.shape == (3, 4) and out.device.type == "meta"
 
 
 # --------------------------------------------------------------------------------------------------

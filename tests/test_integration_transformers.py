@@ -288,3 +288,30 @@ def test_save_pretrained_after_apply_moekit_round_trips(tmp_path, name):
     ids = _batch()
     with torch.no_grad():
         assert _rel_err(reloaded(input_ids=ids).logits, model(input_ids=ids).logits) <= REL_TOL
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_apply_moekit_twice_is_idempotent(name):
+    """A second call with the same arguments changes nothing (same modules, same parameters, same
+    step); a call asking for other settings says the model was already converted."""
+    reference = _model(name)
+    candidate = apply_moekit(copy.deepcopy(reference))
+    modules = {n: m for n, m in candidate.named_modules() if isinstance(m, MoekitExperts)}
+    params = dict(candidate.named_parameters())
+    assert apply_moekit(candidate) is candidate
+    assert {n: m for n, m in candidate.named_modules() if isinstance(m, MoekitExperts)} == modules
+    assert all(p is params[n] for n, p in candidate.named_parameters()) and params.keys() == dict(
+        candidate.named_parameters()).keys()
+    _assert_same_training_step(reference, candidate, _batch())
+    with pytest.raises(ValueError, match=r"already applied to this model with backend='auto', single_grouped_weight="
+                                         r"True; asked now for backend='loop'"):
+        apply_moekit(candidate, backend="loop")
+    with pytest.raises(ValueError, match=r"asked now for backend='auto', single_grouped_weight=False"):
+        apply_moekit(candidate, single_grouped_weight=False)
+
+
+@pytest.mark.parametrize("model", [None, "mixtral", 3], ids=["None", "str", "int"])
+def test_apply_moekit_needs_a_module(model):
+    msg = rf"takes a transformers model \(a torch.nn.Module\), got {type(model).__name__}"
+    with pytest.raises(TypeError, match=msg):
+        apply_moekit(model)

@@ -211,3 +211,13 @@ def test_route_outputs():
     layer.norm_topk_prob = False
     w2, _, s2 = layer.route(rand(5, H, seed=13))
     torch.testing.assert_close(w2, s2.topk(2, dim=-1).values)
+
+
+def test_reference_is_an_attribute_of_the_package():
+    """`import moekit; moekit.reference` works without importing the submodule by name."""
+    import subprocess
+    import sys
+
+    code = "import moekit; print(moekit.reference.grouped_mlp_reference.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "grouped_mlp_reference", out.stderr

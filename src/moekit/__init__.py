@@ -1,5 +1,6 @@
-"""moekit: grouped linears, fused grouped MLPs and MoE layers for training Mixture-of-Experts models."""
+"""moekit: grouped linears, grouped MLPs and MoE layers for training Mixture-of-Experts models."""
 
+from moekit import reference
 from moekit.checkpoint import load_safetensors, read_safetensors, save_safetensors
 from moekit.grouped_tensor import GroupedTensor
 from moekit.nn import GroupedLinear, GroupedMLP, MoELayer
@@ -23,6 +24,7 @@ __all__ = [
     "load_safetensors",
     "permute",
     "read_safetensors",
+    "reference",
     "save_safetensors",
     "swiglu",
     "unpermute",

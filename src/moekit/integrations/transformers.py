@@ -53,7 +53,6 @@ weights as `probs` (they scale the activation and the fc2 bias, as the model's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.permute import permute, unpermute
+from moekit.ops.permute import route_through_experts
 from moekit.ops.swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 
 EXPERTS_IMPLEMENTATION = "moekit"
@@ -145,24 +144,6 @@ def _layout_of_interface_experts(experts: nn.Module) -> ExpertsLayout:
                          bool(getattr(experts, "has_bias", False)))
 
 
-def _route_through_experts(
-    hidden_TH: torch.Tensor,
-    top_k_index_TK: torch.Tensor,
-    top_k_weights_TK: torch.Tensor,
-    num_experts: int,
-    run_mlp: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Sort the T*K routed copies by expert, run `run_mlp(x (M, H), m_splits (N,), probs (M,))`,
-    and sum each token's K weighted outputs back: (T, H) in hidden_TH's dtype."""
-    x_MH, m_splits, row_map_TK = permute(hidden_TH, top_k_index_TK, num_experts)
-    # probs of sorted row row_map[t, k] is the weight of copy (t, k); scatter keeps the gradient.
-    probs_M = top_k_weights_TK.new_zeros(row_map_TK.numel()).scatter(
-        0, row_map_TK.reshape(-1), top_k_weights_TK.reshape(-1)
-    )
-    y_MH = run_mlp(x_MH, m_splits, probs_M)
-    return unpermute(y_MH, row_map_TK).to(hidden_TH.dtype)
-
-
 # The replaced module's tensor names -> (GroupedMLP linear, parameter kind).
 _MODEL_NAMES = {
     "gate_up_proj": ("fc1", "weight"),
@@ -218,7 +199,7 @@ class MoekitExperts(nn.Module):
         return cls(mlp, layout, name)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return _route_through_experts(hidden_states, top_k_index, top_k_weights, self.num_experts, self.grouped_mlp)
+        return route_through_experts(hidden_states, top_k_index, top_k_weights, self.num_experts, self.grouped_mlp)[0]
 
     def model_layout_tensors(self, *, grads: bool = False) -> dict[str, torch.Tensor | None]:
         """The expert tensors (or, with grads=True, their gradients) under the replaced module's
@@ -307,10 +288,25 @@ def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weig
     `single_grouped_weight=False` gives TransformerEngine-style `weight{i}` parameters instead.
     Raises `UnsupportedModelError` (listing the supported models) when the model has no supported
     experts or has experts moekit cannot run exactly.
+
+    Idempotent: experts already on moekit are kept as they are, so a second call with the same
+    arguments changes nothing; a second call asking for another `backend` or layout raises a
+    ValueError rather than leaving the model in a mix of settings.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_moekit takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
     found, unsupported = _find_experts(model)
+    applied = [m for m in model.modules() if isinstance(m, MoekitExperts)]
+    for experts in applied:
+        mlp = experts.grouped_mlp
+        if (mlp.backend, mlp.fc1.single_grouped_weight) != (backend, single_grouped_weight):
+            raise ValueError(
+                f"apply_moekit was already applied to this model with backend={mlp.backend!r}, "
+                f"single_grouped_weight={mlp.fc1.single_grouped_weight}; asked now for backend={backend!r}, "
+                f"single_grouped_weight={single_grouped_weight}. Apply it once, to a freshly loaded model."
+            )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if unsupported or not found:
+    if unsupported or not (found or applied):
         what = f"unsupported experts modules {unsupported}" if unsupported else "no supported experts module"
         raise UnsupportedModelError(
             f"apply_moekit: {type(model).__name__} (model_type={model_type!r}) has {what}. Supported models: "
@@ -349,7 +345,7 @@ def moekit_experts_forward(
             activation=layout.activation, glu_interleave_size=layout.glu_interleave_size, backend=backend,
         )
 
-    return _route_through_experts(hidden_states, top_k_index, top_k_weights, fc1_weight.shape[0], run_mlp)
+    return route_through_experts(hidden_states, top_k_index, top_k_weights, fc1_weight.shape[0], run_mlp)[0]
 
 
 def register_experts_implementation() -> None:

@@ -14,6 +14,13 @@ from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.swiglu import check_activation, check_interleave
 
 
+def check_sizes(**sizes: int) -> None:
+    """Raise a ValueError naming the constructor argument that is not a positive int."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 class GroupedMLP(nn.Module):
     """Expert MLPs: fc1 (H -> 2F, gate and up), gated activation, fc2 (F -> H).
 
@@ -37,6 +44,7 @@ class GroupedMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_sizes(num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_activation(activation)
         check_interleave(ffn_hidden_size, glu_interleave_size)
         self.num_experts = num_experts

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.ops.permute import permute, unpermute
+from moekit.nn.grouped_mlp import GroupedMLP, check_sizes
+from moekit.ops.permute import route_through_experts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -60,10 +60,11 @@ class MoELayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_sizes(num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"unknown score_func {score_func!r}; expected one of {SCORE_FUNCS}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
         if aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
         self.hidden_size = hidden_size
@@ -91,15 +92,20 @@ class MoELayer(nn.Module):
         return weights, ids, scores
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"input's last dimension is {x.shape[-1]}; expected hidden_size={self.hidden_size}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"input's last dimension is {x.shape[-1] if x.dim() else None}; expected "
+                f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
+            )
+        param_dtype = self.router.weight.dtype
+        if x.dtype != param_dtype:
+            raise TypeError(
+                f"MoELayer's parameters are {param_dtype} but the input is {x.dtype}; cast the input "
+                f"(x.to({param_dtype})) or the layer (layer.to({x.dtype}))"
+            )
         x_TH = x.reshape(-1, self.hidden_size)
         weights, ids, scores = self.route(x_TH)
-        x_sorted, m_splits, row_map = permute(x_TH, ids, self.num_experts)
-        probs_sorted = torch.empty_like(weights.reshape(-1))
-        probs_sorted = probs_sorted.index_put((row_map.reshape(-1),), weights.reshape(-1))
-        y_sorted = self.experts(x_sorted, m_splits, probs=probs_sorted)
-        y_TH = unpermute(y_sorted, row_map)
+        y_TH, m_splits = route_through_experts(x_TH, ids, weights, self.num_experts, self.experts)
         if self.aux_loss_coef > 0 and self.training:
             routed_share = m_splits.float() / ids.numel()
             aux = self.aux_loss_coef * self.num_experts * (routed_share * scores.mean(0)).sum()

@@ -9,6 +9,8 @@ no floating-point atomics, so gradients are bit-identical run after run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moekit._splits import compute_dtype
@@ -73,9 +75,9 @@ def permute(
         raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
     if expert_ids.device != x.device:
         raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
-    if expert_ids.device.type == "cpu" and expert_ids.numel():
-        # On the host the check is free; on an accelerator it would need a sync, so ids outside
-        # [0, N) there are undefined input (they are clamped into the counts).
+    if _host_checkable(expert_ids):
+        # On an accelerator this check would need a sync, so ids outside [0, N) there are undefined
+        # input (they are clamped into the counts).
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
@@ -94,17 +96,86 @@ def permute(
 def unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum each token's K expert outputs back, optionally weighted.
 
-    y_sorted: (T*K, H). row_map: (T, K) from `permute`. weights: optional (T, K).
+    y_sorted: (T*K, H). row_map: (T, K) from `permute`. weights: optional (T, K) floating.
     Returns (T, H) in y_sorted's dtype (sum in fp32).
+
+    row_map must be a permutation of the T*K sorted rows, as `permute` returns it: every sorted row
+    is the copy of exactly one (token, choice). On the CPU this is checked (integer values, in
+    range, each row once). On an accelerator only its dtype, shape and device are checked: the
+    values are not read, since that would sync with the host, and a map that is not a permutation
+    there is undefined input (out-of-range values fault in the gather; a repeated row leaves the
+    gradient of a missing row unwritten).
     """
+    if y_sorted.dim() != 2:
+        raise ValueError(f"y_sorted must be 2-D (tokens * top_k, hidden), got shape {tuple(y_sorted.shape)}")
+    if row_map.dtype.is_floating_point or row_map.dtype.is_complex or row_map.dtype == torch.bool:
+        raise TypeError(f"row_map must be an integer tensor (the int64 map permute returns), got {row_map.dtype}")
     if row_map.dim() != 2 or row_map.numel() != y_sorted.shape[0]:
         raise ValueError(
             f"row_map must be the (tokens, top_k) map from permute with tokens*top_k = {y_sorted.shape[0]} "
             f"rows; got shape {tuple(row_map.shape)}"
         )
-    if weights is not None and weights.shape != row_map.shape:
-        raise ValueError(f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}")
+    if row_map.device != y_sorted.device:
+        raise ValueError(f"row_map is on {row_map.device} but y_sorted is on {y_sorted.device}")
+    if weights is not None:
+        if weights.shape != row_map.shape:
+            raise ValueError(f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}")
+        if not weights.dtype.is_floating_point:
+            raise TypeError(f"weights must be floating point, got {weights.dtype}")
+        if weights.device != y_sorted.device:
+            raise ValueError(f"weights is on {weights.device} but y_sorted is on {y_sorted.device}")
+    if _host_checkable(row_map):
+        _check_permutation(row_map, y_sorted.shape[0])
     return _UnpermuteFn.apply(y_sorted, row_map, weights)
+
+
+def route_through_experts(
+    x_TH: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts of an MoE layer, composed of the ops: permute, the experts, unpermute.
+
+    x_TH: (T, H) in token order. topk_ids: (T, K) integer. topk_weights: (T, K) floating.
+    `experts(x_sorted (M, H), m_splits (N,), probs (M,)) -> (M, H)` runs on the rows sorted by
+    expert, with each row's router weight as `probs` (they scale the activation and fc2 bias).
+    Returns each token's K expert outputs summed, (T, H) in the experts' output dtype, and the
+    device m_splits (N,). Differentiable with respect to x and topk_weights.
+    """
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    x_sorted, m_splits, row_map = permute(x_TH, topk_ids, num_experts)
+    # Sorted row row_map[t, k] is copy (t, k): a scatter puts each weight there (its backward is
+    # a gather, so the weights' gradient is deterministic).
+    probs_sorted = topk_weights.new_zeros(row_map.numel()).scatter(0, row_map.reshape(-1), topk_weights.reshape(-1))
+    return unpermute(experts(x_sorted, m_splits, probs_sorted), row_map), m_splits
+
+
+def _host_checkable(t: torch.Tensor) -> bool:
+    """Whether `t`'s values may be read for validation: on the CPU reading is free, elsewhere it is
+    a host sync; under torch.compile the read would break the graph, so eager only."""
+    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def _check_permutation(row_map: torch.Tensor, rows: int) -> None:
+    flat = row_map.reshape(-1)
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"row_map values must lie in [0, {rows}), the rows of y_sorted; found values in [{lo}, {hi}]")
+    counts = torch.bincount(flat.to(torch.int64), minlength=rows)
+    if bool((counts != 1).any()):
+        repeated = (counts > 1).nonzero().flatten()[:8].tolist()
+        missing = (counts == 0).nonzero().flatten()[:8].tolist()
+        raise ValueError(
+            "row_map must be a permutation of the sorted rows, as permute returns it; rows "
+            f"{repeated} appear more than once and rows {missing} never (first 8 of each shown)"
+        )
 
 
 def permute_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
