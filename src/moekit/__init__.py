@@ -6,6 +6,7 @@ from moekit.grouped_tensor import GroupedTensor
 from moekit.nn import GroupedLinear, GroupedMLP, MoELayer
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.moe_experts import moe_experts
 from moekit.ops.permute import permute, unpermute
 from moekit.ops.swiglu import deinterleave_glu, interleave_glu, swiglu
 
@@ -22,6 +23,7 @@ __all__ = [
     "grouped_mlp",
     "interleave_glu",
     "load_safetensors",
+    "moe_experts",
     "permute",
     "read_safetensors",
     "reference",

@@ -6,12 +6,14 @@ gradients against these.
 
 from moekit.ops.grouped_linear import grouped_linear_reference
 from moekit.ops.grouped_mlp import grouped_mlp_reference
+from moekit.ops.moe_experts import moe_experts_reference
 from moekit.ops.permute import permute_reference, unpermute_reference
 from moekit.ops.swiglu import swiglu_reference
 
 __all__ = [
     "grouped_linear_reference",
     "grouped_mlp_reference",
+    "moe_experts_reference",
     "permute_reference",
     "swiglu_reference",
     "unpermute_reference",

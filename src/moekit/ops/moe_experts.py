@@ -1,0 +1,305 @@
+"""The routed experts of an MoE layer in one call: route, gather, grouped MLP, weighted combine.
+
+Legend: T tokens, K experts per token (top-k), M = T*K routed rows, N experts, H hidden size,
+F expert ffn size, J rows summed into one (row movement).
+
+    out[t] = sum_k w[t, k] * (fc2_e(act(fc1_e(x[t]))) + b2_e),   e = topk_ids[t, k]
+
+computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_map)`:
+
+1. Routing on the device, no host sync: a stable sort of the M expert ids gives `order` (sorted
+   row -> flat copy t*K + k), its inverse `inverse_TK` ((t, k) -> sorted row), the rows per expert
+   by binary search over the sorted ids (torch.bincount would sync to size its output), and the
+   row -> token map `order // K`.
+2. Gather `x_sorted = x[order // K]`, and the weights in sorted order as the grouped MLP's `probs`
+   (they scale the activation and the fc2 bias, and get their gradient there).
+3. `moekit.grouped_mlp` on the sorted rows. Whatever it saves for its backward passes through
+   `saved_tensors_hooks`: the saved copy of its input, `x_sorted` (M x H, K times the size of x),
+   is replaced by a reference to x and the row -> token map and gathered again in the backward,
+   so the layer holds no (M, H) tensor between forward and backward.
+4. Combine: `out[t] = sum_k y_sorted[inverse[t, k]]` (the weights are already in y_sorted).
+
+Row movement is one primitive both ways: out[r] = sum_j src[index[r, j]], summed in fixed j order
+in fp32 with one rounding. The gather is its J = 1 case. Each direction's backward is the other
+one (the gather's backward sums each token's K row gradients; the combine's backward gathers),
+so no step scatters with atomics and results are bit-identical run to run. On CUDA (and wherever
+the Triton backend runs) it is one Triton kernel; elsewhere plain torch (`src[index].sum(1)`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
+from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.swiglu import check_activation, check_interleave, swiglu_reference
+
+_TRITON_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Row movement: out[r] = sum_j src[index[r, j]]
+# --------------------------------------------------------------------------------------------------
+
+
+def _sum_rows_torch(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tensor:
+    """Plain-torch row sum: a gather then a fixed-order reduction over J (deterministic)."""
+    num_out, per_out = index_RJ.shape
+    gathered = src_SD.index_select(0, index_RJ.reshape(-1))
+    if per_out == 1:
+        return gathered
+    acc_t = torch.promote_types(src_SD.dtype, torch.float32)
+    return gathered.view(num_out, per_out, src_SD.shape[1]).sum(1, dtype=acc_t).to(src_SD.dtype)
+
+
+def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tensor:
+    import triton
+
+    from moekit.ops.moe_experts_kernels import _sum_rows_kernel
+
+    num_out, per_out = index_RJ.shape
+    num_features = src_SD.shape[1]
+    out_RD = src_SD.new_empty(num_out, num_features)
+    if out_RD.numel() == 0:
+        return out_RD
+    if per_out == 0:
+        return out_RD.zero_()
+    # A tile of about 4096 elements: 8 KiB of bf16 per source row block, enough bytes in flight per
+    # program to stream at HBM speed; narrow rows (the (M, 1) weights) get many rows per program.
+    block_d = min(triton.next_power_of_2(num_features), 1024)
+    block_r = max(1, 4096 // block_d)
+    grid = (triton.cdiv(num_out, block_r), triton.cdiv(num_features, block_d))
+    _sum_rows_kernel[grid](
+        src_SD, index_RJ, out_RD, num_out, num_features, per_out, src_SD.stride(0), out_RD.stride(0),
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )
+    return out_RD
+
+
+def _sum_rows(src_SD: torch.Tensor, index_RJ: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """(R, D): row r is the sum of src's rows index[r, 0..J-1], in that order, in src's dtype."""
+    src_SD, index_RJ = src_SD.contiguous(), index_RJ.contiguous()
+    if use_triton and src_SD.dtype in _TRITON_ROW_DTYPES:
+        return _sum_rows_triton(src_SD, index_RJ)
+    return _sum_rows_torch(src_SD, index_RJ)
+
+
+class _MoveRowsFn(torch.autograd.Function):
+    """out[r] = sum_j src[index_fwd[r, j]]; d src[s] = sum_j d out[index_bwd[s, j]].
+
+    Used with index_bwd the transpose of index_fwd's map: gather (J = 1 forward, each source row
+    used J' times) and combine (J rows summed, each source row used once) are each other's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, src_SD, index_fwd_RJ, index_bwd_SJ, use_triton):
+        ctx.save_for_backward(index_fwd_RJ, index_bwd_SJ)
+        ctx.use_triton = use_triton
+        return _sum_rows(src_SD, index_fwd_RJ, use_triton)
+
+    @staticmethod
+    def backward(ctx, d_out_RD):
+        index_fwd_RJ, index_bwd_SJ = ctx.saved_tensors
+        d_src = _MoveRowsFn.apply(d_out_RD, index_bwd_SJ, index_fwd_RJ, ctx.use_triton)
+        return d_src, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Saved-tensor hooks: the fc1 input is not kept, it is gathered again in the backward
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's memory and view without holding a reference to it."""
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+class _RegatherRows:
+    """Packed form of the gathered rows: rebuilt from the token rows and the row -> token map.
+
+    Checks, as autograd does for the tensors it saves, that x was not modified in place between
+    the forward and the backward."""
+
+    def __init__(self, x_TH: torch.Tensor, token_of_row_M1: torch.Tensor, use_triton: bool) -> None:
+        self.x_TH, self.token_of_row_M1, self.use_triton = x_TH, token_of_row_M1, use_triton
+        self.version = x_TH._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.x_TH._version != self.version:
+            raise RuntimeError(
+                "moe_experts: x was modified in place after the forward (version "
+                f"{self.version} -> {self.x_TH._version}); its backward gathers x again and needs it unchanged"
+            )
+        with torch.no_grad():
+            return _sum_rows(self.x_TH.detach(), self.token_of_row_M1, self.use_triton)
+
+
+def _regathering_hooks(x_TH, x_sorted_MH, token_of_row_M1, use_triton):
+    """(pack, unpack) for saved_tensors_hooks. The hooks live as long as the autograd graph, so
+    they refer to x_sorted only by its key (a reference would keep it alive)."""
+    key = _tensor_key(x_sorted_MH)
+    regather = _RegatherRows(x_TH, token_of_row_M1, use_triton)
+
+    def pack(t: torch.Tensor):
+        return regather if _tensor_key(t) == key else t
+
+    def unpack(packed):
+        return packed.unpack() if isinstance(packed, _RegatherRows) else packed
+
+    return pack, unpack
+
+
+# --------------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------------
+
+
+def _num_experts(fc1_weight: Weight) -> int:
+    weights = _as_list(fc1_weight)
+    if not weights or not all(isinstance(w, torch.Tensor) for w in weights):
+        raise TypeError("fc1_weight must be a (N, 2F, H) tensor or a non-empty list of N (2F, H) tensors")
+    return weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
+
+
+def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        what = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D floating tensor (tokens, hidden), got {what}")
+    if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
+        raise TypeError("topk_ids and topk_weights must be tensors of shape (tokens, top_k)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids must be (tokens, top_k) with tokens = {x.shape[0]} (x's rows), got shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor (expert indices), got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+        )
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; pass both on x's device")
+    top_k = topk_ids.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, num_experts={num_experts}], got {top_k}")
+    if topk_ids.device.type == "cpu" and topk_ids.numel():
+        # Free on the host; on an accelerator this check would be a sync, so there ids outside
+        # [0, N) are undefined input (ids >= N give zero rows, negative ids count as expert 0).
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int):
+    """Device-side routing. Returns m_splits (N,) int64, order (M, 1) (sorted row -> flat copy),
+    inverse (T, K) ((t, k) -> sorted row) and token_of_row (M, 1), all int64 on the ids' device."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    # int32 keys sort faster than int64 (radix passes); the expert count always fits.
+    sorted_ids, order = torch.sort(flat_ids.to(torch.int32), stable=True)
+    bounds = torch.arange(1, num_experts + 1, dtype=torch.int32, device=flat_ids.device)
+    ends = torch.searchsorted(sorted_ids, bounds)  # rows with id < e + 1, per expert e
+    m_splits = torch.diff(ends, prepend=ends.new_zeros(1))
+    rows = torch.arange(order.numel(), device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    token_of_row = torch.div(order, top_k, rounding_mode="floor")
+    return m_splits, order[:, None], inverse.view(num_tokens, top_k), token_of_row[:, None]
+
+
+def _use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:
+    """The Triton row kernel runs wherever the Triton backend can: on CUDA whatever GEMM backend was
+    chosen, and on CPU (interpreter) when the Triton backend itself was chosen."""
+    if backend_name == "triton":
+        return True
+    if x.device.type != "cuda":
+        return False
+    return _BACKENDS["triton"].unavailable_reason(x, x.new_empty(1, 1, x.shape[1])) is None
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1_weight: Weight,
+    fc2_weight: Weight,
+    *,
+    fc1_bias: Weight | None = None,
+    fc2_bias: Weight | None = None,
+    activation: str = "swiglu",
+    glu_interleave_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The routed experts of an MoE layer: each token's K expert outputs, weighted and summed.
+
+    x: (T, H) tokens. topk_ids: (T, K) integer experts of each token. topk_weights: (T, K) float
+    weight of each (scales the activation and the fc2 bias, as grouped_mlp's probs).
+    fc1_weight: (N, 2F, H) or N x (2F, H); fc2_weight: (N, H, F) or N x (H, F); biases (N, out),
+    N x (out,) or None. `backend` is the grouped GEMMs' ("auto", "loop", "torch", "triton").
+    Returns (T, H) in x's dtype. Differentiable with respect to x, topk_weights, weights and
+    biases; no host sync on the way (forward and backward), so CUDA-graph capturable.
+    """
+    num_experts = _num_experts(fc1_weight)
+    _check_routing(x, topk_ids, topk_weights, num_experts)
+    check_activation(activation)
+    impl = select_backend(backend, x, _probe_weight(_as_list(fc1_weight)))
+    use_triton = _use_triton_rows(impl.name, x)
+    num_tokens, top_k = topk_ids.shape
+
+    m_splits, order_M1, inverse_TK, token_of_row_M1 = _route(topk_ids, num_experts)
+    x_sorted_MH = _MoveRowsFn.apply(x, token_of_row_M1, inverse_TK, use_triton)
+    probs_M = _MoveRowsFn.apply(topk_weights.reshape(-1, 1), order_M1, inverse_TK.reshape(-1, 1), use_triton)
+    pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y_sorted_MH = grouped_mlp(
+            x_sorted_MH, fc1_weight, fc2_weight, m_splits, probs=probs_M.view(-1), fc1_bias=fc1_bias,
+            fc2_bias=fc2_bias, activation=activation, glu_interleave_size=glu_interleave_size, backend=backend,
+        )
+    del x_sorted_MH
+    return _MoveRowsFn.apply(y_sorted_MH, inverse_TK, token_of_row_M1, use_triton)
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    fc1_weight: Weight,
+    fc2_weight: Weight,
+    *,
+    fc1_bias: Weight | None = None,
+    fc2_bias: Weight | None = None,
+    activation: str = "swiglu",
+    glu_interleave_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """float64 reference of `moe_experts`: a loop over experts, each on the copies routed to it,
+    weighted and added into the tokens' rows. Returns float64 (T, H), differentiable by autograd."""
+    del backend
+    check_activation(activation)
+
+    w1, w2 = _per_expert(fc1_weight, 3), _per_expert(fc2_weight, 3)
+    b1, b2 = _per_expert(fc1_bias, 2), _per_expert(fc2_bias, 2)
+    check_interleave(w1[0].shape[0] // 2, glu_interleave_size)
+    x64, w64 = x.double(), topk_weights.double()
+    out = x64.new_zeros(x.shape)
+    for e in range(len(w1)):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x64[tokens] @ w1[e].t()
+        if b1:
+            h = h + b1[e]
+        a = swiglu_reference(h, glu_interleave_size=glu_interleave_size, activation=activation)
+        y = a @ w2[e].t()
+        if b2:
+            y = y + b2[e]
+        out = out.index_add(0, tokens, y * w64[tokens, slots][:, None])
+    return out
+
+
+def _per_expert(t: Weight | None, stacked_dims: int) -> list[torch.Tensor]:
+    """float64 per-expert tensors of a stacked (N, ...) tensor or a list; [] for None."""
+    tensors = [v.double() for v in _as_list(t)]
+    return list(tensors[0].unbind(0)) if len(tensors) == 1 and tensors[0].dim() == stacked_dims else tensors

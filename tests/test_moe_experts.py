@@ -1,0 +1,336 @@
+"""moekit.moe_experts (route + gather + grouped MLP + weighted combine) against the float64 reference
+and a plain-torch version written from the documented semantics, outputs and every gradient; the
+Triton row kernel under the interpreter; what the op keeps for the backward; bad inputs.
+
+Legend: T tokens, K experts per token, N experts, H hidden size, F ffn size.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import moekit
+from helpers import BACKENDS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand, torch_swiglu
+from moekit.ops import moe_experts as moe_experts_module
+from moekit.ops.grouped_linear import select_backend
+from moekit.reference import grouped_mlp_reference, moe_experts_reference, unpermute_reference
+
+H, F = 16, 24
+
+
+def _ids(dt):
+    return str(dt).removeprefix("torch.")
+
+
+def torch_moe_experts(x, topk_ids, topk_weights, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *,
+                      activation="swiglu", glu_interleave_size=None):
+    """The routed experts in plain torch, in x's dtype, from the documented semantics: each copy
+    (t, k) runs expert topk_ids[t, k]; its weight scales the activation and the fc2 bias; the K
+    copies of a token are summed."""
+    out = torch.zeros_like(x)
+    for e in range(fc1_weight.shape[0]):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        p = topk_weights[tokens, slots].to(x.dtype)
+        h = x[tokens] @ fc1_weight[e].t()
+        if fc1_bias is not None:
+            h = h + fc1_bias[e]
+        a = torch_swiglu(h, probs=p, activation=activation, glu_interleave_size=glu_interleave_size)
+        y = a @ fc2_weight[e].t()
+        if fc2_bias is not None:
+            y = y + fc2_bias[e] * p[:, None]
+        out = out.index_add(0, tokens, y)
+    return out
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, *, experts: list[int] | None = None, seed: int = 0):
+    """(T, K) int64 duplicate-free expert ids drawn from `experts` (default all), and (T, K) positive
+    float32 weights."""
+    pool = torch.tensor(experts if experts is not None else list(range(num_experts)))
+    gen = torch.Generator().manual_seed(seed)
+    rows = [pool[torch.randperm(pool.numel(), generator=gen)[:top_k]] for _ in range(num_tokens)]
+    ids = torch.stack(rows) if rows else torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(num_tokens, top_k, generator=gen, dtype=torch.float64) + 0.1
+    return ids.reshape(num_tokens, top_k), weights.float()
+
+
+def make_inputs(num_tokens, num_experts, top_k, *, hidden=H, ffn=F, bias=False, experts=None, seed=0):
+    ids, weights = routing(num_tokens, num_experts, top_k, experts=experts, seed=seed)
+    d = {
+        "x": rand(num_tokens, hidden, seed=seed + 1),
+        "topk_ids": ids,
+        "topk_weights": weights,
+        "fc1_weight": rand(num_experts, 2 * ffn, hidden, scale=hidden ** -0.5, seed=seed + 2),
+        "fc2_weight": rand(num_experts, hidden, ffn, scale=ffn ** -0.5, seed=seed + 3),
+    }
+    if bias:
+        d["fc1_bias"] = rand(num_experts, 2 * ffn, scale=0.5, seed=seed + 4)
+        d["fc2_bias"] = rand(num_experts, hidden, scale=0.5, seed=seed + 5)
+    return d
+
+
+def check(inputs: dict, dtype, *, backend, activation="swiglu", glu_interleave_size=None):
+    """The tolerance rule on the output and the gradients of x, topk_weights, weights and biases."""
+    kw = {"activation": activation, "glu_interleave_size": glu_interleave_size}
+
+    def ours(**t):
+        return moekit.moe_experts(**t, backend=backend, **kw)
+
+    def lowp(**t):
+        return torch_moe_experts(**t, **kw)
+
+    def ref(**t):
+        return moe_experts_reference(**t, **kw)
+
+    differentiable = [k for k in inputs if k != "topk_ids"]
+    res = check_against_reference(ours, lowp, ref, inputs, dtype, differentiable=differentiable)
+    for name, t in res.items():
+        assert_no_nan(t, name)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the float64 reference
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(backend, dtype, bias, nan_poison):
+    check(make_inputs(24, 6, 2, bias=bias), dtype, backend=backend)
+
+
+@pytest.mark.parametrize("glu_interleave_size", [None, 1, 4, 24], ids=lambda k: f"interleave-{k}")
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_activations_and_interleave_sizes(activation, glu_interleave_size, nan_poison):
+    inputs = make_inputs(20, 5, 3, bias=True, seed=3)
+    # Large enough pre-activations that clamped_swiglu's limits (|h| > 7) are reached.
+    inputs["x"] = inputs["x"] * 6
+    check(inputs, torch.float32, backend="torch", activation=activation, glu_interleave_size=glu_interleave_size)
+
+
+ROUTING_CASES = [
+    # (T, N, K, experts the ids are drawn from)
+    pytest.param(16, 6, 1, None, id="top1"),
+    pytest.param(9, 5, 5, None, id="topk=num_experts"),
+    pytest.param(15, 6, 2, [1, 2, 3, 4, 5], id="empty-first"),
+    pytest.param(15, 6, 2, [0, 1, 4, 5], id="empty-middle"),
+    pytest.param(15, 6, 2, [0, 1, 2, 3], id="empty-last"),
+    pytest.param(8, 6, 1, [2], id="all-on-one"),
+    pytest.param(1, 6, 2, None, id="one-token"),
+    pytest.param(23, 7, 3, [0, 2, 3, 6], id="prime-N7-empty"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,experts", ROUTING_CASES)
+def test_routing_edge_cases(num_tokens, num_experts, top_k, experts, nan_poison):
+    inputs = make_inputs(num_tokens, num_experts, top_k, bias=True, experts=experts, seed=5)
+    res = check(inputs, torch.float32, backend="torch")
+    # Experts that received no copies get exactly zero weight and bias gradients (not None, not NaN).
+    used = set(inputs["topk_ids"].reshape(-1).tolist())
+    for e in set(range(num_experts)) - used:
+        for name in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
+            assert torch.all(res[name][e] == 0), f"expert {e} got no copies but d {name}[{e}] is not zero"
+
+
+def test_odd_dims_loop_backend(nan_poison):
+    # 97 and 45 are multiples of nothing useful: grouped_mm rejects them, the loop runs them.
+    check(make_inputs(11, 7, 3, hidden=97, ffn=45, bias=True, seed=7), torch.float32, backend="loop")
+
+
+def test_no_tokens():
+    inputs = make_inputs(0, 4, 2, seed=1)
+    x = inputs["x"].requires_grad_(True)
+    y = moekit.moe_experts(x, inputs["topk_ids"], inputs["topk_weights"], inputs["fc1_weight"],
+                           inputs["fc2_weight"], backend="torch")
+    assert y.shape == (0, H)
+    y.sum().backward()
+    assert x.grad.shape == (0, H)
+
+
+def test_list_weights_equal_stacked():
+    inputs = make_inputs(12, 4, 2, bias=True, seed=2)
+    stacked = moekit.moe_experts(**inputs, backend="loop")
+    as_lists = {k: (list(v.unbind(0)) if k.startswith("fc") else v) for k, v in inputs.items()}
+    assert torch.equal(moekit.moe_experts(**as_lists, backend="loop"), stacked)
+
+
+def test_equals_permute_grouped_mlp_unpermute_in_float64():
+    """The documented semantics, composed from the float64 references of permute's pieces."""
+    inputs = {k: (v.double() if v.is_floating_point() else v)
+              for k, v in make_inputs(14, 5, 2, bias=True, seed=4).items()}
+    ids = inputs["topk_ids"]
+    x_sorted, m_splits, row_map = moekit.reference.permute_reference(inputs["x"], ids, 5)
+    probs = torch.empty(ids.numel(), dtype=torch.float64)
+    probs[row_map.reshape(-1)] = inputs["topk_weights"].reshape(-1)
+    y_sorted = grouped_mlp_reference(x_sorted, inputs["fc1_weight"], inputs["fc2_weight"], m_splits, probs=probs,
+                                     fc1_bias=inputs["fc1_bias"], fc2_bias=inputs["fc2_bias"])
+    composed = unpermute_reference(y_sorted, row_map)
+    torch.testing.assert_close(moe_experts_reference(**inputs), composed, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(moekit.moe_experts(**inputs, backend="loop"), composed, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_matches_plain_torch_in_float64():
+    inputs = {k: (v.double() if v.is_floating_point() else v)
+              for k, v in make_inputs(10, 4, 3, bias=True, seed=6).items()}
+    kw = {"activation": "clamped_swiglu", "glu_interleave_size": 2}
+    torch.testing.assert_close(moe_experts_reference(**inputs, **kw), torch_moe_experts(**inputs, **kw),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_weights_of_other_dtype_keep_their_dtype():
+    """bf16 tokens with float32 router weights (what a router in fp32 gives): the weights' gradient
+    comes back in float32."""
+    inputs = make_inputs(12, 4, 2, seed=8)
+    x = inputs["x"].bfloat16().requires_grad_(True)
+    w = inputs["topk_weights"].requires_grad_(True)
+    y = moekit.moe_experts(x, inputs["topk_ids"], w, inputs["fc1_weight"].bfloat16(),
+                           inputs["fc2_weight"].bfloat16(), backend="torch")
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+def test_int32_ids_equal_int64_ids():
+    inputs = make_inputs(13, 5, 2, seed=9)
+    y64 = moekit.moe_experts(**inputs, backend="torch")
+    y32 = moekit.moe_experts(**{**inputs, "topk_ids": inputs["topk_ids"].int()}, backend="torch")
+    assert torch.equal(y32, y64)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Triton row kernel (interpreter on CPU, float32)
+# --------------------------------------------------------------------------------------------------
+
+
+def _require_triton():
+    try:
+        select_backend("triton", torch.empty(0, 4), torch.empty(1, 4, 4))
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("num_out,per_out,width", [(7, 1, 5), (37, 3, 33), (5, 4, 1), (3, 0, 8)],
+                         ids=["gather", "sum3-odd", "narrow-rows", "no-sources"])
+def test_sum_rows_kernel_matches_torch(num_out, per_out, width):
+    _require_triton()
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(11, width, generator=gen)
+    index = torch.randint(0, 11, (num_out, per_out), generator=gen)
+    got = moe_experts_module._sum_rows_triton(src, index)
+    expected = src.double()[index].sum(1)
+    assert got.dtype == src.dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    if per_out == 1:
+        assert torch.equal(got, src[index[:, 0]]), "a one-row sum is a gather: exact"
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(num_tokens=19, num_experts=5, top_k=2, bias=True), id="bias"),
+    pytest.param(dict(num_tokens=9, num_experts=4, top_k=4, experts=None), id="topk=num_experts"),
+    pytest.param(dict(num_tokens=13, num_experts=6, top_k=1, experts=[0, 5]), id="top1-empty-middle"),
+])
+def test_triton_backend_matches_reference(case, nan_poison):
+    _require_triton()
+    check(make_inputs(seed=11, **case), torch.float32, backend="triton", glu_interleave_size=4)
+
+
+def test_triton_backend_is_bit_identical_run_to_run():
+    _require_triton()
+    inputs = make_inputs(17, 5, 3, bias=True, seed=12)
+    results = []
+    for _ in range(2):
+        leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+        moekit.moe_experts(**leaves, backend="triton").backward(rand(17, H, seed=13))
+        results.append([leaves[k].grad for k in ("x", "topk_weights", "fc1_weight", "fc2_weight", "fc2_bias")])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------------
+# What is kept for the backward
+# --------------------------------------------------------------------------------------------------
+
+
+def _leaves(inputs):
+    return {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
+    """x_sorted (M x H, K times x) is freed after the forward; the backward gathers it again."""
+    made = []
+    original = moe_experts_module._MoveRowsFn.apply
+
+    def remember(*args):
+        out = original(*args)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(moe_experts_module._MoveRowsFn, "apply", remember)
+    leaves = _leaves(make_inputs(16, 4, 2, seed=14))
+    y = moekit.moe_experts(**leaves, backend="torch")
+    gc.collect()
+    x_sorted = made[0]  # the first row movement is the gather of x
+    assert x_sorted() is None, "the gathered rows are still referenced after the forward"
+    y.backward(rand(16, H, seed=15))
+    assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
+
+
+def test_modifying_x_in_place_before_backward_raises():
+    leaves = _leaves(make_inputs(8, 4, 2, seed=16))
+    y = moekit.moe_experts(**leaves, backend="torch")
+    with torch.no_grad():
+        leaves["x"].mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------------
+
+
+BAD_INPUTS = [
+    pytest.param(lambda i: {"x": i["x"][0]}, ValueError, "x must be a 2-D floating", id="x-1d"),
+    pytest.param(lambda i: {"x": i["x"].long()}, ValueError, "x must be a 2-D floating", id="x-int"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"].float()}, TypeError, "integer", id="ids-float"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"] > 0}, TypeError, "integer", id="ids-bool"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"][:5]}, ValueError, "tokens = 6", id="ids-rows"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"].reshape(-1)}, ValueError, "tokens, top_k", id="ids-1d"),
+    pytest.param(lambda i: {"topk_weights": i["topk_weights"][:, :1]}, ValueError, "topk_ids' shape",
+                 id="weights-shape"),
+    pytest.param(lambda i: {"topk_weights": i["topk_ids"]}, TypeError, "floating", id="weights-int"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"][:, :0], "topk_weights": i["topk_weights"][:, :0]},
+                 ValueError, "top_k", id="top-k-0"),
+    pytest.param(lambda i: {"topk_ids": torch.zeros(6, 5, dtype=torch.long), "topk_weights": torch.ones(6, 5)},
+                 ValueError, "top_k", id="top-k-above-N"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"] + 3}, ValueError, r"\[0, 4\)", id="ids-too-large"),
+    pytest.param(lambda i: {"topk_ids": i["topk_ids"] - 2}, ValueError, r"\[0, 4\)", id="ids-negative"),
+    pytest.param(lambda i: {"fc1_weight": i["fc1_weight"][:, :, :5]}, ValueError, "features", id="fc1-in"),
+    pytest.param(lambda i: {"fc2_weight": i["fc2_weight"][:3]}, ValueError, "experts", id="fc2-experts"),
+    pytest.param(lambda i: {"fc1_weight": i["fc1_weight"].double()}, TypeError, "dtype", id="fc1-dtype"),
+    pytest.param(lambda i: {"fc1_weight": "w"}, TypeError, "fc1_weight", id="fc1-not-tensor"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", BAD_INPUTS)
+def test_bad_inputs_raise_clear_errors(change, exc, match):
+    inputs = make_inputs(6, 4, 2, seed=17)
+    inputs.update(change(inputs))
+    with pytest.raises(exc, match=match):
+        moekit.moe_experts(**inputs, backend="torch")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"backend": "fast"}, "unknown backend"),
+    ({"activation": "gelu"}, "unknown activation"),
+    ({"glu_interleave_size": 5}, "does not divide"),
+], ids=["backend", "activation", "interleave"])
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        moekit.moe_experts(**make_inputs(6, 4, 2, seed=18), **{"backend": "torch", **kwargs})
