@@ -1,4 +1,4 @@
-"""Check and time moekit's Triton grouped GEMM (src/moekit/ops/grouped_gemm.py) on one GPU.
+"""Check and time moekit's Triton grouped GEMM (src/moekit/ops/grouped_gemm.py and its kernels) on one GPU.
 
 legend: M routed rows, G groups (experts), I in_features, O out_features, H hidden, F ffn size.
 
@@ -17,12 +17,12 @@ Usage: python benchmarks/grouped_gemm_tune.py [--quick] [--only fwd,dgrad,wgrad]
 
 # ruff: noqa: E741
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 
@@ -39,15 +39,9 @@ DEV = torch.device("cpu" if DRY else "cuda")
 ROUNDS = 3
 
 
-def _load_gg():
-    # Load the kernel module by path so that this script does not depend on the rest of the package.
-    spec = importlib.util.spec_from_file_location("moekit_grouped_gemm", ROOT / "src/moekit/ops/grouped_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "src"))
+from moekit.ops import grouped_gemm as gg  # noqa: E402  (after the path set-up above)
 
-
-gg = _load_gg()
 RES: dict = {}
 
 
@@ -161,8 +155,8 @@ def check_case(name, M, G, O, I, splits, dtype, bias=False, scale=False, nan_pad
     out["dgrad_err"], out["dgrad_torch_err"] = rel(dx[:used], r), rel(rt, r)
     out["dgrad_pad_zero"] = bool((dx[used:] == 0).all()) if used < M else True
     # wgrad + dbias
-    dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
-    dw2, db2 = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    dw, db = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
+    dw2, db2 = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
     r, rb = ref_wgrad(dys, xs, offs, G)
     rt, rbt = ref_wgrad(dys, xs, offs, G, dtype=dtype)
     out["wgrad_err"], out["wgrad_torch_err"] = rel(dw, r), rel(rt, r)
@@ -194,14 +188,16 @@ def check_graph_and_sync():
     for _ in range(2):
         gg.grouped_gemm_forward(x, w, offs, b)
         gg.grouped_gemm_dgrad(dy, w, offs)
-        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        gg.grouped_gemm_wgrad(dy, x, offs)
+        gg.group_row_sum(dy, offs)
     torch.cuda.synchronize()
     res = {}
     try:
         torch.cuda.set_sync_debug_mode("error")
         gg.grouped_gemm_forward(x, w, offs, b)
         gg.grouped_gemm_dgrad(dy, w, offs)
-        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        gg.grouped_gemm_wgrad(dy, x, offs)
+        gg.group_row_sum(dy, offs)
         torch.cuda.set_sync_debug_mode(0)
         res["sync_free"] = True
     except Exception as exc:
@@ -214,7 +210,7 @@ def check_graph_and_sync():
         with torch.cuda.graph(graph):
             y = gg.grouped_gemm_forward(x, w, offs, b)
             dx = gg.grouped_gemm_dgrad(dy, w, offs)
-            dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+            dw, db = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
     torch.cuda.current_stream().wait_stream(s)
     errs = []
     for splits in ([0, 1000, 0, 1500, 3, 0, 1000, 500], [4000, 0, 0, 0, 0, 0, 0, 0], [100] * 8):
@@ -223,7 +219,7 @@ def check_graph_and_sync():
         torch.cuda.synchronize()
         ye = gg.grouped_gemm_forward(x, w, offs, b)
         dxe = gg.grouped_gemm_dgrad(dy, w, offs)
-        dwe, dbe = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        dwe, dbe = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
         errs.append(bool(torch.equal(y, ye) and torch.equal(dx, dxe) and torch.equal(dw, dwe) and torch.equal(db, dbe)))
     res["graph_replay_matches_eager"] = errs
     print("[check] graph/sync:", res, flush=True)
@@ -317,7 +313,7 @@ def run_timing(ops, config_mode, dists):
                         # The H200's clocks drift during a run (dense roof 790 -> 665 TFLOP/s seen in
                         # one), so torch and every config are timed in ROUNDS interleaved rounds, each
                         # round in a rotated order, and each keeps its median.
-                        runs = {"torch": tfn, **{str(tuple(cfg)): mk(cfg) for cfg in cands}}
+                        runs = {"torch": tfn, **{str(cfg): mk(cfg) for cfg in cands}}
                         times = {name: [] for name in runs}
                         names = list(runs)
                         for rnd in range(ROUNDS):

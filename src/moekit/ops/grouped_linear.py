@@ -154,11 +154,12 @@ class _TritonBackend:
     def wgrad(self, dy_MO, x_MI, go: GroupOffsets, num_groups: int):
         from moekit.ops.grouped_gemm import grouped_gemm_wgrad
 
-        dw, _ = grouped_gemm_wgrad(dy_MO, x_MI, go.offs)
-        return dw
+        return grouped_gemm_wgrad(dy_MO, x_MI, go.offs)
 
     def dbias(self, dy_MO, go: GroupOffsets, num_groups: int, bias_scale_M):
-        return _group_sum(dy_MO, go, num_groups, bias_scale_M)
+        from moekit.ops.grouped_gemm import group_row_sum
+
+        return group_row_sum(dy_MO, go.offs, bias_scale_M)
 
 
 _BACKENDS = {b.name: b for b in (_LoopBackend(), _TorchBackend(), _TritonBackend())}
@@ -170,13 +171,45 @@ def _torch_grouped_mm():
 
 
 def _zero_padding_rows(t_MX: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
-    """grouped_mm leaves rows past the last offset unwritten; the contract says zeros."""
+    """Zero rows past the last offset in place (grouped_mm leaves them unwritten; the contract says
+    zeros), at the cost of the padding rows, not of the whole tensor: a slice where the host knows
+    the last offset; on CUDA a kernel that reads it on the device (no host sync)."""
     if go.host is not None:
         if go.host[-1] < go.rows:
             t_MX[go.host[-1]:] = 0
         return t_MX
+    if t_MX.device.type == "cuda" and t_MX.stride(-1) == 1 and _zero_rows_from(t_MX, go.offs[-1:]):
+        return t_MX
+    # Offsets the host was not given off CUDA (only tests build those on the CPU), or no Triton:
+    # a masked pass over the whole tensor, still without reading the offsets on the host.
     rows = torch.arange(go.rows, device=t_MX.device)
     return t_MX.masked_fill_((rows >= go.offs[-1])[:, None], 0)
+
+
+_ZERO_BLOCK_ROWS, _ZERO_BLOCK_COLS = 64, 128
+
+
+def _zero_rows_from(t_MX: torch.Tensor, end: torch.Tensor) -> bool:
+    """Launch `zero_rows_from_kernel`: rows [end, M) of t_MX (M, X), unit column stride, become
+    zeros; `end` is (1,) int64 on t_MX's device and never read on the host. False (nothing done)
+    where Triton cannot be imported."""
+    try:
+        from moekit.ops.grouped_linear_kernels import zero_rows_from_kernel
+    except ImportError:
+        return False
+    rows, cols = t_MX.shape
+    if rows:
+        grid = (-(-rows // _ZERO_BLOCK_ROWS),)
+        zero_rows_from_kernel[grid](t_MX, end, rows, cols, t_MX.stride(0),
+                                    BLOCK_ROWS=_ZERO_BLOCK_ROWS, BLOCK_COLS=_ZERO_BLOCK_COLS)
+    return True
+
+
+def _without_padding(t_MX: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
+    """t_MX itself where the host knows there are no padding rows, else a copy with them zeroed."""
+    if go.host is not None and go.host[-1] == go.rows:
+        return t_MX
+    return _zero_padding_rows(t_MX.clone(), go)
 
 
 def _group_onehot(go: GroupOffsets, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -271,15 +304,17 @@ def _row_major(t_MX: torch.Tensor) -> torch.Tensor:
 
 
 class _GroupedLinearFn(torch.autograd.Function):
-    """Inputs after the fixed ones: n_w weight tensors then n_b bias tensors (n_w, n_b in {0, 1, N})."""
+    """Inputs after the fixed ones: n_w weight tensors then n_b bias tensors (n_w, n_b in {0, 1, N});
+    one (N, O, I) weight / (N, O) bias, or N per-group tensors (also when N = 1)."""
 
     @staticmethod
     def forward(ctx, backend, go, bias_scale_M, n_w, n_b, x_MI, *params):
         weights, biases = params[:n_w], params[n_w:]
-        w_NOI = weights[0] if n_w == 1 else _stack_weights(weights, "weight")
+        w_NOI = weights[0] if weights[0].dim() == 3 else _stack_weights(weights, "weight")
         bias_NO = None
         if n_b:
-            bias_NO = biases[0] if n_b == 1 else _stack_weights(biases, "bias")
+            bias_NO = biases[0] if biases[0].dim() == 2 else _stack_weights(biases, "bias")
+        ctx.grouped_b = bool(n_b) and biases[0].dim() == 2
         y_MO = backend.forward(x_MI, w_NOI, go, bias_NO, bias_scale_M)
         ctx.backend, ctx.go, ctx.n_w, ctx.n_b = backend, go, n_w, n_b
         ctx.save_for_backward(x_MI, bias_scale_M, bias_NO, *weights)
@@ -289,13 +324,13 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, dy_MO):
         x_MI, bias_scale_M, bias_NO, *weights = ctx.saved_tensors
         backend, go, n_w, n_b = ctx.backend, ctx.go, ctx.n_w, ctx.n_b
-        w_NOI = weights[0] if n_w == 1 else _stack_weights(weights, "weight")
+        w_NOI = weights[0] if weights[0].dim() == 3 else _stack_weights(weights, "weight")
         num_groups = w_NOI.shape[0]
         dy_MO = _row_major(dy_MO)
         dx = dw = db = dscale = None
         # The GEMMs never read padding rows of dy; the bias reductions would (0 * inf = nan), so
         # they get a copy with those rows zeroed: padding rows receive zero gradient whatever dy holds.
-        dy_bias_MO = _zero_padding_rows(dy_MO.clone(), go) if n_b else None
+        dy_bias_MO = _without_padding(dy_MO, go) if n_b else None
         if ctx.needs_input_grad[5]:
             dx = backend.dgrad(dy_MO, w_NOI, go)
         if any(ctx.needs_input_grad[6:6 + n_w]):
@@ -306,8 +341,9 @@ class _GroupedLinearFn(torch.autograd.Function):
             acc_t = compute_dtype(dy_MO, bias_scale_M)
             bias_MO = _bias_rows(bias_NO, go, acc_t)
             dscale = (dy_bias_MO.to(acc_t) * bias_MO).sum(-1).to(bias_scale_M.dtype)
-        dws = (dw,) if n_w == 1 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
-        dbs = () if not n_b else ((db,) if n_b == 1 else (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
+        dws = (dw,) if weights[0].dim() == 3 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
+        dbs = () if not n_b else ((db,) if ctx.grouped_b else
+                                  (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
         return (None, None, dscale, None, None, dx, *dws, *dbs)
 
 

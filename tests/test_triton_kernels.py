@@ -1,6 +1,8 @@
-"""moekit.ops.grouped_gemm: the Triton grouped GEMM kernels against float64 references.
+"""The raw Triton grouped GEMM kernels (moekit.ops.grouped_gemm's launchers, called directly with
+fixed configurations and operand paths) against float64 references. The public ops on the triton
+backend are tested in test_triton_ops.py.
 
-legend: M routed rows, G groups (experts), I in_features, O out_features.
+legend: M routed rows, N groups (experts), I in_features, O out_features.
 
 On a machine without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set
 here, before triton is imported; run this file in its own pytest process). The Triton 3.6
@@ -64,9 +66,9 @@ def ref_dgrad(dy, w, splits, dtype=torch.float64):
 
 
 def ref_wgrad(dy, x, splits, dtype=torch.float64):
-    G = len(splits)
-    dw = torch.zeros(G, dy.shape[1], x.shape[1], dtype=dtype, device=dy.device)
-    db = torch.zeros(G, dy.shape[1], dtype=dtype, device=dy.device)
+    N = len(splits)
+    dw = torch.zeros(N, dy.shape[1], x.shape[1], dtype=dtype, device=dy.device)
+    db = torch.zeros(N, dy.shape[1], dtype=dtype, device=dy.device)
     r = 0
     for g, m in enumerate(splits):
         if m:
@@ -101,22 +103,22 @@ def nan_outputs(monkeypatch):
     monkeypatch.setattr(gg, "_empty", empty_nan)
 
 
-def make_problem(M, G, O, I, splits, dtype, device, bias=False, scale=False, seed=0):
+def make_problem(M, N, O, I, splits, dtype, device, bias=False, scale=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, I, generator=gen).to(device=device, dtype=dtype)
-    w = (torch.randn(G, O, I, generator=gen) / I**0.5).to(device=device, dtype=dtype)
+    w = (torch.randn(N, O, I, generator=gen) / I**0.5).to(device=device, dtype=dtype)
     dy = torch.randn(M, O, generator=gen).to(device=device, dtype=dtype)
     used = sum(splits)
     # Padding rows hold NaN: they must produce zeros and contribute nothing.
     x[used:] = float("nan")
     dy[used:] = float("nan")
-    b = torch.randn(G, O, generator=gen).to(device=device, dtype=dtype) if bias else None
+    b = torch.randn(N, O, generator=gen).to(device=device, dtype=dtype) if bias else None
     s = torch.rand(M, generator=gen).to(device=device) if scale else None
     return x, w, dy, b, s
 
 
-def check_all(M, G, O, I, splits, dtype, device, bias=False, scale=False, **kw):
-    x, w, dy, b, s = make_problem(M, G, O, I, splits, dtype, device, bias, scale)
+def check_all(M, N, O, I, splits, dtype, device, bias=False, scale=False, **kw):
+    x, w, dy, b, s = make_problem(M, N, O, I, splits, dtype, device, bias, scale)
     offs = offs_of(splits, device)
     used = sum(splits)
     xs, dys = x[:used], dy[:used]
@@ -131,8 +133,9 @@ def check_all(M, G, O, I, splits, dtype, device, bias=False, scale=False, **kw):
     assert (dx[used:] == 0).all()
     assert_close(dx[:used], ref_dgrad(dys, w, splits), ref_dgrad(dys, w, splits, dtype=dtype), dtype)
     # wgrad + dbias
-    dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True, **kw)
-    assert dw.shape == (G, O, I) and db.shape == (G, O) and dw.dtype == db.dtype == dtype
+    dw = gg.grouped_gemm_wgrad(dy, x, offs, **kw)
+    db = gg.group_row_sum(dy, offs)
+    assert dw.shape == (N, O, I) and db.shape == (N, O) and dw.dtype == db.dtype == dtype
     rdw, rdb = ref_wgrad(dys, xs, splits)
     tdw, tdb = ref_wgrad(dys, xs, splits, dtype=dtype)
     for g, m in enumerate(splits):
@@ -140,8 +143,12 @@ def check_all(M, G, O, I, splits, dtype, device, bias=False, scale=False, **kw):
             assert (dw[g] == 0).all() and (db[g] == 0).all(), f"empty group {g} must get zeros"
     assert_close(dw, rdw, tdw, dtype)
     assert_close(db, rdb, tdb, dtype)
-    dw2, db2 = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True, **kw)
-    assert torch.equal(dw, dw2) and torch.equal(db, db2), "wgrad/dbias must be deterministic"
+    dw2, db2 = gg.grouped_gemm_wgrad(dy, x, offs, **kw), gg.group_row_sum(dy, offs)
+    assert torch.equal(dw, dw2) and torch.equal(db, db2), "wgrad/row sum must be deterministic"
+    if s is not None:  # the probs-scaled row sum of fc2's bias gradient: products in fp32, like ours
+        scaled = dys.double() * s[:used, None].double()
+        assert_close(gg.group_row_sum(dy, offs, s), ref_wgrad(scaled, xs, splits)[1],
+                     ref_wgrad(scaled.float(), xs, splits, dtype=torch.float32)[1].to(dtype), dtype)
     return y, dx, dw, db
 
 
@@ -149,7 +156,7 @@ def check_all(M, G, O, I, splits, dtype, device, bias=False, scale=False, **kw):
 # CPU: the kernels under the Triton interpreter
 # ---------------------------------------------------------------------------------------------
 
-# (M rows, G groups, O, I, splits, bias, bias_scale); O, I of 97/33 take the pointer-load path
+# (M rows, N groups, O, I, splits, bias, bias_scale); O, I of 97/33 take the pointer-load path
 # (rows not 16-byte aligned), 72/40 the TMA-descriptor path.
 CASES = {
     "empty_first": (70, 3, 72, 40, [0, 40, 30], False, False),
@@ -158,7 +165,7 @@ CASES = {
     "all_rows_on_one": (64, 4, 72, 40, [0, 0, 64, 0], False, False),
     "one_row": (1, 2, 72, 40, [0, 1], True, True),
     "sum_lt_rows": (90, 3, 72, 40, [20, 0, 31], True, True),
-    "prime_G_odd_dims": (60, 7, 97, 33, [5, 0, 17, 9, 0, 20, 3], True, True),
+    "prime_N_odd_dims": (60, 7, 97, 33, [5, 0, 17, 9, 0, 20, 3], True, True),
     "odd_dims_sum_lt_rows": (50, 2, 33, 97, [0, 37], False, False),
     "small_dims": (40, 3, 8, 4, [10, 25, 5], True, False),
 }
@@ -168,8 +175,8 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_interpreter_matches_reference(case, dtype, nan_outputs):
-    M, G, O, I, splits, bias, scale = CASES[case]
-    check_all(M, G, O, I, splits, dtype, "cpu", bias, scale)
+    M, N, O, I, splits, bias, scale = CASES[case]
+    check_all(M, N, O, I, splits, dtype, "cpu", bias, scale)
 
 
 # Every code path of the kernels: TMA or pointer loads, fused (flattened) or nested tile loops,
@@ -187,7 +194,7 @@ PATHS = [
 def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
     # 32 rows: whole K tiles and interior m-tiles (whole-tensor descriptors); 1 and 33 rows:
     # ragged groups (descriptors bounded at the group's end); rows 66..74: padding.
-    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, flatten, epi)
+    cfg = gg.GemmConfig(16, 32, 16, 2, 1, 4, flatten, epi)
     check_all(75, 4, 48, 40, [0, 32, 1, 33], torch.float32, "cpu", True, True, cfg=cfg, use_tma=use_tma)
 
 
@@ -195,13 +202,13 @@ def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
 def test_interpreter_wgrad_ragged_tails(nan_outputs):
     # A ragged group's last K step reads past the group: its dy rows must come in as zeros (per-
     # group descriptor) and the padding rows of x (NaN here) as zeros too (x's descriptor ends at
-    # offs[G]). Six tiles per group over four programs: programs meet a group on consecutive tiles
+    # offs[N]). Six tiles per group over four programs: programs meet a group on consecutive tiles
     # (descriptor reuse). Groups: ragged, empty, whole K steps, one row, ragged into the padding.
-    cfg = gg._Cfg(16, 32, 16, 2, 1, 4, True, True)
+    cfg = gg.GemmConfig(16, 32, 16, 2, 1, 4, True, True)
     splits = [35, 0, 32, 1, 24]
     x, w, dy, _, _ = make_problem(100, 5, 96, 64, splits, torch.float32, "cpu", False, False)
     used = sum(splits)
-    dw, _ = gg.grouped_gemm_wgrad(dy, x, offs_of(splits, "cpu"), cfg=cfg, use_tma=True)
+    dw = gg.grouped_gemm_wgrad(dy, x, offs_of(splits, "cpu"), cfg=cfg, use_tma=True)
     rdw, _ = ref_wgrad(dy[:used], x[:used], splits)
     tdw, _ = ref_wgrad(dy[:used], x[:used], splits, dtype=torch.float32)
     assert (dw[1] == 0).all()
@@ -213,7 +220,7 @@ def test_interpreter_wgrad_ragged_tails(nan_outputs):
 def test_interpreter_many_tiles_per_program(nan_outputs):
     # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
     # persistent schedule must visit every tile exactly once.
-    cfg = gg._Cfg(16, 16, 16, 2, 1, 4, True, True)
+    cfg = gg.GemmConfig(16, 16, 16, 2, 1, 4, True, True)
     check_all(130, 5, 40, 24, [17, 0, 50, 33, 9], torch.float32, "cpu", True, False, cfg=cfg, use_tma=True)
 
 
@@ -223,7 +230,7 @@ def test_interpreter_empty_inputs(nan_outputs):
     x = torch.randn(0, 8)
     w = torch.randn(3, 16, 8)
     assert gg.grouped_gemm_forward(x, w, offs).shape == (0, 16)
-    dw, db = gg.grouped_gemm_wgrad(torch.randn(0, 16), x, offs, with_dbias=True)
+    dw, db = gg.grouped_gemm_wgrad(torch.randn(0, 16), x, offs), gg.group_row_sum(torch.randn(0, 16), offs)
     assert (dw == 0).all() and (db == 0).all() and dw.shape == (3, 16, 8)
     # all rows padding
     x = torch.randn(5, 8)
@@ -265,7 +272,7 @@ def test_bad_arguments():
 
 GPU_CASES = {
     "gptoss_dims_edges": (4096, 8, 2880, 2880, [0, 700, 0, 1000, 377, 901, 1000, 0], True, True),
-    "prime_G_skewed": (3000, 7, 1536, 1024, [1, 1499, 0, 500, 17, 600, 300], True, False),
+    "prime_N_skewed": (3000, 7, 1536, 1024, [1, 1499, 0, 500, 17, 600, 300], True, False),
     "all_rows_on_one": (2048, 4, 512, 768, [0, 0, 2048, 0], False, False),
     "one_row": (64, 3, 256, 128, [0, 1, 0], True, True),
     "odd_dims_pointer_path": (1000, 5, 97, 33, [0, 300, 0, 450, 200], True, True),
@@ -278,8 +285,8 @@ GPU_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
 def test_gpu_matches_reference(case, dtype, nan_outputs):
-    M, G, O, I, splits, bias, scale = GPU_CASES[case]
-    check_all(M, G, O, I, splits, dtype, "cuda", bias, scale)
+    M, N, O, I, splits, bias, scale = GPU_CASES[case]
+    check_all(M, N, O, I, splits, dtype, "cuda", bias, scale)
 
 
 @gpu
@@ -289,8 +296,8 @@ def test_gpu_every_candidate(op, nan_outputs):
     # Each tuning candidate (loop structure, epilogue) must be exact on its own: the autotuner may
     # pick any of them. Ragged, empty and one-row groups, NaN padding rows.
     splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
-    M, G, O, I = 6000, len(splits), 1024, 768
-    x, w, dy, b, _ = make_problem(M, G, O, I, splits, torch.bfloat16, "cuda", bias=True)
+    M, N, O, I = 6000, len(splits), 1024, 768
+    x, w, dy, b, _ = make_problem(M, N, O, I, splits, torch.bfloat16, "cuda", bias=True)
     offs = offs_of(splits, "cuda")
     used = sum(splits)
     # op -> (reference in a dtype, our product with a config, its output width N)
@@ -300,7 +307,7 @@ def test_gpu_every_candidate(op, nan_outputs):
         "dgrad": (lambda d: ref_dgrad(dy[:used], w, splits, dtype=d),
                   lambda cfg: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True), I),
         "wgrad": (lambda d: ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0],
-                  lambda cfg: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)[0], I),
+                  lambda cfg: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True), I),
     }
     ref, run, n = products[op]
     ref64, ref_bf16 = ref(torch.float64), ref(torch.bfloat16)
@@ -308,7 +315,7 @@ def test_gpu_every_candidate(op, nan_outputs):
         out = run(cfg)
         if op == "wgrad":
             assert (out[1] == 0).all() and (out[7] == 0).all(), cfg
-            for g in range(G):
+            for g in range(N):
                 if splits[g]:  # per group: a wrong one-row group would hide in a global norm
                     assert_close(out[g], ref64[g], ref_bf16[g], torch.bfloat16)
         else:
@@ -326,13 +333,14 @@ def test_gpu_fp32(nan_outputs):
 @needs_cuda
 def test_gpu_cuda_graph_replay_with_new_splits():
     dev = "cuda"
-    M, G, O, I = 2048, 8, 512, 384
-    x, w, dy, b, _ = make_problem(M, G, O, I, [M // G] * G, torch.bfloat16, dev, bias=True)
-    offs = offs_of([M // G] * G, dev)
+    M, N, O, I = 2048, 8, 512, 384
+    x, w, dy, b, _ = make_problem(M, N, O, I, [M // N] * N, torch.bfloat16, dev, bias=True)
+    offs = offs_of([M // N] * N, dev)
     for _ in range(2):  # compile and autotune outside the capture
         gg.grouped_gemm_forward(x, w, offs, b)
         gg.grouped_gemm_dgrad(dy, w, offs)
-        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        gg.grouped_gemm_wgrad(dy, x, offs)
+        gg.group_row_sum(dy, offs)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -340,7 +348,7 @@ def test_gpu_cuda_graph_replay_with_new_splits():
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         y = gg.grouped_gemm_forward(x, w, offs, b)
         dx = gg.grouped_gemm_dgrad(dy, w, offs)
-        dw, db = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        dw, db = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
     torch.cuda.current_stream().wait_stream(stream)
     for splits in ([0, 500, 0, 700, 3, 0, 500, 300], [2000, 0, 0, 0, 0, 0, 0, 0], [100] * 8):
         offs.copy_(offs_of(splits, dev))
@@ -348,7 +356,7 @@ def test_gpu_cuda_graph_replay_with_new_splits():
         torch.cuda.synchronize()
         assert torch.equal(y, gg.grouped_gemm_forward(x, w, offs, b))
         assert torch.equal(dx, gg.grouped_gemm_dgrad(dy, w, offs))
-        dwe, dbe = gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        dwe, dbe = gg.grouped_gemm_wgrad(dy, x, offs), gg.group_row_sum(dy, offs)
         assert torch.equal(dw, dwe) and torch.equal(db, dbe)
         used = sum(splits)
         assert (y[used:] == 0).all() and (dx[used:] == 0).all()
@@ -362,12 +370,14 @@ def test_gpu_no_host_sync():
     offs = offs_of([256] * 4, dev)
     gg.grouped_gemm_forward(x, w, offs, b, s)
     gg.grouped_gemm_dgrad(dy, w, offs)
-    gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+    gg.grouped_gemm_wgrad(dy, x, offs)
+    gg.group_row_sum(dy, offs)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         gg.grouped_gemm_forward(x, w, offs, b, s)
         gg.grouped_gemm_dgrad(dy, w, offs)
-        gg.grouped_gemm_wgrad(dy, x, offs, with_dbias=True)
+        gg.grouped_gemm_wgrad(dy, x, offs)
+        gg.group_row_sum(dy, offs)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,494 @@
+# ruff: noqa: E741  (I and O are the legend's in/out feature sizes)
+"""Triton kernels of the grouped GEMM (jit code only; launchers, configs and autotuning live in
+`moekit.ops.grouped_gemm`).
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features. Inside the forward/dgrad
+kernel one output tile is (BLOCK_M rows, BLOCK_C columns) and its reduction runs in steps of
+BLOCK_RED; COLS and RED are that kernel's output width and reduction length (O and I for the
+forward, I and O for the dgrad). The wgrad kernel's tile is (BLOCK_O, BLOCK_I) and it reduces over
+the group's rows in steps of BLOCK_M.
+
+    forward  y[r]  = x[r] @ w[g]^T (+ bias[g] (* bias_scale[r]))   x (M, I), w (N, O, I) -> y (M, O)
+    dgrad    dx[r] = dy[r] @ w[g]                                   dy (M, O), w (N, O, I) -> dx (M, I)
+    wgrad    dw[g] = dy[rows of g]^T @ x[rows of g]                 dy (M, O), x (M, I) -> dw (N, O, I)
+    row sum  db[g] = sum over rows r of g of dy[r] (* scale[r])     dy (M, O) -> db (N, O) fp32 partials
+
+Rows of group g are `offs[g]:offs[g+1]` (`offs`: device int64, N+1 entries). No kernel is given a
+host copy of `offs`: each derives its tile schedule from it on the device (no host syncs, CUDA-graph
+capturable with other split sizes). notes/grouped_gemm.md has the design and its measurements.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------
+# Device-side helpers (also used by the fused MLP kernels in grouped_mlp_kernels.py)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _min_tuple(a0, a1, a2, a3, b0, b1, b2, b3):
+    # Combine of the tile-locating reduction: (#groups ending at or before the tile, the largest
+    # such end = the group's first tile, smallest start / end among the groups not yet ended =
+    # the tile's group's row range, because starts and ends are non-decreasing).
+    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2), tl.minimum(a3, b3)
+
+
+@triton.jit
+def group_rows(offs_ptr, M, N, BLOCK_GROUPS: tl.constexpr, PAD_GROUP: tl.constexpr):
+    """Row range [start, end) of every group, as vectors of BLOCK_GROUPS int32 (entries past the
+    last group are empty ranges at M). With PAD_GROUP, entry N is the padding pseudo-group
+    offs[N]:M. Values are clamped into [0, M] and made non-decreasing, so a bad offs tensor can make
+    results wrong but can never send a load or store outside its buffer."""
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    start = tl.load(offs_ptr + offs_g, mask=offs_g <= N, other=0).to(tl.int32)
+    end = tl.load(offs_ptr + offs_g + 1, mask=offs_g < N, other=0).to(tl.int32)
+    start = tl.minimum(tl.maximum(start, 0), M)
+    end = tl.minimum(tl.maximum(end, start), M)
+    if PAD_GROUP:
+        end = tl.where(offs_g == N, M, end)
+    n_groups = N + 1 if PAD_GROUP else N
+    start = tl.where(offs_g < n_groups, start, M)
+    end = tl.where(offs_g < n_groups, end, M)
+    return start, end
+
+
+@triton.jit
+def locate_tile(tile_id, tile_end, row_start, row_end):
+    """(group, first tile id of that group, group's row start, group's row end) of a flat tile id.
+    tile_end: inclusive prefix sum of tiles per group (non-decreasing)."""
+    done = tile_end <= tile_id
+    n_done, first_tile, r0, r1 = tl.reduce(
+        (
+            done.to(tl.int32),
+            tl.where(done, tile_end, 0),
+            tl.where(done, 2147483647, row_start),
+            tl.where(done, 2147483647, row_end),
+        ),
+        0,
+        _min_tuple,
+    )
+    return n_done, first_tile, r0, r1
+
+
+@triton.jit
+def swizzle(t, num_pid_m, num_pid_c, GROUP_M: tl.constexpr):
+    """Local tile index -> (pid_m, pid_c), GROUP_M row tiles at a time, so that the programs running
+    at one moment share a few A row-blocks and B column-blocks in L2."""
+    num_in_band = GROUP_M * num_pid_c
+    band = t // num_in_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % num_in_band) % band_m
+    pid_c = (t % num_in_band) // band_m
+    return pid_m, pid_c
+
+
+@triton.jit
+def load_a(a_desc, a_ptr, red0, row0, row_lo, row_hi, RED, stride_am,
+           USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RED: tl.constexpr):
+    """(BLOCK_M, BLOCK_RED) of the routed rows a[row0:, red0:]; rows outside [row_lo, row_hi) and
+    columns past RED read as zeros on the pointer path (TMA callers point padding tiles' boxes past
+    the end instead)."""
+    if USE_TMA:
+        a = a_desc.load([row0, red0])
+    else:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_red = red0 + tl.arange(0, BLOCK_RED)
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        a = tl.load(
+            a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_red[None, :],
+            mask=mask_m[:, None] & (offs_red[None, :] < RED), other=0.0,
+        )
+    if UPCAST:
+        # The Triton 3.6 interpreter multiplies bf16 dot operands as raw integers.
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
+            TRANS_B: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+            BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
+    """(BLOCK_RED, BLOCK_C) of w[g]: stored (COLS, RED) when TRANS_B (forward), (RED, COLS) otherwise."""
+    if USE_TMA:
+        if TRANS_B:
+            b = b_desc.load([g, c0, red0]).reshape(BLOCK_C, BLOCK_RED).T
+        else:
+            b = b_desc.load([g, red0, c0]).reshape(BLOCK_RED, BLOCK_C)
+    else:
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        offs_red = red0 + tl.arange(0, BLOCK_RED)
+        mask = (offs_red[:, None] < RED) & (offs_c[None, :] < COLS) & (g < N)
+        b_base = b_ptr + g.to(tl.int64) * stride_bg
+        if TRANS_B:
+            b = tl.load(b_base + offs_c.to(tl.int64)[None, :] * stride_br + offs_red[:, None], mask=mask, other=0.0)
+        else:
+            b = tl.load(b_base + offs_red.to(tl.int64)[:, None] * stride_br + offs_c[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
+def _split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(BLOCK_P, BLOCK_Q) -> two (BLOCK_P, BLOCK_Q // 2) column halves: the epilogue stores half a
+    tile at a time, which halves its shared-memory staging buffer."""
+    acc = tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_Q // 2)), (0, 2, 1))
+    return tl.split(acc)
+
+
+@triton.jit
+def _fwd_epilogue(
+    acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, N, row0, c0, row_lo, row_hi, COLS,
+    stride_cm, stride_bias_g,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """acc (BLOCK_M, BLOCK_C) fp32 -> (+ bias[g] (* scale[r])) -> output dtype -> rows of the group.
+
+    EPI_TMA: the tile leaves through asynchronous TMA stores, so the next tile's main loop
+    overlaps the write-back. c_desc is the tile's own descriptor whose row extent ends at the
+    group's end: rows of the next group are clipped by the hardware, not by a branch (a branch
+    here breaks Triton's loop fusion).
+    """
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+    mask_c = offs_c < COLS
+    if HAS_BIAS:
+        # Padding tiles (g == N) get no bias: padding rows are written as exact zeros.
+        bias = tl.load(
+            bias_ptr + g.to(tl.int64) * stride_bias_g + offs_c,
+            mask=mask_c & (g < N), other=0.0,
+        ).to(tl.float32)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
+            acc = acc + scale[:, None] * bias[None, :]
+        else:
+            acc = acc + bias[None, :]
+    out_ty = c_ptr.dtype.element_ty
+    if EPI_TMA:
+        acc0, acc1 = _split_halves(acc, BLOCK_M, BLOCK_C)
+        c_desc.store([row0, c0], acc0.to(out_ty))
+        c_desc.store([row0, c0 + BLOCK_C // 2], acc1.to(out_ty))
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_c[None, :]
+        tl.store(c_ptrs, acc.to(out_ty), mask=mask_m[:, None] & mask_c[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def grouped_mm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr,
+    M, COLS, RED, N, B_ROWS, B_COLS,
+    stride_am, stride_bg, stride_br, stride_cm, stride_bias_g,
+    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr, EPI_TMA: tl.constexpr,
+):
+    """Forward (TRANS_B) and dgrad: c (M, COLS) = a (M, RED) @ op(w[g]) per group, padding rows zero.
+
+    a: (M, RED), row stride stride_am, unit column stride.
+    b: (N, B_ROWS, B_COLS) weight, strides (stride_bg, stride_br, 1); w[g] is (COLS, RED) if TRANS_B
+       (forward: w (N, O, I)) else (RED, COLS) (dgrad: the same w (N, O, I)).
+    c: (M, COLS), row stride stride_cm.
+
+    One persistent program per SM walks a flat tile space with a stride of the grid size: group
+    after group, the (row-tile, column-tile) grid of each group, then a pseudo-group N over the
+    padding rows offs[N]:M, whose tiles store zeros.
+    """
+    pid = tl.program_id(0)
+    num_pid_c = tl.cdiv(COLS, BLOCK_C)
+    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
+    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
+    tile_end = tl.cumsum(tiles, 0)
+    num_tiles = tl.sum(tiles, 0)
+    red_steps = tl.cdiv(RED, BLOCK_RED)
+
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED])
+        if TRANS_B:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1],
+                block_shape=[1, BLOCK_C, BLOCK_RED])
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1],
+                block_shape=[1, BLOCK_RED, BLOCK_C])
+    else:
+        a_desc = None
+        b_desc = None
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
+        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
+        row0 = row_lo + pid_m * BLOCK_M
+        c0 = pid_c * BLOCK_C
+        # Every tile runs the same reduction loop (a tile-invariant trip count is what lets Triton
+        # fuse the tile loop and the reduction loop into one software pipeline). Padding tiles
+        # (g == N) point their TMA boxes past the end of a and b, so they read zeros and no memory.
+        a_row0 = tl.where(g < N, row0, M)
+        if EPI_TMA:
+            c_desc = tl.make_tensor_descriptor(
+                c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2])
+        else:
+            c_desc = None
+        acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for step in range(red_steps):
+            red0 = step * BLOCK_RED
+            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am,
+                       USE_TMA, UPCAST, BLOCK_M, BLOCK_RED)
+            b = _load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
+                        TRANS_B, USE_TMA, UPCAST, BLOCK_C, BLOCK_RED)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
+        acc = tl.where(g < N, acc, 0.0)
+        _fwd_epilogue(
+            acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, N, row0, c0, row_lo, row_hi, COLS,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C,
+        )
+
+
+@triton.jit
+def _wgrad_tile(tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M,
+                GROUP_O: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    """wgrad tile -> (group, o0, i0, group's row start, group's row end)."""
+    g = tile_id // tiles_per_group
+    pid_o, pid_i = swizzle(tile_id % tiles_per_group, num_pid_o, num_pid_i, GROUP_O)
+    row_lo = tl.load(offs_ptr + g).to(tl.int32)
+    row_hi = tl.load(offs_ptr + g + 1).to(tl.int32)
+    row_lo = tl.minimum(tl.maximum(row_lo, 0), M)
+    row_hi = tl.minimum(tl.maximum(row_hi, row_lo), M)
+    return g, pid_o * BLOCK_O, pid_i * BLOCK_I, row_lo, row_hi
+
+
+@triton.jit
+def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride_dym, stride_xm,
+                USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One reduction step of wgrad operands: a = dy[r0:r0+BLOCK_M, o0:o0+BLOCK_O]^T (BLOCK_O, BLOCK_M),
+    b = x[r0:r0+BLOCK_M, i0:i0+BLOCK_I] (BLOCK_M, BLOCK_I). Rows at or past row_hi must add nothing:
+    the pointer path masks them, with TMA the descriptors' row extents make them zeros (see
+    wgrad_kernel)."""
+    if USE_TMA:
+        a = dy_desc.load([r0, o0]).T
+        b = x_desc.load([r0, i0])
+    else:
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_m = offs_m < row_hi
+        a = tl.load(
+            dy_ptr + offs_m.to(tl.int64)[None, :] * stride_dym + offs_o[:, None],
+            mask=mask_m[None, :] & (offs_o[:, None] < O), other=0.0,
+        )
+        b = tl.load(
+            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_i[None, :],
+            mask=mask_m[:, None] & (offs_i[None, :] < I), other=0.0,
+        )
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
+                    EPI_TMA: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    """dw[g, o0:o0+BLOCK_O, i0:i0+BLOCK_I] = acc. EPI_TMA: asynchronous TMA stores through a
+    (N, O, I) descriptor, whose bounds clip the O and I tails (wgrad tiles are short in the
+    reduction, so overlapping their write-back with the next tile matters)."""
+    out_ty = dw_ptr.dtype.element_ty
+    if EPI_TMA:
+        acc0, acc1 = _split_halves(acc, BLOCK_O, BLOCK_I)
+        dw_desc.store([g, o0, i0], acc0.to(out_ty).reshape(1, BLOCK_O, BLOCK_I // 2))
+        dw_desc.store([g, o0, i0 + BLOCK_I // 2], acc1.to(out_ty).reshape(1, BLOCK_O, BLOCK_I // 2))
+    else:
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        dw_ptrs = (dw_ptr + g.to(tl.int64) * stride_dwg
+                   + offs_o.to(tl.int64)[:, None] * stride_dwo + offs_i[None, :])
+        tl.store(dw_ptrs, acc.to(out_ty), mask=(offs_o[:, None] < O) & (offs_i[None, :] < I))
+
+
+@triton.jit
+def wgrad_kernel(
+    dy_ptr, x_ptr, dw_ptr, offs_ptr,
+    M, O, I, N,
+    stride_dym, stride_xm, stride_dwg, stride_dwo,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUP_O: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    EPI_TMA: tl.constexpr,
+):
+    """dw[g] (O, I) = dy[rows of g]^T @ x[rows of g] for every group in one launch.
+
+    dy: (M, O) row stride stride_dym; x: (M, I) row stride stride_xm; dw: (N, O, I) with strides
+    (stride_dwg, stride_dwo, 1). Tiles: BLOCK_O x BLOCK_I, reducing over rows BLOCK_M at a time.
+    Every group owns the same (o, i) tile grid; its reduction runs over its own rows (none for an
+    empty group, whose dw is zeros).
+
+    The last step of a group whose row count is not a multiple of BLOCK_M reaches past the group's
+    end into the next group's rows or the padding rows (which may hold anything); they must add
+    nothing. With TMA:
+      FLATTEN: the group gets its own dy descriptor whose row extent ends at the group's end (TMA
+        zero-fills), and x's descriptor ends at offs[N]: the rows past the group are zero dy rows
+        times x rows of later groups, exact zeros as long as those are finite (an inf in x makes
+        the loss NaN anyway), or zeros times zeros in the padding. One descriptor per group
+        instead of two (measured: +2-6% on skewed splits), built once per run of a program's
+        consecutive tiles of the group; groups with a whole number of steps need none.
+      nested loop: per-tile dy and x descriptors that both end at the group's end.
+
+    FLATTEN: the reduction loops of a program's tiles have different lengths, which Triton's loop
+    fusion cannot flatten, so the kernel writes the fused loop itself: one loop over all steps of
+    all of the program's tiles, with the tile set-up in a `step == 0` branch and the store in a
+    `step == last` branch. The pipeliner then prefetches the next tile's first operands while the
+    current tile's epilogue runs.
+    """
+    pid = tl.program_id(0)
+    num_pid_o = tl.cdiv(O, BLOCK_O)
+    num_pid_i = tl.cdiv(I, BLOCK_I)
+    tiles_per_group = num_pid_o * num_pid_i
+    num_tiles = N * tiles_per_group
+    if EPI_TMA:
+        dw_desc = tl.make_tensor_descriptor(
+            dw_ptr, shape=[N, O, I], strides=[stride_dwg, stride_dwo, 1],
+            block_shape=[1, BLOCK_O, BLOCK_I // 2])
+    else:
+        dw_desc = None
+    if FLATTEN:
+        offs_g = tl.arange(0, BLOCK_GROUPS)
+        lo_v, hi_v = group_rows(offs_ptr, M, N, BLOCK_GROUPS, False)
+        steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_M), 1)
+        # Steps this program will run: each of its tiles takes max(1, steps of its group); an
+        # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
+        first_v = offs_g * tiles_per_group
+        # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
+        mine_v = ((first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
+                  - (first_v - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS)
+        mine_v = tl.where(offs_g < N, mine_v, 0)
+        total_steps = tl.sum(mine_v * steps_v, 0)
+
+        tile_id = pid - NUM_PROGRAMS
+        step = 0
+        tile_steps = 1
+        g = 0
+        o0 = 0
+        i0 = 0
+        row_lo = 0
+        row_hi = 0
+        desc_g = -1
+        if USE_TMA:
+            # Whole-tensor descriptors, built once: a group whose row count is a multiple of
+            # BLOCK_M never reads past its end, so it needs no descriptor of its own.
+            dy_full = tl.make_tensor_descriptor(
+                dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O])
+            # Rows past offs[N] (padding, may be NaN) read as zeros.
+            rows_used = tl.max(tl.where(offs_g < N, hi_v, 0), 0)
+            x_desc = tl.make_tensor_descriptor(
+                x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1],
+                block_shape=[BLOCK_M, BLOCK_I])
+            dy_desc = dy_full
+        else:
+            dy_desc = None
+            x_desc = None
+        acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+        for _ in range(0, total_steps):
+            if step == 0:
+                tile_id += NUM_PROGRAMS
+                g, o0, i0, row_lo, row_hi = _wgrad_tile(
+                    tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I)
+                tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
+                if USE_TMA:
+                    if (row_hi - row_lo) % BLOCK_M == 0:
+                        dy_desc = dy_full
+                        desc_g = -1
+                    elif g != desc_g:
+                        # Building a descriptor costs a tensormap write and a proxy fence on the
+                        # path to the tile's first loads: only ragged groups pay it, once per run
+                        # of consecutive tiles of the group.
+                        dy_desc = tl.make_tensor_descriptor(
+                            dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
+                            block_shape=[BLOCK_M, BLOCK_O])
+                        desc_g = g
+            a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + step * BLOCK_M, o0, i0, row_hi, O, I,
+                               stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_O, BLOCK_I, BLOCK_M)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            last = step == tile_steps - 1
+            if last:
+                # An empty group's single step may have read rows of other groups: store zeros.
+                acc = tl.where(row_hi > row_lo, acc, 0.0)
+                _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
+                                EPI_TMA, BLOCK_O, BLOCK_I)
+                acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+            # The step counter must not depend on the epilogue branch: the next tile's loads
+            # (pipeline stage 0) would then wait for this tile's store (last stage).
+            step = tl.where(last, 0, step + 1)
+    else:
+        for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS):
+            g, o0, i0, row_lo, row_hi = _wgrad_tile(
+                tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I)
+            if USE_TMA:
+                dy_desc = tl.make_tensor_descriptor(
+                    dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
+                    block_shape=[BLOCK_M, BLOCK_O])
+                x_desc = tl.make_tensor_descriptor(
+                    x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
+                    block_shape=[BLOCK_M, BLOCK_I])
+            else:
+                dy_desc = None
+                x_desc = None
+            acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+            for step in range(tl.cdiv(row_hi - row_lo, BLOCK_M)):
+                a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + step * BLOCK_M, o0, i0, row_hi, O, I,
+                                   stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_O, BLOCK_I, BLOCK_M)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
+
+
+@triton.jit
+def group_row_sum_kernel(
+    src_ptr, scale_ptr, part_ptr, offs_ptr, M, COLS, N, stride_sm,
+    HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """part[s, g, c] = sum of src[r, c] (* scale[r]) over the s-th of SPLITS equal slices of group
+    g's rows, in fp32. Grid (column tiles, N, SPLITS).
+
+    Fixed row order inside a program and a fixed sum over s afterwards: deterministic, no atomics.
+    Padding rows (past offs[N]) belong to no group and are never read.
+    """
+    pid_c = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    row_lo = tl.load(offs_ptr + pid_g).to(tl.int32)
+    row_hi = tl.load(offs_ptr + pid_g + 1).to(tl.int32)
+    row_lo = tl.minimum(tl.maximum(row_lo, 0), M)
+    row_hi = tl.minimum(tl.maximum(row_hi, row_lo), M)
+    chunk = tl.cdiv(tl.cdiv(row_hi - row_lo, SPLITS), BLOCK_M) * BLOCK_M
+    r_begin = row_lo + pid_s * chunk
+    r_stop = tl.minimum(r_begin + chunk, row_hi)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < COLS
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for r in range(r_begin, r_stop, BLOCK_M):
+        offs_m = r + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < r_stop
+        vals = tl.load(
+            src_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_c[None, :],
+            mask=mask_m[:, None] & mask_c[None, :], other=0.0,
+        ).to(tl.float32)
+        if HAS_SCALE:
+            vals = vals * tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        acc += vals
+    total = tl.sum(acc, 0)
+    out = part_ptr + (pid_s.to(tl.int64) * N + pid_g) * COLS + offs_c
+    tl.store(out, total, mask=mask_c)
