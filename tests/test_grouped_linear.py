@@ -441,3 +441,69 @@ def test_nonfinite_gradient_in_padding_rows_does_not_leak(backend):
     y.backward(dy)
     for name, t in (("dx", x.grad), ("dw", w.grad), ("db", b.grad), ("d bias_scale", s.grad)):
         assert_no_nan(t, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding rows with device splits: zeroed at the cost of the padding (issue: not a whole-output pass)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, cols, end", [
+    pytest.param(200, 300, 137, id="mid-block-end"),
+    pytest.param(200, 300, 0, id="all-padding"),
+    pytest.param(200, 300, 200, id="no-padding"),
+    pytest.param(128, 128, 64, id="block-aligned"),
+    pytest.param(1, 5, 0, id="one-row"),
+    pytest.param(67, 1, 66, id="last-row-only"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_zero_rows_from_kernel(rows, cols, end, dtype):
+    """The padding kernel (run by the Triton interpreter here) writes zeros into rows [end, M) and
+    nothing else: the rows before `end` keep their NaN poison, so a kernel that touched them (or a
+    whole-tensor pass) would show here as zeros, and an unwritten padding row as NaN."""
+    pytest.importorskip("triton")
+    from moekit.ops.grouped_linear import _zero_rows_from
+
+    t = nan_like(torch.zeros(rows, cols, dtype=dtype))
+    assert _zero_rows_from(t, torch.tensor([end]))
+    assert torch.isnan(t[:end]).all()
+    assert torch.equal(t[end:], torch.zeros(rows - end, cols, dtype=dtype))
+
+
+def test_zero_rows_from_kernel_respects_the_row_stride():
+    """A row-major view with a wider row stride (a column slice): columns outside it stay untouched."""
+    pytest.importorskip("triton")
+    from moekit.ops.grouped_linear import _zero_rows_from
+
+    base = nan_like(torch.zeros(70, 150))
+    view = base[:, 10:140]
+    assert _zero_rows_from(view, torch.tensor([33]))
+    assert torch.equal(view[33:], torch.zeros(37, 130))
+    assert torch.isnan(view[:33]).all() and torch.isnan(base[:, :10]).all() and torch.isnan(base[:, 140:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, used", [(4096, 4000), (4096, 0), (4096, 4096), (333, 100)],
+                         ids=["some-padding", "all-padding", "no-padding", "odd-rows"])
+def test_torch_backend_device_splits_zero_padding_on_cuda(rows, used):
+    """CUDA, device splits: forward and dgrad padding rows are exact zeros (grouped_mm leaves them
+    unwritten), the real rows match host splits bit for bit, and the kernel alone, given a NaN
+    buffer, writes exactly the padding rows."""
+    from moekit.ops.grouped_linear import _zero_rows_from
+
+    dev = torch.device("cuda")
+    counts = [used // 4] * 3 + [used - 3 * (used // 4)]
+    x = torch.randn(rows, 256, device=dev, dtype=torch.bfloat16).requires_grad_()
+    w = torch.randn(4, 512, 256, device=dev, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(rows, 512, device=dev, dtype=torch.bfloat16)
+    outs = []
+    for m_splits in (torch.tensor(counts, device=dev), counts):
+        y = moekit.grouped_linear(x, w, m_splits, backend="torch")
+        outs.append((y, *torch.autograd.grad(y, (x, w), dy)))
+    for dev_t, host_t in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(dev_t, host_t)
+    assert torch.equal(outs[0][0][used:], torch.zeros_like(outs[0][0][used:]))
+    assert torch.equal(outs[0][1][used:], torch.zeros_like(outs[0][1][used:]))
+    t = torch.full((rows, 512), float("nan"), device=dev, dtype=torch.bfloat16)
+    assert _zero_rows_from(t, torch.tensor([used], device=dev))
+    assert torch.isnan(t[:used]).all() and torch.equal(t[used:], torch.zeros_like(t[used:]))
