@@ -15,16 +15,14 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 save_file, load_file = safetensors_torch.save_file, safetensors_torch.load_file
 
 from moekit import GroupedMLP, interleave_glu  # noqa: E402
-from moekit.cli import main  # noqa: E402
-from moekit.convert import (  # noqa: E402
-    META_GLU,
-    META_LAYOUT,
+from moekit.checkpoint import (  # noqa: E402
     Checkpoint,
     CheckpointError,
     analyze,
     convert_checkpoint,
     format_inspection,
 )
+from moekit.checkpoint.metadata import META_GROUPS  # noqa: E402
 
 N, H, F = 4, 8, 6
 
@@ -107,7 +105,9 @@ def test_single_file_round_trip(tmp_path, glu):
     assert torch.equal(grouped[f"{p}.down_proj"], torch.stack([sd[f"{p}.{i}.down_proj.weight"] for i in range(N)]))
     assert grouped[f"{p}.gate_up_proj"].shape == (N, 2 * F, H)
     meta = Checkpoint(tmp_path / "grouped.safetensors").metadata
-    assert meta[META_LAYOUT] == "grouped" and meta[META_GLU] == ("none" if glu is None else str(glu))
+    records = {r["prefix"]: r for r in json.loads(meta[META_GROUPS])}
+    assert records[p] == {"prefix": p, "naming": "hf", "layout": "grouped", "role": "mlp", "num_experts": N,
+                          "glu_interleave_size": glu}
     assert meta["format"] == "pt"
 
     convert_checkpoint(tmp_path / "grouped.safetensors", tmp_path / "back.safetensors", "per-expert")
@@ -124,7 +124,7 @@ def test_sharded_round_trip_keeps_shards_and_sidecars(tmp_path):
     grouped = _load_all(tmp_path / "grouped")
     assert set(index["weight_map"]) == set(grouped)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in grouped.values())
-    assert index["metadata"][META_LAYOUT] == "grouped"
+    assert all(r["layout"] == "grouped" for r in json.loads(Checkpoint(tmp_path / "grouped").metadata[META_GROUPS]))
     assert sum(k.endswith("gate_up_proj") for k in grouped) == 3
 
     convert_checkpoint(tmp_path / "grouped" / "model.safetensors.index.json", tmp_path / "back", "per-expert")
@@ -165,7 +165,7 @@ def test_transformer_engine_round_trip_and_interleave(tmp_path):
 
 
 def test_conversion_streams_one_expert_at_a_time(tmp_path, monkeypatch):
-    import moekit.convert as convert
+    import moekit.checkpoint.convert as convert
 
     # Non-expert tensors are copied in pieces (64 MiB by default; 64 bytes here, to see it).
     monkeypatch.setattr(convert, "COPY_PIECE_BYTES", 64)
@@ -329,7 +329,7 @@ def test_refuses_existing_destination(tmp_path):
 
 
 def test_failed_verification_leaves_nothing(tmp_path, monkeypatch):
-    import moekit.convert as convert
+    import moekit.checkpoint.convert as convert
 
     save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
     _src_dir = _save_sharded(_hf_per_expert(), tmp_path / "sharded")
@@ -345,24 +345,24 @@ def test_failed_verification_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_verification_catches_a_corrupted_output(tmp_path, monkeypatch):
-    import moekit.convert as convert
+    import moekit.checkpoint.convert as convert
 
     save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
-    real = convert._reorder_fc1
+    real = convert.reorder_glu_rows
     calls = []
 
-    def corrupt_once(rows, src, dst):
+    def corrupt_once(rows, src, dst, dim=0):
         calls.append(1)
-        out = real(rows, src, dst)
+        out = real(rows, src, dst, dim)
         return out.flip(0) if len(calls) == 1 else out  # write one expert's rows reversed
 
-    monkeypatch.setattr(convert, "_reorder_fc1", corrupt_once)
+    monkeypatch.setattr(convert, "reorder_glu_rows", corrupt_once)
     with pytest.raises(RuntimeError, match="verification failed"):
         convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
     assert _leftovers(tmp_path, "out.safetensors") == []
 
 
-# ---- inspect and the command line -------------------------------------------------------------
+# ---- inspect ------------------------------------------------------------------------------------
 
 
 def test_inspect_table(tmp_path):
@@ -376,16 +376,3 @@ def test_inspect_table(tmp_path):
     save_file(sd, str(tmp_path / "bad.safetensors"))
     bad = Checkpoint(tmp_path / "bad.safetensors")
     assert "missing expert indices [0]" in format_inspection(bad, analyze(bad))
-
-
-def test_command_line(tmp_path, capsys):
-    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
-    assert main(["convert", str(tmp_path / "src.safetensors"), str(tmp_path / "g.safetensors"), "--to", "grouped",
-                 "--glu-interleave", "2"]) == 0
-    assert "verified" in capsys.readouterr().out
-    assert main(["inspect", str(tmp_path / "g.safetensors")]) == 0
-    out = capsys.readouterr().out
-    assert "grouped" in out and "moekit.glu_interleave_size=2" in out
-    assert main(["convert", str(tmp_path / "src.safetensors"), str(tmp_path / "g.safetensors"), "--to",
-                 "grouped"]) == 2
-    assert "refused" in capsys.readouterr().err

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
 
@@ -126,34 +126,23 @@ def routing_table(model: TinyMoELM, task: DialectTask, tokens: torch.Tensor) -> 
     return table / table.sum(1, keepdim=True)
 
 
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, width: int = 30) -> None:
-        self.total, self.width, self.start = total, width, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, done: int, text: str) -> None:
-        if not self.tty and done not in (1, self.total) and done % max(1, self.total // 10):
-            return
-        filled = int(self.width * done / self.total)
-        bar = "#" * filled + "-" * (self.width - filled)
-        elapsed = time.perf_counter() - self.start
-        end = "\r" if self.tty and done < self.total else "\n"
-        sys.stderr.write(f"[{bar}] {done}/{self.total} {text} {elapsed:5.1f}s{end}")
-        sys.stderr.flush()
-
-
 def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out: str = "moekit-demo",
              seed: int = 0) -> dict:
-    """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
+
+    Raises ValueError, before training, for steps < 1, a device this torch cannot use, or an `out`
+    that is an existing file (it must be a folder, new or existing)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps must be a positive number of training steps, got {steps!r}")
+    dev = _demo_device(device)
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out} is an existing file; expected a folder (new or existing) for the checkpoint, "
+                         "plot and summary")
     cfg = DemoConfig(steps=steps, seed=seed)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     task = DialectTask(cfg, gen)
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
@@ -166,7 +155,7 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     print(f"best possible loss (only the random start is unpredictable): {task.loss_floor():.3f}")
 
     losses = []
-    progress = Progress(cfg.steps)
+    progress = Progress(cfg.steps, quiet_when_piped=False)
     tokens_seen, t0 = 0, time.perf_counter()
     for step in range(1, cfg.steps + 1):
         batch = task.batch(cfg.batch, gen).to(dev)
@@ -228,6 +217,23 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     if eval_loss != eval_loss_reloaded:
         raise RuntimeError("the checkpoint round trip changed the evaluation loss")
     return summary
+
+
+def _demo_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}, but this torch ({torch.__version__}) has no usable CUDA device; "
+                         "use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}, but there are {torch.cuda.device_count()} CUDA devices")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: the demo runs on cpu or cuda")
+    return dev
 
 
 def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 
 import torch
 from torch import nn
 
 from moekit._splits import MSplits
+from moekit.checkpoint.layout import collect_grouped, convert_glu_on_load, place_grouped
+from moekit.checkpoint.metadata import EXTRA_STATE_SUFFIX, glu_order_of_extra_state, linear_extra_state
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops.grouped_linear import BACKENDS, grouped_linear, packed_view
-from moekit.ops.swiglu import check_interleave, deinterleave_glu, interleave_glu
-
-EXTRA_STATE_FORMAT = "moekit.GroupedLinear/1"
 
 
 class GroupedLinear(nn.Module):
@@ -153,11 +151,7 @@ class GroupedLinear(nn.Module):
     # ---- checkpoints -------------------------------------------------------------------------
 
     def get_extra_state(self) -> dict:
-        return {
-            "format": EXTRA_STATE_FORMAT,
-            "glu": self.is_glu,
-            "glu_interleave_size": self.glu_interleave_size,
-        }
+        return linear_extra_state(self.is_glu, self.glu_interleave_size)
 
     def set_extra_state(self, state) -> None:
         # _load_from_state_dict has already converted the weights to this module's interleave
@@ -166,107 +160,26 @@ class GroupedLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        extra_key = prefix + "_extra_state"
-        ckpt_extra = state_dict.get(extra_key)
-        weight = _collect_grouped(state_dict, prefix, "weight", self.num_gemms,
-                                  (self.out_features, self.in_features))
+        # Either layout (and a packed weight) is accepted; fc1 rows move to this module's GLU order.
+        extra_key = prefix + EXTRA_STATE_SUFFIX
+        weight = collect_grouped(state_dict, prefix, "weight", self.num_gemms, (self.out_features, self.in_features))
         # Without a bias of its own the module leaves bias keys in place: a strict load reports them.
-        bias = (_collect_grouped(state_dict, prefix, "bias", self.num_gemms, (self.out_features,))
+        bias = (collect_grouped(state_dict, prefix, "bias", self.num_gemms, (self.out_features,))
                 if self.use_bias else None)
-        if weight is not None or bias is not None:
-            weight, bias = self._convert_glu(weight, bias, ckpt_extra, prefix)
+        if self.is_glu and (weight is not None or bias is not None):
+            recorded, ckpt_k = glu_order_of_extra_state(state_dict.get(extra_key))
+            weight, bias = convert_glu_on_load([weight, bias], recorded, ckpt_k, self.glu_interleave_size,
+                                               self.out_features // 2, prefix.rstrip(".") or "module")
         if weight is not None:
-            _place_grouped(state_dict, prefix, "weight", weight, self.single_grouped_weight)
+            place_grouped(state_dict, prefix, "weight", weight, self.single_grouped_weight)
         if bias is not None:
-            _place_grouped(state_dict, prefix, "bias", bias, self.single_grouped_bias)
+            place_grouped(state_dict, prefix, "bias", bias, self.single_grouped_bias)
         state_dict[extra_key] = self.get_extra_state()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-
-    def _convert_glu(self, weight, bias, ckpt_extra, prefix):
-        """Map the checkpoint's GLU row order to this module's; refuse when it cannot be known."""
-        if not self.is_glu:
-            return weight, bias
-        ckpt_known = isinstance(ckpt_extra, dict) and ckpt_extra.get("format") == EXTRA_STATE_FORMAT
-        if not ckpt_known:
-            if self.glu_interleave_size is None:
-                # Checkpoints from other tools (TransformerEngine, Hugging Face) use [gates; ups].
-                return weight, bias
-            raise ValueError(
-                f"{prefix or 'module '}: this module expects fc1 rows interleaved with glu_interleave_size="
-                f"{self.glu_interleave_size}, but the checkpoint does not record its interleave size "
-                f"({prefix}_extra_state missing or not moekit's). Load it into a module with "
-                "glu_interleave_size=None if it is [gates; ups], or convert it first "
-                "(moekit.interleave_glu / `moekit convert`)."
-            )
-        ckpt_k = ckpt_extra.get("glu_interleave_size")
-        if ckpt_k == self.glu_interleave_size:
-            return weight, bias
-        ffn = self.out_features // 2
-        check_interleave(ffn, ckpt_k)
-
-        def convert(t):
-            if t is None:
-                return None
-            if ckpt_k is not None:
-                t = deinterleave_glu(t, ckpt_k, dim=1)
-            if self.glu_interleave_size is not None:
-                t = interleave_glu(t, self.glu_interleave_size, dim=1)
-            return t
-
-        return convert(weight), convert(bias)
 
 
 def _as_list(t):
     if t is None:
         return []
     return [t] if isinstance(t, torch.Tensor) else list(t)
-
-
-def _collect_grouped(state_dict, prefix, name, num: int, member_shape: tuple[int, ...]):
-    """Read `name` (grouped, or packed (N*O, ...)) or `name{i}` (discrete) from state_dict and
-    return one (N, *member_shape) tensor, or None if neither is present. Removes the keys read."""
-    pattern = re.compile(re.escape(prefix + name) + r"(\d+)$")
-    indexed = {}
-    for key in state_dict:
-        m = pattern.match(key)
-        if m:
-            indexed[int(m.group(1))] = key
-    grouped_key = prefix + name
-    has_grouped = grouped_key in state_dict and state_dict[grouped_key] is not None
-    if has_grouped and indexed:
-        raise ValueError(
-            f"checkpoint has both {grouped_key!r} and per-expert keys {sorted(indexed.values())}; "
-            "the layout is ambiguous"
-        )
-    if has_grouped:
-        t = state_dict.pop(grouped_key)
-        full = (num, *member_shape)
-        packed = (num * member_shape[0], *member_shape[1:])
-        if tuple(t.shape) == full:
-            return t
-        if tuple(t.shape) == packed:
-            return t.reshape(full)
-        raise ValueError(f"{grouped_key!r} has shape {tuple(t.shape)}; expected {full} or packed {packed}")
-    if not indexed:
-        return None
-    missing = [f"{prefix}{name}{i}" for i in range(num) if i not in indexed]
-    extra = [indexed[i] for i in sorted(indexed) if i >= num]
-    if missing or extra:
-        raise ValueError(
-            f"checkpoint's per-expert {name} keys do not cover experts 0..{num - 1} exactly: "
-            f"missing {missing}, extra {extra}"
-        )
-    bad = [f"{indexed[i]} {tuple(state_dict[indexed[i]].shape)}" for i in range(num)
-           if tuple(state_dict[indexed[i]].shape) != member_shape]
-    if bad:
-        raise ValueError(f"per-expert {name} tensors must have shape {member_shape}; got {bad}")
-    return torch.stack([state_dict.pop(indexed[i]) for i in range(num)])
-
-
-def _place_grouped(state_dict, prefix, name, full: torch.Tensor, single: bool) -> None:
-    if single:
-        state_dict[prefix + name] = full
-    else:
-        for i, member in enumerate(full.unbind(0)):
-            state_dict[f"{prefix}{name}{i}"] = member
