@@ -16,7 +16,7 @@ routed scaling, expert-score bias, group-limited choice) and its shared experts 
 2. `experts_implementation="moekit"` (in `from_pretrained`, in the config, or
    `model.set_experts_implementation("moekit")`): importing this module registers moekit's forward
    in transformers' `ExpertsInterface`, next to its own `"grouped_mm"`. The model keeps its modules
-   and parameters; each experts forward runs through `moekit.grouped_mlp`.
+   and parameters; each experts forward runs through `moekit.moe_experts`.
 
 Layer-by-layer mapping (transformers 5.x). In each decoder layer L with routed experts, only
 `model.layers.L.mlp.experts` is replaced; the router and everything else stay.
@@ -44,10 +44,10 @@ Layer-by-layer mapping (transformers 5.x). In each decoder layer L with routed e
     (limit 7, alpha 1.702). Routing in `mlp.router` (GptOssTopKRouter): linear with bias, top-k of
     the logits, softmax over those k.
 
-In every case `MoekitExperts.forward(hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`
-permutes the T*K routed copies by expert (`moekit.permute`), runs the GroupedMLP with the routing
+In both, `forward(hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))` is
+`moekit.moe_experts`: the T*K routed copies sorted by expert, the grouped MLP with the routing
 weights as `probs` (they scale the activation and the fc2 bias, as the model's
-`(x W1 -> act -> W2 + b2) * w` does), and sums the K copies of each token back (`moekit.unpermute`).
+`(x W1 -> act -> W2 + b2) * w` does), and the K copies of each token summed back.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.permute import route_through_experts
+from moekit.nn.moe_layer import run_experts
+from moekit.ops.moe_experts import moe_experts
 from moekit.ops.swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 
 EXPERTS_IMPLEMENTATION = "moekit"
@@ -199,7 +199,7 @@ class MoekitExperts(nn.Module):
         return cls(mlp, layout, name)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return route_through_experts(hidden_states, top_k_index, top_k_weights, self.num_experts, self.grouped_mlp)[0]
+        return run_experts(self.grouped_mlp, hidden_states, top_k_index, top_k_weights)
 
     def model_layout_tensors(self, *, grads: bool = False) -> dict[str, torch.Tensor | None]:
         """The expert tensors (or, with grads=True, their gradients) under the replaced module's
@@ -324,7 +324,7 @@ def moekit_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers `ExpertsInterface` entry: the experts forward of a `@use_experts_implementation`
-    module, run by `moekit.grouped_mlp` on the module's own tensors (views, no copies kept).
+    module, run by `moekit.moe_experts` on the module's own tensors (views, no copies kept).
 
     hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K) -> (T, H). The GEMM backend is
     `config.moekit_backend` when the config has one, else "auto".
@@ -339,13 +339,10 @@ def moekit_experts_forward(
     fc2_bias = self.down_proj_bias if layout.has_bias else None
     backend = getattr(getattr(self, "config", None), "moekit_backend", "auto")
 
-    def run_mlp(x_MH, m_splits, probs_M):
-        return grouped_mlp(
-            x_MH, fc1_weight, fc2_weight, m_splits, probs=probs_M, fc1_bias=fc1_bias, fc2_bias=fc2_bias,
-            activation=layout.activation, glu_interleave_size=layout.glu_interleave_size, backend=backend,
-        )
-
-    return route_through_experts(hidden_states, top_k_index, top_k_weights, fc1_weight.shape[0], run_mlp)[0]
+    return moe_experts(
+        hidden_states, top_k_index, top_k_weights, fc1_weight, fc2_weight, fc1_bias=fc1_bias, fc2_bias=fc2_bias,
+        activation=layout.activation, glu_interleave_size=layout.glu_interleave_size, backend=backend,
+    )
 
 
 def register_experts_implementation() -> None:

@@ -1,6 +1,7 @@
-"""MoELayer: router + permute + GroupedMLP experts + weighted combine.
+"""MoELayer: router + the routed GroupedMLP experts (`moekit.moe_experts`: sort by expert, grouped
+MLP, weighted combine).
 
-Legend: T tokens, K experts per token, N experts, H hidden size.
+Legend: T tokens, K experts per token (top-k), N experts, H hidden size.
 """
 
 from __future__ import annotations
@@ -9,9 +10,21 @@ import torch
 from torch import nn
 
 from moekit.nn.grouped_mlp import GroupedMLP, check_sizes
-from moekit.ops.permute import route_through_experts
+from moekit.ops.moe_experts import moe_experts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def run_experts(
+    experts: GroupedMLP, x_TH: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """`moekit.moe_experts` with a GroupedMLP's parameters and settings: x_TH (T, H) in token order,
+    topk_ids / topk_weights (T, K) -> (T, H), each token's K expert outputs weighted and summed."""
+    return moe_experts(
+        x_TH, topk_ids, topk_weights, experts.fc1.weights(), experts.fc2.weights(),
+        fc1_bias=experts.fc1.biases(), fc2_bias=experts.fc2.biases(), activation=experts.activation,
+        glu_interleave_size=experts.glu_interleave_size, backend=experts.backend,
+    )
 
 
 class _AuxLossInjector(torch.autograd.Function):
@@ -105,9 +118,12 @@ class MoELayer(nn.Module):
             )
         x_TH = x.reshape(-1, self.hidden_size)
         weights, ids, scores = self.route(x_TH)
-        y_TH, m_splits = route_through_experts(x_TH, ids, weights, self.num_experts, self.experts)
+        y_TH = run_experts(self.experts, x_TH, ids, weights)
         if self.aux_loss_coef > 0 and self.training:
-            routed_share = m_splits.float() / ids.numel()
+            # Copies routed to each expert: an integer scatter (exact in any order), on the device.
+            routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=ids.device)
+            routed_share = routed.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids, dtype=scores.dtype).reshape(-1))
+            routed_share = routed_share / ids.numel()
             aux = self.aux_loss_coef * self.num_experts * (routed_share * scores.mean(0)).sum()
             self.aux_loss = aux.detach()
             y_TH = _AuxLossInjector.apply(y_TH, aux)

@@ -9,8 +9,6 @@ no floating-point atomics, so gradients are bit-identical run after run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from moekit._splits import compute_dtype
@@ -127,34 +125,6 @@ def unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tens
     if _host_checkable(row_map):
         _check_permutation(row_map, y_sorted.shape[0])
     return _UnpermuteFn.apply(y_sorted, row_map, weights)
-
-
-def route_through_experts(
-    x_TH: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    num_experts: int,
-    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed experts of an MoE layer, composed of the ops: permute, the experts, unpermute.
-
-    x_TH: (T, H) in token order. topk_ids: (T, K) integer. topk_weights: (T, K) floating.
-    `experts(x_sorted (M, H), m_splits (N,), probs (M,)) -> (M, H)` runs on the rows sorted by
-    expert, with each row's router weight as `probs` (they scale the activation and fc2 bias).
-    Returns each token's K expert outputs summed, (T, H) in the experts' output dtype, and the
-    device m_splits (N,). Differentiable with respect to x and topk_weights.
-    """
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
-        )
-    if not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    x_sorted, m_splits, row_map = permute(x_TH, topk_ids, num_experts)
-    # Sorted row row_map[t, k] is copy (t, k): a scatter puts each weight there (its backward is
-    # a gather, so the weights' gradient is deterministic).
-    probs_sorted = topk_weights.new_zeros(row_map.numel()).scatter(0, row_map.reshape(-1), topk_weights.reshape(-1))
-    return unpermute(experts(x_sorted, m_splits, probs_sorted), row_map), m_splits
 
 
 def _host_checkable(t: torch.Tensor) -> bool:
