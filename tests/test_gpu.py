@@ -314,3 +314,143 @@ def _eager_grouped_linear(x, w, b, dy, splits, backend) -> dict[str, torch.Tenso
     y = moekit.grouped_linear(xe, we, torch.tensor(splits, device=CUDA), be, backend=backend)
     y.backward(dy)
     return {"out": y.detach(), "x": xe.grad, "weight": we.grad, "bias": be.grad}
+
+
+# --------------------------------------------------------------------------------------------------
+# moe_experts: the layer's routed experts given the routing (gather, grouped MLP, combine)
+# --------------------------------------------------------------------------------------------------
+
+# Tokens, experts, top-k, hidden, ffn: a real size for the layer's row movement and GEMMs.
+MOE_T, MOE_N, MOE_K, MOE_H, MOE_F = 2048, 8, 2, 1024, 768
+MOE_POOLS = [pytest.param(None, id="all-experts"),
+             pytest.param([1, 2, 3, 5, 6], id="empty-first-middle-last")]
+
+
+def _moe_inputs(pool=None, seed=0, bias=False) -> dict:
+    from test_moe_experts import make_inputs
+
+    inputs = make_inputs(MOE_T, MOE_N, MOE_K, hidden=MOE_H, ffn=MOE_F, experts=pool, seed=seed, bias=bias)
+    return {k: v.to(CUDA) for k, v in inputs.items()}
+
+
+def _moe_leaves(inputs: dict) -> dict:
+    return {k: (v.to(BF16).requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("pool", MOE_POOLS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_bf16_matches_float64(backend, pool, nan_poison):
+    from test_moe_experts import make_inputs, torch_moe_experts
+
+    _require_backend(backend, MOE_H, 2 * MOE_F)
+    inputs = make_inputs(MOE_T, MOE_N, MOE_K, hidden=MOE_H, ffn=MOE_F, experts=pool, bias=True, seed=3)
+    inputs["topk_weights"] = inputs["topk_weights"].to(BF16)
+    ours = _on_device(functools.partial(moekit.moe_experts, backend=backend), CUDA)
+    res = check_against_reference(ours, _on_device(torch_moe_experts, CUDA),
+                                  _on_device(moekit.reference.moe_experts_reference, CUDA), inputs, BF16,
+                                  differentiable=[k for k in inputs if k != "topk_ids"])
+    for name, t in res.items():
+        assert_no_nan(t, name)
+    for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
+        for name in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
+            assert torch.count_nonzero(res[name][e]) == 0, f"expert {e} has no tokens but d {name}[{e}] != 0"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_forward_backward_has_no_host_sync(backend):
+    _require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True))
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def step():
+        moekit.moe_experts(**leaves, backend=backend).backward(dy)
+
+    _assert_no_host_sync(step)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_backward_is_bit_identical(backend):
+    _require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True, seed=1))
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def run():
+        for t in leaves.values():
+            if t.is_floating_point():
+                t.grad = None
+        y = moekit.moe_experts(**leaves, backend=backend)
+        y.backward(dy)
+        return {"out": y.detach(), **{k: t.grad.clone() for k, t in leaves.items() if t.is_floating_point()}}
+
+    run()  # warm-up: autotuning runs here
+    first, second = run(), run()
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not differ, f"moe_experts results differ between two identical runs: {differ}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_cuda_graph_replay_with_new_routing_matches_eager(backend):
+    """One capture of forward+backward; replays with other routings (an empty expert, all copies on
+    two experts) give what eager gives for those routings, bit for bit."""
+    _require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True, seed=2))
+    floats = [t for t in leaves.values() if t.is_floating_point()]
+    static_ids = leaves["topk_ids"]
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def step():
+        y = moekit.moe_experts(**leaves, backend=backend)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in floats:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in floats:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    static = {"out": y_static, **{k: t.grad for k, t in leaves.items() if t.is_floating_point()}}
+
+    routings = {"empty-expert-0-and-5": [1, 2, 3, 4, 6, 7], "two-experts": [3, 6], "all-experts": None}
+    for case, pool in routings.items():
+        new_ids = _moe_inputs(pool=pool, seed=10)["topk_ids"]
+        static_ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: t.clone() for k, t in static.items()}
+        eager_leaves = {k: (t.detach().clone().requires_grad_(True) if t.is_floating_point() else new_ids.clone())
+                        for k, t in leaves.items()}
+        y = moekit.moe_experts(**eager_leaves, backend=backend)
+        y.backward(dy)
+        eager = {"out": y.detach(), **{k: t.grad for k, t in eager_leaves.items() if t.is_floating_point()}}
+        for k in replayed:
+            assert_no_nan(replayed[k], f"{case}: replayed {k}")
+            assert torch.equal(replayed[k], eager[k]), (
+                f"{case}: replayed {k} differs from eager (relative error {rel_err(replayed[k], eager[k]):.2e})")
+        for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
+            assert torch.count_nonzero(replayed["fc1_weight"][e]) == 0, f"{case}: d fc1_weight[{e}] not zero"
+
+
+def test_moe_experts_holds_less_than_the_sorted_copy_of_x():
+    """Memory held between forward and backward: no (M, H) copy of x (what a plain gather keeps)."""
+    leaves = _moe_leaves(_moe_inputs(seed=4))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = moekit.moe_experts(**leaves, backend="auto")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    rows = MOE_T * MOE_K
+    # What the grouped MLP may keep: fc1's output (M, 2F), the activation (M, F), the probs and
+    # index vectors; an (M, H) x_sorted on top would add rows * H * 2 bytes.
+    allowance = rows * 3 * MOE_F * 2 + rows * 64
+    assert held <= allowance, (
+        f"moe_experts holds {held / 2**20:.1f} MiB for the backward; at most {allowance / 2**20:.1f} MiB expected "
+        f"without a sorted copy of x ({rows * MOE_H * 2 / 2**20:.1f} MiB)")
+    y.sum().backward()

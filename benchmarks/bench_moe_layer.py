@@ -1,0 +1,442 @@
+"""Benchmark of the MoE layer's routed experts given the routing: moekit.moe_experts against the plain
+PyTorch a user would write (`plain_layer`) and Liger-Kernel's fused MoE, with the dense 8192^3 bf16
+matmul roof measured in the same process.
+
+Legend: T tokens, N experts, K experts per token, M = T*K routed rows, H hidden size, F ffn size.
+
+Every cell (shape x routing) times the implementations' forward and forward+backward in
+interleaved rounds (the order rotates each round; each keeps its median of the rounds), so they are
+compared at the same clocks. Inputs require grad (a training forward). FLOPs: forward =
+2*M*H*2F + 2*M*F*H, forward+backward = 3x forward. Memory per implementation: the peak allocated
+during one forward+backward above what was allocated before it, and the activation memory held for
+the backward (allocated after the forward, its output excluded, minus before). Each
+implementation's output and gradients (x, weights, fc1, fc2) are compared with plain_layer's.
+
+Routing: "balanced" draws each token's K distinct experts uniformly; "skewed" draws them with
+probabilities from Dirichlet(1) expert shares (seed runner.SKEW_SEED), as the MLP benchmark's
+skewed splits. Weights: a softmax over K of random logits, in the tokens' dtype.
+
+Liger-Kernel (`pip install 'moekit[bench]'`) is timed when importable. Its autotuner benchmarks
+32 configs per kernel and shape; `--liger-autotune` turns that on, by default it runs its one
+pinned config (LIGER_FUSED_MOE_AUTOTUNE=0, Liger's own setting), which the JSON records.
+
+    python benchmarks/bench_moe_layer.py --out $OUT --commit <git commit>
+    python benchmarks/bench_moe_layer.py --quick --shapes qwen3-30b-a3b,mixtral-8x7b
+    python benchmarks/bench_moe_layer.py --smoke             # tiny shapes, CPU is fine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import runner
+import torch
+import torch.nn.functional as F
+
+import moekit
+
+NAME = "bench_moe_layer"
+IMPLS = ("moekit", "plain", "liger")
+OPS = ("forward", "forward+backward")
+GRAD_NAMES = ("x", "topk_weights", "fc1_weight", "fc2_weight")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+
+
+SHAPES = (
+    LayerShape("qwen3-30b-a3b", 32768, 128, 8, 2048, 768),
+    LayerShape("mixtral-8x7b", 16384, 8, 2, 4096, 14336),
+    LayerShape("deepseek-v3-ep8", 16384, 32, 8, 7168, 2048),
+    LayerShape("gpt-oss-20b", 16384, 32, 4, 2880, 2880),
+    LayerShape("qwen3-256tok", 256, 128, 8, 2048, 768),
+    LayerShape("qwen3-1024tok", 1024, 128, 8, 2048, 768),
+    LayerShape("qwen3-4096tok", 4096, 128, 8, 2048, 768),
+    LayerShape("sonicmoe", 32768, 128, 8, 4096, 512),
+)
+SMOKE_SHAPES = (LayerShape("smoke", 64, 6, 2, 32, 48), LayerShape("smoke-top1", 40, 4, 1, 64, 32))
+
+
+# --------------------------------------------------------------------------------------------------
+# The implementations: (x, fc1_weight, fc2_weight, topk_ids, topk_weights) -> (T, H)
+# --------------------------------------------------------------------------------------------------
+
+
+def plain_layer(x, w1, w2, topk_ids, topk_weights):
+    """The plain PyTorch layer of issue 10 (verbatim in meaning): x (T, H), ids/weights (T, K)."""
+    T, K = topk_ids.shape
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    offs = torch.bincount(topk_ids.reshape(-1), minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x[order // K], w1.transpose(-2, -1), offs=offs)
+    g, u = h.chunk(2, -1)
+    y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, order // K, y)
+
+
+def plain_layer_cpu(x, w1, w2, topk_ids, topk_weights):
+    """plain_layer with a per-expert loop where torch has no grouped_mm for the device (--smoke)."""
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        g, u = (x[tokens] @ w1[e].t()).chunk(2, -1)
+        y = (F.silu(g) * u) @ w2[e].t()
+        out = out.index_add(0, tokens, y * topk_weights[tokens, slots, None].to(y.dtype))
+    return out
+
+
+def moekit_layer(backend: str):
+    def run(x, w1, w2, topk_ids, topk_weights):
+        return moekit.moe_experts(x, topk_ids, topk_weights, w1, w2, backend=backend)
+
+    return run
+
+
+def liger_layer():
+    """Liger-Kernel's fused MoE, or the reason it cannot run here."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError as exc:
+        return None, f"liger_kernel not importable ({exc}); pip install 'moekit[bench]'"
+
+    def run(x, w1, w2, topk_ids, topk_weights):
+        return LigerFusedMoEFunction.apply(x, w1, w2, topk_ids, topk_weights)
+
+    return run, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def make_routing(shape: LayerShape, dist: str, device, dtype, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if dist == "balanced":
+        shares = torch.ones(shape.experts, dtype=torch.float64)
+    else:
+        shares = torch.from_numpy(np.random.default_rng(runner.SKEW_SEED).dirichlet(np.ones(shape.experts)))
+    probs = shares.to(device=device, dtype=torch.float32).expand(shape.tokens, shape.experts)
+    ids = torch.multinomial(probs, shape.top_k, replacement=False, generator=gen)
+    logits = torch.randn(shape.tokens, shape.top_k, device=device, generator=gen)
+    return ids, logits.softmax(-1).to(dtype)
+
+
+def make_inputs(shape: LayerShape, device, dtype, seed: int = 0) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, N, H, Fs = shape.tokens, shape.experts, shape.hidden, shape.ffn
+    return {
+        "x": torch.randn(T, H, device=device, dtype=dtype, generator=gen),
+        "w1": (torch.randn(N, 2 * Fs, H, device=device, generator=gen) * H**-0.5).to(dtype),
+        "w2": (torch.randn(N, H, Fs, device=device, generator=gen) * Fs**-0.5).to(dtype),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_of(fn_fwd, dy, leaves, device) -> dict:
+    """Activation memory held after one forward (output excluded) and the peak of one
+    forward+backward above what was allocated before it. CUDA only."""
+    if device.type != "cuda":
+        return {"held_bytes": None, "peak_extra_bytes": None, "peak_bytes": None}
+    for t in leaves:
+        t.grad = None
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    y = fn_fwd()
+    _sync(device)
+    held = torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size()
+    y.backward(dy)
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del y
+    for t in leaves:
+        t.grad = None
+    return {"held_bytes": held, "peak_extra_bytes": peak - before, "peak_bytes": peak}
+
+
+def outputs_and_grads(fn_fwd, dy, leaves: dict) -> dict:
+    for t in leaves.values():
+        t.grad = None
+    y = fn_fwd()
+    y.backward(dy)
+    res = {"out": y.detach().float(), **{k: leaves[k].grad.float() for k in GRAD_NAMES}}
+    for t in leaves.values():
+        t.grad = None
+    return res
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float | None:
+    err = ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return err if np.isfinite(err) else None
+
+
+def time_ms(fn, device, warmup_ms, rep_ms, leaves) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves,
+                                             return_mode="median"))
+    times = []
+    for _ in range(3):
+        for t in leaves:
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench_cell(args, shape: LayerShape, dist: str, impls: dict, reasons: dict) -> list[dict]:
+    device, dtype = args.device, args.dtype
+    base = make_inputs(shape, device, dtype)
+    ids, weights = make_routing(shape, dist, device, dtype)
+    ids32 = ids.to(torch.int32)  # Liger takes int32 ids; converted once, outside the timing
+    dy = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype,
+                     generator=torch.Generator(device=device).manual_seed(1))
+    leaves = {"x": base["x"].requires_grad_(True), "topk_weights": weights.requires_grad_(True),
+              "fc1_weight": base["w1"].requires_grad_(True), "fc2_weight": base["w2"].requires_grad_(True)}
+    grads = list(leaves.values())
+    counts = torch.bincount(ids.reshape(-1), minlength=shape.experts)
+    M = shape.tokens * shape.top_k
+    flops_fwd = 2 * M * shape.hidden * 2 * shape.ffn + 2 * M * shape.ffn * shape.hidden
+    records, timed = [], []
+    ref = None
+    # plain first: its output and gradients are what the others are compared with.
+    for impl, fn in sorted(impls.items(), key=lambda item: item[0] != "plain"):
+        call_ids = ids32 if impl == "liger" else ids
+
+        def fwd(fn=fn, call_ids=call_ids):
+            return fn(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], call_ids, leaves["topk_weights"])
+
+        def fwd_bwd(fwd=fwd):
+            fwd().backward(dy)
+
+        recs = {op: {"bench": NAME, **asdict(shape), "shape": shape.name, "dist": dist, "op": op, "impl": impl,
+                     "flops": flops_fwd * (1 if op == "forward" else 3), "status": None, "reason": None,
+                     "ms": None, "ms_rounds": [], "tflops": None}
+                for op in OPS}
+        records += recs.values()
+        if reasons.get(impl):
+            for r in recs.values():
+                r["status"], r["reason"] = "unavailable", reasons[impl]
+            continue
+        try:
+            got = outputs_and_grads(fwd, dy, leaves)  # first call: compilation, autotuning
+            if impl == "plain":
+                ref = got
+            errors = {k: rel_err(got[k], ref[k]) for k in got} if ref is not None else None
+            sync = runner.check_host_sync(fwd_bwd, device)
+            mem = memory_of(fwd, dy, grads, device)
+            for r in recs.values():
+                r.update(status="ok", errors_vs_plain=errors, host_sync=sync, **mem)
+            timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
+        except Exception as exc:  # one broken cell must not lose the rest of a scarce GPU run
+            for r in recs.values():
+                r["status"], r["reason"] = "error", runner.error_reason(exc)
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+    # Interleaved rounds: round r starts at implementation r (mod count), per op.
+    for op in OPS:
+        cells = [(r, fn) for r, fn in timed if r["op"] == op]
+        for rnd in range(args.rounds):
+            k = rnd % max(len(cells), 1)
+            for r, fn in cells[k:] + cells[:k]:
+                try:
+                    r["ms_rounds"].append(time_ms(fn, device, args.warmup_ms, args.rep_ms, grads))
+                except Exception as exc:
+                    r["status"], r["reason"] = "error", runner.error_reason(exc)
+        for r, _ in cells:
+            if r["ms_rounds"]:
+                r["ms"] = statistics.median(r["ms_rounds"])
+                r["tflops"] = r["flops"] / r["ms"] / 1e9
+    plain = {r["op"]: r for r in records if r["impl"] == "plain"}
+    for r in records:
+        p = plain.get(r["op"])
+        r["x_plain"] = r["tflops"] / p["tflops"] if r["tflops"] and p and p["tflops"] else None
+        for key in ("held_bytes", "peak_extra_bytes"):
+            mine, theirs = r.get(key), (p or {}).get(key)
+            r[key.replace("_bytes", "_x_plain")] = mine / theirs if mine is not None and theirs else None
+        r["expert_counts_min_max"] = [int(counts.min()), int(counts.max())]
+        print_record(r)
+    return records
+
+
+def print_record(r: dict) -> None:
+    t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
+    ratio = f" x{r['x_plain']:.2f}" if r.get("x_plain") else "      "
+    held = r.get("held_bytes")
+    mem = (f" held {held / 2**30:5.2f} GiB peak+ {r['peak_extra_bytes'] / 2**30:5.2f} GiB"
+           if held is not None else "")
+    note = f"  [{r['status']}: {r['reason'][:120]}]" if r["reason"] else ""
+    print(f"  {r['shape']:<16} {r['dist']:<8} {r['op']:<16} {r['impl']:<7} {t}{ratio}{mem}{note}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Table and plot
+# --------------------------------------------------------------------------------------------------
+
+
+def print_table(records: list[dict], roofs: list[dict]) -> None:
+    print("\ndense roof: " + ", ".join(f"{r['tflops']:.1f}" for r in roofs) + " TFLOP/s (bf16 8192^3)")
+    header = (f"{'shape':<16} {'dist':<8} {'op':<16} " +
+              " ".join(f"{i + ' TF':>10}" for i in IMPLS) + f" {'moekit/plain':>12} {'liger/plain':>11}"
+              f" {'held GiB m/p/l':>18} {'peak+ m/p/l':>18} {'max err':>8}")
+    print(header)
+    print("-" * len(header))
+    cells = list(dict.fromkeys((r["shape"], r["dist"], r["op"]) for r in records))
+    by = {(r["shape"], r["dist"], r["op"], r["impl"]): r for r in records}
+
+    def f(v, spec):
+        return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
+
+    for cell in cells:
+        rs = [by.get((*cell, i), {}) for i in IMPLS]
+        tf = " ".join(f(r.get("tflops"), "10.1f") for r in rs)
+        gib = [r.get("held_bytes") for r in rs]
+        peak = [r.get("peak_extra_bytes") for r in rs]
+        errs = [v for r in rs for v in (r.get("errors_vs_plain") or {}).values()]
+        worst = max((e if e is not None else float("inf")) for e in errs) if errs else None
+        print(f"{cell[0]:<16} {cell[1]:<8} {cell[2]:<16} {tf} {f(rs[0].get('x_plain'), '12.2f')} "
+              f"{f(rs[2].get('x_plain'), '11.2f')} "
+              f"{'/'.join(f(g / 2**30 if g is not None else None, '.2f') for g in gib):>18} "
+              f"{'/'.join(f(p / 2**30 if p is not None else None, '.2f') for p in peak):>18} {f(worst, '8.1e')}")
+
+
+def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys((r["shape"], r["dist"]) for r in records))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(cells) + 2), 7.5), squeeze=False)
+    width = 0.8 / len(IMPLS)
+    by = {(r["shape"], r["dist"], r["op"], r["impl"]): r for r in records}
+    for ax, op in zip(axes[:, 0], OPS, strict=True):
+        for i, impl in enumerate(IMPLS):
+            xs, hs = [], []
+            for c, (shape, dist) in enumerate(cells):
+                r = by.get((shape, dist, op, impl))
+                if r and r["tflops"]:
+                    xs.append(c + (i - (len(IMPLS) - 1) / 2) * width)
+                    hs.append(r["tflops"])
+            ax.bar(xs, hs, width, label=impl, color=f"C{i}")
+        for j, roof in enumerate(roofs):
+            ax.axhline(roof["tflops"], color="k", linestyle="--", linewidth=0.8,
+                       label="dense 8192^3" if j == 0 else None)
+        ax.set_title(f"MoE layer (routed experts), {op}", fontsize=10)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_xticks(range(len(cells)))
+        ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncols=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    parser.add_argument("--dists", default="balanced,skewed")
+    parser.add_argument("--backend", default="auto", help="moekit's GEMM backend (auto, triton, torch)")
+    parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT)
+    parser.add_argument("--commit", default=None, help="the git commit measured (the device copy has no git)")
+    parser.add_argument("--quick", action="store_true", help="one round, short repetitions (noisier)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
+    parser.add_argument("--liger-autotune", action="store_true", help="let Liger autotune (slow: 32 configs)")
+    parser.add_argument("--no-plot", dest="plot", action="store_false")
+    args = parser.parse_args(argv)
+    args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.device.type == "cpu" and not args.smoke:
+        raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
+    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shape_list = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    args.dist_list = runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS)
+    args.rounds = 1 if args.quick or args.smoke else 3
+    args.warmup_ms, args.rep_ms = (10.0, 30.0) if args.quick or args.smoke else (20.0, 60.0)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not args.liger_autotune:
+        os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is imported
+    impls = {"moekit": moekit_layer(args.backend), "plain": plain_layer if args.device.type == "cuda"
+             else plain_layer_cpu}
+    liger, liger_reason = liger_layer()
+    impls["liger"] = liger
+    reasons = {"liger": liger_reason}
+    if args.device.type != "cuda" and liger is not None:
+        reasons["liger"] = "Liger's kernels run on CUDA only"
+    cfg = runner.BenchConfig(device=args.device, dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                             smoke=args.smoke, quick=args.quick, rounds=args.rounds, shapes=[], dists=args.dist_list,
+                             backends=[args.backend], out=args.out, plot=args.plot)
+    roofs = [runner.measure_roof(cfg)]
+    records = []
+    for shape in args.shape_list:
+        for dist in args.dist_list:
+            records += bench_cell(args, shape, dist, impls, reasons)
+            if args.device.type == "cuda":
+                torch.cuda.empty_cache()
+    roofs.append(runner.measure_roof(cfg))
+    env = runner.environment(cfg, roofs[0])
+    env.update(roofs=roofs, git_commit=args.commit or env["git_commit"], moekit_backend=args.backend,
+               liger=_liger_version(), liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
+               shapes=[asdict(s) for s in args.shape_list])
+    if args.commit:
+        env["git_commit_from"] = "--commit"
+    print_table(records, roofs)
+    payload = {"meta": env, "records": records}
+    runner.write_json(args.out / f"{NAME}.json", payload)
+    if args.plot:
+        gpu = env["gpu"]["name"] if env.get("gpu") else env["device"]
+        title = (f"moe_experts ({args.backend}) vs plain_layer vs Liger {env['liger']}, {env['dtype']} on {gpu}, "
+                 f"torch {env['torch']}, triton {env['triton']}, {(env['git_commit'] or '?')[:10]}, {env['date']}")
+        plot(records, roofs, args.out / f"{NAME}.png", title)
+    return payload
+
+
+def _liger_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    main()
