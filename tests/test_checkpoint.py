@@ -168,7 +168,7 @@ def test_safetensors_file_contents(tmp_path):
     assert torch.equal(state["fc1.weight2"], m.fc1.weight2.detach())
     assert state["fc1._extra_state"]["glu_interleave_size"] == 2
     assert state["fc2._extra_state"]["glu"] is False
-    assert not (tmp_path / "mlp.safetensors.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.safetensors"]  # no temporary left
 
 
 def _mlp(k, *, single=True, bias=True, seed=None):
@@ -233,3 +233,121 @@ def test_safetensors_moe_layer_round_trip(tmp_path):
     assert torch.equal(a.router.weight, b.router.weight)
     x = rand(2, 5, H, seed=14)
     torch.testing.assert_close(b(x), a(x), rtol=4e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# save -> convert -> load: every layout and interleave size on both sides
+# --------------------------------------------------------------------------------------------------
+
+MATRIX_N, MATRIX_H, MATRIX_F = 3, 5, 8
+MATRIX_KS = [None, 1, 2, 4]
+MATRIX_MODULES = [(single, k) for single in (True, False) for k in MATRIX_KS]
+
+
+def _matrix_mlp(single, k, seed=None):
+    m = moekit.GroupedMLP(MATRIX_N, MATRIX_H, MATRIX_F, bias=True, glu_interleave_size=k,
+                          single_grouped_weight=single, backend="loop")
+    if seed is not None:
+        with torch.no_grad():
+            for i, p in enumerate(m.parameters()):
+                # Small integers: fc1's sums are exact whatever the order its rows are stored in.
+                p.copy_(torch.round(rand(*p.shape, seed=seed + i) * 3))
+    return m
+
+
+def _layout_id(single, k):
+    return f"{'single' if single else 'discrete'}-k={k}"
+
+
+@pytest.mark.parametrize("convert_to", ["no-convert", "grouped", "per-expert"])
+@pytest.mark.parametrize("single, k_src", MATRIX_MODULES, ids=[_layout_id(*m) for m in MATRIX_MODULES])
+def test_save_convert_load_matrix(tmp_path, single, k_src, convert_to):
+    """A saved module, converted (any layout, any written interleave size) or not, loads into a
+    module of any layout and interleave size and gives the saved module's outputs exactly."""
+    from moekit.checkpoint import convert_checkpoint
+
+    saved = _matrix_mlp(single, k_src, seed=20)
+    moekit.save_safetensors(saved, tmp_path / "saved.safetensors")
+    files = {"saved": tmp_path / "saved.safetensors"}
+    if convert_to != "no-convert":
+        for glu in ("keep", "none", 1, 2, 4):
+            files[f"{convert_to}-glu={glu}"] = tmp_path / f"{glu}.safetensors"
+            convert_checkpoint(files["saved"], files[f"{convert_to}-glu={glu}"], convert_to, glu)
+    x = torch.round(rand(11, MATRIX_H, seed=21) * 3)
+    probs = rand(11, seed=22).abs()
+    splits = [4, 0, 7]
+    expected = saved(x, splits, probs=probs)
+    for name, path in files.items():
+        for single_dst, k_dst in MATRIX_MODULES:
+            loaded = _matrix_mlp(single_dst, k_dst, seed=200)
+            moekit.load_safetensors(loaded, path)
+            what = f"{name} -> {_layout_id(single_dst, k_dst)}"
+            for ta, tb in zip(_standard_fc1(saved), _standard_fc1(loaded), strict=True):
+                assert torch.equal(ta, tb), what
+            assert torch.equal(loaded(x, splits, probs=probs), expected), what
+
+
+def test_file_without_record_loads_as_gates_then_ups_or_is_refused(tmp_path):
+    """A file that records nothing (written by another tool) is [gates; ups] to a k=None module and
+    refused, with the reason, by a module with an interleave size; nothing is half-loaded."""
+    from safetensors.torch import save_file
+
+    source = _mlp(None, seed=23)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)},
+              str(tmp_path / "te.safetensors"))
+    plain = _mlp(None, single=False, seed=230)
+    moekit.load_safetensors(plain, tmp_path / "te.safetensors")
+    assert torch.equal(_stacked(plain.fc1, "weight"), _stacked(source.fc1, "weight"))
+    interleaved = _mlp(2, seed=231)
+    before = _stacked(interleaved.fc1, "weight").clone()
+    with pytest.raises(ValueError, match="glu_interleave_size=2.*does not record its interleave size"):
+        moekit.load_safetensors(interleaved, tmp_path / "te.safetensors")
+    assert torch.equal(_stacked(interleaved.fc1, "weight"), before)
+
+
+def test_file_of_an_earlier_moekit_loads_and_converts(tmp_path):
+    """Files written before the group records (GroupedLinear extra states as JSON) still say their order."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moekit.checkpoint import convert_checkpoint
+
+    source = _mlp(2, single=False, seed=24)
+    sd = source.state_dict()
+    extra = {k: v for k, v in sd.items() if k.endswith("_extra_state")}
+    save_file({k: v.contiguous() for k, v in sd.items() if k not in extra}, str(tmp_path / "old.safetensors"),
+              metadata={"format": "pt", "moekit.extra_state": json.dumps(extra)})
+    convert_checkpoint(tmp_path / "old.safetensors", tmp_path / "grouped.safetensors", "grouped", "none")
+    for path in (tmp_path / "old.safetensors", tmp_path / "grouped.safetensors"):
+        loaded = _mlp(1, seed=240)
+        moekit.load_safetensors(loaded, path)
+        for ta, tb in zip(_standard_fc1(source), _standard_fc1(loaded), strict=True):
+            assert torch.equal(ta, tb), path.name
+
+
+@pytest.mark.parametrize("to", ["grouped", "per-expert"])
+def test_convert_a_bare_grouped_linear(tmp_path, to):
+    """A GroupedLinear saved on its own (keys weight0.., no prefix) converts and loads back."""
+    from moekit.checkpoint import convert_checkpoint
+
+    a = _linear("single" if to == "per-expert" else "discrete", seed=25)
+    moekit.save_safetensors(a, tmp_path / "a.safetensors")
+    convert_checkpoint(tmp_path / "a.safetensors", tmp_path / "b.safetensors", to)
+    b = _linear("discrete" if to == "per-expert" else "single", seed=250)
+    moekit.load_safetensors(b, tmp_path / "b.safetensors")
+    _assert_same_linear(a, b)
+
+
+def test_saved_files_have_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        moekit.save_safetensors(_linear("single", seed=26), tmp_path / "a.safetensors")
+        moekit.save_safetensors(_linear("single", seed=27), tmp_path / "a.safetensors")  # replacing keeps it
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "a.safetensors").st_mode) == 0o644
+    assert os.listdir(tmp_path) == ["a.safetensors"]

@@ -376,3 +376,169 @@ def test_inspect_table(tmp_path):
     save_file(sd, str(tmp_path / "bad.safetensors"))
     bad = Checkpoint(tmp_path / "bad.safetensors")
     assert "missing expert indices [0]" in format_inspection(bad, analyze(bad))
+
+
+# ---- malformed files: refused as strictly as the safetensors library refuses them ---------------
+
+
+def _raw_file(path, header, data=b"", *, header_len=None):
+    """A hand-made safetensors file: 8-byte header length, header bytes, data."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write((len(raw) if header_len is None else header_len).to_bytes(8, "little"))
+        f.write(raw)
+        f.write(data)
+    return path
+
+
+def _entry(begin, end, shape=(1,), dtype="F32"):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+MALFORMED = {
+    # the same definition twice: the library keeps the last one and accepts it; which was meant is unknown
+    "duplicated-key": (lambda p: _raw_file(p, b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+                                              b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
+                       "defined twice"),
+    "random-bytes": (lambda p: p.write_bytes(bytes(range(7, 250, 3)) * 5) and p, "header claims"),
+    "json-list-header": (lambda p: _raw_file(p, b"[1, 2]"), "header is a JSON list; expected an object"),
+    "not-json": (lambda p: _raw_file(p, b"{nope"), "header is not JSON"),
+    "missing-data-offsets": (lambda p: _raw_file(p, {"a": {"dtype": "F32", "shape": [1]}}, bytes(4)),
+                             "no 'data_offsets'"),
+    "shape-offset-disagree": (lambda p: _raw_file(p, {"a": _entry(0, 4, shape=(2,))}, bytes(4)),
+                              r"needs 8 bytes, but its data_offsets \[0, 4\] span 4"),
+    "truncated": (lambda p: _raw_file(p, {"a": _entry(0, 4), "b": _entry(4, 8)}, bytes(6)), "truncated"),
+    "offsets-past-eof": (lambda p: _raw_file(p, {"a": _entry(0, 4), "b": _entry(100, 104)}, bytes(8)),
+                         "starts at data byte 100, expected 4"),
+    "header-claims-6GB": (lambda p: _raw_file(p, b"{}", header_len=6 << 30), r"header claims 6.0 GiB"),
+    "unknown-dtype": (lambda p: _raw_file(p, {"a": _entry(0, 4, dtype="X32")}, bytes(4)), "unknown dtype 'X32'"),
+    "metadata-not-strings": (lambda p: _raw_file(p, {"__metadata__": {"a": 1}, "a": _entry(0, 4)}, bytes(4)),
+                             "__metadata__ must map strings to strings"),
+    "trailing-bytes": (lambda p: _raw_file(p, {"a": _entry(0, 4)}, bytes(12)), "trailing bytes"),
+    "shorter-than-8-bytes": (lambda p: p.write_bytes(b"abc") and p, "shorter than the 8-byte header length"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_file_refused_by_every_reader(tmp_path, case, capsys):
+    """convert, inspect and read_safetensors refuse the file with a message saying what is wrong; the
+    safetensors library refuses it too (the duplicated key aside)."""
+    from safetensors import safe_open
+
+    import moekit
+    from moekit.cli import main
+
+    make, match = MALFORMED[case]
+    path = make(tmp_path / "bad.safetensors")
+    if case != "duplicated-key":
+        with pytest.raises(Exception):  # noqa: B017 (the library's own error type)
+            with safe_open(str(path), framework="pt") as f:
+                [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+    with pytest.raises(CheckpointError, match=match):
+        convert_checkpoint(path, tmp_path / "out.safetensors", "grouped")
+    assert _leftovers(tmp_path, "out.safetensors") == []
+    with pytest.raises(CheckpointError, match=match):
+        moekit.read_safetensors(path)
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "problems" in err and "Traceback" not in err
+
+
+def test_header_validation_accepts_what_the_library_writes(tmp_path):
+    """Padding after the header, empty and zero-size tensors: valid files stay readable."""
+    save_file({"a": torch.zeros(0), "b": torch.ones(3, dtype=torch.bfloat16), "c": torch.ones(2, 2)},
+              str(tmp_path / "ok.safetensors"), metadata={"format": "pt"})
+    save_file({}, str(tmp_path / "empty.safetensors"))
+    assert Checkpoint(tmp_path / "ok.safetensors").tensors["b"].shape == (3,)
+    assert Checkpoint(tmp_path / "empty.safetensors").tensors == {}
+
+
+def test_invalid_index_refused(tmp_path):
+    src = _save_sharded(_hf_per_expert(), tmp_path / "src")
+    (src / "model.safetensors.index.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="not a readable index JSON"):
+        convert_checkpoint(src, tmp_path / "out", "grouped")
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
+    with pytest.raises(CheckpointError, match="'weight_map' maps tensor names to shard file names"):
+        convert_checkpoint(src, tmp_path / "out", "grouped")
+    assert _leftovers(tmp_path, "out") == []
+
+
+# ---- a missing last expert ---------------------------------------------------------------------
+
+
+def test_refuses_missing_last_expert_that_other_layers_have(tmp_path):
+    sd = _hf_per_expert()
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        del sd[f"model.layers.1.mlp.experts.{N - 1}.{proj}.weight"]
+    _refuse(tmp_path, sd, rf"model.layers.1.mlp.experts: holds {N - 1} experts, other groups of this checkpoint "
+                          rf"hold {N}: missing expert indices \[{N - 1}\]")
+
+
+@pytest.mark.parametrize("field", ["num_local_experts", "num_experts", "n_routed_experts"])
+def test_refuses_missing_last_expert_that_config_json_counts(tmp_path, field):
+    sd = {k: v for k, v in _hf_per_expert().items() if f".experts.{N - 1}." not in k}  # every layer lacks it
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    nested = field == "n_routed_experts"  # also found inside a sub-config (e.g. text_config)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {field: N}} if nested else {field: N}))
+    with pytest.raises(CheckpointError, match=rf"config.json \({field}={N}\) says {N}: missing expert indices "
+                                              rf"\[{N - 1}\]"):
+        convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
+    (tmp_path / "config.json").write_text(json.dumps({field: N - 1}))
+    convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
+
+
+# ---- moekit's own files ------------------------------------------------------------------------
+
+
+def test_issue_scenario_discrete_interleaved_file_converts_and_loads_exactly(tmp_path):
+    """save (discrete, k=2) -> convert --to grouped --src-glu-interleave 2 -> load into k=None: exact."""
+    import moekit
+
+    saved = GroupedMLP(N, H, F, bias=True, glu_interleave_size=2, single_grouped_weight=False, backend="loop")
+    with torch.no_grad():
+        for p in saved.parameters():  # small integers: fc1's sums are exact in any row order
+            p.copy_(torch.randint(-3, 4, p.shape))
+    moekit.save_safetensors(saved, tmp_path / "d.safetensors")
+    convert_checkpoint(tmp_path / "d.safetensors", tmp_path / "g.safetensors", "grouped", src_glu_interleave=2)
+    loaded = GroupedMLP(N, H, F, bias=True, glu_interleave_size=None, backend="loop")
+    moekit.load_safetensors(loaded, tmp_path / "g.safetensors")
+    assert torch.equal(loaded.fc1.weight, moekit.deinterleave_glu(torch.stack(saved.fc1.weights()), 2, dim=1))
+    x, splits = torch.randint(-3, 4, (7, H)).float(), [2, 0, 4, 1]
+    assert torch.equal(loaded(x, splits), saved(x, splits))
+    # The file records k=2; a different claim is refused, naming both.
+    with pytest.raises(CheckpointError, match=r"records glu_interleave_size=2, but --src-glu-interleave says 1"):
+        convert_checkpoint(tmp_path / "d.safetensors", tmp_path / "g1.safetensors", "grouped", src_glu_interleave=1)
+
+
+def test_demo_style_single_grouped_checkpoint_is_recognised(tmp_path):
+    import moekit
+
+    model = moekit.MoELayer(H, F, N, 2, glu_interleave_size=None)
+    moekit.save_safetensors(model, tmp_path / "m.safetensors")
+    analysis = analyze(Checkpoint(tmp_path / "m.safetensors"))
+    assert not analysis.problems
+    assert {(g.prefix.rsplit(".", 1)[-1], g.layout, g.role, g.num_experts) for g in analysis.groups} == {
+        ("fc1", "grouped", "fc1", N), ("fc2", "grouped", "linear", N)}
+    assert "router.weight" in analysis.other_keys
+    convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "p.safetensors", "per-expert")
+    back = moekit.MoELayer(H, F, N, 2, glu_interleave_size=3, single_grouped_weight=False)
+    moekit.load_safetensors(back, tmp_path / "p.safetensors")
+    x = torch.randn(5, H)
+    torch.testing.assert_close(back(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_converted_files_have_ordinary_permissions(tmp_path):
+    import stat
+
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    src_dir = _save_sharded(_hf_per_expert(), tmp_path / "sharded")
+    old = os.umask(0o022)
+    try:
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "g.safetensors", "grouped")
+        convert_checkpoint(src_dir, tmp_path / "g_dir", "grouped")
+    finally:
+        os.umask(old)
+    for p in [tmp_path / "g.safetensors", *(tmp_path / "g_dir").iterdir()]:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
+    assert stat.S_IMODE((tmp_path / "g_dir").stat().st_mode) == 0o755
