@@ -170,46 +170,46 @@ def _torch_grouped_mm():
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
-def _zero_padding_rows(t_MX: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
+def _zero_padding_rows(t: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
     """Zero rows past the last offset in place (grouped_mm leaves them unwritten; the contract says
     zeros), at the cost of the padding rows, not of the whole tensor: a slice where the host knows
     the last offset; on CUDA a kernel that reads it on the device (no host sync)."""
     if go.host is not None:
         if go.host[-1] < go.rows:
-            t_MX[go.host[-1]:] = 0
-        return t_MX
-    if t_MX.device.type == "cuda" and t_MX.stride(-1) == 1 and _zero_rows_from(t_MX, go.offs[-1:]):
-        return t_MX
+            t[go.host[-1]:] = 0
+        return t
+    if t.device.type == "cuda" and t.stride(-1) == 1 and _zero_rows_from(t, go.offs[-1:]):
+        return t
     # Offsets the host was not given off CUDA (only tests build those on the CPU), or no Triton:
     # a masked pass over the whole tensor, still without reading the offsets on the host.
-    rows = torch.arange(go.rows, device=t_MX.device)
-    return t_MX.masked_fill_((rows >= go.offs[-1])[:, None], 0)
+    rows = torch.arange(go.rows, device=t.device)
+    return t.masked_fill_((rows >= go.offs[-1])[:, None], 0)
 
 
 _ZERO_BLOCK_ROWS, _ZERO_BLOCK_COLS = 64, 128
 
 
-def _zero_rows_from(t_MX: torch.Tensor, end: torch.Tensor) -> bool:
-    """Launch `zero_rows_from_kernel`: rows [end, M) of t_MX (M, X), unit column stride, become
-    zeros; `end` is (1,) int64 on t_MX's device and never read on the host. False (nothing done)
+def _zero_rows_from(t: torch.Tensor, end: torch.Tensor) -> bool:
+    """Launch `zero_rows_from_kernel`: rows [end, M) of t (M, columns), unit column stride, become
+    zeros; `end` is (1,) int64 on t's device and never read on the host. False (nothing done)
     where Triton cannot be imported."""
     try:
         from moekit.ops.grouped_linear_kernels import zero_rows_from_kernel
     except ImportError:
         return False
-    rows, cols = t_MX.shape
+    rows, cols = t.shape
     if rows:
         grid = (-(-rows // _ZERO_BLOCK_ROWS),)
-        zero_rows_from_kernel[grid](t_MX, end, rows, cols, t_MX.stride(0),
+        zero_rows_from_kernel[grid](t, end, rows, cols, t.stride(0),
                                     BLOCK_ROWS=_ZERO_BLOCK_ROWS, BLOCK_COLS=_ZERO_BLOCK_COLS)
     return True
 
 
-def _without_padding(t_MX: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
-    """t_MX itself where the host knows there are no padding rows, else a copy with them zeroed."""
+def _without_padding(t: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
+    """t itself where the host knows there are no padding rows, else a copy with them zeroed."""
     if go.host is not None and go.host[-1] == go.rows:
-        return t_MX
-    return _zero_padding_rows(t_MX.clone(), go)
+        return t
+    return _zero_padding_rows(t.clone(), go)
 
 
 def _group_onehot(go: GroupOffsets, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -294,13 +294,13 @@ def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def _row_major(t_MX: torch.Tensor) -> torch.Tensor:
+def _row_major(t: torch.Tensor) -> torch.Tensor:
     """Contiguous with dense row-major strides. `.contiguous()` alone is not enough: a tensor with no
     elements counts as contiguous whatever its strides, e.g. the zero strides of the expanded
     gradient of `y.sum()` when there are no rows, and grouped_mm rejects those strides."""
-    if t_MX.numel() == 0:
-        return t_MX.clone(memory_format=torch.contiguous_format)  # differentiable, and dense strides
-    return t_MX.contiguous()
+    if t.numel() == 0:
+        return t.clone(memory_format=torch.contiguous_format)  # differentiable, and dense strides
+    return t.contiguous()
 
 
 class _GroupedLinearFn(torch.autograd.Function):
@@ -421,7 +421,7 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
 
 def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
     """Backends `auto` tries, in order. On Hopper moekit's kernels were measured at least as fast
-    as grouped_mm in every product (H200, bf16, design.md's shapes: benchmarks/results, README);
+    as grouped_mm in every product (H200, bf16, the README's Performance shapes; benchmarks/results);
     on older GPUs they run an untuned pointer path, so grouped_mm comes first there. Where only
     one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which also syncs."""
     if x.device.type == "cuda":
