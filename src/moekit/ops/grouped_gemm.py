@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - very old triton
 __all__ = [
     "GemmConfig",
     "group_row_sum",
+    "group_row_sum_and_dot",
     "grouped_gemm_dgrad",
     "grouped_gemm_forward",
     "grouped_gemm_wgrad",
@@ -443,9 +444,22 @@ def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.T
     out[g] = sum over rows r of group g of src[r] (* row_scale[r]), summed in fp32.
 
     Deterministic (fixed-order partial sums over 8 row slices per group, then a fixed-shape sum; no
-    atomics) and reads no padding row. src_MC: (M, C) with unit column stride; offs: (N+1,) device
-    int64; row_scale_M: optional (M,) float (router probabilities for fc2's bias).
+    atomics) and reads no padding row. src_MC: (M, C); offs: (N+1,) device int64; row_scale_M:
+    optional (M,) float (router probabilities for fc2's bias).
     """
+    return _row_sums(src_MC, offs, row_scale_M, None)[0]
+
+
+def group_row_sum_and_dot(src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor,
+                          row_scale_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_row_sum` and, from the same pass over src, dot (M,) fp32 with dot[r] = <src[r], vec[g]>
+    for the group g of row r (0 for padding rows): fc2's bias gradient and the bias term of d probs."""
+    if vec_NC.dim() != 2 or vec_NC.shape != (offs.shape[0] - 1, src_MC.shape[1]):
+        raise ValueError(f"vec must have shape ({offs.shape[0] - 1}, {src_MC.shape[1]}), got {tuple(vec_NC.shape)}")
+    return _row_sums(src_MC, offs, row_scale_M, vec_NC)
+
+
+def _row_sums(src_MC, offs, row_scale_M, vec_NC):
     _check_device(src_MC)
     if src_MC.dim() != 2:
         raise ValueError(f"expected a 2-D (rows, columns) tensor, got shape {tuple(src_MC.shape)}")
@@ -453,14 +467,23 @@ def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.T
     N = offs.shape[0] - 1
     offs = _check_offs(offs, N, src.device)
     M, C = src.shape
-    if N == 0 or C == 0:
-        return torch.zeros((N, C), device=src.device, dtype=src.dtype)
     splits, block_c = (2, 32) if _INTERPRET else (8, 128)
+    dots = None
+    if vec_NC is not None:
+        vec_NC = vec_NC if vec_NC.stride(-1) == 1 else vec_NC.contiguous()
+        # Padding rows are never visited: their dot stays 0.
+        dots = torch.zeros((triton.cdiv(C, block_c), M), device=src.device, dtype=torch.float32)
+    if N == 0 or C == 0:
+        sums = torch.zeros((N, C), device=src.device, dtype=src.dtype)
+        return sums, (torch.zeros(M, device=src.device) if vec_NC is not None else None)
     part = torch.empty((splits, N, C), device=src.device, dtype=torch.float32)
     with _device_ctx(src.device):
         group_row_sum_kernel[(triton.cdiv(C, block_c), N, splits)](
-            src, row_scale_M if row_scale_M is not None else src, part, offs, M, C, N, src.stride(0),
-            HAS_SCALE=row_scale_M is not None, SPLITS=splits, BLOCK_M=32, BLOCK_C=block_c, num_warps=4,
+            src, row_scale_M if row_scale_M is not None else src, part,
+            vec_NC if vec_NC is not None else src, dots if dots is not None else part,
+            offs, M, C, N, src.stride(0), vec_NC.stride(0) if vec_NC is not None else 0,
+            HAS_SCALE=row_scale_M is not None, ROW_DOT=vec_NC is not None, SPLITS=splits,
+            BLOCK_M=32, BLOCK_C=block_c, num_warps=4,
         )
-    # A fixed-shape torch sum has a fixed reduction order: deterministic.
-    return part.sum(0).to(src.dtype)
+    # Fixed-shape torch sums have a fixed reduction order: deterministic.
+    return part.sum(0).to(src.dtype), (dots.sum(0) if dots is not None else None)

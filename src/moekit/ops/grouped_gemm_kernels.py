@@ -109,7 +109,7 @@ def load_a(a_desc, a_ptr, red0, row0, row_lo, row_hi, RED, stride_am,
 
 
 @triton.jit
-def _load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
+def load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
             TRANS_B: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
             BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
     """(BLOCK_RED, BLOCK_C) of w[g]: stored (COLS, RED) when TRANS_B (forward), (RED, COLS) otherwise."""
@@ -247,7 +247,7 @@ def grouped_mm_kernel(
             red0 = step * BLOCK_RED
             a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am,
                        USE_TMA, UPCAST, BLOCK_M, BLOCK_RED)
-            b = _load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
+            b = load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
                         TRANS_B, USE_TMA, UPCAST, BLOCK_C, BLOCK_RED)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
@@ -457,14 +457,16 @@ def wgrad_kernel(
 
 @triton.jit
 def group_row_sum_kernel(
-    src_ptr, scale_ptr, part_ptr, offs_ptr, M, COLS, N, stride_sm,
-    HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    src_ptr, scale_ptr, part_ptr, vec_ptr, dot_ptr, offs_ptr, M, COLS, N, stride_sm, stride_vec_g,
+    HAS_SCALE: tl.constexpr, ROW_DOT: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """part[s, g, c] = sum of src[r, c] (* scale[r]) over the s-th of SPLITS equal slices of group
-    g's rows, in fp32. Grid (column tiles, N, SPLITS).
+    g's rows, in fp32. Grid (column tiles, N, SPLITS). With ROW_DOT also, for every row r of group g,
+    dot[pid_c, r] = sum over the tile's columns c of src[r, c] * vec[g, c] (unscaled), fp32.
 
     Fixed row order inside a program and a fixed sum over s afterwards: deterministic, no atomics.
-    Padding rows (past offs[N]) belong to no group and are never read.
+    Padding rows (past offs[N]) belong to no group and are never read (nor their dot written).
     """
     pid_c = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -479,6 +481,8 @@ def group_row_sum_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < COLS
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    if ROW_DOT:
+        vec = tl.load(vec_ptr + pid_g.to(tl.int64) * stride_vec_g + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     for r in range(r_begin, r_stop, BLOCK_M):
         offs_m = r + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_stop
@@ -486,6 +490,8 @@ def group_row_sum_kernel(
             src_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_c[None, :],
             mask=mask_m[:, None] & mask_c[None, :], other=0.0,
         ).to(tl.float32)
+        if ROW_DOT:
+            tl.store(dot_ptr + pid_c.to(tl.int64) * M + offs_m, tl.sum(vals * vec[None, :], 1), mask=mask_m)
         if HAS_SCALE:
             vals = vals * tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         acc += vals

@@ -5,21 +5,39 @@ Legend: M rows, N experts, H hidden size, F ffn size.
 Per row r of expert e with probability p_r:
     y_r = fc2_e(act(fc1_e(x_r)) * p_r) + b2_e * p_r
 so the probability scales both the activation output and the fc2 bias, and `probs` gets a gradient.
+
+Backends. `loop` and `torch` compose `grouped_linear`, `swiglu` and `grouped_linear`. `triton` (and
+`auto` where it resolves to triton) runs the fused path of `_FusedMLPFn`, kernels in
+`moekit.ops.grouped_mlp_kernels`:
+
+    forward   fc1 GEMM + bias + activation (+ probs) in one kernel -> h (M, 2F) (saved), act (M, F)
+              fc2 GEMM with the probs-scaled bias                   -> y (M, H); act is freed
+    backward  fc2 dgrad + the activation's backward in one kernel   -> dh (M, 2F), act_p (M, F),
+                                                                       d probs partials
+              fc2 wgrad (dy, act_p), fc1 dgrad (dh), fc1 wgrad (dh, x), bias sums (group_row_sum)
+
+Held between forward and backward: x (the caller's tensor itself, saved as is, so saved-tensor hooks
+can replace it), h in x's dtype, probs, and the weights. No fp32 (M, F) or (M, 2F) tensor anywhere.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
-from moekit._splits import MSplits, resolve_splits
+from moekit._splits import GroupOffsets, MSplits, resolve_splits
 from moekit.ops.grouped_linear import (
     Weight,
     _as_list,
     _check_params,
+    _probe_weight,
+    _row_major,
+    _stack_weights,
     grouped_linear,
     grouped_linear_reference,
+    select_backend,
 )
-from moekit.ops.swiglu import check_activation, check_interleave, swiglu, swiglu_reference
+from moekit.ops.swiglu import ACTIVATIONS, check_activation, check_interleave, swiglu, swiglu_reference
 
 
 def _check_mlp(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias):
@@ -66,6 +84,15 @@ def grouped_mlp(
     check_interleave(ffn, glu_interleave_size)
     # Resolve once: one host->device copy for host splits, shared by both GEMMs and the backward.
     go = resolve_splits(m_splits, num_experts, x.shape[0], x.device)
+    if probs is not None:
+        probs = _check_probs(probs, x.shape[0], x.device)
+    w1s, w2s = _as_list(fc1_weight), _as_list(fc2_weight)
+    fc1_impl = select_backend(backend, x, _probe_weight(w1s))
+    fc2_impl = select_backend(backend, x.new_empty(0, ffn), _probe_weight(w2s))
+    if fc1_impl.name == "triton" and fc2_impl.name == "triton":
+        b1s, b2s = _as_list(fc1_bias), _as_list(fc2_bias)
+        return _FusedMLPFn.apply(go, probs, glu_interleave_size, activation, (len(w1s), len(w2s), len(b1s), len(b2s)),
+                                 _row_major(x), *w1s, *w2s, *b1s, *b2s)
     h = grouped_linear(x, fc1_weight, go, fc1_bias, backend=backend)
     a = swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     scale = probs.reshape(-1) if probs is not None and fc2_bias is not None else None
@@ -89,3 +116,203 @@ def grouped_mlp_reference(
     h = grouped_linear_reference(x, fc1_weight, m_splits, fc1_bias)
     a = swiglu_reference(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     return grouped_linear_reference(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused triton path
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_probs(probs: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    if probs.shape not in ((rows,), (rows, 1)):
+        raise ValueError(f"probs must have shape ({rows},) or ({rows}, 1), one per row; got {tuple(probs.shape)}")
+    if not probs.is_floating_point():
+        raise TypeError(f"probs must be floating point, got {probs.dtype}")
+    if probs.device != device:
+        raise ValueError(f"probs is on {probs.device} but x is on {device}")
+    return probs.reshape(rows)
+
+
+def _glu_tiles(ffn: int, glu_block: int, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_C, BLOCK_RED) of the fused kernels for this ffn size and GLU block.
+
+    BLOCK_C columns of F per tile: 128 (two 128 x 128 fp32 accumulators in the forward, the
+    register budget of one 128 x 256 tile of the plain GEMM) unless F is narrower. The weight box
+    of a tile needs k | BLOCK_C or BLOCK_C | k (or k = F); the widest such BLOCK_C is taken."""
+    if interpret:
+        widths, rows, red = (16, 8), 16, 16
+    else:
+        widths, rows, red = (128, 64, 32, 16), 128, 64
+    cap = max(triton.next_power_of_2(ffn), widths[-1])
+    for width in widths:
+        if width <= cap and (glu_block == ffn or glu_block % width == 0 or width % glu_block == 0):
+            return rows, width, red
+    return rows, min(cap, widths[0]), red
+
+
+def _fused_launch_params(x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool, *tensors: torch.Tensor):
+    """Tiles, grid, TMA choice and common constexprs of both fused kernels."""
+    from moekit.ops import grouped_gemm as gg
+
+    rows_blk, cols_blk, red_blk = _glu_tiles(ffn, glu_block, gg._INTERPRET)
+    box_ok = glu_block == ffn or glu_block % cols_blk == 0 or cols_blk % glu_block == 0
+    use_tma, _ = gg._resolve_tma(None if use_tma else False, x.shape[1] > 0, *tensors)
+    use_tma = use_tma and box_ok
+    if use_tma:
+        gg._ensure_allocator()
+    return rows_blk, cols_blk, red_blk, use_tma
+
+
+def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True):
+    """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
+
+    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64;
+    bias_N2F (N, 2F) or None; probs_M (M,) or None. use_tma=False forces the pointer path (tests).
+    """
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.grouped_mlp_kernels import glu_forward_kernel
+
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    k = ffn if glu_interleave_size is None else glu_interleave_size
+    h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
+    act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
+    if M == 0 or ffn == 0:
+        return h, act
+    bm, bc, bred, use_tma = _fused_launch_params(x_MH, ffn, k, use_tma, x_MH, w1_N2FH)
+    bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
+    nprog = gg._grid_size(x_MH.device, bound)
+    with gg._device_ctx(x_MH.device):
+        glu_forward_kernel[(nprog,)](
+            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
+            probs_M if probs_M is not None else h, offs,
+            M, ffn, H, N,
+            x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), h.stride(0), act.stride(0),
+            bias_N2F.stride(0) if bias_N2F is not None else 0,
+            ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
+            HAS_PROBS=probs_M is not None, USE_TMA=use_tma, UPCAST=gg._INTERPRET,
+            DOT_PRECISION=gg._dot_precision(x_MH.dtype),
+            BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET,
+            BOX_BLOCKS=bc // k if k < bc else 1, BOX_ROWS=min(k, bc),
+            num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
+        )
+    return h, act
+
+
+def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True):
+    """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), dprobs (M,) fp32 or None).
+
+    dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h.
+    act_p = act(h) (* probs) is fc2's wgrad operand; dprobs = sum_j act[r, j] * dA[r, j] per row
+    (the activation part of d probs), summed over the F tiles in a fixed order.
+    """
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.grouped_mlp_kernels import glu_backward_kernel
+
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
+    k = ffn if glu_interleave_size is None else glu_interleave_size
+    dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
+    act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+    if M == 0 or ffn == 0:
+        return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
+    bm, bc, bred, use_tma = _fused_launch_params(dy_MH, ffn, k, use_tma, dy_MH, w2_NHF)
+    part = gg._empty((triton.cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
+    bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
+    nprog = gg._grid_size(dy_MH.device, bound)
+    with gg._device_ctx(dy_MH.device):
+        glu_backward_kernel[(nprog,)](
+            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
+            part if part is not None else dh, offs,
+            M, ffn, H, N,
+            dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), dh.stride(0), act.stride(0),
+            ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
+            USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
+            BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET,
+            num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
+        )
+    # A fixed-shape sum over the F tiles: a fixed order, deterministic.
+    return dh, act, (part.sum(0) if part is not None else None)
+
+
+def _unstack(grad: torch.Tensor | None, params: tuple[torch.Tensor, ...], grouped_dim: int):
+    """A (N, ...) gradient as the parameters came: one grouped tensor, or N per-expert tensors."""
+    if params[0].dim() == grouped_dim:
+        return (grad,)
+    return tuple(grad.unbind(0)) if grad is not None else (None,) * len(params)
+
+
+class _FusedMLPFn(torch.autograd.Function):
+    """The triton path of grouped_mlp. Inputs after the fixed ones: fc1 weights, fc2 weights, fc1
+    biases, fc2 biases (counts in `counts`), each one grouped tensor or N per-expert tensors."""
+
+    @staticmethod
+    def forward(ctx, go: GroupOffsets, probs_M, glu_interleave_size, activation, counts, x_MH, *params):
+        from moekit.ops.grouped_gemm import grouped_gemm_forward
+
+        n_w1, n_w2, n_b1, n_b2 = counts
+        w1s, w2s = params[:n_w1], params[n_w1:n_w1 + n_w2]
+        b1s, b2s = params[n_w1 + n_w2:n_w1 + n_w2 + n_b1], params[n_w1 + n_w2 + n_b1:]
+        w1 = w1s[0] if w1s[0].dim() == 3 else _stack_weights(w1s, "fc1 weight")
+        w2 = w2s[0] if w2s[0].dim() == 3 else _stack_weights(w2s, "fc2 weight")
+        b1 = (b1s[0] if b1s[0].dim() == 2 else _stack_weights(b1s, "fc1 bias")) if b1s else None
+        b2 = (b2s[0] if b2s[0].dim() == 2 else _stack_weights(b2s, "fc2 bias")) if b2s else None
+        h, act = glu_forward(x_MH, w1, go.offs, b1, probs_M, glu_interleave_size, activation)
+        y = grouped_gemm_forward(act, w2, go.offs, b2, probs_M if b2 is not None else None)
+        ctx.go, ctx.glu, ctx.activation, ctx.counts = go, glu_interleave_size, activation, counts
+        # x is saved as the caller's tensor itself (saved-tensor hooks may replace it); h in x's dtype.
+        ctx.save_for_backward(x_MH, h, probs_M, b2, *w1s, *w2s)
+        ctx.param_meta = (tuple(t.dim() for t in b1s), tuple(t.dim() for t in b2s))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_MH):
+        from moekit.ops.grouped_gemm import (
+            group_row_sum,
+            group_row_sum_and_dot,
+            grouped_gemm_dgrad,
+            grouped_gemm_wgrad,
+        )
+
+        n_w1, n_w2, n_b1, n_b2 = ctx.counts
+        x_MH, h, probs_M, b2, *weights = ctx.saved_tensors
+        w1s, w2s = tuple(weights[:n_w1]), tuple(weights[n_w1:])
+        w1 = w1s[0] if w1s[0].dim() == 3 else _stack_weights(w1s, "fc1 weight")
+        w2 = w2s[0] if w2s[0].dim() == 3 else _stack_weights(w2s, "fc2 weight")
+        offs = ctx.go.offs
+        dy_MH = _row_major(dy_MH)
+        need = ctx.needs_input_grad  # forward's inputs: go, probs, glu, activation, counts, x, *params
+        need_x, need_probs = need[5], need[1]
+        ends = [6 + n_w1, 6 + n_w1 + n_w2, 6 + n_w1 + n_w2 + n_b1]
+        need_w1, need_w2 = any(need[6:ends[0]]), any(need[ends[0]:ends[1]])
+        need_b1, need_b2 = any(need[ends[1]:ends[2]]), any(need[ends[2]:])
+
+        dh, act_p, dprobs = glu_backward(dy_MH, w2, h, offs, probs_M, ctx.glu, ctx.activation)
+        dw2 = grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
+        del act_p
+        dx = grouped_gemm_dgrad(dh, w1, offs) if need_x else None
+        dw1 = grouped_gemm_wgrad(dh, x_MH, offs) if need_w1 else None
+        db1 = group_row_sum(dh, offs) if need_b1 else None
+        db2 = None
+        d_probs = None
+        if probs_M is not None and need_probs and b2 is not None:
+            # One pass over dy gives fc2's bias gradient and the bias term of d probs,
+            # <dy[r], b2[group of r]> (y = ... + b2 * p).
+            db2, bias_dot = group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
+            dprobs = dprobs + bias_dot
+        elif need_b2:
+            db2 = group_row_sum(dy_MH, offs, probs_M)
+        if probs_M is not None and need_probs:
+            d_probs = dprobs.to(probs_M.dtype)
+        b1s_dims, b2s_dims = ctx.param_meta
+        dws1 = _unstack(dw1, w1s, 3)
+        dws2 = _unstack(dw2, w2s, 3)
+        dbs1 = () if not n_b1 else ((db1,) if b1s_dims[0] == 2 else
+                                    (tuple(db1.unbind(0)) if db1 is not None else (None,) * n_b1))
+        dbs2 = () if not n_b2 else ((db2,) if b2s_dims[0] == 2 else
+                                    (tuple(db2.unbind(0)) if db2 is not None else (None,) * n_b2))
+        return (None, d_probs, None, None, None, dx, *dws1, *dws2, *dbs1, *dbs2)
+

@@ -1,0 +1,243 @@
+"""Triton kernels of the fused grouped MLP (jit code only; launchers and autograd live in
+`moekit.ops.grouped_mlp`).
+
+Legend: M routed rows, N experts, H hidden size, F ffn size. One output tile is BLOCK_M rows by
+BLOCK_C activation columns (columns of F); the reduction runs in steps of BLOCK_RED.
+
+    glu_forward_kernel   fc1 with the gated activation in its epilogue:
+                         h = x @ w1[g]^T (+ b1[g])              x (M, H), w1 (N, 2F, H) -> h (M, 2F)
+                         act = act(gate(h), up(h)) (* probs)                           -> act (M, F)
+    glu_backward_kernel  fc2's dgrad with the activation's backward in its epilogue:
+                         dA = dy @ w2[g]                         dy (M, H), w2 (N, H, F), never stored
+                         dh = d act(gate(h), up(h)) given dA (* probs)                 -> dh (M, 2F)
+                         act_p = act(gate(h), up(h)) (* probs)   (fc2's wgrad operand)  -> (M, F)
+                         d probs partials = sum over the tile's columns of act * dA     -> (F tiles, M) fp32
+
+Gate and up columns of output column j (glu_interleave_size k; k = F is the `[gate | up]` layout):
+gate j + (j // k) * k, up that + k. One program computes the matching gate and up tiles of its
+columns with two accumulators over the same x tile, so the activation needs nothing from another
+program. With TMA the weight rows of a tile are read through a 5-D view (N, F/k, 2, k, H) of w1:
+a box of BLOCK_C // k blocks of k gate (or up) rows when k divides BLOCK_C, a run of BLOCK_C rows
+inside one block otherwise.
+
+Every tile runs the same reduction loop (what lets Triton fuse the persistent tile loop and the
+reduction loop into one software pipeline, as in grouped_gemm_kernels.grouped_mm_kernel); padding
+tiles (rows past offs[N]) read zeros and store zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekit.ops.grouped_gemm_kernels import group_rows, load_a, load_b, locate_tile, swizzle
+
+CLAMP_LIMIT = tl.constexpr(7.0)
+CLAMP_ALPHA = tl.constexpr(1.702)
+
+
+@triton.jit
+def _glu_cols(c0, F, GLU_BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(activation columns of the tile, their gate columns in h, their mask)."""
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    gate_c = offs_c + (offs_c // GLU_BLOCK) * GLU_BLOCK
+    return offs_c, gate_c, offs_c < F
+
+
+@triton.jit
+def _act(g, u, ACTIVATION: tl.constexpr):
+    """The gated activation in fp32: 0 = swiglu silu(g) * u; 1 = clamped_swiglu (gpt-oss)."""
+    if ACTIVATION == 0:
+        return g * tl.sigmoid(g) * u
+    else:
+        gc = tl.minimum(g, CLAMP_LIMIT)
+        uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT), CLAMP_LIMIT)
+        return gc * tl.sigmoid(CLAMP_ALPHA * gc) * (uc + 1.0)
+
+
+@triton.jit
+def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, UP: tl.constexpr,
+                USE_TMA: tl.constexpr, UPCAST: tl.constexpr, GLU_BLOCK: tl.constexpr,
+                BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
+    """(BLOCK_RED, BLOCK_C) of w1[g]^T: the gate rows (UP = 0) or up rows (UP = 1) of the tile's
+    columns, reduction columns red0:red0+BLOCK_RED."""
+    if USE_TMA:
+        # w_desc: the 5-D view (N, F/k, 2, k, H); c0 % k is 0 when k divides BLOCK_C.
+        b = w_desc.load([g, c0 // GLU_BLOCK, UP, c0 % GLU_BLOCK, red0]).reshape(BLOCK_C, BLOCK_RED).T
+    else:
+        offs_red = red0 + tl.arange(0, BLOCK_RED)
+        rows = gate_c + UP * GLU_BLOCK
+        b = tl.load(
+            w_ptr + g.to(tl.int64) * stride_wg + rows.to(tl.int64)[None, :] * stride_wr + offs_red[:, None],
+            mask=(offs_red[:, None] < H) & mask_c[None, :] & (g < N), other=0.0,
+        )
+    if UPCAST:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
+def glu_forward_kernel(
+    x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr,
+    M, F, H, N,
+    stride_xm, stride_wg, stride_wr, stride_hm, stride_actm, stride_bias_g,
+    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    BOX_BLOCKS: tl.constexpr, BOX_ROWS: tl.constexpr,
+):
+    """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
+
+    x: (M, H) row stride stride_xm; w: (N, 2F, H) strides (stride_wg, stride_wr, 1); bias: (N, 2F);
+    probs: (M,) any float dtype. BOX_BLOCKS x BOX_ROWS = BLOCK_C: the weight box of one tile in the
+    5-D view (BLOCK_C // k blocks of k rows when k divides BLOCK_C, else 1 x BLOCK_C, which needs
+    BLOCK_C to divide k or k = F). The activation is computed from h as stored (rounded to the output
+    dtype), so the backward, which recomputes it from the saved h, sees the forward's values.
+    """
+    pid = tl.program_id(0)
+    num_pid_c = tl.cdiv(F, BLOCK_C)
+    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
+    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
+    tile_end = tl.cumsum(tiles, 0)
+    num_tiles = tl.sum(tiles, 0)
+    red_steps = tl.cdiv(H, BLOCK_RED)
+    if USE_TMA:
+        x_desc = tl.make_tensor_descriptor(
+            x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED])
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[N, F // GLU_BLOCK, 2, GLU_BLOCK, H],
+            strides=[stride_wg, 2 * GLU_BLOCK * stride_wr, GLU_BLOCK * stride_wr, stride_wr, 1],
+            block_shape=[1, BOX_BLOCKS, 1, BOX_ROWS, BLOCK_RED])
+    else:
+        x_desc = None
+        w_desc = None
+    out_ty = h_ptr.dtype.element_ty
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
+        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
+        row0 = row_lo + pid_m * BLOCK_M
+        c0 = pid_c * BLOCK_C
+        offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
+        x_row0 = tl.where(g < N, row0, M)  # padding tiles: TMA boxes past the end read zeros
+        acc_g = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for step in range(red_steps):
+            red0 = step * BLOCK_RED
+            a = load_a(x_desc, x_ptr, red0, x_row0, row_lo, row_hi, H, stride_xm, USE_TMA, UPCAST,
+                       BLOCK_M, BLOCK_RED)
+            b_g = _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, 0,
+                              USE_TMA, UPCAST, GLU_BLOCK, BLOCK_C, BLOCK_RED)
+            b_u = _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, 1,
+                              USE_TMA, UPCAST, GLU_BLOCK, BLOCK_C, BLOCK_RED)
+            acc_g = tl.dot(a, b_g, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, b_u, acc_u, input_precision=DOT_PRECISION)
+
+        # Epilogue: bias, one rounding to h's dtype, the activation from the rounded h, probs.
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        real = g < N  # padding rows: exact zeros whatever x, bias or probs hold
+        acc_g = tl.where(real, acc_g, 0.0)
+        acc_u = tl.where(real, acc_u, 0.0)
+        if HAS_BIAS:
+            bias_base = bias_ptr + g.to(tl.int64) * stride_bias_g
+            acc_g += tl.load(bias_base + gate_c, mask=mask_c & real, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bias_base + gate_c + GLU_BLOCK, mask=mask_c & real, other=0.0).to(tl.float32)[None, :]
+        h_g = acc_g.to(out_ty)
+        h_u = acc_u.to(out_ty)
+        mask = mask_m[:, None] & mask_c[None, :]
+        h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+        tl.store(h_rows + gate_c[None, :], h_g, mask=mask)
+        tl.store(h_rows + (gate_c + GLU_BLOCK)[None, :], h_u, mask=mask)
+        act = _act(h_g.to(tl.float32), h_u.to(tl.float32), ACTIVATION)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
+            act = act * p[:, None]
+        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act.to(out_ty), mask=mask)
+
+
+@triton.jit
+def glu_backward_kernel(
+    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+    M, F, H, N,
+    stride_dym, stride_wg, stride_wr, stride_hm, stride_dhm, stride_actm,
+    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
+
+    dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1);
+    h: fc1's saved pre-activation (M, 2F). Writes dh (M, 2F) and act_p (M, F) in h's dtype and, with
+    probs, dprobs (F tiles, M) fp32: tile column block c's partial of sum_j act[r, j] * dA[r, j]
+    (reduced over the tiles by the host in a fixed order: no atomics). Padding rows get zeros.
+    """
+    pid = tl.program_id(0)
+    num_pid_c = tl.cdiv(F, BLOCK_C)
+    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
+    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
+    tile_end = tl.cumsum(tiles, 0)
+    num_tiles = tl.sum(tiles, 0)
+    red_steps = tl.cdiv(H, BLOCK_RED)
+    if USE_TMA:
+        dy_desc = tl.make_tensor_descriptor(
+            dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED])
+        w_desc = tl.make_tensor_descriptor(
+            w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C])
+    else:
+        dy_desc = None
+        w_desc = None
+    out_ty = dh_ptr.dtype.element_ty
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
+        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
+        row0 = row_lo + pid_m * BLOCK_M
+        c0 = pid_c * BLOCK_C
+        dy_row0 = tl.where(g < N, row0, M)
+        acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for step in range(red_steps):
+            red0 = step * BLOCK_RED
+            a = load_a(dy_desc, dy_ptr, red0, dy_row0, row_lo, row_hi, H, stride_dym, USE_TMA, UPCAST,
+                       BLOCK_M, BLOCK_RED)
+            b = load_b(w_desc, w_ptr, g, N, red0, c0, F, H, stride_wg, stride_wr, False, USE_TMA, UPCAST,
+                       BLOCK_C, BLOCK_RED)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+        # Epilogue: the activation's backward on the tile's gate and up columns of h.
+        offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        real = g < N
+        d_act = tl.where(real, acc, 0.0)
+        mask = mask_m[:, None] & mask_c[None, :] & real
+        h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+        hg = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        hu = tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == 0:
+            sig = tl.sigmoid(hg)
+            silu = hg * sig
+            act = silu * hu
+        else:
+            gc = tl.minimum(hg, CLAMP_LIMIT)
+            uc = tl.minimum(tl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
+            sig = tl.sigmoid(CLAMP_ALPHA * gc)
+            act = gc * sig * (uc + 1.0)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
+            tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, tl.sum(act * d_act, 1), mask=mask_m)
+            d_act = d_act * p[:, None]
+            act = act * p[:, None]
+        if ACTIVATION == 0:
+            d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
+            d_u = d_act * silu
+        else:
+            # The clamps pass the gradient at the limit itself, as torch.clamp does.
+            d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
+            d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+        store_mask = mask_m[:, None] & mask_c[None, :]
+        dh_rows = dh_ptr + offs_m.to(tl.int64)[:, None] * stride_dhm
+        tl.store(dh_rows + gate_c[None, :], d_g.to(out_ty), mask=store_mask)
+        tl.store(dh_rows + (gate_c + GLU_BLOCK)[None, :], d_u.to(out_ty), mask=store_mask)
+        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act.to(out_ty),
+                 mask=store_mask)
