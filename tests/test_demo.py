@@ -1,13 +1,19 @@
-"""`moekit demo` end to end at a few steps: it trains, writes its files, and the checkpoint round
-trip (single grouped -> discrete layout) reproduces the evaluation loss exactly."""
+"""`moekit demo` end to end at a few steps: it trains, writes its files (ordinary permissions), and
+the checkpoint round trip (single grouped -> discrete layout) reproduces the evaluation loss exactly."""
 
 import json
+import os
+import stat
 
 from moekit.cli import main
 
 
 def test_demo_trains_and_round_trips(tmp_path, capsys):
-    assert main(["demo", "--steps", "30", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    old = os.umask(0o022)
+    try:
+        assert main(["demo", "--steps", "30", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    finally:
+        os.umask(old)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_loss_single_grouped"] == summary["eval_loss_reloaded_discrete"]
     assert summary["final_train_loss"] < summary["first_loss"] - 0.5
@@ -17,3 +23,6 @@ def test_demo_trains_and_round_trips(tmp_path, capsys):
     assert (tmp_path / "model.safetensors").stat().st_size > 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "identical" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "model.safetensors", "summary.json"]
+    for p in tmp_path.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644, p.name

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moekit", description="moekit: grouped linears and MoE layers for PyTorch; checkpoint tools.")
     parser.add_argument("--version", action="version", version=f"moekit {__version__}",
                         help="print moekit's version and exit")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       help="what to do; `moekit COMMAND --help` lists its options")
     _add_demo(subparsers)
     _add_checkpoint_commands(subparsers)
     return parser
