@@ -284,6 +284,37 @@ def bench_cell(args, shape: LayerShape, dist: str, impls: dict, reasons: dict) -
     return records
 
 
+def skipped_records(shape: LayerShape, dist: str, reason: str) -> list[dict]:
+    return [{"bench": NAME, **asdict(shape), "shape": shape.name, "dist": dist, "op": op, "impl": impl,
+             "status": "skipped", "reason": reason, "ms": None, "tflops": None} for impl in IMPLS for op in OPS]
+
+
+def profile_moekit(args, shape: LayerShape) -> None:
+    """The CUDA kernels (and CPU time) of one moekit forward+backward, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    base = make_inputs(shape, args.device, args.dtype)
+    ids, weights = make_routing(shape, "balanced", args.device, args.dtype)
+    leaves = [base["x"].requires_grad_(True), base["w1"].requires_grad_(True), base["w2"].requires_grad_(True),
+              weights.requires_grad_(True)]
+    dy = torch.randn_like(base["x"])
+    fn = moekit_layer(args.backend)
+
+    def step():
+        fn(leaves[0], leaves[1], leaves[2], ids, leaves[3]).backward(dy)
+
+    step()
+    _sync(args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync(args.device)
+    sort_by = "cuda_time_total" if args.device.type == "cuda" else "cpu_time_total"
+    print(f"\nprofile of 3 moekit forward+backward at {shape.name}:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=60))
+
+
 def print_record(r: dict) -> None:
     t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
     ratio = f" x{r['x_plain']:.2f}" if r.get("x_plain") else "      "
@@ -376,6 +407,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one round, short repetitions (noisier)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
     parser.add_argument("--liger-autotune", action="store_true", help="let Liger autotune (slow: 32 configs)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no new cell after this many seconds (the rest are recorded as skipped)")
+    parser.add_argument("--profile", default=None, metavar="SHAPE",
+                        help="also print the CUDA kernels of one moekit forward+backward at this shape (balanced)")
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     args = parser.parse_args(argv)
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -404,21 +439,29 @@ def main(argv=None) -> dict:
     cfg = runner.BenchConfig(device=args.device, dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                              smoke=args.smoke, quick=args.quick, rounds=args.rounds, shapes=[], dists=args.dist_list,
                              backends=[args.backend], out=args.out, plot=args.plot)
+    start = time.monotonic()
     roofs = [runner.measure_roof(cfg)]
+    env = runner.environment(cfg, roofs[0])
     records = []
-    for shape in args.shape_list:
-        for dist in args.dist_list:
+    # Every shape's balanced cell first, then the skewed ones: a run cut short keeps one of each shape.
+    for dist in args.dist_list:
+        for shape in args.shape_list:
+            if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
+                records += skipped_records(shape, dist, f"not run: past --max-seconds {args.max_seconds:g}")
+                continue
             records += bench_cell(args, shape, dist, impls, reasons)
+            runner.write_json(args.out / f"{NAME}.json", {"meta": env, "records": records, "partial": True})
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
     roofs.append(runner.measure_roof(cfg))
-    env = runner.environment(cfg, roofs[0])
     env.update(roofs=roofs, git_commit=args.commit or env["git_commit"], moekit_backend=args.backend,
                liger=_liger_version(), liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
                shapes=[asdict(s) for s in args.shape_list])
     if args.commit:
         env["git_commit_from"] = "--commit"
     print_table(records, roofs)
+    if args.profile:
+        profile_moekit(args, next(s for s in SHAPES + SMOKE_SHAPES if s.name == args.profile))
     payload = {"meta": env, "records": records}
     runner.write_json(args.out / f"{NAME}.json", payload)
     if args.plot:
