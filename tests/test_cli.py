@@ -198,7 +198,8 @@ def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path):
     text = shown.decode()
     # one bar redrawn in place: tensors done and bytes done
     assert "\r" in text and "[" + "#" * 30 + "]" in text
-    assert "2/2 tensors" in text and "KiB of" in text
+    assert "2/2 tensors" in text and "KiB of" in text and "writing" in text
+    assert f"{3 * N}/{3 * N} tensors" in text and "verified" in text  # then the source's tensors, read back
 
 
 def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:

@@ -304,6 +304,19 @@ def test_refuses_grouped_without_recorded_glu_order(tmp_path):
     assert torch.equal(up, sd["model.layers.0.mlp.experts.gate_up_proj"][2, F:])
 
 
+def test_inspect_fails_where_convert_would_refuse(tmp_path, capsys):
+    """A grouped file that does not record its gate/up order: listed, exit status 1; stated, fine."""
+    from moekit.cli import main
+
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
+               "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F)}, str(tmp_path / "g.safetensors"))
+    assert main(["inspect", str(tmp_path / "g.safetensors")]) == 1
+    out = capsys.readouterr().out
+    assert "not recorded" in out and "problems (convert would refuse)" in out and "--src-glu-interleave" in out
+    assert main(["inspect", str(tmp_path / "g.safetensors"), "--src-glu-interleave", "none"]) == 0
+    assert "problems" not in capsys.readouterr().out
+
+
 def test_refuses_transposed_grouped(tmp_path):
     sd = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, H, 2 * F),
           "model.layers.0.mlp.experts.down_proj": torch.randn(N, F, H)}

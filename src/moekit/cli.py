@@ -74,12 +74,12 @@ def _run_convert(args: argparse.Namespace) -> int:
     from moekit.checkpoint import CheckpointError, convert_checkpoint
     from moekit.checkpoint.files import human_bytes
 
-    bar: list[Progress] = []
+    bars: dict[str, Progress] = {}  # one bar per phase: writing, then verifying
 
     def progress(phase: str, tensors: int, tensors_total: int, nbytes: int, bytes_total: int) -> None:
-        if not bar:
-            bar.append(Progress(tensors_total, quiet_when_piped=True))
-        bar[0].update(tensors, f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}")
+        if phase not in bars:
+            bars[phase] = Progress(tensors_total, quiet_when_piped=True)
+        bars[phase].update(tensors, f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}")
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:

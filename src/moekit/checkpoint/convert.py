@@ -272,7 +272,7 @@ def convert_checkpoint(
             files = _write_outputs(ckpt, outputs, metadata, tmp, to_folder, on_tensor)
         except OSError as exc:
             raise CheckpointError([f"cannot write {tmp}: {exc.strerror or exc}"]) from None
-        _verify_round_trip(ckpt, analysis, Checkpoint(tmp), stats)
+        _verify_round_trip(ckpt, analysis, Checkpoint(tmp), stats, progress)
         os.replace(tmp, dst_path)
     except BaseException:
         remove_path(tmp)
@@ -305,7 +305,8 @@ def _write_outputs(ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict
     return [tmp / name for name in sorted(by_file)]
 
 
-def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint, stats: _Stats) -> None:
+def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint, stats: _Stats,
+                       progress: ProgressFn | None = None) -> None:
     """Convert `out` back to the source's layout in memory and compare every tensor bit for bit."""
     out_analysis = analyze(out)
     problems = list(out_analysis.problems)
@@ -320,7 +321,8 @@ def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint,
     if back.keys() != src.tensors.keys():
         missing, extra = sorted(set(src.tensors) - set(back))[:5], sorted(set(back) - set(src.tensors))[:5]
         raise RuntimeError(f"moekit convert: verification failed: keys differ (missing {missing}, extra {extra})")
-    for key, t in src.tensors.items():
+    total, done = sum(t.nbytes for t in src.tensors.values()), 0
+    for count, (key, t) in enumerate(src.tensors.items(), 1):
         o = back[key]
         if o.dtype != t.dtype or tuple(o.shape) != t.shape:
             raise RuntimeError(f"moekit convert: verification failed: {key} is {o.dtype} {o.shape}, "
@@ -332,6 +334,9 @@ def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint,
             offset += len(piece)
         if offset != t.nbytes:
             raise RuntimeError(f"moekit convert: verification failed: {key} has {offset} bytes, source {t.nbytes}")
+        done += t.nbytes
+        if progress is not None:
+            progress("verified", count, len(src.tensors), done, total)
 
 
 def iter_rows(rows: list[tuple[str, ...]]) -> Iterator[str]:
