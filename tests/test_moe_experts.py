@@ -281,6 +281,30 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_results(use_reentrant):
+    """torch.utils.checkpoint puts its own saved-tensor hooks around the layer; moe_experts' inner
+    ones must not break its recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    inputs = make_inputs(16, 4, 2, bias=True, seed=19)
+    dy = rand(16, H, seed=20)
+    results = []
+    for wrapped in (False, True):
+        leaves = _leaves(inputs)
+
+        def layer(x, w, leaves=leaves):
+            return moekit.moe_experts(x, leaves["topk_ids"], w, leaves["fc1_weight"], leaves["fc2_weight"],
+                                      fc1_bias=leaves["fc1_bias"], fc2_bias=leaves["fc2_bias"], backend="torch")
+
+        args = (leaves["x"], leaves["topk_weights"])
+        y = checkpoint(layer, *args, use_reentrant=use_reentrant) if wrapped else layer(*args)
+        y.backward(dy)
+        results.append([y.detach()] + [leaves[k].grad for k in inputs if k != "topk_ids"])
+    for plain, checkpointed in zip(*results, strict=True):
+        assert torch.equal(plain, checkpointed)
+
+
 def test_modifying_x_in_place_before_backward_raises():
     leaves = _leaves(make_inputs(8, 4, 2, seed=16))
     y = moekit.moe_experts(**leaves, backend="torch")

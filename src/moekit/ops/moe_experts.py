@@ -240,6 +240,10 @@ def moe_experts(
     N x (out,) or None. `backend` is the grouped GEMMs' ("auto", "loop", "torch", "triton").
     Returns (T, H) in x's dtype. Differentiable with respect to x, topk_weights, weights and
     biases; no host sync on the way (forward and backward), so CUDA-graph capturable.
+
+    The grouped MLP runs under moe_experts' own saved-tensor hooks (they drop its sorted copy of x):
+    activation checkpointing around the call works, but an outer `save_on_cpu` does not reach the
+    tensors saved inside the MLP.
     """
     num_experts = _num_experts(fc1_weight)
     _check_routing(x, topk_ids, topk_weights, num_experts)
