@@ -133,7 +133,7 @@ def load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
 
 
 @triton.jit
-def _split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+def split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
     """(BLOCK_P, BLOCK_Q) -> two (BLOCK_P, BLOCK_Q // 2) column halves: the epilogue stores half a
     tile at a time, which halves its shared-memory staging buffer."""
     acc = tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_Q // 2)), (0, 2, 1))
@@ -171,7 +171,7 @@ def _fwd_epilogue(
             acc = acc + bias[None, :]
     out_ty = c_ptr.dtype.element_ty
     if EPI_TMA:
-        acc0, acc1 = _split_halves(acc, BLOCK_M, BLOCK_C)
+        acc0, acc1 = split_halves(acc, BLOCK_M, BLOCK_C)
         c_desc.store([row0, c0], acc0.to(out_ty))
         c_desc.store([row0, c0 + BLOCK_C // 2], acc1.to(out_ty))
     else:
@@ -309,7 +309,7 @@ def _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dw
     reduction, so overlapping their write-back with the next tile matters)."""
     out_ty = dw_ptr.dtype.element_ty
     if EPI_TMA:
-        acc0, acc1 = _split_halves(acc, BLOCK_O, BLOCK_I)
+        acc0, acc1 = split_halves(acc, BLOCK_O, BLOCK_I)
         dw_desc.store([g, o0, i0], acc0.to(out_ty).reshape(1, BLOCK_O, BLOCK_I // 2))
         dw_desc.store([g, o0, i0 + BLOCK_I // 2], acc1.to(out_ty).reshape(1, BLOCK_O, BLOCK_I // 2))
     else:

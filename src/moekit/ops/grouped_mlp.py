@@ -151,16 +151,20 @@ def _glu_tiles(ffn: int, glu_block: int, interpret: bool) -> tuple[int, int, int
 
 
 def _fused_launch_params(x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool, *tensors: torch.Tensor):
-    """Tiles, grid, TMA choice and common constexprs of both fused kernels."""
+    """(BLOCK_M, BLOCK_C, BLOCK_RED, operands through TMA, epilogue through TMA) of both fused kernels.
+
+    The epilogue's TMA boxes hold BLOCK_C consecutive gate (or up) columns: they need BLOCK_C | k or
+    k = F, and 16-byte aligned rows of h and act."""
     from moekit.ops import grouped_gemm as gg
 
     rows_blk, cols_blk, red_blk = _glu_tiles(ffn, glu_block, gg._INTERPRET)
     box_ok = glu_block == ffn or glu_block % cols_blk == 0 or cols_blk % glu_block == 0
     use_tma, _ = gg._resolve_tma(None if use_tma else False, x.shape[1] > 0, *tensors)
     use_tma = use_tma and box_ok
+    epi_tma = use_tma and (glu_block == ffn or glu_block % cols_blk == 0) and (ffn * x.element_size()) % 16 == 0
     if use_tma:
         gg._ensure_allocator()
-    return rows_blk, cols_blk, red_blk, use_tma
+    return rows_blk, cols_blk, red_blk, use_tma, epi_tma
 
 
 def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True):
@@ -180,7 +184,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
     if M == 0 or ffn == 0:
         return h, act
-    bm, bc, bred, use_tma = _fused_launch_params(x_MH, ffn, k, use_tma, x_MH, w1_N2FH)
+    bm, bc, bred, use_tma, epi_tma = _fused_launch_params(x_MH, ffn, k, use_tma, x_MH, w1_N2FH)
     bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
     nprog = gg._grid_size(x_MH.device, bound)
     with gg._device_ctx(x_MH.device):
@@ -195,7 +199,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
             DOT_PRECISION=gg._dot_precision(x_MH.dtype),
             BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
             NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET,
-            BOX_BLOCKS=bc // k if k < bc else 1, BOX_ROWS=min(k, bc),
+            BOX_BLOCKS=bc // k if k < bc else 1, BOX_ROWS=min(k, bc), EPI_TMA=epi_tma,
             num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
         )
     return h, act
@@ -218,8 +222,9 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
     if M == 0 or ffn == 0:
         return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
-    bm, bc, bred, use_tma = _fused_launch_params(dy_MH, ffn, k, use_tma, dy_MH, w2_NHF)
-    part = gg._empty((triton.cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
+    bm, bc, bred, use_tma, epi_tma = _fused_launch_params(dy_MH, ffn, k, use_tma, dy_MH, w2_NHF)
+    # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
+    part = gg._empty((4 * triton.cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
     bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
     nprog = gg._grid_size(dy_MH.device, bound)
     with gg._device_ctx(dy_MH.device):
@@ -231,7 +236,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
             ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
             USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
             BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
-            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET,
+            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET, EPI_TMA=epi_tma,
             num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
         )
     # A fixed-shape sum over the F tiles: a fixed order, deterministic.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops.grouped_gemm_kernels import group_rows, load_a, load_b, locate_tile, swizzle
+from moekit.ops.grouped_gemm_kernels import group_rows, load_a, load_b, locate_tile, split_halves, swizzle
 
 CLAMP_LIMIT = tl.constexpr(7.0)
 CLAMP_ALPHA = tl.constexpr(1.702)
@@ -56,6 +56,16 @@ def _act(g, u, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _glu_desc(ptr, rows, F, stride_m, GLU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """TMA descriptor over the 4-D view (rows, F/k, 2, k) of an (M, 2F) tensor (h or dh): a box holds
+    BLOCK_C consecutive gate (index 0) or up (index 1) columns of one GLU block, clipped at the
+    block's end (k = F: at F) and at `rows`. Needs BLOCK_C | k or k = F."""
+    return tl.make_tensor_descriptor(
+        ptr, shape=[rows, F // GLU_BLOCK, 2, GLU_BLOCK], strides=[stride_m, 2 * GLU_BLOCK, GLU_BLOCK, 1],
+        block_shape=[BLOCK_M, 1, 1, BLOCK_C])
+
+
+@triton.jit
 def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, UP: tl.constexpr,
                 USE_TMA: tl.constexpr, UPCAST: tl.constexpr, GLU_BLOCK: tl.constexpr,
                 BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
@@ -77,6 +87,19 @@ def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, str
 
 
 @triton.jit
+def _store_act(act, act_ptr, row0, row_hi, c0, offs_m, offs_c, mask_m, mask_c, F, stride_actm,
+               EPI_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """act (BLOCK_M, BLOCK_C) -> act_out[row0:, c0:], rows below row_hi and columns below F only."""
+    if EPI_TMA:
+        act_desc = tl.make_tensor_descriptor(
+            act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, BLOCK_C])
+        act_desc.store([row0, c0], act)
+    else:
+        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act,
+                 mask=mask_m[:, None] & mask_c[None, :])
+
+
+@triton.jit
 def glu_forward_kernel(
     x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr,
     M, F, H, N,
@@ -85,15 +108,18 @@ def glu_forward_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    BOX_BLOCKS: tl.constexpr, BOX_ROWS: tl.constexpr,
+    BOX_BLOCKS: tl.constexpr, BOX_ROWS: tl.constexpr, EPI_TMA: tl.constexpr,
 ):
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
 
     x: (M, H) row stride stride_xm; w: (N, 2F, H) strides (stride_wg, stride_wr, 1); bias: (N, 2F);
     probs: (M,) any float dtype. BOX_BLOCKS x BOX_ROWS = BLOCK_C: the weight box of one tile in the
     5-D view (BLOCK_C // k blocks of k rows when k divides BLOCK_C, else 1 x BLOCK_C, which needs
-    BLOCK_C to divide k or k = F). The activation is computed from h as stored (rounded to the output
-    dtype), so the backward, which recomputes it from the saved h, sees the forward's values.
+    BLOCK_C to divide k or k = F). EPI_TMA (needs BLOCK_C | k or k = F): h and act leave through
+    TMA stores bounded at the group's last row; else masked pointer stores (whose 2-D pointer
+    tensors cost many registers: the small-k layouts' path). The activation is computed from h as
+    stored (rounded to the output dtype), so the backward, which recomputes it from the saved h,
+    sees the forward's values.
     """
     pid = tl.program_id(0)
     num_pid_c = tl.cdiv(F, BLOCK_C)
@@ -145,15 +171,21 @@ def glu_forward_kernel(
             acc_u += tl.load(bias_base + gate_c + GLU_BLOCK, mask=mask_c & real, other=0.0).to(tl.float32)[None, :]
         h_g = acc_g.to(out_ty)
         h_u = acc_u.to(out_ty)
-        mask = mask_m[:, None] & mask_c[None, :]
-        h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
-        tl.store(h_rows + gate_c[None, :], h_g, mask=mask)
-        tl.store(h_rows + (gate_c + GLU_BLOCK)[None, :], h_u, mask=mask)
+        if EPI_TMA:
+            h_desc = _glu_desc(h_ptr, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, BLOCK_C)
+            h_desc.store([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK], h_g.reshape(BLOCK_M, 1, 1, BLOCK_C))
+            h_desc.store([row0, c0 // GLU_BLOCK, 1, c0 % GLU_BLOCK], h_u.reshape(BLOCK_M, 1, 1, BLOCK_C))
+        else:
+            mask = mask_m[:, None] & mask_c[None, :]
+            h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+            tl.store(h_rows + gate_c[None, :], h_g, mask=mask)
+            tl.store(h_rows + (gate_c + GLU_BLOCK)[None, :], h_u, mask=mask)
         act = _act(h_g.to(tl.float32), h_u.to(tl.float32), ACTIVATION)
         if HAS_PROBS:
             p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
             act = act * p[:, None]
-        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act.to(out_ty), mask=mask)
+        _store_act(act.to(out_ty), act_ptr, row0, row_hi, c0, offs_m, offs_c, mask_m, mask_c, F, stride_actm,
+                   EPI_TMA, BLOCK_M, BLOCK_C)
 
 
 @triton.jit
@@ -165,13 +197,15 @@ def glu_backward_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    EPI_TMA: tl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
 
     dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1);
     h: fc1's saved pre-activation (M, 2F). Writes dh (M, 2F) and act_p (M, F) in h's dtype and, with
-    probs, dprobs (F tiles, M) fp32: tile column block c's partial of sum_j act[r, j] * dA[r, j]
+    probs, dprobs (4 x F tiles, M) fp32: quarter tile c's partial of sum_j act[r, j] * dA[r, j]
     (reduced over the tiles by the host in a fixed order: no atomics). Padding rows get zeros.
+    EPI_TMA (needs BLOCK_C | k or k = F): h tiles come in and dh / act_p tiles leave through TMA.
     """
     pid = tl.program_id(0)
     num_pid_c = tl.cdiv(F, BLOCK_C)
@@ -188,7 +222,11 @@ def glu_backward_kernel(
     else:
         dy_desc = None
         w_desc = None
-    out_ty = dh_ptr.dtype.element_ty
+    if EPI_TMA:
+        # Rows past the tile's group are read (and their results dropped); rows past M read zeros.
+        h_desc = _glu_desc(h_ptr, M, F, stride_hm, GLU_BLOCK, BLOCK_M, BLOCK_C // 4)
+    else:
+        h_desc = None
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
         pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
@@ -204,37 +242,88 @@ def glu_backward_kernel(
                        BLOCK_C, BLOCK_RED)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-        # Epilogue: the activation's backward on the tile's gate and up columns of h.
-        offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-        real = g < N
-        d_act = tl.where(real, acc, 0.0)
+        # Epilogue: the activation's backward on the tile's gate and up columns of h, in four
+        # column quarters: the fp32 temporaries of a whole tile (or a half: 120 bytes of spills in
+        # the sm_90 compile) do not fit in the registers; quarters compile to 254 and no spills.
+        d_act = tl.where(g < N, acc, 0.0)
+        if EPI_TMA:
+            dh_desc = _glu_desc(dh_ptr, row_hi, F, stride_dhm, GLU_BLOCK, BLOCK_M, BLOCK_C // 4)
+            act_desc = tl.make_tensor_descriptor(
+                act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, BLOCK_C // 4])
+        else:
+            dh_desc = None
+            act_desc = None
+        d_act0, d_act1 = split_halves(d_act, BLOCK_M, BLOCK_C)
+        d_act00, d_act01 = split_halves(d_act0, BLOCK_M, BLOCK_C // 2)
+        d_act10, d_act11 = split_halves(d_act1, BLOCK_M, BLOCK_C // 2)
+        QUARTER: tl.constexpr = BLOCK_C // 4
+        _glu_backward_epilogue(
+            d_act00, 4 * pid_c, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
+            act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act01, 4 * pid_c + 1, c0 + QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act10, 4 * pid_c + 2, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act11, 4 * pid_c + 3, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+
+
+@triton.jit
+def _glu_backward_epilogue(
+    d_act, part_row, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
+    act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C -> dh's gate and up
+    columns, act_p, and row `part_row` of the d probs partials."""
+    offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+    real = g < N
+    out_ty = dh_ptr.dtype.element_ty
+    if EPI_TMA:
+        # Padding tiles read their rows of h, which the forward wrote as zeros.
+        hg = h_desc.load([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+        hu = h_desc.load([row0, c0 // GLU_BLOCK, 1, c0 % GLU_BLOCK]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+    else:
         mask = mask_m[:, None] & mask_c[None, :] & real
         h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
         hg = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
         hu = tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION == 0:
-            sig = tl.sigmoid(hg)
-            silu = hg * sig
-            act = silu * hu
-        else:
-            gc = tl.minimum(hg, CLAMP_LIMIT)
-            uc = tl.minimum(tl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
-            sig = tl.sigmoid(CLAMP_ALPHA * gc)
-            act = gc * sig * (uc + 1.0)
-        if HAS_PROBS:
-            p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
-            tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, tl.sum(act * d_act, 1), mask=mask_m)
-            d_act = d_act * p[:, None]
-            act = act * p[:, None]
-        if ACTIVATION == 0:
-            d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
-            d_u = d_act * silu
-        else:
-            # The clamps pass the gradient at the limit itself, as torch.clamp does.
-            d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
-            d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+    if ACTIVATION == 0:
+        sig = tl.sigmoid(hg)
+        silu = hg * sig
+        act = silu * hu
+    else:
+        gc = tl.minimum(hg, CLAMP_LIMIT)
+        uc = tl.minimum(tl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
+        sig = tl.sigmoid(CLAMP_ALPHA * gc)
+        act = gc * sig * (uc + 1.0)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
+        tl.store(dprobs_ptr + part_row.to(tl.int64) * M + offs_m, tl.sum(act * d_act, 1), mask=mask_m)
+        d_act = d_act * p[:, None]
+        act = act * p[:, None]
+    if ACTIVATION == 0:
+        d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
+        d_u = d_act * silu
+    else:
+        # The clamps pass the gradient at the limit itself, as torch.clamp does.
+        d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
+        d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+    if EPI_TMA:
+        dh_desc.store([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK], d_g.to(out_ty).reshape(BLOCK_M, 1, 1, BLOCK_C))
+        dh_desc.store([row0, c0 // GLU_BLOCK, 1, c0 % GLU_BLOCK], d_u.to(out_ty).reshape(BLOCK_M, 1, 1, BLOCK_C))
+        act_desc.store([row0, c0], act.to(out_ty))
+    else:
         store_mask = mask_m[:, None] & mask_c[None, :]
         dh_rows = dh_ptr + offs_m.to(tl.int64)[:, None] * stride_dhm
         tl.store(dh_rows + gate_c[None, :], d_g.to(out_ty), mask=store_mask)
