@@ -261,8 +261,12 @@ def _leaves(inputs):
     return {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
 
 
-def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
-    """x_sorted (M x H, K times x) is freed after the forward; the backward gathers it again."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sorted_copy_of_x_is_not_kept_for_the_backward(backend, monkeypatch):
+    """x_sorted (M x H, K times x) is freed after the forward; the backward gathers it again (the
+    triton backend's fused MLP saves its input through the same hooks)."""
+    if backend == "triton":
+        _require_triton()
     made = []
     original = moe_experts_module._MoveRowsFn.apply
 
@@ -273,7 +277,7 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
 
     monkeypatch.setattr(moe_experts_module._MoveRowsFn, "apply", remember)
     leaves = _leaves(make_inputs(16, 4, 2, seed=14))
-    y = moekit.moe_experts(**leaves, backend="torch")
+    y = moekit.moe_experts(**leaves, backend=backend)
     gc.collect()
     x_sorted = made[0]  # the first row movement is the gather of x
     assert x_sorted() is None, "the gathered rows are still referenced after the forward"
