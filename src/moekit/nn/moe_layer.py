@@ -120,10 +120,9 @@ class MoELayer(nn.Module):
         weights, ids, scores = self.route(x_TH)
         y_TH = run_experts(self.experts, x_TH, ids, weights)
         if self.aux_loss_coef > 0 and self.training:
-            # Copies routed to each expert: an integer scatter (exact in any order), on the device.
-            routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=ids.device)
-            routed_share = routed.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids, dtype=scores.dtype).reshape(-1))
-            routed_share = routed_share / ids.numel()
+            # Copies routed to each expert, counted on the device (sums of ones: exact in any order).
+            ones = scores.new_ones(ids.numel())
+            routed_share = scores.new_zeros(self.num_experts).scatter_add_(0, ids.reshape(-1), ones) / ids.numel()
             aux = self.aux_loss_coef * self.num_experts * (routed_share * scores.mean(0)).sum()
             self.aux_loss = aux.detach()
             y_TH = _AuxLossInjector.apply(y_TH, aux)
