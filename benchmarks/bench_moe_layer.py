@@ -57,13 +57,14 @@ class LayerShape:
     ffn: int
 
 
+# In the order they are run (a run cut short by --max-seconds keeps the first ones).
 SHAPES = (
     LayerShape("qwen3-30b-a3b", 32768, 128, 8, 2048, 768),
-    LayerShape("mixtral-8x7b", 16384, 8, 2, 4096, 14336),
     LayerShape("deepseek-v3-ep8", 16384, 32, 8, 7168, 2048),
     LayerShape("gpt-oss-20b", 16384, 32, 4, 2880, 2880),
-    LayerShape("qwen3-256tok", 256, 128, 8, 2048, 768),
+    LayerShape("mixtral-8x7b", 16384, 8, 2, 4096, 14336),
     LayerShape("qwen3-1024tok", 1024, 128, 8, 2048, 768),
+    LayerShape("qwen3-256tok", 256, 128, 8, 2048, 768),
     LayerShape("qwen3-4096tok", 4096, 128, 8, 2048, 768),
     LayerShape("sonicmoe", 32768, 128, 8, 4096, 512),
 )
@@ -406,6 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--commit", default=None, help="the git commit measured (the device copy has no git)")
     parser.add_argument("--quick", action="store_true", help="one round, short repetitions (noisier)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 1)")
     parser.add_argument("--liger-autotune", action="store_true", help="let Liger autotune (slow: 32 configs)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="start no new cell after this many seconds (the rest are recorded as skipped)")
@@ -420,7 +422,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     pool = SMOKE_SHAPES if args.smoke else SHAPES
     args.shape_list = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
     args.dist_list = runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS)
-    args.rounds = 1 if args.quick or args.smoke else 3
+    args.rounds = args.rounds or (1 if args.quick or args.smoke else 3)
     args.warmup_ms, args.rep_ms = (10.0, 30.0) if args.quick or args.smoke else (20.0, 60.0)
     return args
 
@@ -443,9 +445,9 @@ def main(argv=None) -> dict:
     roofs = [runner.measure_roof(cfg)]
     env = runner.environment(cfg, roofs[0])
     records = []
-    # Every shape's balanced cell first, then the skewed ones: a run cut short keeps one of each shape.
-    for dist in args.dist_list:
-        for shape in args.shape_list:
+    # Shape by shape (both routings share the shape's kernel compilations, the larger first cost).
+    for shape in args.shape_list:
+        for dist in args.dist_list:
             if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
                 records += skipped_records(shape, dist, f"not run: past --max-seconds {args.max_seconds:g}")
                 continue
