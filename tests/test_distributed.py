@@ -1,64 +1,32 @@
-"""GroupedLinear under torch.distributed wrappers (DDP, FSDP2) on CPU with gloo, two ranks.
+"""moekit.distributed on CPU with gloo, in spawned process groups (tests/distributed_worker.py).
 
-DDP keeps parameter storage; FSDP2 replaces every parameter with a sharded DTensor, so the discrete
-layout's per-expert weights stop being slices of one buffer: results must stay exact (with the
-announced stacking warning), and the gradients must match an unwrapped module's.
+Spawning is what costs (each rank imports torch and moekit), so each group runs many checks:
+- train, world sizes 2 and 4: DDP and FSDP2 (fp32; bf16 compute with fp32 masters and reductions)
+  of GroupedLinear, GroupedMLP and MoELayer in both layouts, FSDP2 shards along and through experts,
+  against one process on the full batch; expert parallelism (dropless, capacity) against MoELayer;
+  FSDP2 + EP on (ep, dp) meshes against one process.
+- checkpoints: one process -> 4 ranks (FSDP2 + EP=2, discrete) -> resume bit-identical, EP 2 -> 4,
+  -> 2 ranks (FSDP2 discrete; FSDP2 + EP=2 grouped) -> one process; a transformers model saved
+  under FSDP2 loads into the plain transformers model; refusals leave the model untouched.
 """
+
+from __future__ import annotations
 
 import os
 import socket
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-WORKER = textwrap.dedent(
-    """
-    import os, sys, warnings
-    import torch, torch.distributed as dist
-    import torch.multiprocessing as mp
+import moekit
+from moekit.distributed import checkpoint
 
-    def run(rank, world, port, wrapper):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        import moekit
-        torch.manual_seed(0)
-        ref = moekit.GroupedLinear(4, 16, 8, bias=True, dtype=torch.float64)
-        model = moekit.GroupedLinear(4, 16, 8, bias=True, dtype=torch.float64)
-        model.load_state_dict(ref.state_dict())
-        if wrapper == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        torch.manual_seed(1)
-        x_all = torch.randn(world * 20, 16, dtype=torch.float64)
-        x = x_all[rank * 20:(rank + 1) * 20]
-        m_splits = [5, 0, 10, 5]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            y = model(x, m_splits)
-            y.square().sum().backward()
-        # The reference sees every rank's rows; DDP/FSDP average gradients over ranks.
-        for r in range(world):
-            ref(x_all[r * 20:(r + 1) * 20], m_splits).square().sum().backward()
-        torch.testing.assert_close(y, ref(x, m_splits), rtol=0, atol=1e-12)
-        inner = model.module if wrapper == "ddp" else model
-        for name, p in inner.named_parameters():
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            torch.testing.assert_close(grad, getattr(ref, name).grad / world, rtol=1e-12, atol=1e-12)
-        stacked = any("not adjacent slices" in str(w.message) for w in caught)
-        assert stacked == (wrapper == "fsdp2"), [str(w.message) for w in caught]
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        port, wrapper = int(sys.argv[1]), sys.argv[2]
-        mp.spawn(run, args=(2, port, wrapper), nprocs=2)
-        print("OK", wrapper)
-    """
-)
+WORKER = Path(__file__).with_name("distributed_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+import distributed_worker as dw  # noqa: E402
 
 
 def _free_port() -> int:
@@ -67,12 +35,113 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_grouped_linear_under_wrapper(tmp_path, wrapper):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+def run_group(group: str, world: int, workdir: Path) -> str:
+    # The ranks run real kernels, not Triton's interpreter (the CPU backends are torch's).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), str(_free_port()), wrapper], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"OK {wrapper}" in proc.stdout
+    proc = subprocess.run([sys.executable, str(WORKER), group, str(world), str(_free_port()), "gloo", str(workdir)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert f"DONE {group} {world}" in proc.stdout
+    return proc.stdout
+
+
+def ok_lines(stdout: str) -> set[str]:
+    return {line.strip() for line in stdout.replace("OK ", "\nOK ").splitlines() if line.startswith("OK ")}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
+def test_data_and_expert_parallel(tmp_path, world):
+    done = ok_lines(run_group("train", world, tmp_path))
+    expected = {f"OK dp {w} {k} grouped={g} shard_dim=None" for w in ("ddp", "fsdp2") for k in ("linear", "mlp", "moe")
+                for g in (True, False)}
+    expected |= {f"OK dp fsdp2 {k} grouped=True shard_dim=1" for k in ("linear", "mlp", "moe")}
+    expected |= {f"OK dp fsdp2-bf16 {k} grouped={g}" for k in ("mlp", "moe") for g in (True, False)}
+    expected |= {f"OK ep={ep} dropless grouped={g}" for ep in {2, world} for g in (True, False)}
+    expected |= {f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={g}" for ep in {2, world}
+                 for g in (True, False)}
+    assert expected <= done, sorted(expected - done)
+    capacity = [line for line in done if "capacity factor=" in line]
+    assert any("dropped=0" not in line for line in capacity), "capacity mode never dropped a copy"
+    assert all("dropped=0" in line for line in capacity if f"factor={float(dw.N)}" in line)
+
+
+def _one_process_model(grouped: bool):
+    model = dw.make_model("moe", grouped, torch.device("cpu"), seed=123)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=dw.ADAM_EPS)
+
+
+def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):
+    """1 -> 4 -> (4, EP 2 -> 4) -> 2 -> 1 process, layouts switching on the way; model and Adam state
+    equal bit for bit after every load; resumed training repeats the uninterrupted losses."""
+    transformers = pytest.importorskip("transformers")
+    model, opt = _one_process_model(grouped=True)
+    dw.train_steps(model, opt, 0, torch.device("cpu"), 2)
+    checkpoint.save(tmp_path / "w1", model, opt)
+    torch.save(dw.full_state(model, opt), tmp_path / "w1.expected.pt")
+    done = ok_lines(run_group("ckpt4", 4, tmp_path))
+    assert {"OK ckpt 1 -> 4 (ep=2, fsdp2, discrete)", "OK ckpt resume bit-identical losses (4 ranks)",
+            "OK ckpt ep 2 -> 4, discrete -> grouped"} <= done, done
+    done = ok_lines(run_group("ckpt2", 2, tmp_path))
+    assert {"OK ckpt 4 -> 2 (ep=1, grouped=False)", "OK ckpt 4 -> 2 (ep=2, grouped=True)",
+            "OK ckpt transformers apply_moekit + fsdp2 saved"} <= done, done
+    # 2 -> 1, discrete layout.
+    model, opt = _one_process_model(grouped=False)
+    checkpoint.load(tmp_path / "w2", model, opt)
+    dw.assert_same_state(dw.full_state(model, opt), torch.load(tmp_path / "w2.expected.pt"), "2 -> 1")
+    # The transformers model saved under FSDP2 on moekit experts, into the plain model (no moekit).
+    hf = dw.tiny_hf_model("cpu", seed=99)
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": hf.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path / "hf2")
+    expected = torch.load(tmp_path / "hf2.expected.pt")
+    assert any(k.endswith("experts.gate_up_proj") for k in expected)
+    for key, value in hf.state_dict().items():
+        assert torch.equal(value, expected[f"model.{key}"]), key
+    del transformers
+
+
+def test_transformers_checkpoint_into_moekit_experts(tmp_path):
+    """A plain transformers model saved with DCP loads into its apply_moekit twin (discrete layout)."""
+    pytest.importorskip("transformers")
+    import torch.distributed.checkpoint as dcp
+
+    from moekit.integrations.transformers import apply_moekit
+
+    plain = dw.tiny_hf_model("cpu", seed=1)
+    dcp.save({"model": plain.state_dict()}, checkpoint_id=tmp_path / "plain")
+    model = apply_moekit(dw.tiny_hf_model("cpu", seed=2), single_grouped_weight=False)
+    checkpoint.load(tmp_path / "plain", model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("case", ["missing_experts", "other_hidden_size", "other_interleave"])
+def test_checkpoint_that_does_not_fit_is_refused_untouched(tmp_path, case):
+    model, opt = _one_process_model(grouped=True)
+    dw.train_steps(model, opt, 0, torch.device("cpu"), 1)
+    checkpoint.save(tmp_path / "ckpt", model, opt)
+    if case == "missing_experts":
+        other = moekit.MoELayer(dw.H, dw.F, 2 * dw.N, dw.K, bias=True)
+        match = r"global shapes differ.*experts.fc1.weight.*\(8, 24, 16\).*\(16, 24, 16\)"
+    elif case == "other_hidden_size":
+        other = moekit.MoELayer(dw.H + 2, dw.F, dw.N, dw.K, bias=True)
+        match = r"global shapes differ.*router.weight"
+    else:
+        other = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=2)
+        match = r"GLU interleave.*experts.fc1: checkpoint None, model 2"
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    if case != "other_hidden_size":
+        dw.train_steps(other, other_opt, 0, torch.device("cpu"), 1)
+    before = _params(other)
+    opt_before = {k: v.clone() for k, v in other_opt.state_dict()["state"].get(0, {}).items()}
+    with pytest.raises(ValueError, match=match):
+        checkpoint.load(tmp_path / "ckpt", other, other_opt)
+    after = _params(other)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    for k, v in other_opt.state_dict()["state"].get(0, {}).items():
+        assert torch.equal(v, opt_before[k]), k

@@ -1,0 +1,236 @@
+"""Expert parallelism: each rank of an expert-parallel group holds N/EP experts, and the routed
+token copies travel to the rank of their expert and back with `all_to_all_single`.
+
+Legend: T tokens (this rank's), K top-k, N experts in all, H hidden size; EP ranks in the group,
+L = N/EP experts per rank ("local"), C slots per (source rank, expert) in capacity mode.
+
+Dispatch and combine, for one rank:
+1. route (`MoELayer.route`, the single-process layer's own router), then `moekit.permute`: the T*K
+   copies sorted by global expert, with device counts (N,). Experts r*L..(r+1)*L-1 live on rank r,
+   so the sorted copies are already grouped by destination rank.
+2. exchange the counts with `all_to_all_single` on the device: rank r learns, for each source rank
+   s, how many copies s sends to each of r's L experts.
+3. move the copies and their router weights (`all_to_all_single`, differentiable: its backward is
+   the reverse all-to-all), sort the received rows by local expert (`moekit.permute` again), run the
+   local `GroupedMLP`, and send the outputs back the same way; `moekit.unpermute` sums each token's K
+   outputs.
+
+Modes:
+- "dropless": the all-to-all splits are the exchanged counts, so their sums must reach the host:
+  one device-to-host copy per forward (the split sizes of the dispatch, which the combine and both
+  backward passes reuse). Outputs and gradients equal the single-process `MoELayer`'s.
+- "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots, so
+  every buffer has a fixed size and nothing is read by the host (CUDA-graph capturable when the
+  experts' backend is). Copies past C are dropped, the last ones in token order (the first C copies
+  of each expert, in token order, are kept): deterministic. `dropped_copies` holds the number of
+  copies this rank's tokens lost in the last forward, as a device tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.nn.moe_layer import MoELayer
+from moekit.ops.permute import permute, unpermute
+
+MODES = ("dropless", "capacity")
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows, differentiable: the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        rows = x.shape[0] if output_splits is None else sum(output_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        rows = d_out.shape[0] if ctx.input_splits is None else sum(ctx.input_splits)
+        d_x = d_out.new_empty((rows, *d_out.shape[1:]))
+        dist.all_to_all_single(d_x, d_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
+        return d_x, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable `torch.distributed.all_to_all_single` along dim 0 (splits None: equal)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class ExpertParallelMoE(nn.Module):
+    """A `MoELayer` with its experts spread over the expert-parallel ranks of `mesh`.
+
+    `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity", capacity_factor=1.0)`; forward(x
+    (..., H)) -> (..., H), like `layer`. `mesh` is a 1-D DeviceMesh (expert parallelism only) or a
+    2-D one with dims ("ep", "dp") (experts replicated over "dp", e.g. sharded there by FSDP2:
+    `moekit.distributed.apply_fsdp`). The layer's router is shared (the same module); the experts
+    become a `GroupedMLP` of N/EP experts, experts r*N/EP..(r+1)*N/EP-1 of `layer` on EP rank r
+    (copied from `layer.experts` unless those live on the meta device), in the layer's weight
+    layout. Parameter names equal `layer`'s, so `moekit.distributed.checkpoint` stores the same
+    global tensors whatever the EP degree.
+
+    Every rank routes its own tokens; the expert gradients sum the contributions of every EP rank's
+    tokens (a data-parallel wrapper over the "dp" dim then averages them: `apply_fsdp` sets the
+    divide factor to EP x DP so that they match a loss averaged over all ranks).
+    """
+
+    def __init__(self, layer: MoELayer, mesh: DeviceMesh, *, mode: str = "dropless",
+                 capacity_factor: float = 1.0) -> None:
+        super().__init__()
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"layer must be a moekit.MoELayer, got {type(layer).__name__}")
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) != ("ep", "dp"):
+            raise ValueError(f"a 2-D mesh must have dims ('ep', 'dp'), got {mesh.mesh_dim_names}")
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"mesh must be 1-D (ep) or 2-D (ep, dp), got {mesh.ndim} dims")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be a positive number, got {capacity_factor!r}")
+        if layer.aux_loss_coef > 0:
+            raise ValueError(
+                "ExpertParallelMoE does not compute MoELayer's auxiliary load-balancing loss; build the layer "
+                "with aux_loss_coef=0"
+            )
+        self.mesh = mesh
+        self.ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
+        self.ep_group = self.ep_mesh.get_group()
+        self.ep_size = self.ep_mesh.size()
+        self.ep_rank = self.ep_mesh.get_local_rank()
+        if layer.num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts={layer.num_experts} is not divisible by the expert-parallel size {self.ep_size}"
+            )
+        self.mode = mode
+        self.capacity_factor = float(capacity_factor)
+        self.hidden_size = layer.hidden_size
+        self.num_experts = layer.num_experts
+        self.num_local_experts = layer.num_experts // self.ep_size
+        self.top_k = layer.top_k
+        self.score_func = layer.score_func
+        self.norm_topk_prob = layer.norm_topk_prob
+        self.router = layer.router
+        full = layer.experts
+        weight = full.fc1.weights()
+        ref = weight if isinstance(weight, torch.Tensor) else weight[0]
+        self.experts = GroupedMLP(
+            self.num_local_experts, full.hidden_size, full.ffn_hidden_size, bias=full.fc1.use_bias,
+            activation=full.activation, glu_interleave_size=full.glu_interleave_size,
+            single_grouped_weight=full.fc1.single_grouped_weight, backend=full.backend,
+            device=ref.device, dtype=ref.dtype,
+        )
+        if ref.device.type != "meta":
+            self._copy_local_experts(full)
+        self.dropped_copies: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def _copy_local_experts(self, full: GroupedMLP) -> None:
+        first = self.ep_rank * self.num_local_experts
+        for name in ("fc1", "fc2"):
+            src, dst = getattr(full, name), getattr(self.experts, name)
+            for src_params, dst_params in ((src.weights(), dst.weights()), (src.biases(), dst.biases())):
+                if src_params is None:
+                    continue
+                src_full = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
+                local = src_full[first:first + self.num_local_experts]
+                if isinstance(dst_params, torch.Tensor):
+                    dst_params.copy_(local)
+                else:
+                    for p, value in zip(dst_params, local.unbind(0), strict=True):
+                        p.copy_(value)
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`MoELayer.route`: (top-k weights (T, K) fp32, expert ids (T, K), scores (T, N) fp32)."""
+        return MoELayer.route(self, x_TH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"input's last dimension is {x.shape[-1] if x.dim() else None}; expected "
+                f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
+            )
+        x_TH = x.reshape(-1, self.hidden_size)
+        weights_TK, ids_TK, _ = self.route(x_TH)
+        x_sorted, counts_N, row_map_TK = permute(x_TH, ids_TK, self.num_experts)
+        probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
+            0, row_map_TK.reshape(-1), weights_TK.reshape(-1))
+        # recv_counts[s * L + e]: copies that EP rank s sends to this rank's local expert e.
+        recv_counts = torch.empty_like(counts_N)
+        dist.all_to_all_single(recv_counts, counts_N, group=self.ep_group)
+        if self.mode == "dropless":
+            y_sorted = self._dropless(x_sorted, probs_sorted, counts_N, recv_counts)
+        else:
+            y_sorted = self._capacity(x_sorted, probs_sorted, counts_N, recv_counts, x_TH.shape[0])
+        return unpermute(y_sorted, row_map_TK).reshape(x.shape)
+
+    def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
+                       num_ids: int) -> torch.Tensor:
+        """Run received rows (in any order) through the local experts; rows with id >= L are
+        padding (zero output). local_ids: (R,) int64 in [0, num_ids)."""
+        x_local, m_splits, map_local = permute(x_recv, local_ids[:, None], num_ids)
+        probs_local = probs_recv.new_zeros(probs_recv.shape[0]).scatter(0, map_local.reshape(-1), probs_recv)
+        y_local = self.experts(x_local, m_splits[:self.num_local_experts], probs=probs_local)
+        return unpermute(y_local, map_local)
+
+    def _dropless(self, x_sorted, probs_sorted, counts_N, recv_counts):
+        send_splits = counts_N.view(self.ep_size, self.num_local_experts).sum(1)
+        recv_splits = recv_counts.view(self.ep_size, self.num_local_experts).sum(1)
+        # The one host read of a dropless all-to-all: the split sizes, in one copy.
+        splits = torch.cat([send_splits, recv_splits]).tolist()
+        send, recv = splits[:self.ep_size], splits[self.ep_size:]
+        x_recv = all_to_all_rows(x_sorted, recv, send, self.ep_group)
+        probs_recv = all_to_all_rows(probs_sorted, recv, send, self.ep_group)
+        expert_of_slot = torch.arange(self.num_local_experts, device=x_recv.device).repeat(self.ep_size)
+        local_ids = torch.repeat_interleave(expert_of_slot, recv_counts, output_size=x_recv.shape[0])
+        y_recv = self._local_experts(x_recv, probs_recv, local_ids, self.num_local_experts)
+        return all_to_all_rows(y_recv, send, recv, self.ep_group)
+
+    def capacity(self, num_tokens: int) -> int:
+        """Slots per (source rank, expert) for `num_tokens` tokens on each rank."""
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+    def _capacity(self, x_sorted, probs_sorted, counts_N, recv_counts, num_tokens):
+        num_experts, slots = self.num_experts, self.capacity(num_tokens)
+        device = x_sorted.device
+        rows = x_sorted.shape[0]
+        starts = torch.cumsum(counts_N, 0) - counts_N
+        # Slot (e, p) holds sorted row starts[e] + p when p < counts[e]; else the zero row `rows`.
+        pos = torch.arange(slots, device=device)
+        filled = pos[None, :] < counts_N[:, None]
+        gather = torch.where(filled, starts[:, None] + pos[None, :], rows).reshape(-1)
+        x_send = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])[gather]
+        probs_send = torch.cat([probs_sorted, probs_sorted.new_zeros(1)])[gather]
+        self.dropped_copies = (counts_N - slots).clamp_min(0).sum()
+        x_recv = all_to_all_rows(x_send, None, None, self.ep_group)
+        probs_recv = all_to_all_rows(probs_send, None, None, self.ep_group)
+        # Received slots are laid out (source rank, local expert, slot); empty ones go to id L.
+        local_L = self.num_local_experts
+        kept = torch.minimum(recv_counts, torch.full_like(recv_counts, slots))
+        slot_filled = pos[None, :] < kept[:, None]
+        expert_of_slot = torch.arange(local_L, device=device).repeat(self.ep_size)[:, None]
+        local_ids = torch.where(slot_filled, expert_of_slot, local_L).reshape(-1)
+        y_recv = self._local_experts(x_recv, probs_recv, local_ids, local_L + 1)
+        y_send = all_to_all_rows(y_recv, None, None, self.ep_group)
+        # Back to sorted order; a dropped copy (p >= slots) gets zeros.
+        expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=device), counts_N,
+                                                output_size=rows)
+        pos_of_row = torch.arange(rows, device=device) - starts[expert_of_row]
+        back = torch.where(pos_of_row < slots, expert_of_row * slots + pos_of_row, num_experts * slots)
+        return torch.cat([y_send, y_send.new_zeros(1, y_send.shape[1])])[back]
+
+    def extra_repr(self) -> str:
+        capacity = f", capacity_factor={self.capacity_factor}" if self.mode == "capacity" else ""
+        return (f"num_experts={self.num_experts}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
+                f"mode={self.mode!r}{capacity}")

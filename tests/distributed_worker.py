@@ -1,0 +1,488 @@
+"""Checks of moekit.distributed in spawned process groups (gloo on CPU, NCCL on GPUs).
+
+Run: python tests/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR. Every rank runs the
+group's checks and prints "OK <check>" for each; any failure exits non-zero. Groups:
+- train: data parallel (DDP, FSDP2 fp32 and bf16 compute; GroupedLinear, GroupedMLP, MoELayer; both
+  layouts) and expert parallel (dropless, capacity; alone and with FSDP2 on an (ep, dp) mesh)
+  against one process on the full batch.
+- ckpt4: loads WORKDIR/w1 (written by one process), trains FSDP2 + EP on 4 ranks, saves WORKDIR/w4,
+  checks that resumed training repeats the uninterrupted losses bit for bit.
+- ckpt2: loads WORKDIR/w4 on 2 ranks in other layouts / EP degrees, saves WORKDIR/w2 (EP=2), and a
+  transformers model through apply_moekit + FSDP2 to WORKDIR/hf2.
+Expected full tensors travel between groups as WORKDIR/<name>.expected.pt files.
+
+Legend: T tokens, H hidden size, F ffn size, N experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from helpers import rel_err, tolerance_floor  # noqa: E402
+
+H, F, N, K, T = 16, 12, 8, 2, 12
+FP32_REL = 1e-6
+# Adam divides by sqrt(v) + eps: with the default 1e-8 an entry whose gradient is ~0 moves by +-lr on
+# fp32 rounding noise alone; a larger eps keeps "same parameters" a well-conditioned comparison.
+ADAM_EPS = 1e-5
+
+
+# ---- models and data -------------------------------------------------------------------------
+
+
+class Routed(nn.Module):
+    """A GroupedLinear or GroupedMLP on rows already sorted by expert, with fixed splits."""
+
+    def __init__(self, inner: nn.Module, m_splits: list[int]):
+        super().__init__()
+        self.inner, self.m_splits = inner, m_splits
+
+    def forward(self, x):
+        return self.inner(x, self.m_splits)
+
+
+SPLITS = [3, 0, 5, 1, 0, 2, 4, 1]  # per rank; empty experts in the middle and at the start
+
+
+def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0) -> nn.Module:
+    import moekit
+
+    torch.manual_seed(seed)
+    if kind == "linear":
+        inner = moekit.GroupedLinear(N, H, F, bias=True, single_grouped_weight=grouped, single_grouped_bias=grouped,
+                                     device=device, dtype=dtype)
+        return Routed(inner, SPLITS)
+    if kind == "mlp":
+        return Routed(moekit.GroupedMLP(N, H, F, bias=True, single_grouped_weight=grouped, device=device,
+                                        dtype=dtype), SPLITS)
+    return moekit.MoELayer(H, F, N, K, bias=True, single_grouped_weight=grouped, device=device, dtype=dtype)
+
+
+def batch(kind: str, rank: int, device, dtype=torch.float32, step=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    rows = sum(SPLITS) if kind != "moe" else T
+    return torch.randn(rows, H, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def full_batch(kind: str, world: int, device, dtype=torch.float32, step=0):
+    """(x, m_splits) of one process holding every rank's rows (sorted by expert for the routed kinds)."""
+    parts = [batch(kind, r, device, dtype, step) for r in range(world)]
+    if kind == "moe":
+        return torch.cat(parts), None
+    offs = [0]
+    for s in SPLITS:
+        offs.append(offs[-1] + s)
+    rows = [p[offs[e]:offs[e + 1]] for e in range(N) for p in parts]
+    return torch.cat(rows), [world * s for s in SPLITS]
+
+
+def loss_of(y: torch.Tensor) -> torch.Tensor:
+    return (y.float() - 0.1).square().mean()
+
+
+def forward_full(model: nn.Module, kind: str, x, m_splits):
+    inner = model.inner if kind != "moe" else model
+    return inner(x) if kind == "moe" else inner(x, m_splits)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_rel(ours, ref, tol, what):
+    err = rel_err(ours, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+# ---- data parallel ---------------------------------------------------------------------------
+
+
+def check_data_parallel(rank, world, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moekit.distributed import apply_fsdp
+
+    mesh = init_device_mesh(device.type, (world,))
+    for kind in ("linear", "mlp", "moe"):
+        for grouped in (True, False):
+            for wrapper in ("ddp", "fsdp2"):
+                # N=8 experts on 4 ranks: whole experts per rank; force a cut through them too.
+                for shard_dim in ((None, 1) if wrapper == "fsdp2" and grouped else (None,)):
+                    ref = make_model(kind, grouped, device)
+                    model = copy.deepcopy(ref)
+                    if wrapper == "ddp":
+                        model = nn.parallel.DistributedDataParallel(model)
+                    else:
+                        apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy(), expert_shard_dim=shard_dim)
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+                    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+                    for step in range(2):
+                        loss_of(model(batch(kind, rank, device, step=step))).backward()
+                        opt.step()
+                        opt.zero_grad()
+                        x, m_splits = full_batch(kind, world, device, step=step)
+                        # Mean over ranks of per-rank means = mean over the full batch (equal rows per rank).
+                        loss_of(forward_full(ref, kind, x, m_splits)).backward()
+                        opt_ref.step()
+                        opt_ref.zero_grad()
+                    inner = model.module if wrapper == "ddp" else model
+                    for (name, p), (_, p_ref) in zip(inner.named_parameters(), ref.named_parameters(), strict=True):
+                        assert_rel(full(p.detach()), p_ref.detach(), FP32_REL,
+                                   f"{wrapper} {kind} grouped={grouped} shard_dim={shard_dim} {name}")
+                    print(f"OK dp {wrapper} {kind} grouped={grouped} shard_dim={shard_dim}", flush=True)
+    check_bf16_compute(rank, world, device, mesh)
+
+
+def check_bf16_compute(rank, world, device, mesh):
+    """FSDP2 with bf16 compute, fp32 parameters and reductions: gradients within the repo's tolerance
+    rule against float64, with one process computing the full batch in bf16 as torch's own error."""
+    from moekit.distributed import apply_fsdp
+
+    for kind in ("mlp", "moe"):
+        for grouped in (True, False):
+            model = make_model(kind, grouped, device)
+            ref64 = copy.deepcopy(model).double()
+            ref16 = copy.deepcopy(model).bfloat16()
+            apply_fsdp(model, mesh)
+            x = batch(kind, rank, device)
+            loss_of(model(x)).backward()
+            x_full, m_splits = full_batch(kind, world, device)
+            loss_of(forward_full(ref64, kind, x_full.double(), m_splits)).backward()
+            loss_of(forward_full(ref16, kind, x_full.bfloat16(), m_splits)).backward()
+            for (name, p), (_, p64), (_, p16) in zip(model.named_parameters(), ref64.named_parameters(),
+                                                     ref16.named_parameters(), strict=True):
+                grad = full(p.grad)
+                assert grad.dtype == torch.float32, f"{name}: gradient {grad.dtype}, expected the fp32 master's"
+                bound = 2 * rel_err(p16.grad, p64.grad) + tolerance_floor(torch.bfloat16, x_full.shape[0])
+                err = rel_err(grad, p64.grad)
+                assert err <= bound, f"bf16 {kind} grouped={grouped} {name}: {err:.3e} > {bound:.3e}"
+            print(f"OK dp fsdp2-bf16 {kind} grouped={grouped}", flush=True)
+
+
+# ---- expert parallel -------------------------------------------------------------------------
+
+
+def ep_mesh(device, world, ep):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (ep, world // ep), mesh_dim_names=("ep", "dp"))
+
+
+def moe_reference(layer, x, keep=None):
+    """The single-process MoELayer's output on x; with `keep` (T, K) bool, its routed experts
+    (`moekit.moe_experts`) where the dropped copies contribute nothing."""
+    import moekit
+
+    if keep is None:
+        return layer(x)
+    weights, ids, _ = layer.route(x)
+    e = layer.experts
+    return moekit.moe_experts(x, ids, weights * keep, e.fc1.weights(), e.fc2.weights(), fc1_bias=e.fc1.biases(),
+                              fc2_bias=e.fc2.biases(), activation=e.activation,
+                              glu_interleave_size=e.glu_interleave_size, backend=e.backend)
+
+
+def kept_copies(ids: torch.Tensor, num_experts: int, slots: int) -> torch.Tensor:
+    """(T, K) bool: copy kept in capacity mode = among the first `slots` copies of its expert in
+    (token, k) order on its source rank."""
+    flat = ids.reshape(-1).tolist()
+    seen = [0] * num_experts
+    keep = []
+    for e in flat:
+        keep.append(seen[e] < slots)
+        seen[e] += 1
+    return torch.tensor(keep, device=ids.device).view(ids.shape)
+
+
+def check_expert_parallel(rank, world, device):
+    from moekit.distributed import ExpertParallelMoE
+
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for ep in sorted({2, world}):
+        mesh = ep_mesh(device, world, ep)
+        ep_rank, dp_rank = mesh["ep"].get_local_rank(), mesh["dp"].get_local_rank()
+        group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]  # same dp coordinate
+        for grouped in (True, False):
+            layer = make_model("moe", grouped, device, dtype)
+            model = ExpertParallelMoE(layer, mesh)
+            x = batch("moe", rank, device, dtype).requires_grad_()
+            y = model(x)
+            d_y = _dy(y, rank)
+            y.backward(d_y)
+            x_ref = x.detach().requires_grad_()
+            y_ref = moe_reference(layer, x_ref)
+            y_ref.backward(d_y)
+            assert_rel(y, y_ref, tol, f"ep={ep} dropless output")
+            assert_rel(x.grad, x_ref.grad, tol, f"ep={ep} dropless d x")
+            assert_rel(model.router.weight.grad, layer.router.weight.grad, tol, f"ep={ep} dropless d router")
+            # Expert gradients: this rank's experts, from the tokens of every rank in its EP group.
+            layer.zero_grad()
+            for r in group_ranks:
+                x_r = batch("moe", r, device, dtype)
+                moe_reference(layer, x_r).backward(_dy(x_r, r))
+            local = slice(ep_rank * model.num_local_experts, (ep_rank + 1) * model.num_local_experts)
+            for name in ("fc1", "fc2"):
+                for kind_ in ("weights", "biases"):
+                    ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
+                    ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
+                    assert_rel(ours, ref, tol, f"ep={ep} dropless d {name} {kind_}")
+            print(f"OK ep={ep} dropless grouped={grouped}", flush=True)
+        check_capacity(rank, world, device, dtype, tol, mesh)
+
+
+def _dy(x_r, r):
+    # The same upstream gradient every rank uses for its own tokens (seeded by rank).
+    return torch.randn(x_r.shape, generator=torch.Generator().manual_seed(77 + r), dtype=torch.float64).to(x_r)
+
+
+def _stack(params, grad=False):
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    items = [p.grad if grad else p for p in items]
+    return items[0] if isinstance(params, torch.Tensor) else torch.stack(items)
+
+
+def check_capacity(rank, world, device, dtype, tol, mesh):
+    """Capacity mode: fixed buffers; the first C copies of each expert (token order) are kept, the
+    rest dropped and counted; with room for every copy it equals dropless."""
+    from moekit.distributed import ExpertParallelMoE
+
+    ep = mesh["ep"].size()
+    layer = make_model("moe", True, device, dtype)
+    x = batch("moe", rank, device, dtype)
+    for factor in (0.5, 1.0, float(N)):
+        model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=factor)
+        slots = model.capacity(x.shape[0])
+        xg = x.clone().requires_grad_()
+        y = model(xg)
+        y.backward(_dy(y, rank))
+        _, ids, _ = layer.route(x)
+        keep = kept_copies(ids, N, slots)
+        x_ref = x.clone().requires_grad_()
+        y_ref = moe_reference(layer, x_ref, keep)
+        y_ref.backward(_dy(y, rank))
+        assert_rel(y, y_ref, tol, f"capacity {factor} output")
+        assert_rel(xg.grad, x_ref.grad, tol, f"capacity {factor} d x")
+        assert int(model.dropped_copies) == int((~keep).sum()), (int(model.dropped_copies), int((~keep).sum()))
+        if factor == N:
+            assert int(model.dropped_copies) == 0
+        print(f"OK ep={ep} capacity factor={factor} dropped={int(model.dropped_copies)}", flush=True)
+
+
+def check_ep_fsdp_training(rank, world, device):
+    """FSDP2 + EP on an (ep, dp) mesh, fp32: parameters after AdamW steps equal one process's on
+    the full batch (every rank's tokens)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moekit.distributed import ExpertParallelMoE, apply_fsdp
+
+    world_mesh = init_device_mesh(device.type, (world,))
+    for ep in sorted({2, world}):
+        mesh = ep_mesh(device, world, ep)
+        for grouped in (True, False):
+            ref = make_model("moe", grouped, device)
+            model = ExpertParallelMoE(copy.deepcopy(ref), mesh)
+            apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+            for step in range(2):
+                loss_of(model(batch("moe", rank, device, step=step))).backward()
+                opt.step()
+                opt.zero_grad()
+                loss_of(ref(full_batch("moe", world, device, step=step)[0])).backward()
+                opt_ref.step()
+                opt_ref.zero_grad()
+            assert_rel(full(model.router.weight.detach()), ref.router.weight.detach(), FP32_REL, "router")
+            local = slice(mesh["ep"].get_local_rank() * model.num_local_experts,
+                          (mesh["ep"].get_local_rank() + 1) * model.num_local_experts)
+            for name in ("fc1", "fc2"):
+                for kind_ in ("weights", "biases"):
+                    ours = _stack([full(p.detach()) for p in _as_list(getattr(getattr(model.experts, name), kind_)())])
+                    ref_t = _stack(getattr(getattr(ref.experts, name), kind_)()).detach()[local]
+                    assert_rel(ours if not grouped else ours[0], ref_t, FP32_REL, f"ep={ep} fsdp {name} {kind_}")
+            print(f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={grouped}", flush=True)
+
+
+def _as_list(params):
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def full_state(model, optimizer=None) -> dict:
+    """Every stored tensor (moekit.distributed.checkpoint's keys) as a full CPU tensor."""
+    from moekit.distributed import checkpoint
+
+    out = {}
+    state = checkpoint.state_dict(model, optimizer)
+    flat = {}
+    _flatten("", state, flat)
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = full(value).detach().cpu().clone()
+    return out
+
+
+def _flatten(prefix, value, out):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def assert_same_state(ours: dict, expected: dict, what: str):
+    assert ours.keys() == expected.keys(), f"{what}: keys differ: {sorted(ours.keys() ^ expected.keys())}"
+    for key in expected:
+        assert torch.equal(ours[key], expected[key]), f"{what}: {key} differs after load"
+
+
+def train_steps(model, opt, rank, device, steps, first_step=0):
+    losses = []
+    for step in range(first_step, first_step + steps):
+        loss = loss_of(model(batch("moe", rank, device, step=step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().cpu())
+    return torch.stack(losses)
+
+
+def build(kind, rank, world, device, *, grouped=True, ep=1, fsdp=True, lr=1e-2):
+    """A MoELayer model in one configuration, with its AdamW. kind: "moe"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moekit.distributed import ExpertParallelMoE, apply_fsdp
+
+    model = make_model(kind, grouped, device, seed=123)
+    if ep > 1:
+        model = ExpertParallelMoE(model, ep_mesh(device, world, ep))
+    if fsdp:
+        apply_fsdp(model, init_device_mesh(device.type, (world,)), mp_policy=MixedPrecisionPolicy())
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
+
+
+def check_ckpt4(rank, world, device, workdir):
+    from moekit.distributed import checkpoint
+
+    # 1 -> 4: the one-process checkpoint into FSDP2 + EP=2 on 4 ranks, discrete layout.
+    model, opt = build("moe", rank, world, device, grouped=False, ep=2)
+    checkpoint.load(os.path.join(workdir, "w1"), model, opt)
+    assert_same_state(full_state(model, opt), torch.load(os.path.join(workdir, "w1.expected.pt")), "1 -> 4")
+    print("OK ckpt 1 -> 4 (ep=2, fsdp2, discrete)", flush=True)
+    train_steps(model, opt, rank, device, 2, first_step=10)
+    path = os.path.join(workdir, "w4")
+    checkpoint.save(path, model, opt)
+    expected = full_state(model, opt)
+    if rank == 0:
+        torch.save(expected, path + ".expected.pt")
+    uninterrupted = train_steps(model, opt, rank, device, 3, first_step=12)
+    # Resume in the same configuration: bit-identical fp32 losses.
+    model2, opt2 = build("moe", rank, world, device, grouped=False, ep=2)
+    checkpoint.load(path, model2, opt2)
+    resumed = train_steps(model2, opt2, rank, device, 3, first_step=12)
+    assert torch.equal(resumed, uninterrupted), (resumed.tolist(), uninterrupted.tolist())
+    print("OK ckpt resume bit-identical losses (4 ranks)", flush=True)
+    # EP degree 2 -> 4 and layout discrete -> grouped, same world.
+    model3, opt3 = build("moe", rank, world, device, grouped=True, ep=4)
+    checkpoint.load(path, model3, opt3)
+    assert_same_state(full_state(model3, opt3), expected, "ep 2 -> 4")
+    print("OK ckpt ep 2 -> 4, discrete -> grouped", flush=True)
+
+
+def check_ckpt2(rank, world, device, workdir):
+    from moekit.distributed import checkpoint
+
+    path4 = os.path.join(workdir, "w4")
+    expected = torch.load(path4 + ".expected.pt")
+    for grouped, ep in ((False, 1), (True, 2)):
+        model, opt = build("moe", rank, world, device, grouped=grouped, ep=ep)
+        checkpoint.load(path4, model, opt)
+        assert_same_state(full_state(model, opt), expected, f"4 -> 2 grouped={grouped} ep={ep}")
+        print(f"OK ckpt 4 -> 2 (ep={ep}, grouped={grouped})", flush=True)
+    train_steps(model, opt, rank, device, 2, first_step=20)
+    path = os.path.join(workdir, "w2")
+    checkpoint.save(path, model, opt)
+    expected2 = full_state(model, opt)
+    if rank == 0:
+        torch.save(expected2, path + ".expected.pt")
+    check_hf_save(rank, world, device, workdir)
+
+
+def tiny_hf_model(device, seed=5):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=12, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    return transformers.MixtralForCausalLM(config).to(device)
+
+
+def check_hf_save(rank, world, device, workdir):
+    """A transformers model on moekit experts (apply_moekit) trained under FSDP2, saved with the
+    model's own expert tensor names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moekit.distributed import apply_fsdp, checkpoint
+    from moekit.integrations.transformers import apply_moekit
+
+    model = apply_moekit(tiny_hf_model(device), single_grouped_weight=False)
+    apply_fsdp(model, init_device_mesh(device.type, (world,)), mp_policy=MixedPrecisionPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    path = os.path.join(workdir, "hf2")
+    checkpoint.save(path, model, opt)
+    expected = full_state(model)
+    if rank == 0:
+        torch.save(expected, path + ".expected.pt")
+    print("OK ckpt transformers apply_moekit + fsdp2 saved", flush=True)
+
+
+GROUPS = {
+    "train": lambda rank, world, device, workdir: (check_data_parallel(rank, world, device),
+                                                   check_expert_parallel(rank, world, device),
+                                                   check_ep_fsdp_training(rank, world, device)),
+    "ckpt4": check_ckpt4,
+    "ckpt2": check_ckpt2,
+}
+
+
+def run(rank, group, world, port, backend, workdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+    try:
+        GROUPS[group](rank, world, device, workdir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    group, world, port, backend, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    mp.spawn(run, args=(group, world, port, backend, workdir), nprocs=world)
+    print(f"DONE {group} {world}", flush=True)
