@@ -370,7 +370,7 @@ def test_verification_catches_a_corrupted_output(tmp_path, monkeypatch):
         return out.flip(0) if len(calls) == 1 else out  # write one expert's rows reversed
 
     monkeypatch.setattr(convert, "reorder_glu_rows", corrupt_once)
-    with pytest.raises(RuntimeError, match="verification failed"):
+    with pytest.raises(convert.VerificationError, match="differs after the round trip"):
         convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
     assert _leftovers(tmp_path, "out.safetensors") == []
 

@@ -16,6 +16,7 @@ from moekit.ops.grouped_linear import BACKENDS
 
 EXIT_REFUSED = 2
 EXIT_PROBLEMS = 1  # inspect found problems
+EXIT_FAILED = 3  # convert's verification failed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,6 +73,7 @@ def _add_demo(subparsers) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     from moekit._progress import Progress
     from moekit.checkpoint import CheckpointError, convert_checkpoint
+    from moekit.checkpoint.convert import VerificationError
     from moekit.checkpoint.files import human_bytes
 
     bars: dict[str, Progress] = {}  # one bar per phase: writing, then verifying
@@ -87,6 +89,9 @@ def _run_convert(args: argparse.Namespace) -> int:
                                     src_glu_interleave=args.src_glu_interleave, progress=progress)
     except CheckpointError as exc:
         return _refuse("convert", exc, "refused, nothing written")
+    except VerificationError as exc:
+        _refuse("convert", exc, "the output failed its verification (a moekit bug, please report it), nothing written")
+        return EXIT_FAILED
     except (_Terminated, KeyboardInterrupt) as exc:
         signal_name = "SIGTERM" if isinstance(exc, _Terminated) else "interrupt"
         print(f"moekit convert: stopped by {signal_name}; its temporary output was removed, nothing written",

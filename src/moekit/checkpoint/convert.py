@@ -49,6 +49,10 @@ COPY_PIECE_BYTES = 64 << 20
 ProgressFn = Callable[[str, int, int, int, int], None]
 
 
+class VerificationError(RuntimeError):
+    """The written output did not convert back to the source bit for bit (a moekit bug; nothing written)."""
+
+
 class _Stats:
     def __init__(self) -> None:
         self.peak_bytes = 0  # the most bytes held from one read or one produced piece
@@ -314,26 +318,25 @@ def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint,
     if {g.prefix for g in out_analysis.groups} != set(by_prefix):
         problems.append("the output's expert groups differ from the source's")
     if problems:
-        raise RuntimeError("moekit convert: the output failed verification (nothing was written):\n"
-                           + "\n".join(problems))
+        raise VerificationError("the output's expert groups do not match the source's: " + "; ".join(problems))
     targets = {p: (g.layout, g.naming, g.glu_interleave_size if g.fused_fc1 else None) for p, g in by_prefix.items()}
     back = {o.key: o for o in _plan(out, out_analysis, targets, stats)}
     if back.keys() != src.tensors.keys():
         missing, extra = sorted(set(src.tensors) - set(back))[:5], sorted(set(back) - set(src.tensors))[:5]
-        raise RuntimeError(f"moekit convert: verification failed: keys differ (missing {missing}, extra {extra})")
+        raise VerificationError(f"keys differ (missing {missing}, extra {extra})")
     total, done = sum(t.nbytes for t in src.tensors.values()), 0
     for count, (key, t) in enumerate(src.tensors.items(), 1):
         o = back[key]
         if o.dtype != t.dtype or tuple(o.shape) != t.shape:
-            raise RuntimeError(f"moekit convert: verification failed: {key} is {o.dtype} {o.shape}, "
+            raise VerificationError(f"{key} is {o.dtype} {o.shape}, "
                                f"source {t.dtype} {t.shape}")
         offset = 0
         for piece in o.produce():
             if piece != src.read(key, offset, len(piece)):
-                raise RuntimeError(f"moekit convert: verification failed: {key} differs after the round trip")
+                raise VerificationError(f"{key} differs after the round trip")
             offset += len(piece)
         if offset != t.nbytes:
-            raise RuntimeError(f"moekit convert: verification failed: {key} has {offset} bytes, source {t.nbytes}")
+            raise VerificationError(f"{key} has {offset} bytes, source {t.nbytes}")
         done += t.nbytes
         if progress is not None:
             progress("verified", count, len(src.tensors), done, total)
