@@ -48,14 +48,16 @@ def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3_moe", choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"))
+    parser.add_argument("--model", default="qwen3_moe", choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"),
+                        help="which small MoE to build from a config (default %(default)s)")
     parser.add_argument("--from-pretrained", type=Path, help="a local transformers MoE checkpoint to start from")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default %(default)s)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="parameter and compute dtype (default %(default)s)")
     parser.add_argument("--backend", default="auto", help="moekit GEMM backend: auto, torch, triton, loop")
     parser.add_argument("--save", type=Path, help="save the fine-tuned model here (save_pretrained)")
     args = parser.parse_args()
