@@ -381,3 +381,43 @@ def test_gpu_no_host_sync():
         gg.group_row_sum(dy, offs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused MLP kernels (moekit.ops.grouped_mlp.glu_forward / glu_backward), both operand paths
+# ---------------------------------------------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "ptr"])
+@pytest.mark.parametrize("interleave", [None, 2], ids=["gate|up", "k2"])
+def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
+    from moekit.ops import grouped_mlp as gm
+    from moekit.ops.swiglu import swiglu_reference
+
+    monkeypatch.setattr(gg, "_empty", lambda shape, device, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    splits, M, N, H, F = [9, 0, 14], 27, 3, 24, 40
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(M, H, generator=gen) * 3
+    w1 = torch.randn(N, 2 * F, H, generator=gen) / H**0.5
+    w2 = torch.randn(N, H, F, generator=gen) / F**0.5
+    b1 = torch.randn(N, 2 * F, generator=gen)
+    probs = torch.rand(M, generator=gen)
+    dy = torch.randn(M, H, generator=gen)
+    x[23:], probs[23:], dy[23:] = float("nan"), float("nan"), float("nan")  # padding rows hold NaN
+    offs = offs_of(splits, "cpu")
+    used = sum(splits)
+    h, act = gm.glu_forward(x, w1, offs, b1, probs, interleave, "clamped_swiglu", use_tma=use_tma)
+    h_ref = ref_forward(x[:used], w1, splits, b1)
+    h64 = h[:used].double().requires_grad_()
+    p64 = probs[:used].double().requires_grad_()
+    act_ref = swiglu_reference(h64, probs=p64, glu_interleave_size=interleave, activation="clamped_swiglu")
+    assert rel_err(h[:used], h_ref) < 1e-6 and rel_err(act[:used], act_ref) < 1e-6
+    assert not h[used:].any() and not act[used:].any(), "padding rows must be exact zeros"
+
+    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs, probs, interleave, "clamped_swiglu", use_tma=use_tma)
+    d_act = ref_dgrad(dy[:used], w2, splits)  # dA = dy @ w2[g]
+    act_ref.backward(d_act)
+    assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
+    assert rel_err(act_p[:used], act_ref) < 1e-6
+    assert not dh[used:].any() and not act_p[used:].any() and not dprobs[used:].any()

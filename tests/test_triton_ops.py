@@ -77,3 +77,98 @@ def test_grouped_mlp_triton_device_offsets_and_discrete_weights():
                              probs=probs.detach().double(), fc1_bias=stack("fc1", "bias"),
                              fc2_bias=stack("fc2", "bias"), glu_interleave_size=4)
     assert rel(twin, y64.detach()) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_mlp on the triton backend: the fused kernels (fc1 + activation epilogue, fc2 dgrad +
+# activation-backward epilogue) through the public op, against the float64 reference
+# --------------------------------------------------------------------------------------------------
+
+MLP_SPLITS = {  # (m_splits, rows): 3 experts, tiles of 16 rows under the interpreter
+    "empty-first-padding": ([0, 13, 6], 23),
+    "empty-middle": ([9, 0, 8], 17),
+    "empty-last": ([11, 6, 0], 17),
+    "one-row": ([0, 1, 0], 3),
+}
+
+
+def _mlp_inputs(rows, hidden, ffn, experts, *, bias, probs, scale=1.0):
+    inputs = {"x": rand(rows, hidden, seed=11, scale=scale),
+              "fc1_weight": rand(experts, 2 * ffn, hidden, seed=12, scale=hidden**-0.5),
+              "fc2_weight": rand(experts, hidden, ffn, seed=13, scale=ffn**-0.5)}
+    if bias:
+        inputs["fc1_bias"] = rand(experts, 2 * ffn, seed=14)
+        inputs["fc2_bias"] = rand(experts, hidden, seed=15)
+    if probs:
+        inputs["probs"] = rand(rows, seed=16).abs()
+    return inputs
+
+
+def _check_mlp(m_splits, rows, inputs, **kw):
+    def ours(**t):
+        return moekit.grouped_mlp(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, backend="triton",
+                                  **t, **kw)
+
+    out = check_against_reference(
+        ours,
+        lambda **t: torch_grouped_mlp(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, **t, **kw),
+        lambda **t: grouped_mlp_reference(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, **t, **kw),
+        inputs, torch.float32,
+    )
+    used = sum(m_splits)
+    assert torch.equal(out["out"][used:], torch.zeros(rows - used, inputs["x"].shape[1])), "padding rows"
+    assert torch.equal(out["x"][used:], torch.zeros(rows - used, inputs["x"].shape[1])), "padding rows' dx"
+    if "probs" in out:
+        assert torch.equal(out["probs"][used:], torch.zeros(rows - used)), "padding rows' d probs"
+    for g, m in enumerate(m_splits):  # experts without rows: zero gradients, not None
+        if m == 0:
+            assert not out["fc1_weight"][g].any() and not out["fc2_weight"][g].any()
+    return out
+
+
+@pytest.mark.parametrize("interleave", [None, 1, 2, 4, 16], ids=["gate|up", "k1", "k2", "k4", "k16"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_grouped_mlp_triton_fused_activations_and_layouts(activation, interleave, nan_poison):
+    """Both activations on every GLU layout (k < tile: pointer epilogue; k = F or a multiple of
+    the tile: TMA epilogue), biases and probs, an empty expert and padding rows. x is scaled so
+    that many pre-activations pass the clamp limit (7) of clamped_swiglu."""
+    inputs = _mlp_inputs(23, 24, 32, 3, bias=True, probs=True, scale=4.0)
+    _check_mlp([0, 13, 6], 23, inputs, activation=activation, glu_interleave_size=interleave)
+
+
+@pytest.mark.parametrize("case", list(MLP_SPLITS), ids=list(MLP_SPLITS))
+@pytest.mark.parametrize("bias,probs", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "bias", "probs"])
+def test_grouped_mlp_triton_fused_edges(case, bias, probs, nan_poison):
+    m_splits, rows = MLP_SPLITS[case]
+    # F = 40: not a multiple of the 16-column tile; H = 24.
+    _check_mlp(m_splits, rows, _mlp_inputs(rows, 24, 40, 3, bias=bias, probs=probs))
+
+
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "discrete"])
+def test_grouped_mlp_triton_one_expert(single_grouped_weight, nan_poison):
+    inputs = _mlp_inputs(21, 16, 24, 1, bias=True, probs=True)
+    if not single_grouped_weight:
+        inputs = {k: (list(v.unbind(0)) if k != "x" and k != "probs" else v) for k, v in inputs.items()}
+    _check_mlp([19], 21, inputs)
+
+
+def test_grouped_mlp_triton_saves_x_itself_and_h_only():
+    """What the forward keeps for the backward: x as the caller's tensor (saved-tensor hooks can
+    replace it), h (M, 2F) in x's dtype, probs and the weights; no (M, F) activation, nothing in fp32."""
+    rows, hidden, ffn = 20, 16, 24
+    t = _mlp_inputs(rows, hidden, ffn, 3, bias=False, probs=True)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    packed = []
+
+    def pack(saved):
+        packed.append(saved)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+        moekit.grouped_mlp(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], [7, 0, 13],
+                           probs=leaves["probs"], backend="triton")
+    assert any(s is leaves["x"] for s in packed), "x must be saved as the caller's tensor"
+    shapes = sorted(tuple(s.shape) for s in packed if s.dim() == 2)
+    assert shapes == [(rows, hidden), (rows, 2 * ffn)], shapes
+    assert all(s.dtype == torch.float32 for s in packed)  # fp32 inputs: nothing wider than x
