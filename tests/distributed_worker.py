@@ -215,9 +215,9 @@ def check_expert_parallel(rank, world, device):
         mesh = ep_mesh(device, world, ep)
         ep_rank, dp_rank = mesh["ep"].get_local_rank(), mesh["dp"].get_local_rank()
         group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]  # same dp coordinate
-        for grouped in (True, False):
+        for grouped, num_chunks in ((True, 1), (False, 1), (True, 3)):
             layer = make_model("moe", grouped, device, dtype)
-            model = ExpertParallelMoE(layer, mesh)
+            model = ExpertParallelMoE(layer, mesh, num_chunks=num_chunks)
             x = batch("moe", rank, device, dtype).requires_grad_()
             y = model(x)
             d_y = _dy(y, rank)
@@ -239,7 +239,7 @@ def check_expert_parallel(rank, world, device):
                     ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
                     ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
                     assert_rel(ours, ref, tol, f"ep={ep} dropless d {name} {kind_}")
-            print(f"OK ep={ep} dropless grouped={grouped}", flush=True)
+            print(f"OK ep={ep} dropless grouped={grouped} chunks={num_chunks}", flush=True)
         check_capacity(rank, world, device, dtype, tol, mesh)
 
 

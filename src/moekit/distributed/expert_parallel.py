@@ -18,7 +18,8 @@ Dispatch and combine, for one rank:
 Modes:
 - "dropless": the all-to-all splits are the exchanged counts, so their sums must reach the host:
   one device-to-host copy per forward (the split sizes of the dispatch, which the combine and both
-  backward passes reuse). Outputs and gradients equal the single-process `MoELayer`'s.
+  backward passes reuse; with num_chunks > 1, all chunks' sizes in the same one copy). Outputs and
+  gradients equal the single-process `MoELayer`'s.
 - "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots, so
   every buffer has a fixed size and nothing is read by the host (CUDA-graph capturable when the
   experts' backend is). Copies past C are dropped, the last ones in token order (the first C copies
@@ -67,11 +68,53 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int] | None, input_spli
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+class _Pending:
+    """An all-to-all in flight: its output buffer (valid after wait) and work handle."""
+
+    def __init__(self) -> None:
+        self.work = None
+        self.keep_alive = None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Start `all_to_all_single` without waiting (the output is valid after `_AllToAllWait`); the
+    backward is the reverse all-to-all, synchronous."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, pending):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        x = x.contiguous()
+        pending.work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
+        pending.keep_alive = x  # the input must outlive the transfer
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return _AllToAll.backward(ctx, d_out)[0], None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, pending):
+        pending.work.wait()
+        pending.work = pending.keep_alive = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return d_out, None
+
+
 class ExpertParallelMoE(nn.Module):
     """A `MoELayer` with its experts spread over the expert-parallel ranks of `mesh`.
 
-    `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity", capacity_factor=1.0)`; forward(x
-    (..., H)) -> (..., H), like `layer`. `mesh` is a 1-D DeviceMesh (expert parallelism only) or a
+    `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity", capacity_factor=1.0,
+    num_chunks=1)`; forward(x (..., H)) -> (..., H), like `layer`. `num_chunks > 1` (dropless)
+    splits the tokens into chunks whose all-to-alls are started asynchronously, so that one chunk's
+    transfers can overlap another's experts in the forward (the backward's all-to-alls are
+    synchronous); whether that pays is measured in benchmarks/bench_expert_parallel.py.
+    `mesh` is a 1-D DeviceMesh (expert parallelism only) or a
     2-D one with dims ("ep", "dp") (experts replicated over "dp", e.g. sharded there by FSDP2:
     `moekit.distributed.apply_fsdp`). The layer's router is shared (the same module); the experts
     become a `GroupedMLP` of N/EP experts, experts r*N/EP..(r+1)*N/EP-1 of `layer` on EP rank r
@@ -85,7 +128,7 @@ class ExpertParallelMoE(nn.Module):
     """
 
     def __init__(self, layer: MoELayer, mesh: DeviceMesh, *, mode: str = "dropless",
-                 capacity_factor: float = 1.0) -> None:
+                 capacity_factor: float = 1.0, num_chunks: int = 1) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a moekit.MoELayer, got {type(layer).__name__}")
@@ -99,6 +142,10 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
             raise ValueError(f"capacity_factor must be a positive number, got {capacity_factor!r}")
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+        if num_chunks > 1 and mode != "dropless":
+            raise ValueError("num_chunks > 1 (all-to-all overlapped with the experts) exists for mode='dropless' only")
         if layer.aux_loss_coef > 0:
             raise ValueError(
                 "ExpertParallelMoE does not compute MoELayer's auxiliary load-balancing loss; build the layer "
@@ -115,6 +162,7 @@ class ExpertParallelMoE(nn.Module):
             )
         self.mode = mode
         self.capacity_factor = float(capacity_factor)
+        self.num_chunks = num_chunks
         self.hidden_size = layer.hidden_size
         self.num_experts = layer.num_experts
         self.num_local_experts = layer.num_experts // self.ep_size
@@ -162,6 +210,8 @@ class ExpertParallelMoE(nn.Module):
                 f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
             )
         x_TH = x.reshape(-1, self.hidden_size)
+        if self.mode == "dropless":
+            return self._dropless(x_TH).reshape(x.shape)
         weights_TK, ids_TK, _ = self.route(x_TH)
         x_sorted, counts_N, row_map_TK = permute(x_TH, ids_TK, self.num_experts)
         probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
@@ -169,10 +219,7 @@ class ExpertParallelMoE(nn.Module):
         # recv_counts[s * L + e]: copies that EP rank s sends to this rank's local expert e.
         recv_counts = torch.empty_like(counts_N)
         dist.all_to_all_single(recv_counts, counts_N, group=self.ep_group)
-        if self.mode == "dropless":
-            y_sorted = self._dropless(x_sorted, probs_sorted, counts_N, recv_counts)
-        else:
-            y_sorted = self._capacity(x_sorted, probs_sorted, counts_N, recv_counts, x_TH.shape[0])
+        y_sorted = self._capacity(x_sorted, probs_sorted, counts_N, recv_counts, x_TH.shape[0])
         return unpermute(y_sorted, row_map_TK).reshape(x.shape)
 
     def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
@@ -184,18 +231,47 @@ class ExpertParallelMoE(nn.Module):
         y_local = self.experts(x_local, m_splits[:self.num_local_experts], probs=probs_local)
         return unpermute(y_local, map_local)
 
-    def _dropless(self, x_sorted, probs_sorted, counts_N, recv_counts):
-        send_splits = counts_N.view(self.ep_size, self.num_local_experts).sum(1)
-        recv_splits = recv_counts.view(self.ep_size, self.num_local_experts).sum(1)
-        # The one host read of a dropless all-to-all: the split sizes, in one copy.
-        splits = torch.cat([send_splits, recv_splits]).tolist()
-        send, recv = splits[:self.ep_size], splits[self.ep_size:]
-        x_recv = all_to_all_rows(x_sorted, recv, send, self.ep_group)
-        probs_recv = all_to_all_rows(probs_sorted, recv, send, self.ep_group)
-        expert_of_slot = torch.arange(self.num_local_experts, device=x_recv.device).repeat(self.ep_size)
-        local_ids = torch.repeat_interleave(expert_of_slot, recv_counts, output_size=x_recv.shape[0])
-        y_recv = self._local_experts(x_recv, probs_recv, local_ids, self.num_local_experts)
-        return all_to_all_rows(y_recv, send, recv, self.ep_group)
+    def _dropless(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Dropless dispatch and combine of x_TH's tokens in `num_chunks` token chunks: every
+        all-to-all starts as soon as its input exists and is waited for only where its output is
+        needed, so chunk c+1's dispatch and chunk c's combine can run while chunk c's (c+1's)
+        experts compute. One host read for all chunks' split sizes."""
+        ep_size, local_L = self.ep_size, self.num_local_experts
+        chunks = []
+        for x_chunk in x_TH.chunk(self.num_chunks) if x_TH.shape[0] else [x_TH]:
+            weights_TK, ids_TK, _ = self.route(x_chunk)
+            x_sorted, counts_N, row_map_TK = permute(x_chunk, ids_TK, self.num_experts)
+            probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
+                0, row_map_TK.reshape(-1), weights_TK.reshape(-1))
+            chunks.append((x_sorted, probs_sorted, counts_N, row_map_TK))
+        num_chunks = len(chunks)
+        # Counts to each destination rank, chunk-major: (EP, chunks, L); received (EP sources, chunks, L).
+        send_counts = torch.stack([c[2] for c in chunks]).view(num_chunks, ep_size, local_L).transpose(0, 1)
+        recv_counts = torch.empty_like(send_counts, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        # The one host read of a dropless all-to-all: every chunk's split sizes, in one copy.
+        splits = torch.cat([send_counts.sum(2).reshape(-1), recv_counts.sum(2).reshape(-1)]).tolist()
+        send = [[splits[r * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
+        recv = [[splits[(ep_size + r) * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
+        dispatched = []
+        for c, (x_sorted, probs_sorted, _, _) in enumerate(chunks):
+            pending = (_Pending(), _Pending())
+            x_recv = _AllToAllStart.apply(x_sorted, recv[c], send[c], self.ep_group, pending[0])
+            probs_recv = _AllToAllStart.apply(probs_sorted, recv[c], send[c], self.ep_group, pending[1])
+            dispatched.append((x_recv, probs_recv, pending))
+        expert_of_slot = torch.arange(local_L, device=x_TH.device).repeat(ep_size)
+        combined = []
+        for c, (x_recv, probs_recv, pending) in enumerate(dispatched):
+            x_recv = _AllToAllWait.apply(x_recv, pending[0])
+            probs_recv = _AllToAllWait.apply(probs_recv, pending[1])
+            local_ids = torch.repeat_interleave(expert_of_slot, recv_counts[:, c].reshape(-1),
+                                                output_size=x_recv.shape[0])
+            y_recv = self._local_experts(x_recv, probs_recv, local_ids, local_L)
+            back = _Pending()
+            combined.append((_AllToAllStart.apply(y_recv, send[c], recv[c], self.ep_group, back), back))
+        out = [unpermute(_AllToAllWait.apply(y_sorted, back), chunk[3])
+               for (y_sorted, back), chunk in zip(combined, chunks, strict=True)]
+        return out[0] if num_chunks == 1 else torch.cat(out)
 
     def capacity(self, num_tokens: int) -> int:
         """Slots per (source rank, expert) for `num_tokens` tokens on each rank."""
