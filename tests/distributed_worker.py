@@ -1,7 +1,9 @@
 """Checks of moekit.distributed in spawned process groups (gloo on CPU, NCCL on GPUs).
 
 Run: python tests/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR. Every rank runs the
-group's checks and prints "OK <check>" for each; any failure exits non-zero. Groups:
+group's checks and prints "OK <check>" for each; any failure exits non-zero. The checkpoint chain
+starts with `python tests/distributed_worker.py one_process_save WORKDIR` and ends with
+`... one_process_check WORKDIR` (one process, no process group). Groups:
 - train: data parallel (DDP, FSDP2 fp32 and bf16 compute; GroupedLinear, GroupedMLP, MoELayer; both
   layouts) and expert parallel (dropless, capacity; alone and with FSDP2 on an (ep, dp) mesh)
   against one process on the full batch.
@@ -457,6 +459,42 @@ def check_hf_save(rank, world, device, workdir):
     print("OK ckpt transformers apply_moekit + fsdp2 saved", flush=True)
 
 
+def one_process_model(grouped: bool, device="cpu"):
+    model = make_model("moe", grouped, torch.device(device), seed=123)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+
+
+def one_process_save(workdir):
+    """The chain's start: one process trains a grouped-layout MoELayer and saves WORKDIR/w1."""
+    from moekit.distributed import checkpoint
+
+    model, opt = one_process_model(grouped=True)
+    train_steps(model, opt, 0, torch.device("cpu"), 2)
+    checkpoint.save(os.path.join(workdir, "w1"), model, opt)
+    torch.save(full_state(model, opt), os.path.join(workdir, "w1.expected.pt"))
+
+
+def one_process_check(workdir):
+    """The chain's end: WORKDIR/w2 into one process (discrete layout), and the transformers model
+    saved under FSDP2 (WORKDIR/hf2) into the plain transformers model, without moekit."""
+    import torch.distributed.checkpoint as dcp
+
+    from moekit.distributed import checkpoint
+
+    model, opt = one_process_model(grouped=False)
+    checkpoint.load(os.path.join(workdir, "w2"), model, opt)
+    assert_same_state(full_state(model, opt), torch.load(os.path.join(workdir, "w2.expected.pt")), "2 -> 1")
+    print("OK ckpt 2 -> 1 (discrete)", flush=True)
+    hf = tiny_hf_model("cpu", seed=99)
+    state = {"model": hf.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(workdir, "hf2"))
+    expected = torch.load(os.path.join(workdir, "hf2.expected.pt"))
+    assert any(k.endswith("experts.gate_up_proj") for k in expected), sorted(expected)
+    for key, value in hf.state_dict().items():
+        assert torch.equal(value, expected[f"model.{key}"]), key
+    print("OK ckpt transformers fsdp2 -> plain transformers model", flush=True)
+
+
 GROUPS = {
     "train": lambda rank, world, device, workdir: (check_data_parallel(rank, world, device),
                                                    check_expert_parallel(rank, world, device),
@@ -482,6 +520,9 @@ def run(rank, group, world, port, backend, workdir):
 
 
 if __name__ == "__main__":
+    if sys.argv[1] in ("one_process_save", "one_process_check"):
+        globals()[sys.argv[1]](sys.argv[2])
+        sys.exit(0)
     group, world, port, backend, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     mp.spawn(run, args=(group, world, port, backend, workdir), nprocs=world)

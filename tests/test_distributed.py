@@ -66,40 +66,18 @@ def test_data_and_expert_parallel(tmp_path, world):
     assert all("dropped=0" in line for line in capacity if f"factor={float(dw.N)}" in line)
 
 
-def _one_process_model(grouped: bool):
-    model = dw.make_model("moe", grouped, torch.device("cpu"), seed=123)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=dw.ADAM_EPS)
-
-
 def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):
     """1 -> 4 -> (4, EP 2 -> 4) -> 2 -> 1 process, layouts switching on the way; model and Adam state
     equal bit for bit after every load; resumed training repeats the uninterrupted losses."""
-    transformers = pytest.importorskip("transformers")
-    model, opt = _one_process_model(grouped=True)
-    dw.train_steps(model, opt, 0, torch.device("cpu"), 2)
-    checkpoint.save(tmp_path / "w1", model, opt)
-    torch.save(dw.full_state(model, opt), tmp_path / "w1.expected.pt")
+    pytest.importorskip("transformers")
+    dw.one_process_save(tmp_path)
     done = ok_lines(run_group("ckpt4", 4, tmp_path))
     assert {"OK ckpt 1 -> 4 (ep=2, fsdp2, discrete)", "OK ckpt resume bit-identical losses (4 ranks)",
             "OK ckpt ep 2 -> 4, discrete -> grouped"} <= done, done
     done = ok_lines(run_group("ckpt2", 2, tmp_path))
     assert {"OK ckpt 4 -> 2 (ep=1, grouped=False)", "OK ckpt 4 -> 2 (ep=2, grouped=True)",
             "OK ckpt transformers apply_moekit + fsdp2 saved"} <= done, done
-    # 2 -> 1, discrete layout.
-    model, opt = _one_process_model(grouped=False)
-    checkpoint.load(tmp_path / "w2", model, opt)
-    dw.assert_same_state(dw.full_state(model, opt), torch.load(tmp_path / "w2.expected.pt"), "2 -> 1")
-    # The transformers model saved under FSDP2 on moekit experts, into the plain model (no moekit).
-    hf = dw.tiny_hf_model("cpu", seed=99)
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": hf.state_dict()}
-    dcp.load(state, checkpoint_id=tmp_path / "hf2")
-    expected = torch.load(tmp_path / "hf2.expected.pt")
-    assert any(k.endswith("experts.gate_up_proj") for k in expected)
-    for key, value in hf.state_dict().items():
-        assert torch.equal(value, expected[f"model.{key}"]), key
-    del transformers
+    dw.one_process_check(tmp_path)
 
 
 def test_transformers_checkpoint_into_moekit_experts(tmp_path):
@@ -123,7 +101,7 @@ def _params(model):
 
 @pytest.mark.parametrize("case", ["missing_experts", "other_hidden_size", "other_interleave"])
 def test_checkpoint_that_does_not_fit_is_refused_untouched(tmp_path, case):
-    model, opt = _one_process_model(grouped=True)
+    model, opt = dw.one_process_model(grouped=True)
     dw.train_steps(model, opt, 0, torch.device("cpu"), 1)
     checkpoint.save(tmp_path / "ckpt", model, opt)
     if case == "missing_experts":

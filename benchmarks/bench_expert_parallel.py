@@ -1,0 +1,196 @@
+"""Expert parallelism on several GPUs of one host: MoELayer forward+backward tokens/s at EP=world
+against one GPU at the same per-GPU batch, the share of the step spent in all-to-all kernels, with
+and without the chunked overlap (`ExpertParallelMoE(num_chunks=2)`), and capacity mode.
+
+    python benchmarks/bench_expert_parallel.py --out results.json         # every visible GPU, NCCL
+
+Per shape: every rank holds T tokens (bf16); "one GPU" is a plain MoELayer with all N experts on
+T tokens (each rank runs it on its own GPU at the same time); "EP" holds N/EP experts per rank and
+routes each rank's T tokens. tokens/s is per GPU (T / step time). Variants of one shape are timed in
+interleaved rounds (median of rounds), CUDA events around `iters` steps. The all-to-all share is
+the summed device time of NCCL kernels over the step time, from torch.profiler over a few steps
+(the NCCL kernels include waiting for the peer; with overlap they run beside the experts).
+
+Legend: T tokens per GPU, K top-k, N experts, H hidden size, F expert ffn size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPES = {
+    # name: (T per GPU, N, K, H, F)
+    "qwen3-30b-a3b": (8192, 128, 8, 2048, 768),
+    "gpt-oss-20b": (8192, 32, 4, 2880, 2880),
+    "tiny": (256, 8, 2, 64, 32),  # a smoke test of the script (e.g. --device cpu)
+}
+
+
+def _variants(layer, mesh):
+    from moekit.distributed import ExpertParallelMoE
+
+    return {
+        "one_gpu": layer,
+        "ep_dropless": ExpertParallelMoE(layer, mesh),
+        "ep_dropless_overlap2": ExpertParallelMoE(layer, mesh, num_chunks=2),
+        "ep_capacity1.25": ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.25),
+    }
+
+
+def _step(module, x, d_y):
+    y = module(x)
+    y.backward(d_y)
+
+
+def _time(module, x, d_y, iters):
+    if x.device.type == "cpu":
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            _step(module, x, d_y)
+        return (time.perf_counter() - t0) * 1000 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        _step(module, x, d_y)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _nccl_share(module, x, d_y, iters=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            _step(module, x, d_y)
+        end.record()
+        torch.cuda.synchronize()
+    step_us = start.elapsed_time(end) * 1000
+    nccl_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages() if "nccl" in e.key.lower())
+    return nccl_us / step_us
+
+
+def run(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moekit
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    results = []
+    for name in args.shapes:
+        tokens, experts, top_k, hidden, ffn = SHAPES[name]
+        torch.manual_seed(0)
+        layer = moekit.MoELayer(hidden, ffn, experts, top_k, device=device, dtype=torch.bfloat16)
+        variants = _variants(layer, mesh)
+        g = torch.Generator(device=device).manual_seed(1 + rank)
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+        d_y = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
+        for module in variants.values():  # compile / autotune / NCCL setup outside the timing
+            for _ in range(2):
+                _step(module, x, d_y)
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v, module in variants.items():
+                times[v].append(_time(module, x, d_y, args.iters))
+        shares = ({v: _nccl_share(m, x, d_y) for v, m in variants.items() if v != "one_gpu"}
+                  if device.type == "cuda" else {})
+        dropped = int(variants["ep_capacity1.25"].dropped_copies)
+        for v in variants:
+            ms = statistics.median(times[v])
+            results.append({
+                "shape": name, "tokens_per_gpu": tokens, "experts": experts, "top_k": top_k, "hidden": hidden,
+                "ffn": ffn, "variant": v, "rank": rank, "world": world, "ms": ms, "ms_rounds": times[v],
+                "tokens_per_s_per_gpu": tokens / ms * 1000, "all_to_all_share": shares.get(v),
+                "dropped_copies": dropped if v == "ep_capacity1.25" else None,
+            })
+        del variants, layer, x, d_y
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _versions(device: str):
+    import triton
+
+    commit = os.environ.get("MOEKIT_BENCH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = None
+    cuda = device == "cuda"
+    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "triton": triton.__version__,
+            "python": platform.python_version(), "commit": commit,
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="shapes to run")
+    parser.add_argument("--iters", type=int, default=5, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 on cpu)")
+    args = parser.parse_args(argv)
+    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if world < 2:
+        sys.exit("bench_expert_parallel: needs at least 2 ranks (GPUs)")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=run, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [row for _ in procs for row in queue.get(timeout=900)]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            sys.exit(f"bench_expert_parallel: rank exited with {p.exitcode}")
+    results.sort(key=lambda r: (r["shape"], r["variant"], r["rank"]))
+    out = {"versions": _versions(args.device), "results": results}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{'shape':16} {'variant':22} {'rank':>4} {'ms':>8} {'tok/s/GPU':>11} {'a2a share':>9}")
+    for r in out["results"]:
+        share = "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.2f}"
+        print(f"{r['shape']:16} {r['variant']:22} {r['rank']:>4} {r['ms']:8.2f} {r['tokens_per_s_per_gpu']:11.0f} "
+              f"{share:>9}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else ""))
+
+
+if __name__ == "__main__":
+    main()
