@@ -9,7 +9,9 @@ T tokens (each rank runs it on its own GPU at the same time); "EP" holds N/EP ex
 routes each rank's T tokens. tokens/s is per GPU (T / step time). Variants of one shape are timed in
 interleaved rounds (median of rounds), CUDA events around `iters` steps. The all-to-all share is
 the summed device time of NCCL kernels over the step time, from torch.profiler over a few steps
-(the NCCL kernels include waiting for the peer; with overlap they run beside the experts).
+(the NCCL kernels include waiting for the peer; with overlap they run beside the experts). Host
+syncs per step are counted with torch.cuda's sync debug mode after warm-up (dropless: 1 expected,
+the split sizes; capacity and one GPU: 0).
 
 Legend: T tokens per GPU, K top-k, N experts, H hidden size, F expert ffn size.
 """
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -69,6 +72,19 @@ def _time(module, x, d_y, iters):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _host_syncs(module, x, d_y) -> int:
+    """Host synchronisations in one forward+backward (torch.cuda's sync debug mode, as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(module, x, d_y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def _nccl_share(module, x, d_y, iters=3):
@@ -118,8 +134,9 @@ def run(rank, world, port, args, queue):
         for _ in range(args.rounds):
             for v, module in variants.items():
                 times[v].append(_time(module, x, d_y, args.iters))
-        shares = ({v: _nccl_share(m, x, d_y) for v, m in variants.items() if v != "one_gpu"}
-                  if device.type == "cuda" else {})
+        cuda = device.type == "cuda"
+        shares = {v: _nccl_share(m, x, d_y) for v, m in variants.items() if v != "one_gpu"} if cuda else {}
+        syncs = {v: _host_syncs(m, x, d_y) for v, m in variants.items()} if cuda else {}
         dropped = int(variants["ep_capacity1.25"].dropped_copies)
         for v in variants:
             ms = statistics.median(times[v])
@@ -127,7 +144,7 @@ def run(rank, world, port, args, queue):
                 "shape": name, "tokens_per_gpu": tokens, "experts": experts, "top_k": top_k, "hidden": hidden,
                 "ffn": ffn, "variant": v, "rank": rank, "world": world, "ms": ms, "ms_rounds": times[v],
                 "tokens_per_s_per_gpu": tokens / ms * 1000, "all_to_all_share": shares.get(v),
-                "dropped_copies": dropped if v == "ep_capacity1.25" else None,
+                "dropped_copies": dropped if v == "ep_capacity1.25" else None, "host_syncs_per_step": syncs.get(v),
             })
         del variants, layer, x, d_y
         if device.type == "cuda":
@@ -185,11 +202,12 @@ def main(argv=None):
     out = {"versions": _versions(args.device), "results": results}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"{'shape':16} {'variant':22} {'rank':>4} {'ms':>8} {'tok/s/GPU':>11} {'a2a share':>9}")
+    print(f"{'shape':16} {'variant':22} {'rank':>4} {'ms':>8} {'tok/s/GPU':>11} {'a2a share':>9} {'syncs':>5}")
     for r in out["results"]:
         share = "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.2f}"
+        syncs = "" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
         print(f"{r['shape']:16} {r['variant']:22} {r['rank']:>4} {r['ms']:8.2f} {r['tokens_per_s_per_gpu']:11.0f} "
-              f"{share:>9}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else ""))
+              f"{share:>9} {syncs:>5}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else ""))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Checks of moekit.distributed in spawned process groups (gloo on CPU, NCCL on GPUs).
 
-Run: python tests/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR. Every rank runs the
-group's checks and prints "OK <check>" for each; any failure exits non-zero. The checkpoint chain
+Run: python tests/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR [EXPERTS_BACKEND]. Every
+rank runs the group's checks and prints "OK <check>" for each; any failure exits non-zero. The checkpoint chain
 starts with `python tests/distributed_worker.py one_process_save WORKDIR` and ends with
 `... one_process_check WORKDIR` (one process, no process group). Groups:
 - train: data parallel (DDP, FSDP2 fp32 and bf16 compute; GroupedLinear, GroupedMLP, MoELayer; both
@@ -32,6 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import rel_err, tolerance_floor  # noqa: E402
 
 H, F, N, K, T = 16, 12, 8, 2, 12
+# The experts' GEMM backend (the optional 6th argument): "auto" (torch's grouped_mm on CPU); the
+# NCCL run passes "loop", so that fp32 checks need no Triton compilation within its time budget.
+EXPERTS_BACKEND = "auto"
 FP32_REL = 1e-6
 # Adam divides by sqrt(v) + eps: with the default 1e-8 an entry whose gradient is ~0 moves by +-lr on
 # fp32 rounding noise alone; a larger eps keeps "same parameters" a well-conditioned comparison.
@@ -61,12 +64,13 @@ def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0) ->
     torch.manual_seed(seed)
     if kind == "linear":
         inner = moekit.GroupedLinear(N, H, F, bias=True, single_grouped_weight=grouped, single_grouped_bias=grouped,
-                                     device=device, dtype=dtype)
+                                     backend=EXPERTS_BACKEND, device=device, dtype=dtype)
         return Routed(inner, SPLITS)
     if kind == "mlp":
-        return Routed(moekit.GroupedMLP(N, H, F, bias=True, single_grouped_weight=grouped, device=device,
-                                        dtype=dtype), SPLITS)
-    return moekit.MoELayer(H, F, N, K, bias=True, single_grouped_weight=grouped, device=device, dtype=dtype)
+        return Routed(moekit.GroupedMLP(N, H, F, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
+                                        device=device, dtype=dtype), SPLITS)
+    return moekit.MoELayer(H, F, N, K, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
+                           device=device, dtype=dtype)
 
 
 def batch(kind: str, rank: int, device, dtype=torch.float32, step=0) -> torch.Tensor:
@@ -445,7 +449,7 @@ def check_hf_save(rank, world, device, workdir):
     from moekit.distributed import apply_fsdp, checkpoint
     from moekit.integrations.transformers import apply_moekit
 
-    model = apply_moekit(tiny_hf_model(device), single_grouped_weight=False)
+    model = apply_moekit(tiny_hf_model(device), single_grouped_weight=False, backend=EXPERTS_BACKEND)
     apply_fsdp(model, init_device_mesh(device.type, (world,)), mp_policy=MixedPrecisionPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
@@ -504,7 +508,9 @@ GROUPS = {
 }
 
 
-def run(rank, group, world, port, backend, workdir):
+def run(rank, group, world, port, backend, workdir, experts_backend="auto"):
+    global EXPERTS_BACKEND
+    EXPERTS_BACKEND = experts_backend
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -525,5 +531,6 @@ if __name__ == "__main__":
         sys.exit(0)
     group, world, port, backend, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    mp.spawn(run, args=(group, world, port, backend, workdir), nprocs=world)
+    experts_backend = sys.argv[6] if len(sys.argv) > 6 else "auto"
+    mp.spawn(run, args=(group, world, port, backend, workdir, experts_backend), nprocs=world)
     print(f"DONE {group} {world}", flush=True)

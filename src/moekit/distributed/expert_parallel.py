@@ -106,6 +106,11 @@ class _AllToAllWait(torch.autograd.Function):
         return d_out, None
 
 
+def _as_input_shape(y_TH: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # A 2-D input gets the (T, H) result itself, not a view (FSDP2 warns about views).
+    return y_TH if x.dim() == 2 else y_TH.reshape(x.shape)
+
+
 class ExpertParallelMoE(nn.Module):
     """A `MoELayer` with its experts spread over the expert-parallel ranks of `mesh`.
 
@@ -211,7 +216,7 @@ class ExpertParallelMoE(nn.Module):
             )
         x_TH = x.reshape(-1, self.hidden_size)
         if self.mode == "dropless":
-            return self._dropless(x_TH).reshape(x.shape)
+            return _as_input_shape(self._dropless(x_TH), x)
         weights_TK, ids_TK, _ = self.route(x_TH)
         x_sorted, counts_N, row_map_TK = permute(x_TH, ids_TK, self.num_experts)
         probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
@@ -220,7 +225,7 @@ class ExpertParallelMoE(nn.Module):
         recv_counts = torch.empty_like(counts_N)
         dist.all_to_all_single(recv_counts, counts_N, group=self.ep_group)
         y_sorted = self._capacity(x_sorted, probs_sorted, counts_N, recv_counts, x_TH.shape[0])
-        return unpermute(y_sorted, row_map_TK).reshape(x.shape)
+        return _as_input_shape(unpermute(y_sorted, row_map_TK), x)
 
     def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
                        num_ids: int) -> torch.Tensor:

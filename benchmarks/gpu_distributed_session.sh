@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One NCCL session for moekit.distributed on a machine with 2 GPUs, run from the repository root with
+# $OUT set (the device tool's output folder). Bounded to stay inside about 4 minutes:
+#   1. machine and versions; 2. bench_expert_parallel.py (EP=2 vs one GPU, all-to-all share,
+#   overlap, capacity) per shape; 3. the distributed checks of tests/distributed_worker.py over
+#   NCCL: "train" (DDP, FSDP2, EP on 2 GPUs) and the checkpoint chain (one process -> 4 ranks on
+#   CPU/gloo, as a GPU host has 2 GPUs -> 2 GPUs over NCCL -> one process).
+#
+# Leaves in $OUT: distributed_tests.log, ep_bench.log, ep_bench_<shape>.json.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), as this host requires.
+# MOEKIT_BENCH_COMMIT names the commit measured (the device copy of the tree has no history).
+# Exit status: 0 when every check passed and every benchmark finished; 1 otherwise (all always run).
+
+set -uo pipefail
+: "${OUT:?set OUT to the directory for the logs and results}"
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+status=0
+LOG="$OUT/distributed_tests.log"
+WORK=$(mktemp -d)
+
+port() { $PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+step() {  # step SECONDS LOGFILE COMMAND...: run bounded, log, remember a failure
+    local limit=$1 log=$2
+    shift 2
+    echo "== $(date -u +%T) $*" | tee -a "$log"
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | grep -v -e "UserWarning" -e "FutureWarning" -e "_register_pre_backward_hook" -e "return func(" | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { status=1; echo "!! status $rc" | tee -a "$log"; }
+}
+
+{
+    echo "== $(date -u +%FT%TZ) moekit.distributed NCCL session; commit ${MOEKIT_BENCH_COMMIT:-unset}"
+    nvidia-smi -L
+    $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl",
+torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+    echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+} 2>&1 | tee "$LOG" "$OUT/ep_bench.log"
+
+step 75 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes qwen3-30b-a3b \
+    --out "$OUT/ep_bench_qwen3-30b-a3b.json"
+step 45 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes gpt-oss-20b \
+    --out "$OUT/ep_bench_gpt-oss-20b.json"
+
+# fp32 checks with the loop backend: no Triton compilation inside this session's time.
+step 45 "$LOG" $PY tests/distributed_worker.py train 2 "$(port)" nccl "$WORK" loop
+step 15 "$LOG" $PY tests/distributed_worker.py one_process_save "$WORK"
+step 35 "$LOG" $PY tests/distributed_worker.py ckpt4 4 "$(port)" gloo "$WORK" auto
+step 35 "$LOG" $PY tests/distributed_worker.py ckpt2 2 "$(port)" nccl "$WORK" loop
+step 15 "$LOG" $PY tests/distributed_worker.py one_process_check "$WORK"
+echo "== $(date -u +%T) done, status $status" | tee -a "$LOG"
+exit $status
