@@ -4,9 +4,11 @@ and without the chunked overlap (`ExpertParallelMoE(num_chunks=2)`), and capacit
 
     python benchmarks/bench_expert_parallel.py --out results.json         # every visible GPU, NCCL
 
-Per shape: every rank holds T tokens (bf16); "one GPU" is a plain MoELayer with all N experts on
-T tokens (each rank runs it on its own GPU at the same time); "EP" holds N/EP experts per rank and
-routes each rank's T tokens. tokens/s is per GPU (T / step time). Variants of one shape are timed in
+Per shape: every rank holds T tokens (bf16); "one_gpu" is a plain MoELayer with all N experts on
+T tokens (each rank runs it on its own GPU at the same time; its experts run `moekit.moe_experts`);
+"one_gpu_ep_path" is ExpertParallelMoE with EP=1 (the EP code path, permute + GroupedMLP +
+unpermute, all experts local); "ep_*" hold N/EP experts per rank and route each rank's T tokens.
+tokens/s is per GPU (T / step time). Variants of one shape are timed in
 interleaved rounds (median of rounds), CUDA events around `iters` steps. The all-to-all share is
 the summed device time of NCCL kernels over the step time, from torch.profiler over a few steps
 (the NCCL kernels include waiting for the peer; with overlap they run beside the experts). Host
@@ -40,11 +42,14 @@ SHAPES = {
 }
 
 
-def _variants(layer, mesh):
+def _variants(layer, mesh, solo_mesh):
     from moekit.distributed import ExpertParallelMoE
 
     return {
         "one_gpu": layer,
+        # The EP code path (permute, all-to-all within one rank, GroupedMLP, unpermute) on one GPU:
+        # what EP=world costs beyond it is the transfer and the wait for the other ranks.
+        "one_gpu_ep_path": ExpertParallelMoE(layer, solo_mesh),
         "ep_dropless": ExpertParallelMoE(layer, mesh),
         "ep_dropless_overlap2": ExpertParallelMoE(layer, mesh, num_chunks=2),
         "ep_capacity1.25": ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.25),
@@ -118,12 +123,13 @@ def run(rank, world, port, args, queue):
     import moekit
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    solo_mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("ep", "dp"))
     results = []
     for name in args.shapes:
         tokens, experts, top_k, hidden, ffn = SHAPES[name]
         torch.manual_seed(0)
         layer = moekit.MoELayer(hidden, ffn, experts, top_k, device=device, dtype=torch.bfloat16)
-        variants = _variants(layer, mesh)
+        variants = _variants(layer, mesh, solo_mesh)
         g = torch.Generator(device=device).manual_seed(1 + rank)
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
         d_y = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
@@ -135,7 +141,7 @@ def run(rank, world, port, args, queue):
             for v, module in variants.items():
                 times[v].append(_time(module, x, d_y, args.iters))
         cuda = device.type == "cuda"
-        shares = {v: _nccl_share(m, x, d_y) for v, m in variants.items() if v != "one_gpu"} if cuda else {}
+        shares = {v: _nccl_share(m, x, d_y) for v, m in variants.items()} if cuda else {}
         syncs = {v: _host_syncs(m, x, d_y) for v, m in variants.items()} if cuda else {}
         dropped = int(variants["ep_capacity1.25"].dropped_copies)
         for v in variants:

@@ -430,14 +430,23 @@ def check_ckpt2(rank, world, device, workdir):
     check_hf_save(rank, world, device, workdir)
 
 
-def tiny_hf_model(device, seed=5):
+def tiny_hf_model(device, seed=5, kind="mixtral"):
+    """A one-layer transformers MoE model: Mixtral ([N, 2F, H] experts) or gpt-oss (transposed
+    [N, H, 2F] experts with biases, alternating gate/up rows)."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=12, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=32)
-    return transformers.MixtralForCausalLM(config).to(device)
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common)).to(device)
+    config = transformers.GptOssConfig(head_dim=8, sliding_window=8, layer_types=["full_attention"], **common)
+    model = transformers.GptOssForCausalLM(config).to(device)
+    with torch.no_grad():  # transformers initialises gpt-oss's expert biases to zero
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_()
+    return model
 
 
 def check_hf_save(rank, world, device, workdir):

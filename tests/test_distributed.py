@@ -80,19 +80,28 @@ def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):
     dw.one_process_check(tmp_path)
 
 
-def test_transformers_checkpoint_into_moekit_experts(tmp_path):
-    """A plain transformers model saved with DCP loads into its apply_moekit twin (discrete layout)."""
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "discrete"])
+def test_transformers_checkpoint_both_ways(tmp_path, kind, grouped):
+    """A plain transformers model's DCP checkpoint loads into its apply_moekit twin, and the twin's
+    (moekit.distributed.checkpoint) into the plain model: gpt-oss's transposed experts included."""
     pytest.importorskip("transformers")
     import torch.distributed.checkpoint as dcp
 
     from moekit.integrations.transformers import apply_moekit
 
-    plain = dw.tiny_hf_model("cpu", seed=1)
+    plain = dw.tiny_hf_model("cpu", seed=1, kind=kind)
     dcp.save({"model": plain.state_dict()}, checkpoint_id=tmp_path / "plain")
-    model = apply_moekit(dw.tiny_hf_model("cpu", seed=2), single_grouped_weight=False)
+    model = apply_moekit(dw.tiny_hf_model("cpu", seed=2, kind=kind), single_grouped_weight=grouped)
     checkpoint.load(tmp_path / "plain", model)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    checkpoint.save(tmp_path / "moekit", model)
+    back = dw.tiny_hf_model("cpu", seed=3, kind=kind)
+    state = {"model": back.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path / "moekit")
+    for key, value in plain.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
 
 
 def _params(model):

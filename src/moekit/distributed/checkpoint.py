@@ -258,7 +258,11 @@ def _check_fits(target: dict, path) -> None:
 def _check_interleave(model: nn.Module, path, process_group) -> None:
     """Refuse a checkpoint whose fc1 GLU interleave sizes differ from the model's."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, GroupedLinear) and m.is_glu}
+    modules = dict(model.named_modules())
+    # A transformers model's experts are stored in the model's own row order (fixed by its type).
+    hf_paths = [name for name, m in modules.items() if type(m).__name__ == "MoekitExperts"]
+    linears = {name: m for name, m in modules.items() if isinstance(m, GroupedLinear) and m.is_glu
+               and not any(_inside(name, p) for p in hf_paths)}
     wanted = {f"model.{name}._extra_state": m for name, m in linears.items()}
     present = {key: m for key, m in wanted.items() if any(k == key or k.startswith(key + ".") for k in metadata)}
     stored = {"model": {key[len("model."):]: m.get_extra_state() for key, m in present.items()}}
