@@ -69,20 +69,26 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int] | None, input_spli
 
 
 class _Pending:
-    """An all-to-all in flight: its output buffer (valid after wait) and work handle."""
+    """One all-to-all of `_AllToAllStart` / `_AllToAllWait`: the work in flight and the tensors
+    that must outlive it, forward and backward."""
 
     def __init__(self) -> None:
         self.work = None
         self.keep_alive = None
+        self.d_input = None
 
 
 class _AllToAllStart(torch.autograd.Function):
-    """Start `all_to_all_single` without waiting (the output is valid after `_AllToAllWait`); the
-    backward is the reverse all-to-all, synchronous."""
+    """Start `all_to_all_single` without waiting; its output is valid after `_AllToAllWait`.
+
+    The backward mirrors it: `_AllToAllWait`'s backward starts the reverse all-to-all of the
+    gradient, this backward waits for it. Autograd runs the nodes of later chunks first, so another
+    chunk's expert backward can run while a transfer is in flight.
+    """
 
     @staticmethod
     def forward(ctx, x, output_splits, input_splits, group, pending):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        ctx.pending = pending
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         x = x.contiguous()
         pending.work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
@@ -91,19 +97,41 @@ class _AllToAllStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
-        return _AllToAll.backward(ctx, d_out)[0], None, None, None, None
+        pending = ctx.pending
+        pending.work.wait()
+        d_input = pending.d_input
+        pending.work = pending.keep_alive = pending.d_input = None
+        return d_input, None, None, None, None
 
 
 class _AllToAllWait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, pending):
+    def forward(ctx, out, output_splits, input_splits, group, pending):
         pending.work.wait()
         pending.work = pending.keep_alive = None
+        ctx.output_splits, ctx.input_splits, ctx.group, ctx.pending = output_splits, input_splits, group, pending
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, d_out):
-        return d_out, None
+        pending = ctx.pending
+        d_out = d_out.contiguous()
+        pending.d_input = d_out.new_empty((sum(ctx.input_splits), *d_out.shape[1:]))
+        pending.work = dist.all_to_all_single(pending.d_input, d_out, ctx.input_splits, ctx.output_splits,
+                                              group=ctx.group, async_op=True)
+        pending.keep_alive = d_out
+        # `_AllToAllStart.backward` (the only consumer) ignores this and waits for the transfer.
+        return d_out, None, None, None, None
+
+
+def _start(x, output_splits, input_splits, group):
+    pending = _Pending()
+    return _AllToAllStart.apply(x, output_splits, input_splits, group, pending), (output_splits, input_splits,
+                                                                                   group, pending)
+
+
+def _wait(out, started):
+    return _AllToAllWait.apply(out, *started)
 
 
 def _as_input_shape(y_TH: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +145,8 @@ class ExpertParallelMoE(nn.Module):
     `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity", capacity_factor=1.0,
     num_chunks=1)`; forward(x (..., H)) -> (..., H), like `layer`. `num_chunks > 1` (dropless)
     splits the tokens into chunks whose all-to-alls are started asynchronously, so that one chunk's
-    transfers can overlap another's experts in the forward (the backward's all-to-alls are
-    synchronous); whether that pays is measured in benchmarks/bench_expert_parallel.py.
+    transfers can overlap another's experts, forward and backward; whether that pays is measured in
+    benchmarks/bench_expert_parallel.py.
     `mesh` is a 1-D DeviceMesh (expert parallelism only) or a
     2-D one with dims ("ep", "dp") (experts replicated over "dp", e.g. sharded there by FSDP2:
     `moekit.distributed.apply_fsdp`). The layer's router is shared (the same module); the experts
@@ -260,22 +288,18 @@ class ExpertParallelMoE(nn.Module):
         recv = [[splits[(ep_size + r) * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         dispatched = []
         for c, (x_sorted, probs_sorted, _, _) in enumerate(chunks):
-            pending = (_Pending(), _Pending())
-            x_recv = _AllToAllStart.apply(x_sorted, recv[c], send[c], self.ep_group, pending[0])
-            probs_recv = _AllToAllStart.apply(probs_sorted, recv[c], send[c], self.ep_group, pending[1])
-            dispatched.append((x_recv, probs_recv, pending))
+            dispatched.append((_start(x_sorted, recv[c], send[c], self.ep_group),
+                               _start(probs_sorted, recv[c], send[c], self.ep_group)))
         expert_of_slot = torch.arange(local_L, device=x_TH.device).repeat(ep_size)
         combined = []
-        for c, (x_recv, probs_recv, pending) in enumerate(dispatched):
-            x_recv = _AllToAllWait.apply(x_recv, pending[0])
-            probs_recv = _AllToAllWait.apply(probs_recv, pending[1])
+        for c, ((x_recv, x_started), (probs_recv, probs_started)) in enumerate(dispatched):
+            x_recv = _wait(x_recv, x_started)
+            probs_recv = _wait(probs_recv, probs_started)
             local_ids = torch.repeat_interleave(expert_of_slot, recv_counts[:, c].reshape(-1),
                                                 output_size=x_recv.shape[0])
             y_recv = self._local_experts(x_recv, probs_recv, local_ids, local_L)
-            back = _Pending()
-            combined.append((_AllToAllStart.apply(y_recv, send[c], recv[c], self.ep_group, back), back))
-        out = [unpermute(_AllToAllWait.apply(y_sorted, back), chunk[3])
-               for (y_sorted, back), chunk in zip(combined, chunks, strict=True)]
+            combined.append(_start(y_recv, send[c], recv[c], self.ep_group))
+        out = [unpermute(_wait(*started), chunk[3]) for started, chunk in zip(combined, chunks, strict=True)]
         return out[0] if num_chunks == 1 else torch.cat(out)
 
     def capacity(self, num_tokens: int) -> int:
