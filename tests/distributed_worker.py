@@ -421,6 +421,7 @@ def check_ckpt2(rank, world, device, workdir):
         checkpoint.load(path4, model, opt)
         assert_same_state(full_state(model, opt), expected, f"4 -> 2 grouped={grouped} ep={ep}")
         print(f"OK ckpt 4 -> 2 (ep={ep}, grouped={grouped})", flush=True)
+    check_uneven_shards(rank, world, device, workdir)
     train_steps(model, opt, rank, device, 2, first_step=20)
     path = os.path.join(workdir, "w2")
     checkpoint.save(path, model, opt)
@@ -428,6 +429,38 @@ def check_ckpt2(rank, world, device, workdir):
     if rank == 0:
         torch.save(expected2, path + ".expected.pt")
     check_hf_save(rank, world, device, workdir)
+
+
+def check_uneven_shards(rank, world, device, workdir):
+    """3 experts on 2 ranks: FSDP2 shards (3, O, I) unevenly along the experts; saved so, loaded
+    into shards cut through every expert (and the discrete layout), state equal bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import moekit
+    from moekit.distributed import apply_fsdp, checkpoint
+
+    mesh = init_device_mesh(device.type, (world,))
+
+    def build3(grouped, shard_dim):
+        torch.manual_seed(7)
+        model = moekit.MoELayer(H, F, 3, 2, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
+                                device=device)
+        apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy(), expert_shard_dim=shard_dim)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+
+    model, opt = build3(True, 0)
+    placements = {p.placements[0].dim for p in model.experts.parameters()}
+    assert placements == {0}, placements
+    train_steps(model, opt, rank, device, 2)
+    path = os.path.join(workdir, "uneven")
+    checkpoint.save(path, model, opt)
+    expected = full_state(model, opt)
+    for grouped, shard_dim in ((True, 1), (False, None)):
+        other, other_opt = build3(grouped, shard_dim)
+        checkpoint.load(path, other, other_opt)
+        assert_same_state(full_state(other, other_opt), expected, f"uneven -> grouped={grouped} dim={shard_dim}")
+    print("OK ckpt uneven expert shards -> through-expert shards and discrete", flush=True)
 
 
 def tiny_hf_model(device, seed=5, kind="mixtral"):

@@ -76,7 +76,8 @@ def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):
             "OK ckpt ep 2 -> 4, discrete -> grouped"} <= done, done
     done = ok_lines(run_group("ckpt2", 2, tmp_path))
     assert {"OK ckpt 4 -> 2 (ep=1, grouped=False)", "OK ckpt 4 -> 2 (ep=2, grouped=True)",
-            "OK ckpt transformers apply_moekit + fsdp2 saved"} <= done, done
+            "OK ckpt transformers apply_moekit + fsdp2 saved",
+            "OK ckpt uneven expert shards -> through-expert shards and discrete"} <= done, done
     dw.one_process_check(tmp_path)
 
 
