@@ -24,6 +24,9 @@ import torch
 import moekit
 from moekit.distributed import checkpoint
 
+# DCP in one process without a process group says it assumes a single process: what these tests mean.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+
 WORKER = Path(__file__).with_name("distributed_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import distributed_worker as dw  # noqa: E402
