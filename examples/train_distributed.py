@@ -11,6 +11,8 @@ is predictable from the previous two; the loss falls from about ln(vocab).
     torchrun --nproc-per-node 2 examples/train_distributed.py --ep 2                 # CPU, gloo
     torchrun --nproc-per-node 4 examples/train_distributed.py --ep 2 --steps 100      # ep 2 x dp 2
     torchrun --nproc-per-node 2 examples/train_distributed.py --ep 2 --device cuda    # GPUs, NCCL
+    torchrun --nproc-per-node 2 examples/train_distributed.py --ep 2 --save ckpt     # then, elsewhere:
+    torchrun --nproc-per-node 1 examples/train_distributed.py --ep 1 --resume ckpt   # 1 rank, all experts
 
 Rank 0 shows a progress bar with every rank's tokens/s (each rank's own tokens over its own step
 time, gathered every `--log-every` steps); at the end every rank prints its own line.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -87,6 +90,8 @@ def main():
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--log-every", type=int, default=5, help="steps between progress updates")
     parser.add_argument("--save", default=None, help="DCP checkpoint directory to write at the end")
+    parser.add_argument("--resume", default=None,
+                        help="DCP checkpoint directory to start from (written by --save at any world size or --ep)")
     args = parser.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -117,6 +122,10 @@ def main():
     policy = BF16_COMPUTE if device.type == "cuda" else MixedPrecisionPolicy()
     apply_fsdp(model, world_mesh, blocks=model.blocks, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.resume:
+        checkpoint.load(args.resume, model, opt)
+        if rank == 0:
+            print(f"resumed from {args.resume}")
 
     tokens_per_step = args.batch * args.seq
     rates, t_last, steps_since, loss_value = [0.0] * world, time.perf_counter(), 0, float("nan")
@@ -142,8 +151,10 @@ def main():
     if rank == 0:
         print()
     dist.barrier()
-    print(f"rank {rank}: {tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {args.steps} steps, "
-          f"final loss {loss_value:.3f}", flush=True)
+    # One write per line: the ranks share the terminal.
+    sys.stdout.write(f"rank {rank}: {tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {args.steps} steps, "
+                     f"final loss {loss_value:.3f}\n")
+    sys.stdout.flush()
     if args.save:
         checkpoint.save(args.save, model, opt)
         if rank == 0:
