@@ -246,6 +246,7 @@ def check_expert_parallel(rank, world, device):
                     ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
                     assert_rel(ours, ref, tol, f"ep={ep} dropless d {name} {kind_}")
             print(f"OK ep={ep} dropless grouped={grouped} chunks={num_chunks}", flush=True)
+        check_uneven_tokens(rank, world, device, dtype, tol, mesh)
         check_capacity(rank, world, device, dtype, tol, mesh)
 
 
@@ -258,6 +259,26 @@ def _stack(params, grad=False):
     items = [params] if isinstance(params, torch.Tensor) else list(params)
     items = [p.grad if grad else p for p in items]
     return items[0] if isinstance(params, torch.Tensor) else torch.stack(items)
+
+
+def check_uneven_tokens(rank, world, device, dtype, tol, mesh):
+    """Dropless with another token count on every rank (rank 0: none, rank 1: one), chunked
+    (num_chunks larger than some ranks' token counts): outputs and input gradients equal MoELayer's."""
+    from moekit.distributed import ExpertParallelMoE
+
+    layer = make_model("moe", True, device, dtype)
+    for num_chunks in (1, 3):
+        model = ExpertParallelMoE(layer, mesh, num_chunks=num_chunks)
+        x = batch("moe", rank, device, dtype)[:rank * 5].clone().requires_grad_()
+        y = model(x)
+        y.backward(_dy(y, rank))
+        x_ref = x.detach().clone().requires_grad_()
+        y_ref = moe_reference(layer, x_ref)
+        y_ref.backward(_dy(y, rank))
+        assert_rel(y, y_ref, tol, f"uneven tokens chunks={num_chunks} output")
+        if x.shape[0]:
+            assert_rel(x.grad, x_ref.grad, tol, f"uneven tokens chunks={num_chunks} d x")
+    print(f"OK ep={mesh['ep'].size()} dropless uneven tokens per rank", flush=True)
 
 
 def check_capacity(rank, world, device, dtype, tol, mesh):

@@ -61,6 +61,7 @@ def test_data_and_expert_parallel(tmp_path, world):
     expected |= {f"OK dp fsdp2-bf16 {k} grouped={g}" for k in ("mlp", "moe") for g in (True, False)}
     expected |= {f"OK ep={ep} dropless grouped={g} chunks={c}" for ep in {2, world}
                  for g, c in ((True, 1), (False, 1), (True, 3))}
+    expected |= {f"OK ep={ep} dropless uneven tokens per rank" for ep in {2, world}}
     expected |= {f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={g}" for ep in {2, world}
                  for g in (True, False)}
     assert expected <= done, sorted(expected - done)

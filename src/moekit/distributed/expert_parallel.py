@@ -21,10 +21,11 @@ Modes:
   backward passes reuse; with num_chunks > 1, all chunks' sizes in the same one copy). Outputs and
   gradients equal the single-process `MoELayer`'s.
 - "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots, so
-  every buffer has a fixed size and nothing is read by the host (CUDA-graph capturable when the
-  experts' backend is). Copies past C are dropped, the last ones in token order (the first C copies
-  of each expert, in token order, are kept): deterministic. `dropped_copies` holds the number of
-  copies this rank's tokens lost in the last forward, as a device tensor.
+  every buffer has a fixed size and nothing is read by the host (CUDA-graph capture itself is not
+  tested). Every rank must pass the same number of tokens T (the buffers' sizes must agree). Copies
+  past C are dropped, the last ones in token order (the first C copies of each expert, in token
+  order, are kept): deterministic. `dropped_copies` holds the number of copies this rank's tokens
+  lost in the last forward, as a device tensor. Dropless mode takes any T per rank.
 """
 
 from __future__ import annotations
@@ -271,7 +272,9 @@ class ExpertParallelMoE(nn.Module):
         experts compute. One host read for all chunks' split sizes."""
         ep_size, local_L = self.ep_size, self.num_local_experts
         chunks = []
-        for x_chunk in x_TH.chunk(self.num_chunks) if x_TH.shape[0] else [x_TH]:
+        # Exactly num_chunks pieces (some may be empty) on every rank, whatever its token count: the
+        # ranks' all-to-alls must pair up.
+        for x_chunk in torch.tensor_split(x_TH, self.num_chunks):
             weights_TK, ids_TK, _ = self.route(x_chunk)
             x_sorted, counts_N, row_map_TK = permute(x_chunk, ids_TK, self.num_experts)
             probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
