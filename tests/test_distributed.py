@@ -138,3 +138,16 @@ def test_checkpoint_that_does_not_fit_is_refused_untouched(tmp_path, case):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     for k, v in other_opt.state_dict()["state"].get(0, {}).items():
         assert torch.equal(v, opt_before[k]), k
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_checkpoint_keeps_interleaved_rows(tmp_path, interleave):
+    """A model with interleaved fc1 rows saves and loads (other layout) with its interleave size."""
+    torch.manual_seed(0)
+    model = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=interleave)
+    checkpoint.save(tmp_path / "ckpt", model)
+    other = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=interleave,
+                            single_grouped_weight=False)
+    checkpoint.load(tmp_path / "ckpt", other)
+    x = torch.randn(10, dw.H)
+    torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
