@@ -309,8 +309,8 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
 
 
 def check_ep_fsdp_training(rank, world, device):
-    """FSDP2 + EP on an (ep, dp) mesh, fp32: parameters after AdamW steps equal one process's on
-    the full batch (every rank's tokens)."""
+    """FSDP2 + EP on an (ep, dp) mesh, fp32: the first gradients and the parameters after AdamW
+    steps equal one process's on the full batch (every rank's tokens)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -325,22 +325,35 @@ def check_ep_fsdp_training(rank, world, device):
             apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
-            for step in range(2):
-                loss_of(model(batch("moe", rank, device, step=step))).backward()
-                opt.step()
-                opt.zero_grad()
-                loss_of(ref(full_batch("moe", world, device, step=step)[0])).backward()
-                opt_ref.step()
-                opt_ref.zero_grad()
-            assert_rel(full(model.router.weight.detach()), ref.router.weight.detach(), FP32_REL, "router")
             local = slice(mesh["ep"].get_local_rank() * model.num_local_experts,
                           (mesh["ep"].get_local_rank() + 1) * model.num_local_experts)
-            for name in ("fc1", "fc2"):
-                for kind_ in ("weights", "biases"):
-                    ours = _stack([full(p.detach()) for p in _as_list(getattr(getattr(model.experts, name), kind_)())])
-                    ref_t = _stack(getattr(getattr(ref.experts, name), kind_)()).detach()[local]
-                    assert_rel(ours if not grouped else ours[0], ref_t, FP32_REL, f"ep={ep} fsdp {name} {kind_}")
+
+            for step in range(2):
+                loss_of(model(batch("moe", rank, device, step=step))).backward()
+                loss_of(ref(full_batch("moe", world, device, step=step)[0])).backward()
+                if step == 0:
+                    compare_ep_model(model, ref, local, grouped, grads=True, what=f"ep={ep} fsdp gradient")
+                opt.step()
+                opt.zero_grad()
+                opt_ref.step()
+                opt_ref.zero_grad()
+            compare_ep_model(model, ref, local, grouped, grads=False, what=f"ep={ep} fsdp after 2 steps")
             print(f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={grouped}", flush=True)
+
+
+def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, what: str) -> None:
+    """An FSDP2 + EP model's router and local experts (gradients: scale-sensitive, so the EP x DP
+    divide factor is checked; or parameters) against the one-process reference's."""
+    def value(p):
+        return full(p.grad) if grads else full(p.detach())
+
+    ref_router = ref.router.weight.grad if grads else ref.router.weight.detach()
+    assert_rel(value(model.router.weight), ref_router, FP32_REL, f"{what} router")
+    for name in ("fc1", "fc2"):
+        for kind_ in ("weights", "biases"):
+            ours = _stack([value(p) for p in _as_list(getattr(getattr(model.experts, name), kind_)())])
+            ref_t = _stack(getattr(getattr(ref.experts, name), kind_)(), grad=grads).detach()[local]
+            assert_rel(ours if not grouped else ours[0], ref_t, FP32_REL, f"{what} {name} {kind_}")
 
 
 def _as_list(params):
