@@ -134,16 +134,20 @@ def check_data_parallel(rank, world, device):
                         apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy(), expert_shard_dim=shard_dim)
                     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
                     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+                    inner = model.module if wrapper == "ddp" else model
                     for step in range(2):
                         loss_of(model(batch(kind, rank, device, step=step))).backward()
-                        opt.step()
-                        opt.zero_grad()
                         x, m_splits = full_batch(kind, world, device, step=step)
                         # Mean over ranks of per-rank means = mean over the full batch (equal rows per rank).
                         loss_of(forward_full(ref, kind, x, m_splits)).backward()
+                        if step == 0:
+                            for (name, p), (_, p_ref) in zip(inner.named_parameters(), ref.named_parameters(),
+                                                             strict=True):
+                                assert_rel(full(p.grad), p_ref.grad, FP32_REL, f"{wrapper} {kind} {name} gradient")
+                        opt.step()
+                        opt.zero_grad()
                         opt_ref.step()
                         opt_ref.zero_grad()
-                    inner = model.module if wrapper == "ddp" else model
                     for (name, p), (_, p_ref) in zip(inner.named_parameters(), ref.named_parameters(), strict=True):
                         assert_rel(full(p.detach()), p_ref.detach(), FP32_REL,
                                    f"{wrapper} {kind} grouped={grouped} shard_dim={shard_dim} {name}")
