@@ -13,7 +13,7 @@ interleaved rounds (median of rounds), CUDA events around `iters` steps. The all
 the summed device time of NCCL kernels over the step time, from torch.profiler over a few steps
 (the NCCL kernels include waiting for the peer; with overlap they run beside the experts). Host
 syncs per step are counted with torch.cuda's sync debug mode after warm-up (dropless: 1 expected,
-the split sizes; capacity and one GPU: 0).
+the split sizes; capacity: 0).
 
 Legend: T tokens per GPU, K top-k, N experts, H hidden size, F expert ffn size.
 """
