@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -384,9 +385,9 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncols=len(labels), fontsize=8)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8, x=0.01, y=0.995, ha="left", va="top")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncols=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -444,6 +445,8 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     roofs = [runner.measure_roof(cfg)]
     env = runner.environment(cfg, roofs[0])
+    if args.commit:  # before the first partial JSON: the device copy's git (if any) is not the repo's
+        env.update(git_commit=args.commit, git_commit_from="--commit", git_dirty=None, git_dirty_paths=[])
     records = []
     # Shape by shape (both routings share the shape's kernel compilations, the larger first cost).
     for shape in args.shape_list:
@@ -456,11 +459,9 @@ def main(argv=None) -> dict:
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
     roofs.append(runner.measure_roof(cfg))
-    env.update(roofs=roofs, git_commit=args.commit or env["git_commit"], moekit_backend=args.backend,
-               liger=_liger_version(), liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
+    env.update(roofs=roofs, moekit_backend=args.backend, liger=_liger_version(),
+               liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
                shapes=[asdict(s) for s in args.shape_list])
-    if args.commit:
-        env["git_commit_from"] = "--commit"
     print_table(records, roofs)
     if args.profile:
         profile_moekit(args, next(s for s in SHAPES + SMOKE_SHAPES if s.name == args.profile))
