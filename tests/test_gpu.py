@@ -454,3 +454,81 @@ def test_moe_experts_holds_less_than_the_sorted_copy_of_x():
         f"moe_experts holds {held / 2**20:.1f} MiB for the backward; at most {allowance / 2**20:.1f} MiB expected "
         f"without a sorted copy of x ({rows * MOE_H * 2 / 2**20:.1f} MiB)")
     y.sum().backward()
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_mlp's fused triton path (fc1 + activation epilogue, fc2 dgrad + activation backward):
+# every activation and GLU layout in bf16, bit-identical gradients, no host sync, graph replay
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleave", [None, 1, 4, 256], ids=["gate|up", "k1", "k4", "k256"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_grouped_mlp_triton_fused_layouts_bf16(activation, interleave, nan_poison):
+    _require_backend("triton", H, 2 * F)
+    m_splits = [0, 700, 512, 0, 900, 333, 1100, 0]
+    splits_dev = torch.tensor(m_splits, device=CUDA)
+    inputs = {
+        "x": rand(M, H, seed=21, scale=3.0),  # many pre-activations past clamped_swiglu's limit
+        "fc1_weight": rand(N, 2 * F, H, scale=H**-0.5, seed=22),
+        "fc2_weight": rand(N, H, F, scale=F**-0.5, seed=23),
+        "fc1_bias": rand(N, 2 * F, scale=0.1, seed=24),
+        "fc2_bias": rand(N, H, scale=0.1, seed=25),
+        "probs": rand(M, seed=26).sigmoid(),
+    }
+    kw = {"activation": activation, "glu_interleave_size": interleave}
+    res = check_against_reference(
+        _on_device(functools.partial(moekit.grouped_mlp, m_splits=splits_dev, backend="triton", **kw), CUDA),
+        functools.partial(torch_grouped_mlp, m_splits=m_splits, **kw),
+        _on_device(functools.partial(grouped_mlp_reference, m_splits=m_splits, **kw), CUDA),
+        inputs,
+        BF16,
+    )
+    _assert_padding_and_empty_experts(res, m_splits,
+                                      weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
+    assert torch.count_nonzero(res["probs"][sum(m_splits):]) == 0, "padding rows of d probs are not zero"
+
+
+def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
+    _require_backend("triton", H, 2 * F)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    leaves = {
+        "x": torch.randn(M, H, device=CUDA, dtype=BF16, generator=gen),
+        "fc1_weight": (torch.randn(N, 2 * F, H, device=CUDA, generator=gen) * H**-0.5).to(BF16),
+        "fc2_weight": (torch.randn(N, H, F, device=CUDA, generator=gen) * F**-0.5).to(BF16),
+        "probs": torch.rand(M, device=CUDA, generator=gen),
+    }
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    dy = torch.randn(M, H, device=CUDA, dtype=BF16, generator=gen)
+    static_splits = torch.tensor([512] * N, device=CUDA)
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        y = moekit.grouped_mlp(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], static_splits,
+                               probs=leaves["probs"], backend="triton")
+        y.backward(dy)
+        return {"out": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        first, second = step(), step()
+    torch.cuda.current_stream().wait_stream(side)
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not differ, f"results differ between two identical steps: {differ}"
+    _assert_no_host_sync(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for case, splits in {"skewed+padding": [0, 1000, 24, 0, 500, 300, 0, 24] + [0] * (N - 8),
+                         "all-on-one": [0, 0, 0, M, 0, 0, 0, 0]}.items():
+        static_splits.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: t.clone() for k, t in static.items()}
+        eager = step()
+        for k in replayed:
+            assert torch.equal(replayed[k], eager[k]), f"{case}: replayed {k} differs from eager"
+        assert torch.count_nonzero(replayed["out"][sum(splits):]) == 0
