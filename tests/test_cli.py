@@ -124,8 +124,11 @@ def test_demo_mistakes_are_one_line(tmp_path):
              (["--device", "nonsense"], "is not a device")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "has no usable CUDA device; use --device cpu or auto"))
+        cases.append((["--backend", "triton"], "backend='triton' cannot run here"))
+    # as a user runs it: not under the Triton interpreter that the test session turns on
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = [subprocess.Popen([sys.executable, "-m", "moekit", "demo", *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=tmp_path) for args, _ in cases]
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env) for args, _ in cases]
     for proc, (args, phrase) in zip(procs, cases, strict=True):
         out, err = proc.communicate(timeout=300)
         _assert_one_line_refusal(subprocess.CompletedProcess(args, proc.returncode, out, err),

@@ -65,6 +65,9 @@ def _add_demo(subparsers) -> None:
             return _refuse("demo", exc)
         except OSError as exc:
             return _refuse("demo", OSError(f"cannot write {exc.filename}: {exc.strerror}"))
+        except KeyboardInterrupt:
+            print("moekit demo: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
         return 0
 
     p.set_defaults(func=run)

@@ -130,8 +130,9 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
              seed: int = 0) -> dict:
     """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
 
-    Raises ValueError, before training, for steps < 1, a device this torch cannot use, or an `out`
-    that is an existing file (it must be a folder, new or existing)."""
+    Raises ValueError, before training or writing anything, for steps < 1, a device this torch cannot
+    use, a backend that cannot run on it, or an `out` that is an existing file (it must be a folder,
+    new or existing)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--steps must be a positive number of training steps, got {steps!r}")
     dev = _demo_device(device)
@@ -143,9 +144,10 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     task = DialectTask(cfg, gen)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
     model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
+    with torch.no_grad():  # a backend that cannot run here raises its ValueError now, before any output
+        model(task.batch(1, torch.Generator().manual_seed(cfg.seed + 2)).to(dev))
+    out_dir.mkdir(parents=True, exist_ok=True)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     eval_tokens = task.batch(256, torch.Generator().manual_seed(cfg.seed + 1)).to(dev)

@@ -74,9 +74,9 @@ def read_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu"
     """Read a safetensors checkpoint (a file, an index JSON or a folder) into a state dict, with the
     extra states of its GroupedLinears rebuilt from the file's records. Headers are validated
     (CheckpointError, a ValueError, for a malformed file)."""
+    ckpt = Checkpoint(path)  # validates every header (and says how to install safetensors if missing)
     from safetensors import safe_open
 
-    ckpt = Checkpoint(path)
     state: dict = {}
     for file in ckpt.files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
