@@ -351,3 +351,15 @@ def test_saved_files_have_ordinary_permissions(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "a.safetensors").st_mode) == 0o644
     assert os.listdir(tmp_path) == ["a.safetensors"]
+
+
+def test_save_removes_the_leftover_of_a_killed_save(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    leftover = tmp_path / f".a.safetensors.moekit-save-tmp-{gone.pid}"
+    leftover.write_bytes(b"half a file")
+    moekit.save_safetensors(_linear("single", seed=28), tmp_path / "a.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
