@@ -125,9 +125,9 @@ def check_against_reference(
 
 
 # --------------------------------------------------------------------------------------------------
-# Plain-torch implementations, written from design.md's text (not from moekit's code). They keep
-# their inputs' dtype: in float64 they are an independent check of moekit.reference; in bf16/fp32
-# they are "torch's own computation" of the tolerance rule.
+# Plain-torch implementations, written from the documented semantics (README, docstrings), not from
+# moekit's code. They keep their inputs' dtype: in float64 they are an independent check of
+# moekit.reference; in bf16/fp32 they are "torch's own computation" of the tolerance rule.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -160,7 +160,7 @@ def torch_grouped_linear(x, weight, m_splits, bias=None, *, bias_scale=None):
 
 
 def glu_indices(ffn: int, k: int | None) -> tuple[list[int], list[int]]:
-    """Column indices of the gates and ups in fc1's output, from design.md: block b of size 2k holds
+    """Column indices of the gates and ups in fc1's output, as documented: block b of size 2k holds
     gates [2kb, 2kb+k) and ups [2kb+k, 2kb+2k); k=None is [all gates | all ups]."""
     if k is None:
         return list(range(ffn)), list(range(ffn, 2 * ffn))
