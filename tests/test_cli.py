@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +22,14 @@ from moekit.cli import build_parser  # noqa: E402
 
 N, H, F = 4, 8, 6
 REFUSED = "moekit convert: refused, nothing written: "
+# The command runs the moekit these tests imported, wherever the interpreter's install points.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(moekit.__file__).parents[1]),
+                                                    *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
-def _moekit(*args, cwd=None, **kwargs) -> subprocess.CompletedProcess:
+def _moekit(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moekit", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, **kwargs)
+                          timeout=300, cwd=cwd, env=ENV)
 
 
 def _assert_one_line_refusal(proc: subprocess.CompletedProcess, prefix: str, *phrases: str) -> None:
@@ -126,7 +130,7 @@ def test_demo_mistakes_are_one_line(tmp_path):
         cases.append((["--device", "cuda"], "has no usable CUDA device; use --device cpu or auto"))
         cases.append((["--backend", "triton"], "backend='triton' cannot run here"))
     # as a user runs it: not under the Triton interpreter that the test session turns on
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
     procs = [subprocess.Popen([sys.executable, "-m", "moekit", "demo", *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env) for args, _ in cases]
     for proc, (args, phrase) in zip(procs, cases, strict=True):
@@ -185,7 +189,7 @@ def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path):
     src = _hf_file(tmp_path / "src.safetensors")
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "moekit", "convert", str(src), str(tmp_path / "g.safetensors"),
-                             "--to", "grouped"], stdout=subprocess.PIPE, stderr=slave)
+                             "--to", "grouped"], stdout=subprocess.PIPE, stderr=slave, env=ENV)
     os.close(slave)
     shown = b""
     while True:
@@ -210,7 +214,7 @@ def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:
     src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
     dst = tmp_path / "out.safetensors"
     proc = subprocess.Popen([sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     temp = f".out.safetensors.moekit-convert-tmp-{proc.pid}"
     deadline = time.monotonic() + 120
     while not (tmp_path / temp).exists():

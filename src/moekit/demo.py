@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,10 +145,10 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     task = DialectTask(cfg, gen)
+    existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable; choose a folder you can write to")
     model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
-    with torch.no_grad():  # a backend that cannot run here raises its ValueError now, before any output
-        model(task.batch(1, torch.Generator().manual_seed(cfg.seed + 2)).to(dev))
-    out_dir.mkdir(parents=True, exist_ok=True)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     eval_tokens = task.batch(256, torch.Generator().manual_seed(cfg.seed + 1)).to(dev)
@@ -176,6 +177,7 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     model.eval()
     with torch.no_grad():
         eval_loss = lm_loss(model, eval_tokens).item()
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refusal in the first step writes nothing
     ckpt = out_dir / "model.safetensors"
     save_safetensors(model, ckpt)
 
