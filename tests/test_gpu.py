@@ -34,6 +34,26 @@ SPLITS = [
     pytest.param([0, 700, 512, 0, 900, 333, 1100, 0], id="empty-first-middle-last+padding"),
 ]
 
+def _capture(step, leaves):
+    """Capture step() (a forward+backward) in a CUDA graph; returns (graph, step's output). Warms up
+    on a side stream first (lazy init, autotuning), as torch.cuda.graphs asks; grads are set to None
+    so the captured backward allocates them from the graph's pool and writes them on every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    return graph, y_static
+
+
 
 def _require_backend(backend: str, in_features: int, out_features: int, device=None, dtype=BF16) -> None:
     """Skip (with select_backend's reason) when the backend cannot run these operands."""
@@ -275,21 +295,7 @@ def test_cuda_graph_replay_with_new_splits_matches_eager(backend):
         y.backward(dy)
         return y
 
-    # Warm up on a side stream (lazy init, autotuning) as torch.cuda.graphs asks; grads set to None
-    # so the captured backward allocates them from the graph's pool and writes them on every replay.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in leaves:
-                t.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in leaves:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
+    graph, y_static = _capture(step, leaves)
     static = {"out": y_static, "x": x.grad, "weight": w.grad, "bias": b.grad}
 
     for case, splits in GRAPH_SPLITS.items():
@@ -403,19 +409,7 @@ def test_moe_experts_cuda_graph_replay_with_new_routing_matches_eager(backend):
         y.backward(dy)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in floats:
-                t.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in floats:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
+    graph, y_static = _capture(step, floats)
     static = {"out": y_static, **{k: t.grad for k, t in leaves.items() if t.is_floating_point()}}
 
     routings = {"empty-expert-0-and-5": [1, 2, 3, 4, 6, 7], "two-experts": [3, 6], "all-experts": None}
