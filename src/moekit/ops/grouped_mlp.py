@@ -23,7 +23,6 @@ can replace it), h in x's dtype, probs, and the weights. No fp32 (M, F) or (M, 2
 from __future__ import annotations
 
 import torch
-import triton
 
 from moekit._splits import GroupOffsets, MSplits, resolve_splits
 from moekit.ops.grouped_linear import (
@@ -38,6 +37,10 @@ from moekit.ops.grouped_linear import (
     select_backend,
 )
 from moekit.ops.swiglu import ACTIVATIONS, check_activation, check_interleave, swiglu, swiglu_reference
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _check_mlp(x, fc1_weight, fc2_weight, fc1_bias, fc2_bias):
@@ -143,7 +146,7 @@ def _glu_tiles(ffn: int, glu_block: int, interpret: bool) -> tuple[int, int, int
         widths, rows, red = (16, 8), 16, 16
     else:
         widths, rows, red = (128, 64, 32, 16), 128, 64
-    cap = max(triton.next_power_of_2(ffn), widths[-1])
+    cap = max(1 << (ffn - 1).bit_length(), widths[-1])  # next power of two >= ffn
     for width in widths:
         if width <= cap and (glu_block == ffn or glu_block % width == 0 or width % glu_block == 0):
             return rows, width, red
@@ -185,7 +188,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     if M == 0 or ffn == 0:
         return h, act
     bm, bc, bred, use_tma, epi_tma = _fused_launch_params(x_MH, ffn, k, use_tma, x_MH, w1_N2FH)
-    bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
+    bound = (_cdiv(M, bm) + N + 1) * _cdiv(ffn, bc)
     nprog = gg._grid_size(x_MH.device, bound)
     with gg._device_ctx(x_MH.device):
         glu_forward_kernel[(nprog,)](
@@ -224,8 +227,8 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
         return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
     bm, bc, bred, use_tma, epi_tma = _fused_launch_params(dy_MH, ffn, k, use_tma, dy_MH, w2_NHF)
     # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
-    part = gg._empty((4 * triton.cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
-    bound = (triton.cdiv(M, bm) + N + 1) * triton.cdiv(ffn, bc)
+    part = gg._empty((4 * _cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
+    bound = (_cdiv(M, bm) + N + 1) * _cdiv(ffn, bc)
     nprog = gg._grid_size(dy_MH.device, bound)
     with gg._device_ctx(dy_MH.device):
         glu_backward_kernel[(nprog,)](
