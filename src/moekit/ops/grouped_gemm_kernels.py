@@ -74,6 +74,19 @@ def locate_tile(tile_id, tile_end, row_start, row_end):
 
 
 @triton.jit
+def tile_schedule(offs_ptr, M, N, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_GROUPS: tl.constexpr):
+    """The flat tile space of a persistent row-tiled kernel: the (row-tile, column-tile) grid of each
+    group in turn, then the padding pseudo-group N. Returns (num_pid_c, row_start, row_end, tile_end,
+    num_tiles): column tiles, each group's row range, the inclusive cumsum of tiles per group (for
+    locate_tile) and the total."""
+    num_pid_c = tl.cdiv(COLS, BLOCK_C)
+    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
+    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
+    return num_pid_c, row_start, row_end, tl.cumsum(tiles, 0), tl.sum(tiles, 0)
+
+
+@triton.jit
 def swizzle(t, num_pid_m, num_pid_c, GROUP_M: tl.constexpr):
     """Local tile index -> (pid_m, pid_c), GROUP_M row tiles at a time, so that the programs running
     at one moment share a few A row-blocks and B column-blocks in L2."""
@@ -207,11 +220,8 @@ def grouped_mm_kernel(
     padding rows offs[N]:M, whose tiles store zeros.
     """
     pid = tl.program_id(0)
-    num_pid_c = tl.cdiv(COLS, BLOCK_C)
-    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
-    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
-    tile_end = tl.cumsum(tiles, 0)
-    num_tiles = tl.sum(tiles, 0)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, M, N, COLS, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
     red_steps = tl.cdiv(RED, BLOCK_RED)
 
     if USE_TMA:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops.grouped_gemm_kernels import group_rows, load_a, load_b, locate_tile, split_halves, swizzle
+from moekit.ops.grouped_gemm_kernels import load_a, load_b, locate_tile, split_halves, swizzle, tile_schedule
 
 CLAMP_LIMIT = tl.constexpr(7.0)
 CLAMP_ALPHA = tl.constexpr(1.702)
@@ -122,11 +122,8 @@ def glu_forward_kernel(
     sees the forward's values.
     """
     pid = tl.program_id(0)
-    num_pid_c = tl.cdiv(F, BLOCK_C)
-    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
-    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
-    tile_end = tl.cumsum(tiles, 0)
-    num_tiles = tl.sum(tiles, 0)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
         x_desc = tl.make_tensor_descriptor(
@@ -208,11 +205,8 @@ def glu_backward_kernel(
     EPI_TMA (needs BLOCK_C | k or k = F): h tiles come in and dh / act_p tiles leave through TMA.
     """
     pid = tl.program_id(0)
-    num_pid_c = tl.cdiv(F, BLOCK_C)
-    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
-    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
-    tile_end = tl.cumsum(tiles, 0)
-    num_tiles = tl.sum(tiles, 0)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
         dy_desc = tl.make_tensor_descriptor(
