@@ -1,5 +1,5 @@
 """Benchmark of grouped_linear's three products, each timed alone: forward, dgrad and wgrad of fc1
-(H -> 2F) and fc2 (F -> H), for every shape of design.md's table and balanced and skewed splits.
+(H -> 2F) and fc2 (F -> H), for every shape of the README's tables and balanced and skewed splits.
 
 Legend: M rows, N experts, I in_features, O out_features.
 

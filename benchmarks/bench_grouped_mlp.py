@@ -1,5 +1,5 @@
 """Benchmark of moekit.grouped_mlp (fc1 -> SwiGLU -> fc2): forward, forward+backward and their peak
-memory, for every shape of design.md's table and balanced and skewed splits.
+memory, for every shape of the README's tables and balanced and skewed splits.
 
 Legend: M rows, N experts, H hidden size, F expert ffn size.
 

@@ -3,7 +3,7 @@
 legend: M routed rows, G groups (experts), I in_features, O out_features, H hidden, F ffn size.
 
 1. Correctness in bf16 (and fp16/fp32) at real sizes against float64 per-group references, next to
-   torch's own error in the same precision (design.md's tolerance rule: ours <= 2x torch's + eps);
+   torch's own error in the same precision (the tests' tolerance rule: ours <= 2x torch's + eps);
    edge cases: empty groups first/middle/last, all rows on one group, sum(m_splits) < M with NaN in
    the padding rows, odd dims (pointer path), prime G; dbias determinism; CUDA-graph capture and
    replay with other split values; no host sync (torch sync debug mode).

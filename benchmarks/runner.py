@@ -60,7 +60,7 @@ class MoEShape:
     ffn: int
 
 
-# design.md's performance table.
+# The shapes of the README's performance tables.
 SHAPES = (
     MoEShape("mixtral-8x7b", rows=32768, experts=8, hidden=4096, ffn=14336),
     MoEShape("deepseek-v3-32e", rows=16384, experts=32, hidden=7168, ffn=2048),

@@ -8,8 +8,8 @@ On a machine without CUDA the kernels run under the Triton interpreter (TRITON_I
 here, before triton is imported; run this file in its own pytest process). The Triton 3.6
 interpreter gets bfloat16 wrong (dot operands as raw integers, truncating casts), so CPU tests use
 float32 and float16. GPU tests (`-m gpu`) run the real kernels in bfloat16.
-Tolerance (design.md): a low-precision result may be off the float64 reference by at most 2x the
-error of torch's own computation in the same precision, plus a small eps.
+Tolerance (in the spirit of tests/conftest.py's rule): a low-precision result may be off the float64
+reference by at most 2x the error of torch's own computation in the same precision, plus a small eps.
 """
 
 # ruff: noqa: E741  (I and O are the legend's feature sizes)
@@ -83,7 +83,7 @@ def rel_err(out, ref):
 
 
 def assert_close(out, ref64, torch_same_precision, dtype):
-    """design.md's rule: error <= 2x torch's own error in the same precision + eps."""
+    """The tolerance rule: error <= 2x torch's own error in the same precision + eps."""
     assert torch.isfinite(out).all(), "non-finite values (unwritten output?)"
     err = rel_err(out, ref64)
     if dtype == torch.float32:
