@@ -40,7 +40,8 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-GLU_HELP = "'none' ([gates; ups]) or K (gate and up rows interleaved in blocks of K; 1 = gpt-oss's alternating rows)"
+GLU_HELP = ("'none' ([gates; ups]) or a block size (gate and up rows interleaved in blocks of that many; "
+            "1 = gpt-oss's alternating rows)")
 
 
 def _add_demo(subparsers) -> None:
@@ -139,9 +140,9 @@ def _add_checkpoint_commands(subparsers) -> None:
     p.add_argument("dst", metavar="DST",
                    help="output file (single-file SRC) or folder (sharded SRC); must not exist, its folder must")
     p.add_argument("--to", required=True, choices=("grouped", "per-expert"), help="the expert layout to write")
-    p.add_argument("--glu-interleave", default="keep", metavar="K",
+    p.add_argument("--glu-interleave", default="keep", metavar="SIZE",
                    help=f"row order of the fused gate/up tensors written: {GLU_HELP}; default keep (the source's)")
-    p.add_argument("--src-glu-interleave", default="keep", metavar="K",
+    p.add_argument("--src-glu-interleave", default="keep", metavar="SIZE",
                    help=f"row order of the source's fused gate/up tensors where the file does not say: {GLU_HELP}")
     p.set_defaults(func=_run_convert)
     q = subparsers.add_parser(

@@ -204,7 +204,8 @@ def refusals(ckpt: Checkpoint, analysis: Analysis) -> list[str]:
     """Everything that makes `convert` refuse a checkpoint whatever it is asked (`inspect` lists them)."""
     problems = list(analysis.problems)
     problems += [f"{g.prefix or 'root'}: the gate/up row order of its fused fc1 tensors is not recorded; pass "
-                 "--src-glu-interleave none (rows [gates; ups]) or K (interleaved in blocks of K)"
+                 "--src-glu-interleave none (rows [gates; ups]) or a block size (rows interleaved in blocks of "
+                 "that many)"
                  for g in analysis.groups if g.fused_fc1 and g.glu_interleave_size == KEEP]
     if not analysis.groups and not problems:
         problems.append(f"{ckpt.path}: no expert tensors found (nothing to convert)")

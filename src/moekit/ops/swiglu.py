@@ -1,11 +1,12 @@
 """Gated activations between the two expert linears, and the fc1 row-order conversions.
 
-Legend: M rows, F ffn size (output features), K = glu interleave size.
+Legend (moekit.ops): M rows, F ffn size (output features). The GLU block size, `glu_interleave_size`,
+has no letter: `block` below (F for the standard layout).
 
 fc1's output `h (M, 2F)` holds gates and ups. Standard order: `[all gates | all ups]`. With
-interleave size K it comes in F/K blocks of 2K: `[g(K) u(K)] [g(K) u(K)] ...`, so one output tile of
+interleave size `block` it comes in F/block blocks of 2 * block: `[g(block) u(block)] ...`, so one output tile of
 an fc1 GEMM holds both halves of the columns it produces (what a fused GEMM+SwiGLU epilogue needs).
-Both orders are views of `h` as (M, F/K, 2, K): the standard one is K = F.
+Both orders are views of `h` as (M, F/block, 2, block): the standard one is block = F.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def _split_gate_up(h_M2F: torch.Tensor, k: int | None) -> tuple[torch.Tensor, to
         raise ValueError(f"the GLU input's last dimension must be even (2F), got {h_M2F.shape[-1]}")
     ffn = h_M2F.shape[-1] // 2
     block = check_interleave(ffn, k)
-    h_MBTK = h_M2F.reshape(*h_M2F.shape[:-1], ffn // block, 2, block)
-    gate = h_MBTK[..., 0, :].reshape(*h_M2F.shape[:-1], ffn)
-    up = h_MBTK[..., 1, :].reshape(*h_M2F.shape[:-1], ffn)
+    h_blocks = h_M2F.reshape(*h_M2F.shape[:-1], ffn // block, 2, block)
+    gate = h_blocks[..., 0, :].reshape(*h_M2F.shape[:-1], ffn)
+    up = h_blocks[..., 1, :].reshape(*h_M2F.shape[:-1], ffn)
     return gate, up
 
 
