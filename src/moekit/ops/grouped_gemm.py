@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 
+from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_gemm_kernels import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
 
 try:  # Triton >= 3.0; the interpreter class tells whether kernels run on the CPU.
@@ -122,27 +122,6 @@ def _ensure_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_alloc)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One kernel configuration: the output tile (block_rows x block_cols), the reduction step, the
-    swizzle band, pipelining depth, warps, whether the tile loop and the reduction loop are fused
-    into one software pipeline (flatten) and whether tiles leave through TMA stores (epi_tma).
-
-    For the forward/dgrad kernel the tile is (rows of M, output columns) and the reduction runs over
-    the input features; for the wgrad kernel the tile is (O, I) and the reduction runs over the
-    group's rows.
-    """
-
-    block_rows: int
-    block_cols: int
-    block_red: int
-    group_rows: int
-    stages: int
-    warps: int
-    flatten: bool
-    epi_tma: bool = False
 
 
 def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int], cols: int) -> list[GemmConfig]:

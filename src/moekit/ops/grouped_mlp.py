@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from moekit._splits import GroupOffsets, MSplits, resolve_splits
+from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_linear import (
     Weight,
     _as_list,
@@ -136,45 +137,78 @@ def _check_probs(probs: torch.Tensor, rows: int, device: torch.device) -> torch.
     return probs.reshape(rows)
 
 
-def _glu_tiles(ffn: int, glu_block: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_C, BLOCK_RED) of the fused kernels for this ffn size and GLU block.
-
-    BLOCK_C columns of F per tile: 128 (two 128 x 128 fp32 accumulators in the forward, the
-    register budget of one 128 x 256 tile of the plain GEMM) unless F is narrower. The weight box
-    of a tile needs k | BLOCK_C or BLOCK_C | k (or k = F); the widest such BLOCK_C is taken."""
-    if interpret:
-        widths, rows, red = (16, 8), 16, 16
-    else:
-        widths, rows, red = (128, 64, 32, 16), 128, 64
-    cap = max(1 << (ffn - 1).bit_length(), widths[-1])  # next power of two >= ffn
-    for width in widths:
-        if width <= cap and (glu_block == ffn or glu_block % width == 0 or width % glu_block == 0):
-            return rows, width, red
-    return rows, min(cap, widths[0]), red
+def _glu_widths(ffn: int, glu_block: int) -> list[int]:
+    """Activation-column widths BLOCK_C of the fused kernels for this ffn size and GLU block, widest
+    first. The weight box of a tile needs k | BLOCK_C or BLOCK_C | k (or k = F); no width above the
+    next power of two of F (a wider tile would be all padding)."""
+    widths = (16, 8) if _interpreting() else (128, 64, 32, 16)
+    cap = max(1 << (ffn - 1).bit_length(), widths[-1])
+    fits = [w for w in widths if w <= cap and (glu_block == ffn or glu_block % w == 0 or w % glu_block == 0)]
+    return fits or [min(cap, widths[0])]
 
 
-def _fused_launch_params(x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool, *tensors: torch.Tensor):
-    """(BLOCK_M, BLOCK_C, BLOCK_RED, operands through TMA, epilogue through TMA) of both fused kernels.
-
-    The epilogue's TMA boxes hold BLOCK_C consecutive gate (or up) columns: they need BLOCK_C | k or
-    k = F, and 16-byte aligned rows of h and act."""
+def _interpreting() -> bool:
     from moekit.ops import grouped_gemm as gg
 
-    rows_blk, cols_blk, red_blk = _glu_tiles(ffn, glu_block, gg._INTERPRET)
-    box_ok = glu_block == ffn or glu_block % cols_blk == 0 or cols_blk % glu_block == 0
-    use_tma, _ = gg._resolve_tma(None if use_tma else False, x.shape[1] > 0, *tensors)
-    use_tma = use_tma and box_ok
-    epi_tma = use_tma and (glu_block == ffn or glu_block % cols_blk == 0) and (ffn * x.element_size()) % 16 == 0
-    if use_tma:
+    return gg._INTERPRET
+
+
+def _glu_candidates(x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> list[GemmConfig]:
+    """Configurations of both fused kernels, the first one the default (untuned).
+
+    GemmConfig's fields here: block_rows = BLOCK_M, block_cols = BLOCK_C (activation columns: the
+    forward's tile is twice as wide in h), block_red = BLOCK_RED, epi_tma = TMA epilogue where the
+    layout allows it. The default is two 128 x 128 fp32 accumulators in the forward (the register
+    budget of one 128 x 256 tile of the plain GEMM); the others are the variants worth timing
+    (deeper pipeline, narrower tiles for many small groups) and are searched once per problem class
+    like the plain GEMM's (`set_autotune`)."""
+    widths = _glu_widths(ffn, glu_block)
+    if _interpreting():
+        return [GemmConfig(16, widths[0], 16, 8, 1, 4, False, True)]
+    wide = widths[0]
+    default = GemmConfig(128, wide, 64, 8, 3, 8, True, True)
+    if not use_tma or x.dtype == torch.float32:
+        return [default]
+    cands = [default, GemmConfig(128, wide, 64, 8, 4, 8, True, True)]
+    if len(widths) > 1:
+        cands.append(GemmConfig(128, widths[1], 64, 8, 4, 8, True, True))
+    cands.append(GemmConfig(64, wide, 64, 8, 4, 4, True, True))
+    return cands
+
+
+def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> bool:
+    """Whether h / act / dh leave (and h comes in) through TMA: boxes of BLOCK_C consecutive gate (or
+    up) columns need BLOCK_C | k or k = F, and 16-byte aligned rows of h and act."""
+    return (cfg.epi_tma and use_tma and (glu_block == ffn or glu_block % cfg.block_cols == 0)
+            and (ffn * x.element_size()) % 16 == 0)
+
+
+def _glu_use_tma(use_tma: bool, ffn: int, glu_block: int, *operands: torch.Tensor) -> bool:
+    """Operands through TMA: as the plain GEMM decides, and a weight box the narrowest width allows."""
+    from moekit.ops import grouped_gemm as gg
+
+    widths = _glu_widths(ffn, glu_block)
+    box_ok = all(glu_block == ffn or glu_block % w == 0 or w % glu_block == 0 for w in widths)
+    ok, _ = gg._resolve_tma(None if use_tma else False, operands[0].shape[1] > 0, *operands)
+    if ok and box_ok:
         gg._ensure_allocator()
-    return rows_blk, cols_blk, red_blk, use_tma, epi_tma
+    return ok and box_ok
 
 
-def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True):
+def _glu_pick(kind: str, key: tuple, cands: list[GemmConfig], launch, device: torch.device,
+              cfg: GemmConfig | None) -> GemmConfig:
+    from moekit.ops import grouped_gemm as gg
+
+    return cfg if cfg is not None else gg._pick((kind, *key), cands, launch, device)
+
+
+def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True,
+                cfg: GemmConfig | None = None):
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
 
     x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64;
-    bias_N2F (N, 2F) or None; probs_M (M,) or None. use_tma=False forces the pointer path (tests).
+    bias_N2F (N, 2F) or None; probs_M (M,) or None. use_tma=False forces the pointer path (tests);
+    cfg a fixed kernel configuration (tests, tuning), else the tuned one of `_glu_candidates`.
     """
     from moekit.ops import grouped_gemm as gg
     from moekit.ops.grouped_mlp_kernels import glu_forward_kernel
@@ -187,10 +221,11 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
     if M == 0 or ffn == 0:
         return h, act
-    bm, bc, bred, use_tma, epi_tma = _fused_launch_params(x_MH, ffn, k, use_tma, x_MH, w1_N2FH)
-    bound = (_cdiv(M, bm) + N + 1) * _cdiv(ffn, bc)
-    nprog = gg._grid_size(x_MH.device, bound)
-    with gg._device_ctx(x_MH.device):
+    use_tma = _glu_use_tma(use_tma, ffn, k, x_MH, w1_N2FH)
+
+    def launch(c: GemmConfig) -> None:
+        bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
+        nprog = gg._grid_size(x_MH.device, bound)
         glu_forward_kernel[(nprog,)](
             x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
             probs_M if probs_M is not None else h, offs,
@@ -200,20 +235,26 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
             ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
             HAS_PROBS=probs_M is not None, USE_TMA=use_tma, UPCAST=gg._INTERPRET,
             DOT_PRECISION=gg._dot_precision(x_MH.dtype),
-            BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
-            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET,
-            BOX_BLOCKS=bc // k if k < bc else 1, BOX_ROWS=min(k, bc), EPI_TMA=epi_tma,
-            num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
+            BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
+            BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
+            BOX_BLOCKS=c.block_cols // k if k < c.block_cols else 1, BOX_ROWS=min(k, c.block_cols),
+            EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma), num_stages=c.stages, num_warps=c.warps,
         )
+
+    with gg._device_ctx(x_MH.device):
+        key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None,
+               activation)
+        launch(_glu_pick("glu_fwd", key, _glu_candidates(x_MH, ffn, k, use_tma), launch, x_MH.device, cfg))
     return h, act
 
 
-def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True):
+def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True,
+                 cfg: GemmConfig | None = None):
     """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), dprobs (M,) fp32 or None).
 
     dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h.
     act_p = act(h) (* probs) is fc2's wgrad operand; dprobs = sum_j act[r, j] * dA[r, j] per row
-    (the activation part of d probs), summed over the F tiles in a fixed order.
+    (the activation part of d probs), summed over the F tiles in a fixed order. cfg as glu_forward's.
     """
     from moekit.ops import grouped_gemm as gg
     from moekit.ops.grouped_mlp_kernels import glu_backward_kernel
@@ -225,12 +266,17 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
     if M == 0 or ffn == 0:
         return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
-    bm, bc, bred, use_tma, epi_tma = _fused_launch_params(dy_MH, ffn, k, use_tma, dy_MH, w2_NHF)
-    # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
-    part = gg._empty((4 * _cdiv(ffn, bc), M), dy_MH.device, torch.float32) if probs_M is not None else None
-    bound = (_cdiv(M, bm) + N + 1) * _cdiv(ffn, bc)
-    nprog = gg._grid_size(dy_MH.device, bound)
-    with gg._device_ctx(dy_MH.device):
+    use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
+
+    def partials(c: GemmConfig) -> torch.Tensor | None:
+        # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
+        if probs_M is None:
+            return None
+        return gg._empty((4 * _cdiv(ffn, c.block_cols), M), dy_MH.device, torch.float32)
+
+    def launch(c: GemmConfig, part: torch.Tensor | None) -> None:
+        bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
+        nprog = gg._grid_size(dy_MH.device, bound)
         glu_backward_kernel[(nprog,)](
             dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
             part if part is not None else dh, offs,
@@ -238,10 +284,17 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
             dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), dh.stride(0), act.stride(0),
             ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
             USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
-            BLOCK_M=bm, BLOCK_C=bc, BLOCK_RED=bred, GROUP_M=8, BLOCK_GROUPS=gg._block_groups(N + 2),
-            NUM_PROGRAMS=nprog, FLATTEN=not gg._INTERPRET, EPI_TMA=epi_tma,
-            num_stages=3 if not gg._INTERPRET else 1, num_warps=8 if not gg._INTERPRET else 4,
+            BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
+            BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
+            EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma), num_stages=c.stages, num_warps=c.warps,
         )
+
+    with gg._device_ctx(dy_MH.device):
+        key = (dy_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, probs_M is not None, activation)
+        chosen = _glu_pick("glu_bwd", key, _glu_candidates(dy_MH, ffn, k, use_tma),
+                           lambda c: launch(c, partials(c)), dy_MH.device, cfg)
+        part = partials(chosen)
+        launch(chosen, part)
     # A fixed-shape sum over the F tiles: a fixed order, deterministic.
     return dh, act, (part.sum(0) if part is not None else None)
 
