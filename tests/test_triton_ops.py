@@ -172,3 +172,40 @@ def test_grouped_mlp_triton_saves_x_itself_and_h_only():
     shapes = sorted(tuple(s.shape) for s in packed if s.dim() == 2)
     assert shapes == [(rows, hidden), (rows, 2 * ffn)], shapes
     assert all(s.dtype == torch.float32 for s in packed)  # fp32 inputs: nothing wider than x
+
+
+def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
+    """The fused MLP is two autograd nodes: fc2's (which yields dh) frees the saved h (M, 2F)
+    before fc1's dgrad and wgrad run, as plain PyTorch's composition frees its h after the SwiGLU
+    backward. Checked when fc1's dgrad is launched: nothing refers to h any more."""
+    import gc
+    import weakref
+
+    from moekit.ops import grouped_gemm
+
+    rows, hidden, ffn = 20, 16, 24
+    t = _mlp_inputs(rows, hidden, ffn, 3, bias=True, probs=True)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    saved_h = []
+
+    def pack(saved):
+        if tuple(saved.shape) == (rows, 2 * ffn):
+            saved_h.append(weakref.ref(saved))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+        y = moekit.grouped_mlp(leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), [7, 0, 13],
+                               **leaves, backend="triton")
+    assert len(saved_h) == 1 and saved_h[0]() is not None, "h is saved once for the backward"
+    alive_at_fc1_dgrad = []
+    original = grouped_gemm.grouped_gemm_dgrad
+
+    def dgrad(dy, w, offs, *args, **kwargs):
+        if tuple(dy.shape) == (rows, 2 * ffn):  # fc1's dgrad: its incoming gradient is dh
+            gc.collect()
+            alive_at_fc1_dgrad.append(saved_h[0]() is not None)
+        return original(dy, w, offs, *args, **kwargs)
+
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm_dgrad", dgrad)
+    y.backward(rand(rows, hidden, seed=17))
+    assert alive_at_fc1_dgrad == [False], "h is still held when fc1's backward runs"

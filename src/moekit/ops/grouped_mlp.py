@@ -7,7 +7,7 @@ Per row r of expert e with probability p_r:
 so the probability scales both the activation output and the fc2 bias, and `probs` gets a gradient.
 
 Backends. `loop` and `torch` compose `grouped_linear`, `swiglu` and `grouped_linear`. `triton` (and
-`auto` where it resolves to triton) runs the fused path of `_FusedMLPFn`, kernels in
+`auto` where it resolves to triton) runs the fused path of `_fused_mlp`, kernels in
 `moekit.ops.grouped_mlp_kernels`:
 
     forward   fc1 GEMM + bias + activation (+ probs) in one kernel -> h (M, 2F) (saved), act (M, F)
@@ -18,6 +18,8 @@ Backends. `loop` and `torch` compose `grouped_linear`, `swiglu` and `grouped_lin
 
 Held between forward and backward: x (the caller's tensor itself, saved as is, so saved-tensor hooks
 can replace it), h in x's dtype, probs, and the weights. No fp32 (M, F) or (M, 2F) tensor anywhere.
+The forward is two autograd nodes (fc1 + activation, fc2): h is released when fc2's backward
+(which yields dh) has run, before fc1's dgrad and wgrad.
 """
 
 from __future__ import annotations
@@ -94,9 +96,8 @@ def grouped_mlp(
     fc1_impl = select_backend(backend, x, _probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), _probe_weight(w2s))
     if fc1_impl.name == "triton" and fc2_impl.name == "triton":
-        b1s, b2s = _as_list(fc1_bias), _as_list(fc2_bias)
-        return _FusedMLPFn.apply(go, probs, glu_interleave_size, activation, (len(w1s), len(w2s), len(b1s), len(b2s)),
-                                 _row_major(x), *w1s, *w2s, *b1s, *b2s)
+        return _fused_mlp(go, probs, glu_interleave_size, activation, _row_major(x), tuple(w1s), tuple(w2s),
+                          tuple(_as_list(fc1_bias)), tuple(_as_list(fc2_bias)))
     h = grouped_linear(x, fc1_weight, go, fc1_bias, backend=backend)
     a = swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     scale = probs.reshape(-1) if probs is not None and fc2_bias is not None else None
@@ -306,57 +307,111 @@ def _unstack(grad: torch.Tensor | None, params: tuple[torch.Tensor, ...], groupe
     return tuple(grad.unbind(0)) if grad is not None else (None,) * len(params)
 
 
-class _FusedMLPFn(torch.autograd.Function):
-    """The triton path of grouped_mlp. Inputs after the fixed ones: fc1 weights, fc2 weights, fc1
-    biases, fc2 biases (counts in `counts`), each one grouped tensor or N per-expert tensors."""
+def _grouped(params: tuple[torch.Tensor, ...], grouped_dim: int, what: str) -> torch.Tensor | None:
+    """One (N, ...) tensor of a grouped parameter or N per-expert ones; None for no parameter."""
+    if not params:
+        return None
+    return params[0] if params[0].dim() == grouped_dim else _stack_weights(params, what)
+
+
+def _unstack_bias(grad: torch.Tensor | None, bias_dims: tuple[int, ...]):
+    """A (N, out) bias gradient as the biases came: none, one grouped tensor, or N per-expert ones
+    (`bias_dims`: the dims of the biases given)."""
+    if not bias_dims:
+        return ()
+    if bias_dims[0] == 2:
+        return (grad,)
+    return tuple(grad.unbind(0)) if grad is not None else (None,) * len(bias_dims)
+
+
+def _fused_mlp(go: GroupOffsets, probs_M, glu_interleave_size, activation, x_MH, w1s, w2s, b1s, b2s):
+    """The triton path: two autograd nodes, so that h is released once fc2's backward has run.
+
+    Node 1 (`_FusedFc1Fn`): fc1 + activation -> h (M, 2F), act (M, F); saves x and fc1's weights.
+    Node 2 (`_FusedFc2Fn`): fc2 on act -> y (M, H); saves h, probs, fc2's weights and bias.
+    Autograd runs node 2's backward first (fc2 dgrad + the activation's backward -> dh, fc2 wgrad,
+    d probs) and frees what it saved, h and dy among them, before node 1's backward (fc1 dgrad and
+    wgrad from dh and x) runs: the peak of the backward holds h or dh, not both, as plain PyTorch's
+    composition does.
+    """
+    h, act = _FusedFc1Fn.apply(go, probs_M, glu_interleave_size, activation, len(w1s), x_MH, *w1s, *b1s)
+    return _FusedFc2Fn.apply(go, glu_interleave_size, activation, len(w2s), h, act, probs_M, *w2s, *b2s)
+
+
+class _FusedFc1Fn(torch.autograd.Function):
+    """fc1 + activation (the `glu_forward` kernel). Inputs after the fixed ones: n_w1 fc1 weights
+    then the fc1 biases, each one grouped tensor or N per-expert tensors. Returns (h, act).
+
+    act is not differentiable here: it is act(h) * probs, a function of h, and `_FusedFc2Fn`'s
+    backward already returns the gradient of h through act (glu_backward computes dh from fc2's
+    dgrad via the activation's derivative, and d probs). Letting autograd also route a gradient
+    through act into this node would count that path twice."""
 
     @staticmethod
-    def forward(ctx, go: GroupOffsets, probs_M, glu_interleave_size, activation, counts, x_MH, *params):
+    def forward(ctx, go: GroupOffsets, probs_M, glu_interleave_size, activation, n_w1, x_MH, *params):
+        w1s, b1s = params[:n_w1], params[n_w1:]
+        w1 = _grouped(w1s, 3, "fc1 weight")
+        h, act = glu_forward(x_MH, w1, go.offs, _grouped(b1s, 2, "fc1 bias"), probs_M, glu_interleave_size,
+                             activation)
+        ctx.mark_non_differentiable(act)
+        ctx.set_materialize_grads(False)
+        ctx.go, ctx.n_w1 = go, n_w1
+        ctx.b1_dims = tuple(b.dim() for b in b1s)
+        # x is saved as the caller's tensor itself: saved-tensor hooks (moe_experts') may replace it.
+        ctx.save_for_backward(x_MH, *w1s)
+        return h, act
+
+    @staticmethod
+    def backward(ctx, dh_M2F, _d_act):
+        from moekit.ops.grouped_gemm import group_row_sum, grouped_gemm_dgrad, grouped_gemm_wgrad
+
+        x_MH, *w1s = ctx.saved_tensors
+        w1s = tuple(w1s)
+        n_w1 = ctx.n_w1
+        need = ctx.needs_input_grad  # forward's inputs: go, probs, glu, activation, n_w1, x, *params
+        need_x, need_w1, need_b1 = need[5], any(need[6:6 + n_w1]), any(need[6 + n_w1:])
+        offs = ctx.go.offs
+        dx = grouped_gemm_dgrad(dh_M2F, _grouped(w1s, 3, "fc1 weight"), offs) if need_x else None
+        dw1 = grouped_gemm_wgrad(dh_M2F, x_MH, offs) if need_w1 else None
+        db1 = group_row_sum(dh_M2F, offs) if need_b1 else None
+        return (None, None, None, None, None, dx, *_unstack(dw1, w1s, 3), *_unstack_bias(db1, ctx.b1_dims))
+
+
+class _FusedFc2Fn(torch.autograd.Function):
+    """fc2 with the probs-scaled bias, whose backward also runs the activation's backward (the
+    `glu_backward` kernel) and so returns h's gradient. Inputs after the fixed ones: n_w2 fc2
+    weights then the fc2 biases."""
+
+    @staticmethod
+    def forward(ctx, go: GroupOffsets, glu_interleave_size, activation, n_w2, h_M2F, act_MF, probs_M, *params):
         from moekit.ops.grouped_gemm import grouped_gemm_forward
 
-        n_w1, n_w2, n_b1, n_b2 = counts
-        w1s, w2s = params[:n_w1], params[n_w1:n_w1 + n_w2]
-        b1s, b2s = params[n_w1 + n_w2:n_w1 + n_w2 + n_b1], params[n_w1 + n_w2 + n_b1:]
-        w1 = w1s[0] if w1s[0].dim() == 3 else _stack_weights(w1s, "fc1 weight")
-        w2 = w2s[0] if w2s[0].dim() == 3 else _stack_weights(w2s, "fc2 weight")
-        b1 = (b1s[0] if b1s[0].dim() == 2 else _stack_weights(b1s, "fc1 bias")) if b1s else None
-        b2 = (b2s[0] if b2s[0].dim() == 2 else _stack_weights(b2s, "fc2 bias")) if b2s else None
-        h, act = glu_forward(x_MH, w1, go.offs, b1, probs_M, glu_interleave_size, activation)
-        y = grouped_gemm_forward(act, w2, go.offs, b2, probs_M if b2 is not None else None)
-        ctx.go, ctx.glu, ctx.activation, ctx.counts = go, glu_interleave_size, activation, counts
-        # x is saved as the caller's tensor itself (saved-tensor hooks may replace it); h in x's dtype.
-        ctx.save_for_backward(x_MH, h, probs_M, b2, *w1s, *w2s)
-        ctx.param_meta = (tuple(t.dim() for t in b1s), tuple(t.dim() for t in b2s))
+        w2s, b2s = params[:n_w2], params[n_w2:]
+        b2 = _grouped(b2s, 2, "fc2 bias")
+        y = grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), go.offs, b2,
+                                 probs_M if b2 is not None else None)
+        ctx.go, ctx.glu, ctx.activation, ctx.n_w2 = go, glu_interleave_size, activation, n_w2
+        ctx.b2_dims = tuple(b.dim() for b in b2s)
+        ctx.save_for_backward(h_M2F, probs_M, b2, *w2s)
         return y
 
     @staticmethod
     def backward(ctx, dy_MH):
-        from moekit.ops.grouped_gemm import (
-            group_row_sum,
-            group_row_sum_and_dot,
-            grouped_gemm_dgrad,
-            grouped_gemm_wgrad,
-        )
+        from moekit.ops.grouped_gemm import group_row_sum, group_row_sum_and_dot, grouped_gemm_wgrad
 
-        n_w1, n_w2, n_b1, n_b2 = ctx.counts
-        x_MH, h, probs_M, b2, *weights = ctx.saved_tensors
-        w1s, w2s = tuple(weights[:n_w1]), tuple(weights[n_w1:])
-        w1 = w1s[0] if w1s[0].dim() == 3 else _stack_weights(w1s, "fc1 weight")
-        w2 = w2s[0] if w2s[0].dim() == 3 else _stack_weights(w2s, "fc2 weight")
+        h, probs_M, b2, *w2s = ctx.saved_tensors
+        w2s = tuple(w2s)
+        n_w2 = ctx.n_w2
         offs = ctx.go.offs
         dy_MH = _row_major(dy_MH)
-        need = ctx.needs_input_grad  # forward's inputs: go, probs, glu, activation, counts, x, *params
-        need_x, need_probs = need[5], need[1]
-        ends = [6 + n_w1, 6 + n_w1 + n_w2, 6 + n_w1 + n_w2 + n_b1]
-        need_w1, need_w2 = any(need[6:ends[0]]), any(need[ends[0]:ends[1]])
-        need_b1, need_b2 = any(need[ends[1]:ends[2]]), any(need[ends[2]:])
-
-        dh, act_p, dprobs = glu_backward(dy_MH, w2, h, offs, probs_M, ctx.glu, ctx.activation)
+        # forward's inputs: go, glu, activation, n_w2, h, act, probs, *params
+        need = ctx.needs_input_grad
+        need_probs, need_w2, need_b2 = need[6], any(need[7:7 + n_w2]), any(need[7 + n_w2:])
+        dh, act_p, dprobs = glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h, offs, probs_M, ctx.glu,
+                                         ctx.activation)
+        del h
         dw2 = grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
         del act_p
-        dx = grouped_gemm_dgrad(dh, w1, offs) if need_x else None
-        dw1 = grouped_gemm_wgrad(dh, x_MH, offs) if need_w1 else None
-        db1 = group_row_sum(dh, offs) if need_b1 else None
         db2 = None
         d_probs = None
         if probs_M is not None and need_probs and b2 is not None:
@@ -368,12 +423,4 @@ class _FusedMLPFn(torch.autograd.Function):
             db2 = group_row_sum(dy_MH, offs, probs_M)
         if probs_M is not None and need_probs:
             d_probs = dprobs.to(probs_M.dtype)
-        b1s_dims, b2s_dims = ctx.param_meta
-        dws1 = _unstack(dw1, w1s, 3)
-        dws2 = _unstack(dw2, w2s, 3)
-        dbs1 = () if not n_b1 else ((db1,) if b1s_dims[0] == 2 else
-                                    (tuple(db1.unbind(0)) if db1 is not None else (None,) * n_b1))
-        dbs2 = () if not n_b2 else ((db2,) if b2s_dims[0] == 2 else
-                                    (tuple(db2.unbind(0)) if db2 is not None else (None,) * n_b2))
-        return (None, d_probs, None, None, None, dx, *dws1, *dws2, *dbs1, *dbs2)
-
+        return (None, None, None, None, dh, None, d_probs, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))
