@@ -583,6 +583,7 @@ GROUPS = {
     "train": lambda rank, world, device, workdir: (check_data_parallel(rank, world, device),
                                                    check_expert_parallel(rank, world, device),
                                                    check_ep_fsdp_training(rank, world, device)),
+    "ep": lambda rank, world, device, workdir: check_expert_parallel(rank, world, device),
     "ckpt4": check_ckpt4,
     "ckpt2": check_ckpt2,
 }

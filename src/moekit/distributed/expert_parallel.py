@@ -4,28 +4,34 @@ token copies travel to the rank of their expert and back with `all_to_all_single
 Legend: T tokens (this rank's), K top-k, N experts in all, H hidden size; EP ranks in the group,
 L = N/EP experts per rank ("local"), C slots per (source rank, expert) in capacity mode.
 
-Dispatch and combine, for one rank:
-1. route (`MoELayer.route`, the single-process layer's own router), then `moekit.permute`: the T*K
-   copies sorted by global expert, with device counts (N,). Experts r*L..(r+1)*L-1 live on rank r,
-   so the sorted copies are already grouped by destination rank.
-2. exchange the counts with `all_to_all_single` on the device: rank r learns, for each source rank
-   s, how many copies s sends to each of r's L experts.
-3. move the copies and their router weights (`all_to_all_single`, differentiable: its backward is
-   the reverse all-to-all), sort the received rows by local expert (`moekit.permute` again), run the
-   local `GroupedMLP`, and send the outputs back the same way; `moekit.unpermute` sums each token's K
-   outputs.
+Dispatch and combine, for one rank (index maps in `moekit.distributed.dispatch`, all on the device):
+1. route (`MoELayer.route`, the single-process layer's own router) and sort the T*K copies by
+   global expert (moe_experts' device routing). Experts r*L..(r+1)*L-1 live on rank r, so the
+   sorted copies are already grouped by destination rank.
+2. exchange the per-expert counts with `all_to_all_single` on the device: rank r learns, for each
+   source rank s, how many copies s routed to each of r's L experts.
+3. gather the send buffer straight from the tokens (one (M, H) copy: the all-to-all's input) and
+   the router weights beside it; `all_to_all_single` (differentiable: its backward is the reverse
+   all-to-all); the received rows, grouped (source rank, local expert), go through the local
+   experts as `moekit.moe_experts` runs them (sorted by local expert on the device, fused grouped
+   MLP with the router weights as probs, back in received order; no sorted copy kept for the
+   backward); the outputs travel back the same way and each token's K (already weighted) outputs
+   are summed in fixed order. Every row movement is a deterministic gather-sum, forward and
+   backward: no floating-point atomics.
 
 Modes:
 - "dropless": the all-to-all splits are the exchanged counts, so their sums must reach the host:
   one device-to-host copy per forward (the split sizes of the dispatch, which the combine and both
   backward passes reuse; with num_chunks > 1, all chunks' sizes in the same one copy). Outputs and
   gradients equal the single-process `MoELayer`'s.
-- "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots, so
-  every buffer has a fixed size and nothing is read by the host (CUDA-graph capture itself is not
-  tested). Every rank must pass the same number of tokens T (the buffers' sizes must agree). Copies
-  past C are dropped, the last ones in token order (the first C copies of each expert, in token
-  order, are kept): deterministic. `dropped_copies` holds the number of copies this rank's tokens
-  lost in the last forward, as a device tensor. Dropless mode takes any T per rank.
+- "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots (and
+  each destination one sentinel slot that dropped copies point to), so every buffer has a fixed
+  size, nothing is read by the host and the step can be captured in a CUDA graph. Every rank must
+  pass the same number of tokens T >= 1 (the buffers' sizes must agree). Copies past C are dropped,
+  the last ones in token order (the first C copies of each expert, in token order, are kept):
+  deterministic. Empty slots travel but are padding rows of the local grouped MLP (not computed).
+  `dropped_copies` holds the number of copies this rank's tokens lost in the last forward, as a
+  device tensor. Dropless mode takes any T per rank.
 """
 
 from __future__ import annotations
@@ -37,9 +43,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from moekit.distributed.dispatch import (
+    capacity_maps,
+    dropless_maps,
+    move_rows,
+    received_local_ids,
+    use_triton_rows,
+)
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.moe_layer import MoELayer
-from moekit.ops.permute import permute, unpermute
+from moekit.nn.moe_layer import MoELayer, run_experts
+from moekit.ops.grouped_mlp import grouped_mlp
 
 MODES = ("dropless", "capacity")
 
@@ -244,26 +257,8 @@ class ExpertParallelMoE(nn.Module):
                 f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
             )
         x_TH = x.reshape(-1, self.hidden_size)
-        if self.mode == "dropless":
-            return _as_input_shape(self._dropless(x_TH), x)
-        weights_TK, ids_TK, _ = self.route(x_TH)
-        x_sorted, counts_N, row_map_TK = permute(x_TH, ids_TK, self.num_experts)
-        probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
-            0, row_map_TK.reshape(-1), weights_TK.reshape(-1))
-        # recv_counts[s * L + e]: copies that EP rank s sends to this rank's local expert e.
-        recv_counts = torch.empty_like(counts_N)
-        dist.all_to_all_single(recv_counts, counts_N, group=self.ep_group)
-        y_sorted = self._capacity(x_sorted, probs_sorted, counts_N, recv_counts, x_TH.shape[0])
-        return _as_input_shape(unpermute(y_sorted, row_map_TK), x)
-
-    def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
-                       num_ids: int) -> torch.Tensor:
-        """Run received rows (in any order) through the local experts; rows with id >= L are
-        padding (zero output). local_ids: (R,) int64 in [0, num_ids)."""
-        x_local, m_splits, map_local = permute(x_recv, local_ids[:, None], num_ids)
-        probs_local = probs_recv.new_zeros(probs_recv.shape[0]).scatter(0, map_local.reshape(-1), probs_recv)
-        y_local = self.experts(x_local, m_splits[:self.num_local_experts], probs=probs_local)
-        return unpermute(y_local, map_local)
+        y_TH = self._dropless(x_TH) if self.mode == "dropless" else self._capacity(x_TH)
+        return _as_input_shape(y_TH, x)
 
     def _dropless(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Dropless dispatch and combine of x_TH's tokens in `num_chunks` token chunks: every
@@ -271,18 +266,21 @@ class ExpertParallelMoE(nn.Module):
         needed, so chunk c+1's dispatch and chunk c's combine can run while chunk c's (c+1's)
         experts compute. One host read for all chunks' split sizes."""
         ep_size, local_L = self.ep_size, self.num_local_experts
+        use_triton = use_triton_rows(self.experts.backend, x_TH)
         chunks = []
         # Exactly num_chunks pieces (some may be empty) on every rank, whatever its token count: the
         # ranks' all-to-alls must pair up.
         for x_chunk in torch.tensor_split(x_TH, self.num_chunks):
             weights_TK, ids_TK, _ = self.route(x_chunk)
-            x_sorted, counts_N, row_map_TK = permute(x_chunk, ids_TK, self.num_experts)
-            probs_sorted = weights_TK.new_zeros(row_map_TK.numel()).scatter(
-                0, row_map_TK.reshape(-1), weights_TK.reshape(-1))
-            chunks.append((x_sorted, probs_sorted, counts_N, row_map_TK))
+            maps = dropless_maps(ids_TK, self.num_experts)
+            # The send buffers: copies sorted by expert, so grouped by destination rank.
+            x_send = move_rows(x_chunk, maps.token_of_row, maps.row_of_copy, use_triton)
+            probs_send = move_rows(weights_TK.reshape(-1, 1), maps.copy_of_row, maps.row_of_copy.reshape(-1, 1),
+                                   use_triton)
+            chunks.append((x_send, probs_send, maps))
         num_chunks = len(chunks)
         # Counts to each destination rank, chunk-major: (EP, chunks, L); received (EP sources, chunks, L).
-        send_counts = torch.stack([c[2] for c in chunks]).view(num_chunks, ep_size, local_L).transpose(0, 1)
+        send_counts = torch.stack([c[2].counts for c in chunks]).view(num_chunks, ep_size, local_L).transpose(0, 1)
         recv_counts = torch.empty_like(send_counts, memory_format=torch.contiguous_format)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
         # The one host read of a dropless all-to-all: every chunk's split sizes, in one copy.
@@ -290,53 +288,69 @@ class ExpertParallelMoE(nn.Module):
         send = [[splits[r * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         recv = [[splits[(ep_size + r) * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         dispatched = []
-        for c, (x_sorted, probs_sorted, _, _) in enumerate(chunks):
-            dispatched.append((_start(x_sorted, recv[c], send[c], self.ep_group),
-                               _start(probs_sorted, recv[c], send[c], self.ep_group)))
-        expert_of_slot = torch.arange(local_L, device=x_TH.device).repeat(ep_size)
+        for c, (x_send, probs_send, _) in enumerate(chunks):
+            dispatched.append((_start(x_send, recv[c], send[c], self.ep_group),
+                               _start(probs_send, recv[c], send[c], self.ep_group)))
+        expert_of_block = torch.arange(local_L, device=x_TH.device).repeat(ep_size)
         combined = []
         for c, ((x_recv, x_started), (probs_recv, probs_started)) in enumerate(dispatched):
             x_recv = _wait(x_recv, x_started)
             probs_recv = _wait(probs_recv, probs_started)
-            local_ids = torch.repeat_interleave(expert_of_slot, recv_counts[:, c].reshape(-1),
+            # Received rows come grouped (source rank, local expert); moe_experts sorts them by expert.
+            local_ids = torch.repeat_interleave(expert_of_block, recv_counts[:, c].reshape(-1),
                                                 output_size=x_recv.shape[0])
-            y_recv = self._local_experts(x_recv, probs_recv, local_ids, local_L)
+            y_recv = run_experts(self.experts, x_recv, local_ids[:, None], probs_recv)
             combined.append(_start(y_recv, send[c], recv[c], self.ep_group))
-        out = [unpermute(_wait(*started), chunk[3]) for started, chunk in zip(combined, chunks, strict=True)]
+        # Each token's K outputs (already weighted by the experts' probs) summed back.
+        out = [move_rows(_wait(*started), chunk[2].row_of_copy, chunk[2].token_of_row, use_triton)
+               for started, chunk in zip(combined, chunks, strict=True)]
         return out[0] if num_chunks == 1 else torch.cat(out)
 
     def capacity(self, num_tokens: int) -> int:
         """Slots per (source rank, expert) for `num_tokens` tokens on each rank."""
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
 
-    def _capacity(self, x_sorted, probs_sorted, counts_N, recv_counts, num_tokens):
-        num_experts, slots = self.num_experts, self.capacity(num_tokens)
-        device = x_sorted.device
-        rows = x_sorted.shape[0]
-        starts = torch.cumsum(counts_N, 0) - counts_N
-        # Slot (e, p) holds sorted row starts[e] + p when p < counts[e]; else the zero row `rows`.
-        pos = torch.arange(slots, device=device)
-        filled = pos[None, :] < counts_N[:, None]
-        gather = torch.where(filled, starts[:, None] + pos[None, :], rows).reshape(-1)
-        x_send = torch.cat([x_sorted, x_sorted.new_zeros(1, x_sorted.shape[1])])[gather]
-        probs_send = torch.cat([probs_sorted, probs_sorted.new_zeros(1)])[gather]
-        self.dropped_copies = (counts_N - slots).clamp_min(0).sum()
+    def _capacity(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Fixed-size dispatch and combine: every buffer's shape depends on T, K, N, EP and C only,
+        so nothing is read by the host and the step can be captured in a CUDA graph."""
+        num_tokens = x_TH.shape[0]
+        if num_tokens == 0:
+            raise ValueError("mode='capacity' needs at least one token per rank (every rank passes the same count)")
+        slots = self.capacity(num_tokens)
+        use_triton = use_triton_rows(self.experts.backend, x_TH)
+        weights_TK, ids_TK, _ = self.route(x_TH)
+        maps = capacity_maps(ids_TK, self.num_experts, self.ep_size, slots)
+        self.dropped_copies = maps.dropped
+        # recv_counts[s * L + e]: copies that EP rank s routed to this rank's local expert e.
+        recv_counts = torch.empty_like(maps.counts)
+        dist.all_to_all_single(recv_counts, maps.counts, group=self.ep_group)
+        x_send = move_rows(x_TH, maps.token_of_slot, maps.slot_of_copy, use_triton)
+        probs_send = move_rows(weights_TK.reshape(-1, 1), maps.copy_of_slot, maps.slot_of_copy.reshape(-1, 1),
+                               use_triton)
         x_recv = all_to_all_rows(x_send, None, None, self.ep_group)
         probs_recv = all_to_all_rows(probs_send, None, None, self.ep_group)
-        # Received slots are laid out (source rank, local expert, slot); empty ones go to id L.
-        local_L = self.num_local_experts
-        kept = torch.minimum(recv_counts, torch.full_like(recv_counts, slots))
-        slot_filled = pos[None, :] < kept[:, None]
-        expert_of_slot = torch.arange(local_L, device=device).repeat(self.ep_size)[:, None]
-        local_ids = torch.where(slot_filled, expert_of_slot, local_L).reshape(-1)
-        y_recv = self._local_experts(x_recv, probs_recv, local_ids, local_L + 1)
-        y_send = all_to_all_rows(y_recv, None, None, self.ep_group)
-        # Back to sorted order; a dropped copy (p >= slots) gets zeros.
-        expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=device), counts_N,
-                                                output_size=rows)
-        pos_of_row = torch.arange(rows, device=device) - starts[expert_of_row]
-        back = torch.where(pos_of_row < slots, expert_of_row * slots + pos_of_row, num_experts * slots)
-        return torch.cat([y_send, y_send.new_zeros(1, y_send.shape[1])])[back]
+        local_ids = received_local_ids(recv_counts.view(self.ep_size, self.num_local_experts), slots)
+        y_recv = self._local_experts_padded(x_recv, probs_recv, local_ids, use_triton)
+        y_back = all_to_all_rows(y_recv, None, None, self.ep_group)
+        # Dropped copies read their destination's sentinel slot, which came back as zeros.
+        return move_rows(y_back, maps.slot_of_copy, maps.token_of_slot, use_triton)
+
+    def _local_experts_padded(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
+                              use_triton: bool) -> torch.Tensor:
+        """The received slots through the local experts: x_recv (S, H), probs_recv (S, 1), local_ids
+        (S,) with L for empty slots. Sorted by local expert with the empty slots last, they are the
+        grouped MLP's padding rows (past sum(m_splits)): not computed, zero output, zero gradient."""
+        experts = self.experts
+        by_expert = dropless_maps(local_ids[:, None], self.num_local_experts)  # ids == L sort last, uncounted
+        slot_of_sorted, sorted_of_slot = by_expert.token_of_row, by_expert.row_of_copy
+        x_sorted = move_rows(x_recv, slot_of_sorted, sorted_of_slot, use_triton)
+        probs_sorted = move_rows(probs_recv, slot_of_sorted, sorted_of_slot, use_triton)
+        y_sorted = grouped_mlp(
+            x_sorted, experts.fc1.weights(), experts.fc2.weights(), by_expert.counts, probs=probs_sorted.view(-1),
+            fc1_bias=experts.fc1.biases(), fc2_bias=experts.fc2.biases(), activation=experts.activation,
+            glu_interleave_size=experts.glu_interleave_size, backend=experts.backend,
+        )
+        return move_rows(y_sorted, sorted_of_slot, slot_of_sorted, use_triton)
 
     def extra_repr(self) -> str:
         capacity = f", capacity_factor={self.capacity_factor}" if self.mode == "capacity" else ""
