@@ -154,27 +154,27 @@ def _interpreting() -> bool:
     return gg._INTERPRET
 
 
-def _glu_candidates(x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> list[GemmConfig]:
-    """Configurations of both fused kernels, the first one the default (untuned).
+def _glu_candidates(kernel: str, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> list[GemmConfig]:
+    """Configurations of the fused kernel `kernel` ("fwd" or "bwd"), the first one the default.
 
     GemmConfig's fields here: block_rows = BLOCK_M, block_cols = BLOCK_C (activation columns: the
     forward's tile is twice as wide in h), block_red = BLOCK_RED, epi_tma = TMA epilogue where the
-    layout allows it. The default is two 128 x 128 fp32 accumulators in the forward (the register
-    budget of one 128 x 256 tile of the plain GEMM); the others are the variants worth timing
-    (deeper pipeline, narrower tiles for many small groups) and are searched once per problem class
-    like the plain GEMM's (`set_autotune`)."""
+    layout allows it. Both kernels use 128 x 128 activation columns: the forward holds two fp32
+    accumulators (gate and up, the register budget of one 128 x 256 tile of the plain GEMM), the
+    backward one. Measured on the H200 over the README's four shapes
+    (benchmarks/results/h200_tune_fused_mlp_558d69b.json, notes/grouped_mlp.md): the forward is
+    fastest with the tile loop and the reduction loop left unfused (flatten=False: 1.25-1.46x the
+    fused pipeline, whose TMA-store epilogue stalls it) and 3 stages (4 do not fit in shared
+    memory); the backward with the fused pipeline and 4 stages (1.08-1.15x 3 stages). Narrower
+    tiles and 64-row tiles lost everywhere (0.5-0.7x). One candidate each: no tuning sync."""
     widths = _glu_widths(ffn, glu_block)
     if _interpreting():
         return [GemmConfig(16, widths[0], 16, 8, 1, 4, False, True)]
-    wide = widths[0]
-    default = GemmConfig(128, wide, 64, 8, 3, 8, True, True)
     if not use_tma or x.dtype == torch.float32:
-        return [default]
-    cands = [default, GemmConfig(128, wide, 64, 8, 4, 8, True, True)]
-    if len(widths) > 1:
-        cands.append(GemmConfig(128, widths[1], 64, 8, 4, 8, True, True))
-    cands.append(GemmConfig(64, wide, 64, 8, 4, 4, True, True))
-    return cands
+        return [GemmConfig(128, widths[0], 64, 8, 3, 8, True, True)]
+    if kernel == "fwd":
+        return [GemmConfig(128, widths[0], 64, 8, 3, 8, False, True)]
+    return [GemmConfig(128, widths[0], 64, 8, 4, 8, True, True)]
 
 
 def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> bool:
@@ -245,7 +245,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     with gg._device_ctx(x_MH.device):
         key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None,
                activation)
-        launch(_glu_pick("glu_fwd", key, _glu_candidates(x_MH, ffn, k, use_tma), launch, x_MH.device, cfg))
+        launch(_glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH, ffn, k, use_tma), launch, x_MH.device, cfg))
     return h, act
 
 
@@ -292,7 +292,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
 
     with gg._device_ctx(dy_MH.device):
         key = (dy_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, probs_M is not None, activation)
-        chosen = _glu_pick("glu_bwd", key, _glu_candidates(dy_MH, ffn, k, use_tma),
+        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH, ffn, k, use_tma),
                            lambda c: launch(c, partials(c)), dy_MH.device, cfg)
         part = partials(chosen)
         launch(chosen, part)
