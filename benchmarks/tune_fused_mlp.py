@@ -18,9 +18,12 @@ benchmarks/tune_fused_mlp.py [--shapes name,...] [--skip-layer]
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import time
 
 import torch
@@ -199,6 +202,20 @@ def layer_cell(tokens: int) -> dict:
             step()
             torch.cuda.synchronize()
         launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        if tokens == 256:
+            # Where the host time goes (Python functions, by own time and by cumulative time).
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            for _ in range(20):
+                step()
+            prof_py.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            stats = pstats.Stats(prof_py, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumtime").print_stats(40)
+            cell[f"{name}_host_profile"] = text.getvalue()
+            print(text.getvalue()[:6000], flush=True)
         cell[name] = {"host_enqueue_ms": host_ms, "wall_ms": wall_ms, "do_bench_ms": gpu_ms,
                       "cuda_events": launches}
         print(f"layer T={tokens} {name}: host {host_ms:.3f} ms, wall {wall_ms:.3f} ms, do_bench {gpu_ms:.3f} ms, "
