@@ -1,30 +1,38 @@
-"""moekit.grouped_mlp (triton, with probs) against the plain PyTorch of issue 10 (`plain_mlp`), in one
-process, interleaved rounds (median of 3), dense 8192^3 bf16 roof measured in the same run.
+"""moekit.grouped_mlp (with router probs) against the plain PyTorch of issue 10 (`plain_mlp`), in one
+process, interleaved rounds, dense 8192^3 bf16 roof measured in the same run (start and end).
 
 Legend: M routed rows, N experts, H hidden size, F ffn size.
 
-Per (shape, balanced/skewed splits): bf16 check of output, d x, d w1, d w2, d probs against a float32
-per-group reference; forward and forward+backward TFLOP/s (fwd = 6 M H F, fwd+bwd = 3x); peak memory
-of forward+backward (absolute, and above what was allocated before); memory held between forward
-and backward (allocated after the forward minus before, output excluded). Writes $OUT/mlp_vs_plain.json
-(commit from MOEKIT_BENCH_COMMIT). Usage: python benchmarks/bench_mlp_vs_plain.py [--quick] [--shapes a,b]
+Per (shape, balanced/skewed splits) and implementation: output, d x, d w1, d w2 and d probs against
+a float32 per-group reference (relative Frobenius error and the worst row/expert); forward and
+forward+backward TFLOP/s (forward = 6 M H F, forward+backward = 3x) and the ratio to plain; memory
+of one forward+backward: the peak (absolute, and above what was allocated before) and what the
+forward holds for the backward (allocated after it, output excluded, minus before), and their
+ratios to plain. One record per (shape, dist, op, impl); the JSON is rewritten after every cell.
+
+    python benchmarks/bench_mlp_vs_plain.py --out $OUT [--shapes a,b] [--max-seconds 60]
+    python benchmarks/bench_mlp_vs_plain.py --smoke --backend torch --out /tmp/b   # tiny, CPU
+
+The commit recorded is MOEKIT_BENCH_COMMIT's, else git's (runner.machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import statistics
+import time
+from pathlib import Path
 
 import runner
 import torch
 import torch.nn.functional as F
-import triton
 
 import moekit
+
+NAME = "mlp_vs_plain"
+IMPLS = ("moekit", "plain")
+OPS = ("forward", "forward+backward")
+GRAD_NAMES = ("x", "w1", "w2", "probs")
 
 
 def plain_mlp(x, w1, w2, offs, probs):  # offs = cumsum(m_splits) as int32 (issue 10, verbatim)
@@ -33,143 +41,163 @@ def plain_mlp(x, w1, w2, offs, probs):  # offs = cumsum(m_splits) as int32 (issu
     return torch._grouped_mm(F.silu(g) * u * probs[:, None].to(x.dtype), w2.transpose(-2, -1), offs=offs)
 
 
-def _errors(got: dict, ref: dict) -> dict:
-    out = {}
-    for k, r in ref.items():
-        g = got[k].float()
-        diff = (g - r).norm().item() / max(r.norm().item(), 1e-30)
-        # worst over row blocks (64 rows of a vector, one expert of a weight, one row of a matrix)
-        gb, rb = (g.reshape(-1, 64), r.reshape(-1, 64)) if g.dim() == 1 else (g.flatten(1), r.flatten(1))
-        worst = ((gb - rb).norm(dim=1) / rb.norm(dim=1).clamp_min(1e-6 * r.norm().item() + 1e-30)).max().item()
-        out[k] = {"fro": diff if math.isfinite(diff) else None, "worst_block": worst if math.isfinite(worst) else None}
-    return out
+def reference(leaves: dict, splits: list[int], dy: torch.Tensor) -> dict:
+    """float32 output and gradients of a per-group loop (moekit's loop backend on float32 copies)."""
+    ref = {k: t.detach().float().requires_grad_() for k, t in leaves.items()}
+    y = moekit.grouped_mlp(ref["x"], ref["w1"], ref["w2"], splits, probs=ref["probs"], backend="loop")
+    y.backward(dy.float())
+    return {"out": y.detach(), **{k: ref[k].grad for k in GRAD_NAMES}}
 
 
-def _memory(fwd, dy, leaves) -> dict:
-    for t in leaves:
-        t.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y = fwd()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes()
-    y.backward(dy)
-    del y
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    for t in leaves:
-        t.grad = None
-    return {"held_bytes": held, "peak_bytes": peak, "peak_extra_bytes": peak - before}
-
-
-def bench_cell(shape, dist, rounds, rep_ms):
+def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str) -> list[dict]:
     M, N, H, Fd = shape.rows, shape.experts, shape.hidden, shape.ffn
+    device, dtype = cfg.device, cfg.dtype
     splits = runner.make_splits(shape, dist)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    x = torch.randn(M, H, device="cuda", dtype=bf, generator=gen).requires_grad_()
-    w1 = (torch.randn(N, 2 * Fd, H, device="cuda", generator=gen) * H**-0.5).to(bf).requires_grad_()
-    w2 = (torch.randn(N, H, Fd, device="cuda", generator=gen) * Fd**-0.5).to(bf).requires_grad_()
-    probs = torch.rand(M, device="cuda", generator=gen).requires_grad_()
-    dy = torch.randn(M, H, device="cuda", dtype=bf, generator=gen)
-    leaves = [x, w1, w2, probs]
-    m_splits = torch.tensor(splits, device="cuda")
-    offs32 = torch.cumsum(m_splits, 0).to(torch.int32)
-    fns = {
-        "plain": lambda: plain_mlp(x, w1, w2, offs32, probs),
-        "moekit": lambda: moekit.grouped_mlp(x, w1, w2, m_splits, probs=probs, backend="triton"),
+    gen = torch.Generator(device=device).manual_seed(0)
+    leaves = {
+        "x": torch.randn(M, H, device=device, dtype=dtype, generator=gen),
+        "w1": (torch.randn(N, 2 * Fd, H, device=device, generator=gen) * H**-0.5).to(dtype),
+        "w2": (torch.randn(N, H, Fd, device=device, generator=gen) * Fd**-0.5).to(dtype),
+        "probs": torch.rand(M, device=device, generator=gen),
     }
-    # float32 reference: per-group loop
-    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
-    y_ref = moekit.grouped_mlp(*ref_leaves[:3], splits, probs=ref_leaves[3], backend="loop")
-    y_ref.backward(dy.float())
-    ref = {"out": y_ref.detach(), **{k: t.grad for k, t in zip(("x", "w1", "w2", "probs"), ref_leaves, strict=True)}}
-    del y_ref, ref_leaves
-    cell = {"shape": shape.name, "dist": dist, "M": M, "N": N, "H": H, "F": Fd, "max_split": max(splits)}
-    for name, fwd in fns.items():
-        for t in leaves:
-            t.grad = None
-        y = fwd()
-        y.backward(dy)
-        cell[f"{name}_check"] = _errors({"out": y.detach(), "x": x.grad, "w1": w1.grad, "w2": w2.grad,
-                                         "probs": probs.grad}, ref)
-        del y
-        cell[f"{name}_memory"] = _memory(fwd, dy, leaves)
+    for t in leaves.values():
+        t.requires_grad_()
+    grads = list(leaves.values())
+    dy = torch.randn(M, H, device=device, dtype=dtype, generator=gen)
+    m_splits = torch.tensor(splits, device=device)
+    offs32 = torch.cumsum(m_splits, 0).to(torch.int32)
+    x, w1, w2, probs = (leaves[k] for k in GRAD_NAMES)
+    forwards = {
+        "moekit": lambda: moekit.grouped_mlp(x, w1, w2, m_splits, probs=probs, backend=args.backend),
+        "plain": lambda: plain_mlp(x, w1, w2, offs32, probs),
+    }
+    ref = reference(leaves, splits, dy)
+    flops_fwd = 6 * M * H * Fd
+    records, timed = [], []
+    for impl, fwd in forwards.items():
+        recs = {op: {"bench": NAME, "shape": shape.name, "dist": dist, "rows": M, "experts": N, "hidden": H,
+                     "ffn": Fd, "max_split": max(splits), "op": op, "impl": impl,
+                     "backend": args.backend if impl == "moekit" else "torch._grouped_mm",
+                     "flops": flops_fwd * (1 if op == "forward" else 3), "status": None, "reason": None,
+                     "ms": None, "tflops": None}
+                for op in OPS}
+        records += recs.values()
+
+        def fwd_bwd(fwd=fwd):
+            fwd().backward(dy)
+
+        try:
+            for t in grads:
+                t.grad = None
+            y = fwd()  # first call: compilation and tuning happen here, outside the timing
+            y.backward(dy)
+            got = {"out": y.detach(), **{k: leaves[k].grad for k in GRAD_NAMES}}
+            check = runner.check_summary({k: runner.rel_errors(got[k], ref[k]) for k in ref}, dtype)
+            del y, got
+            sync = runner.check_host_sync(fwd_bwd, device)
+            mem = runner.memory_of(fwd, dy, grads, device)
+            for r in recs.values():
+                r.update(status="ok" if check["ok"] else "check_failed", check=check, host_sync=sync, **mem)
+                if not check["ok"]:
+                    r["reason"] = runner.failed_check_reason(check)
+            timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
+        except Exception as exc:  # one broken implementation must not lose the cell of a scarce run
+            for r in recs.values():
+                r["status"], r["reason"] = "error", runner.error_reason(exc)
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
     del ref
-    flops = 6 * M * H * Fd
-    for op, mult in (("fwd", 1), ("fwd+bwd", 3)):
-        runs = {n: (f if op == "fwd" else (lambda f=f: f().backward(dy))) for n, f in fns.items()}
-        times = {n: [] for n in runs}
-        names = list(runs)
-        for rnd in range(rounds):
-            for n in names[rnd % 2:] + names[:rnd % 2]:
-                times[n].append(triton.testing.do_bench(runs[n], warmup=25, rep=rep_ms, grad_to_none=leaves,
-                                                        return_mode="median"))
-        for n in names:
-            ms = statistics.median(times[n])
-            cell[f"{n}_{op}_ms"], cell[f"{n}_{op}_ms_rounds"] = ms, times[n]
-            cell[f"{n}_{op}_tflops"] = mult * flops / ms / 1e9
-        cell[f"ratio_{op}"] = cell[f"plain_{op}_ms"] / cell[f"moekit_{op}_ms"]
-    pm, mm = cell["plain_memory"], cell["moekit_memory"]
-    cell["ratio_peak"] = mm["peak_bytes"] / pm["peak_bytes"]
-    cell["ratio_peak_extra"] = mm["peak_extra_bytes"] / pm["peak_extra_bytes"]
-    cell["ratio_held"] = mm["held_bytes"] / pm["held_bytes"]
-    print(f"{shape.name:16} {dist:8} fwd {cell['moekit_fwd_tflops']:6.1f} vs {cell['plain_fwd_tflops']:6.1f} "
-          f"({cell['ratio_fwd']:.3f}x)  fwd+bwd {cell['moekit_fwd+bwd_tflops']:6.1f} vs "
-          f"{cell['plain_fwd+bwd_tflops']:6.1f} ({cell['ratio_fwd+bwd']:.3f}x)  peak {cell['ratio_peak']:.2f}x "
-          f"(extra {cell['ratio_peak_extra']:.2f}x) held {cell['ratio_held']:.2f}x  "
-          f"err out {cell['moekit_check']['out']['fro']:.1e} dp {cell['moekit_check']['probs']['fro']:.1e}",
-          flush=True)
-    return cell
+    for op in OPS:
+        runner.time_rounds([(r, fn) for r, fn in timed if r["op"] == op], cfg.rounds,
+                           lambda fn: runner.time_ms(fn, cfg, grads))
+    runner.ratios_to(records, "plain")
+    for r in records:
+        print_record(r)
+    return records
 
 
-def roof():
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    return 2 * 8192**3 / ms / 1e9
+def print_record(r: dict) -> None:
+    t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
+    ratio = f" x{r['x_plain']:.3f}" if r.get("x_plain") else "       "
+    mem = (f" held {r['held_bytes'] / 2**30:5.2f} GiB ({r['held_x_plain']:.2f}x) peak+ "
+           f"{r['peak_extra_bytes'] / 2**30:5.2f} GiB ({r['peak_extra_x_plain']:.2f}x)"
+           if r.get("held_x_plain") is not None and r.get("peak_extra_x_plain") is not None else "")
+    errors = (r.get("check") or {}).get("errors") or {}
+    worst = max((math.inf if None in (e["fro"], e["worst_slice"]) else max(e["fro"], e["worst_slice"])
+                 for e in errors.values()), default=None)
+    err = f" err {worst:.1e}" if worst is not None else ""
+    note = f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""
+    print(f"  {r['shape']:<16} {r['dist']:<8} {r['op']:<16} {r['impl']:<7} {t}{ratio}{mem}{err}{note}", flush=True)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--shapes", default=None)
-    args = p.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = runner.select_by_name(runner.SHAPES, args.shapes, "shapes", [s.name for s in runner.SHAPES])
-    out = os.path.join(os.environ.get("OUT", "."), "mlp_vs_plain.json")
-    res = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "python": platform.python_version(), "git_commit": os.environ.get("MOEKIT_BENCH_COMMIT"),
-                    "rounds": 1 if args.quick else 3, "timer": "do_bench median, interleaved rounds"},
-           "cells": []}
-    res["meta"]["roof_start_tflops"] = roof()
-    print(f"dense roof {res['meta']['roof_start_tflops']:.0f} TFLOP/s", flush=True)
-    for shape in shapes:
-        for dist in runner.DISTS:
-            try:
-                res["cells"].append(bench_cell(shape, dist, res["meta"]["rounds"], 40 if args.quick else 100))
-            except Exception as exc:  # keep the other cells of a scarce run
-                res["cells"].append({"shape": shape.name, "dist": dist, "error": runner.error_reason(exc)})
-                print("ERROR", shape.name, dist, runner.error_reason(exc), flush=True)
-            torch.cuda.empty_cache()
-            with open(out, "w") as f:
-                json.dump(res, f, indent=1)
-    res["meta"]["roof_end_tflops"] = roof()
-    ok = [c for c in res["cells"] if "error" not in c]
-    ratios = [c[f"ratio_{op}"] for c in ok for op in ("fwd", "fwd+bwd")]
-    if ratios:
-        res["summary"] = {
-            "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)), "min": min(ratios),
-            "qwen_min": min([c[f"ratio_{op}"] for c in ok if c["shape"].startswith("qwen") for op in
-                             ("fwd", "fwd+bwd")] or [float("nan")]),
-            "max_peak_ratio": max(c["ratio_peak"] for c in ok),
-            "max_peak_extra_ratio": max(c["ratio_peak_extra"] for c in ok),
-            "max_held_ratio": max(c["ratio_held"] for c in ok),
-        }
-        print("summary", json.dumps(res["summary"]), flush=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+def summary(records: list[dict]) -> dict:
+    """The issue's MLP bars over the measured cells (the ratios of moekit to plain)."""
+    mine = [r for r in records if r["impl"] == "moekit" and r.get("x_plain")]
+    if not mine:
+        return {}
+    ratios = [r["x_plain"] for r in mine]
+    qwen = [r["x_plain"] for r in mine if r["shape"].startswith("qwen")]
+
+    def worst(key):
+        values = [r[key] for r in mine if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {"cells": len(mine), "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "min": min(ratios),
+            "qwen_min": min(qwen) if qwen else None, "max_peak_x_plain": worst("peak_x_plain"),
+            "max_peak_extra_x_plain": worst("peak_extra_x_plain"), "max_held_x_plain": worst("held_x_plain")}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    p.add_argument("--dists", default=",".join(runner.DISTS))
+    p.add_argument("--backend", default="triton", help="moekit's backend (triton, auto, torch, loop)")
+    p.add_argument("--out", type=Path, default=Path("."), help="directory for mlp_vs_plain.json")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median kept)")
+    p.add_argument("--quick", action="store_true", help="short do_bench repetitions (noisier)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no new cell after this many seconds (the rest are recorded as skipped)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU: proves the script runs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
+    pool = runner.SMOKE_SHAPES if args.smoke else runner.SHAPES
+    warmup_ms, rep_ms = (10.0, 30.0) if args.quick or args.smoke else (25.0, 100.0)
+    cfg = runner.BenchConfig(
+        device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, warmup_ms=warmup_ms,
+        rep_ms=rep_ms, smoke=args.smoke, quick=args.quick, rounds=args.rounds,
+        shapes=runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool]),
+        dists=runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS),
+        backends=[args.backend], out=args.out, plot=False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
+    start = time.monotonic()
+    roofs = [runner.measure_roof(cfg)]
+    print(f"dense roof {roofs[0]['tflops']:.0f} TFLOP/s", flush=True)
+    meta = {**runner.environment(cfg, roofs[0]), "moekit_backend": args.backend, "splits": runner.splits_table(cfg),
+            "baseline": "plain_mlp (issue 10): grouped_mm, silu(g) * u * probs, grouped_mm"}
+    records: list[dict] = []
+    path = args.out / f"{NAME}.json"
+    for shape in cfg.shapes:
+        for dist in cfg.dists:
+            if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
+                records += [{"bench": NAME, "shape": shape.name, "dist": dist, "op": op, "impl": impl,
+                             "status": "skipped", "reason": f"not run: past --max-seconds {args.max_seconds:g}",
+                             "ms": None, "tflops": None} for impl in IMPLS for op in OPS]
+                continue
+            records += bench_cell(args, cfg, shape, dist)
+            runner.write_json(path, {"meta": meta, "records": records, "partial": True})
+            runner.release_memory(device)
+    roofs.append(runner.measure_roof(cfg))
+    meta.update(roofs=roofs, wall_s=round(time.monotonic() - start, 1))
+    payload = {"meta": meta, "records": records, "summary": summary(records)}
+    print("summary", payload["summary"], flush=True)
+    runner.write_json(path, payload)
+    return payload
 
 
 if __name__ == "__main__":

@@ -22,14 +22,16 @@ pinned config (LIGER_FUSED_MOE_AUTOTUNE=0, Liger's own setting), which the JSON 
 
     python benchmarks/bench_moe_layer.py --out $OUT --commit <git commit>
     python benchmarks/bench_moe_layer.py --quick --shapes qwen3-30b-a3b,mixtral-8x7b
-    python benchmarks/bench_moe_layer.py --smoke             # tiny shapes, CPU is fine
+    python benchmarks/bench_moe_layer.py --smoke --backend torch   # tiny shapes, CPU is fine
+
+Writes OUT/moe_layer.json (rewritten after every cell, so a run cut short keeps its cells) and
+OUT/moe_layer.png. The commit recorded is --commit's, else MOEKIT_BENCH_COMMIT's, else git's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import textwrap
 import time
 from dataclasses import asdict, dataclass
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 import moekit
 
-NAME = "bench_moe_layer"
+NAME = "moe_layer"
 IMPLS = ("moekit", "plain", "liger")
 OPS = ("forward", "forward+backward")
 GRAD_NAMES = ("x", "topk_weights", "fc1_weight", "fc2_weight")
@@ -87,17 +89,6 @@ def plain_layer(x, w1, w2, topk_ids, topk_weights):
     y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(x).index_add_(0, order // K, y)
-
-
-def plain_layer_cpu(x, w1, w2, topk_ids, topk_weights):
-    """plain_layer with a per-expert loop where torch has no grouped_mm for the device (--smoke)."""
-    out = torch.zeros_like(x)
-    for e in range(w1.shape[0]):
-        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        g, u = (x[tokens] @ w1[e].t()).chunk(2, -1)
-        y = (F.silu(g) * u) @ w2[e].t()
-        out = out.index_add(0, tokens, y * topk_weights[tokens, slots, None].to(y.dtype))
-    return out
 
 
 def moekit_layer(backend: str):
@@ -157,28 +148,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def memory_of(fn_fwd, dy, leaves, device) -> dict:
-    """Activation memory held after one forward (output excluded) and the peak of one
-    forward+backward above what was allocated before it. CUDA only."""
-    if device.type != "cuda":
-        return {"held_bytes": None, "peak_extra_bytes": None, "peak_bytes": None}
-    for t in leaves:
-        t.grad = None
-    _sync(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    y = fn_fwd()
-    _sync(device)
-    held = torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size()
-    y.backward(dy)
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del y
-    for t in leaves:
-        t.grad = None
-    return {"held_bytes": held, "peak_extra_bytes": peak - before, "peak_bytes": peak}
-
-
 def outputs_and_grads(fn_fwd, dy, leaves: dict) -> dict:
     for t in leaves.values():
         t.grad = None
@@ -195,23 +164,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     return err if np.isfinite(err) else None
 
 
-def time_ms(fn, device, warmup_ms, rep_ms, leaves) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves,
-                                             return_mode="median"))
-    times = []
-    for _ in range(3):
-        for t in leaves:
-            t.grad = None
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def bench_cell(args, shape: LayerShape, dist: str, impls: dict, reasons: dict) -> list[dict]:
+def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impls: dict,
+               reasons: dict) -> list[dict]:
     device, dtype = args.device, args.dtype
     base = make_inputs(shape, device, dtype)
     ids, weights = make_routing(shape, dist, device, dtype)
@@ -251,7 +205,7 @@ def bench_cell(args, shape: LayerShape, dist: str, impls: dict, reasons: dict) -
                 ref = got
             errors = {k: rel_err(got[k], ref[k]) for k in got} if ref is not None else None
             sync = runner.check_host_sync(fwd_bwd, device)
-            mem = memory_of(fwd, dy, grads, device)
+            mem = runner.memory_of(fwd, dy, grads, device)
             for r in recs.values():
                 r.update(status="ok", errors_vs_plain=errors, host_sync=sync, **mem)
             timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
@@ -260,27 +214,11 @@ def bench_cell(args, shape: LayerShape, dist: str, impls: dict, reasons: dict) -
                 r["status"], r["reason"] = "error", runner.error_reason(exc)
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-    # Interleaved rounds: round r starts at implementation r (mod count), per op.
     for op in OPS:
-        cells = [(r, fn) for r, fn in timed if r["op"] == op]
-        for rnd in range(args.rounds):
-            k = rnd % max(len(cells), 1)
-            for r, fn in cells[k:] + cells[:k]:
-                try:
-                    r["ms_rounds"].append(time_ms(fn, device, args.warmup_ms, args.rep_ms, grads))
-                except Exception as exc:
-                    r["status"], r["reason"] = "error", runner.error_reason(exc)
-        for r, _ in cells:
-            if r["ms_rounds"]:
-                r["ms"] = statistics.median(r["ms_rounds"])
-                r["tflops"] = r["flops"] / r["ms"] / 1e9
-    plain = {r["op"]: r for r in records if r["impl"] == "plain"}
+        runner.time_rounds([(r, fn) for r, fn in timed if r["op"] == op], args.rounds,
+                           lambda fn: runner.time_ms(fn, cfg, grads))
+    runner.ratios_to(records, "plain")
     for r in records:
-        p = plain.get(r["op"])
-        r["x_plain"] = r["tflops"] / p["tflops"] if r["tflops"] and p and p["tflops"] else None
-        for key in ("held_bytes", "peak_extra_bytes"):
-            mine, theirs = r.get(key), (p or {}).get(key)
-            r[key.replace("_bytes", "_x_plain")] = mine / theirs if mine is not None and theirs else None
         r["expert_counts_min_max"] = [int(counts.min()), int(counts.max())]
         print_record(r)
     return records
@@ -432,8 +370,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if not args.liger_autotune:
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is imported
-    impls = {"moekit": moekit_layer(args.backend), "plain": plain_layer if args.device.type == "cuda"
-             else plain_layer_cpu}
+    impls = {"moekit": moekit_layer(args.backend), "plain": plain_layer}
     liger, liger_reason = liger_layer()
     impls["liger"] = liger
     reasons = {"liger": liger_reason}
@@ -454,7 +391,7 @@ def main(argv=None) -> dict:
             if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
                 records += skipped_records(shape, dist, f"not run: past --max-seconds {args.max_seconds:g}")
                 continue
-            records += bench_cell(args, shape, dist, impls, reasons)
+            records += bench_cell(args, cfg, shape, dist, impls, reasons)
             runner.write_json(args.out / f"{NAME}.json", {"meta": env, "records": records, "partial": True})
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()

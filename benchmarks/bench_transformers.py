@@ -1,49 +1,43 @@
-"""A transformers MoE model before and after `apply_moekit`: forward+backward tokens/s.
+"""A transformers MoE model before and after `apply_moekit`: forward+backward tokens/s and peak memory.
 
 The model is Qwen3-MoE at Qwen3-30B-A3B's layer width (hidden 2048, 128 experts of ffn 768, top-8,
 32 heads / 4 KV heads of 128) with fewer layers and a smaller vocabulary, so that the experts
-dominate and the run fits in a couple of minutes; randomly initialised, bf16, on one GPU.
-Variants timed on the same weights and tokens:
+dominate and the run fits in a minute; randomly initialised, bf16, on one GPU. Variants timed on the
+same weights and tokens, in interleaved rounds (the order rotates each round):
 - `transformers_grouped_mm`: the model as transformers builds it (its default experts path,
-  torch's grouped_mm);
-- `transformers_eager`: the model's own per-expert loop (experts_implementation="eager");
-- `moekit_apply`: after `apply_moekit(model)` (moekit backend "auto");
-- `moekit_experts_implementation`: experts_implementation="moekit", the model's modules unchanged.
-Each also reports how far its logits are from the grouped_mm variant's (bf16).
+  torch's grouped_mm): the baseline;
+- `moekit_apply`: after `apply_moekit(model)` (moekit backend "auto") on a copy;
+- `moekit_experts_implementation`: experts_implementation="moekit", the model's modules unchanged;
+- `transformers_eager` (with --eager): the model's own per-expert loop.
+Per variant: the median time of one forward+backward (next-token cross entropy, synchronized), the
+tokens/s it gives, the peak memory allocated during one step (absolute and above what was allocated
+before it: activations and gradients), and how far its logits are from the baseline's (bf16).
 
-Usage: python benchmarks/bench_transformers.py --out DIR [--tiny]   (--tiny: a CPU smoke run)
-Writes DIR/bench_transformers.json with the GPU name, versions and the git commit.
+    python benchmarks/bench_transformers.py --out $OUT
+    python benchmarks/bench_transformers.py --smoke --out /tmp/b        # tiny model, float32, CPU
+
+Writes OUT/transformers.json (machine, versions, commit: runner.machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
-import subprocess
+import statistics
 import time
 from pathlib import Path
 
+import runner
 import torch
 
-
-def _git_commit() -> str:
-    try:
-        if os.environ.get("MOEKIT_BENCH_COMMIT"):
-            return os.environ["MOEKIT_BENCH_COMMIT"]
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        # The GPU machine gets a copy of the tree without .git; the caller names the commit.
-        return os.environ.get("MOEKIT_BENCH_COMMIT", "unknown")
+NAME = "transformers"
+BASELINE = "transformers_grouped_mm"
 
 
-def _config(tiny: bool):
+def _config(smoke: bool):
     import transformers
 
-    if tiny:
+    if smoke:
         return transformers.Qwen3MoeConfig(
             vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -58,115 +52,138 @@ def _config(tiny: bool):
 
 def _sync(device):
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def _time_fwd_bwd(model, ids, warmup: int, iters: int, device) -> float:
-    """Median seconds of one forward + backward (loss = next-token cross entropy)."""
+def _step(model, ids) -> None:
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _time_steps(model, ids, warmup: int, iters: int, device) -> list[float]:
+    """Milliseconds of `iters` forward+backward steps after `warmup` untimed ones, each synchronized."""
     times = []
     for step in range(warmup + iters):
-        model.zero_grad(set_to_none=True)
         _sync(device)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        _step(model, ids)
         _sync(device)
         if step >= warmup:
-            times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
-def main() -> None:
+def _memory(model, ids, device) -> dict:
+    if device.type != "cuda":
+        return {"peak_bytes": None, "peak_extra_bytes": None}
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _step(model, ids)
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    model.zero_grad(set_to_none=True)
+    return {"peak_bytes": peak, "peak_extra_bytes": peak - before}
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="directory for bench_transformers.json")
-    parser.add_argument("--tiny", action="store_true", help="tiny model, float32, CPU allowed: a smoke test")
+    parser.add_argument("--out", type=Path, default=Path("."), help="directory for transformers.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, float32, CPU allowed: proves the script runs")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--skip-eager", action="store_true", help="do not time the (slow) per-expert loop")
-    args = parser.parse_args()
+    parser.add_argument("--iters", type=int, default=3, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median over all steps is kept)")
+    parser.add_argument("--eager", action="store_true", help="also time transformers' (slow) per-expert loop")
+    args = parser.parse_args(argv)
 
     import transformers
 
-    import moekit
     from moekit.integrations.transformers import EXPERTS_IMPLEMENTATION, apply_moekit
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not args.tiny and device.type != "cuda":
-        raise SystemExit("the realistic-width run needs a GPU; use --tiny for a CPU smoke run")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    batch, seq, iters, warmup = (2, 32, 2, 1) if args.tiny else (args.batch, args.seq, args.iters, 2)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if not args.smoke and device.type != "cuda":
+        raise SystemExit("the realistic-width run needs a GPU; use --smoke for a CPU run")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    batch, seq, iters, rounds = (2, 32, 1, 2) if args.smoke else (args.batch, args.seq, args.iters, args.rounds)
+    tokens = batch * seq
+    start = time.monotonic()
 
-    cfg = _config(args.tiny)
+    cfg = _config(args.smoke)
     torch.manual_seed(0)
     # Built on the device: initialising billions of parameters on the host takes minutes.
     with device:
         base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     base.train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-    tokens = batch * seq
+    base.set_experts_implementation("grouped_mm")
+    applied = apply_moekit(copy.deepcopy(base))
 
-    variants = {}
+    # name -> (model, experts implementation to set on it before each use, or None)
+    variants = {BASELINE: (base, "grouped_mm"), "moekit_apply": (applied, None),
+                "moekit_experts_implementation": (base, EXPERTS_IMPLEMENTATION)}
+    if args.eager:
+        variants["transformers_eager"] = (base, "eager")
+
+    def use(name):
+        model, impl = variants[name]
+        if impl is not None:
+            model.set_experts_implementation(impl)
+        return model
+
+    results = {name: {"status": "ok", "reason": None, "ms_steps": []} for name in variants}
     with torch.no_grad():
-        reference_logits = base(input_ids=ids).logits.float()
-
-    def run(name, model):
-        seconds = _time_fwd_bwd(model, ids, warmup, iters, device)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits.float()
-        diff = ((logits - reference_logits).norm() / reference_logits.norm()).item()
-        variants[name] = {"fwd_bwd_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
-                          "logits_rel_diff_vs_grouped_mm": diff}
-        print(f"{name:32s} {seconds * 1e3:9.2f} ms  {tokens / seconds:12.0f} tokens/s  logits rel diff {diff:.2e}",
-              flush=True)
-
-    base.set_experts_implementation("grouped_mm")
-    run("transformers_grouped_mm", base)
-    if not args.skip_eager:
-        base.set_experts_implementation("eager")
-        run("transformers_eager", base)
-    base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    run("moekit_experts_implementation", base)
-    base.set_experts_implementation("grouped_mm")
-    moekit_model = apply_moekit(copy.deepcopy(base))
-    run("moekit_apply", moekit_model)
+        reference = use(BASELINE)(input_ids=ids).logits.float()
+    for name, r in results.items():
+        try:
+            model = use(name)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits.float()
+            r["logits_rel_diff_vs_grouped_mm"] = ((logits - reference).norm() / reference.norm()).item()
+            _step(model, ids)  # compilation and tuning, outside the timing
+            r.update(_memory(model, ids, device))
+        except Exception as exc:  # one broken variant must not lose the others
+            r["status"], r["reason"] = "error", runner.error_reason(exc)
+    del reference
+    names = [n for n in variants if results[n]["status"] == "ok"]
+    for rnd in range(rounds):
+        k = rnd % max(len(names), 1)
+        for name in names[k:] + names[:k]:
+            try:
+                results[name]["ms_steps"] += _time_steps(use(name), ids, 1, iters, device)
+            except Exception as exc:
+                results[name]["status"], results[name]["reason"] = "error", f"round {rnd}: {runner.error_reason(exc)}"
+    for r in results.values():
+        if r["ms_steps"]:
+            r["fwd_bwd_ms"] = statistics.median(r["ms_steps"])
+            r["tokens_per_s"] = tokens / r["fwd_bwd_ms"] * 1e3
+    base_tps = results[BASELINE].get("tokens_per_s")
+    for name, r in results.items():
+        r["x_grouped_mm"] = r["tokens_per_s"] / base_tps if r.get("tokens_per_s") and base_tps else None
+        peak, peak_base = r.get("peak_extra_bytes"), results[BASELINE].get("peak_extra_bytes")
+        r["peak_extra_x_grouped_mm"] = peak / peak_base if peak is not None and peak_base else None
+        ms, tps = r.get("fwd_bwd_ms"), r.get("tokens_per_s")
+        print(f"{name:32s} " + (f"{ms:9.2f} ms {tps:12.0f} tokens/s x{r['x_grouped_mm']:.3f}" if ms else " " * 40) +
+              (f"  peak+ {peak / 2**30:6.2f} GiB" if peak is not None else "") +
+              (f"  logits rel diff {r['logits_rel_diff_vs_grouped_mm']:.2e}" if "logits_rel_diff_vs_grouped_mm" in r
+               else "") + (f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""), flush=True)
 
     result = {
-        "benchmark": "bench_transformers",
-        "model": "Qwen3MoeForCausalLM (random init)",
-        "config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                "num_key_value_heads", "head_dim", "moe_intermediate_size",
-                                                "num_experts", "num_experts_per_tok")},
-        "tiny": args.tiny,
-        "dtype": str(dtype).removeprefix("torch."),
-        "batch": batch,
-        "seq": seq,
-        "tokens_per_step": tokens,
-        "iters": iters,
-        "warmup": warmup,
-        "timing": "median wall time of forward+backward (cross-entropy loss), synchronised",
-        "variants": variants,
-        "speedup_moekit_apply_vs_grouped_mm": variants["moekit_apply"]["tokens_per_s"]
-        / variants["transformers_grouped_mm"]["tokens_per_s"],
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": transformers.__version__,
-        "moekit": moekit.__version__,
-        "git_commit": _git_commit(),
+        "meta": {**runner.machine(device), "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
+                 "model": "Qwen3MoeForCausalLM (random init)",
+                 "config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                        "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                        "moe_intermediate_size", "num_experts", "num_experts_per_tok")},
+                 "batch": batch, "seq": seq, "tokens_per_step": tokens, "iters": iters, "rounds": rounds,
+                 "timing": "median wall time of one forward+backward (cross-entropy loss), synchronized, "
+                           "over all rounds' steps; variants in interleaved rounds",
+                 "wall_s": round(time.monotonic() - start, 1)},
+        "variants": results,
+        "speedup_moekit_apply_vs_grouped_mm": results["moekit_apply"].get("x_grouped_mm"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_transformers.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
+    runner.write_json(args.out / f"{NAME}.json", result)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,55 +1,133 @@
 #!/usr/bin/env bash
-# One GPU session for moekit, run from the repository root on the device machine with $OUT set:
-#   1. the machine and versions, 2. the GPU tests (pytest -m gpu), 3. every benchmark for the
-#   loop, torch and triton backends. Everything is bounded to stay inside 10 minutes.
+# moekit's one GPU session: every bar of issue 10 measured in one call of the device machine, inside
+# a time budget (default 480 s, for a 600 s call), from the repository root (no .git needed).
 #
-# Leaves in $OUT (4 files; the device tool returns at most 8 per call):
-#   gpu_tests.log    pytest's output
-#   bench.log        machine/versions, then the benchmarks' progress and table
-#   bench_all.json   every benchmark cell (see benchmarks/runner.py for the fields)
-#   bench_all.png    TFLOP/s per op, shape and backend against the dense roof
+#   OUT=/path MOEKIT_BENCH_COMMIT=<commit> bash benchmarks/gpu_session.sh [--budget SECONDS]
+#   OUT=/tmp/s bash benchmarks/gpu_session.sh --smoke      # CPU, tiny shapes: checks the plumbing
 #
-# Without network or a build there: moekit is imported from src/ through PYTHONPATH.
-# Without .git there: set MOEKIT_BENCH_COMMIT=<commit> so the JSON names the code it measured.
-# PY picks the interpreter (default python3, the one that holds PyTorch there).
-# Exit status: 0 when the tests passed and the benchmarks finished; 1 otherwise (both always run).
+# Parts, in order (cap = its `timeout`; what ran past it is killed, the rest still runs):
+#   a. machine and versions (nvidia-smi, GPU name, torch, CUDA, triton, transformers, liger, commit)
+#   b. pytest -m gpu                          cap 150 s (xdist with 4 workers when importable)
+#   c. bench_mlp_vs_plain.py                  cap  75 s  grouped_mlp (triton, probs) vs plain_mlp,
+#      4 shapes x balanced/skewed, 3 interleaved rounds, roof, peak and held memory
+#   d. bench_moe_layer.py                     cap 150 s  moe_experts vs plain_layer vs Liger: the 4
+#      layers, 256/1024/4096 tokens, SonicMoE's shape; forward and forward+backward; JSON + PNG
+#   e. bench_transformers.py                  cap  60 s  Qwen3-MoE at 30B-A3B width: apply_moekit vs
+#      transformers' grouped_mm, forward+backward tokens/s, peak memory
+#   f. bench_host_overhead.py                 cap  35 s  256/1024/4096 tokens: host enqueue vs GPU
+#      time, kernel launches per step (torch.profiler)
+#   g. summarize.py: the bars, measured / bar / verdict, and the README's tables, from the JSONs
+# Each benchmark rewrites its JSON after every cell and stops starting cells (--max-seconds) early
+# enough to finish the one in progress, so a part cut short keeps what it measured. A part is
+# given min(cap, budget left); one with under 15 s left is skipped and says so.
+#
+# Leaves in $OUT (8 files: the device tool returns at most 8):
+#   session.log  gpu_tests.log  mlp_vs_plain.json  moe_layer.json  moe_layer.png
+#   transformers.json  host_overhead.json  summary.md
+#
+# The device copy has no .git: MOEKIT_BENCH_COMMIT names the commit every JSON records. Liger-Kernel
+# is used when importable; else, if .whl/ holds its wheel (carry it), it is installed into a
+# temporary --target directory first. PY picks the interpreter (default python3).
+# Exit status: 0 when every part finished with status 0; 1 otherwise.
 
 set -uo pipefail
+SMOKE=0
+BUDGET=480
+while (($#)); do
+    case $1 in
+        --smoke) SMOKE=1 ;;
+        --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
+        *) echo "usage: OUT=DIR bash $0 [--smoke] [--budget SECONDS]" >&2; exit 2 ;;
+    esac
+    shift
+done
 : "${OUT:?set OUT to the directory for the logs and results}"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+OUT=$(cd "$OUT" && pwd)
 PY=${PY:-python3}
-status=0
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 
-{
-    echo "== $(date -u +%FT%TZ) moekit GPU session in $PWD"
-    nvidia-smi
-    $PY - <<'EOF'
-import platform, torch, triton, numpy
-print(f"python {platform.python_version()}  torch {torch.__version__} (cuda {torch.version.cuda})  "
-      f"triton {triton.__version__}  numpy {numpy.__version__}")
-print("devices:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-EOF
-    git rev-parse HEAD 2>/dev/null || echo "no git here; MOEKIT_BENCH_COMMIT=${MOEKIT_BENCH_COMMIT:-unset}"
-} 2>&1 | tee "$OUT/bench.log"
+session() {
+    local failed=()
+    stamp() { printf '[%3d s]' "$SECONDS"; }
 
-# 2. GPU tests: every test marked gpu (the library on CUDA and the Triton kernels at real sizes);
-#    the kernels compile here first (the benchmarks reuse the cache).
-echo "== pytest -m gpu" | tee "$OUT/gpu_tests.log"
-timeout --kill-after=10 270 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests 2>&1 \
-    | tee -a "$OUT/gpu_tests.log" || { rc=$?; status=1; echo "!! GPU tests failed or timed out (status $rc)"; }
+    # part NAME LIMIT COMMAND...: COMMAND under `timeout LIMIT` (LIMIT from limit_for: min(its cap,
+    # the budget left)); its exit status in PART_RC (124/137: timed out).
+    part() {
+        local name=$1 limit=$2 start=$SECONDS
+        shift 2
+        if ((limit < 15)); then
+            echo "!! $(stamp) $name skipped: $((BUDGET - SECONDS)) s left of the $BUDGET s budget"
+            failed+=("$name (skipped)")
+            PART_RC=skipped
+            return
+        fi
+        echo "== $(stamp) $name (limit $limit s)"
+        timeout --kill-after=5 "$limit" "$@"
+        PART_RC=$?
+        echo "== $(stamp) $name: exit $PART_RC after $((SECONDS - start)) s$( ((PART_RC == 124 || PART_RC == 137)) \
+            && echo ' (timed out)')"
+        ((PART_RC == 0)) || failed+=("$name (exit $PART_RC)")
+    }
+    limit_for() { local left=$((BUDGET - SECONDS - 5)); echo $(($1 < left ? $1 : left)); }
 
-# 3. Benchmarks: torch+triton in one worker process (so that each cell times them in interleaved
-#    rounds, at the same clocks), the slow loop backend in another, each bounded; a worker that
-#    overruns is killed and what it measured so far is kept.
-#    MOEKIT_BENCH_ARGS adds options (e.g. "--quick" or "--shapes mixtral-8x7b"; "--smoke" for a dry run on CPU).
-# shellcheck disable=SC2086  # MOEKIT_BENCH_ARGS is a list of options
-timeout --kill-after=10 300 $PY benchmarks/run_all.py --backends loop,torch,triton --isolate loop \
-    --worker-timeout 200 \
-    --out "$OUT" ${MOEKIT_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
-    || { rc=$?; status=1; echo "!! benchmarks failed or timed out (status $rc)"; }
+    echo "== $(stamp) moekit GPU session in $PWD, budget $BUDGET s$( ((SMOKE)) && echo ', --smoke (CPU, tiny shapes)')"
+    date -u +%FT%TZ
+    if ((!SMOKE)); then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1
+        if ! $PY -c 'import liger_kernel' 2>/dev/null && compgen -G '.whl/liger_kernel-*.whl' >/dev/null; then
+            local site
+            site=$(mktemp -d)/site
+            $PY -m pip install -q --no-index --no-deps --target "$site" .whl/liger_kernel-*.whl \
+                && export PYTHONPATH="$PYTHONPATH:$site" && echo "liger-kernel installed into $site"
+        fi
+    fi
+    [[ -n ${MOEKIT_BENCH_COMMIT:-} ]] || [[ -d .git ]] \
+        || echo "!! no .git and no MOEKIT_BENCH_COMMIT: the JSONs cannot say which commit they measured"
+    timeout 60 $PY -c 'import json, runner; print(json.dumps(runner.machine(), indent=1))' \
+        || failed+=("versions")
 
-ls -la "$OUT"
-exit $status
+    local smoke_args=() backend_args=()
+    if ((SMOKE)); then
+        smoke_args=(--smoke)
+        backend_args=(--backend torch)  # the Triton interpreter takes seconds per call
+        echo "pytest -m gpu: not run with --smoke (CPU)" >"$OUT/gpu_tests.log"
+    else
+        local xdist=()
+        $PY -c 'import xdist' 2>/dev/null && xdist=(-n 4)
+        local limit
+        limit=$(limit_for 150)
+        {
+            echo "== pytest -m gpu ${xdist[*]} (limit $limit s)"
+            part "pytest -m gpu" "$limit" $PY -m pytest -m gpu -v -p no:cacheprovider -rfEs --durations=15 \
+                "${xdist[@]}" tests
+            echo "== exit status $PART_RC"
+        } >"$OUT/gpu_tests.log" 2>&1
+        grep -E '^(== |!! )|(passed|failed|error).* in [0-9.]+s' "$OUT/gpu_tests.log" | tail -4
+    fi
+
+    local limit
+    limit=$(limit_for 75)
+    part "grouped_mlp vs plain_mlp" "$limit" $PY benchmarks/bench_mlp_vs_plain.py --out "$OUT" \
+        --max-seconds $((limit - 20)) "${smoke_args[@]}" "${backend_args[@]}"
+    limit=$(limit_for 150)
+    part "MoE layer vs plain_layer and Liger" "$limit" $PY benchmarks/bench_moe_layer.py --out "$OUT" \
+        --max-seconds $((limit - 30)) "${smoke_args[@]}" "${backend_args[@]}"
+    part "transformers Qwen3-MoE" "$(limit_for 60)" $PY benchmarks/bench_transformers.py --out "$OUT" "${smoke_args[@]}"
+    part "small batches: host vs GPU time" "$(limit_for 35)" $PY benchmarks/bench_host_overhead.py --out "$OUT" \
+        "${smoke_args[@]}" "${backend_args[@]}"
+
+    echo "== $(stamp) summary"
+    timeout 30 $PY benchmarks/summarize.py "$OUT" --write "$OUT/summary.md" || failed+=("summary")
+    ls -la "$OUT"
+    if ((${#failed[@]})); then
+        echo "== $(stamp) done; not clean: $(IFS=';'; echo "${failed[*]}")"
+        return 1
+    fi
+    echo "== $(stamp) done; every part finished"
+}
+
+session 2>&1 | tee "$OUT/session.log"
+exit "${PIPESTATUS[0]}"

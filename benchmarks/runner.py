@@ -1,10 +1,14 @@
-"""Shared machinery of moekit's benchmarks: shapes, splits, timing, correctness checks, JSON, tables, plots.
+"""Shared machinery of moekit's benchmarks: shapes, splits, timing, memory, correctness checks,
+machine and versions, JSON, tables, plots.
 
 Legend: M routed rows, N experts, H hidden size, F expert ffn size.
 
-Every benchmark script builds a list of *records*, one per measured cell (shape x split distribution
-x op x backend), with the same keys, so that `run_all.py` can merge the records of several scripts
-(and of several worker processes) and print, plot and save them together:
+The scripts of the GPU session (bench_mlp_vs_plain, bench_moe_layer, bench_host_overhead,
+bench_transformers; see benchmarks/README.md) use: `machine()` (GPU, versions, commit: every JSON's
+meta), `measure_roof`, `time_ms`, `time_rounds` (interleaved rounds), `memory_of` (peak and held
+memory), `rel_errors`. bench_grouped_linear (each grouped GEMM product alone) builds its records
+with `new_record` / `measure_cell` / `run_script`, one per measured cell (shape x split
+distribution x op x backend), with these keys:
 
     bench, shape, rows, experts, hidden, ffn, dist, op, backend,
     status        "ok" | "check_failed" | "unavailable" | "error"
@@ -15,14 +19,13 @@ x op x backend), with the same keys, so that `run_all.py` can merge the records 
     ratio_to_torch, ratio_to_roof   tflops / the torch backend's tflops of the same cell, / roof_tflops
     check         {"bound", "ok", "errors": {tensor: {"fro", "worst_slice"}}} against a float32 reference
     host_sync     whether one call synchronized with the host (CUDA only; None elsewhere)
-    peak_bytes, peak_extra_bytes    (grouped_mlp) peak allocated memory of one call, and above what was
-                  allocated before the call
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -150,7 +153,7 @@ class BenchConfig:
     out: Path
     plot: bool
     # Where the records so far are saved after each (shape, dist), so that a crashed or killed run
-    # still leaves its measurements behind (run_all's workers read it back).
+    # still leaves its measurements behind.
     partial_path: Path | None = None
 
 
@@ -246,6 +249,68 @@ def check_host_sync(fn: Callable[[], object], device: torch.device) -> bool | No
         raise
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def time_rounds(timed: Sequence[tuple[dict, Callable[[], object]]], rounds: int,
+                time_one: Callable[[Callable[[], object]], float]) -> None:
+    """Time every (record, fn) of one comparison `rounds` times, in rounds whose order rotates
+    (round r starts at entry r), so that all are measured at the same mix of clocks: the H200's
+    clocks drift within seconds (a dense roof of 790 -> 670 TFLOP/s in one run). Each record gets
+    ms_rounds, ms (their median) and tflops (record["flops"] / ms); a call that raises marks its
+    record "error" and leaves the other entries' rounds alone."""
+    live = list(timed)
+    for rnd in range(rounds):
+        k = rnd % max(len(live), 1)
+        for record, fn in live[k:] + live[:k]:
+            if record.get("status") == "error":
+                continue
+            try:
+                record.setdefault("ms_rounds", []).append(time_one(fn))
+            except Exception as exc:  # one broken entry must not lose the others of a scarce run
+                record["status"], record["reason"] = "error", f"round {rnd}: {error_reason(exc)}"
+    for record, _ in timed:
+        if record.get("ms_rounds"):
+            record["ms"] = statistics.median(record["ms_rounds"])
+            record["tflops"] = record["flops"] / record["ms"] / 1e9 if record.get("flops") else None
+
+
+def memory_of(forward: Callable[[], torch.Tensor], dy: torch.Tensor, leaves: Sequence[torch.Tensor],
+              device: torch.device) -> dict:
+    """Memory of one forward+backward, CUDA only (None elsewhere), gradients of `leaves` cleared
+    before and after:
+    held_bytes        allocated after the forward minus before it, the output excluded: what the
+                      forward keeps for the backward;
+    peak_bytes        the peak allocated during the forward+backward (inputs and weights included);
+    peak_extra_bytes  that peak minus what was allocated before (activations, temporaries, gradients)."""
+    if device.type != "cuda":
+        return {"held_bytes": None, "peak_bytes": None, "peak_extra_bytes": None}
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    y = forward()
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
+    y.backward(dy)
+    del y
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    for t in leaves:
+        t.grad = None
+    return {"held_bytes": held, "peak_bytes": peak, "peak_extra_bytes": peak - before}
+
+
+def ratios_to(records: list[dict], baseline: str, keys: Sequence[str] = ("shape", "dist", "op")) -> None:
+    """x_<baseline> = tflops / the baseline impl's tflops of the same cell, and <mem>_x_<baseline>
+    for held, peak and peak_extra bytes, in place (None where either side is missing)."""
+    base = {tuple(r[k] for k in keys): r for r in records if r["impl"] == baseline}
+    for r in records:
+        b = base.get(tuple(r[k] for k in keys), {})
+        r[f"x_{baseline}"] = r["tflops"] / b["tflops"] if r.get("tflops") and b.get("tflops") else None
+        for mem in ("held", "peak", "peak_extra"):
+            mine, theirs = r.get(f"{mem}_bytes"), b.get(f"{mem}_bytes")
+            r[f"{mem}_x_{baseline}"] = mine / theirs if mine is not None and theirs else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,39 +480,54 @@ def _git(*args: str) -> str | None:
     return done.stdout.rstrip() if done.returncode == 0 else None
 
 
-def environment(cfg: BenchConfig, roof: dict) -> dict:
-    """What a result depends on: machine, versions, code revision, settings."""
+def _version(distribution: str) -> str | None:
+    """The installed version, from the package metadata (a --target install has it too)."""
     try:
-        import triton
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+
+def machine(device: torch.device | None = None) -> dict:
+    """What every result depends on: the machine, the versions and the code revision measured.
+
+    The GPU machine gets a copy of the tree without .git: there the caller names the commit in
+    MOEKIT_BENCH_COMMIT (it wins over git, which could be another repository's)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     status = _git("status", "--porcelain")
     dirty_paths = [line[3:] for line in status.splitlines()] if status else []
+    commit_env = os.environ.get("MOEKIT_BENCH_COMMIT")
     gpu = None
-    if cfg.device.type == "cuda":
-        props = torch.cuda.get_device_properties(cfg.device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
         gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}",
                "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
-        "device": str(cfg.device),
+        "device": str(device),
         "gpu": gpu,
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": triton_version,
+        "triton": _version("triton"),
         "moekit": moekit.__version__,
-        # Without a .git (a bare copy of the tree on the GPU machine) the caller may name the commit.
-        "git_commit": os.environ.get("MOEKIT_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
-        "git_commit_from": "git" if status is not None else ("MOEKIT_BENCH_COMMIT" if
-                                                              os.environ.get("MOEKIT_BENCH_COMMIT") else None),
+        "transformers": _version("transformers"),
+        "liger_kernel": _version("liger-kernel"),
+        "git_commit": commit_env or _git("rev-parse", "HEAD"),
+        "git_commit_from": "MOEKIT_BENCH_COMMIT" if commit_env else ("git" if status is not None else None),
         # Untracked files count: a kernel not yet committed changes what was measured.
-        "git_dirty": bool(dirty_paths) if status is not None else None,
-        "git_dirty_paths": dirty_paths[:50],
+        "git_dirty": bool(dirty_paths) if status is not None and not commit_env else None,
+        "git_dirty_paths": dirty_paths[:50] if not commit_env else [],
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MOEKIT_", "TRITON_", "CUDA_VISIBLE", "LIGER_"))},
+    }
+
+
+def environment(cfg: BenchConfig, roof: dict) -> dict:
+    """machine() and the settings of a run."""
+    return {
+        **machine(cfg.device),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "smoke": cfg.smoke,
         "quick": cfg.quick,
@@ -459,7 +539,6 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
         "check_bound": CHECK_BOUND[cfg.dtype],
         "skew_seed": SKEW_SEED,
         "roof": roof,
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("MOEKIT_", "TRITON_", "CUDA_VISIBLE"))},
     }
 
 
@@ -573,7 +652,7 @@ def plot_title(env: dict) -> str:
 
 def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict],
            table: bool = True) -> dict:
-    """Ratios, table, JSON and PNG of one script's (or run_all's merged) records."""
+    """Ratios, table, JSON and PNG of one script's records."""
     add_ratios(records)
     if table:
         print_table(records, roofs)

@@ -1,0 +1,113 @@
+"""The GPU session's plumbing, on CPU: benchmarks/gpu_session.sh --smoke runs every benchmark script on
+tiny shapes and leaves the 8 files the device tool brings back, each JSON naming the commit; the
+bar verdicts of benchmarks/summarize.py and the interleaved timing rounds of benchmarks/runner.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SESSION_FILES = {"session.log", "gpu_tests.log", "mlp_vs_plain.json", "moe_layer.json", "moe_layer.png",
+                 "transformers.json", "host_overhead.json", "summary.md"}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"moekit_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_session_smoke_leaves_the_eight_files(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "MOEKIT_BENCH_COMMIT": "abc1234-test",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--smoke"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert {p.name for p in tmp_path.iterdir()} == SESSION_FILES  # the device tool returns at most 8
+    for name in ("mlp_vs_plain", "moe_layer", "transformers", "host_overhead"):
+        payload = json.loads((tmp_path / f"{name}.json").read_text())
+        assert payload["meta"]["git_commit"] == "abc1234-test", name
+        assert payload["meta"]["torch"] and "partial" not in payload, name
+    records = json.loads((tmp_path / "mlp_vs_plain.json").read_text())["records"]
+    assert {r["status"] for r in records} == {"ok"} and all(r["tflops"] and r["x_plain"] for r in records)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| MLP geometric mean (forward and forward+backward) |" in summary
+    assert "| pytest -m gpu | no pytest summary" in summary  # not run with --smoke
+    log = (tmp_path / "session.log").read_text()
+    assert "done; every part finished" in log and summary.splitlines()[0] in log  # the summary is printed
+
+
+def _records(cells: dict, impl_values: dict) -> list[dict]:
+    """Records of bench_mlp_vs_plain's form: cells {(shape, dist): moekit x_plain}."""
+    out = []
+    for (shape, dist), ratio in cells.items():
+        for op in ("forward", "forward+backward"):
+            out.append({"shape": shape, "dist": dist, "op": op, "impl": "moekit", "tflops": 100.0 * ratio,
+                        "x_plain": ratio, **impl_values})
+            out.append({"shape": shape, "dist": dist, "op": op, "impl": "plain", "tflops": 100.0, "x_plain": 1.0})
+    return out
+
+
+def test_summary_verdicts(tmp_path):
+    summarize = _load("summarize")
+    shapes = summarize.MLP_SHAPES
+    cells = {(s, d): 1.2 for s in shapes for d in summarize.DISTS}
+    cells[("gpt-oss-20b", "skewed")] = 0.97
+    memory = {"peak_extra_x_plain": 0.9, "peak_x_plain": 0.95, "held_x_plain": 0.7}
+    (tmp_path / "mlp_vs_plain.json").write_text(json.dumps({"meta": {}, "records": _records(cells, memory)}))
+    layer = _records({("qwen3-30b-a3b", "balanced"): 1.5}, {"held_x_plain": 0.2, "peak_extra_x_plain": 0.8})
+    (tmp_path / "moe_layer.json").write_text(json.dumps({"meta": {}, "records": layer, "partial": True}))
+    (tmp_path / "transformers.json").write_text(json.dumps({"variants": {"moekit_apply": {"x_grouped_mm": 1.31}}}))
+    log = "== exit status 1\n===== 70 passed, 3 failed, 800 deselected in 99.1s ===\n"
+    (tmp_path / "gpu_tests.log").write_text(log)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in
+            summarize.summarize(tmp_path).splitlines() if line.startswith("| ") and " | " in line}
+    assert rows["MLP forward vs plain_mlp, every cell"] == ["0.97x (gpt-oss-20b skewed)", ">= 1.00x", "**missed** |"]
+    assert rows["MLP Qwen3-30B-A3B cells"][2] == "met |"
+    assert rows["MLP geometric mean (forward and forward+backward)"][2] == "met |"  # 1.2^7 * 0.97, 8th root
+    assert rows["MLP peak memory of forward+backward above the start, x plain"][2] == "met |"
+    assert rows["MLP memory held between forward and backward, x plain"][:3] == [
+        "0.70x (mixtral-8x7b balanced)", "<= 0.60x", "**missed** |"]
+    assert rows["layer qwen3-30b-a3b forward+backward vs plain_layer"][2] == "met (1/2 cells measured) |"
+    assert rows["layer mixtral-8x7b forward+backward vs plain_layer"][0] == "not measured"
+    assert rows["Hugging Face Qwen3-MoE, apply_moekit vs transformers' grouped_mm, forward+backward tokens/s"][2] \
+        == "met |"
+    assert rows["pytest -m gpu"] == ["70 passed, 3 failed, 800 deselected", "all pass", "**failures** |"]
+    assert "cut short (partial JSON" in summarize.summarize(tmp_path)
+
+
+def test_time_rounds_rotates_order_and_keeps_the_others_on_error():
+    runner = _load("runner")
+    calls = []
+    records = [{"name": n, "flops": 2e9} for n in "abc"]
+
+    def timer(fn):
+        return fn()
+
+    def fn_of(name, ms):
+        def fn():
+            calls.append(name)
+            if name == "b" and len(calls) > 3:
+                raise RuntimeError("boom")
+            return ms
+        return fn
+
+    timed = [(r, fn_of(r["name"], ms)) for r, ms in zip(records, (1.0, 2.0, 4.0), strict=True)]
+    runner.time_rounds(timed, 3, timer)
+    # round 0: a b c; round 1 starts at b (which fails), then c a; round 2 starts at c, b is skipped
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a"]
+    a, b, c = records
+    assert a["ms_rounds"] == [1.0, 1.0, 1.0] and a["ms"] == 1.0 and a["tflops"] == 2.0
+    assert b["status"] == "error" and "round 1" in b["reason"] and b["ms_rounds"] == [2.0]
+    assert c["ms"] == 4.0
