@@ -1,19 +1,22 @@
 """Expert parallelism on several GPUs of one host: MoELayer forward+backward tokens/s at EP=world
 against one GPU at the same per-GPU batch, the share of the step spent in all-to-all kernels, with
-and without the chunked overlap (`ExpertParallelMoE(num_chunks=2)`), and capacity mode.
+and without the chunked overlap (`ExpertParallelMoE(num_chunks=2)`), and capacity mode (eager and
+replayed from a CUDA graph).
 
     python benchmarks/bench_expert_parallel.py --out results.json         # every visible GPU, NCCL
+    python benchmarks/bench_expert_parallel.py --smoke --out smoke.json   # the script itself, CPU gloo
 
 Per shape: every rank holds T tokens (bf16); "one_gpu" is a plain MoELayer with all N experts on
 T tokens (each rank runs it on its own GPU at the same time; its experts run `moekit.moe_experts`);
-"one_gpu_ep_path" is ExpertParallelMoE with EP=1 (the EP code path, permute + GroupedMLP +
-unpermute, all experts local); "ep_*" hold N/EP experts per rank and route each rank's T tokens.
-tokens/s is per GPU (T / step time). Variants of one shape are timed in
-interleaved rounds (median of rounds), CUDA events around `iters` steps. The all-to-all share is
-the summed device time of NCCL kernels over the step time, from torch.profiler over a few steps
-(the NCCL kernels include waiting for the peer; with overlap they run beside the experts). Host
-syncs per step are counted with torch.cuda's sync debug mode after warm-up (dropless: 1 expected,
-the split sizes; capacity: 0).
+"one_gpu_ep_path" is ExpertParallelMoE with EP=1 (the EP code path: routing, an all-to-all within
+one rank, the local experts, the combine; all experts local); "ep_*" hold N/EP experts per rank and
+route each rank's T tokens; "ep_capacity1.25_graph" replays the capacity variant's forward+backward
+from one CUDA graph (no host work per step). tokens/s is per GPU (T / step time). Variants of one
+shape are timed in interleaved rounds (median of rounds), CUDA events around `iters` steps. The
+all-to-all share is the summed device time of NCCL kernels over the step time, from torch.profiler
+over a few steps (the NCCL kernels include waiting for the peer; with overlap they run beside the
+experts; kernels inside a graph replay may not be attributed). Host syncs per step are counted with
+torch.cuda's sync debug mode after warm-up (dropless: 1 expected, the split sizes; capacity: 0).
 
 Legend: T tokens per GPU, K top-k, N experts, H hidden size, F expert ffn size.
 """
@@ -47,7 +50,7 @@ def _variants(layer, mesh, solo_mesh):
 
     return {
         "one_gpu": layer,
-        # The EP code path (permute, all-to-all within one rank, GroupedMLP, unpermute) on one GPU:
+        # The EP code path (routing, all-to-all within one rank, local experts, combine) on one GPU:
         # what EP=world costs beyond it is the transfer and the wait for the other ranks.
         "one_gpu_ep_path": ExpertParallelMoE(layer, solo_mesh),
         "ep_dropless": ExpertParallelMoE(layer, mesh),
@@ -56,43 +59,62 @@ def _variants(layer, mesh, solo_mesh):
     }
 
 
-def _step(module, x, d_y):
-    y = module(x)
-    y.backward(d_y)
+def _module_step(module, x, d_y):
+    def step():
+        module(x).backward(d_y)
+    return step
 
 
-def _time(module, x, d_y, iters):
-    if x.device.type == "cpu":
+def _graph_step(module, x, d_y):
+    """The module's forward+backward captured in one CUDA graph (capacity mode: fixed shapes, no
+    host sync); the step is a replay. Warm-up on a side stream first, as torch.cuda.graphs asks."""
+    leaves = [x, *module.parameters()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            module(x).backward(d_y)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module(x).backward(d_y)
+    return graph.replay
+
+
+def _time(step, device, iters):
+    if device.type == "cpu":
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
-            _step(module, x, d_y)
+            step()
         return (time.perf_counter() - t0) * 1000 / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     dist.barrier()
     torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
-        _step(module, x, d_y)
+        step()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
 
 
-def _host_syncs(module, x, d_y) -> int:
+def _host_syncs(step) -> int:
     """Host synchronisations in one forward+backward (torch.cuda's sync debug mode, as warnings)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _step(module, x, d_y)
+            step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def _nccl_share(module, x, d_y, iters=3):
+def _nccl_share(step, iters=3):
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
@@ -101,7 +123,7 @@ def _nccl_share(module, x, d_y, iters=3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            _step(module, x, d_y)
+            step()
         end.record()
         torch.cuda.synchronize()
     step_us = start.elapsed_time(end) * 1000
@@ -116,6 +138,7 @@ def run(rank, world, port, args, queue):
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     else:
+        torch.set_num_threads(1)
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
@@ -124,35 +147,41 @@ def run(rank, world, port, args, queue):
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     solo_mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("ep", "dp"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = []
     for name in args.shapes:
         tokens, experts, top_k, hidden, ffn = SHAPES[name]
         torch.manual_seed(0)
-        layer = moekit.MoELayer(hidden, ffn, experts, top_k, device=device, dtype=torch.bfloat16)
-        variants = _variants(layer, mesh, solo_mesh)
+        layer = moekit.MoELayer(hidden, ffn, experts, top_k, device=device, dtype=dtype)
+        modules = _variants(layer, mesh, solo_mesh)
         g = torch.Generator(device=device).manual_seed(1 + rank)
-        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
-        d_y = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
-        for module in variants.values():  # compile / autotune / NCCL setup outside the timing
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g).requires_grad_()
+        d_y = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+        steps = {v: _module_step(m, x, d_y) for v, m in modules.items()}
+        for step in steps.values():  # compile / autotune / NCCL setup outside the timing
             for _ in range(2):
-                _step(module, x, d_y)
-        times = {v: [] for v in variants}
+                step()
+        if device.type == "cuda":
+            # The point of capacity mode: no host sync, so the whole step replays from a graph.
+            modules["ep_capacity1.25_graph"] = modules["ep_capacity1.25"]
+            steps["ep_capacity1.25_graph"] = _graph_step(modules["ep_capacity1.25"], x, d_y)
+        times = {v: [] for v in steps}
         for _ in range(args.rounds):
-            for v, module in variants.items():
-                times[v].append(_time(module, x, d_y, args.iters))
+            for v, step in steps.items():
+                times[v].append(_time(step, device, args.iters))
         cuda = device.type == "cuda"
-        shares = {v: _nccl_share(m, x, d_y) for v, m in variants.items()} if cuda else {}
-        syncs = {v: _host_syncs(m, x, d_y) for v, m in variants.items()} if cuda else {}
-        dropped = int(variants["ep_capacity1.25"].dropped_copies)
-        for v in variants:
+        shares = {v: _nccl_share(step) for v, step in steps.items()} if cuda else {}
+        syncs = {v: _host_syncs(step) for v, step in steps.items() if not v.endswith("_graph")} if cuda else {}
+        for v in steps:
             ms = statistics.median(times[v])
+            dropped = getattr(modules[v], "dropped_copies", None)
             results.append({
                 "shape": name, "tokens_per_gpu": tokens, "experts": experts, "top_k": top_k, "hidden": hidden,
                 "ffn": ffn, "variant": v, "rank": rank, "world": world, "ms": ms, "ms_rounds": times[v],
                 "tokens_per_s_per_gpu": tokens / ms * 1000, "all_to_all_share": shares.get(v),
-                "dropped_copies": dropped if v == "ep_capacity1.25" else None, "host_syncs_per_step": syncs.get(v),
+                "dropped_copies": None if dropped is None else int(dropped), "host_syncs_per_step": syncs.get(v),
             })
-        del variants, layer, x, d_y
+        del steps, modules, layer, x, d_y
         if device.type == "cuda":
             torch.cuda.empty_cache()
     queue.put(results)
@@ -185,7 +214,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 on cpu)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a check of the script itself: 2 CPU ranks (gloo), the tiny shape, 1 round of 2 steps")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.shapes, args.iters, args.rounds = "cpu", ["tiny"], 2, 1
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if world < 2:
         sys.exit("bench_expert_parallel: needs at least 2 ranks (GPUs)")

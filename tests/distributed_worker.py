@@ -232,12 +232,13 @@ def check_expert_parallel(rank, world, device):
             y = model(x)
             d_y = _dy(y, rank)
             y.backward(d_y)
+            d_router = take_router_grad(model)
             x_ref = x.detach().requires_grad_()
             y_ref = moe_reference(layer, x_ref)
             y_ref.backward(d_y)
             assert_rel(y, y_ref, tol, f"ep={ep} dropless output")
             assert_rel(x.grad, x_ref.grad, tol, f"ep={ep} dropless d x")
-            assert_rel(model.router.weight.grad, layer.router.weight.grad, tol, f"ep={ep} dropless d router")
+            assert_rel(d_router, layer.router.weight.grad, tol, f"ep={ep} dropless d router")
             # Expert gradients: this rank's experts, from the tokens of every rank in its EP group.
             layer.zero_grad()
             for r in group_ranks:
@@ -252,6 +253,15 @@ def check_expert_parallel(rank, world, device):
             print(f"OK ep={ep} dropless grouped={grouped} chunks={num_chunks}", flush=True)
         check_uneven_tokens(rank, world, device, dtype, tol, mesh)
         check_capacity(rank, world, device, dtype, tol, mesh)
+
+
+def take_router_grad(model):
+    """The router's gradient, taken away: the wrapper shares the layer's router, so the reference's
+    backward would otherwise add into the same tensor (and compare it with itself)."""
+    d_router = model.router.weight.grad
+    model.router.weight.grad = None
+    assert d_router is not None and d_router.abs().sum() > 0
+    return d_router
 
 
 def _dy(x_r, r):
@@ -287,18 +297,23 @@ def check_uneven_tokens(rank, world, device, dtype, tol, mesh):
 
 def check_capacity(rank, world, device, dtype, tol, mesh):
     """Capacity mode: fixed buffers; the first C copies of each expert (token order) are kept, the
-    rest dropped and counted; with room for every copy it equals dropless."""
+    rest dropped and counted; outputs and the gradients of x, the router and this rank's experts
+    (from every EP rank's tokens) equal MoELayer's with the dropped copies' weights zeroed; with room
+    for every copy nothing is dropped."""
     from moekit.distributed import ExpertParallelMoE
 
-    ep = mesh["ep"].size()
-    layer = make_model("moe", True, device, dtype)
-    x = batch("moe", rank, device, dtype)
-    for factor in (0.5, 1.0, float(N)):
+    ep, ep_rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
+    dp_rank = mesh["dp"].get_local_rank()
+    group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]
+    for grouped, factor in ((True, 0.5), (False, 1.0), (True, float(N))):
+        layer = make_model("moe", grouped, device, dtype)
+        x = batch("moe", rank, device, dtype)
         model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=factor)
         slots = model.capacity(x.shape[0])
         xg = x.clone().requires_grad_()
         y = model(xg)
         y.backward(_dy(y, rank))
+        d_router = take_router_grad(model)
         _, ids, _ = layer.route(x)
         keep = kept_copies(ids, N, slots)
         x_ref = x.clone().requires_grad_()
@@ -306,10 +321,22 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
         y_ref.backward(_dy(y, rank))
         assert_rel(y, y_ref, tol, f"capacity {factor} output")
         assert_rel(xg.grad, x_ref.grad, tol, f"capacity {factor} d x")
+        assert_rel(d_router, layer.router.weight.grad, tol, f"capacity {factor} d router")
         assert int(model.dropped_copies) == int((~keep).sum()), (int(model.dropped_copies), int((~keep).sum()))
         if factor == N:
             assert int(model.dropped_copies) == 0
-        print(f"OK ep={ep} capacity factor={factor} dropped={int(model.dropped_copies)}", flush=True)
+        layer.zero_grad()
+        for r in group_ranks:
+            x_r = batch("moe", r, device, dtype)
+            keep_r = kept_copies(layer.route(x_r)[1], N, slots)
+            moe_reference(layer, x_r, keep_r).backward(_dy(x_r, r))
+        local = slice(ep_rank * model.num_local_experts, (ep_rank + 1) * model.num_local_experts)
+        for name in ("fc1", "fc2"):
+            for kind_ in ("weights", "biases"):
+                ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
+                ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
+                assert_rel(ours, ref, tol, f"capacity {factor} d {name} {kind_}")
+        print(f"OK ep={ep} capacity factor={factor} grouped={grouped} dropped={int(model.dropped_copies)}", flush=True)
 
 
 def check_ep_fsdp_training(rank, world, device):
@@ -362,6 +389,83 @@ def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, wh
 
 def _as_list(params):
     return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def check_capacity_graph(rank, world, device, workdir):
+    """NCCL only: capacity mode in bf16 on moekit's GPU kernels. An eager step makes no host sync
+    (torch.cuda's sync debug mode set to error), and forward+backward captured in one CUDA graph,
+    replayed with new tokens (so new routing and new drops), gives what an eager step gives, bit for
+    bit (every kernel on the path is deterministic), outputs, dropped count and every gradient."""
+    import moekit
+    from moekit.distributed import ExpertParallelMoE
+
+    if device.type != "cuda":
+        raise RuntimeError("the capacity_graph group needs CUDA (run it with the nccl backend)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(256, 128, 4 * world, 2, bias=True, device=device, dtype=torch.bfloat16)
+    model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0)
+    tokens = 384
+
+    def data(seed):
+        g = torch.Generator(device=device).manual_seed(1000 * seed + rank)
+        return (torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g),
+                torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g))
+
+    x0, dy0 = data(0)
+    x = x0.clone().requires_grad_()
+    dy = dy0.clone()
+    leaves = [x, *model.parameters()]
+
+    def step():
+        y = model(x)
+        y.backward(dy)
+        return y
+
+    step()  # compile and autotune before the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print("OK capacity no host sync (cuda sync debug mode error)", flush=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    static = {"out": y_static, "dropped": model.dropped_copies,
+              **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)}}
+    dropped_seen = set()
+    for seed in (1, 2, 3):
+        x_new, dy_new = data(seed)
+        with torch.no_grad():
+            x.copy_(x_new)
+            dy.copy_(dy_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: v.clone() for k, v in static.items()}
+        for t in leaves:
+            t.grad = None
+        eager = {"out": step().detach(), "dropped": model.dropped_copies,
+                 **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)}}
+        for key, value in eager.items():
+            assert torch.equal(replayed[key], value), f"replay {seed}: {key} differs from eager"
+        dropped_seen.add(int(eager["dropped"]))
+    assert dropped_seen != {0}, "no replay dropped a copy: the test did not exercise dropping"
+    print(f"OK capacity CUDA graph replays equal eager (dropped {sorted(dropped_seen)})", flush=True)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -584,6 +688,7 @@ GROUPS = {
                                                    check_expert_parallel(rank, world, device),
                                                    check_ep_fsdp_training(rank, world, device)),
     "ep": lambda rank, world, device, workdir: check_expert_parallel(rank, world, device),
+    "capacity_graph": check_capacity_graph,
     "ckpt4": check_ckpt4,
     "ckpt2": check_ckpt2,
 }

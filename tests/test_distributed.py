@@ -38,10 +38,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(group: str, world: int, workdir: Path) -> str:
+def run_group(group: str, world: int, workdir: Path, backend: str = "gloo") -> str:
     # The ranks run real kernels, not Triton's interpreter (the CPU backends are torch's).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(WORKER), group, str(world), str(_free_port()), "gloo", str(workdir)],
+    proc = subprocess.run([sys.executable, str(WORKER), group, str(world), str(_free_port()), backend, str(workdir)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert f"DONE {group} {world}" in proc.stdout
@@ -68,6 +68,112 @@ def test_data_and_expert_parallel(tmp_path, world):
     capacity = [line for line in done if "capacity factor=" in line]
     assert any("dropped=0" not in line for line in capacity), "capacity mode never dropped a copy"
     assert all("dropped=0" in line for line in capacity if f"factor={float(dw.N)}" in line)
+
+
+def _capacity_maps_reference(ids: torch.Tensor, num_experts: int, ep_size: int, slots: int):
+    """Python loops over the copies in (token, k) order: (token_of_slot, copy_of_slot, slot_of_copy,
+    dropped) as capacity_maps lays them out."""
+    local = num_experts // ep_size
+    width = local * slots + 1
+    token_of_slot = [0] * (ep_size * width)
+    copy_of_slot = [0] * (ep_size * width)
+    slot_of_copy, seen = [], [0] * num_experts
+    for copy, e in enumerate(ids.reshape(-1).tolist()):
+        p, seen[e] = seen[e], seen[e] + 1
+        block = (e // local) * width
+        if p < slots:
+            slot = block + (e % local) * slots + p
+            token_of_slot[slot], copy_of_slot[slot] = copy // ids.shape[1], copy
+        else:
+            slot = block + local * slots
+        slot_of_copy.append(slot)
+    dropped = sum(max(0, c - slots) for c in seen)
+    return torch.tensor(token_of_slot), torch.tensor(copy_of_slot), torch.tensor(slot_of_copy).view(ids.shape), dropped
+
+
+CAPACITY_CASES = {
+    # name: (expert ids (T, K) or (T, K, seed) for random ids, N, EP, C)
+    "drops_and_empty_first_expert": ([[1, 3], [1, 2], [3, 1], [2, 3], [3, 2]], 4, 2, 1),
+    "one_token": ([[2, 0]], 4, 2, 1),
+    "all_on_last_expert_top1": ([[5], [5], [5], [5]], 6, 3, 2),
+    "random_prime_experts_no_ep": ((9, 3, 0), 7, 1, 2),
+    "random_ep4": ((13, 2, 1), 8, 4, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CAPACITY_CASES))
+def test_capacity_maps_match_the_rule(case):
+    from moekit.distributed.dispatch import capacity_maps, received_local_ids
+
+    ids, num_experts, ep_size, slots = CAPACITY_CASES[case]
+    if isinstance(ids, tuple):
+        tokens, top_k, seed = ids
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids = torch.as_tensor(ids)
+    maps = capacity_maps(ids, num_experts, ep_size, slots)
+    token_of_slot, copy_of_slot, slot_of_copy, dropped = _capacity_maps_reference(ids, num_experts, ep_size, slots)
+    assert torch.equal(maps.token_of_slot.view(-1), token_of_slot)
+    assert torch.equal(maps.copy_of_slot.view(-1), copy_of_slot)
+    assert torch.equal(maps.slot_of_copy, slot_of_copy)
+    assert int(maps.dropped) == dropped
+    assert torch.equal(maps.counts, torch.bincount(ids.reshape(-1), minlength=num_experts))
+    # The receiving side of every rank (here: all sources sent these counts): slot p of (source s,
+    # local expert e) is expert e's when p < count, else padding (id L), sentinels too.
+    local = num_experts // ep_size
+    for dest in range(ep_size):
+        recv = maps.counts[dest * local:(dest + 1) * local].repeat(ep_size, 1)
+        got = received_local_ids(recv, slots).view(ep_size, local * slots + 1)
+        for e in range(local):
+            for p in range(slots):
+                assert int(got[0, e * slots + p]) == (e if p < int(recv[0, e]) else local)
+        assert (got[:, -1] == local).all()
+
+
+def test_capacity_mode_reads_nothing_on_host(monkeypatch):
+    """Capacity mode forward and backward on meta tensors (no data: any host read raises) over a
+    fake process group of 2 ranks; dropless on the same input stops at its one documented read. The
+    local grouped MLP (tested for host syncs on its own, and meta-incapable) is a stand-in here."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import moekit.nn.grouped_mlp as grouped_mlp_module
+    from moekit.distributed import ExpertParallelMoE
+
+    calls = []
+
+    def stand_in_mlp(x, fc1_weight, fc2_weight, m_splits, *, probs, **_):
+        assert isinstance(m_splits, torch.Tensor) and m_splits.device.type == "meta", m_splits
+        calls.append(x.shape)
+        return x * probs[:, None] + (fc1_weight.sum() + fc2_weight.sum()) * 0
+
+    monkeypatch.setattr(grouped_mlp_module, "grouped_mlp", stand_in_mlp)  # what GroupedMLP.forward calls
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        layer = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, device="meta")
+        model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0)
+        x = torch.empty(dw.T, dw.H, device="meta", requires_grad=True)
+        y = model(x)
+        y.sum().backward()
+        slots = model.capacity(dw.T)
+        assert calls == [(2 * (dw.N // 2 * slots + 1), dw.H)]
+        assert y.shape == x.shape and x.grad.shape == x.shape and model.dropped_copies.device.type == "meta"
+        assert model.router.weight.grad is not None and model.experts.fc1.weight.grad is not None
+        with pytest.raises(NotImplementedError, match="meta"):
+            ExpertParallelMoE(layer, mesh)(x)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_capacity_mode_cuda_graph_over_nccl(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (NCCL)")
+    done = ok_lines(run_group("capacity_graph", 2, tmp_path, backend="nccl"))
+    assert "OK capacity no host sync (cuda sync debug mode error)" in done, done
+    assert any(line.startswith("OK capacity CUDA graph replays equal eager") for line in done), done
 
 
 def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):

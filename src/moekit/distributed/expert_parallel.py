@@ -13,9 +13,10 @@ Dispatch and combine, for one rank (index maps in `moekit.distributed.dispatch`,
 3. gather the send buffer straight from the tokens (one (M, H) copy: the all-to-all's input) and
    the router weights beside it; `all_to_all_single` (differentiable: its backward is the reverse
    all-to-all); the received rows, grouped (source rank, local expert), go through the local
-   experts as `moekit.moe_experts` runs them (sorted by local expert on the device, fused grouped
-   MLP with the router weights as probs, back in received order; no sorted copy kept for the
-   backward); the outputs travel back the same way and each token's K (already weighted) outputs
+   experts as `moekit.moe_experts` runs its rows (sorted by local expert on the device, the fused
+   grouped MLP with the router weights as probs, back in received order; the grouped MLP keeps its
+   sorted input for the weight gradients, an (R, H) tensor, where moe_experts gathers it again from
+   the K times smaller tokens); the outputs travel back the same way and each token's K (already weighted) outputs
    are summed in fixed order. Every row movement is a deterministic gather-sum, forward and
    backward: no floating-point atomics.
 
@@ -51,8 +52,7 @@ from moekit.distributed.dispatch import (
     use_triton_rows,
 )
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.moe_layer import MoELayer, run_experts
-from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.nn.moe_layer import MoELayer
 
 MODES = ("dropless", "capacity")
 
@@ -296,10 +296,10 @@ class ExpertParallelMoE(nn.Module):
         for c, ((x_recv, x_started), (probs_recv, probs_started)) in enumerate(dispatched):
             x_recv = _wait(x_recv, x_started)
             probs_recv = _wait(probs_recv, probs_started)
-            # Received rows come grouped (source rank, local expert); moe_experts sorts them by expert.
+            # Received rows come grouped (source rank, local expert).
             local_ids = torch.repeat_interleave(expert_of_block, recv_counts[:, c].reshape(-1),
                                                 output_size=x_recv.shape[0])
-            y_recv = run_experts(self.experts, x_recv, local_ids[:, None], probs_recv)
+            y_recv = self._local_experts(x_recv, probs_recv, local_ids, use_triton)
             combined.append(_start(y_recv, send[c], recv[c], self.ep_group))
         # Each token's K outputs (already weighted by the experts' probs) summed back.
         out = [move_rows(_wait(*started), chunk[2].row_of_copy, chunk[2].token_of_row, use_triton)
@@ -330,26 +330,24 @@ class ExpertParallelMoE(nn.Module):
         x_recv = all_to_all_rows(x_send, None, None, self.ep_group)
         probs_recv = all_to_all_rows(probs_send, None, None, self.ep_group)
         local_ids = received_local_ids(recv_counts.view(self.ep_size, self.num_local_experts), slots)
-        y_recv = self._local_experts_padded(x_recv, probs_recv, local_ids, use_triton)
+        y_recv = self._local_experts(x_recv, probs_recv, local_ids, use_triton)
         y_back = all_to_all_rows(y_recv, None, None, self.ep_group)
         # Dropped copies read their destination's sentinel slot, which came back as zeros.
         return move_rows(y_back, maps.slot_of_copy, maps.token_of_slot, use_triton)
 
-    def _local_experts_padded(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
-                              use_triton: bool) -> torch.Tensor:
-        """The received slots through the local experts: x_recv (S, H), probs_recv (S, 1), local_ids
-        (S,) with L for empty slots. Sorted by local expert with the empty slots last, they are the
-        grouped MLP's padding rows (past sum(m_splits)): not computed, zero output, zero gradient."""
-        experts = self.experts
+    def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
+                       use_triton: bool) -> torch.Tensor:
+        """Received rows through the local experts, as `moekit.moe_experts` runs its rows: x_recv
+        (R, H) in any order, probs_recv (R, 1) their router weights, local_ids (R,) their local
+        expert, L for an empty slot. Sorted by local expert on the device (empty slots last: the
+        grouped MLP's padding rows past sum(m_splits), not computed, zero output and gradient), the
+        fused grouped MLP with the weights as probs, back in received order. The experts run as a
+        module call, so FSDP2's hooks on them gather their parameters."""
         by_expert = dropless_maps(local_ids[:, None], self.num_local_experts)  # ids == L sort last, uncounted
         slot_of_sorted, sorted_of_slot = by_expert.token_of_row, by_expert.row_of_copy
         x_sorted = move_rows(x_recv, slot_of_sorted, sorted_of_slot, use_triton)
         probs_sorted = move_rows(probs_recv, slot_of_sorted, sorted_of_slot, use_triton)
-        y_sorted = grouped_mlp(
-            x_sorted, experts.fc1.weights(), experts.fc2.weights(), by_expert.counts, probs=probs_sorted.view(-1),
-            fc1_bias=experts.fc1.biases(), fc2_bias=experts.fc2.biases(), activation=experts.activation,
-            glu_interleave_size=experts.glu_interleave_size, backend=experts.backend,
-        )
+        y_sorted = self.experts(x_sorted, by_expert.counts, probs=probs_sorted.view(-1))
         return move_rows(y_sorted, sorted_of_slot, slot_of_sorted, use_triton)
 
     def extra_repr(self) -> str:
