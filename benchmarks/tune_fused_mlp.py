@@ -42,19 +42,28 @@ SHAPES = {  # name: (M, N, H, F)
     "gpt-oss-20b": (65536, 32, 2880, 2880),
 }
 
-# (block_rows, block_cols, block_red, group_rows, stages, warps, flatten, epi_tma); the first of each
+# (block_rows, block_cols, block_red, group_rows, stages, warps, flatten, epi_tma[, programs_per_sm]); the first of each
 # list is the configuration moekit uses (the other configs of the first sweep are in
 # benchmarks/results/h200_tune_fused_mlp_558d69b.json).
+# Two programs per multiprocessor (one's epilogue overlapping the other's main loop) need <= 113 KB of
+# shared memory and 32768 registers each: 4 warps and 2-4 stages (sm_90 compile on the CPU: fwd
+# (128,64,64) 2 stages 98 KB / 213 regs, (128,64,32) 4 stages 98 KB, (64,128,64) 2 stages 115 KB;
+# bwd (128,64,64) 3 stages 86 KB / 254 regs, 4 stages 111 KB / 255 regs; 8-warp variants do not fit).
 FWD_CONFIGS = [
     (128, 128, 64, 8, 3, 8, False, True),
+    (128, 64, 64, 8, 2, 4, False, True, 2),
+    (128, 64, 32, 8, 4, 4, False, True, 2),
+    (64, 128, 64, 8, 2, 4, False, True, 2),
     (128, 128, 32, 8, 5, 8, False, True),
     (128, 128, 32, 8, 6, 8, False, True),
 ]
 BWD_CONFIGS = [
     (128, 128, 64, 8, 4, 8, True, True),
+    (128, 64, 64, 8, 3, 4, True, True, 2),
+    (128, 64, 64, 8, 4, 4, True, True, 2),
+    (128, 64, 64, 8, 4, 4, False, True, 2),
     (128, 128, 64, 8, 4, 8, False, True),
     (128, 128, 64, 8, 5, 8, True, True),
-    (128, 128, 32, 8, 6, 8, True, True),
 ]
 TOP_K = {"mixtral-8x7b": 2, "deepseek-v3-32e": 8, "qwen3-30b-a3b": 8, "gpt-oss-20b": 4}
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 class GemmConfig:
     """One kernel configuration: the output tile (block_rows x block_cols), the reduction step, the
     swizzle band, pipelining depth, warps, whether the tile loop and the reduction loop are fused
-    into one software pipeline (flatten) and whether tiles leave through TMA stores (epi_tma).
+    into one software pipeline (flatten), whether tiles leave through TMA stores (epi_tma) and how
+    many programs of the persistent kernel share a multiprocessor (programs_per_sm).
 
     For the forward/dgrad kernel the tile is (rows of M, output columns) and the reduction runs over
     the input features; for the wgrad kernel the tile is (O, I) and the reduction runs over the
@@ -26,3 +27,4 @@ class GemmConfig:
     warps: int
     flatten: bool
     epi_tma: bool = False
+    programs_per_sm: int = 1

@@ -220,10 +220,12 @@ def _bucket(m: int) -> int:
     return 1 << max(int(m) - 1, 0).bit_length()
 
 
-def _grid_size(device: torch.device, bound: int) -> int:
+def _grid_size(device: torch.device, bound: int, per_sm: int = 1) -> int:
+    """Programs of a persistent kernel: per_sm per multiprocessor (2 lets one program's epilogue
+    overlap another's main loop), at most `bound` (the tiles of the largest schedule)."""
     sms = 4 if (_INTERPRET or device.type != "cuda") else _num_sms(device.index if device.index is not None
                                                                  else torch.cuda.current_device())
-    return max(1, min(sms, bound))
+    return max(1, min(sms * per_sm, bound))
 
 
 def _check_offs(offs: torch.Tensor, groups: int, device: torch.device) -> torch.Tensor:

@@ -226,7 +226,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
 
     def launch(c: GemmConfig) -> None:
         bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
-        nprog = gg._grid_size(x_MH.device, bound)
+        nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
         glu_forward_kernel[(nprog,)](
             x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
             probs_M if probs_M is not None else h, offs,
@@ -277,7 +277,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
 
     def launch(c: GemmConfig, part: torch.Tensor | None) -> None:
         bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
-        nprog = gg._grid_size(dy_MH.device, bound)
+        nprog = gg._grid_size(dy_MH.device, bound, c.programs_per_sm)
         glu_backward_kernel[(nprog,)](
             dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
             part if part is not None else dh, offs,
