@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One NCCL session for moekit.distributed on a machine with 2 GPUs, run from the repository root with
-# $OUT set (the device tool's output folder). Bounded to stay inside about 4 minutes:
+# $OUT set (the device tool's output folder). Bounded to stay inside about 6 minutes:
 #   1. machine and versions; 2. bench_expert_parallel.py (EP=2 vs one GPU, all-to-all share,
-#   overlap, capacity) per shape; 3. the distributed checks of tests/distributed_worker.py over
-#   NCCL: "train" (DDP, FSDP2, EP on 2 GPUs) and the checkpoint chain (one process -> 4 ranks on
-#   CPU/gloo, as a GPU host has 2 GPUs -> 2 GPUs over NCCL -> one process).
+#   overlap, capacity eager and replayed from a CUDA graph, dropless) per shape; 3. the distributed
+#   checks of tests/distributed_worker.py over NCCL: "capacity_graph" (capacity mode on the GPU
+#   kernels: no host sync, CUDA-graph replays with new routing equal eager), "train" (DDP, FSDP2, EP
+#   on 2 GPUs) and the checkpoint chain (one process -> 4 ranks on CPU/gloo, as a GPU host has 2
+#   GPUs -> 2 GPUs over NCCL -> one process).
+#
+#   OUT=/tmp/out benchmarks/gpu_distributed_session.sh --smoke   # the script itself on CPU (gloo)
 #
 # Leaves in $OUT: distributed_tests.log, ep_bench.log, ep_bench_<shape>.json.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), as this host requires.
@@ -32,24 +36,37 @@ step() {  # step SECONDS LOGFILE COMMAND...: run bounded, log, remember a failur
     [ "$rc" -eq 0 ] || { status=1; echo "!! status $rc" | tee -a "$log"; }
 }
 
+SMOKE=0
+[ "${1:-}" = "--smoke" ] && SMOKE=1
+
 {
-    echo "== $(date -u +%FT%TZ) moekit.distributed NCCL session; commit ${MOEKIT_BENCH_COMMIT:-unset}"
-    nvidia-smi -L
+    echo "== $(date -u +%FT%TZ) moekit.distributed NCCL session; commit ${MOEKIT_BENCH_COMMIT:-unset}; smoke $SMOKE"
+    [ "$SMOKE" = 1 ] || nvidia-smi -L
     $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl",
-torch.cuda.nccl.version(), "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+torch.cuda.nccl.version() if torch.cuda.is_available() else None, "triton", triton.__version__, "gpus",
+torch.cuda.device_count())'
     echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
 } 2>&1 | tee "$LOG" "$OUT/ep_bench.log"
 
-step 75 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes qwen3-30b-a3b \
+if [ "$SMOKE" = 1 ]; then
+    step 120 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --smoke --out "$OUT/ep_bench_tiny.json"
+    step 120 "$LOG" $PY tests/distributed_worker.py ep 2 "$(port)" gloo "$WORK"
+    echo "== $(date -u +%T) done (smoke), status $status" | tee -a "$LOG"
+    exit $status
+fi
+
+step 100 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes qwen3-30b-a3b --rounds 5 \
     --out "$OUT/ep_bench_qwen3-30b-a3b.json"
-step 45 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes gpt-oss-20b \
+step 80 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes gpt-oss-20b --rounds 5 \
     --out "$OUT/ep_bench_gpt-oss-20b.json"
 
+# Capacity mode on moekit's GPU kernels (bf16, Triton): host syncs and CUDA-graph capture.
+step 90 "$LOG" $PY tests/distributed_worker.py capacity_graph 2 "$(port)" nccl "$WORK"
 # fp32 checks with the loop backend: no Triton compilation inside this session's time.
-step 45 "$LOG" $PY tests/distributed_worker.py train 2 "$(port)" nccl "$WORK" loop
+step 60 "$LOG" $PY tests/distributed_worker.py train 2 "$(port)" nccl "$WORK" loop
 step 15 "$LOG" $PY tests/distributed_worker.py one_process_save "$WORK"
-step 35 "$LOG" $PY tests/distributed_worker.py ckpt4 4 "$(port)" gloo "$WORK" auto
-step 35 "$LOG" $PY tests/distributed_worker.py ckpt2 2 "$(port)" nccl "$WORK" loop
+step 40 "$LOG" $PY tests/distributed_worker.py ckpt4 4 "$(port)" gloo "$WORK" auto
+step 40 "$LOG" $PY tests/distributed_worker.py ckpt2 2 "$(port)" nccl "$WORK" loop
 step 15 "$LOG" $PY tests/distributed_worker.py one_process_check "$WORK"
 echo "== $(date -u +%T) done, status $status" | tee -a "$LOG"
 exit $status
