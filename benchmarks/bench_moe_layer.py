@@ -167,6 +167,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float | None:
 def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impls: dict,
                reasons: dict) -> list[dict]:
     device, dtype = args.device, args.dtype
+    start = time.monotonic()
     base = make_inputs(shape, device, dtype)
     ids, weights = make_routing(shape, dist, device, dtype)
     ids32 = ids.to(torch.int32)  # Liger takes int32 ids; converted once, outside the timing
@@ -220,6 +221,7 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
     runner.ratios_to(records, "plain")
     for r in records:
         r["expert_counts_min_max"] = [int(counts.min()), int(counts.max())]
+        r["cell_seconds"] = round(time.monotonic() - start, 1)  # the whole cell's wall time (budgeting)
         print_record(r)
     return records
 

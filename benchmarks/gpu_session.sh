@@ -5,18 +5,25 @@
 #   OUT=/path MOEKIT_BENCH_COMMIT=<commit> bash benchmarks/gpu_session.sh [--budget SECONDS]
 #   OUT=/tmp/s bash benchmarks/gpu_session.sh --smoke      # CPU, tiny shapes: checks the plumbing
 #
-# Parts, in order (cap = its `timeout`; what ran past it is killed, the rest still runs):
+# Parts, in order: cap = its `timeout` (what runs past it is killed, the rest still runs); seen =
+# its wall time in the dry run on an H200 at c38a31d (fresh machine, cold Triton cache: 325 s in all,
+# the layer part then cut at 150 s before SonicMoE's skewed cell):
 #   a. machine and versions (nvidia-smi, GPU name, torch, CUDA, triton, transformers, liger, commit)
-#   b. pytest -m gpu                          cap 150 s (xdist with 4 workers when importable)
-#   c. bench_mlp_vs_plain.py                  cap  75 s  grouped_mlp (triton, probs) vs plain_mlp,
-#      4 shapes x balanced/skewed, 3 interleaved rounds, roof, peak and held memory
-#   d. bench_moe_layer.py                     cap 150 s  moe_experts vs plain_layer vs Liger: the 4
-#      layers, 256/1024/4096 tokens, SonicMoE's shape; forward and forward+backward; JSON + PNG
-#   e. bench_transformers.py                  cap  60 s  Qwen3-MoE at 30B-A3B width: apply_moekit vs
-#      transformers' grouped_mm, forward+backward tokens/s, peak memory
-#   f. bench_host_overhead.py                 cap  35 s  256/1024/4096 tokens: host enqueue vs GPU
-#      time, kernel launches per step (torch.profiler)
+#                                             seen   7 s (installing Liger's wheel included)
+#   b. pytest -m gpu                          cap 150 s, seen  88 s with xdist's 4 workers (the
+#      Triton compilations run in parallel; 169 s in one process at 0dda694)
+#   c. bench_mlp_vs_plain.py                  cap  75 s, seen  51 s: grouped_mlp (triton, probs) vs
+#      plain_mlp, 4 shapes x balanced/skewed, 3 interleaved rounds, roof, peak and held memory
+#   d. bench_moe_layer.py                     cap 200 s, seen 145 s for 15 of its 16 cells (about
+#      9 s a cell, the first ones compile): moe_experts vs plain_layer vs Liger, the 4 layers,
+#      256/1024/4096 tokens, SonicMoE's shape; forward and forward+backward; JSON + PNG
+#   e. bench_transformers.py                  cap  60 s, seen  17 s: Qwen3-MoE at 30B-A3B width,
+#      apply_moekit vs transformers' grouped_mm, forward+backward tokens/s, peak memory
+#   f. bench_host_overhead.py                 cap  35 s, seen  17 s: 256/1024/4096 tokens, host
+#      enqueue vs GPU time and kernel launches per step (torch.profiler)
 #   g. summarize.py: the bars, measured / bar / verdict, and the README's tables, from the JSONs
+# Predicted: about 340 s; every cap reached would be 527 s, so the budget (min(cap, budget left)
+# per part) cuts the last parts first.
 # Each benchmark rewrites its JSON after every cell and stops starting cells (--max-seconds) early
 # enough to finish the one in progress, so a part cut short keeps what it measured. A part is
 # given min(cap, budget left); one with under 15 s left is skipped and says so.
@@ -112,7 +119,7 @@ session() {
     limit=$(limit_for 75)
     part "grouped_mlp vs plain_mlp" "$limit" $PY benchmarks/bench_mlp_vs_plain.py --out "$OUT" \
         --max-seconds $((limit - 20)) "${smoke_args[@]}" "${backend_args[@]}"
-    limit=$(limit_for 150)
+    limit=$(limit_for 200)
     part "MoE layer vs plain_layer and Liger" "$limit" $PY benchmarks/bench_moe_layer.py --out "$OUT" \
         --max-seconds $((limit - 30)) "${smoke_args[@]}" "${backend_args[@]}"
     part "transformers Qwen3-MoE" "$(limit_for 60)" $PY benchmarks/bench_transformers.py --out "$OUT" "${smoke_args[@]}"

@@ -323,20 +323,32 @@ def ratios_to(records: list[dict], baseline: str, keys: Sequence[str] = ("shape"
 CHECK_BOUND = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
+VECTOR_SLICE = 64
+
+
+def _slices(t: torch.Tensor) -> torch.Tensor:
+    """(slices, elements) of float32 `t`: its dim-0 slices, or blocks of VECTOR_SLICE elements of a
+    vector (zero-padded at the end)."""
+    t = t.detach().float()
+    if t.dim() == 1:
+        t = torch.nn.functional.pad(t, (0, -t.numel() % VECTOR_SLICE)).reshape(-1, VECTOR_SLICE)
+    return t.reshape(t.shape[0], -1)
+
+
 def rel_errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     """Relative errors of `got` against the float32 `ref`.
 
     fro: ||got - ref||_F / ||ref||_F over the whole tensor.
     worst_slice: the largest of the same ratio per slice along dim 0 (per row of an activation, per
-        expert of a weight gradient), so that one wrong row or one wrong expert among 131072 rows or
-        128 experts cannot hide in the global norm. A slice whose reference is zero (an expert
-        without rows) must be zero: its denominator is 1e-6 of the global norm.
+        expert of a weight gradient; per block of 64 elements of a vector such as d probs, whose
+        single elements can be near zero), so that one wrong row or one wrong expert among 131072
+        rows or 128 experts cannot hide in the global norm. A slice whose reference is zero (an
+        expert without rows) must be zero: its denominator is 1e-6 of the global norm.
     """
     diff = got.detach().float() - ref.float()
     ref_norm = ref.float().norm()
     fro = (diff.norm() / ref_norm.clamp_min(1e-30)).item()
-    diff_rows = diff.reshape(diff.shape[0], -1).norm(dim=1)
-    ref_rows = ref.float().reshape(ref.shape[0], -1).norm(dim=1)
+    diff_rows, ref_rows = _slices(diff).norm(dim=1), _slices(ref).norm(dim=1)
     worst = (diff_rows / ref_rows.clamp_min(1e-6 * ref_norm.item() + 1e-30)).max().item() if diff.numel() else 0.0
     return {"fro": _finite_or_none(fro), "worst_slice": _finite_or_none(worst)}
 
