@@ -171,7 +171,8 @@ def test_grouped_mlp_triton_saves_x_itself_and_h_only():
     assert any(s is leaves["x"] for s in packed), "x must be saved as the caller's tensor"
     shapes = sorted(tuple(s.shape) for s in packed if s.dim() == 2)
     assert shapes == [(rows, hidden), (rows, 2 * ffn)], shapes
-    assert all(s.dtype == torch.float32 for s in packed)  # fp32 inputs: nothing wider than x
+    assert all(s.dtype == torch.float32 for s in packed if s.is_floating_point())  # nothing wider than x
+    assert all(tuple(s.shape) == (4,) for s in packed if not s.is_floating_point()), "only the (N+1,) offsets"
 
 
 def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):

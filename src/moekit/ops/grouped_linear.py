@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from moekit._splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
+from moekit.ops import library
 
 BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -273,6 +274,9 @@ _WARNED_ATTR = "_moekit_warned_unpacked"
 
 
 def _stack_weights(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # A traced graph cannot look at storage addresses: it stacks (a copy of all experts).
+        return torch.stack(list(tensors))
     view = packed_view(tensors)
     if view is not None:
         return view
@@ -308,43 +312,44 @@ class _GroupedLinearFn(torch.autograd.Function):
     one (N, O, I) weight / (N, O) bias, or N per-group tensors (also when N = 1)."""
 
     @staticmethod
-    def forward(ctx, backend, go, bias_scale_M, n_w, n_b, x_MI, *params):
+    def forward(ctx, backend, offs, host_offs, bias_scale_M, n_w, n_b, x_MI, *params):
         weights, biases = params[:n_w], params[n_w:]
         w_NOI = weights[0] if weights[0].dim() == 3 else _stack_weights(weights, "weight")
         bias_NO = None
         if n_b:
             bias_NO = biases[0] if biases[0].dim() == 2 else _stack_weights(biases, "bias")
         ctx.grouped_b = bool(n_b) and biases[0].dim() == 2
-        y_MO = backend.forward(x_MI, w_NOI, go, bias_NO, bias_scale_M)
-        ctx.backend, ctx.go, ctx.n_w, ctx.n_b = backend, go, n_w, n_b
-        ctx.save_for_backward(x_MI, bias_scale_M, bias_NO, *weights)
+        y_MO = library.grouped_linear_forward(backend, x_MI, w_NOI, offs, host_offs, bias_NO, bias_scale_M)
+        ctx.backend, ctx.host_offs, ctx.n_w, ctx.n_b = backend, host_offs, n_w, n_b
+        ctx.save_for_backward(x_MI, offs, bias_scale_M, bias_NO, *weights)
         return y_MO
 
     @staticmethod
     def backward(ctx, dy_MO):
-        x_MI, bias_scale_M, bias_NO, *weights = ctx.saved_tensors
-        backend, go, n_w, n_b = ctx.backend, ctx.go, ctx.n_w, ctx.n_b
+        x_MI, offs, bias_scale_M, bias_NO, *weights = ctx.saved_tensors
+        backend, host_offs, n_w, n_b = ctx.backend, ctx.host_offs, ctx.n_w, ctx.n_b
         w_NOI = weights[0] if weights[0].dim() == 3 else _stack_weights(weights, "weight")
-        num_groups = w_NOI.shape[0]
         dy_MO = _row_major(dy_MO)
         dx = dw = db = dscale = None
         # The GEMMs never read padding rows of dy; the bias reductions would (0 * inf = nan), so
         # they get a copy with those rows zeroed: padding rows receive zero gradient whatever dy holds.
-        dy_bias_MO = _without_padding(dy_MO, go) if n_b else None
-        if ctx.needs_input_grad[5]:
-            dx = backend.dgrad(dy_MO, w_NOI, go)
-        if any(ctx.needs_input_grad[6:6 + n_w]):
-            dw = backend.wgrad(dy_MO, x_MI, go, num_groups)
-        if n_b and any(ctx.needs_input_grad[6 + n_w:]):
-            db = backend.dbias(dy_bias_MO, go, num_groups, bias_scale_M)
-        if bias_scale_M is not None and ctx.needs_input_grad[2]:
+        dy_bias_MO = library.without_padding(dy_MO, offs, host_offs) if n_b else None
+        # forward's inputs: backend, offs, host_offs, bias_scale, n_w, n_b, x, *params
+        if ctx.needs_input_grad[6]:
+            dx = library.grouped_linear_dgrad(backend, dy_MO, w_NOI, offs, host_offs)
+        if any(ctx.needs_input_grad[7:7 + n_w]):
+            dw = library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
+        if n_b and any(ctx.needs_input_grad[7 + n_w:]):
+            db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
+        if bias_scale_M is not None and ctx.needs_input_grad[3]:
             acc_t = compute_dtype(dy_MO, bias_scale_M)
+            go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
             bias_MO = _bias_rows(bias_NO, go, acc_t)
             dscale = (dy_bias_MO.to(acc_t) * bias_MO).sum(-1).to(bias_scale_M.dtype)
         dws = (dw,) if weights[0].dim() == 3 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
         dbs = () if not n_b else ((db,) if ctx.grouped_b else
                                   (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
-        return (None, None, dscale, None, None, dx, *dws, *dbs)
+        return (None, None, None, dscale, None, None, dx, *dws, *dbs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -458,7 +463,9 @@ def grouped_linear(
             raise ValueError(f"bias_scale must have shape ({x.shape[0]},), got {tuple(bias_scale.shape)}")
         bias_scale = bias_scale.reshape(-1)
     x = _row_major(x)
-    return _GroupedLinearFn.apply(impl, go, bias_scale, len(weights), len(biases), x, *weights, *biases)
+    host_offs = list(go.host) if go.host is not None else None
+    return _GroupedLinearFn.apply(impl.name, go.offs, host_offs, bias_scale, len(weights), len(biases), x, *weights,
+                                  *biases)
 
 
 def grouped_linear_reference(

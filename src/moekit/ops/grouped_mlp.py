@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from moekit._splits import GroupOffsets, MSplits, resolve_splits
+from moekit.ops import library
 from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_linear import (
     Weight,
@@ -334,8 +335,8 @@ def _fused_mlp(go: GroupOffsets, probs_M, glu_interleave_size, activation, x_MH,
     wgrad from dh and x) runs: the peak of the backward holds h or dh, not both, as plain PyTorch's
     composition does.
     """
-    h, act = _FusedFc1Fn.apply(go, probs_M, glu_interleave_size, activation, len(w1s), x_MH, *w1s, *b1s)
-    return _FusedFc2Fn.apply(go, glu_interleave_size, activation, len(w2s), h, act, probs_M, *w2s, *b2s)
+    h, act = _FusedFc1Fn.apply(go.offs, probs_M, glu_interleave_size, activation, len(w1s), x_MH, *w1s, *b1s)
+    return _FusedFc2Fn.apply(go.offs, glu_interleave_size, activation, len(w2s), h, act, probs_M, *w2s, *b2s)
 
 
 class _FusedFc1Fn(torch.autograd.Function):
@@ -348,32 +349,29 @@ class _FusedFc1Fn(torch.autograd.Function):
     through act into this node would count that path twice."""
 
     @staticmethod
-    def forward(ctx, go: GroupOffsets, probs_M, glu_interleave_size, activation, n_w1, x_MH, *params):
+    def forward(ctx, offs, probs_M, glu_interleave_size, activation, n_w1, x_MH, *params):
         w1s, b1s = params[:n_w1], params[n_w1:]
         w1 = _grouped(w1s, 3, "fc1 weight")
-        h, act = glu_forward(x_MH, w1, go.offs, _grouped(b1s, 2, "fc1 bias"), probs_M, glu_interleave_size,
-                             activation)
+        h, act = library.glu_forward(x_MH, w1, offs, _grouped(b1s, 2, "fc1 bias"), probs_M, glu_interleave_size,
+                                     activation)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
-        ctx.go, ctx.n_w1 = go, n_w1
+        ctx.n_w1 = n_w1
         ctx.b1_dims = tuple(b.dim() for b in b1s)
         # x is saved as the caller's tensor itself: saved-tensor hooks (moe_experts') may replace it.
-        ctx.save_for_backward(x_MH, *w1s)
+        ctx.save_for_backward(x_MH, offs, *w1s)
         return h, act
 
     @staticmethod
     def backward(ctx, dh_M2F, _d_act):
-        from moekit.ops.grouped_gemm import group_row_sum, grouped_gemm_dgrad, grouped_gemm_wgrad
-
-        x_MH, *w1s = ctx.saved_tensors
+        x_MH, offs, *w1s = ctx.saved_tensors
         w1s = tuple(w1s)
         n_w1 = ctx.n_w1
-        need = ctx.needs_input_grad  # forward's inputs: go, probs, glu, activation, n_w1, x, *params
+        need = ctx.needs_input_grad  # forward's inputs: offs, probs, glu, activation, n_w1, x, *params
         need_x, need_w1, need_b1 = need[5], any(need[6:6 + n_w1]), any(need[6 + n_w1:])
-        offs = ctx.go.offs
-        dx = grouped_gemm_dgrad(dh_M2F, _grouped(w1s, 3, "fc1 weight"), offs) if need_x else None
-        dw1 = grouped_gemm_wgrad(dh_M2F, x_MH, offs) if need_w1 else None
-        db1 = group_row_sum(dh_M2F, offs) if need_b1 else None
+        dx = library.grouped_gemm_dgrad(dh_M2F, _grouped(w1s, 3, "fc1 weight"), offs) if need_x else None
+        dw1 = library.grouped_gemm_wgrad(dh_M2F, x_MH, offs) if need_w1 else None
+        db1 = library.group_row_sum(dh_M2F, offs) if need_b1 else None
         return (None, None, None, None, None, dx, *_unstack(dw1, w1s, 3), *_unstack_bias(db1, ctx.b1_dims))
 
 
@@ -383,44 +381,39 @@ class _FusedFc2Fn(torch.autograd.Function):
     weights then the fc2 biases."""
 
     @staticmethod
-    def forward(ctx, go: GroupOffsets, glu_interleave_size, activation, n_w2, h_M2F, act_MF, probs_M, *params):
-        from moekit.ops.grouped_gemm import grouped_gemm_forward
-
+    def forward(ctx, offs, glu_interleave_size, activation, n_w2, h_M2F, act_MF, probs_M, *params):
         w2s, b2s = params[:n_w2], params[n_w2:]
         b2 = _grouped(b2s, 2, "fc2 bias")
-        y = grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), go.offs, b2,
-                                 probs_M if b2 is not None else None)
-        ctx.go, ctx.glu, ctx.activation, ctx.n_w2 = go, glu_interleave_size, activation, n_w2
+        y = library.grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), offs, b2,
+                                         probs_M if b2 is not None else None)
+        ctx.glu, ctx.activation, ctx.n_w2 = glu_interleave_size, activation, n_w2
         ctx.b2_dims = tuple(b.dim() for b in b2s)
-        ctx.save_for_backward(h_M2F, probs_M, b2, *w2s)
+        ctx.save_for_backward(h_M2F, offs, probs_M, b2, *w2s)
         return y
 
     @staticmethod
     def backward(ctx, dy_MH):
-        from moekit.ops.grouped_gemm import group_row_sum, group_row_sum_and_dot, grouped_gemm_wgrad
-
-        h, probs_M, b2, *w2s = ctx.saved_tensors
+        h, offs, probs_M, b2, *w2s = ctx.saved_tensors
         w2s = tuple(w2s)
         n_w2 = ctx.n_w2
-        offs = ctx.go.offs
         dy_MH = _row_major(dy_MH)
-        # forward's inputs: go, glu, activation, n_w2, h, act, probs, *params
+        # forward's inputs: offs, glu, activation, n_w2, h, act, probs, *params
         need = ctx.needs_input_grad
         need_probs, need_w2, need_b2 = need[6], any(need[7:7 + n_w2]), any(need[7 + n_w2:])
-        dh, act_p, dprobs = glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h, offs, probs_M, ctx.glu,
-                                         ctx.activation)
+        dh, act_p, dprobs = library.glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h, offs, probs_M, ctx.glu,
+                                                 ctx.activation)
         del h
-        dw2 = grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
+        dw2 = library.grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
         del act_p
         db2 = None
         d_probs = None
         if probs_M is not None and need_probs and b2 is not None:
             # One pass over dy gives fc2's bias gradient and the bias term of d probs,
             # <dy[r], b2[group of r]> (y = ... + b2 * p).
-            db2, bias_dot = group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
+            db2, bias_dot = library.group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
             dprobs = dprobs + bias_dot
         elif need_b2:
-            db2 = group_row_sum(dy_MH, offs, probs_M)
+            db2 = library.group_row_sum(dy_MH, offs, probs_M)
         if probs_M is not None and need_probs:
             d_probs = dprobs.to(probs_M.dtype)
         return (None, None, None, None, dh, None, d_probs, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from moekit._splits import _device_splits
+from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.swiglu import check_activation, check_interleave, swiglu_reference
@@ -95,7 +97,7 @@ class _MoveRowsFn(torch.autograd.Function):
     def forward(ctx, src_SD, index_fwd_RJ, index_bwd_SJ, use_triton):
         ctx.save_for_backward(index_fwd_RJ, index_bwd_SJ)
         ctx.use_triton = use_triton
-        return _sum_rows(src_SD, index_fwd_RJ, use_triton)
+        return library.sum_rows(src_SD, index_fwd_RJ, use_triton)
 
     @staticmethod
     def backward(ctx, d_out_RD):
@@ -185,9 +187,10 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     top_k = topk_ids.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, num_experts={num_experts}], got {top_k}")
-    if topk_ids.device.type == "cpu" and topk_ids.numel():
+    if topk_ids.device.type == "cpu" and topk_ids.numel() and not torch.compiler.is_compiling():
         # Free on the host; on an accelerator this check would be a sync, so there ids outside
         # [0, N) are undefined input (ids >= N give zero rows, negative ids count as expert 0).
+        # Under torch.compile the read would break the graph: eager only.
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
@@ -243,7 +246,10 @@ def moe_experts(
 
     The grouped MLP runs under moe_experts' own saved-tensor hooks (they drop its sorted copy of x):
     activation checkpointing around the call works, but an outer `save_on_cpu` does not reach the
-    tensors saved inside the MLP.
+    tensors saved inside the MLP. Under torch.compile these hooks are not installed (a traced graph
+    does not run them): what the compiled graph keeps for the backward is AOTAutograd's choice (its
+    min-cut partitioner may save x_sorted or recompute the gather); the range check of topk_ids
+    (a read of the ids on the CPU) runs in eager only.
     """
     num_experts = _num_experts(fc1_weight)
     _check_routing(x, topk_ids, topk_weights, num_experts)
@@ -255,12 +261,18 @@ def moe_experts(
     m_splits, order_M1, inverse_TK, token_of_row_M1 = _route(topk_ids, num_experts)
     x_sorted_MH = _MoveRowsFn.apply(x, token_of_row_M1, inverse_TK, use_triton)
     probs_M = _MoveRowsFn.apply(topk_weights.reshape(-1, 1), order_M1, inverse_TK.reshape(-1, 1), use_triton)
-    pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        y_sorted_MH = grouped_mlp(
-            x_sorted_MH, fc1_weight, fc2_weight, m_splits, probs=probs_M.view(-1), fc1_bias=fc1_bias,
-            fc2_bias=fc2_bias, activation=activation, glu_interleave_size=glu_interleave_size, backend=backend,
-        )
+    mlp_kwargs = dict(probs=probs_M.view(-1), fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
+                      glu_interleave_size=glu_interleave_size, backend=backend)
+    if torch.compiler.is_compiling():
+        # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
+        # gather in the backward); saved-tensor hooks are not traced. The counts stay a tensor even
+        # on the CPU (eager reads CPU counts on the host, which a graph cannot).
+        offsets = _device_splits(m_splits, num_experts, x_sorted_MH.shape[0], x.device)
+        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offsets, **mlp_kwargs)
+    else:
+        pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, m_splits, **mlp_kwargs)
     del x_sorted_MH
     return _MoveRowsFn.apply(y_sorted_MH, inverse_TK, token_of_row_M1, use_triton)
 
