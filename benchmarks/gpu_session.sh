@@ -96,7 +96,7 @@ session() {
     timeout 60 $PY -c 'import json, runner; print(json.dumps(runner.machine(), indent=1))' \
         || failed+=("versions")
 
-    local smoke_args=() backend_args=()
+    local smoke_args=() backend_args=() limit
     if ((SMOKE)); then
         smoke_args=(--smoke)
         backend_args=(--backend torch)  # the Triton interpreter takes seconds per call
@@ -104,7 +104,6 @@ session() {
     else
         local xdist=()
         $PY -c 'import xdist' 2>/dev/null && xdist=(-n 4)
-        local limit
         limit=$(limit_for 150)
         {
             echo "== pytest -m gpu ${xdist[*]} (limit $limit s)"
@@ -115,7 +114,6 @@ session() {
         grep -E '^(== |!! )|(passed|failed|error).* in [0-9.]+s' "$OUT/gpu_tests.log" | tail -4
     fi
 
-    local limit
     limit=$(limit_for 75)
     part "grouped_mlp vs plain_mlp" "$limit" $PY benchmarks/bench_mlp_vs_plain.py --out "$OUT" \
         --max-seconds $((limit - 20)) "${smoke_args[@]}" "${backend_args[@]}"
