@@ -74,6 +74,12 @@ def _ok(records: list[dict], **match) -> list[dict]:
     return [r for r in records if r.get("tflops") and all(r.get(k) == v for k, v in match.items())]
 
 
+def _roofs(payload: dict) -> str:
+    roofs = (payload.get("meta") or {}).get("roofs") or []
+    values = ", ".join(f"{r['tflops']:.0f}" for r in roofs)
+    return f"dense bf16 8192^3 roof {values} TFLOP/s in this run (start, end)" if roofs else ""
+
+
 def mlp_bars(bars: Bars, payload: dict | None) -> list[str]:
     records = (payload or {}).get("records", [])
     mine = _ok(records, impl="moekit")
@@ -115,7 +121,7 @@ def mlp_bars(bars: Bars, payload: dict | None) -> list[str]:
         lines.append(f"| {shape} | {pair('forward', 'x_plain')} | {pair('forward+backward', 'x_plain')} | {tf} | "
                      f"{pair('forward+backward', 'peak_extra_x_plain')} ({pair('forward+backward', 'peak_x_plain')} "
                      f"absolute) | {pair('forward+backward', 'held_x_plain')} |")
-    return ["### grouped_mlp vs plain_mlp (balanced / skewed)", "", *lines, ""]
+    return ["### grouped_mlp vs plain_mlp (balanced / skewed)", "", *lines, "", _roofs(payload), ""]
 
 
 def layer_bars(bars: Bars, payload: dict | None) -> list[str]:
@@ -165,10 +171,7 @@ def layer_bars(bars: Bars, payload: dict | None) -> list[str]:
                      f"{_fmt(fwd.get('x_plain'))} ; {_fmt(rs['moekit'].get('x_plain'))} | "
                      f"{gib('moekit', 'held_bytes')} / {gib('plain', 'held_bytes')} | "
                      f"{gib('moekit', 'peak_extra_bytes')} / {gib('plain', 'peak_extra_bytes')} |")
-    roofs = (payload.get("meta") or {}).get("roofs") or []
-    roof_values = ", ".join(f"{r['tflops']:.0f}" for r in roofs)
-    roof = f"dense bf16 8192^3 roof {roof_values} TFLOP/s in this run (start, end)" if roofs else ""
-    return ["### MoE layer vs plain_layer and Liger", "", *lines, "", roof, ""]
+    return ["### MoE layer vs plain_layer and Liger", "", *lines, "", _roofs(payload), ""]
 
 
 def transformers_bar(bars: Bars, payload: dict | None) -> list[str]:
