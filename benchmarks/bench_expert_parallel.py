@@ -16,7 +16,8 @@ shape are timed in interleaved rounds (median of rounds), CUDA events around `it
 all-to-all share is the summed device time of NCCL kernels over the step time, from torch.profiler
 over a few steps (the NCCL kernels include waiting for the peer; with overlap they run beside the
 experts; kernels inside a graph replay may not be attributed). Host syncs per step are counted with
-torch.cuda's sync debug mode after warm-up (dropless: 1 expected, the split sizes; capacity: 0).
+torch.cuda's sync debug mode and waits on CUDA events after warm-up (dropless: 1 expected, the
+split sizes; capacity: 0).
 
 Legend: T tokens per GPU, K top-k, N experts, H hidden size, F expert ffn size.
 """
@@ -102,16 +103,27 @@ def _time(step, device, iters):
 
 
 def _host_syncs(step) -> int:
-    """Host synchronisations in one forward+backward (torch.cuda's sync debug mode, as warnings)."""
+    """Host synchronisations in one forward+backward: those torch.cuda's sync debug mode reports (as
+    warnings) plus waits on CUDA events (dropless mode's read of the split sizes waits on one; the
+    debug mode does not report event waits)."""
     torch.cuda.synchronize()
+    event_waits = []
+    event_synchronize = torch.cuda.Event.synchronize
+
+    def counted(event):
+        event_waits.append(event)
+        return event_synchronize(event)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted
         try:
             step()
         finally:
+            torch.cuda.Event.synchronize = event_synchronize
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    return sum("synchroniz" in str(w.message).lower() for w in caught) + len(event_waits)
 
 
 def _nccl_share(step, iters=3):

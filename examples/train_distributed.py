@@ -80,6 +80,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree (divides the world size)")
     parser.add_argument("--mode", choices=["dropless", "capacity"], default="dropless", help="token dispatch")
+    parser.add_argument("--aux-loss-coef", type=float, default=0.01,
+                        help="load-balancing loss coefficient (over every rank's tokens; 0: none)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
@@ -114,8 +116,8 @@ def main():
     world_mesh = init_device_mesh(device.type, (world,))
     ep_mesh = init_device_mesh(device.type, (args.ep, world // args.ep), mesh_dim_names=("ep", "dp"))
     torch.manual_seed(0)  # the same initial model on every rank
-    layers = [ExpertParallelMoE(moekit.MoELayer(args.hidden, 2 * args.hidden, args.experts, 2, device=device),
-                                ep_mesh, mode=args.mode)
+    layers = [ExpertParallelMoE(moekit.MoELayer(args.hidden, 2 * args.hidden, args.experts, 2, device=device,
+                                                aux_loss_coef=args.aux_loss_coef), ep_mesh, mode=args.mode)
               for _ in range(args.layers)]
     model = TinyMoELM(args.vocab, args.hidden, layers, heads=4).to(device)
     # bf16 compute on GPUs; CPU stays in fp32 (bf16 matmuls there are slow, not what this shows).

@@ -58,7 +58,7 @@ class Routed(nn.Module):
 SPLITS = [3, 0, 5, 1, 0, 2, 4, 1]  # per rank; empty experts in the middle and at the start
 
 
-def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0) -> nn.Module:
+def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0, aux_loss_coef=0.0) -> nn.Module:
     import moekit
 
     torch.manual_seed(seed)
@@ -70,7 +70,7 @@ def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0) ->
         return Routed(moekit.GroupedMLP(N, H, F, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
                                         device=device, dtype=dtype), SPLITS)
     return moekit.MoELayer(H, F, N, K, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
-                           device=device, dtype=dtype)
+                           device=device, dtype=dtype, aux_loss_coef=aux_loss_coef)
 
 
 def batch(kind: str, rank: int, device, dtype=torch.float32, step=0) -> torch.Tensor:
@@ -350,8 +350,9 @@ def check_ep_fsdp_training(rank, world, device):
     world_mesh = init_device_mesh(device.type, (world,))
     for ep in sorted({2, world}):
         mesh = ep_mesh(device, world, ep)
-        for grouped in (True, False):
-            ref = make_model("moe", grouped, device)
+        # The load-balancing loss (aux) over every rank's tokens: one process's on the full batch.
+        for grouped, aux in ((True, 0.0), (False, 0.0), (True, 0.5)):
+            ref = make_model("moe", grouped, device, aux_loss_coef=aux)
             model = ExpertParallelMoE(copy.deepcopy(ref), mesh)
             apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -364,12 +365,14 @@ def check_ep_fsdp_training(rank, world, device):
                 loss_of(ref(full_batch("moe", world, device, step=step)[0])).backward()
                 if step == 0:
                     compare_ep_model(model, ref, local, grouped, grads=True, what=f"ep={ep} fsdp gradient")
+                if aux:
+                    assert_rel(model.aux_loss, ref.aux_loss, FP32_REL, f"ep={ep} aux loss step {step}")
                 opt.step()
                 opt.zero_grad()
                 opt_ref.step()
                 opt_ref.zero_grad()
             compare_ep_model(model, ref, local, grouped, grads=False, what=f"ep={ep} fsdp after 2 steps")
-            print(f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={grouped}", flush=True)
+            print(f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={grouped} aux_loss_coef={aux}", flush=True)
 
 
 def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, what: str) -> None:
@@ -687,7 +690,8 @@ GROUPS = {
     "train": lambda rank, world, device, workdir: (check_data_parallel(rank, world, device),
                                                    check_expert_parallel(rank, world, device),
                                                    check_ep_fsdp_training(rank, world, device)),
-    "ep": lambda rank, world, device, workdir: check_expert_parallel(rank, world, device),
+    "ep": lambda rank, world, device, workdir: (check_expert_parallel(rank, world, device),
+                                                check_ep_fsdp_training(rank, world, device)),
     "capacity_graph": check_capacity_graph,
     "ckpt4": check_ckpt4,
     "ckpt2": check_ckpt2,

@@ -52,7 +52,7 @@ from moekit.distributed.dispatch import (
     use_triton_rows,
 )
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.moe_layer import MoELayer
+from moekit.nn.moe_layer import MoELayer, _AuxLossInjector
 
 MODES = ("dropless", "capacity")
 
@@ -148,6 +148,25 @@ def _wait(out, started):
     return _AllToAllWait.apply(out, *started)
 
 
+class _HostRead:
+    """A device tensor's values for the host: the copy is queued now (into pinned memory, without
+    blocking), `values()` waits for it; the host may launch more work in between."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = t, None
+
+    def values(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 def _as_input_shape(y_TH: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # A 2-D input gets the (T, H) result itself, not a view (FSDP2 warns about views).
     return y_TH if x.dim() == 2 else y_TH.reshape(x.shape)
@@ -193,11 +212,6 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
         if num_chunks > 1 and mode != "dropless":
             raise ValueError("num_chunks > 1 (all-to-all overlapped with the experts) exists for mode='dropless' only")
-        if layer.aux_loss_coef > 0:
-            raise ValueError(
-                "ExpertParallelMoE does not compute MoELayer's auxiliary load-balancing loss; build the layer "
-                "with aux_loss_coef=0"
-            )
         self.mesh = mesh
         self.ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
         self.ep_group = self.ep_mesh.get_group()
@@ -216,6 +230,9 @@ class ExpertParallelMoE(nn.Module):
         self.top_k = layer.top_k
         self.score_func = layer.score_func
         self.norm_topk_prob = layer.norm_topk_prob
+        self.aux_loss_coef = layer.aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
+        self._routing_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.router = layer.router
         full = layer.experts
         weight = full.fc1.weights()
@@ -246,10 +263,6 @@ class ExpertParallelMoE(nn.Module):
                     for p, value in zip(dst_params, local.unbind(0), strict=True):
                         p.copy_(value)
 
-    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`MoELayer.route`: (top-k weights (T, K) fp32, expert ids (T, K), scores (T, N) fp32)."""
-        return MoELayer.route(self, x_TH)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -257,8 +270,40 @@ class ExpertParallelMoE(nn.Module):
                 f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
             )
         x_TH = x.reshape(-1, self.hidden_size)
+        # (copies per expert (N,), router scores summed over this rank's tokens (N,)) for the aux loss.
+        self._routing_stats = []
         y_TH = self._dropless(x_TH) if self.mode == "dropless" else self._capacity(x_TH)
+        if self.aux_loss_coef > 0 and self.training:
+            y_TH = _AuxLossInjector.apply(y_TH, self._aux_loss(x_TH.shape[0]))
+        self._routing_stats = []
         return _as_input_shape(y_TH, x)
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`MoELayer.route`: (top-k weights (T, K) fp32, expert ids (T, K), scores (T, N) fp32)."""
+        weights, ids, scores = MoELayer.route(self, x_TH)
+        if self.aux_loss_coef > 0 and self.training:
+            self._routing_stats.append((ids, scores.sum(0)))
+        return weights, ids, scores
+
+    def _aux_loss(self, num_tokens: int) -> torch.Tensor:
+        """MoELayer's load-balancing loss `coef * N * sum_e f_e * P_e` over the tokens of every rank
+        of the mesh: f_e (share of routed copies) and P_e (mean score) come from one all-reduce of
+        (copies per expert, score sums, tokens) over the mesh (per dim); the returned part, this
+        rank's, differentiates its own scores' sum, scaled so that the mean over the mesh's ranks
+        (what data-parallel gradient averaging takes) is the loss of one process on all the tokens,
+        whatever each rank's token count. `self.aux_loss` keeps that global loss, detached."""
+        ids = torch.cat([i.reshape(-1) for i, _ in self._routing_stats])
+        score_sum = torch.stack([s for _, s in self._routing_stats]).sum(0)
+        copies = torch.zeros(self.num_experts, dtype=torch.float64, device=ids.device)
+        copies.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float64))  # integer-valued: exact
+        totals = torch.cat([copies, score_sum.detach().double(), copies.new_full((1,), num_tokens)])
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(totals, group=self.mesh.get_group(dim))
+        num_experts = self.num_experts
+        routed_share = (totals[:num_experts] / (totals[-1] * self.top_k)).to(score_sum.dtype)
+        scale = self.aux_loss_coef * num_experts
+        self.aux_loss = scale * (routed_share * (totals[num_experts:-1] / totals[-1]).to(score_sum.dtype)).sum()
+        return scale * (routed_share * score_sum).sum() * (self.mesh.size() / totals[-1]).to(score_sum.dtype)
 
     def _dropless(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Dropless dispatch and combine of x_TH's tokens in `num_chunks` token chunks: every
@@ -267,24 +312,29 @@ class ExpertParallelMoE(nn.Module):
         experts compute. One host read for all chunks' split sizes."""
         ep_size, local_L = self.ep_size, self.num_local_experts
         use_triton = use_triton_rows(self.experts.backend, x_TH)
-        chunks = []
+        routed = []
         # Exactly num_chunks pieces (some may be empty) on every rank, whatever its token count: the
         # ranks' all-to-alls must pair up.
         for x_chunk in torch.tensor_split(x_TH, self.num_chunks):
             weights_TK, ids_TK, _ = self.route(x_chunk)
-            maps = dropless_maps(ids_TK, self.num_experts)
+            routed.append((x_chunk, weights_TK, dropless_maps(ids_TK, self.num_experts)))
+        num_chunks = len(routed)
+        # Counts to each destination rank, chunk-major: (EP, chunks, L); received (EP sources, chunks, L).
+        send_counts = torch.stack([maps.counts for *_, maps in routed]).view(num_chunks, ep_size, local_L)
+        send_counts = send_counts.transpose(0, 1)
+        recv_counts = torch.empty_like(send_counts, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        # The one host read of a dropless all-to-all: every chunk's split sizes, in one copy, queued
+        # before the send buffers' gathers and waited for after them, so the GPU gathers meanwhile.
+        splits_read = _HostRead(torch.cat([send_counts.sum(2).reshape(-1), recv_counts.sum(2).reshape(-1)]))
+        chunks = []
+        for x_chunk, weights_TK, maps in routed:
             # The send buffers: copies sorted by expert, so grouped by destination rank.
             x_send = move_rows(x_chunk, maps.token_of_row, maps.row_of_copy, use_triton)
             probs_send = move_rows(weights_TK.reshape(-1, 1), maps.copy_of_row, maps.row_of_copy.reshape(-1, 1),
                                    use_triton)
             chunks.append((x_send, probs_send, maps))
-        num_chunks = len(chunks)
-        # Counts to each destination rank, chunk-major: (EP, chunks, L); received (EP sources, chunks, L).
-        send_counts = torch.stack([c[2].counts for c in chunks]).view(num_chunks, ep_size, local_L).transpose(0, 1)
-        recv_counts = torch.empty_like(send_counts, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
-        # The one host read of a dropless all-to-all: every chunk's split sizes, in one copy.
-        splits = torch.cat([send_counts.sum(2).reshape(-1), recv_counts.sum(2).reshape(-1)]).tolist()
+        splits = splits_read.values()
         send = [[splits[r * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         recv = [[splits[(ep_size + r) * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         dispatched = []
