@@ -259,6 +259,33 @@ def main(argv=None):
         syncs = "" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
         print(f"{r['shape']:16} {r['variant']:22} {r['rank']:>4} {r['ms']:8.2f} {r['tokens_per_s_per_gpu']:11.0f} "
               f"{share:>9} {syncs:>5}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else ""))
+    for line in _ratios(results):
+        print(line)
+
+
+# (label, variant, baseline): tokens/s of the variant over the baseline's, each the slowest rank's
+# (the ranks of one step wait for each other).
+RATIOS = (
+    ("EP path at EP=1 / one GPU", "one_gpu_ep_path", "one_gpu"),
+    ("EP dropless / one GPU", "ep_dropless", "one_gpu"),
+    ("2 chunks overlapped / 1 chunk", "ep_dropless_overlap2", "ep_dropless"),
+    ("capacity 1.25 / dropless", "ep_capacity1.25", "ep_dropless"),
+    ("capacity 1.25 graph / dropless", "ep_capacity1.25_graph", "ep_dropless"),
+    ("capacity 1.25 graph / eager", "ep_capacity1.25_graph", "ep_capacity1.25"),
+)
+
+
+def _ratios(results: list[dict]) -> list[str]:
+    slowest = {}
+    for r in results:
+        key = (r["shape"], r["variant"])
+        slowest[key] = min(slowest.get(key, float("inf")), r["tokens_per_s_per_gpu"])
+    lines = []
+    for shape in sorted({r["shape"] for r in results}):
+        for label, variant, baseline in RATIOS:
+            if (shape, variant) in slowest and (shape, baseline) in slowest:
+                lines.append(f"{shape:16} {label:32} {slowest[shape, variant] / slowest[shape, baseline]:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":
