@@ -11,7 +11,10 @@ importable, forward and forward+backward, after warm-up:
   of host and GPU work when they overlap);
 - kernel_ms: the sum of the step's kernel durations (torch.profiler, ProfilerActivity.CUDA): the
   GPU's busy time;
-- launches per step: kernels, memcpys and memsets (profiler events), with each kernel's name.
+- launches per step: kernels, memcpys and memsets (profiler events), with each kernel's name;
+- the host time of a profiled run split into the time inside profiled events (ops, CUDA API calls,
+  autograd nodes and custom ops, whose Python runs inside them) and between them (Python glue:
+  moekit's wrappers, Triton's launchers), with the events of most self time.
 `bound` says which side is longer: "host" when host_ms > kernel_ms (the GPU waits for launches:
 cut launches and Python work), else "gpu" (make the kernels faster).
 
@@ -62,34 +65,52 @@ def enqueue_times(step, leaves, steps: int, device: torch.device) -> tuple[float
     return host, events[0].elapsed_time(events[1]) / steps if events else None
 
 
-def kernel_census(step, leaves, steps: int, device: torch.device) -> dict:
-    """Kernel, memcpy and memset launches per step and the kernels' busy time (torch.profiler)."""
-    if device.type != "cuda":
-        return {"launches": None, "kernels": None, "memcpys": None, "memsets": None, "kernel_ms": None,
-                "kernel_names": None}
+def census(step, leaves, steps: int, device: torch.device) -> dict:
+    """One profiled run of `steps` steps (torch.profiler), per step: kernel, memcpy and memset
+    launches and the kernels' busy time (CUDA only); the host side: in_events_ms, the self CPU time
+    of every profiled CPU event (aten ops, CUDA API calls, autograd Function nodes and custom ops,
+    with the Python that runs inside them; the backward's thread included), between_events_ms, the
+    rest of the wall time (Python glue outside any event: moekit's wrappers, Triton's launchers),
+    and the events of most self time. Profiling slows the host, so these are larger than host_ms;
+    their split is what they are for."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = device.type == "cuda"
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             for t in leaves:
                 t.grad = None
             step()
+        host_us = (time.perf_counter() - start) * 1e6
         _sync(device)
     kinds: collections.Counter = collections.Counter()
     names: collections.Counter = collections.Counter()
-    busy_us = 0.0
+    busy_us = in_events_us = 0.0
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            in_events_us += e.self_cpu_time_total
             continue
         kind = "memcpys" if e.name.startswith("Memcpy") else "memsets" if e.name.startswith("Memset") else "kernels"
         kinds[kind] += 1
         if kind == "kernels":
             names[e.name[:100]] += 1
             busy_us += e.time_range.elapsed_us()
-    return {"launches": sum(kinds.values()) / steps, **{k: kinds[k] / steps for k in ("kernels", "memcpys", "memsets")},
-            "kernel_ms": busy_us / 1e3 / steps,
-            "kernel_names": {n: c / steps for n, c in names.most_common()}}
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    per_step = {
+        "profiled_host_ms": host_us / 1e3 / steps,
+        "in_events_ms": in_events_us / 1e3 / steps,
+        "between_events_ms": (host_us - in_events_us) / 1e3 / steps,
+        "top_host_events": [{"name": a.key[:100], "calls": a.count / steps,
+                             "self_ms": a.self_cpu_time_total / 1e3 / steps} for a in top],
+    }
+    if not cuda:
+        return {**per_step, "launches": None, "kernels": None, "memcpys": None, "memsets": None, "kernel_ms": None,
+                "kernel_names": None}
+    return {**per_step, "launches": sum(kinds.values()) / steps,
+            **{k: kinds[k] / steps for k in ("kernels", "memcpys", "memsets")},
+            "kernel_ms": busy_us / 1e3 / steps, "kernel_names": {n: c / steps for n, c in names.most_common()}}
 
 
 def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
@@ -121,7 +142,7 @@ def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
             r["gpu_wall_ms"] = statistics.median(g for _, g in rounds) if device.type == "cuda" else None
             r["host_ms_rounds"], r["gpu_wall_ms_rounds"] = [h for h, _ in rounds], [g for _, g in rounds]
             try:
-                r.update(kernel_census(step, leaves, args.profile_steps, device))
+                r.update(census(step, leaves, args.profile_steps, device))
             except Exception as exc:  # the profiler (CUPTI) failing keeps the timings above
                 r["census_error"] = runner.error_reason(exc)
             if r.get("kernel_ms") is not None:
@@ -144,6 +165,7 @@ def print_record(r: dict) -> None:
     note = f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""
     print(f"  {r['shape']:<14} {r['op']:<16} {r['impl']:<7} host {f('host_ms', '7.3f')} ms  gpu wall "
           f"{f('gpu_wall_ms', '7.3f')} ms  kernels {f('kernel_ms', '7.3f')} ms  launches {f('launches', '5.1f')}  "
+          f"profiled host: in events {f('in_events_ms', '6.3f')} ms between {f('between_events_ms', '6.3f')} ms  "
           f"sync {r.get('host_sync')}  bound {r.get('bound', '-')}{note}", flush=True)
 
 

@@ -196,12 +196,13 @@ def host_table(payload: dict | None) -> list[str]:
     records = (payload or {}).get("records", [])
     if not records:
         return []
-    lines = ["| shape | op | impl | host ms | GPU wall ms | kernel ms | launches | host us / launch | syncs | bound |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | op | impl | host ms | GPU wall ms | kernel ms | launches | host us / launch "
+             "| profiled host ms in / between events | syncs | bound |", "|---" * 11 + "|"]
     for r in records:
         lines.append(f"| {r['shape']} | {r['op']} | {r['impl']} | {_fmt(r.get('host_ms'), '.3f')} | "
                      f"{_fmt(r.get('gpu_wall_ms'), '.3f')} | {_fmt(r.get('kernel_ms'), '.3f')} | "
                      f"{_fmt(r.get('launches'), '.1f')} | {_fmt(r.get('host_us_per_launch'), '.1f')} | "
+                     f"{_fmt(r.get('in_events_ms'), '.3f')} / {_fmt(r.get('between_events_ms'), '.3f')} | "
                      f"{r.get('host_sync')} | {r.get('bound', '-')} |" +
                      (f" {r['status']}: {r['reason'][:100]}" if r.get("reason") else ""))
     return ["### small batches: host enqueue vs GPU time per step (host > kernel ms: launch/host bound)", "",
