@@ -35,10 +35,15 @@ def _offsets(offs: torch.Tensor, host_offs: list[int] | None, rows: int) -> Grou
     return GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=rows)
 
 
-def _backend(name: str):
-    from moekit.ops.grouped_linear import _BACKENDS
+_backends: dict = {}
 
-    return _BACKENDS[name]
+
+def _backend(name: str):
+    if not _backends:  # filled on first use: grouped_linear imports this module
+        from moekit.ops.grouped_linear import _BACKENDS
+
+        _backends.update(_BACKENDS)
+    return _backends[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,30 +239,32 @@ def _(src_SD, index_RJ, use_triton):
 # --------------------------------------------------------------------------------------------------
 
 
-def _pick(op, impl):
-    """The registered op while torch.compile traces, the implementation itself in eager."""
-    return op if torch.compiler.is_compiling() else impl
+# Each entry point calls the registered op while torch.compile traces, the implementation itself in
+# eager (see the module docstring for why).
 
 
 def grouped_linear_forward(backend, x_MI, w_NOI, offs, host_offs, bias_NO, bias_scale_M):
     """(M, O) = grouped linear of x (M, I) with w (N, O, I) (+ bias (N, O) (* bias_scale (M,)))."""
-    return _pick(_linear_forward_op, _linear_forward_impl)(backend, x_MI, w_NOI, offs, host_offs, bias_NO,
-                                                           bias_scale_M)
+    fn = _linear_forward_op if torch.compiler.is_compiling() else _linear_forward_impl
+    return fn(backend, x_MI, w_NOI, offs, host_offs, bias_NO, bias_scale_M)
 
 
 def grouped_linear_dgrad(backend, dy_MO, w_NOI, offs, host_offs):
     """(M, I) = dy (M, O) through w (N, O, I), per group."""
-    return _pick(_linear_dgrad_op, _linear_dgrad_impl)(backend, dy_MO, w_NOI, offs, host_offs)
+    fn = _linear_dgrad_op if torch.compiler.is_compiling() else _linear_dgrad_impl
+    return fn(backend, dy_MO, w_NOI, offs, host_offs)
 
 
 def grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs):
     """(N, O, I) per-group dy^T x."""
-    return _pick(_linear_wgrad_op, _linear_wgrad_impl)(backend, dy_MO, x_MI, offs, host_offs)
+    fn = _linear_wgrad_op if torch.compiler.is_compiling() else _linear_wgrad_impl
+    return fn(backend, dy_MO, x_MI, offs, host_offs)
 
 
 def grouped_linear_dbias(backend, dy_MO, offs, host_offs, bias_scale_M):
     """(N, O) per-group sums of dy's rows (* bias_scale); dy's padding rows must be zero."""
-    return _pick(_linear_dbias_op, _linear_dbias_impl)(backend, dy_MO, offs, host_offs, bias_scale_M)
+    fn = _linear_dbias_op if torch.compiler.is_compiling() else _linear_dbias_impl
+    return fn(backend, dy_MO, offs, host_offs, bias_scale_M)
 
 
 def without_padding(t_MC, offs, host_offs):
@@ -272,37 +279,43 @@ def without_padding(t_MC, offs, host_offs):
 
 def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation):
     """`moekit.ops.grouped_mlp.glu_forward` (h (M, 2F), act (M, F)) as a custom op."""
-    return _pick(_glu_forward_op, _glu_forward_impl)(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
-                                                     activation)
+    fn = _glu_forward_op if torch.compiler.is_compiling() else _glu_forward_impl
+    return fn(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation)
 
 
 def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation):
     """`moekit.ops.grouped_mlp.glu_backward`: (dh (M, 2F), act_p (M, F), dprobs (M,) fp32 or None)."""
-    dh, act_p, dprobs = _pick(_glu_backward_op, _glu_backward_impl)(dy_MH, w2_NHF, h_M2F, offs, probs_M,
-                                                                     glu_interleave_size, activation)
+    fn = _glu_backward_op if torch.compiler.is_compiling() else _glu_backward_impl
+    dh, act_p, dprobs = fn(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation)
     return dh, act_p, (dprobs if probs_M is not None else None)
 
 
 def grouped_gemm_forward(x_MI, w_NOI, offs, bias_NO=None, bias_scale_M=None):
-    return _pick(_gemm_forward_op, _gemm_forward_impl)(x_MI, w_NOI, offs, bias_NO, bias_scale_M)
+    fn = _gemm_forward_op if torch.compiler.is_compiling() else _gemm_forward_impl
+    return fn(x_MI, w_NOI, offs, bias_NO, bias_scale_M)
 
 
 def grouped_gemm_dgrad(dy_MO, w_NOI, offs):
-    return _pick(_gemm_dgrad_op, _gemm_dgrad_impl)(dy_MO, w_NOI, offs)
+    fn = _gemm_dgrad_op if torch.compiler.is_compiling() else _gemm_dgrad_impl
+    return fn(dy_MO, w_NOI, offs)
 
 
 def grouped_gemm_wgrad(dy_MO, x_MI, offs):
-    return _pick(_gemm_wgrad_op, _gemm_wgrad_impl)(dy_MO, x_MI, offs)
+    fn = _gemm_wgrad_op if torch.compiler.is_compiling() else _gemm_wgrad_impl
+    return fn(dy_MO, x_MI, offs)
 
 
 def group_row_sum(src_MC, offs, row_scale_M=None):
-    return _pick(_row_sum_op, _row_sum_impl)(src_MC, offs, row_scale_M)
+    fn = _row_sum_op if torch.compiler.is_compiling() else _row_sum_impl
+    return fn(src_MC, offs, row_scale_M)
 
 
 def group_row_sum_and_dot(src_MC, offs, vec_NC, row_scale_M):
-    return _pick(_row_sum_and_dot_op, _row_sum_and_dot_impl)(src_MC, offs, vec_NC, row_scale_M)
+    fn = _row_sum_and_dot_op if torch.compiler.is_compiling() else _row_sum_and_dot_impl
+    return fn(src_MC, offs, vec_NC, row_scale_M)
 
 
 def sum_rows(src_SD, index_RJ, use_triton):
     """(R, D): row r is the sum of src's rows index[r, 0..J-1] (`moe_experts._sum_rows`)."""
-    return _pick(_sum_rows_op, _sum_rows_impl)(src_SD, index_RJ, use_triton)
+    fn = _sum_rows_op if torch.compiler.is_compiling() else _sum_rows_impl
+    return fn(src_SD, index_RJ, use_triton)
