@@ -11,10 +11,12 @@ traces those Functions and sees each launch as one opaque node: host-side work i
 (the loop backend reading device offsets, kernel config choice, Triton launches) stays out of the
 graph, and the compiled program computes exactly what eager does.
 
-Eager calls the same implementations directly: the dispatcher's Python custom-op path costs about
-12 us per call on a CPU host (measured), about 150 us per `moe_experts` forward+backward, which
-small batches on the GPU would pay in full. Under torch.compile the ops are called (there the
-cost is paid once, at tracing).
+Eager calls the same implementations directly: the dispatcher's path for a Python custom op costs
+about 12 us of host time per call (measured on a CPU host), and `moe_experts` forward+backward
+(torch backend, a small shape, CPU) took 1310 us per step through the ops against 865 us calling
+the implementations (825 us before this module existed); small batches on the GPU are host-bound
+and would pay that in full. Under torch.compile the ops are called (`torch.compiler.is_compiling()`),
+and the compiled graph calls them as its nodes.
 
 Group offsets travel as `offs` (N+1,) int64 on the rows' device plus `host_offs`, the same values
 as a list when the host knows them (else None): `moekit._splits.GroupOffsets` flattened, since a
