@@ -60,6 +60,15 @@ def triton_unavailable_reason(device, dtype) -> str | None:
     variable TRITON_INTERPRET=1 was set before triton was imported (slow; for tests).
     """
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None and not _INTERPRET and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _unavailable_reason(device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    # Cached: every launch asks, the answer is fixed for the process (device capability,
+    # interpreter mode) and the CUDA queries behind it cost microseconds of host time each.
     if dtype not in _SUPPORTED_DTYPES:
         return f"triton grouped GEMM supports float32, bfloat16 and float16, not {dtype}"
     if device.type == "cpu":
@@ -73,7 +82,7 @@ def triton_unavailable_reason(device, dtype) -> str | None:
         return None
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device.index)
     if major < 8:
         return f"triton grouped GEMM needs compute capability 8.0 or newer, device has {major}.{minor}"
     return None
@@ -239,7 +248,10 @@ def _check_offs(offs: torch.Tensor, groups: int, device: torch.device) -> torch.
 
 
 def _device_ctx(device: torch.device):
-    if device.type == "cuda" and not _INTERPRET:
+    """Launches go to the tensors' device: switch to it unless it is already current (entering
+    torch.cuda.device costs two device exchanges per launch)."""
+    if device.type == "cuda" and not _INTERPRET and device.index is not None \
+            and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 

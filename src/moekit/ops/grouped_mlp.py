@@ -24,6 +24,8 @@ The forward is two autograd nodes (fc1 + activation, fc2): h is released when fc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moekit._splits import GroupOffsets, MSplits, resolve_splits
@@ -139,14 +141,15 @@ def _check_probs(probs: torch.Tensor, rows: int, device: torch.device) -> torch.
     return probs.reshape(rows)
 
 
-def _glu_widths(ffn: int, glu_block: int) -> list[int]:
+@functools.cache
+def _glu_widths(ffn: int, glu_block: int) -> tuple[int, ...]:
     """Activation-column widths BLOCK_C of the fused kernels for this ffn size and GLU block, widest
     first. The weight box of a tile needs k | BLOCK_C or BLOCK_C | k (or k = F); no width above the
     next power of two of F (a wider tile would be all padding)."""
     widths = (16, 8) if _interpreting() else (128, 64, 32, 16)
     cap = max(1 << (ffn - 1).bit_length(), widths[-1])
     fits = [w for w in widths if w <= cap and (glu_block == ffn or glu_block % w == 0 or w % glu_block == 0)]
-    return fits or [min(cap, widths[0])]
+    return tuple(fits) or (min(cap, widths[0]),)
 
 
 def _interpreting() -> bool:
@@ -155,7 +158,8 @@ def _interpreting() -> bool:
     return gg._INTERPRET
 
 
-def _glu_candidates(kernel: str, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> list[GemmConfig]:
+@functools.cache
+def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, use_tma: bool) -> list[GemmConfig]:
     """Configurations of the fused kernel `kernel` ("fwd" or "bwd"), the first one the default.
 
     GemmConfig's fields here: block_rows = BLOCK_M, block_cols = BLOCK_C (activation columns: the
@@ -171,7 +175,7 @@ def _glu_candidates(kernel: str, x: torch.Tensor, ffn: int, glu_block: int, use_
     widths = _glu_widths(ffn, glu_block)
     if _interpreting():
         return [GemmConfig(16, widths[0], 16, 8, 1, 4, False, True)]
-    if not use_tma or x.dtype == torch.float32:
+    if not use_tma or dtype == torch.float32:
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, True, True)]
     if kernel == "fwd":
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, False, True)]
@@ -246,7 +250,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     with gg._device_ctx(x_MH.device):
         key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None,
                activation)
-        launch(_glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH, ffn, k, use_tma), launch, x_MH.device, cfg))
+        launch(_glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), launch, x_MH.device, cfg))
     return h, act
 
 
@@ -293,7 +297,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
 
     with gg._device_ctx(dy_MH.device):
         key = (dy_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, probs_M is not None, activation)
-        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH, ffn, k, use_tma),
+        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH.dtype, ffn, k, use_tma),
                            lambda c: launch(c, partials(c)), dy_MH.device, cfg)
         part = partials(chosen)
         launch(chosen, part)
