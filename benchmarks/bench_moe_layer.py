@@ -205,6 +205,9 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
             if impl == "plain":
                 ref = got
             errors = {k: rel_err(got[k], ref[k]) for k in got} if ref is not None else None
+            # Only the reference stays allocated while memory is measured, so every implementation
+            # starts from the same allocation (a second set of fp32 gradients would not).
+            del got
             sync = runner.check_host_sync(fwd_bwd, device)
             mem = runner.memory_of(fwd, dy, grads, device)
             for r in recs.values():
