@@ -3,14 +3,14 @@ every backend: outputs and all gradients equal to eager's.
 
 Two compilers. `aot_eager` (dynamo + AOTAutograd + the ops' fake implementations, then the traced
 aten graph run eagerly) covers every backend, layout and model cheaply: it computes what eager
-computes, op by op, so moekit's modules' results must be bitwise equal (a Hugging Face model's
-own backward is traced through other aten ops than eager autograd runs: held to the floor below).
-`inductor` (what `torch.compile` uses by
-default) regenerates the elementwise code around moekit's custom ops (SwiGLU of the torch/loop
-backends, router softmax, top-k weights), which reorders float32 sums: there the results are held
-to the tolerance rule's floor (tests/conftest.py: one float32 rounding plus the reordering allowance
-16 sqrt(L) u(float32)); wrong formulas or lost rows are off by far more. Inductor's compile time on
-the CPU is seconds per graph, so it runs on MoELayer per backend and on one Hugging Face model.
+computes, op by op, so moekit's modules' results must be bitwise equal (a Hugging Face model's own
+backward is traced through other aten ops than eager autograd runs: held to the floor below).
+`inductor` (torch.compile's default) regenerates the elementwise code around moekit's custom ops
+(SwiGLU of the torch/loop backends, router softmax, top-k weights), which reorders float32 sums:
+there results are held to the tolerance rule's floor (tests/conftest.py: one float32 rounding plus
+the reordering allowance 16 sqrt(L) u(float32)); wrong formulas or lost rows are off by far more.
+Inductor compiles for 10-30 s per graph on a cold CPU cache, so it runs on MoELayer only (the
+Hugging Face model under Inductor, about 30 s, matched eager within the floor when tried).
 """
 
 from __future__ import annotations
@@ -90,6 +90,34 @@ def test_grouped_mlp_fullgraph(backend, single_grouped_weight):
     _compare(_grouped_mlp(backend, single_grouped_weight), inputs, "aot_eager", exact=True, m_splits=[5, 0, 6])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_mlp_fullgraph_tensor_splits(backend):
+    """m_splits as a CPU tensor: eager reads it on the host; a traced graph cannot, so under compile
+    it takes the device path (offsets computed in the graph)."""
+    g = torch.Generator().manual_seed(5)
+    inputs = {"x": torch.randn(13, 16, generator=g), "probs": torch.rand(13, generator=g)}
+    _compare(_grouped_mlp(backend, True), inputs, "aot_eager", exact=True, m_splits=torch.tensor([5, 0, 6]))
+
+
+def test_permute_grouped_mlp_unpermute_fullgraph():
+    """The three-step composition (permute, grouped_mlp with probs, unpermute) traces too."""
+
+    class Composed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = _grouped_mlp("torch", True)
+
+        def forward(self, x, weights):
+            ids = torch.arange(x.shape[0] * 2).reshape(-1, 2) % 3
+            x_sorted, m_splits, row_map = moekit.permute(x, ids, 3)
+            y_sorted = self.mlp(x_sorted, m_splits)
+            return moekit.unpermute(y_sorted, row_map, weights)
+
+    g = torch.Generator().manual_seed(6)
+    inputs = {"x": torch.randn(7, 16, generator=g), "weights": torch.rand(7, 2, generator=g)}
+    _compare(Composed(), inputs, "aot_eager", exact=True)
+
+
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "per-expert"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_layer_fullgraph(backend, single_grouped_weight):
@@ -97,8 +125,10 @@ def test_moe_layer_fullgraph(backend, single_grouped_weight):
     _compare(_moe_layer(backend, single_grouped_weight), inputs, "aot_eager", exact=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS[1:])
 def test_moe_layer_inductor(backend):
+    """The loop backend traces to the torch backend's graph (the same Functions and ops, another
+    backend name inside the ops): aot_eager covers it; Inductor runs on torch's and triton's."""
     inputs = {"x": torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))}
     _compare(_moe_layer(backend, True), inputs, "inductor", exact=False)
 
@@ -133,10 +163,6 @@ def test_apply_moekit_model_fullgraph(backend):
     # Not bitwise: AOTAutograd traces the model's own backward (embedding, attention) through other
     # aten ops than eager autograd runs, which sum in another order.
     _compare(_LossOf(_hf_model(backend)), {"input_ids": _ids()}, "aot_eager", exact=False)
-
-
-def test_apply_moekit_model_inductor():
-    _compare(_LossOf(_hf_model("torch")), {"input_ids": _ids()}, "inductor", exact=False)
 
 
 

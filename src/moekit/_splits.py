@@ -63,6 +63,9 @@ def resolve_splits(m_splits: MSplits, num_groups: int, rows: int, device: torch.
         return m_splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu":
         return _device_splits(m_splits, num_groups, rows, device)
+    if isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
+        # A traced graph cannot read a tensor's values on the host: CPU splits take the device path.
+        return _device_splits(m_splits.to(device), num_groups, rows, device)
     host = _host_splits(m_splits, num_groups, rows)
     offs_host = [0]
     for count in host:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from moekit._splits import _device_splits
 from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
 from moekit.ops.grouped_mlp import grouped_mlp
@@ -267,10 +266,8 @@ def moe_experts(
                       glu_interleave_size=glu_interleave_size, backend=backend)
     if torch.compiler.is_compiling():
         # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
-        # gather in the backward); saved-tensor hooks are not traced. The counts stay a tensor even
-        # on the CPU (eager reads CPU counts on the host, which a graph cannot).
-        offsets = _device_splits(m_splits, num_experts, x_sorted_MH.shape[0], x.device)
-        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offsets, **mlp_kwargs)
+        # gather in the backward); saved-tensor hooks are not traced.
+        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, m_splits, **mlp_kwargs)
     else:
         pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
