@@ -133,6 +133,7 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_torch_alloc)
 
 
+@functools.cache
 def _candidates(op: str, dtype: torch.dtype, use_tma: bool, cap: tuple[int, int], cols: int) -> list[GemmConfig]:
     """Small tuning space per problem class; the first entry is the untuned default."""
     if _INTERPRET:
