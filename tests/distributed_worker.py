@@ -223,8 +223,6 @@ def check_expert_parallel(rank, world, device):
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     for ep in sorted({2, world}):
         mesh = ep_mesh(device, world, ep)
-        ep_rank, dp_rank = mesh["ep"].get_local_rank(), mesh["dp"].get_local_rank()
-        group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]  # same dp coordinate
         for grouped, num_chunks in ((True, 1), (False, 1), (True, 3)):
             layer = make_model("moe", grouped, device, dtype)
             model = ExpertParallelMoE(layer, mesh, num_chunks=num_chunks)
@@ -239,20 +237,29 @@ def check_expert_parallel(rank, world, device):
             assert_rel(y, y_ref, tol, f"ep={ep} dropless output")
             assert_rel(x.grad, x_ref.grad, tol, f"ep={ep} dropless d x")
             assert_rel(d_router, layer.router.weight.grad, tol, f"ep={ep} dropless d router")
-            # Expert gradients: this rank's experts, from the tokens of every rank in its EP group.
-            layer.zero_grad()
-            for r in group_ranks:
-                x_r = batch("moe", r, device, dtype)
-                moe_reference(layer, x_r).backward(_dy(x_r, r))
-            local = slice(ep_rank * model.num_local_experts, (ep_rank + 1) * model.num_local_experts)
-            for name in ("fc1", "fc2"):
-                for kind_ in ("weights", "biases"):
-                    ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
-                    ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
-                    assert_rel(ours, ref, tol, f"ep={ep} dropless d {name} {kind_}")
+            check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, f"ep={ep} dropless")
             print(f"OK ep={ep} dropless grouped={grouped} chunks={num_chunks}", flush=True)
         check_uneven_tokens(rank, world, device, dtype, tol, mesh)
         check_capacity(rank, world, device, dtype, tol, mesh)
+
+
+def check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, what, slots=None):
+    """This rank's expert gradients against MoELayer's for the same experts on the tokens of every
+    rank of its EP group (with `slots`, capacity mode's dropped copies weighted zero)."""
+    dp_rank, ep = mesh["dp"].get_local_rank(), mesh["ep"].size()
+    group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]  # same dp coordinate
+    layer.zero_grad()
+    for r in group_ranks:
+        x_r = batch("moe", r, device, dtype)
+        keep_r = None if slots is None else kept_copies(layer.route(x_r)[1], N, slots)
+        moe_reference(layer, x_r, keep_r).backward(_dy(x_r, r))
+    first = model.ep_rank * model.num_local_experts
+    local = slice(first, first + model.num_local_experts)
+    for name in ("fc1", "fc2"):
+        for kind_ in ("weights", "biases"):
+            ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
+            ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
+            assert_rel(ours, ref, tol, f"{what} d {name} {kind_}")
 
 
 def take_router_grad(model):
@@ -302,9 +309,7 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
     for every copy nothing is dropped."""
     from moekit.distributed import ExpertParallelMoE
 
-    ep, ep_rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
-    dp_rank = mesh["dp"].get_local_rank()
-    group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]
+    ep = mesh["ep"].size()
     for grouped, factor in ((True, 0.5), (False, 1.0), (True, float(N))):
         layer = make_model("moe", grouped, device, dtype)
         x = batch("moe", rank, device, dtype)
@@ -325,17 +330,7 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
         assert int(model.dropped_copies) == int((~keep).sum()), (int(model.dropped_copies), int((~keep).sum()))
         if factor == N:
             assert int(model.dropped_copies) == 0
-        layer.zero_grad()
-        for r in group_ranks:
-            x_r = batch("moe", r, device, dtype)
-            keep_r = kept_copies(layer.route(x_r)[1], N, slots)
-            moe_reference(layer, x_r, keep_r).backward(_dy(x_r, r))
-        local = slice(ep_rank * model.num_local_experts, (ep_rank + 1) * model.num_local_experts)
-        for name in ("fc1", "fc2"):
-            for kind_ in ("weights", "biases"):
-                ours = _stack(getattr(getattr(model.experts, name), kind_)(), grad=True)
-                ref = _stack(getattr(getattr(layer.experts, name), kind_)(), grad=True)[local]
-                assert_rel(ours, ref, tol, f"capacity {factor} d {name} {kind_}")
+        check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, f"capacity {factor}", slots)
         print(f"OK ep={ep} capacity factor={factor} grouped={grouped} dropped={int(model.dropped_copies)}", flush=True)
 
 
@@ -436,19 +431,9 @@ def check_capacity_graph(rank, world, device, workdir):
         torch.cuda.set_sync_debug_mode("default")
     print("OK capacity no host sync (cuda sync debug mode error)", flush=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in leaves:
-                t.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in leaves:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
+    from test_gpu import _capture
+
+    graph, y_static = _capture(step, leaves)
     static = {"out": y_static, "dropped": model.dropped_copies,
               **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)}}
     dropped_seen = set()
