@@ -133,14 +133,13 @@ def test_moe_layer_inductor(backend):
     _compare(_moe_layer(backend, True), inputs, "inductor", exact=False)
 
 
-def _hf_model(backend):
+def _hf_model(backend, name="qwen3_moe"):
     pytest.importorskip("transformers")
     from test_integration_transformers import _model
 
     from moekit.integrations.transformers import apply_moekit
 
-    model = _model("qwen3_moe")
-    return apply_moekit(model, backend=backend)
+    return apply_moekit(_model(name), backend=backend)
 
 
 class _LossOf(torch.nn.Module):
@@ -163,6 +162,22 @@ def test_apply_moekit_model_fullgraph(backend):
     # Not bitwise: AOTAutograd traces the model's own backward (embedding, attention) through other
     # aten ops than eager autograd runs, which sum in another order.
     _compare(_LossOf(_hf_model(backend)), {"input_ids": _ids()}, "aot_eager", exact=False)
+
+
+def test_apply_moekit_gpt_oss_fullgraph():
+    """gpt-oss: expert biases, the clamped SwiGLU and interleaved gate/up rows."""
+    _compare(_LossOf(_hf_model("torch", "gpt_oss")), {"input_ids": _ids()}, "aot_eager", exact=False)
+
+
+def test_experts_implementation_moekit_fullgraph():
+    """The registered `experts_implementation="moekit"` path (no module swap) traces as well."""
+    pytest.importorskip("transformers")
+    from test_integration_transformers import _model
+
+    import moekit.integrations.transformers  # noqa: F401  (registers the implementation)
+
+    _compare(_LossOf(_model("qwen3_moe", experts_implementation="moekit")), {"input_ids": _ids()}, "aot_eager",
+             exact=False)
 
 
 
