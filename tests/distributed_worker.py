@@ -336,7 +336,8 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
 
 def check_ep_fsdp_training(rank, world, device):
     """FSDP2 + EP on an (ep, dp) mesh, fp32: the first gradients and the parameters after AdamW
-    steps equal one process's on the full batch (every rank's tokens)."""
+    steps equal one process's on the full batch (every rank's tokens); also in capacity mode with
+    room for every copy (its experts run under FSDP2's hooks as dropless's do)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -346,9 +347,10 @@ def check_ep_fsdp_training(rank, world, device):
     for ep in sorted({2, world}):
         mesh = ep_mesh(device, world, ep)
         # The load-balancing loss (aux) over every rank's tokens: one process's on the full batch.
-        for grouped, aux in ((True, 0.0), (False, 0.0), (True, 0.5)):
+        for grouped, aux, mode in ((True, 0.0, "dropless"), (False, 0.0, "dropless"), (True, 0.5, "dropless"),
+                                   (False, 0.5, "capacity")):
             ref = make_model("moe", grouped, device, aux_loss_coef=aux)
-            model = ExpertParallelMoE(copy.deepcopy(ref), mesh)
+            model = ExpertParallelMoE(copy.deepcopy(ref), mesh, mode=mode, capacity_factor=float(N))
             apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -367,7 +369,9 @@ def check_ep_fsdp_training(rank, world, device):
                 opt_ref.step()
                 opt_ref.zero_grad()
             compare_ep_model(model, ref, local, grouped, grads=False, what=f"ep={ep} fsdp after 2 steps")
-            print(f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={grouped} aux_loss_coef={aux}", flush=True)
+            assert mode == "dropless" or int(model.dropped_copies) == 0
+            print(f"OK ep={ep} x dp={world // ep} fsdp2 training {mode} grouped={grouped} aux_loss_coef={aux}",
+                  flush=True)
 
 
 def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, what: str) -> None:

@@ -62,8 +62,10 @@ def test_data_and_expert_parallel(tmp_path, world):
     expected |= {f"OK ep={ep} dropless grouped={g} chunks={c}" for ep in {2, world}
                  for g, c in ((True, 1), (False, 1), (True, 3))}
     expected |= {f"OK ep={ep} dropless uneven tokens per rank" for ep in {2, world}}
-    expected |= {f"OK ep={ep} x dp={world // ep} fsdp2 training grouped={g} aux_loss_coef={a}" for ep in {2, world}
-                 for g, a in ((True, 0.0), (False, 0.0), (True, 0.5))}
+    expected |= {f"OK ep={ep} x dp={world // ep} fsdp2 training {m} grouped={g} aux_loss_coef={a}"
+                 for ep in {2, world}
+                 for m, g, a in (("dropless", True, 0.0), ("dropless", False, 0.0), ("dropless", True, 0.5),
+                                 ("capacity", False, 0.5))}
     assert expected <= done, sorted(expected - done)
     capacity = [line for line in done if "capacity factor=" in line]
     assert any("dropped=0" not in line for line in capacity), "capacity mode never dropped a copy"
