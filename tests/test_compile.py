@@ -83,6 +83,16 @@ def _moe_layer(backend, single_grouped_weight):
 
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "per-expert"])
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_linear_fullgraph(backend, single_grouped_weight):
+    """With bias, an empty expert and padding rows (the bias gradient's padding-row zeroing)."""
+    torch.manual_seed(0)
+    module = moekit.GroupedLinear(3, 16, 24, single_grouped_weight=single_grouped_weight, backend=backend)
+    inputs = {"inp": torch.randn(13, 16, generator=torch.Generator().manual_seed(8))}
+    _compare(module, inputs, "aot_eager", exact=True, m_splits=[5, 0, 6])
+
+
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "per-expert"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_mlp_fullgraph(backend, single_grouped_weight):
     """Host splits with an empty expert and padding rows; router probs get their gradient too."""
     g = torch.Generator().manual_seed(1)
