@@ -191,6 +191,11 @@ class ExpertParallelMoE(nn.Module):
     Every rank routes its own tokens; the expert gradients sum the contributions of every EP rank's
     tokens (a data-parallel wrapper over the "dp" dim then averages them: `apply_fsdp` sets the
     divide factor to EP x DP so that they match a loss averaged over all ranks).
+
+    With the layer's `aux_loss_coef > 0` (training), MoELayer's load-balancing loss is computed over
+    the tokens of every rank of `mesh` (one all-reduce per mesh dim of counts, score sums and token
+    counts, on the device), its gradient added through the output as MoELayer adds it; `aux_loss`
+    keeps the global value, detached.
     """
 
     def __init__(self, layer: MoELayer, mesh: DeviceMesh, *, mode: str = "dropless",
