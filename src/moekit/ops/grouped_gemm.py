@@ -62,6 +62,8 @@ def triton_unavailable_reason(device, dtype) -> str | None:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and not _INTERPRET and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    if torch.compiler.is_compiling():  # dynamo traces through caches anyway (and warns)
+        return _unavailable_reason.__wrapped__(device, dtype)
     return _unavailable_reason(device, dtype)
 
 

@@ -8,10 +8,11 @@ F expert ffn size, J rows summed into one (row movement).
 computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_map)`:
 
 1. Routing on the device, no host sync: a stable sort of the M expert ids gives `order` (sorted
-   row -> flat copy t*K + k), its inverse `inverse_TK` ((t, k) -> sorted row), the rows per expert
-   by binary search over the sorted ids (torch.bincount would sync to size its output), and the
-   row -> token map `order // K`.
-2. Gather `x_sorted = x[order // K]`, and the weights in sorted order as the grouped MLP's `probs`
+   row -> flat copy t*K + k), its inverse `inverse_TK` ((t, k) -> sorted row), the experts' row
+   offsets by one binary search over the sorted ids (torch.bincount would sync to size its
+   output), and the row -> token map `order // K`.
+2. Gather `x_sorted = x[order // K]`, and the weights in sorted order (`w.flatten()[order]`, a
+   permutation: its backward writes each weight's gradient once) as the grouped MLP's `probs`
    (they scale the activation and the fc2 bias, and get their gradient there).
 3. `moekit.grouped_mlp` on the sorted rows. Whatever it saves for its backward passes through
    `saved_tensors_hooks`: the saved copy of its input, `x_sorted` (M x H, K times the size of x),
@@ -22,7 +23,7 @@ computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_
 Row movement is one primitive both ways: out[r] = sum_j src[index[r, j]], summed in fixed j order
 in fp32 with one rounding. The gather is its J = 1 case. Each direction's backward is the other
 one (the gather's backward sums each token's K row gradients; the combine's backward gathers),
-so no step scatters with atomics and results are bit-identical run to run. On CUDA (and wherever
+so no step sums rows with atomics and results are bit-identical run to run. On CUDA (and wherever
 the Triton backend runs) it is one Triton kernel; elsewhere plain torch (`src[index].sum(1)`).
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit._splits import GroupOffsets
 from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
 from moekit.ops.grouped_mlp import grouped_mlp
@@ -197,20 +199,27 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
 
 
-def _route(topk_ids: torch.Tensor, num_experts: int):
-    """Device-side routing. Returns m_splits (N,) int64, order (M, 1) (sorted row -> flat copy),
-    inverse (T, K) ((t, k) -> sorted row) and token_of_row (M, 1), all int64 on the ids' device."""
+def _routing(topk_ids: torch.Tensor, num_experts: int):
+    """Device-side routing. Returns offs (N+1,) (expert e's rows are offs[e]:offs[e+1] of the sorted
+    order), order (M, 1) (sorted row -> flat copy), inverse (T, K) ((t, k) -> sorted row) and
+    token_of_row (M, 1), all int64 on the ids' device."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # int32 keys sort faster than int64 (radix passes); the expert count always fits.
     sorted_ids, order = torch.sort(flat_ids.to(torch.int32), stable=True)
-    bounds = torch.arange(1, num_experts + 1, dtype=torch.int32, device=flat_ids.device)
-    ends = torch.searchsorted(sorted_ids, bounds)  # rows with id < e + 1, per expert e
-    m_splits = torch.diff(ends, prepend=ends.new_zeros(1))
+    # offs[j] = rows with id < j: the offsets themselves, in one search (no counts to sum again).
+    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, dtype=torch.int32, device=flat_ids.device))
+    offs[:1] = 0  # negative ids (undefined input) then count as expert 0, as they sort first
     rows = torch.arange(order.numel(), device=order.device)
     inverse = torch.empty_like(order).scatter_(0, order, rows)
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
-    return m_splits, order[:, None], inverse.view(num_tokens, top_k), token_of_row[:, None]
+    return offs, order[:, None], inverse.view(num_tokens, top_k), token_of_row[:, None]
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int):
+    """`_routing` with the rows per expert, m_splits (N,) int64, in place of the offsets."""
+    offs, order_M1, inverse_TK, token_of_row_M1 = _routing(topk_ids, num_experts)
+    return offs.diff(), order_M1, inverse_TK, token_of_row_M1
 
 
 def _use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:
@@ -259,19 +268,24 @@ def moe_experts(
     use_triton = _use_triton_rows(impl.name, x)
     num_tokens, top_k = topk_ids.shape
 
-    m_splits, order_M1, inverse_TK, token_of_row_M1 = _route(topk_ids, num_experts)
+    offs, order_M1, inverse_TK, token_of_row_M1 = _routing(topk_ids, num_experts)
     x_sorted_MH = _MoveRowsFn.apply(x, token_of_row_M1, inverse_TK, use_triton)
-    probs_M = _MoveRowsFn.apply(topk_weights.reshape(-1, 1), order_M1, inverse_TK.reshape(-1, 1), use_triton)
-    mlp_kwargs = dict(probs=probs_M.view(-1), fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
+    # The weights in sorted order: `order` is a permutation, so this gather's backward (index_add_)
+    # writes each weight's gradient exactly once: exact and deterministic, and one plain torch op
+    # each way instead of a row-movement node.
+    probs_M = topk_weights.reshape(-1).index_select(0, order_M1.view(-1))
+    mlp_kwargs = dict(probs=probs_M, fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
                       glu_interleave_size=glu_interleave_size, backend=backend)
     if torch.compiler.is_compiling():
         # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
         # gather in the backward); saved-tensor hooks are not traced.
-        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, m_splits, **mlp_kwargs)
+        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offs.diff(), **mlp_kwargs)
     else:
+        # The offsets as grouped_mlp takes them, so it need not rebuild them from counts.
+        splits = GroupOffsets(offs=offs, host=None, rows=x_sorted_MH.shape[0])
         pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, m_splits, **mlp_kwargs)
+            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, splits, **mlp_kwargs)
     del x_sorted_MH
     return _MoveRowsFn.apply(y_sorted_MH, inverse_TK, token_of_row_M1, use_triton)
 
