@@ -145,6 +145,15 @@ def test_grouped_mlp_triton_fused_edges(case, bias, probs, nan_poison):
     _check_mlp(m_splits, rows, _mlp_inputs(rows, 24, 40, 3, bias=bias, probs=probs))
 
 
+@pytest.mark.parametrize("ffn,interleave", [(4, None), (8, None), (8, 2), (12, None), (12, 4), (20, None)],
+                         ids=["F4", "F8", "F8-k2", "F12", "F12-k4", "F20"])
+def test_grouped_mlp_triton_narrow_ffn(ffn, interleave, nan_poison):
+    """F narrower than (or not a power-of-two multiple of) the column tile: weight boxes past the
+    last GLU block read zeros, epilogue boxes under 16 bytes fall back to pointer stores (these
+    shapes failed at launch before)."""
+    _check_mlp([5, 0, 9], 16, _mlp_inputs(16, 24, ffn, 3, bias=True, probs=True), glu_interleave_size=interleave)
+
+
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "discrete"])
 def test_grouped_mlp_triton_one_expert(single_grouped_weight, nan_poison):
     inputs = _mlp_inputs(21, 16, 24, 1, bias=True, probs=True)

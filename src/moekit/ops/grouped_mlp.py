@@ -182,11 +182,23 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
     return [GemmConfig(128, widths[0], 64, 8, 4, 8, True, True)]
 
 
-def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> bool:
-    """Whether h / act / dh leave (and h comes in) through TMA: boxes of BLOCK_C consecutive gate (or
-    up) columns need BLOCK_C | k or k = F, and 16-byte aligned rows of h and act."""
+def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
+                      box_cols: int) -> bool:
+    """Whether h / act / dh leave (and h comes in) through TMA: boxes of `box_cols` consecutive gate
+    (or up) columns (the forward's whole tile, the backward's quarter tile) need BLOCK_C | k or
+    k = F, at least 16 bytes per box row, and 16-byte aligned rows of h and act."""
     return (cfg.epi_tma and use_tma and (glu_block == ffn or glu_block % cfg.block_cols == 0)
-            and (ffn * x.element_size()) % 16 == 0)
+            and box_cols * x.element_size() >= 16 and (ffn * x.element_size()) % 16 == 0)
+
+
+def _glu_weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
+    """(BOX_BLOCKS, BOX_ROWS) of the forward's weight box in the 5-D view (N, F/k, 2, k, H): whole GLU
+    blocks when k divides BLOCK_C and F has more than one, else a run of BLOCK_C rows inside one
+    block (power-of-two box; rows past a block that is narrower than the tile, k = F < BLOCK_C,
+    read as zeros)."""
+    if glu_block < block_cols and glu_block < ffn:
+        return block_cols // glu_block, glu_block
+    return 1, block_cols
 
 
 def _glu_use_tma(use_tma: bool, ffn: int, glu_block: int, *operands: torch.Tensor) -> bool:
@@ -232,6 +244,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     def launch(c: GemmConfig) -> None:
         bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
         nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
+        box_blocks, box_rows = _glu_weight_box(k, ffn, c.block_cols)
         glu_forward_kernel[(nprog,)](
             x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
             probs_M if probs_M is not None else h, offs,
@@ -243,8 +256,9 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
             DOT_PRECISION=gg._dot_precision(x_MH.dtype),
             BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
             BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-            BOX_BLOCKS=c.block_cols // k if k < c.block_cols else 1, BOX_ROWS=min(k, c.block_cols),
-            EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma), num_stages=c.stages, num_warps=c.warps,
+            BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
+            EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma, c.block_cols), num_stages=c.stages,
+            num_warps=c.warps,
         )
 
     with gg._device_ctx(x_MH.device):
@@ -292,7 +306,8 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
             USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
             BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
             BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-            EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma), num_stages=c.stages, num_warps=c.warps,
+            EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // 4), num_stages=c.stages,
+            num_warps=c.warps,
         )
 
     with gg._device_ctx(dy_MH.device):

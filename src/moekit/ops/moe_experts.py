@@ -281,8 +281,11 @@ def moe_experts(
         # gather in the backward); saved-tensor hooks are not traced.
         y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offs.diff(), **mlp_kwargs)
     else:
-        # The offsets as grouped_mlp takes them, so it need not rebuild them from counts.
-        splits = GroupOffsets(offs=offs, host=None, rows=x_sorted_MH.shape[0])
+        # On an accelerator, the offsets as grouped_mlp takes them (it need not rebuild them from
+        # counts); on the CPU the counts, which it reads on the host for free (then the torch
+        # backend knows there are no padding rows to zero).
+        splits = (offs.diff() if offs.device.type == "cpu"
+                  else GroupOffsets(offs=offs, host=None, rows=x_sorted_MH.shape[0]))
         pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, splits, **mlp_kwargs)
