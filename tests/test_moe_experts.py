@@ -203,6 +203,22 @@ def test_int32_ids_equal_int64_ids():
     assert torch.equal(y32, y64)
 
 
+def test_move_rows_backward_is_differentiable():
+    """The row movement's backward is itself a row movement node when the graph is built for a
+    double backward (create_graph), and the plain kernel otherwise; both checked in float64, for
+    the gather (3 tokens -> 6 routed rows, top-2) and for its transpose, the combine."""
+    gen = torch.Generator().manual_seed(0)
+    token_of_row = torch.tensor([[1], [0], [2], [1], [0], [2]])  # routed row -> token
+    rows_of_token = torch.tensor([[1, 4], [0, 3], [2, 5]])  # token -> its two rows
+    tokens = torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    rows = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    move = moe_experts_module._MoveRowsFn.apply
+    for fn, arg in ((lambda t: move(t, token_of_row, rows_of_token, False), tokens),
+                    (lambda t: move(t, rows_of_token, token_of_row, False), rows)):
+        torch.autograd.gradcheck(fn, (arg,))
+        torch.autograd.gradgradcheck(lambda t, fn=fn: fn(t) ** 2, (arg,))
+
+
 # --------------------------------------------------------------------------------------------------
 # The Triton row kernel (interpreter on CPU, float32)
 # --------------------------------------------------------------------------------------------------

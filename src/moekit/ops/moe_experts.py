@@ -103,7 +103,10 @@ class _MoveRowsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out_RD):
         index_fwd_RJ, index_bwd_SJ = ctx.saved_tensors
-        d_src = _MoveRowsFn.apply(d_out_RD, index_bwd_SJ, index_fwd_RJ, ctx.use_triton)
+        if torch.is_grad_enabled():  # create_graph: the backward itself is differentiable
+            d_src = _MoveRowsFn.apply(d_out_RD, index_bwd_SJ, index_fwd_RJ, ctx.use_triton)
+        else:  # the usual backward: the kernel alone, without a node's host cost
+            d_src = library.sum_rows(d_out_RD, index_bwd_SJ, ctx.use_triton)
         return d_src, None, None, None
 
 
