@@ -222,6 +222,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+@functools.cache
 def _block_groups(n: int) -> int:
     # The per-group vectors are tiny next to a tile; one size for up to 255 groups means one
     # compiled kernel for every model instead of one per expert count.
