@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from bench_moe_layer import plain_layer
 
 import moekit
 from moekit.ops import grouped_gemm as gg
@@ -163,17 +164,6 @@ def shape_cell(name: str) -> dict:
             cell["glu_bwd"].append({"cfg": list(c), "error": str(exc)[:200]})
             print(name, "glu_bwd", c, "ERROR", str(exc)[:200], flush=True)
     return cell
-
-
-def plain_layer(x, w1, w2, topk_ids, topk_weights):  # issue 10's baseline, verbatim in meaning
-    T, K = topk_ids.shape
-    order = torch.argsort(topk_ids.reshape(-1), stable=True)
-    offs = torch.bincount(topk_ids.reshape(-1), minlength=w1.shape[0]).cumsum(0).to(torch.int32)
-    h = torch._grouped_mm(x[order // K], w1.transpose(-2, -1), offs=offs)
-    g, u = h.chunk(2, -1)
-    y = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, order // K, y)
 
 
 def layer_cell(tokens: int) -> dict:
