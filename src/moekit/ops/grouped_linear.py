@@ -10,6 +10,7 @@ as `(N, O, I)` without a copy.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 
@@ -94,7 +95,7 @@ class _TorchBackend:
         if x.device.type == "cuda":
             if x.dtype != torch.bfloat16:
                 return f"torch's CUDA grouped_mm runs on bfloat16 only, got {x.dtype}"
-            if torch.cuda.get_device_capability(x.device) < (8, 0):
+            if _cuda_capability(x.device) < (8, 0):
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif x.device.type == "cpu":
             if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -420,8 +421,22 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
             usable = [n for n, b in _BACKENDS.items() if b.unavailable_reason(x, w_NOI) is None]
             raise ValueError(f"backend={backend!r} cannot run here: {reason}. Usable here: {usable}")
         return impl
-    usable = [name for name in _auto_order(x) if _BACKENDS[name].unavailable_reason(x, w_NOI) is None]
-    return _BACKENDS[usable[0]] if usable else _BACKENDS["loop"]
+    for name in _auto_order(x):  # the first that runs (asking the others would cost host time)
+        if _BACKENDS[name].unavailable_reason(x, w_NOI) is None:
+            return _BACKENDS[name]
+    return _BACKENDS["loop"]
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, cached per device: backend choice asks on every call."""
+    if torch.compiler.is_compiling():  # dynamo traces through caches anyway (and warns)
+        return torch.cuda.get_device_capability(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
@@ -430,7 +445,7 @@ def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
     on older GPUs they run an untuned pointer path, so grouped_mm comes first there. Where only
     one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which also syncs."""
     if x.device.type == "cuda":
-        if torch.cuda.get_device_capability(x.device)[0] >= 9:
+        if _cuda_capability(x.device)[0] >= 9:
             return ("triton", "torch", "loop")
         return ("torch", "triton", "loop")
     return ("torch", "loop")
