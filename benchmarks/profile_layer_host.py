@@ -23,6 +23,7 @@ from moekit.ops import grouped_gemm as gg
 from moekit.ops import grouped_mlp as gm
 from moekit.ops import moe_experts as me
 from moekit.ops.moe_experts_kernels import _sum_rows_kernel
+from moekit.ops.routing import route
 
 
 def host_us(fn, calls: int = 300) -> float:
@@ -71,7 +72,8 @@ def main() -> None:
     src = torch.randn(64, 64, device=dev, dtype=bf)
     index = torch.arange(64, device=dev)[:, None]
     out = torch.empty(64, 64, device=dev, dtype=bf)
-    m_splits, _, _, token_of_row = me._route(ids, N)[:4]
+    routing = route(ids, N)
+    m_splits, token_of_row = routing.counts(), routing.token_of_row
     x_sorted = me._sum_rows(x.detach(), token_of_row, True)
     go = resolve_splits(m_splits, N, x_sorted.shape[0], x_sorted.device)
     probs = torch.rand(x_sorted.shape[0], device=dev)
@@ -83,7 +85,7 @@ def main() -> None:
         ("Triton launch (_sum_rows_kernel)", lambda: _sum_rows_kernel[(1, 1)](
             src, index, out, 64, 64, 1, 64, 64, BLOCK_R=64, BLOCK_D=64, num_warps=4)),
         ("_sum_rows", lambda: me._sum_rows(src, index, True)),
-        ("_route", lambda: me._route(ids, N)),
+        ("route", lambda: route(ids, N)),
         ("resolve_splits (device)", lambda: resolve_splits(m_splits, N, x_sorted.shape[0], x_sorted.device)),
         ("glu_forward", lambda: gm.glu_forward(x_sorted, w1d, go.offs, None, probs, None, "swiglu")),
         ("grouped_gemm_forward", lambda: gg.grouped_gemm_forward(act, w2d, go.offs)),

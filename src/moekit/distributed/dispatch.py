@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-# moe_experts' device routing and row primitive: one implementation for the single-process layer
-# and the expert-parallel one.
-from moekit.ops.moe_experts import _MoveRowsFn, _route, _use_triton_rows
+# The device routing and moe_experts' row primitive: one implementation for the single-process
+# layer and the expert-parallel one.
+from moekit.ops.moe_experts import _MoveRowsFn, _use_triton_rows
+from moekit.ops.routing import route
 
 
 def move_rows(src: torch.Tensor, index_fwd: torch.Tensor, index_bwd: torch.Tensor, use_triton: bool) -> torch.Tensor:
@@ -61,8 +62,9 @@ class DroplessMaps:
 
 def dropless_maps(expert_ids: torch.Tensor, num_experts: int) -> DroplessMaps:
     """expert_ids: (T, K) integer -> DroplessMaps (device, no host read)."""
-    counts, copy_of_row, row_of_copy, token_of_row = _route(expert_ids, num_experts)
-    return DroplessMaps(counts=counts, token_of_row=token_of_row, copy_of_row=copy_of_row, row_of_copy=row_of_copy)
+    routing = route(expert_ids, num_experts)
+    return DroplessMaps(counts=routing.counts(), token_of_row=routing.token_of_row, copy_of_row=routing.order,
+                        row_of_copy=routing.inverse)
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,9 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
     num_tokens, top_k = expert_ids.shape
     local_L = num_experts // ep_size
     device = expert_ids.device
-    counts, copy_of_row, row_of_copy, token_of_row = _route(expert_ids, num_experts)
-    starts = torch.cumsum(counts, 0) - counts
+    routing = route(expert_ids, num_experts)
+    counts, row_of_copy = routing.counts(), routing.inverse
+    starts = routing.offs[:-1]
     # Copy side: position of each copy among its expert's copies, then its slot or the sentinel.
     ids = expert_ids.to(torch.int64)
     pos = row_of_copy - starts[ids]
@@ -107,8 +110,8 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
         return torch.cat([grid, grid.new_zeros(ep_size, 1)], 1).view(-1, 1)
 
     dropped = (counts - slots).clamp_min(0).sum()
-    return CapacityMaps(counts=counts, token_of_slot=per_slot(token_of_row), copy_of_slot=per_slot(copy_of_row),
-                        slot_of_copy=slot_of_copy, dropped=dropped)
+    return CapacityMaps(counts=counts, token_of_slot=per_slot(routing.token_of_row),
+                        copy_of_slot=per_slot(routing.order), slot_of_copy=slot_of_copy, dropped=dropped)
 
 
 def received_local_ids(recv_counts: torch.Tensor, slots: int) -> torch.Tensor:

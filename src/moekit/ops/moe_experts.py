@@ -7,10 +7,9 @@ F expert ffn size, J rows summed into one (row movement).
 
 computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_map)`:
 
-1. Routing on the device, no host sync: a stable sort of the M expert ids gives `order` (sorted
-   row -> flat copy t*K + k), its inverse `inverse_TK` ((t, k) -> sorted row), the experts' row
-   offsets by one binary search over the sorted ids (torch.bincount would sync to size its
-   output), and the row -> token map `order // K`.
+1. Routing on the device, no host sync (`moekit.ops.routing.route`): `order` (sorted row -> flat
+   copy t*K + k), its inverse `inverse_TK` ((t, k) -> sorted row), the experts' row offsets and the
+   row -> token map `order // K`.
 2. Gather `x_sorted = x[order // K]`, and the weights in sorted order (`w.flatten()[order]`, a
    permutation: its backward writes each weight's gradient once) as the grouped MLP's `probs`
    (they scale the activation and the fc2 bias, and get their gradient there).
@@ -35,6 +34,7 @@ from moekit._splits import GroupOffsets
 from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
 from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.routing import route
 from moekit.ops.swiglu import check_activation, check_interleave, swiglu_reference
 
 _TRITON_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -202,29 +202,6 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
 
 
-def _routing(topk_ids: torch.Tensor, num_experts: int):
-    """Device-side routing. Returns offs (N+1,) (expert e's rows are offs[e]:offs[e+1] of the sorted
-    order), order (M, 1) (sorted row -> flat copy), inverse (T, K) ((t, k) -> sorted row) and
-    token_of_row (M, 1), all int64 on the ids' device."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    # int32 keys sort faster than int64 (radix passes); the expert count always fits.
-    sorted_ids, order = torch.sort(flat_ids.to(torch.int32), stable=True)
-    # offs[j] = rows with id < j: the offsets themselves, in one search (no counts to sum again).
-    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, dtype=torch.int32, device=flat_ids.device))
-    offs[:1] = 0  # negative ids (undefined input) then count as expert 0, as they sort first
-    rows = torch.arange(order.numel(), device=order.device)
-    inverse = torch.empty_like(order).scatter_(0, order, rows)
-    token_of_row = torch.div(order, top_k, rounding_mode="floor")
-    return offs, order[:, None], inverse.view(num_tokens, top_k), token_of_row[:, None]
-
-
-def _route(topk_ids: torch.Tensor, num_experts: int):
-    """`_routing` with the rows per expert, m_splits (N,) int64, in place of the offsets."""
-    offs, order_M1, inverse_TK, token_of_row_M1 = _routing(topk_ids, num_experts)
-    return offs.diff(), order_M1, inverse_TK, token_of_row_M1
-
-
 def _use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:
     """The Triton row kernel runs wherever the Triton backend can: on CUDA whatever GEMM backend was
     chosen, and on CPU (interpreter) when the Triton backend itself was chosen."""
@@ -271,7 +248,7 @@ def moe_experts(
     use_triton = _use_triton_rows(impl.name, x)
     num_tokens, top_k = topk_ids.shape
 
-    offs, order_M1, inverse_TK, token_of_row_M1 = _routing(topk_ids, num_experts)
+    offs, order_M1, inverse_TK, token_of_row_M1 = route(topk_ids, num_experts)
     x_sorted_MH = _MoveRowsFn.apply(x, token_of_row_M1, inverse_TK, use_triton)
     # The weights in sorted order: `order` is a permutation, so this gather's backward (index_add_)
     # writes each weight's gradient exactly once: exact and deterministic, and one plain torch op

@@ -2,9 +2,10 @@
 
 Legend: T tokens, K experts per token (top-k), N experts, H hidden size.
 
-Everything stays on the device: the sort, the per-expert counts (a scatter of integer ones, exact
-in any order) and the inverse map. Both directions are gathers with deterministic backward passes:
-no floating-point atomics, so gradients are bit-identical run after run.
+Everything stays on the device: the sort, the per-expert counts and the inverse map
+(`moekit.ops.routing`, the routing every path of the package shares). Both directions are gathers
+with deterministic backward passes: no floating-point atomics, so gradients are bit-identical run
+after run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moekit._splits import compute_dtype
+from moekit.ops.routing import route
 
 
 class _PermuteFn(torch.autograd.Function):
@@ -75,20 +77,13 @@ def permute(
         raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
     if _host_checkable(expert_ids):
         # On an accelerator this check would need a sync, so ids outside [0, N) there are undefined
-        # input (they are clamped into the counts).
+        # input (see moekit.ops.routing).
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_ids must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
-    num_tokens, top_k = expert_ids.shape
-    flat_ids = expert_ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat_ids, stable=True).indices
-    row_map = torch.empty_like(order)
-    row_map[order] = torch.arange(order.numel(), device=x.device)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat_ids.clamp(0, num_experts - 1), torch.ones_like(flat_ids))
-    token_of_row = torch.div(order, top_k, rounding_mode="floor")
-    x_sorted = _PermuteFn.apply(x, token_of_row, row_map.view(num_tokens, top_k))
-    return x_sorted, counts, row_map.view(num_tokens, top_k)
+    routing = route(expert_ids, num_experts)
+    x_sorted = _PermuteFn.apply(x, routing.token_of_row.view(-1), routing.inverse)
+    return x_sorted, routing.counts(), routing.inverse
 
 
 def unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
