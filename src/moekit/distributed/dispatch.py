@@ -10,7 +10,10 @@ searchsorted, cumsum, gathers; the only scatter writes the integer inverse of a 
 move with one primitive, `move_rows(src, index_fwd, index_bwd)`: out[r] = sum_j src[index_fwd[r, j]],
 summed in fixed j order, whose backward is the same gather-sum along `index_bwd` (the transposed
 map). No step scatters floating-point values, so results and gradients are bit-identical run to run;
-on CUDA the gathers are moekit's row kernel (the one `moekit.moe_experts` uses).
+on CUDA the gathers are moekit's row kernel (the one `moekit.moe_experts` uses). Here index_bwd may
+leave out a pair of index_fwd only where that pair's gradient is exactly zero (a padding row's),
+and index_fwd may read any row for an output row whose value is never used (an empty slot's): that
+is how fixed-size buffers do without a zero row.
 
 Capacity buffers have one more slot per destination rank than the experts' C each: a sentinel
 that never holds a copy, so it arrives as a padding row (zero output, zero gradient) on the
@@ -26,23 +29,11 @@ import torch
 
 # The device routing and moe_experts' row primitive: one implementation for the single-process
 # layer and the expert-parallel one.
-from moekit.ops.moe_experts import _MoveRowsFn, _use_triton_rows
+from moekit.ops.moe_experts import move_rows, use_triton_rows
 from moekit.ops.routing import route
 
-
-def move_rows(src: torch.Tensor, index_fwd: torch.Tensor, index_bwd: torch.Tensor, use_triton: bool) -> torch.Tensor:
-    """out (R, D): out[r] = sum_j src[index_fwd[r, j]]; the backward is d src[s] = sum_j
-    d out[index_bwd[s, j]]. src: (S, D); index_fwd: (R, J) and index_bwd: (S, J') int64.
-
-    index_bwd may leave out a pair of index_fwd only where that pair's gradient is exactly zero
-    (a padding row's), and index_fwd may read any row for an output row whose value is never used
-    (an empty slot's): that is how fixed-size buffers do without a zero row."""
-    return _MoveRowsFn.apply(src, index_fwd, index_bwd, use_triton)
-
-
-def use_triton_rows(backend: str, x: torch.Tensor) -> bool:
-    """Whether the rows move through moekit's Triton row kernel (CUDA, or the triton backend)."""
-    return _use_triton_rows(backend, x)
+__all__ = ["CapacityMaps", "DroplessMaps", "capacity_maps", "dropless_maps", "move_rows", "received_local_ids",
+           "use_triton_rows"]
 
 
 @dataclass(frozen=True)

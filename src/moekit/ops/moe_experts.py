@@ -110,6 +110,14 @@ class _MoveRowsFn(torch.autograd.Function):
         return d_src, None, None, None
 
 
+def move_rows(src_SD: torch.Tensor, index_fwd_RJ: torch.Tensor, index_bwd_SJ: torch.Tensor,
+              use_triton: bool) -> torch.Tensor:
+    """out (R, D): out[r] = sum_j src[index_fwd[r, j]], differentiable; the backward is
+    d src[s] = sum_j d out[index_bwd[s, j]], so index_bwd must be index_fwd's transpose (the
+    package's other layers, expert parallelism among them, move rows with this one primitive)."""
+    return _MoveRowsFn.apply(src_SD, index_fwd_RJ, index_bwd_SJ, use_triton)
+
+
 # --------------------------------------------------------------------------------------------------
 # Saved-tensor hooks: the fc1 input is not kept, it is gathered again in the backward
 # --------------------------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
 
 
-def _use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:
+def use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:
     """The Triton row kernel runs wherever the Triton backend can: on CUDA whatever GEMM backend was
     chosen, and on CPU (interpreter) when the Triton backend itself was chosen."""
     if backend_name == "triton":
@@ -245,7 +253,7 @@ def moe_experts(
     _check_routing(x, topk_ids, topk_weights, num_experts)
     check_activation(activation)
     impl = select_backend(backend, x, _probe_weight(_as_list(fc1_weight)))
-    use_triton = _use_triton_rows(impl.name, x)
+    use_triton = use_triton_rows(impl.name, x)
     num_tokens, top_k = topk_ids.shape
 
     offs, order_M1, inverse_TK, token_of_row_M1 = route(topk_ids, num_experts)
