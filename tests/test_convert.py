@@ -501,6 +501,18 @@ def test_refuses_missing_last_expert_that_config_json_counts(tmp_path, field):
     convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
 
 
+def test_refuses_a_config_json_that_is_not_json(tmp_path):
+    """config.json says how many experts a complete checkpoint holds: one that cannot be parsed is
+    refused in words, not skipped (which would let a missing last expert through)."""
+    save_file(_hf_per_expert(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"num_local_experts": 4,')
+    with pytest.raises(CheckpointError, match=r"config.json: cannot be read as JSON .*fix it or move it away"):
+        convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
+    assert not (tmp_path / "out.safetensors").exists()
+    (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": N}))
+    convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
+
+
 # ---- moekit's own files ------------------------------------------------------------------------
 
 

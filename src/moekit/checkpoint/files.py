@@ -390,12 +390,18 @@ class Checkpoint:
         return read_bytes(self.tensors[key], offset, nbytes)
 
     def configured_num_experts(self) -> tuple[int, str] | None:
-        """(experts per layer, where it is said) from a config.json beside the checkpoint, if any."""
+        """(experts per layer, where it is said) from a config.json beside the checkpoint, if any.
+
+        A config.json that is there but cannot be read as JSON is refused (CheckpointError), not
+        skipped: it is what says how many experts a complete checkpoint holds."""
         config = self.folder / "config.json"
+        if not config.exists():
+            return None
         try:
             data = json.loads(config.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError([f"{config}: cannot be read as JSON ({exc}); moekit reads it for the number "
+                                   "of experts: fix it or move it away"]) from exc
         pending = [data]
         while pending:
             node = pending.pop(0)

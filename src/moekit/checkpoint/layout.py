@@ -213,7 +213,11 @@ def analyze(ckpt: Checkpoint, src_glu_interleave: int | None | str = KEEP) -> An
 
 def _check_expert_counts(ckpt: Checkpoint, groups: list[ExpertGroup], records: dict, problems: list[str]) -> None:
     """A missing last expert leaves no gap in the indices: compare with what else says how many."""
-    configured = ckpt.configured_num_experts()
+    try:
+        configured = ckpt.configured_num_experts()
+    except CheckpointError as exc:  # listed with the other problems, then refused together
+        problems.extend(exc.problems)
+        configured = None
     most = max((g.num_experts for g in groups), default=0)
     for g in groups:
         recorded = (records.get(g.prefix) or {}).get("num_experts")
