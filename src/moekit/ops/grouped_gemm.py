@@ -28,6 +28,8 @@ import functools
 import torch
 import triton
 
+from moekit._device import capability as _capability
+from moekit._device import multiprocessor_count
 from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_gemm_kernels import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
 
@@ -94,16 +96,6 @@ def _check_device(t: torch.Tensor) -> None:
     reason = triton_unavailable_reason(t.device, t.dtype)
     if reason is not None:
         raise ValueError(reason)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -236,7 +228,7 @@ def _bucket(m: int) -> int:
 def _grid_size(device: torch.device, bound: int, per_sm: int = 1) -> int:
     """Programs of a persistent kernel: per_sm per multiprocessor (2 lets one program's epilogue
     overlap another's main loop), at most `bound` (the tiles of the largest schedule)."""
-    sms = 4 if (_INTERPRET or device.type != "cuda") else _num_sms(device.index if device.index is not None
+    sms = 4 if (_INTERPRET or device.type != "cuda") else multiprocessor_count(device.index if device.index is not None
                                                                  else torch.cuda.current_device())
     return max(1, min(sms * per_sm, bound))
 

@@ -10,12 +10,12 @@ as `(N, O, I)` without a copy.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Sequence
 
 import torch
 
+from moekit._device import cuda_capability
 from moekit._splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
 from moekit.ops import library
 
@@ -95,7 +95,7 @@ class _TorchBackend:
         if x.device.type == "cuda":
             if x.dtype != torch.bfloat16:
                 return f"torch's CUDA grouped_mm runs on bfloat16 only, got {x.dtype}"
-            if _cuda_capability(x.device) < (8, 0):
+            if cuda_capability(x.device) < (8, 0):
                 return "torch's CUDA grouped_mm needs compute capability >= 8.0"
         elif x.device.type == "cpu":
             if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -427,25 +427,13 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor):
     return _BACKENDS["loop"]
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
-    """The device's compute capability, cached per device: backend choice asks on every call."""
-    if torch.compiler.is_compiling():  # dynamo traces through caches anyway (and warns)
-        return torch.cuda.get_device_capability(device)
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _auto_order(x: torch.Tensor) -> tuple[str, ...]:
     """Backends `auto` tries, in order. On Hopper moekit's kernels were measured at least as fast
     as grouped_mm in every product (H200, bf16, the README's Performance shapes; benchmarks/results);
     on older GPUs they run an untuned pointer path, so grouped_mm comes first there. Where only
     one of torch/triton runs (fp16/fp32, odd dims on CUDA), it beats the loop, which also syncs."""
     if x.device.type == "cuda":
-        if _cuda_capability(x.device)[0] >= 9:
+        if cuda_capability(x.device)[0] >= 9:
             return ("triton", "torch", "loop")
         return ("torch", "triton", "loop")
     return ("torch", "loop")

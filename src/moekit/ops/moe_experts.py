@@ -34,7 +34,7 @@ from moekit._splits import GroupOffsets
 from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.routing import route
+from moekit.ops.routing import check_expert_ids, route
 from moekit.ops.swiglu import check_activation, check_interleave, swiglu_reference
 
 _TRITON_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -201,13 +201,7 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     top_k = topk_ids.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, num_experts={num_experts}], got {top_k}")
-    if topk_ids.device.type == "cpu" and topk_ids.numel() and not torch.compiler.is_compiling():
-        # Free on the host; on an accelerator this check would be a sync, so there ids outside
-        # [0, N) are undefined input (ids >= N give zero rows, negative ids count as expert 0).
-        # Under torch.compile the read would break the graph: eager only.
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}) (num_experts); found values in [{lo}, {hi}]")
+    check_expert_ids(topk_ids, num_experts, "topk_ids")
 
 
 def use_triton_rows(backend_name: str, x: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moekit._splits import compute_dtype
-from moekit.ops.routing import route
+from moekit.ops.routing import check_expert_ids, host_readable, route
 
 
 class _PermuteFn(torch.autograd.Function):
@@ -75,12 +75,7 @@ def permute(
         raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
     if expert_ids.device != x.device:
         raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
-    if _host_checkable(expert_ids):
-        # On an accelerator this check would need a sync, so ids outside [0, N) there are undefined
-        # input (see moekit.ops.routing).
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert_ids must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
+    check_expert_ids(expert_ids, num_experts, "expert_ids")
     routing = route(expert_ids, num_experts)
     x_sorted = _PermuteFn.apply(x, routing.token_of_row.view(-1), routing.inverse)
     return x_sorted, routing.counts(), routing.inverse
@@ -117,15 +112,9 @@ def unpermute(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tens
             raise TypeError(f"weights must be floating point, got {weights.dtype}")
         if weights.device != y_sorted.device:
             raise ValueError(f"weights is on {weights.device} but y_sorted is on {y_sorted.device}")
-    if _host_checkable(row_map):
+    if host_readable(row_map):
         _check_permutation(row_map, y_sorted.shape[0])
     return _UnpermuteFn.apply(y_sorted, row_map, weights)
-
-
-def _host_checkable(t: torch.Tensor) -> bool:
-    """Whether `t`'s values may be read for validation: on the CPU reading is free, elsewhere it is
-    a host sync; under torch.compile the read would break the graph, so eager only."""
-    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
 
 
 def _check_permutation(row_map: torch.Tensor, rows: int) -> None:

@@ -19,6 +19,21 @@ from typing import NamedTuple
 import torch
 
 
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether `t`'s values may be read for validation: on the CPU reading is free, elsewhere it is
+    a host sync; under torch.compile the read would break the graph, so eager only."""
+    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def check_expert_ids(ids: torch.Tensor, num_experts: int, name: str) -> None:
+    """Refuse ids outside [0, N) where they can be read for free (`host_readable`); elsewhere they
+    are undefined input (see the module docstring)."""
+    if host_readable(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{name} must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
+
+
 class Routing(NamedTuple):
     """offs: (N+1,) int64, expert e's rows are offs[e]:offs[e+1] of the sorted order. order: (M, 1)
     sorted row -> flat copy t*K + k. inverse: (T, K) copy (t, k) -> sorted row. token_of_row:
