@@ -277,12 +277,9 @@ def _leaves(inputs):
     return {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_sorted_copy_of_x_is_not_kept_for_the_backward(backend, monkeypatch):
-    """x_sorted (M x H, K times x) is freed after the forward; the backward gathers it again (the
-    triton backend's fused MLP saves its input through the same hooks)."""
-    if backend == "triton":
-        _require_triton()
+def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
+    """Composition path (torch backend): x_sorted (M x H, K times x) is freed after the forward; the
+    backward gathers it again through moe_experts' saved-tensor hooks."""
     made = []
     original = moe_experts_module._MoveRowsFn.apply
 
@@ -293,7 +290,7 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(backend, monkeypatch):
 
     monkeypatch.setattr(moe_experts_module._MoveRowsFn, "apply", remember)
     leaves = _leaves(make_inputs(16, 4, 2, seed=14))
-    y = moekit.moe_experts(**leaves, backend=backend)
+    y = moekit.moe_experts(**leaves, backend="torch")
     gc.collect()
     x_sorted = made[0]  # the first row movement is the gather of x
     assert x_sorted() is None, "the gathered rows are still referenced after the forward"
@@ -301,12 +298,37 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(backend, monkeypatch):
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
 
 
+def test_fused_layer_saves_no_row_sized_copy_of_x():
+    """Fused path (triton backend): of everything the layer saves for its backward, nothing is
+    (M, H); x itself is saved (the backward gathers it again), and the two nodes are the layer's."""
+    _require_triton()
+    num_tokens, top_k = 16, 2
+    leaves = _leaves(make_inputs(num_tokens, 4, top_k, seed=14))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moekit.moe_experts(**leaves, backend="triton")
+    assert type(y.grad_fn).__name__ == "_ExpertsFc2FnBackward"
+    shapes = [tuple(t.shape) for t in saved]
+    assert (num_tokens * top_k, H) not in shapes, shapes
+    assert any(t is leaves["x"] for t in saved), "x itself is what the backward gathers again"
+    y.backward(rand(num_tokens, H, seed=15))
+    assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_activation_checkpointing_gives_the_same_results(use_reentrant):
+def test_activation_checkpointing_gives_the_same_results(use_reentrant, backend):
     """torch.utils.checkpoint puts its own saved-tensor hooks around the layer; moe_experts' inner
-    ones must not break its recomputation."""
+    ones (composition path) and its fused nodes must not break its recomputation."""
     from torch.utils.checkpoint import checkpoint
 
+    if backend == "triton":
+        _require_triton()
     inputs = make_inputs(16, 4, 2, bias=True, seed=19)
     dy = rand(16, H, seed=20)
     results = []
@@ -315,7 +337,7 @@ def test_activation_checkpointing_gives_the_same_results(use_reentrant):
 
         def layer(x, w, leaves=leaves):
             return moekit.moe_experts(x, leaves["topk_ids"], w, leaves["fc1_weight"], leaves["fc2_weight"],
-                                      fc1_bias=leaves["fc1_bias"], fc2_bias=leaves["fc2_bias"], backend="torch")
+                                      fc1_bias=leaves["fc1_bias"], fc2_bias=leaves["fc2_bias"], backend=backend)
 
         args = (leaves["x"], leaves["topk_weights"])
         y = checkpoint(layer, *args, use_reentrant=use_reentrant) if wrapped else layer(*args)
@@ -325,12 +347,15 @@ def test_activation_checkpointing_gives_the_same_results(use_reentrant):
         assert torch.equal(plain, checkpointed)
 
 
-def test_modifying_x_in_place_before_backward_raises():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_modifying_x_in_place_before_backward_raises(backend):
+    if backend == "triton":
+        _require_triton()
     leaves = _leaves(make_inputs(8, 4, 2, seed=16))
-    y = moekit.moe_experts(**leaves, backend="torch")
+    y = moekit.moe_experts(**leaves, backend=backend)
     with torch.no_grad():
         leaves["x"].mul_(2)
-    with pytest.raises(RuntimeError, match="modified in place"):
+    with pytest.raises(RuntimeError, match="modified in place|modified by an inplace operation"):
         y.sum().backward()
 
 

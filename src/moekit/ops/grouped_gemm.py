@@ -32,6 +32,7 @@ from moekit._device import capability as _capability
 from moekit._device import multiprocessor_count
 from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_gemm_kernels import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
+from moekit.ops.triton_launch import Launcher
 
 try:  # Triton >= 3.0; the interpreter class tells whether kernels run on the CPU.
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
@@ -52,6 +53,10 @@ __all__ = [
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _INTERPRET = isinstance(grouped_mm_kernel, _InterpretedFunction) if _InterpretedFunction else False
+
+_grouped_mm = Launcher(grouped_mm_kernel)
+_wgrad = Launcher(wgrad_kernel)
+_group_row_sum = Launcher(group_row_sum_kernel)
 
 
 def triton_unavailable_reason(device, dtype) -> str | None:
@@ -109,22 +114,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
         if t.numel() == 0:
             return False
     return True
-
-
-def _torch_alloc(size: int, alignment: int, stream):
-    # Scratch for device-side TMA descriptors (128 bytes per program). torch's caching allocator
-    # keeps this stream-ordered and inside the graph pool during CUDA-graph capture.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Device-side descriptors need triton's global-scratch allocator. It is a ContextVar, so it is
-    unset in fresh threads (autograd's backward threads among them): set it on each launch unless
-    the user installed their own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_alloc)
 
 
 @functools.cache
@@ -260,9 +249,7 @@ def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tm
     nprog = _grid_size(a.device, bound)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = bool(cfg.epi_tma and use_tma and (cols * out.element_size()) % 16 == 0)
-    if use_tma or epi_tma:
-        _ensure_allocator()
-    grouped_mm_kernel[(nprog,)](
+    _grouped_mm[(nprog,)](
         a, w, out,
         bias if bias is not None else out, scale if scale is not None else out, offs,
         M, cols, red, N, b_rows, b_cols,
@@ -377,9 +364,7 @@ def _run_wgrad(dy, x, offs, dw, cfg: GemmConfig, use_tma: bool) -> None:
     bound = N * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
     nprog = _grid_size(dy.device, bound)
     epi_tma = bool(cfg.epi_tma and use_tma and (I * dw.element_size()) % 16 == 0)
-    if use_tma or epi_tma:
-        _ensure_allocator()
-    wgrad_kernel[(nprog,)](
+    _wgrad[(nprog,)](
         dy, x, dw, offs, M, O, I, N,
         dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
@@ -467,7 +452,7 @@ def _row_sums(src_MC, offs, row_scale_M, vec_NC):
         return sums, (torch.zeros(M, device=src.device) if vec_NC is not None else None)
     part = torch.empty((splits, N, C), device=src.device, dtype=torch.float32)
     with _device_ctx(src.device):
-        group_row_sum_kernel[(triton.cdiv(C, block_c), N, splits)](
+        _group_row_sum[(triton.cdiv(C, block_c), N, splits)](
             src, row_scale_M if row_scale_M is not None else src, part,
             vec_NC if vec_NC is not None else src, dots if dots is not None else part,
             offs, M, C, N, src.stride(0), vec_NC.stride(0) if vec_NC is not None else 0,

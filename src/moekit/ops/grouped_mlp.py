@@ -208,8 +208,6 @@ def _glu_use_tma(use_tma: bool, ffn: int, glu_block: int, *operands: torch.Tenso
     widths = _glu_widths(ffn, glu_block)
     box_ok = all(glu_block == ffn or glu_block % w == 0 or w % glu_block == 0 for w in widths)
     ok, _ = gg._resolve_tma(None if use_tma else False, operands[0].shape[1] > 0, *operands)
-    if ok and box_ok:
-        gg._ensure_allocator()
     return ok and box_ok
 
 
@@ -218,6 +216,15 @@ def _glu_pick(kind: str, key: tuple, cands: list[GemmConfig], launch, device: to
     from moekit.ops import grouped_gemm as gg
 
     return cfg if cfg is not None else gg._pick((kind, *key), cands, launch, device)
+
+
+@functools.cache
+def _glu_launchers():
+    """(forward, backward) kernel launchers; imported on first use, the module itself needs no triton."""
+    from moekit.ops.grouped_mlp_kernels import glu_backward_kernel, glu_forward_kernel
+    from moekit.ops.triton_launch import Launcher
+
+    return Launcher(glu_forward_kernel), Launcher(glu_backward_kernel)
 
 
 def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True,
@@ -229,7 +236,6 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     cfg a fixed kernel configuration (tests, tuning), else the tuned one of `_glu_candidates`.
     """
     from moekit.ops import grouped_gemm as gg
-    from moekit.ops.grouped_mlp_kernels import glu_forward_kernel
 
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
@@ -245,7 +251,7 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
         bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
         nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
         box_blocks, box_rows = _glu_weight_box(k, ffn, c.block_cols)
-        glu_forward_kernel[(nprog,)](
+        _glu_launchers()[0][(nprog,)](
             x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
             probs_M if probs_M is not None else h, offs,
             M, ffn, H, N,
@@ -277,7 +283,6 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     (the activation part of d probs), summed over the F tiles in a fixed order. cfg as glu_forward's.
     """
     from moekit.ops import grouped_gemm as gg
-    from moekit.ops.grouped_mlp_kernels import glu_backward_kernel
 
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
@@ -297,7 +302,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     def launch(c: GemmConfig, part: torch.Tensor | None) -> None:
         bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
         nprog = gg._grid_size(dy_MH.device, bound, c.programs_per_sm)
-        glu_backward_kernel[(nprog,)](
+        _glu_launchers()[1][(nprog,)](
             dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
             part if part is not None else dh, offs,
             M, ffn, H, N,
@@ -352,10 +357,56 @@ def _fused_mlp(go: GroupOffsets, probs_M, glu_interleave_size, activation, x_MH,
     Autograd runs node 2's backward first (fc2 dgrad + the activation's backward -> dh, fc2 wgrad,
     d probs) and frees what it saved, h and dy among them, before node 1's backward (fc1 dgrad and
     wgrad from dh and x) runs: the peak of the backward holds h or dh, not both, as plain PyTorch's
-    composition does.
+    composition does. `moe_experts` runs the same steps (`fc1_step`, `fc2_step`, `fc2_backward_step`,
+    `fc1_backward_step`) in two nodes of its own that also move the rows.
     """
     h, act = _FusedFc1Fn.apply(go.offs, probs_M, glu_interleave_size, activation, len(w1s), x_MH, *w1s, *b1s)
     return _FusedFc2Fn.apply(go.offs, glu_interleave_size, activation, len(w2s), h, act, probs_M, *w2s, *b2s)
+
+
+def fc1_step(x_MH, offs, probs_M, glu_interleave_size, activation, w1s, b1s):
+    """fc1 + bias + activation (* probs) in one kernel: (h (M, 2F), act (M, F)) in x's dtype."""
+    return library.glu_forward(x_MH, _grouped(w1s, 3, "fc1 weight"), offs, _grouped(b1s, 2, "fc1 bias"), probs_M,
+                               glu_interleave_size, activation)
+
+
+def fc2_step(act_MF, offs, probs_M, w2s, b2):
+    """fc2 with the probs-scaled bias: y (M, H)."""
+    return library.grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), offs, b2,
+                                        probs_M if b2 is not None else None)
+
+
+def fc2_backward_step(dy_MH, h_M2F, offs, probs_M, b2, w2s, glu_interleave_size, activation,
+                      need_probs: bool, need_w2: bool, need_b2: bool):
+    """fc2's backward and the activation's: (dh (M, 2F), d probs (M,) in probs' dtype or None,
+    d fc2 weight (N, H, F) or None, d fc2 bias (N, H) or None). The caller drops h once this returns."""
+    dy_MH = _row_major(dy_MH)
+    dh, act_p, dprobs = library.glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h_M2F, offs, probs_M,
+                                             glu_interleave_size, activation)
+    dw2 = library.grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
+    del act_p
+    db2 = d_probs = None
+    if probs_M is not None and need_probs and b2 is not None:
+        # One pass over dy gives fc2's bias gradient and the bias term of d probs,
+        # <dy[r], b2[group of r]> (y = ... + b2 * p).
+        db2, bias_dot = library.group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
+        dprobs = dprobs + bias_dot
+    elif need_b2:
+        db2 = library.group_row_sum(dy_MH, offs, probs_M)
+    if probs_M is not None and need_probs:
+        d_probs = dprobs.to(probs_M.dtype)
+    return dh, d_probs, dw2, db2
+
+
+def fc1_backward_step(dh_M2F, x_rows, offs, w1s, need_x: bool, need_w1: bool, need_b1: bool):
+    """fc1's backward: (dx (M, H) or None, d fc1 weight (N, 2F, H) or None, d fc1 bias (N, 2F) or
+    None). `x_rows()` gives fc1's input rows; it is called once, for the weight gradient, which runs
+    first so that the rows are released before dx is allocated (the backward's peak holds one of
+    them, not both)."""
+    dw1 = library.grouped_gemm_wgrad(dh_M2F, x_rows(), offs) if need_w1 else None
+    db1 = library.group_row_sum(dh_M2F, offs) if need_b1 else None
+    dx = library.grouped_gemm_dgrad(dh_M2F, _grouped(w1s, 3, "fc1 weight"), offs) if need_x else None
+    return dx, dw1, db1
 
 
 class _FusedFc1Fn(torch.autograd.Function):
@@ -370,9 +421,7 @@ class _FusedFc1Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, offs, probs_M, glu_interleave_size, activation, n_w1, x_MH, *params):
         w1s, b1s = params[:n_w1], params[n_w1:]
-        w1 = _grouped(w1s, 3, "fc1 weight")
-        h, act = library.glu_forward(x_MH, w1, offs, _grouped(b1s, 2, "fc1 bias"), probs_M, glu_interleave_size,
-                                     activation)
+        h, act = fc1_step(x_MH, offs, probs_M, glu_interleave_size, activation, w1s, b1s)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         ctx.n_w1 = n_w1
@@ -387,10 +436,8 @@ class _FusedFc1Fn(torch.autograd.Function):
         w1s = tuple(w1s)
         n_w1 = ctx.n_w1
         need = ctx.needs_input_grad  # forward's inputs: offs, probs, glu, activation, n_w1, x, *params
-        need_x, need_w1, need_b1 = need[5], any(need[6:6 + n_w1]), any(need[6 + n_w1:])
-        dx = library.grouped_gemm_dgrad(dh_M2F, _grouped(w1s, 3, "fc1 weight"), offs) if need_x else None
-        dw1 = library.grouped_gemm_wgrad(dh_M2F, x_MH, offs) if need_w1 else None
-        db1 = library.group_row_sum(dh_M2F, offs) if need_b1 else None
+        dx, dw1, db1 = fc1_backward_step(dh_M2F, lambda: x_MH, offs, w1s, need[5], any(need[6:6 + n_w1]),
+                                         any(need[6 + n_w1:]))
         return (None, None, None, None, None, dx, *_unstack(dw1, w1s, 3), *_unstack_bias(db1, ctx.b1_dims))
 
 
@@ -403,8 +450,7 @@ class _FusedFc2Fn(torch.autograd.Function):
     def forward(ctx, offs, glu_interleave_size, activation, n_w2, h_M2F, act_MF, probs_M, *params):
         w2s, b2s = params[:n_w2], params[n_w2:]
         b2 = _grouped(b2s, 2, "fc2 bias")
-        y = library.grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), offs, b2,
-                                         probs_M if b2 is not None else None)
+        y = fc2_step(act_MF, offs, probs_M, w2s, b2)
         ctx.glu, ctx.activation, ctx.n_w2 = glu_interleave_size, activation, n_w2
         ctx.b2_dims = tuple(b.dim() for b in b2s)
         ctx.save_for_backward(h_M2F, offs, probs_M, b2, *w2s)
@@ -415,24 +461,7 @@ class _FusedFc2Fn(torch.autograd.Function):
         h, offs, probs_M, b2, *w2s = ctx.saved_tensors
         w2s = tuple(w2s)
         n_w2 = ctx.n_w2
-        dy_MH = _row_major(dy_MH)
-        # forward's inputs: offs, glu, activation, n_w2, h, act, probs, *params
-        need = ctx.needs_input_grad
-        need_probs, need_w2, need_b2 = need[6], any(need[7:7 + n_w2]), any(need[7 + n_w2:])
-        dh, act_p, dprobs = library.glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h, offs, probs_M, ctx.glu,
-                                                 ctx.activation)
-        del h
-        dw2 = library.grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
-        del act_p
-        db2 = None
-        d_probs = None
-        if probs_M is not None and need_probs and b2 is not None:
-            # One pass over dy gives fc2's bias gradient and the bias term of d probs,
-            # <dy[r], b2[group of r]> (y = ... + b2 * p).
-            db2, bias_dot = library.group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
-            dprobs = dprobs + bias_dot
-        elif need_b2:
-            db2 = library.group_row_sum(dy_MH, offs, probs_M)
-        if probs_M is not None and need_probs:
-            d_probs = dprobs.to(probs_M.dtype)
+        need = ctx.needs_input_grad  # forward's inputs: offs, glu, activation, n_w2, h, act, probs, *params
+        dh, d_probs, dw2, db2 = fc2_backward_step(dy_MH, h, offs, probs_M, b2, w2s, ctx.glu, ctx.activation,
+                                                  need[6], any(need[7:7 + n_w2]), any(need[7 + n_w2:]))
         return (None, None, None, None, dh, None, d_probs, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))

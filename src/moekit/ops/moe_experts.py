@@ -19,6 +19,11 @@ computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_
    so the layer holds no (M, H) tensor between forward and backward.
 4. Combine: `out[t] = sum_k y_sorted[inverse[t, k]]` (the weights are already in y_sorted).
 
+On the triton backend in eager mode the same steps run as two autograd nodes of this module
+(`_fused_experts`) over the grouped MLP's fused kernels, instead of five nodes and the hooks: the
+same results, less host time per call, which small batches are bound by. torch.compile and the
+other backends take the composition above.
+
 Row movement is one primitive both ways: out[r] = sum_j src[index[r, j]], summed in fixed j order
 in fp32 with one rounding. The gather is its J = 1 case. Each direction's backward is the other
 one (the gather's backward sums each token's K row gradients; the combine's backward gathers),
@@ -28,13 +33,25 @@ the Triton backend runs) it is one Triton kernel; elsewhere plain torch (`src[in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moekit._splits import GroupOffsets
 from moekit.ops import library
 from moekit.ops.grouped_linear import _BACKENDS, Weight, _as_list, _probe_weight, select_backend
-from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.routing import check_expert_ids, route
+from moekit.ops.grouped_mlp import (
+    _check_mlp,
+    _grouped,
+    _unstack,
+    _unstack_bias,
+    fc1_backward_step,
+    fc1_step,
+    fc2_backward_step,
+    fc2_step,
+    grouped_mlp,
+)
+from moekit.ops.routing import Routing, check_expert_ids, route
 from moekit.ops.swiglu import check_activation, check_interleave, swiglu_reference
 
 _TRITON_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,10 +72,17 @@ def _sum_rows_torch(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tenso
     return gathered.view(num_out, per_out, src_SD.shape[1]).sum(1, dtype=acc_t).to(src_SD.dtype)
 
 
+@functools.cache
+def _sum_rows_launcher():
+    """The row kernel's launcher, imported on first use (the module itself needs no triton)."""
+    from moekit.ops.moe_experts_kernels import _sum_rows_kernel
+    from moekit.ops.triton_launch import Launcher
+
+    return Launcher(_sum_rows_kernel)
+
+
 def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tensor:
     import triton
-
-    from moekit.ops.moe_experts_kernels import _sum_rows_kernel
 
     num_out, per_out = index_RJ.shape
     num_features = src_SD.shape[1]
@@ -72,7 +96,7 @@ def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tens
     block_d = min(triton.next_power_of_2(num_features), 1024)
     block_r = max(1, 4096 // block_d)
     grid = (triton.cdiv(num_out, block_r), triton.cdiv(num_features, block_d))
-    _sum_rows_kernel[grid](
+    _sum_rows_launcher()[grid](
         src_SD, index_RJ, out_RD, num_out, num_features, per_out, src_SD.stride(0), out_RD.stride(0),
         BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )
@@ -248,9 +272,13 @@ def moe_experts(
     check_activation(activation)
     impl = select_backend(backend, x, _probe_weight(_as_list(fc1_weight)))
     use_triton = use_triton_rows(impl.name, x)
-    num_tokens, top_k = topk_ids.shape
-
-    offs, order_M1, inverse_TK, token_of_row_M1 = route(topk_ids, num_experts)
+    routing = route(topk_ids, num_experts)
+    if impl.name == "triton" and not torch.compiler.is_compiling():
+        fused = _fused_experts(x, topk_weights, routing, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation,
+                               glu_interleave_size, backend)
+        if fused is not None:
+            return fused
+    offs, order_M1, inverse_TK, token_of_row_M1 = routing
     x_sorted_MH = _MoveRowsFn.apply(x, token_of_row_M1, inverse_TK, use_triton)
     # The weights in sorted order: `order` is a permutation, so this gather's backward (index_add_)
     # writes each weight's gradient exactly once: exact and deterministic, and one plain torch op
@@ -273,6 +301,107 @@ def moe_experts(
             y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, splits, **mlp_kwargs)
     del x_sorted_MH
     return _MoveRowsFn.apply(y_sorted_MH, inverse_TK, token_of_row_M1, use_triton)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused triton path: the layer in two autograd nodes
+# --------------------------------------------------------------------------------------------------
+
+
+def _fused_experts(x_TH, topk_weights_TK, routing: Routing, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation,
+                   glu_interleave_size, backend) -> torch.Tensor | None:
+    """The layer on the triton backend in eager mode, or None where fc2 does not run on it.
+
+    The grouped MLP's fused steps (`fc1_step` ... `fc1_backward_step`, shared with `grouped_mlp`) in
+    two nodes that also move the rows, the same split as the MLP's (h is freed when node 2's
+    backward has run). Against the composition (row movement, grouped_mlp, row movement: five nodes
+    and saved-tensor hooks) this saves host time, which small batches are bound by:
+
+        node 1  gather x into expert order and the weights into sorted order, fc1 + activation
+                -> h, act, probs; saves x (T, H) itself, not the (M, H) gathered copy
+        node 2  fc2, combine the K rows of each token -> out (T, H)
+        backward: node 2 gathers dout's rows, runs fc2's and the activation's backward (dh, d probs,
+        fc2's weight and bias gradients); node 1 gathers x again for fc1's weight gradient, then
+        fc1's dgrad, sums each token's K rows into dx, and reads each weight's gradient at its row.
+    """
+    w1s, w2s = _as_list(fc1_weight), _as_list(fc2_weight)
+    b1s, b2s = _as_list(fc1_bias), _as_list(fc2_bias)
+    _, ffn = _check_mlp(x_TH, fc1_weight, fc2_weight, fc1_bias, fc2_bias)
+    check_interleave(ffn, glu_interleave_size)
+    if select_backend(backend, x_TH.new_empty(0, ffn), _probe_weight(w2s)).name != "triton":
+        return None
+    h, act, probs_M = _ExpertsFc1Fn.apply(x_TH, topk_weights_TK, routing, glu_interleave_size, activation, len(w1s),
+                                          *w1s, *b1s)
+    return _ExpertsFc2Fn.apply(h, act, probs_M, routing, glu_interleave_size, activation, len(w2s), *w2s, *b2s)
+
+
+class _ExpertsFc1Fn(torch.autograd.Function):
+    """Node 1 of the fused layer. Inputs: x (T, H), topk_weights (T, K), the `Routing`, the GLU block,
+    the activation, n_w1, then n_w1 fc1 weights and the fc1 biases. Returns (h (M, 2F), act (M, F),
+    probs (M,)); act is not differentiable (node 2's backward yields h's gradient through it, as in
+    `_FusedFc1Fn`)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_weights_TK, routing, glu_interleave_size, activation, n_w1, *params):
+        w1s, b1s = params[:n_w1], params[n_w1:]
+        probs_M = topk_weights_TK.reshape(-1).index_select(0, routing.order.view(-1))
+        x_sorted_MH = library.sum_rows(x_TH, routing.token_of_row, True)
+        h, act = fc1_step(x_sorted_MH, routing.offs, probs_M, glu_interleave_size, activation, w1s, b1s)
+        ctx.mark_non_differentiable(act)
+        if not topk_weights_TK.requires_grad:
+            ctx.mark_non_differentiable(probs_M)
+        ctx.set_materialize_grads(False)
+        ctx.n_w1 = n_w1
+        ctx.b1_dims = tuple(b.dim() for b in b1s)
+        ctx.save_for_backward(x_TH, routing.offs, routing.inverse, routing.token_of_row, *w1s)
+        return h, act, probs_M
+
+    @staticmethod
+    def backward(ctx, dh_M2F, _d_act, d_probs_M):
+        x_TH, offs, inverse_TK, token_of_row_M1, *w1s = ctx.saved_tensors
+        w1s = tuple(w1s)
+        n_w1 = ctx.n_w1
+        need = ctx.needs_input_grad  # forward's inputs: x, weights, routing, glu, activation, n_w1, *params
+        dx_TH = d_weights_TK = None
+        dw1 = db1 = None
+        if dh_M2F is not None:
+            dx_MH, dw1, db1 = fc1_backward_step(dh_M2F, lambda: library.sum_rows(x_TH, token_of_row_M1, True), offs,
+                                                w1s, need[0], any(need[6:6 + n_w1]), any(need[6 + n_w1:]))
+            if dx_MH is not None:
+                dx_TH = library.sum_rows(dx_MH, inverse_TK, True)
+        if need[1] and d_probs_M is not None:
+            # Row inverse[t, k] holds copy (t, k): its weight's gradient, read once (no scatter).
+            d_weights_TK = d_probs_M.index_select(0, inverse_TK.view(-1)).view(inverse_TK.shape)
+        return (dx_TH, d_weights_TK, None, None, None, None, *_unstack(dw1, w1s, 3),
+                *_unstack_bias(db1, ctx.b1_dims))
+
+
+class _ExpertsFc2Fn(torch.autograd.Function):
+    """Node 2 of the fused layer. Inputs: h, act, probs (node 1's outputs), the `Routing`, the GLU
+    block, the activation, n_w2, then n_w2 fc2 weights and the fc2 biases. Returns out (T, H)."""
+
+    @staticmethod
+    def forward(ctx, h_M2F, act_MF, probs_M, routing, glu_interleave_size, activation, n_w2, *params):
+        w2s, b2s = params[:n_w2], params[n_w2:]
+        b2 = _grouped(b2s, 2, "fc2 bias")
+        y_sorted_MH = fc2_step(act_MF, routing.offs, probs_M, w2s, b2)
+        ctx.glu, ctx.activation, ctx.n_w2 = glu_interleave_size, activation, n_w2
+        ctx.b2_dims = tuple(b.dim() for b in b2s)
+        ctx.save_for_backward(h_M2F, routing.offs, probs_M, b2, routing.token_of_row, *w2s)
+        return library.sum_rows(y_sorted_MH, routing.inverse, True)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out_TH):
+        h_M2F, offs, probs_M, b2, token_of_row_M1, *w2s = ctx.saved_tensors
+        w2s = tuple(w2s)
+        n_w2 = ctx.n_w2
+        need = ctx.needs_input_grad  # forward's inputs: h, act, probs, routing, glu, activation, n_w2, *params
+        dy_sorted_MH = library.sum_rows(d_out_TH, token_of_row_M1, True)
+        dh, d_probs, dw2, db2 = fc2_backward_step(dy_sorted_MH, h_M2F, offs, probs_M, b2, w2s, ctx.glu,
+                                                  ctx.activation, need[2], any(need[7:7 + n_w2]),
+                                                  any(need[7 + n_w2:]))
+        return (dh, None, d_probs, None, None, None, None, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))
 
 
 def moe_experts_reference(
