@@ -111,11 +111,12 @@ def _triton_routing() -> _TritonRouting:
         # Tiny tiles, so that CPU tests cover several sub-blocks, chunks and bucket tiles quickly.
         return _TritonRouting(*launchers, True, sub=16, max_chunk=64, target_chunks=4, max_bucket_tile=128,
                               scan_elements=4096)
-    # 128-row sub-blocks: a 128 x 128 rank comparison per step, 16 values a thread over 8 warps.
-    # About 1024 chunks at large M, enough programs to fill the GPU, while the scan stays a few
-    # (bucket, chunk) tiles of 8192 counts.
-    return _TritonRouting(*launchers, False, sub=128, max_chunk=2048, target_chunks=1024, max_bucket_tile=1024,
-                          scan_elements=8192)
+    # 32-row sub-blocks: the 32 x 32 rank comparison of a step is 8 values a thread, so the scatter
+    # kernel needs 56 registers (compiled for sm_90; 64-row sub-blocks need 177 with 8 warps, one
+    # program per SM). About 2048 chunks at large M: programs for every SM, while the scan stays a
+    # few (bucket, chunk) tiles of 4096 counts.
+    return _TritonRouting(*launchers, False, sub=32, max_chunk=2048, target_chunks=2048, max_bucket_tile=1024,
+                          scan_elements=4096)
 
 
 def _chunk_rows(num_rows: int, config: _TritonRouting) -> int:
@@ -166,7 +167,7 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
         config.histogram[(num_chunks,)](topk_ids, scratch, *ids_args, CHUNK=chunk, BUCKET_TILE=bucket_tile,
                                         num_warps=4)
         config.scan[(-(-num_buckets // scan_buckets),)](scratch, num_experts, num_chunks, SCAN_BUCKETS=scan_buckets,
-                                                         SCAN_BLOCK=scan_block, num_warps=4)
+                                                         SCAN_BLOCK=scan_block, num_warps=8)
         config.scatter[(num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args, CHUNK=chunk,
-                                      SUB=config.sub, BUCKET_TILE=bucket_tile, num_warps=8)
+                                      SUB=config.sub, BUCKET_TILE=bucket_tile, num_warps=4)
     return Routing(offs, order, inverse, token_of_row)

@@ -22,8 +22,8 @@ Scratch, one int32 buffer: counts [N + 2, C] (bucket-major; the chunk prefix aft
 import triton
 import triton.language as tl
 
-_INT32_MIN = -(2**31)
-_INT32_MAX = 2**31 - 1
+_INT32_MIN = tl.constexpr(-(2**31))
+_INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
