@@ -201,3 +201,63 @@ def test_triton_route_refuses_what_it_cannot_route():
         route(torch.zeros(2, 2, device=TRITON_DEVICE), 3, use_triton=True)
     with pytest.raises(ValueError, match="num_experts must be >= 0"):
         route(torch.zeros(2, 2, dtype=torch.int64, device=TRITON_DEVICE), -1, use_triton=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): real sizes, no host sync, CUDA graph replay with new ids
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts"), [
+    (256, 8, 128), (4096, 8, 128), (32768, 8, 128), (20011, 4, 32), (50000, 1, 257), (9000, 6, 1024)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_triton_route_on_gpu_equals_torch_path(tokens, top_k, num_experts, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    # Skewed: experts drawn with random weights, so some are empty and some are crowded.
+    weights = torch.rand(num_experts, device="cuda", generator=gen) ** 4
+    ids = torch.multinomial(weights, tokens * top_k, replacement=True, generator=gen).view(tokens, top_k).to(dtype)
+    expected = route(ids, num_experts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours = route(ids, num_experts, use_triton=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, a, b in zip(Routing._fields, ours, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_route_on_gpu_undefined_ids_equal_torch_path():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, top_k, num_experts = 8192, 8, 64
+    ids = torch.randint(-3, num_experts + 3, (tokens, top_k), device="cuda", generator=gen)
+    for candidate in (ids, torch.where(ids < 0, -1, torch.where(ids >= num_experts, num_experts, ids))):
+        expected = route(candidate, num_experts)
+        for name, a, b in zip(Routing._fields, route(candidate, num_experts, use_triton=True), expected, strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_route_cuda_graph_replays_with_new_ids():
+    tokens, top_k, num_experts = 1024, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    static_ids = torch.randint(0, num_experts, (tokens, top_k), device="cuda", generator=gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        route(static_ids, num_experts, use_triton=True)  # compiles and warms the launchers
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = route(static_ids, num_experts, use_triton=True)
+    for seed in range(3):
+        new_ids = torch.randint(0, num_experts, (tokens, top_k), device="cuda",
+                                generator=torch.Generator(device="cuda").manual_seed(100 + seed))
+        static_ids.copy_(new_ids)
+        graph.replay()
+        for name, a, b in zip(Routing._fields, static_out, route(new_ids, num_experts), strict=True):
+            assert torch.equal(a, b), name
