@@ -48,6 +48,18 @@ def test_gpu_session_smoke_leaves_the_eight_files(tmp_path):
     assert "done; every part finished" in log and summary.splitlines()[0] in log  # the summary is printed
 
 
+def test_bench_routing_smoke_checks_both_paths(tmp_path):
+    out = tmp_path / "routing.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_routing.py"), "--smoke", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert "partial" not in payload and payload["meta"]["smoke"]
+    assert [r["path"] for r in payload["records"]] == ["torch", "triton"] * 2
+    assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
+
+
 def _records(cells: dict, impl_values: dict) -> list[dict]:
     """Records of bench_mlp_vs_plain's form: cells {(shape, dist): moekit x_plain}."""
     out = []
