@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,7 +33,7 @@ from moekit._device import capability as _capability
 from moekit._device import multiprocessor_count
 from moekit.ops.gemm_config import GemmConfig
 from moekit.ops.grouped_gemm_kernels import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.triton_launch import Launcher
+from moekit.ops.triton_launch import Launcher, LaunchPlan, PlanCache, tensor_key
 
 try:  # Triton >= 3.0; the interpreter class tells whether kernels run on the CPU.
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
@@ -241,26 +242,30 @@ def _device_ctx(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> None:
+def _mm_launch(a, w, out_cols: int, bias, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> LaunchPlan:
+    """The launch of grouped_mm_kernel for a (M, red) row-major input, a fresh (M, out_cols) output,
+    and weights w (N, b_rows, b_cols); tensors: (a, w, out, bias or out, scale or out, offs)."""
     M, red = a.shape
     N, b_rows, b_cols = w.shape
-    cols = out.shape[1]
-    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(cols, cfg.block_cols)
+    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
     nprog = _grid_size(a.device, bound)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
-    epi_tma = bool(cfg.epi_tma and use_tma and (cols * out.element_size()) % 16 == 0)
-    _grouped_mm[(nprog,)](
-        a, w, out,
-        bias if bias is not None else out, scale if scale is not None else out, offs,
-        M, cols, red, N, b_rows, b_cols,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0,
-        TRANS_B=trans_b, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(a.dtype),
-        BLOCK_M=cfg.block_rows, BLOCK_C=cfg.block_cols, BLOCK_RED=cfg.block_red, GROUP_M=cfg.group_rows,
-        BLOCK_GROUPS=_block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
-        num_stages=cfg.stages, num_warps=cfg.warps,
-    )
+    epi_tma = bool(cfg.epi_tma and use_tma and (out_cols * a.element_size()) % 16 == 0)
+    ints = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), w.stride(0), w.stride(1), out_cols,
+            bias.stride(0) if bias is not None else 0)
+    return LaunchPlan(_grouped_mm, (nprog,), ints, dict(
+        TRANS_B=trans_b, HAS_BIAS=bias is not None, HAS_SCALE=False, USE_TMA=use_tma, UPCAST=_INTERPRET,
+        DOT_PRECISION=_dot_precision(a.dtype), BLOCK_M=cfg.block_rows, BLOCK_C=cfg.block_cols,
+        BLOCK_RED=cfg.block_red, GROUP_M=cfg.group_rows, BLOCK_GROUPS=_block_groups(N + 2), NUM_PROGRAMS=nprog,
+        FLATTEN=cfg.flatten, EPI_TMA=epi_tma, num_stages=cfg.stages, num_warps=cfg.warps,
+    ))
+
+
+def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> None:
+    plan = _mm_launch(a, w, out.shape[1], bias, trans_b, cfg, use_tma)
+    if scale is not None:
+        plan.constexprs["HAS_SCALE"] = True
+    plan(a, w, out, bias if bias is not None else out, scale if scale is not None else out, offs)
 
 
 def _check_weight(a: torch.Tensor, w: torch.Tensor) -> None:
@@ -273,11 +278,56 @@ def _check_weight(a: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"the weight is {w.dtype} on {w.device}, the input is {a.dtype} on {a.device}")
 
 
+class _Plan(NamedTuple):
+    """What a grouped product does for one problem key: its output columns, whether the input is
+    copied to unit column stride first, and the launch (None: no kernel; `zero` then says whether
+    the output is zeros (no groups) or empty)."""
+
+    cols: int
+    contiguous: bool
+    launch: LaunchPlan | None
+    zero: bool = False
+
+
+_PLANS = PlanCache()
+
+
+def _plan_key(*parts) -> tuple:
+    """Plans are made per everything they were validated and specialized on: the tensors'
+    `tensor_key`s, the options, and whether config search is on (a plan made while it was off, or
+    during CUDA-graph capture, holds the untuned default)."""
+    return (*parts, _AUTOTUNE["enabled"])
+
+
+def _keep(key: tuple, plan):
+    """Remember a new plan, except one made during capture (its config may be the untuned default)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return plan
+    return _PLANS.put(key, plan)
+
+
 def _mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: bool | None) -> torch.Tensor:
     """Shared launcher of forward (op="fwd": out (M, O)) and dgrad (op="dgrad": out (M, I))."""
+    key = _plan_key(op, tensor_key(a), tensor_key(w), tensor_key(offs), tensor_key(bias), tensor_key(scale), cfg,
+                    use_tma, _dot_precision(a.dtype))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _plan_mm(op, a, w, offs, bias, scale, cfg, use_tma))
+    if plan.contiguous:
+        a = a.contiguous()
+    out = _empty((a.shape[0], plan.cols), a.device, a.dtype)
+    if plan.launch is None:
+        return out.zero_() if plan.zero else out
+    with _device_ctx(a.device):
+        plan.launch(a, w, out, bias if bias is not None else out, scale if scale is not None else out, offs)
+    return out
+
+
+def _plan_mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: bool | None) -> _Plan:
     _check_device(a)
     _check_weight(a, w)
-    if a.stride(1) != 1:
+    contiguous = a.stride(1) != 1
+    if contiguous:
         a = a.contiguous()
     N, O, I = w.shape
     trans_b = op == "fwd"
@@ -286,20 +336,19 @@ def _mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: bool 
         raise ValueError(f"the input has {a.shape[1]} columns; a weight of shape {tuple(w.shape)} needs {red}")
     offs = _check_offs(offs, N, a.device)
     M = a.shape[0]
-    out = _empty((M, cols), a.device, a.dtype)
-    if M == 0 or cols == 0:
-        return out
-    if N == 0:
-        return out.zero_()
+    if M == 0 or cols == 0 or N == 0:
+        return _Plan(cols, contiguous, None, zero=N == 0)
     use_tma, cap = _resolve_tma(use_tma, red > 0, a, w)
     with _device_ctx(a.device):
         if cfg is None:
             cands = _candidates(op, a.dtype, use_tma, cap, cols)
             key = (op, a.dtype, cols, red, N, _bucket(M), use_tma, bias is not None, scale is not None)
+            out = _empty((M, cols), a.device, a.dtype)
             cfg = _pick(key, cands,
                         lambda c: _run_mm(a, w, offs, out, bias, scale, trans_b, c, use_tma), a.device)
-        _run_mm(a, w, offs, out, bias, scale, trans_b, cfg, use_tma)
-    return out
+    launch = _mm_launch(a, w, cols, bias, trans_b, cfg, use_tma)
+    launch.constexprs["HAS_SCALE"] = scale is not None
+    return _Plan(cols, contiguous, launch)
 
 
 def grouped_gemm_forward(
@@ -357,21 +406,20 @@ def grouped_gemm_dgrad(
     return _mm("dgrad", dy_MO, w_NOI, offs, None, None, cfg, use_tma)
 
 
-def _run_wgrad(dy, x, offs, dw, cfg: GemmConfig, use_tma: bool) -> None:
+def _wgrad_launch(dy, x, num_groups: int, cfg: GemmConfig, use_tma: bool) -> LaunchPlan:
+    """The launch of wgrad_kernel for row-major dy (M, O), x (M, I) and a fresh dw (N, O, I);
+    tensors: (dy, x, dw, offs)."""
     M, O = dy.shape
     I = x.shape[1]
-    N = dw.shape[0]
-    bound = N * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
+    bound = num_groups * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
     nprog = _grid_size(dy.device, bound)
-    epi_tma = bool(cfg.epi_tma and use_tma and (I * dw.element_size()) % 16 == 0)
-    _wgrad[(nprog,)](
-        dy, x, dw, offs, M, O, I, N,
-        dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
+    epi_tma = bool(cfg.epi_tma and use_tma and (I * dy.element_size()) % 16 == 0)
+    return LaunchPlan(_wgrad, (nprog,), (M, O, I, num_groups, dy.stride(0), x.stride(0), O * I, I), dict(
         USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
         BLOCK_O=cfg.block_rows, BLOCK_I=cfg.block_cols, BLOCK_M=cfg.block_red, GROUP_O=cfg.group_rows,
-        BLOCK_GROUPS=_block_groups(N + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
+        BLOCK_GROUPS=_block_groups(num_groups + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
         num_stages=cfg.stages, num_warps=cfg.warps,
-    )
+    ))
 
 
 def grouped_gemm_wgrad(
@@ -388,29 +436,48 @@ def grouped_gemm_wgrad(
     Groups with no rows get zeros. Rows r >= offs[N] take part in nothing. cfg, use_tma as in
     grouped_gemm_forward.
     """
+    key = _plan_key("wgrad", tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma,
+                    _dot_precision(dy_MO.dtype))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _plan_wgrad(dy_MO, x_MI, offs, cfg, use_tma))
+    dy = dy_MO.contiguous() if plan.contiguous else dy_MO
+    x = x_MI.contiguous() if plan.contiguous else x_MI
+    N = offs.shape[0] - 1
+    dw = _empty((N, dy.shape[1], x.shape[1]), dy.device, dy.dtype)
+    if plan.launch is not None:
+        with _device_ctx(dy.device):
+            plan.launch(dy, x, dw, offs)
+    return dw
+
+
+def _plan_wgrad(dy_MO, x_MI, offs, cfg: GemmConfig | None, use_tma: bool | None) -> _Plan:
     _check_device(dy_MO)
     if dy_MO.dim() != 2 or x_MI.dim() != 2 or dy_MO.shape[0] != x_MI.shape[0]:
         raise ValueError(f"dy {tuple(dy_MO.shape)} and x {tuple(x_MI.shape)} must be (M, O) and (M, I)")
     if dy_MO.dtype != x_MI.dtype or dy_MO.device != x_MI.device:
         raise ValueError(f"dy is {dy_MO.dtype} on {dy_MO.device}, x is {x_MI.dtype} on {x_MI.device}")
-    dy = dy_MO if dy_MO.stride(1) == 1 else dy_MO.contiguous()
-    x = x_MI if x_MI.stride(1) == 1 else x_MI.contiguous()
+    # Operands at unit column stride: .contiguous() on both where either is not (a no-op for one
+    # that already is; the fused path's operands are row-major).
+    contiguous = dy_MO.stride(1) != 1 or x_MI.stride(1) != 1
+    dy = dy_MO.contiguous() if contiguous else dy_MO
+    x = x_MI.contiguous() if contiguous else x_MI
     if offs.dim() != 1 or offs.shape[0] < 1:
         raise ValueError(f"offs must be a 1-D tensor of N+1 group offsets, got shape {tuple(offs.shape)}")
     N = offs.shape[0] - 1
     offs = _check_offs(offs, N, dy.device)
     M, O = dy.shape
     I = x.shape[1]
-    dw = _empty((N, O, I), dy.device, dy.dtype)
-    if N > 0 and O > 0 and I > 0:
-        use_tma, cap = _resolve_tma(use_tma, M > 0, dy, x)
-        with _device_ctx(dy.device):
-            if cfg is None:
-                cands = _candidates("wgrad", dy.dtype, use_tma, cap, I)
-                key = ("wgrad", dy.dtype, O, I, N, _bucket(M), use_tma)
-                cfg = _pick(key, cands, lambda c: _run_wgrad(dy, x, offs, dw, c, use_tma), dy.device)
-            _run_wgrad(dy, x, offs, dw, cfg, use_tma)
-    return dw
+    if N == 0 or O == 0 or I == 0:
+        return _Plan(I, contiguous, None)
+    use_tma, cap = _resolve_tma(use_tma, M > 0, dy, x)
+    with _device_ctx(dy.device):
+        if cfg is None:
+            cands = _candidates("wgrad", dy.dtype, use_tma, cap, I)
+            key = ("wgrad", dy.dtype, O, I, N, _bucket(M), use_tma)
+            dw = _empty((N, O, I), dy.device, dy.dtype)
+            cfg = _pick(key, cands, lambda c: _wgrad_launch(dy, x, N, c, use_tma)(dy, x, dw, offs), dy.device)
+    return _Plan(I, contiguous, _wgrad_launch(dy, x, N, cfg, use_tma))
 
 
 def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None = None) -> torch.Tensor:

@@ -234,44 +234,81 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64;
     bias_N2F (N, 2F) or None; probs_M (M,) or None. use_tma=False forces the pointer path (tests);
     cfg a fixed kernel configuration (tests, tuning), else the tuned one of `_glu_candidates`.
+    The launch is planned once per problem (`_plan_glu_forward`, cached by the tensors' keys).
     """
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import tensor_key
+
+    key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
+                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
+    launch = gg._PLANS.get(key, _NOT_PLANNED)
+    if launch is _NOT_PLANNED:
+        launch = gg._keep(key, _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
+                                                 activation, use_tma, cfg))
+    M = x_MH.shape[0]
+    ffn = w1_N2FH.shape[1] // 2
+    h = gg._empty((M, 2 * ffn), x_MH.device, x_MH.dtype)
+    act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
+    if launch is not None:
+        with gg._device_ctx(x_MH.device):
+            launch(x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
+                   probs_M if probs_M is not None else h, offs)
+    return h, act
+
+
+_NOT_PLANNED = object()
+
+
+def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig):
+    """The launch of the forward kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs)."""
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import LaunchPlan
+
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
+    nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
+    box_blocks, box_rows = _glu_weight_box(k, ffn, c.block_cols)
+    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), two_f, ffn,
+            bias_N2F.stride(0) if bias_N2F is not None else 0)
+    return LaunchPlan(_glu_launchers()[0], (nprog,), ints, dict(
+        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
+        HAS_PROBS=probs_M is not None, USE_TMA=use_tma, UPCAST=gg._INTERPRET,
+        DOT_PRECISION=gg._dot_precision(x_MH.dtype),
+        BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
+        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
+        BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
+        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma, c.block_cols), num_stages=c.stages,
+        num_warps=c.warps,
+    ))
+
+
+def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg):
+    """The forward's launch for this problem (None: nothing to compute), its config chosen once."""
     from moekit.ops import grouped_gemm as gg
 
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
-    k = ffn if glu_interleave_size is None else glu_interleave_size
-    h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
-    act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
     if M == 0 or ffn == 0:
-        return h, act
+        return None
+    k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, x_MH, w1_N2FH)
 
-    def launch(c: GemmConfig) -> None:
-        bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
-        nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
-        box_blocks, box_rows = _glu_weight_box(k, ffn, c.block_cols)
-        _glu_launchers()[0][(nprog,)](
-            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
-            probs_M if probs_M is not None else h, offs,
-            M, ffn, H, N,
-            x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), h.stride(0), act.stride(0),
-            bias_N2F.stride(0) if bias_N2F is not None else 0,
-            ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
-            HAS_PROBS=probs_M is not None, USE_TMA=use_tma, UPCAST=gg._INTERPRET,
-            DOT_PRECISION=gg._dot_precision(x_MH.dtype),
-            BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
-            BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-            BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
-            EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma, c.block_cols), num_stages=c.stages,
-            num_warps=c.warps,
-        )
+    def trial(c: GemmConfig) -> None:
+        h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
+        act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
+        _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, c)(
+            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h, probs_M if probs_M is not None else h,
+            offs)
 
     with gg._device_ctx(x_MH.device):
         key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None,
                activation)
-        launch(_glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), launch, x_MH.device, cfg))
-    return h, act
+        chosen = _glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), trial, x_MH.device,
+                           cfg)
+    return _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen)
 
 
 def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True,
@@ -283,46 +320,77 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     (the activation part of d probs), summed over the F tiles in a fixed order. cfg as glu_forward's.
     """
     from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import tensor_key
+
+    key = gg._plan_key("glu_bwd", tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs),
+                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
+    plan = gg._PLANS.get(key)
+    if plan is None:
+        plan = gg._keep(key, _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
+                                                activation, use_tma, cfg))
+    M = dy_MH.shape[0]
+    ffn = w2_NHF.shape[2]
+    dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
+    act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+    if plan.launch is None:
+        return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
+    # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
+    part = gg._empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
+    with gg._device_ctx(dy_MH.device):
+        plan.launch(dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
+                    part if part is not None else dh, offs)
+    # A fixed-shape sum over the F tiles: a fixed order, deterministic.
+    return dh, act, (part.sum(0) if part is not None else None)
+
+
+def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig):
+    """The launch of the backward kernel; tensors: (dy, w2, h, dh, act_p, probs or dh, partials or
+    dh, offs)."""
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import LaunchPlan
 
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
-    k = ffn if glu_interleave_size is None else glu_interleave_size
-    dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
-    act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+    bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
+    nprog = gg._grid_size(dy_MH.device, bound, c.programs_per_sm)
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    return LaunchPlan(_glu_launchers()[1], (nprog,), ints, dict(
+        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
+        USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
+        BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
+        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
+        EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // 4), num_stages=c.stages,
+        num_warps=c.warps,
+    ))
+
+
+def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, use_tma, cfg):
+    """The backward's launch for this problem, as `_Plan` (cols: rows of d probs partials)."""
+    from moekit.ops import grouped_gemm as gg
+
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
     if M == 0 or ffn == 0:
-        return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
+        return gg._Plan(0, False, None)
+    k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
 
-    def partials(c: GemmConfig) -> torch.Tensor | None:
-        # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
-        if probs_M is None:
-            return None
-        return gg._empty((4 * _cdiv(ffn, c.block_cols), M), dy_MH.device, torch.float32)
+    def partial_rows(c: GemmConfig) -> int:
+        return 4 * _cdiv(ffn, c.block_cols)
 
-    def launch(c: GemmConfig, part: torch.Tensor | None) -> None:
-        bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
-        nprog = gg._grid_size(dy_MH.device, bound, c.programs_per_sm)
-        _glu_launchers()[1][(nprog,)](
-            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
-            part if part is not None else dh, offs,
-            M, ffn, H, N,
-            dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), dh.stride(0), act.stride(0),
-            ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
-            USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
-            BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
-            BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-            EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // 4), num_stages=c.stages,
-            num_warps=c.warps,
-        )
+    def trial(c: GemmConfig) -> None:
+        dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
+        act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+        part = gg._empty((partial_rows(c), M), dy_MH.device, torch.float32)
+        _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation, use_tma, c)(
+            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh, part, offs)
 
     with gg._device_ctx(dy_MH.device):
         key = (dy_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, probs_M is not None, activation)
-        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH.dtype, ffn, k, use_tma),
-                           lambda c: launch(c, partials(c)), dy_MH.device, cfg)
-        part = partials(chosen)
-        launch(chosen, part)
-    # A fixed-shape sum over the F tiles: a fixed order, deterministic.
-    return dh, act, (part.sum(0) if part is not None else None)
+        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH.dtype, ffn, k, use_tma), trial,
+                           dy_MH.device, cfg)
+    return gg._Plan(partial_rows(chosen), False,
+                    _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation, use_tma, chosen))
 
 
 def _unstack(grad: torch.Tensor | None, params: tuple[torch.Tensor, ...], grouped_dim: int):

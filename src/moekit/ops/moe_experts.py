@@ -82,25 +82,38 @@ def _sum_rows_launcher():
 
 
 def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tensor:
-    import triton
+    from moekit.ops.grouped_gemm import _PLANS, _keep
+    from moekit.ops.triton_launch import tensor_key
 
     num_out, per_out = index_RJ.shape
-    num_features = src_SD.shape[1]
-    out_RD = src_SD.new_empty(num_out, num_features)
+    out_RD = src_SD.new_empty(num_out, src_SD.shape[1])
     if out_RD.numel() == 0:
         return out_RD
     if per_out == 0:
         return out_RD.zero_()
+    key = ("sum_rows", tensor_key(src_SD), tensor_key(index_RJ))
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _keep(key, _sum_rows_launch(src_SD, index_RJ))
+    launch(src_SD, index_RJ, out_RD)
+    return out_RD
+
+
+def _sum_rows_launch(src_SD: torch.Tensor, index_RJ: torch.Tensor):
+    """The row kernel's launch for these shapes; tensors: (src, index, out)."""
+    import triton
+
+    from moekit.ops.triton_launch import LaunchPlan
+
+    num_out, per_out = index_RJ.shape
+    num_features = src_SD.shape[1]
     # A tile of about 4096 elements: 8 KiB of bf16 per source row block, enough bytes in flight per
     # program to stream at HBM speed; narrow rows (the (M, 1) weights) get many rows per program.
     block_d = min(triton.next_power_of_2(num_features), 1024)
     block_r = max(1, 4096 // block_d)
     grid = (triton.cdiv(num_out, block_r), triton.cdiv(num_features, block_d))
-    _sum_rows_launcher()[grid](
-        src_SD, index_RJ, out_RD, num_out, num_features, per_out, src_SD.stride(0), out_RD.stride(0),
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-    )
-    return out_RD
+    return LaunchPlan(_sum_rows_launcher(), grid, (num_out, num_features, per_out, src_SD.stride(0), num_features),
+                      dict(BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4))
 
 
 def _sum_rows(src_SD: torch.Tensor, index_RJ: torch.Tensor, use_triton: bool) -> torch.Tensor:

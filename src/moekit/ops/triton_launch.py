@@ -15,6 +15,11 @@ the one Triton would pick. Launches take Triton's own path under the interpreter
 is installed (profilers such as proton: the hooks see every launch), and on Triton versions other
 than the one this was written against (3.6: the binary's launcher signature is internal to Triton).
 
+A `LaunchPlan` goes one step further for the launchers called on every step of a layer: everything
+of a launch but its tensors (grid, integer arguments, constexprs) is fixed when the plan is made,
+once per problem (the caller keys its plans on `tensor_key` of every tensor it will pass, which
+covers what Triton specializes on), and the binary is remembered by the plan itself.
+
 Scratch. Kernels that build TMA descriptors on the device need a global scratch (a few hundred
 bytes per program) on every launch, which Triton asks of the allocator set with
 `triton.set_allocator`. Here that is one buffer per (device, stream), allocated once and reused:
@@ -63,6 +68,7 @@ class Launcher:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid: tuple[int, ...], *args, **kwargs) -> None:
+        """`kernel[grid](*args, **kwargs)`."""
         _ensure_allocator()
         if not self._direct or _hooks_installed():
             self.kernel[grid](*args, **kwargs)
@@ -84,6 +90,61 @@ class Launcher:
         grid_z = grid[2] if len(grid) > 2 else 1
         binary.run(grid_x, grid_y, grid_z, stream, binary.function, binary.packed_metadata, None, None, None,
                    *args, *constexpr_tail)
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a launch plan depends on of a tensor argument: shape, strides, dtype, device and
+    whether its address is 16-byte aligned (Triton specializes on that)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+class LaunchPlan:
+    """One launch of `launcher`'s kernel with all but its tensor arguments fixed.
+
+    `plan(*tensors)` launches kernel[grid](*tensors, *ints, **constexprs): the kernel's parameters
+    are its tensors first, then its integers, then its constexprs. The first call goes through
+    Triton (compiling if needed); later calls launch the binary it returned. The caller makes one
+    plan per `tensor_key` of the tensors it passes (outputs it allocates fresh are 16-byte aligned)."""
+
+    __slots__ = ("launcher", "grid", "ints", "constexprs", "_binary", "_tail")
+
+    def __init__(self, launcher: Launcher, grid: tuple[int, ...], ints: tuple[int, ...], constexprs: dict) -> None:
+        self.launcher, self.grid, self.ints, self.constexprs = launcher, grid, ints, constexprs
+        self._binary = self._tail = None
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        launcher = self.launcher
+        _ensure_allocator()
+        if not launcher._direct or _hooks_installed():
+            launcher.kernel[self.grid](*tensors, *self.ints, **self.constexprs)
+            return
+        if self._binary is None:
+            kernel = launcher.kernel
+            self._binary = kernel[self.grid](*tensors, *self.ints, **self.constexprs)
+            bound = kernel.device_caches[driver.active.get_current_device()][4](*tensors, *self.ints,
+                                                                               **self.constexprs)[0]
+            self._tail = tuple(bound.values())[len(tensors) + len(self.ints):]
+            return
+        binary, grid = self._binary, self.grid
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                   binary.function, binary.packed_metadata, None, None, None, *tensors, *self.ints, *self._tail)
+
+
+class PlanCache(dict):
+    """Launch plans by problem key; emptied when it grows past `limit` (shapes that keep changing)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, plan):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
 
 
 def _hooks_installed() -> bool:
