@@ -2,14 +2,15 @@
 
 Legend: T tokens, K experts per token (top-k), M = T*K routed rows, N experts.
 
-One implementation for every path that sorts routed copies by expert (`moe_experts`, `permute`,
-expert parallelism's dispatch): a stable sort of the M expert ids (so copies keep token order
+One module for every path that sorts routed copies by expert (`moe_experts`, `permute`, expert
+parallelism's dispatch): a stable sort of the M expert ids (so copies keep token order
 within an expert), the experts' row offsets from one binary search over the sorted ids (no host
 read: torch.bincount would sync to size its output), the inverse permutation and the row -> token
 map. Nothing here reads a value on the host, so it can be captured in a CUDA graph.
 
-Ids outside [0, N) are undefined input that the host cannot see without a sync: ids >= N sort past
-offs[N] (padding rows, in no expert's group), negative ids count as expert 0's.
+Ids outside [0, N) are undefined input that the host cannot see without a sync. Like every id they
+sort by value (read as int32: wider ids wrap), so ids >= N sort past offs[N] (padding rows, in no
+expert's group) and negative ids count as expert 0's (offs[0] = 0).
 
 Two implementations give the same `Routing`, bit for bit, for every input (the undefined one too):
 torch ops (a stable sort and its bookkeeping, about nine launches) and moekit's Triton counting sort
@@ -62,7 +63,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, *, use_triton: bool = False)
     use_triton=False (the default) runs torch ops, on any device. use_triton=True runs the Triton
     counting sort: CUDA tensors (or CPU ones under TRITON_INTERPRET=1, for tests), integer ids of
     8 to 64 bits, fewer than 2^31 rows; three kernel launches instead of about nine torch ops, for
-    host-bound small batches. Both give the same result for every input."""
+    host-bound small batches. Both give the same result for every input. Undefined ids (see the
+    module docstring) cost the Triton path nothing extra while each side holds one value (the -1 of
+    dropped copies); several different values on a side are ordered by value, as torch's sort does,
+    at O(M) work per such row."""
     if use_triton:
         return _route_triton(topk_ids, num_experts)
     num_tokens, top_k = topk_ids.shape
@@ -145,7 +149,8 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     num_chunks = max(1, -(-num_rows // chunk))  # one program even without rows: it writes offs
     num_buckets = num_experts + 2  # negative ids, the N experts, ids >= N
     scratch_size = num_buckets * num_chunks + num_buckets + 4 * num_chunks + 2
-    if num_rows >= 2**31 or scratch_size >= 2**31:
+    # Row indices (up to the last chunk's end) and scratch offsets are int32 in the kernels.
+    if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
         raise ValueError(f"the Triton routing indexes rows in int32: {num_tokens} tokens x top_k {top_k} with "
                          f"{num_experts} experts is too large; use use_triton=False")
     import triton
