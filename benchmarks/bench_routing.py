@@ -11,8 +11,13 @@ router gives them (top-k of random scores: K distinct experts per token), both p
 - exact: both paths' four outputs are equal on the shape's ids and on the same ids with undefined
   entries (negative ids and ids >= N, several values of each): asserted, the run stops otherwise.
 
-    python benchmarks/bench_routing.py --out $OUT/routing.json     # H200: about 30 s
-    python benchmarks/bench_routing.py --smoke --out /tmp/routing.json   # CPU, Triton interpreter, tiny
+With --sweep, also the Triton path's GPU and host time under other tile sizes (rows per sub-block,
+target number of chunks, warps of the scatter kernel) at 2048 and 262144 rows: records with a
+"config" entry, for choosing the defaults of `moekit.ops.routing._triton_routing`.
+
+    python benchmarks/bench_routing.py --out $OUT/routing.json             # H200: about 30 s
+    python benchmarks/bench_routing.py --sweep --out $OUT/routing.json     # H200: about 60 s more
+    python benchmarks/bench_routing.py --smoke --sweep --out /tmp/routing.json   # CPU interpreter, tiny
 
 Writes the JSON (machine, versions, commit: runner.machine) and prints a table.
 """
@@ -32,6 +37,16 @@ import torch
 # 32-expert top-4 shape.
 SHAPES = ((256, 8, 128), (1024, 8, 128), (4096, 8, 128), (32768, 8, 128), (2048, 4, 32))
 SMOKE_SHAPES = ((3, 2, 5), (40, 4, 7))
+SWEEP_SHAPES = ((256, 8, 128), (32768, 8, 128))
+# Tile sizes tried by --sweep (the first is the default): fields of routing._TritonRouting.
+SWEEP_CONFIGS = (
+    {"sub": 32, "target_chunks": 2048, "scatter_warps": 4},
+    {"sub": 16, "target_chunks": 2048, "scatter_warps": 4},
+    {"sub": 64, "target_chunks": 2048, "scatter_warps": 8},
+    {"sub": 32, "target_chunks": 512, "scatter_warps": 4},
+    {"sub": 32, "target_chunks": 8192, "scatter_warps": 4},
+    {"sub": 32, "target_chunks": 2048, "scatter_warps": 2},
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     p.add_argument("--calls", type=int, default=300, help="calls per host-time measurement")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton path under other tile sizes")
     return p.parse_args(argv)
 
 
@@ -143,10 +159,40 @@ def main(argv=None) -> dict:
                             "path": path, "host_us": host_us(call, calls, device), "gpu_us": gpu_us(call, device),
                             **launches(call, device), "exact": True})
             runner.write_json(args.out, {"meta": meta, "records": records, "partial": True})
+    if args.sweep:
+        records += sweep(SMOKE_SHAPES[:1] if args.smoke else SWEEP_SHAPES, calls, device,
+                         lambda: runner.write_json(args.out, {"meta": meta, "records": records, "partial": True}))
     payload = {"meta": meta, "records": records}
     runner.write_json(args.out, payload)
-    print_table(records)
+    print_table([r for r in records if "config" not in r])
+    for r in records:
+        if "config" in r:
+            gpu = f"{r['gpu_us']:.1f}" if r["gpu_us"] is not None else "-"
+            print(f"sweep M={r['rows']:>7} {r['config']}: GPU {gpu} us, host {r['host_us']:.1f} us")
     return payload
+
+
+def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:
+    """The Triton path under each of SWEEP_CONFIGS (checked exact against the torch path first)."""
+    from moekit.ops import routing
+
+    default = routing._triton_routing
+    records = []
+    try:
+        for changes in SWEEP_CONFIGS:
+            config = default()._replace(**changes)
+            routing._triton_routing = lambda config=config: config
+            for tokens, top_k, num_experts in shapes:
+                ids = router_ids(tokens, top_k, num_experts, device)
+                assert_same(ids, num_experts, f"T={tokens} K={top_k} N={num_experts}, config {changes}")
+                call = functools.partial(routing.route, ids, num_experts, use_triton=True)
+                records.append({"tokens": tokens, "top_k": top_k, "num_experts": num_experts, "rows": tokens * top_k,
+                                "path": "triton", "config": changes, "host_us": host_us(call, calls, device),
+                                "gpu_us": gpu_us(call, device), "exact": True})
+                checkpoint()
+    finally:
+        routing._triton_routing = default
+    return records
 
 
 def print_table(records: list[dict]) -> None:

@@ -51,12 +51,14 @@ def test_gpu_session_smoke_leaves_the_eight_files(tmp_path):
 def test_bench_routing_smoke_checks_both_paths(tmp_path):
     out = tmp_path / "routing.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_routing.py"), "--smoke", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    command = [sys.executable, str(BENCHMARKS / "bench_routing.py"), "--smoke", "--sweep", "--out", str(out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert "partial" not in payload and payload["meta"]["smoke"]
-    assert [r["path"] for r in payload["records"]] == ["torch", "triton"] * 2
+    timed = [r for r in payload["records"] if "config" not in r]
+    assert [r["path"] for r in timed] == ["torch", "triton"] * 2
+    assert len(payload["records"]) == len(timed) + 6  # --sweep: six tile configs on one shape
     assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
 
 

@@ -87,7 +87,7 @@ _TRITON_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.ui
 
 class _TritonRouting(NamedTuple):
     """The routing kernels' launchers and tile sizes (rows per sub-block SUB, chunks of CHUNK rows,
-    buckets per tile)."""
+    buckets per tile) and the scatter kernel's warps."""
 
     histogram: object
     scan: object
@@ -98,6 +98,7 @@ class _TritonRouting(NamedTuple):
     target_chunks: int
     max_bucket_tile: int
     scan_elements: int
+    scatter_warps: int
 
 
 @functools.cache
@@ -114,13 +115,13 @@ def _triton_routing() -> _TritonRouting:
     if interpret:
         # Tiny tiles, so that CPU tests cover several sub-blocks, chunks and bucket tiles quickly.
         return _TritonRouting(*launchers, True, sub=16, max_chunk=64, target_chunks=4, max_bucket_tile=128,
-                              scan_elements=4096)
+                              scan_elements=4096, scatter_warps=4)
     # 32-row sub-blocks: the 32 x 32 rank comparison of a step is 8 values a thread, so the scatter
     # kernel needs 56 registers (compiled for sm_90; 64-row sub-blocks need 177 with 8 warps, one
     # program per SM). About 2048 chunks at large M: programs for every SM, while the scan stays a
     # few (bucket, chunk) tiles of 4096 counts.
     return _TritonRouting(*launchers, False, sub=32, max_chunk=2048, target_chunks=2048, max_bucket_tile=1024,
-                          scan_elements=4096)
+                          scan_elements=4096, scatter_warps=4)
 
 
 def _chunk_rows(num_rows: int, config: _TritonRouting) -> int:
@@ -174,5 +175,6 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
         config.scan[(-(-num_buckets // scan_buckets),)](scratch, num_experts, num_chunks, SCAN_BUCKETS=scan_buckets,
                                                          SCAN_BLOCK=scan_block, num_warps=8)
         config.scatter[(num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args, CHUNK=chunk,
-                                      SUB=config.sub, BUCKET_TILE=bucket_tile, num_warps=4)
+                                      SUB=config.sub, BUCKET_TILE=bucket_tile,
+                                      num_warps=config.scatter_warps)
     return Routing(offs, order, inverse, token_of_row)
