@@ -15,6 +15,11 @@ past offs[N]. Three launches, no atomics, no host read:
    bucket (a scan of the totals) + its chunk's earlier rows in the bucket (step 2) + the rows of
    the bucket before it inside the chunk; then order, inverse and token_of_row are written there.
 
+Undefined ids among themselves: the torch path sorts every id by value, so negative ids (and ids
+>= N) go by value, then by flat row. Where a side holds one value (the usual -1 of dropped copies)
+the counting order is already that. Where it holds several, step 3 ranks those rows by (id, row)
+against every chunk that holds undefined ids: O(M) work per such row, on undefined input only.
+
 Scratch, one int32 buffer: counts [N + 2, C] (bucket-major; the chunk prefix after step 2), totals
 [N + 2], extremes [4, C] (lowest and highest negative id, lowest and highest id >= N), flags [2].
 """
@@ -34,7 +39,8 @@ def _load_ids(ids_ptr, offs_row, mask_row, top_k, stride_t, stride_k, num_expert
     paths see the same keys for every input."""
     offs_token = offs_row // top_k
     offs_k = offs_row - offs_token * top_k
-    ids = tl.load(ids_ptr + offs_token.to(tl.int64) * stride_t + offs_k * stride_k, mask=mask_row, other=0)
+    ids_ptrs = ids_ptr + offs_token.to(tl.int64) * stride_t + offs_k.to(tl.int64) * stride_k
+    ids = tl.load(ids_ptrs, mask=mask_row, other=0)
     ids = ids.to(tl.int32)
     buckets = tl.minimum(tl.maximum(ids, -1), num_experts) + 1
     return ids, buckets
