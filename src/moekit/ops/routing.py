@@ -124,11 +124,42 @@ def _triton_routing() -> _TritonRouting:
                           scan_elements=4096, scatter_warps=4)
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _chunk_rows(num_rows: int, config: _TritonRouting) -> int:
     """Rows per chunk: a power of two of SUB to max_chunk rows, about target_chunks chunks."""
-    import triton
+    return min(max(_next_power_of_2(-(-num_rows // config.target_chunks)), config.sub), config.max_chunk)
 
-    return min(max(triton.next_power_of_2(-(-num_rows // config.target_chunks)), config.sub), config.max_chunk)
+
+class _LaunchPlan(NamedTuple):
+    """Tile sizes and grids of one problem size."""
+
+    chunk: int
+    num_chunks: int
+    bucket_tile: int
+    scan_programs: int
+    scan_buckets: int
+    scan_block: int
+    scratch_size: int
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(num_rows: int, num_experts: int, config: _TritonRouting) -> _LaunchPlan:
+    """Cached per size: at small M the host time of each call is what counts."""
+    chunk = _chunk_rows(num_rows, config)
+    num_chunks = max(1, -(-num_rows // chunk))  # one program even without rows: it writes offs
+    num_buckets = num_experts + 2  # negative ids, the N experts, ids >= N
+    scratch_size = num_buckets * num_chunks + num_buckets + 4 * num_chunks + 2
+    # Row indices (up to the last chunk's end) and scratch offsets are int32 in the kernels.
+    if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
+        raise ValueError(f"the Triton routing indexes rows in int32: {num_rows} routed rows with {num_experts} "
+                         f"experts are too many; use use_triton=False")
+    scan_block = min(_next_power_of_2(num_chunks), config.scan_elements)
+    scan_buckets = min(_next_power_of_2(num_buckets), config.scan_elements // scan_block)
+    return _LaunchPlan(chunk, num_chunks, min(_next_power_of_2(num_buckets), config.max_bucket_tile),
+                       -(-num_buckets // scan_buckets), scan_buckets, scan_block, scratch_size)
 
 
 def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
@@ -146,35 +177,23 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
                          f"before triton was imported), got a tensor on {device}")
     num_tokens, top_k = topk_ids.shape
     num_rows = num_tokens * top_k
-    chunk = _chunk_rows(num_rows, config)
-    num_chunks = max(1, -(-num_rows // chunk))  # one program even without rows: it writes offs
-    num_buckets = num_experts + 2  # negative ids, the N experts, ids >= N
-    scratch_size = num_buckets * num_chunks + num_buckets + 4 * num_chunks + 2
-    # Row indices (up to the last chunk's end) and scratch offsets are int32 in the kernels.
-    if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
-        raise ValueError(f"the Triton routing indexes rows in int32: {num_tokens} tokens x top_k {top_k} with "
-                         f"{num_experts} experts is too large; use use_triton=False")
-    import triton
-
-    bucket_tile = min(triton.next_power_of_2(num_buckets), config.max_bucket_tile)
-    scan_block = min(triton.next_power_of_2(num_chunks), config.scan_elements)
-    scan_buckets = min(triton.next_power_of_2(num_buckets), config.scan_elements // scan_block)
-    scratch = torch.empty(scratch_size, dtype=torch.int32, device=device)
+    plan = _launch_plan(num_rows, num_experts, config)
+    scratch = torch.empty(plan.scratch_size, dtype=torch.int32, device=device)
     offs = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
     order = torch.empty((num_rows, 1), dtype=torch.int64, device=device)
     inverse = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
     token_of_row = torch.empty((num_rows, 1), dtype=torch.int64, device=device)
     stride_t, stride_k = topk_ids.stride()
     top_k_div = max(top_k, 1)  # no rows when top_k is 0; the kernels still divide by it
-    ids_args = (num_rows, top_k_div, stride_t, stride_k, num_experts, num_chunks)
+    ids_args = (num_rows, top_k_div, stride_t, stride_k, num_experts, plan.num_chunks)
     switch = (device.type == "cuda" and not config.interpret and device.index is not None
               and device.index != torch.cuda.current_device())
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        config.histogram[(num_chunks,)](topk_ids, scratch, *ids_args, CHUNK=chunk, BUCKET_TILE=bucket_tile,
-                                        num_warps=4)
-        config.scan[(-(-num_buckets // scan_buckets),)](scratch, num_experts, num_chunks, SCAN_BUCKETS=scan_buckets,
-                                                         SCAN_BLOCK=scan_block, num_warps=8)
-        config.scatter[(num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args, CHUNK=chunk,
-                                      SUB=config.sub, BUCKET_TILE=bucket_tile,
-                                      num_warps=config.scatter_warps)
+        config.histogram[(plan.num_chunks,)](topk_ids, scratch, *ids_args, CHUNK=plan.chunk,
+                                             BUCKET_TILE=plan.bucket_tile, num_warps=4)
+        config.scan[(plan.scan_programs,)](scratch, num_experts, plan.num_chunks, SCAN_BUCKETS=plan.scan_buckets,
+                                           SCAN_BLOCK=plan.scan_block, num_warps=8)
+        config.scatter[(plan.num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args,
+                                           CHUNK=plan.chunk, SUB=config.sub, BUCKET_TILE=plan.bucket_tile,
+                                           num_warps=config.scatter_warps)
     return Routing(offs, order, inverse, token_of_row)
