@@ -203,6 +203,38 @@ def test_triton_route_refuses_what_it_cannot_route():
         route(torch.zeros(2, 2, dtype=torch.int64, device=TRITON_DEVICE), -1, use_triton=True)
 
 
+def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
+    """The host side of the Triton path: its three kernel launches and torch.empty, no other torch op
+    (each costs host time, and none may read a device value)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moekit.ops import routing
+
+    launched = []
+
+    class CountingLauncher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    config = routing._triton_routing()._replace(
+        histogram=CountingLauncher("histogram"), scan=CountingLauncher("scan"), scatter=CountingLauncher("scatter"))
+    monkeypatch.setattr(routing, "_triton_routing", lambda: config)
+    ids = torch.randint(0, 8, (64, 4), device=TRITON_DEVICE)
+    ops = []
+    with RecordOps():
+        route(ids, 8, use_triton=True)
+    assert launched == ["histogram", "scan", "scatter"]
+    assert ops and set(ops) == {"empty.memory_format"}, ops
+
+
 # --------------------------------------------------------------------------------------------------
 # On the GPU (pytest -m gpu): real sizes, no host sync, CUDA graph replay with new ids
 # --------------------------------------------------------------------------------------------------
