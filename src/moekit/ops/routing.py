@@ -97,7 +97,8 @@ class _TritonRouting(NamedTuple):
     max_chunk: int
     target_chunks: int
     max_bucket_tile: int
-    scan_elements: int
+    scan_buckets: int
+    scan_block: int
     scatter_warps: int
 
 
@@ -113,15 +114,17 @@ def _triton_routing() -> _TritonRouting:
     launchers = (Launcher(kernels.chunk_histogram_kernel), Launcher(kernels.bucket_scan_kernel),
                  Launcher(kernels.scatter_rows_kernel))
     if interpret:
-        # Tiny tiles, so that CPU tests cover several sub-blocks, chunks and bucket tiles quickly.
+        # Tiny tiles, so that CPU tests cover several sub-blocks, chunks, bucket tiles and scan
+        # blocks quickly.
         return _TritonRouting(*launchers, True, sub=16, max_chunk=64, target_chunks=4, max_bucket_tile=128,
-                              scan_elements=4096, scatter_warps=4)
+                              scan_buckets=64, scan_block=2, scatter_warps=4)
     # 32-row sub-blocks: the 32 x 32 rank comparison of a step is 8 values a thread, so the scatter
     # kernel needs 56 registers (compiled for sm_90; 64-row sub-blocks need 177 with 8 warps, one
-    # program per SM). About 2048 chunks at large M: programs for every SM, while the scan stays a
-    # few (bucket, chunk) tiles of 4096 counts.
+    # program per SM). About 2048 chunks at large M: programs for every SM, while the scan over
+    # chunks stays one or two (4 buckets, 1024 chunks) tiles a program (one compiled variant for
+    # every M; 101 registers with 8 warps).
     return _TritonRouting(*launchers, False, sub=32, max_chunk=2048, target_chunks=2048, max_bucket_tile=1024,
-                          scan_elements=4096, scatter_warps=4)
+                          scan_buckets=4, scan_block=1024, scatter_warps=4)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -139,9 +142,6 @@ class _LaunchPlan(NamedTuple):
     chunk: int
     num_chunks: int
     bucket_tile: int
-    scan_programs: int
-    scan_buckets: int
-    scan_block: int
     scratch_size: int
 
 
@@ -156,10 +156,8 @@ def _launch_plan(num_rows: int, num_experts: int, config: _TritonRouting) -> _La
     if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
         raise ValueError(f"the Triton routing indexes rows in int32: {num_rows} routed rows with {num_experts} "
                          f"experts are too many; use use_triton=False")
-    scan_block = min(_next_power_of_2(num_chunks), config.scan_elements)
-    scan_buckets = min(_next_power_of_2(num_buckets), config.scan_elements // scan_block)
     return _LaunchPlan(chunk, num_chunks, min(_next_power_of_2(num_buckets), config.max_bucket_tile),
-                       -(-num_buckets // scan_buckets), scan_buckets, scan_block, scratch_size)
+                       scratch_size)
 
 
 def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
@@ -191,8 +189,9 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
         config.histogram[(plan.num_chunks,)](topk_ids, scratch, *ids_args, CHUNK=plan.chunk,
                                              BUCKET_TILE=plan.bucket_tile, num_warps=4)
-        config.scan[(plan.scan_programs,)](scratch, num_experts, plan.num_chunks, SCAN_BUCKETS=plan.scan_buckets,
-                                           SCAN_BLOCK=plan.scan_block, num_warps=8)
+        config.scan[(-(-(num_experts + 2) // config.scan_buckets),)](
+            scratch, num_experts, plan.num_chunks, SCAN_BUCKETS=config.scan_buckets, SCAN_BLOCK=config.scan_block,
+            num_warps=8)
         config.scatter[(plan.num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args,
                                            CHUNK=plan.chunk, SUB=config.sub, BUCKET_TILE=plan.bucket_tile,
                                            num_warps=config.scatter_warps)
