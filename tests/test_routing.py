@@ -212,12 +212,18 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
 
     launched = []
 
-    class CountingLauncher:
+    class CountingKernel:
         def __init__(self, name):
             self.name = name
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append(self.name)
+
+    class CountingLauncher:  # what routing's launch plans use of a Launcher
+        _direct = False
+
+        def __init__(self, name):
+            self.kernel = CountingKernel(name)
 
     class RecordOps(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

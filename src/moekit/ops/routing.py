@@ -136,28 +136,49 @@ def _chunk_rows(num_rows: int, config: _TritonRouting) -> int:
     return min(max(_next_power_of_2(-(-num_rows // config.target_chunks)), config.sub), config.max_chunk)
 
 
-class _LaunchPlan(NamedTuple):
-    """Tile sizes and grids of one problem size."""
+class _RoutingPlan(NamedTuple):
+    """The three launches of one problem (ids' shape, strides, dtype, device, alignment; N), all but
+    their tensor arguments fixed, and the scratch size."""
 
-    chunk: int
-    num_chunks: int
-    bucket_tile: int
     scratch_size: int
+    histogram: object
+    scan: object
+    scatter: object
 
 
-@functools.lru_cache(maxsize=256)
-def _launch_plan(num_rows: int, num_experts: int, config: _TritonRouting) -> _LaunchPlan:
-    """Cached per size: at small M the host time of each call is what counts."""
+@functools.cache
+def _plan_cache():
+    from moekit.ops.triton_launch import PlanCache
+
+    return PlanCache()
+
+
+def _make_plan(topk_ids: torch.Tensor, num_experts: int, config: _TritonRouting) -> _RoutingPlan:
+    from moekit.ops.triton_launch import LaunchPlan
+
+    num_tokens, top_k = topk_ids.shape
+    num_rows = num_tokens * top_k
     chunk = _chunk_rows(num_rows, config)
     num_chunks = max(1, -(-num_rows // chunk))  # one program even without rows: it writes offs
     num_buckets = num_experts + 2  # negative ids, the N experts, ids >= N
     scratch_size = num_buckets * num_chunks + num_buckets + 4 * num_chunks + 2
     # Row indices (up to the last chunk's end) and scratch offsets are int32 in the kernels.
     if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
-        raise ValueError(f"the Triton routing indexes rows in int32: {num_rows} routed rows with {num_experts} "
-                         f"experts are too many; use use_triton=False")
-    return _LaunchPlan(chunk, num_chunks, min(_next_power_of_2(num_buckets), config.max_bucket_tile),
-                       scratch_size)
+        raise ValueError(f"the Triton routing indexes rows in int32: {num_tokens} tokens x top_k {top_k} with "
+                         f"{num_experts} experts are too many; use use_triton=False")
+    bucket_tile = min(_next_power_of_2(num_buckets), config.max_bucket_tile)
+    stride_t, stride_k = topk_ids.stride()
+    top_k_div = max(top_k, 1)  # no rows when top_k is 0; the kernels still divide by it
+    ids_args = (num_rows, top_k_div, stride_t, stride_k, num_experts, num_chunks)
+    return _RoutingPlan(
+        scratch_size,
+        LaunchPlan(config.histogram, (num_chunks,), ids_args,
+                   {"CHUNK": chunk, "BUCKET_TILE": bucket_tile, "num_warps": 4}),
+        LaunchPlan(config.scan, (-(-num_buckets // config.scan_buckets),), (num_experts, num_chunks),
+                   {"SCAN_BUCKETS": config.scan_buckets, "SCAN_BLOCK": config.scan_block, "num_warps": 8}),
+        LaunchPlan(config.scatter, (num_chunks,), ids_args,
+                   {"CHUNK": chunk, "SUB": config.sub, "BUCKET_TILE": bucket_tile, "num_warps": config.scatter_warps}),
+    )
 
 
 def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
@@ -173,26 +194,25 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     if device.type != "cuda" and not (device.type == "cpu" and config.interpret):
         raise ValueError(f"the Triton routing runs on CUDA tensors (or CPU ones when TRITON_INTERPRET=1 was set "
                          f"before triton was imported), got a tensor on {device}")
+    from moekit.ops.triton_launch import tensor_key
+
+    # Plans by everything Triton specializes the launches on (at small M the host time of each call
+    # is what counts): the ids' shape, strides, dtype, device and alignment, N and the tile sizes.
+    cache = _plan_cache()
+    key = (tensor_key(topk_ids), num_experts, config)
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache.put(key, _make_plan(topk_ids, num_experts, config))
     num_tokens, top_k = topk_ids.shape
-    num_rows = num_tokens * top_k
-    plan = _launch_plan(num_rows, num_experts, config)
     scratch = torch.empty(plan.scratch_size, dtype=torch.int32, device=device)
     offs = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
-    order = torch.empty((num_rows, 1), dtype=torch.int64, device=device)
+    order = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
     inverse = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    token_of_row = torch.empty((num_rows, 1), dtype=torch.int64, device=device)
-    stride_t, stride_k = topk_ids.stride()
-    top_k_div = max(top_k, 1)  # no rows when top_k is 0; the kernels still divide by it
-    ids_args = (num_rows, top_k_div, stride_t, stride_k, num_experts, plan.num_chunks)
+    token_of_row = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
     switch = (device.type == "cuda" and not config.interpret and device.index is not None
               and device.index != torch.cuda.current_device())
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        config.histogram[(plan.num_chunks,)](topk_ids, scratch, *ids_args, CHUNK=plan.chunk,
-                                             BUCKET_TILE=plan.bucket_tile, num_warps=4)
-        config.scan[(-(-(num_experts + 2) // config.scan_buckets),)](
-            scratch, num_experts, plan.num_chunks, SCAN_BUCKETS=config.scan_buckets, SCAN_BLOCK=config.scan_block,
-            num_warps=8)
-        config.scatter[(plan.num_chunks,)](topk_ids, scratch, offs, order, inverse, token_of_row, *ids_args,
-                                           CHUNK=plan.chunk, SUB=config.sub, BUCKET_TILE=plan.bucket_tile,
-                                           num_warps=config.scatter_warps)
+        plan.histogram(topk_ids, scratch)
+        plan.scan(scratch)
+        plan.scatter(topk_ids, scratch, offs, order, inverse, token_of_row)
     return Routing(offs, order, inverse, token_of_row)
