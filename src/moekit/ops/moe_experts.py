@@ -285,7 +285,9 @@ def moe_experts(
     check_activation(activation)
     impl = select_backend(backend, x, _probe_weight(_as_list(fc1_weight)))
     use_triton = use_triton_rows(impl.name, x)
-    routing = route(topk_ids, num_experts)
+    # The Triton counting sort wherever the row kernel runs (three launches instead of about nine);
+    # a traced graph takes the torch ops, which torch.compile knows.
+    routing = route(topk_ids, num_experts, use_triton=use_triton and not torch.compiler.is_compiling())
     if impl.name == "triton" and not torch.compiler.is_compiling():
         fused = _fused_experts(x, topk_weights, routing, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation,
                                glu_interleave_size, backend)
