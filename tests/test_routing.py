@@ -117,19 +117,20 @@ def _tokens_for(layout: str, top_k: int) -> int:
     raise AssertionError(f"no token count gives {layout} at top_k {top_k}")
 
 
-# Every (layout, N, K) in int64; int32 too where the chunks are ragged or N takes one bucket tile.
+# Every (layout, N, K) in int64; int32 too, short of N = 1024 and of N = 128 on whole chunks (the
+# interpreter is slow; int32 and int64 ids differ only in the load).
 RANDOM_CASES = [
     pytest.param(layout, num_experts, top_k, dtype, id=f"{layout}-N{num_experts}-K{top_k}-{str(dtype)[6:]}")
     for layout in LAYOUTS for num_experts in (1, 3, 128, 257, 1024) for top_k in (1, 8)
     for dtype in (torch.int64, torch.int32)
-    if dtype == torch.int64 or layout == "ragged-chunks" or num_experts not in (128, 1024)
+    if dtype == torch.int64 or (num_experts != 1024 and (layout == "ragged-chunks" or num_experts != 128))
 ]
 
 
 @pytest.mark.parametrize(("layout", "num_experts", "top_k", "dtype"), RANDOM_CASES)
 def test_triton_route_random_ids_equal_torch_path(layout, num_experts, top_k, dtype, nan_poison):
     tokens = _tokens_for(layout, top_k)
-    for seed in range(2):
+    for seed in range(1 if num_experts == 1024 else 2):
         gen = torch.Generator().manual_seed(1000 * seed + 7 * num_experts + top_k)
         ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen).to(dtype)
         _assert_paths_equal(ids, num_experts)
