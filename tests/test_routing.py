@@ -281,6 +281,18 @@ def test_triton_route_on_gpu_undefined_ids_equal_torch_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16], ids=str)
+def test_triton_route_on_gpu_narrow_and_strided_ids(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, 100, (3000, 6), device="cuda", generator=gen).to(dtype)
+    for view in (ids, ids.t(), ids[::3, 1:5]):
+        expected = route(view, 100)
+        for name, a, b in zip(Routing._fields, route(view, 100, use_triton=True), expected, strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_route_cuda_graph_replays_with_new_ids():
     tokens, top_k, num_experts = 1024, 8, 128
     gen = torch.Generator(device="cuda").manual_seed(1)
