@@ -421,3 +421,35 @@ def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
     assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
     assert rel_err(act_p[:used], act_ref) < 1e-6
     assert not dh[used:].any() and not act_p[used:].any() and not dprobs[used:].any()
+
+
+@cpu_only
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("gate_and_up", [False, True], ids=["gate,up", "gate+up"])
+@pytest.mark.parametrize("interleave", [None, 16], ids=["gate|up", "k16"])
+def test_interpreter_glu_backward_tma_epilogue(parts, gate_and_up, interleave, monkeypatch):
+    """The backward's TMA epilogue (h in, dh and act_p out through descriptors) in 2 or 4 column
+    pieces, gate and up in separate boxes or one: F and the tile wide enough for 16-byte boxes."""
+    from moekit.ops import grouped_mlp as gm
+    from moekit.ops.swiglu import swiglu_reference
+
+    monkeypatch.setattr(gg, "_empty", lambda shape, device, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    splits, M, N, H, F = [9, 0, 14], 27, 3, 24, 64
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(M, 2 * F, generator=gen) * 2
+    w2 = torch.randn(N, H, F, generator=gen) / F**0.5
+    probs = torch.rand(M, generator=gen)
+    dy = torch.randn(M, H, generator=gen)
+    used = sum(splits)
+    h[used:] = 0.0  # the forward writes zeros to padding rows
+    dy[used:], probs[used:] = float("nan"), float("nan")
+    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False, True, epi_parts=parts, epi_gate_and_up=gate_and_up)
+    assert gm._glu_epilogue_tma(cfg, dy, F, interleave or F, True, 16 // parts)
+    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs_of(splits, "cpu"), probs, interleave, "swiglu", cfg=cfg)
+    h64 = h[:used].double().requires_grad_()
+    p64 = probs[:used].double().requires_grad_()
+    act_ref = swiglu_reference(h64, probs=p64, glu_interleave_size=interleave, activation="swiglu")
+    act_ref.backward(ref_dgrad(dy[:used], w2, splits))
+    assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
+    assert rel_err(act_p[:used], act_ref) < 1e-6
+    assert not dh[used:].any() and not act_p[used:].any() and not dprobs[used:].any()
