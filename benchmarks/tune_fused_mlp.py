@@ -44,26 +44,19 @@ SHAPES = {  # name: (M, N, H, F)
 }
 
 # (block_rows, block_cols, block_red, group_rows, stages, warps, flatten, epi_tma[, programs_per_sm]); the first of each
-# list is the configuration moekit uses (the other configs of the first sweep are in
-# benchmarks/results/h200_tune_fused_mlp_558d69b.json).
-# Two programs per multiprocessor (one's epilogue overlapping the other's main loop) need <= 113 KB of
-# shared memory and 32768 registers each: 4 warps and 2-4 stages (sm_90 compile on the CPU: fwd
-# (128,64,64) 2 stages 98 KB / 213 regs, (128,64,32) 4 stages 98 KB, (64,128,64) 2 stages 115 KB;
-# bwd (128,64,64) 3 stages 86 KB / 254 regs, 4 stages 111 KB / 255 regs; 8-warp variants do not fit).
+# list is the configuration moekit uses. The forward's sweeps (flatten, 2 programs per SM, deeper
+# pipelines, narrower tiles) are in benchmarks/results/h200_tune_fused_mlp_558d69b.json and
+# _6081fb1.json; notes/grouped_mlp.md v2-v3 sums them up.
 FWD_CONFIGS = [
     (128, 128, 64, 8, 3, 8, False, True),
 ]
-# The backward's epilogue variants (v5): its column pieces (epi_parts 4 or 2) and whether a piece's
-# gate and up columns move in one TMA box (sm_90 compile on the CPU: quarters 255 registers, no
-# spills, 156 KB (separate) / 173 KB (one box) of shared memory; halves 96-104 bytes of spills,
-# 180-214 KB). The earlier sweeps (2 programs per SM, 5 stages, flatten=False) are in
-# benchmarks/results/h200_tune_fused_mlp_558d69b.json and _6081fb1.json.
+# The backward sweep at a5aa50b (benchmarks/results/h200_tune_fused_mlp_a5aa50b.json) timed its
+# epilogue in column halves and quarters, with a quarter's gate and up columns in one TMA box or
+# two, the loops fused or not; the winner (quarters, one box, unfused) is the first entry. The
+# earlier sweeps (2 programs per SM, 5 stages) are in _558d69b.json and _6081fb1.json.
 BWD_CONFIGS = [
+    (128, 128, 64, 8, 4, 8, False, True),
     (128, 128, 64, 8, 4, 8, True, True),
-    (128, 128, 64, 8, 4, 8, True, True, 1, 4, True),
-    (128, 128, 64, 8, 4, 8, True, True, 1, 2, True),
-    (128, 128, 64, 8, 4, 8, True, True, 1, 2, False),
-    (128, 128, 64, 8, 4, 8, False, True, 1, 4, True),
 ]
 TOP_K = {"mixtral-8x7b": 2, "deepseek-v3-32e": 8, "qwen3-30b-a3b": 8, "gpt-oss-20b": 4}
 

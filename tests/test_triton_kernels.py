@@ -424,12 +424,10 @@ def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("gate_and_up", [False, True], ids=["gate,up", "gate+up"])
 @pytest.mark.parametrize("interleave", [None, 16], ids=["gate|up", "k16"])
-def test_interpreter_glu_backward_tma_epilogue(parts, gate_and_up, interleave, monkeypatch):
-    """The backward's TMA epilogue (h in, dh and act_p out through descriptors) in 2 or 4 column
-    pieces, gate and up in separate boxes or one: F and the tile wide enough for 16-byte boxes."""
+def test_interpreter_glu_backward_tma_epilogue(interleave, monkeypatch):
+    """The backward's TMA epilogue (h in and dh out as one box of a quarter's gate and up columns,
+    act_p out through a descriptor): F and the tile wide enough for 16-byte boxes."""
     from moekit.ops import grouped_mlp as gm
     from moekit.ops.swiglu import swiglu_reference
 
@@ -443,8 +441,8 @@ def test_interpreter_glu_backward_tma_epilogue(parts, gate_and_up, interleave, m
     used = sum(splits)
     h[used:] = 0.0  # the forward writes zeros to padding rows
     dy[used:], probs[used:] = float("nan"), float("nan")
-    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False, True, epi_parts=parts, epi_gate_and_up=gate_and_up)
-    assert gm._glu_epilogue_tma(cfg, dy, F, interleave or F, True, 16 // parts)
+    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False, True)
+    assert gm._glu_epilogue_tma(cfg, dy, F, interleave or F, True, 16 // 4)
     dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs_of(splits, "cpu"), probs, interleave, "swiglu", cfg=cfg)
     h64 = h[:used].double().requires_grad_()
     p64 = probs[:used].double().requires_grad_()

@@ -13,8 +13,6 @@ class GemmConfig:
     swizzle band, pipelining depth, warps, whether the tile loop and the reduction loop are fused
     into one software pipeline (flatten), whether tiles leave through TMA stores (epi_tma) and how
     many programs of the persistent kernel share a multiprocessor (programs_per_sm).
-    The fused MLP's backward kernel only: its epilogue's column pieces (epi_parts, 2 or 4) and
-    whether a piece's gate and up columns of h and dh move in one TMA box (epi_gate_and_up).
 
     For the forward/dgrad kernel the tile is (rows of M, output columns) and the reduction runs over
     the input features; for the wgrad kernel the tile is (O, I) and the reduction runs over the
@@ -30,5 +28,3 @@ class GemmConfig:
     flatten: bool
     epi_tma: bool = False
     programs_per_sm: int = 1
-    epi_parts: int = 4
-    epi_gate_and_up: bool = False

@@ -170,8 +170,10 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
     (benchmarks/results/h200_tune_fused_mlp_558d69b.json, notes/grouped_mlp.md): the forward is
     fastest with the tile loop and the reduction loop left unfused (flatten=False: 1.25-1.46x the
     fused pipeline, whose TMA-store epilogue stalls it) and 3 stages (4 do not fit in shared
-    memory); the backward with the fused pipeline and 4 stages (1.08-1.15x 3 stages). Narrower
-    tiles and 64-row tiles lost everywhere (0.5-0.7x). One candidate each: no tuning sync."""
+    memory); the backward with 4 stages (1.08-1.15x 3 stages) and, since its epilogue moves a
+    quarter's gate and up columns in one TMA box, the loops unfused too (1.04-1.08x the fused
+    pipeline, benchmarks/results/h200_tune_fused_mlp_a5aa50b.json). Narrower tiles and 64-row tiles
+    lost everywhere (0.5-0.7x). One candidate each: no tuning sync."""
     widths = _glu_widths(ffn, glu_block)
     if _interpreting():
         return [GemmConfig(16, widths[0], 16, 8, 1, 4, False, True)]
@@ -179,7 +181,7 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, True, True)]
     if kernel == "fwd":
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, False, True)]
-    return [GemmConfig(128, widths[0], 64, 8, 4, 8, True, True)]
+    return [GemmConfig(128, widths[0], 64, 8, 4, 8, False, True)]
 
 
 def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
@@ -334,7 +336,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
     if plan.launch is None:
         return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
-    # One row of d probs partials per column piece of a tile (the kernel's epilogue runs in pieces).
+    # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
     part = gg._empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
     with gg._device_ctx(dy_MH.device):
         plan.launch(dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
@@ -359,8 +361,8 @@ def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str,
         USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
         BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
         BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-        EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // c.epi_parts),
-        EPI_PARTS=c.epi_parts, GATE_AND_UP=c.epi_gate_and_up, num_stages=c.stages, num_warps=c.warps,
+        EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // 4), num_stages=c.stages,
+        num_warps=c.warps,
     ))
 
 
@@ -376,7 +378,7 @@ def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
     use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
 
     def partial_rows(c: GemmConfig) -> int:
-        return c.epi_parts * _cdiv(ffn, c.block_cols)
+        return 4 * _cdiv(ffn, c.block_cols)
 
     def trial(c: GemmConfig) -> None:
         dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)

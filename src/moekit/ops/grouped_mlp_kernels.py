@@ -196,17 +196,16 @@ def glu_backward_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_TMA: tl.constexpr, EPI_PARTS: tl.constexpr, GATE_AND_UP: tl.constexpr,
+    EPI_TMA: tl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
 
     dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1);
     h: fc1's saved pre-activation (M, 2F). Writes dh (M, 2F) and act_p (M, F) in h's dtype and, with
-    probs, dprobs (EPI_PARTS x F tiles, M) fp32: column piece c's partial of sum_j act[r, j] * dA[r, j]
-    (reduced over the pieces by the host in a fixed order: no atomics). Padding rows get zeros.
-    The epilogue runs in EPI_PARTS (2 or 4) column pieces of the tile, for registers.
-    EPI_TMA (needs BLOCK_C | k or k = F): h tiles come in and dh / act_p tiles leave through TMA;
-    GATE_AND_UP: a piece's gate and up columns in one box each way (half the TMA round trips).
+    probs, dprobs (4 x F tiles, M) fp32: quarter tile c's partial of sum_j act[r, j] * dA[r, j]
+    (reduced over the tiles by the host in a fixed order: no atomics). Padding rows get zeros.
+    EPI_TMA (needs BLOCK_C | k or k = F): h tiles come in and dh / act_p tiles leave through TMA, a
+    quarter's gate and up columns in one box each way.
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
@@ -222,7 +221,7 @@ def glu_backward_kernel(
         w_desc = None
     if EPI_TMA:
         # Rows past the tile's group are read (and their results dropped); rows past M read zeros.
-        h_desc = _glu_desc(h_ptr, M, F, stride_hm, GLU_BLOCK, BLOCK_M, BLOCK_C // EPI_PARTS, GATE_AND_UP)
+        h_desc = _glu_desc(h_ptr, M, F, stride_hm, GLU_BLOCK, BLOCK_M, BLOCK_C // 4, GATE_AND_UP=True)
     else:
         h_desc = None
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
@@ -240,47 +239,40 @@ def glu_backward_kernel(
                        BLOCK_C, BLOCK_RED)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-        # Epilogue: the activation's backward on the tile's gate and up columns of h, in EPI_PARTS
-        # column pieces: the fp32 temporaries of a whole tile do not fit in the registers (halves
-        # compile with 120 bytes of spills at sm_90, quarters to 254 registers and none).
+        # Epilogue: the activation's backward on the tile's gate and up columns of h, in four
+        # column quarters: the fp32 temporaries of a whole tile (or a half: 96-120 bytes of spills
+        # in the sm_90 compile, and slower, notes v5) do not fit in the registers; quarters compile
+        # to 255 and no spills. A quarter's h comes in as one TMA box of its gate and up columns and
+        # its dh leaves as one: the loads wait for their data, so half the round trips of one box
+        # each (4-7% on the H200, notes v5).
         d_act = tl.where(g < N, acc, 0.0)
-        PIECE: tl.constexpr = BLOCK_C // EPI_PARTS
+        QUARTER: tl.constexpr = BLOCK_C // 4
         if EPI_TMA:
-            dh_desc = _glu_desc(dh_ptr, row_hi, F, stride_dhm, GLU_BLOCK, BLOCK_M, PIECE, GATE_AND_UP)
+            dh_desc = _glu_desc(dh_ptr, row_hi, F, stride_dhm, GLU_BLOCK, BLOCK_M, QUARTER, GATE_AND_UP=True)
             act_desc = tl.make_tensor_descriptor(
-                act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, PIECE])
+                act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, QUARTER])
         else:
             dh_desc = None
             act_desc = None
         d_act0, d_act1 = split_halves(d_act, BLOCK_M, BLOCK_C)
-        if EPI_PARTS == 2:
-            _glu_backward_epilogue(
-                d_act0, 2 * pid_c, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
-                act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
-            _glu_backward_epilogue(
-                d_act1, 2 * pid_c + 1, c0 + PIECE, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-                dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
-        else:
-            d_act00, d_act01 = split_halves(d_act0, BLOCK_M, BLOCK_C // 2)
-            d_act10, d_act11 = split_halves(d_act1, BLOCK_M, BLOCK_C // 2)
-            _glu_backward_epilogue(
-                d_act00, 4 * pid_c, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
-                act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
-            _glu_backward_epilogue(
-                d_act01, 4 * pid_c + 1, c0 + PIECE, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-                dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
-            _glu_backward_epilogue(
-                d_act10, 4 * pid_c + 2, c0 + 2 * PIECE, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-                dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
-            _glu_backward_epilogue(
-                d_act11, 4 * pid_c + 3, c0 + 3 * PIECE, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-                dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-                ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, GATE_AND_UP, BLOCK_M, PIECE)
+        d_act00, d_act01 = split_halves(d_act0, BLOCK_M, BLOCK_C // 2)
+        d_act10, d_act11 = split_halves(d_act1, BLOCK_M, BLOCK_C // 2)
+        _glu_backward_epilogue(
+            d_act00, 4 * pid_c, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
+            act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act01, 4 * pid_c + 1, c0 + QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act10, 4 * pid_c + 2, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        _glu_backward_epilogue(
+            d_act11, 4 * pid_c + 3, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
+            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
+            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
 
 
 @triton.jit
@@ -288,7 +280,7 @@ def _glu_backward_epilogue(
     d_act, part_row, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
     act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
     ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, EPI_TMA: tl.constexpr,
-    GATE_AND_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C -> dh's gate and up
     columns, act_p, and row `part_row` of the d probs partials."""
@@ -297,15 +289,13 @@ def _glu_backward_epilogue(
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
     real = g < N
     out_ty = dh_ptr.dtype.element_ty
-    if EPI_TMA and GATE_AND_UP:
-        # Padding tiles read their rows of h, which the forward wrote as zeros.
+    if EPI_TMA:
+        # One box of the gate and up columns. Padding tiles read their rows of h, which the forward
+        # wrote as zeros.
         h_gu = h_desc.load([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK]).reshape(BLOCK_M, 2, BLOCK_C)
         hg, hu = tl.split(tl.permute(h_gu, (0, 2, 1)))
         hg = hg.to(tl.float32)
         hu = hu.to(tl.float32)
-    elif EPI_TMA:
-        hg = h_desc.load([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
-        hu = h_desc.load([row0, c0 // GLU_BLOCK, 1, c0 % GLU_BLOCK]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
     else:
         mask = mask_m[:, None] & mask_c[None, :] & real
         h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
@@ -332,13 +322,9 @@ def _glu_backward_epilogue(
         # The clamps pass the gradient at the limit itself, as torch.clamp does.
         d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
         d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
-    if EPI_TMA and GATE_AND_UP:
+    if EPI_TMA:
         d_gu = tl.permute(tl.join(d_g.to(out_ty), d_u.to(out_ty)), (0, 2, 1)).reshape(BLOCK_M, 1, 2, BLOCK_C)
         dh_desc.store([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK], d_gu)
-        act_desc.store([row0, c0], act.to(out_ty))
-    elif EPI_TMA:
-        dh_desc.store([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK], d_g.to(out_ty).reshape(BLOCK_M, 1, 1, BLOCK_C))
-        dh_desc.store([row0, c0 // GLU_BLOCK, 1, c0 % GLU_BLOCK], d_u.to(out_ty).reshape(BLOCK_M, 1, 1, BLOCK_C))
         act_desc.store([row0, c0], act.to(out_ty))
     else:
         store_mask = mask_m[:, None] & mask_c[None, :]
