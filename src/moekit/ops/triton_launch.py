@@ -73,23 +73,28 @@ class Launcher:
         if not self._direct or _hooks_installed():
             self.kernel[grid](*args, **kwargs)
             return
-        device = driver.active.get_current_device()
-        key = (device, *map(_arg_key, args), *kwargs.items())
+        key = (driver.active.get_current_device(), *map(_arg_key, args), *kwargs.items())
         entry = self._binaries.get(key)
         if entry is None:
-            binary = self.kernel[grid](*args, **kwargs)
-            # The launcher takes every parameter in order, constexprs included (it skips them):
-            # the runtime arguments, then the rest as Triton bound them.
-            bound = self.kernel.device_caches[device][4](*args, **kwargs)[0]
-            self._binaries[key] = (binary, tuple(bound.values())[len(args):])
-            return
-        binary, constexpr_tail = entry
-        stream = driver.active.get_current_stream(device)
-        grid_x = grid[0]
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
-        binary.run(grid_x, grid_y, grid_z, stream, binary.function, binary.packed_metadata, None, None, None,
-                   *args, *constexpr_tail)
+            self._binaries[key] = self._first_launch(grid, args, kwargs)
+        else:
+            _run_binary(*entry, grid, args)
+
+    def _first_launch(self, grid, args, kwargs) -> tuple:
+        """Launch through Triton (compiling if needed); return (its binary, the parameters after
+        `args` as Triton bound them: the binary's launcher takes every parameter in order,
+        constexprs included, and skips those)."""
+        binary = self.kernel[grid](*args, **kwargs)
+        bound = self.kernel.device_caches[driver.active.get_current_device()][4](*args, **kwargs)[0]
+        return binary, tuple(bound.values())[len(args):]
+
+
+def _run_binary(binary, tail: tuple, grid: tuple[int, ...], args: tuple) -> None:
+    """Launch a compiled kernel on the current stream, as Triton does once it has the binary (no
+    launch hooks: they take Triton's path)."""
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+               binary.function, binary.packed_metadata, None, None, None, *args, *tail)
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
@@ -108,29 +113,22 @@ class LaunchPlan:
     Triton (compiling if needed); later calls launch the binary it returned. The caller makes one
     plan per `tensor_key` of the tensors it passes (outputs it allocates fresh are 16-byte aligned)."""
 
-    __slots__ = ("launcher", "grid", "ints", "constexprs", "_binary", "_tail")
+    __slots__ = ("launcher", "grid", "ints", "constexprs", "_entry")
 
     def __init__(self, launcher: Launcher, grid: tuple[int, ...], ints: tuple[int, ...], constexprs: dict) -> None:
         self.launcher, self.grid, self.ints, self.constexprs = launcher, grid, ints, constexprs
-        self._binary = self._tail = None
+        self._entry = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         launcher = self.launcher
         _ensure_allocator()
+        args = (*tensors, *self.ints)
         if not launcher._direct or _hooks_installed():
-            launcher.kernel[self.grid](*tensors, *self.ints, **self.constexprs)
-            return
-        if self._binary is None:
-            kernel = launcher.kernel
-            self._binary = kernel[self.grid](*tensors, *self.ints, **self.constexprs)
-            bound = kernel.device_caches[driver.active.get_current_device()][4](*tensors, *self.ints,
-                                                                               **self.constexprs)[0]
-            self._tail = tuple(bound.values())[len(tensors) + len(self.ints):]
-            return
-        binary, grid = self._binary, self.grid
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                   binary.function, binary.packed_metadata, None, None, None, *tensors, *self.ints, *self._tail)
+            launcher.kernel[self.grid](*args, **self.constexprs)
+        elif self._entry is None:
+            self._entry = launcher._first_launch(self.grid, args, self.constexprs)
+        else:
+            _run_binary(*self._entry, self.grid, args)
 
 
 class PlanCache(dict):
