@@ -71,6 +71,20 @@ SHAPES = (
     LayerShape("qwen3-4096tok", 4096, 128, 8, 2048, 768),
     LayerShape("sonicmoe", 32768, 128, 8, 4096, 512),
 )
+# Other real MoE models' layers (16384 tokens, all experts on one GPU), run with `--shapes other`
+# (or by name): the bars must hold beyond the four shapes above, at other hidden and ffn sizes,
+# expert counts (60 and 160 too) and top-k.
+OTHER_SHAPES = (
+    LayerShape("qwen3-235b-a22b", 16384, 128, 8, 4096, 1536),
+    LayerShape("deepseek-v2", 16384, 160, 6, 5120, 1536),
+    LayerShape("dbrx", 16384, 16, 4, 6144, 10752),
+    LayerShape("mixtral-8x22b", 16384, 8, 2, 6144, 16384),
+    LayerShape("qwen2-57b-a14b", 16384, 64, 8, 3584, 2560),
+    LayerShape("phi-3.5-moe", 16384, 16, 2, 4096, 6400),
+    LayerShape("olmoe-1b-7b", 16384, 64, 8, 2048, 1024),
+    LayerShape("qwen1.5-moe-a2.7b", 16384, 60, 4, 2048, 1408),
+    LayerShape("granite-3.0-3b-a800m", 16384, 40, 8, 1536, 512),
+)
 SMOKE_SHAPES = (LayerShape("smoke", 64, 6, 2, 32, 48), LayerShape("smoke-top1", 40, 4, 1, 64, 32))
 
 
@@ -344,7 +358,8 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma list of shape names, or 'other' for OTHER_SHAPES (default: SHAPES)")
     parser.add_argument("--dists", default="balanced,skewed")
     parser.add_argument("--backend", default="auto", help="moekit's GEMM backend (auto, triton, torch)")
     parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT)
@@ -363,8 +378,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.type == "cpu" and not args.smoke:
         raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
-    pool = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shape_list = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    pool = SMOKE_SHAPES if args.smoke else SHAPES + OTHER_SHAPES
+    if args.shapes == "other":
+        args.shape_list = list(OTHER_SHAPES)
+    else:
+        default = SMOKE_SHAPES if args.smoke else SHAPES
+        args.shape_list = (runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+                           if args.shapes else list(default))
     args.dist_list = runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS)
     args.rounds = args.rounds or (1 if args.quick or args.smoke else 3)
     args.warmup_ms, args.rep_ms = (10.0, 30.0) if args.quick or args.smoke else (20.0, 60.0)
@@ -406,7 +426,7 @@ def main(argv=None) -> dict:
                shapes=[asdict(s) for s in args.shape_list])
     print_table(records, roofs)
     if args.profile:
-        profile_moekit(args, next(s for s in SHAPES + SMOKE_SHAPES if s.name == args.profile))
+        profile_moekit(args, next(s for s in SHAPES + OTHER_SHAPES + SMOKE_SHAPES if s.name == args.profile))
     payload = {"meta": env, "records": records}
     runner.write_json(args.out / f"{NAME}.json", payload)
     if args.plot:
