@@ -242,7 +242,8 @@ def _device_ctx(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _mm_launch(a, w, out_cols: int, bias, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> LaunchPlan:
+def _mm_launch(a, w, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: GemmConfig,
+               use_tma: bool) -> LaunchPlan:
     """The launch of grouped_mm_kernel for a (M, red) row-major input, a fresh (M, out_cols) output,
     and weights w (N, b_rows, b_cols); tensors: (a, w, out, bias or out, scale or out, offs)."""
     M, red = a.shape
@@ -254,7 +255,7 @@ def _mm_launch(a, w, out_cols: int, bias, trans_b: bool, cfg: GemmConfig, use_tm
     ints = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), w.stride(0), w.stride(1), out_cols,
             bias.stride(0) if bias is not None else 0)
     return LaunchPlan(_grouped_mm, (nprog,), ints, dict(
-        TRANS_B=trans_b, HAS_BIAS=bias is not None, HAS_SCALE=False, USE_TMA=use_tma, UPCAST=_INTERPRET,
+        TRANS_B=trans_b, HAS_BIAS=bias is not None, HAS_SCALE=has_scale, USE_TMA=use_tma, UPCAST=_INTERPRET,
         DOT_PRECISION=_dot_precision(a.dtype), BLOCK_M=cfg.block_rows, BLOCK_C=cfg.block_cols,
         BLOCK_RED=cfg.block_red, GROUP_M=cfg.group_rows, BLOCK_GROUPS=_block_groups(N + 2), NUM_PROGRAMS=nprog,
         FLATTEN=cfg.flatten, EPI_TMA=epi_tma, num_stages=cfg.stages, num_warps=cfg.warps,
@@ -262,9 +263,7 @@ def _mm_launch(a, w, out_cols: int, bias, trans_b: bool, cfg: GemmConfig, use_tm
 
 
 def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> None:
-    plan = _mm_launch(a, w, out.shape[1], bias, trans_b, cfg, use_tma)
-    if scale is not None:
-        plan.constexprs["HAS_SCALE"] = True
+    plan = _mm_launch(a, w, out.shape[1], bias, scale is not None, trans_b, cfg, use_tma)
     plan(a, w, out, bias if bias is not None else out, scale if scale is not None else out, offs)
 
 
@@ -346,9 +345,7 @@ def _plan_mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: 
             out = _empty((M, cols), a.device, a.dtype)
             cfg = _pick(key, cands,
                         lambda c: _run_mm(a, w, offs, out, bias, scale, trans_b, c, use_tma), a.device)
-    launch = _mm_launch(a, w, cols, bias, trans_b, cfg, use_tma)
-    launch.constexprs["HAS_SCALE"] = scale is not None
-    return _Plan(cols, contiguous, launch)
+    return _Plan(cols, contiguous, _mm_launch(a, w, cols, bias, scale is not None, trans_b, cfg, use_tma))
 
 
 def grouped_gemm_forward(

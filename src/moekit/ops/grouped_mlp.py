@@ -243,22 +243,19 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
 
     key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
                        tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
-    launch = gg._PLANS.get(key, _NOT_PLANNED)
-    if launch is _NOT_PLANNED:
-        launch = gg._keep(key, _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
-                                                 activation, use_tma, cfg))
+    plan = gg._PLANS.get(key)
+    if plan is None:
+        plan = gg._keep(key, _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
+                                               activation, use_tma, cfg))
     M = x_MH.shape[0]
     ffn = w1_N2FH.shape[1] // 2
     h = gg._empty((M, 2 * ffn), x_MH.device, x_MH.dtype)
     act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
-    if launch is not None:
+    if plan.launch is not None:
         with gg._device_ctx(x_MH.device):
-            launch(x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
-                   probs_M if probs_M is not None else h, offs)
+            plan.launch(x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
+                        probs_M if probs_M is not None else h, offs)
     return h, act
-
-
-_NOT_PLANNED = object()
 
 
 def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig):
@@ -287,14 +284,15 @@ def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: st
 
 
 def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg):
-    """The forward's launch for this problem (None: nothing to compute), its config chosen once."""
+    """The forward's launch for this problem as `_Plan` (launch None: nothing to compute), its
+    config chosen once."""
     from moekit.ops import grouped_gemm as gg
 
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
     if M == 0 or ffn == 0:
-        return None
+        return gg._Plan(ffn, False, None)
     k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, x_MH, w1_N2FH)
 
@@ -310,7 +308,7 @@ def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_siz
                activation)
         chosen = _glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), trial, x_MH.device,
                            cfg)
-    return _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen)
+    return gg._Plan(ffn, False, _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen))
 
 
 def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True,
