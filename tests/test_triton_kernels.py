@@ -451,3 +451,27 @@ def test_interpreter_glu_backward_tma_epilogue(interleave, monkeypatch):
     assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
     assert rel_err(act_p[:used], act_ref) < 1e-6
     assert not dh[used:].any() and not act_p[used:].any() and not dprobs[used:].any()
+
+
+@cpu_only
+def test_launch_plans_are_per_layout(nan_outputs):
+    """A plan is made per layout of its inputs: the same shapes with other strides or another
+    alignment, in any order of calls, each get their own plan and the right answer (a reused plan
+    would launch with the first layout's strides or TMA decision)."""
+    splits, M, N, I, O = [5, 0, 9], 16, 3, 24, 20
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(N, O, I, generator=gen)
+    base = torch.randn(M * I + 4, generator=gen)
+    contiguous = base[:M * I].view(M, I)
+    unaligned = base[1:1 + M * I].view(M, I)  # 4-byte offset: no TMA, another plan
+    column_major = torch.randn(I, M, generator=gen).t()  # stride(1) != 1: copied first
+    offs = offs_of(splits, "cpu")
+    dy_wide = torch.randn(M, 2 * O, generator=gen)
+    dy_strided = dy_wide[:, ::2]
+    before = len(gg._PLANS)
+    for x in (contiguous, unaligned, column_major, contiguous, unaligned):
+        assert rel_err(gg.grouped_gemm_forward(x, w, offs)[:14], ref_forward(x[:14], w, splits)) < 1e-6
+    for dy in (dy_wide[:, :O], dy_strided, dy_wide[:, :O].contiguous()):
+        dw_ref, _ = ref_wgrad(dy[:14], contiguous[:14], splits)
+        assert rel_err(gg.grouped_gemm_wgrad(dy, contiguous, offs), dw_ref) < 1e-6
+    assert len(gg._PLANS) >= before + 3, "each forward layout is its own plan"
