@@ -5,8 +5,8 @@ R/J/D the row movement's output rows, rows summed per output row and features.
 
 Every function that launches a kernel (a Triton kernel, `grouped_mm`, or the loop backend's per-group
 matmuls) is one custom op here, with a fake implementation that gives its outputs' shapes and
-dtypes. The autograd Functions of the ops (`_GroupedLinearFn`, the fused MLP's two nodes,
-`_MoveRowsFn`) call the launchers through the functions below, so torch.compile (dynamo, AOTAutograd)
+dtypes. The autograd Functions of the ops (`_GroupedLinearFn`, the fused MLP's two nodes and the
+fused layer's, `_MoveRowsFn`) call the launchers through the functions below, so torch.compile (dynamo, AOTAutograd)
 traces those Functions and sees each launch as one opaque node: host-side work inside a launcher
 (the loop backend reading device offsets, kernel config choice, Triton launches) stays out of the
 graph, and the compiled program computes exactly what eager does.
