@@ -298,8 +298,13 @@ def _plan_key(*parts) -> tuple:
     return (*parts, _AUTOTUNE["enabled"])
 
 
-def _keep(key: tuple, plan):
-    """Remember a new plan, except one made during capture (its config may be the untuned default)."""
+def _planned(key: tuple, make):
+    """The plan under `key`, made by `make()` the first time. A plan made during CUDA-graph capture
+    is not remembered (its config may be the untuned default)."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    plan = make()
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return plan
     return _PLANS.put(key, plan)
@@ -309,9 +314,7 @@ def _mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: bool 
     """Shared launcher of forward (op="fwd": out (M, O)) and dgrad (op="dgrad": out (M, I))."""
     key = _plan_key(op, tensor_key(a), tensor_key(w), tensor_key(offs), tensor_key(bias), tensor_key(scale), cfg,
                     use_tma, _dot_precision(a.dtype))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _keep(key, _plan_mm(op, a, w, offs, bias, scale, cfg, use_tma))
+    plan = _planned(key, lambda: _plan_mm(op, a, w, offs, bias, scale, cfg, use_tma))
     if plan.contiguous:
         a = a.contiguous()
     out = _empty((a.shape[0], plan.cols), a.device, a.dtype)
@@ -435,9 +438,7 @@ def grouped_gemm_wgrad(
     """
     key = _plan_key("wgrad", tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma,
                     _dot_precision(dy_MO.dtype))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _keep(key, _plan_wgrad(dy_MO, x_MI, offs, cfg, use_tma))
+    plan = _planned(key, lambda: _plan_wgrad(dy_MO, x_MI, offs, cfg, use_tma))
     dy = dy_MO.contiguous() if plan.contiguous else dy_MO
     x = x_MI.contiguous() if plan.contiguous else x_MI
     N = offs.shape[0] - 1

@@ -243,10 +243,8 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
 
     key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
                        tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
-    plan = gg._PLANS.get(key)
-    if plan is None:
-        plan = gg._keep(key, _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
-                                               activation, use_tma, cfg))
+    plan = gg._planned(key, lambda: _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
+                                                       activation, use_tma, cfg))
     M = x_MH.shape[0]
     ffn = w1_N2FH.shape[1] // 2
     h = gg._empty((M, 2 * ffn), x_MH.device, x_MH.dtype)
@@ -324,10 +322,8 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
 
     key = gg._plan_key("glu_bwd", tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs),
                        tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
-    plan = gg._PLANS.get(key)
-    if plan is None:
-        plan = gg._keep(key, _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
-                                                activation, use_tma, cfg))
+    plan = gg._planned(key, lambda: _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
+                                                        activation, use_tma, cfg))
     M = dy_MH.shape[0]
     ffn = w2_NHF.shape[2]
     dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)

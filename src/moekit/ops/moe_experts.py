@@ -82,7 +82,7 @@ def _sum_rows_launcher():
 
 
 def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tensor:
-    from moekit.ops.grouped_gemm import _PLANS, _keep
+    from moekit.ops.grouped_gemm import _planned
     from moekit.ops.triton_launch import tensor_key
 
     num_out, per_out = index_RJ.shape
@@ -92,10 +92,7 @@ def _sum_rows_triton(src_SD: torch.Tensor, index_RJ: torch.Tensor) -> torch.Tens
     if per_out == 0:
         return out_RD.zero_()
     key = ("sum_rows", tensor_key(src_SD), tensor_key(index_RJ))
-    launch = _PLANS.get(key)
-    if launch is None:
-        launch = _keep(key, _sum_rows_launch(src_SD, index_RJ))
-    launch(src_SD, index_RJ, out_RD)
+    _planned(key, lambda: _sum_rows_launch(src_SD, index_RJ))(src_SD, index_RJ, out_RD)
     return out_RD
 
 
