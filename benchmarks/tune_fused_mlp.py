@@ -50,13 +50,14 @@ SHAPES = {  # name: (M, N, H, F)
 FWD_CONFIGS = [
     (128, 128, 64, 8, 3, 8, False, True),
 ]
-# The backward sweep at a5aa50b (benchmarks/results/h200_tune_fused_mlp_a5aa50b.json) timed its
-# epilogue in column halves and quarters, with a quarter's gate and up columns in one TMA box or
-# two, the loops fused or not; the winner (quarters, one box, unfused) is the first entry. The
-# earlier sweeps (2 programs per SM, 5 stages) are in _558d69b.json and _6081fb1.json.
+# The backward's epilogue moves h, dh and act_p by pointer (its TMA-box variants are in
+# benchmarks/results/h200_tune_fused_mlp_a5aa50b.json, the pointer variants, 5 stages and a
+# 128 x 256 tile in h200_glu_bwd_variants_3ed272b.json); the first entry is moekit's, the second
+# the fused tile+reduction pipeline. The earlier sweeps (2 programs per SM, 5 stages) are in
+# _558d69b.json and _6081fb1.json.
 BWD_CONFIGS = [
-    (128, 128, 64, 8, 4, 8, False, True),
-    (128, 128, 64, 8, 4, 8, True, True),
+    (128, 128, 64, 8, 4, 8, False),
+    (128, 128, 64, 8, 4, 8, True),
 ]
 TOP_K = {"mixtral-8x7b": 2, "deepseek-v3-32e": 8, "qwen3-30b-a3b": 8, "gpt-oss-20b": 4}
 

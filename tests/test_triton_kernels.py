@@ -424,25 +424,26 @@ def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
 
 
 @cpu_only
-@pytest.mark.parametrize("interleave", [None, 16], ids=["gate|up", "k16"])
-def test_interpreter_glu_backward_tma_epilogue(interleave, monkeypatch):
-    """The backward's TMA epilogue (h in and dh out as one box of a quarter's gate and up columns,
-    act_p out through a descriptor): F and the tile wide enough for 16-byte boxes."""
+@pytest.mark.parametrize("interleave", [None, 8], ids=["gate|up", "k8"])
+@pytest.mark.parametrize("ffn", [64, 72], ids=["F64", "F72"])
+def test_interpreter_glu_backward_column_tiles(interleave, ffn, monkeypatch):
+    """The backward's epilogue over several column tiles, each in four quarters with h loaded one
+    quarter ahead and d probs summed over the quarters then over the tiles: F = 64 in four 16-column
+    tiles, F = 72 with a last tile of 8 columns (its last quarters past F)."""
     from moekit.ops import grouped_mlp as gm
     from moekit.ops.swiglu import swiglu_reference
 
     monkeypatch.setattr(gg, "_empty", lambda shape, device, dtype: torch.full(shape, float("nan"), dtype=dtype))
-    splits, M, N, H, F = [9, 0, 14], 27, 3, 24, 64
+    splits, M, N, H = [9, 0, 14], 27, 3, 24
     gen = torch.Generator().manual_seed(4)
-    h = torch.randn(M, 2 * F, generator=gen) * 2
-    w2 = torch.randn(N, H, F, generator=gen) / F**0.5
+    h = torch.randn(M, 2 * ffn, generator=gen) * 2
+    w2 = torch.randn(N, H, ffn, generator=gen) / ffn**0.5
     probs = torch.rand(M, generator=gen)
     dy = torch.randn(M, H, generator=gen)
     used = sum(splits)
     h[used:] = 0.0  # the forward writes zeros to padding rows
     dy[used:], probs[used:] = float("nan"), float("nan")
-    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False, True)
-    assert gm._glu_epilogue_tma(cfg, dy, F, interleave or F, True, 16 // 4)
+    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False)
     dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs_of(splits, "cpu"), probs, interleave, "swiglu", cfg=cfg)
     h64 = h[:used].double().requires_grad_()
     p64 = probs[:used].double().requires_grad_()

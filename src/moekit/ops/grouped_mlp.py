@@ -163,16 +163,16 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
     """Configurations of the fused kernel `kernel` ("fwd" or "bwd"), the first one the default.
 
     GemmConfig's fields here: block_rows = BLOCK_M, block_cols = BLOCK_C (activation columns: the
-    forward's tile is twice as wide in h), block_red = BLOCK_RED, epi_tma = TMA epilogue where the
-    layout allows it. Both kernels use 128 x 128 activation columns: the forward holds two fp32
-    accumulators (gate and up, the register budget of one 128 x 256 tile of the plain GEMM), the
-    backward one. Measured on the H200 over the README's four shapes
-    (benchmarks/results/h200_tune_fused_mlp_558d69b.json, notes/grouped_mlp.md): the forward is
-    fastest with the tile loop and the reduction loop left unfused (flatten=False: 1.25-1.46x the
-    fused pipeline, whose TMA-store epilogue stalls it) and 3 stages (4 do not fit in shared
-    memory); the backward with 4 stages (1.08-1.15x 3 stages) and, since its epilogue moves a
-    quarter's gate and up columns in one TMA box, the loops unfused too (1.04-1.08x the fused
-    pipeline, benchmarks/results/h200_tune_fused_mlp_a5aa50b.json). Narrower tiles and 64-row tiles
+    forward's tile is twice as wide in h), block_red = BLOCK_RED, epi_tma = the forward's TMA
+    epilogue where the layout allows it (the backward's epilogue moves h, dh and act_p by pointer).
+    Both kernels use 128 x 128 activation columns: the forward holds two fp32 accumulators (gate and
+    up, the register budget of one 128 x 256 tile of the plain GEMM), the backward one. Measured on
+    the H200 over the README's four shapes (benchmarks/results/h200_tune_fused_mlp_558d69b.json,
+    notes/grouped_mlp.md): the forward is fastest with the tile loop and the reduction loop left
+    unfused (flatten=False: 1.25-1.46x the fused pipeline, whose TMA-store epilogue stalls it) and
+    3 stages (4 do not fit in shared memory); the backward with 4 stages and the loops unfused too
+    (benchmarks/results/h200_glu_bwd_variants_3ed272b.json, against this one: the fused pipeline
+    0.91-1.02x, 5 stages 0.96-1.03x, a 128 x 256 tile 0.94-1.0x). Narrower tiles and 64-row tiles
     lost everywhere (0.5-0.7x). One candidate each: no tuning sync."""
     widths = _glu_widths(ffn, glu_block)
     if _interpreting():
@@ -181,14 +181,14 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, True, True)]
     if kernel == "fwd":
         return [GemmConfig(128, widths[0], 64, 8, 3, 8, False, True)]
-    return [GemmConfig(128, widths[0], 64, 8, 4, 8, False, True)]
+    return [GemmConfig(128, widths[0], 64, 8, 4, 8, False)]
 
 
 def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
                       box_cols: int) -> bool:
-    """Whether h / act / dh leave (and h comes in) through TMA: boxes of `box_cols` consecutive gate
-    (or up) columns (the forward's whole tile, the backward's quarter tile) need BLOCK_C | k or
-    k = F, at least 16 bytes per box row, and 16-byte aligned rows of h and act."""
+    """Whether the forward's h and act leave through TMA: boxes of `box_cols` consecutive gate (or
+    up) columns need BLOCK_C | k or k = F, at least 16 bytes per box row, and 16-byte aligned rows
+    of h and act."""
     return (cfg.epi_tma and use_tma and (glu_block == ffn or glu_block % cfg.block_cols == 0)
             and box_cols * x.element_size() >= 16 and (ffn * x.element_size()) % 16 == 0)
 
@@ -330,7 +330,7 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
     if plan.launch is None:
         return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
-    # One row of d probs partials per quarter tile (the kernel's epilogue runs in column quarters).
+    # One row of d probs partials per column tile.
     part = gg._empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
     with gg._device_ctx(dy_MH.device):
         plan.launch(dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
@@ -354,8 +354,7 @@ def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str,
         ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
         USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
         BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
-        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-        EPI_TMA=_glu_epilogue_tma(c, dy_MH, ffn, k, use_tma, c.block_cols // 4), num_stages=c.stages,
+        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten, num_stages=c.stages,
         num_warps=c.warps,
     ))
 
@@ -372,7 +371,7 @@ def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
     use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
 
     def partial_rows(c: GemmConfig) -> int:
-        return 4 * _cdiv(ffn, c.block_cols)
+        return _cdiv(ffn, c.block_cols)
 
     def trial(c: GemmConfig) -> None:
         dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)

@@ -56,15 +56,13 @@ def _act(g, u, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _glu_desc(ptr, rows, F, stride_m, GLU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-              GATE_AND_UP: tl.constexpr = False):
-    """TMA descriptor over the 4-D view (rows, F/k, 2, k) of an (M, 2F) tensor (h or dh): a box holds
-    BLOCK_C consecutive gate (index 0) or up (index 1) columns of one GLU block (GATE_AND_UP: both,
-    one box (BLOCK_M, 1, 2, BLOCK_C)), clipped at the block's end (k = F: at F) and at `rows`. Needs
-    BLOCK_C | k or k = F."""
+def _glu_desc(ptr, rows, F, stride_m, GLU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """TMA descriptor over the 4-D view (rows, F/k, 2, k) of h (M, 2F): a box holds BLOCK_C
+    consecutive gate (index 0) or up (index 1) columns of one GLU block, clipped at the block's end
+    (k = F: at F) and at `rows`. Needs BLOCK_C | k or k = F."""
     return tl.make_tensor_descriptor(
         ptr, shape=[rows, F // GLU_BLOCK, 2, GLU_BLOCK], strides=[stride_m, 2 * GLU_BLOCK, GLU_BLOCK, 1],
-        block_shape=[BLOCK_M, 1, 2 if GATE_AND_UP else 1, BLOCK_C])
+        block_shape=[BLOCK_M, 1, 1, BLOCK_C])
 
 
 @triton.jit
@@ -196,16 +194,13 @@ def glu_backward_kernel(
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_TMA: tl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
 
     dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1);
     h: fc1's saved pre-activation (M, 2F). Writes dh (M, 2F) and act_p (M, F) in h's dtype and, with
-    probs, dprobs (4 x F tiles, M) fp32: quarter tile c's partial of sum_j act[r, j] * dA[r, j]
-    (reduced over the tiles by the host in a fixed order: no atomics). Padding rows get zeros.
-    EPI_TMA (needs BLOCK_C | k or k = F): h tiles come in and dh / act_p tiles leave through TMA, a
-    quarter's gate and up columns in one box each way.
+    probs, dprobs (F tiles, M) fp32: tile c's partial of sum_j act[r, j] * dA[r, j] (reduced over the
+    tiles by the host in a fixed order: no atomics). Padding rows get zeros.
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
@@ -219,11 +214,7 @@ def glu_backward_kernel(
     else:
         dy_desc = None
         w_desc = None
-    if EPI_TMA:
-        # Rows past the tile's group are read (and their results dropped); rows past M read zeros.
-        h_desc = _glu_desc(h_ptr, M, F, stride_hm, GLU_BLOCK, BLOCK_M, BLOCK_C // 4, GATE_AND_UP=True)
-    else:
-        h_desc = None
+    QUARTER: tl.constexpr = BLOCK_C // 4
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
         pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
@@ -239,68 +230,70 @@ def glu_backward_kernel(
                        BLOCK_C, BLOCK_RED)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-        # Epilogue: the activation's backward on the tile's gate and up columns of h, in four
-        # column quarters: the fp32 temporaries of a whole tile (or a half: 96-120 bytes of spills
-        # in the sm_90 compile, and slower, notes v5) do not fit in the registers; quarters compile
-        # to 255 and no spills. A quarter's h comes in as one TMA box of its gate and up columns and
-        # its dh leaves as one: the loads wait for their data, so half the round trips of one box
-        # each (4-7% on the H200, notes v5).
+        # Epilogue: the activation's backward in four column quarters (the fp32 temporaries of a
+        # whole tile, or of a half, do not fit in the registers: spills, and slower, notes v5).
+        # A quarter's h is loaded by pointer before the previous quarter's math, so that its
+        # latency overlaps that math; dh and act_p leave by masked pointer stores, which nothing
+        # waits on. TMA boxes each way made every quarter wait for its load and for its stores to
+        # drain: 5-15% slower on the H200 (notes v6). d probs is summed over the tile's quarters
+        # in registers, one partial row per tile.
         d_act = tl.where(g < N, acc, 0.0)
-        QUARTER: tl.constexpr = BLOCK_C // 4
-        if EPI_TMA:
-            dh_desc = _glu_desc(dh_ptr, row_hi, F, stride_dhm, GLU_BLOCK, BLOCK_M, QUARTER, GATE_AND_UP=True)
-            act_desc = tl.make_tensor_descriptor(
-                act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, QUARTER])
-        else:
-            dh_desc = None
-            act_desc = None
         d_act0, d_act1 = split_halves(d_act, BLOCK_M, BLOCK_C)
         d_act00, d_act01 = split_halves(d_act0, BLOCK_M, BLOCK_C // 2)
         d_act10, d_act11 = split_halves(d_act1, BLOCK_M, BLOCK_C // 2)
-        _glu_backward_epilogue(
-            d_act00, 4 * pid_c, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
-            act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
-        _glu_backward_epilogue(
-            d_act01, 4 * pid_c + 1, c0 + QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
-        _glu_backward_epilogue(
-            d_act10, 4 * pid_c + 2, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
-        _glu_backward_epilogue(
-            d_act11, 4 * pid_c + 3, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr,
-            dh_desc, act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-            ACTIVATION, GLU_BLOCK, HAS_PROBS, EPI_TMA, BLOCK_M, QUARTER)
+        hg, hu = _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, QUARTER)
+        hg_next, hu_next = _load_h(h_ptr, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
+                                   BLOCK_M, QUARTER)
+        d_probs = _glu_backward_quarter(
+            d_act00, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr, stride_dhm,
+            stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+        hg, hu = _load_h(h_ptr, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
+                         BLOCK_M, QUARTER)
+        d_probs += _glu_backward_quarter(
+            d_act01, hg_next, hu_next, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr,
+            stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+        hg_next, hu_next = _load_h(h_ptr, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
+                                   BLOCK_M, QUARTER)
+        d_probs += _glu_backward_quarter(
+            d_act10, hg, hu, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr,
+            stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+        d_probs += _glu_backward_quarter(
+            d_act11, hg_next, hu_next, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr,
+            probs_ptr, stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+        if HAS_PROBS:
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, d_probs,
+                     mask=(offs_m >= row_lo) & (offs_m < row_hi))
 
 
 @triton.jit
-def _glu_backward_epilogue(
-    d_act, part_row, c0, g, N, row0, row_lo, row_hi, M, F, h_ptr, h_desc, dh_ptr, dh_desc,
-    act_ptr, act_desc, probs_ptr, dprobs_ptr, stride_hm, stride_dhm, stride_actm,
-    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr, EPI_TMA: tl.constexpr,
+def _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(gate, up) columns of h for activation columns c0:c0+BLOCK_C, (BLOCK_M, BLOCK_C) each in h's
+    dtype; zeros outside the tile's group, past F and on padding tiles."""
+    _, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    mask = ((offs_m >= row_lo) & (offs_m < row_hi))[:, None] & mask_c[None, :] & (g < N)
+    h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+    return (tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0),
+            tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0))
+
+
+@triton.jit
+def _glu_backward_quarter(
+    d_act, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr, stride_dhm, stride_actm,
+    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C -> dh's gate and up
-    columns, act_p, and row `part_row` of the d probs partials."""
+    """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C, with their h columns
+    (hg, hu) -> dh's gate and up columns and act_p stored; returns the rows' sum_j act * dA (zeros
+    without probs)."""
     offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-    real = g < N
     out_ty = dh_ptr.dtype.element_ty
-    if EPI_TMA:
-        # One box of the gate and up columns. Padding tiles read their rows of h, which the forward
-        # wrote as zeros.
-        h_gu = h_desc.load([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK]).reshape(BLOCK_M, 2, BLOCK_C)
-        hg, hu = tl.split(tl.permute(h_gu, (0, 2, 1)))
-        hg = hg.to(tl.float32)
-        hu = hu.to(tl.float32)
-    else:
-        mask = mask_m[:, None] & mask_c[None, :] & real
-        h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
-        hg = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        hu = tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0).to(tl.float32)
+    hg = hg.to(tl.float32)
+    hu = hu.to(tl.float32)
     if ACTIVATION == 0:
         sig = tl.sigmoid(hg)
         silu = hg * sig
@@ -311,10 +304,12 @@ def _glu_backward_epilogue(
         sig = tl.sigmoid(CLAMP_ALPHA * gc)
         act = gc * sig * (uc + 1.0)
     if HAS_PROBS:
-        p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
-        tl.store(dprobs_ptr + part_row.to(tl.int64) * M + offs_m, tl.sum(act * d_act, 1), mask=mask_m)
+        p = tl.load(probs_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
+        d_probs = tl.sum(act * d_act, 1)
         d_act = d_act * p[:, None]
         act = act * p[:, None]
+    else:
+        d_probs = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if ACTIVATION == 0:
         d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
         d_u = d_act * silu
@@ -322,14 +317,9 @@ def _glu_backward_epilogue(
         # The clamps pass the gradient at the limit itself, as torch.clamp does.
         d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
         d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
-    if EPI_TMA:
-        d_gu = tl.permute(tl.join(d_g.to(out_ty), d_u.to(out_ty)), (0, 2, 1)).reshape(BLOCK_M, 1, 2, BLOCK_C)
-        dh_desc.store([row0, c0 // GLU_BLOCK, 0, c0 % GLU_BLOCK], d_gu)
-        act_desc.store([row0, c0], act.to(out_ty))
-    else:
-        store_mask = mask_m[:, None] & mask_c[None, :]
-        dh_rows = dh_ptr + offs_m.to(tl.int64)[:, None] * stride_dhm
-        tl.store(dh_rows + gate_c[None, :], d_g.to(out_ty), mask=store_mask)
-        tl.store(dh_rows + (gate_c + GLU_BLOCK)[None, :], d_u.to(out_ty), mask=store_mask)
-        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act.to(out_ty),
-                 mask=store_mask)
+    mask = mask_m[:, None] & mask_c[None, :]
+    dh_rows = dh_ptr + offs_m.to(tl.int64)[:, None] * stride_dhm
+    tl.store(dh_rows + gate_c[None, :], d_g.to(out_ty), mask=mask)
+    tl.store(dh_rows + (gate_c + GLU_BLOCK)[None, :], d_u.to(out_ty), mask=mask)
+    tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act.to(out_ty), mask=mask)
+    return d_probs
