@@ -184,13 +184,12 @@ def _glu_candidates(kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, u
     return [GemmConfig(128, widths[0], 64, 8, 4, 8, False)]
 
 
-def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
-                      box_cols: int) -> bool:
-    """Whether the forward's h and act leave through TMA: boxes of `box_cols` consecutive gate (or
-    up) columns need BLOCK_C | k or k = F, at least 16 bytes per box row, and 16-byte aligned rows
-    of h and act."""
+def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, use_tma: bool) -> bool:
+    """Whether the forward's h and act leave through TMA: boxes of a tile's BLOCK_C consecutive gate
+    (or up) columns need BLOCK_C | k or k = F, at least 16 bytes per box row, and 16-byte aligned
+    rows of h and act."""
     return (cfg.epi_tma and use_tma and (glu_block == ffn or glu_block % cfg.block_cols == 0)
-            and box_cols * x.element_size() >= 16 and (ffn * x.element_size()) % 16 == 0)
+            and cfg.block_cols * x.element_size() >= 16 and (ffn * x.element_size()) % 16 == 0)
 
 
 def _glu_weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
@@ -276,7 +275,7 @@ def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: st
         BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
         BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
         BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
-        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma, c.block_cols), num_stages=c.stages,
+        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma), num_stages=c.stages,
         num_warps=c.warps,
     ))
 
