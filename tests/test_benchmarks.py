@@ -129,3 +129,33 @@ def test_time_rounds_rotates_order_and_keeps_the_others_on_error():
     assert a["ms_rounds"] == [1.0, 1.0, 1.0] and a["ms"] == 1.0 and a["tflops"] == 2.0
     assert b["status"] == "error" and "round 1" in b["reason"] and b["ms_rounds"] == [2.0]
     assert c["ms"] == 4.0
+
+
+def test_ab_builds_smoke_same_build_is_bit_identical(tmp_path):
+    out = tmp_path / "ab.json"
+    src = str(BENCHMARKS.parent / "src")
+    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1",
+               "--shapes", "smoke-4e", "--commit", "abc1234-test", "--out", str(out)]
+    proc = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["git_commit"] == "abc1234-test" and payload["meta"]["order"] == ["a", "b"]
+    assert set(payload["cells"]) == {"smoke-4e/balanced", "smoke-4e/skewed"}
+    assert all(c["bit_identical"] for c in payload["cells"].values())
+
+
+def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
+    ab = _load("ab_builds")
+
+    def run(hash_, ms):
+        return {"cell": {"hash": hash_, "kernels": {"glu_forward_kernel": {"ms": ms, "calls_per_step": 1}}}}
+
+    same = ab.compare({"a": [run("h", 2.0), run("h", 4.0)], "b": [run("h", 2.5), run("h", 2.0)]})["cell"]
+    assert same["bit_identical"] and same["kernels"]["glu_forward_kernel"]["b_over_a"] == 0.75
+    assert same["kernels"]["glu_forward_kernel"]["a_ms"] == [2.0, 4.0]
+    differ = ab.compare({"a": [run("h", 1.0)], "b": [run("other", 1.0)]})["cell"]
+    assert not differ["bit_identical"]
+    with pytest.raises(SystemExit):
+        ab.main(["--a", "/nonexistent", "--b", "/nonexistent"])
+    assert "--a must be a source tree holding moekit/__init__.py" in capsys.readouterr().err
