@@ -141,7 +141,8 @@ def main(argv=None) -> dict | None:
             parser.error(f"--{name} must be a source tree holding moekit/__init__.py, got {src}")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
-    sys.path.insert(0, str(BENCHMARKS))
+    # runner imports moekit for the version it records: build A's.
+    sys.path[:0] = [str(args.a.resolve()), str(BENCHMARKS)]
     import runner
 
     start = time.monotonic()
