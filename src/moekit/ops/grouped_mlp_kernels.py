@@ -160,6 +160,10 @@ def glu_forward_kernel(
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
         real = g < N  # padding rows: exact zeros whatever x, bias or probs hold
+        if HAS_PROBS:
+            # Loaded first, so its latency passes during h's stores (after them it was exposed;
+            # before the main loop it slowed the loop down: notes v7).
+            p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
         acc_g = tl.where(real, acc_g, 0.0)
         acc_u = tl.where(real, acc_u, 0.0)
         if HAS_BIAS:
@@ -179,7 +183,6 @@ def glu_forward_kernel(
             tl.store(h_rows + (gate_c + GLU_BLOCK)[None, :], h_u, mask=mask)
         act = _act(h_g.to(tl.float32), h_u.to(tl.float32), ACTIVATION)
         if HAS_PROBS:
-            p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
             act = act * p[:, None]
         _store_act(act.to(out_ty), act_ptr, row0, row_hi, c0, offs_m, offs_c, mask_m, mask_c, F, stride_actm,
                    EPI_TMA, BLOCK_M, BLOCK_C)
@@ -221,6 +224,15 @@ def glu_backward_kernel(
         row0 = row_lo + pid_m * BLOCK_M
         c0 = pid_c * BLOCK_C
         dy_row0 = tl.where(g < N, row0, M)
+        # The tile's probs are loaded before the main loop, whose time hides the load's latency
+        # (in the epilogue it was exposed: 0.4-3.8% of this kernel, notes v7). The row offsets are
+        # made again for the d probs store below rather than kept live through the loop.
+        if HAS_PROBS:
+            offs_pm = row0 + tl.arange(0, BLOCK_M)
+            p = tl.load(probs_ptr + offs_pm, mask=(offs_pm >= row_lo) & (offs_pm < row_hi) & (g < N),
+                        other=0.0).to(tl.float32)
+        else:
+            p = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
         for step in range(red_steps):
             red0 = step * BLOCK_RED
@@ -245,21 +257,21 @@ def glu_backward_kernel(
         hg_next, hu_next = _load_h(h_ptr, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                                    BLOCK_M, QUARTER)
         d_probs = _glu_backward_quarter(
-            d_act00, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr, stride_dhm,
+            d_act00, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm,
             stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         hg, hu = _load_h(h_ptr, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                          BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act01, hg_next, hu_next, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr,
+            d_act01, hg_next, hu_next, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
             stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         hg_next, hu_next = _load_h(h_ptr, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                                    BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act10, hg, hu, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr,
+            d_act10, hg, hu, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
             stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
             d_act11, hg_next, hu_next, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr,
-            probs_ptr, stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+            p, stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         if HAS_PROBS:
             offs_m = row0 + tl.arange(0, BLOCK_M)
             tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, d_probs,
@@ -281,13 +293,13 @@ def _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK: tl.c
 
 @triton.jit
 def _glu_backward_quarter(
-    d_act, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, probs_ptr, stride_dhm, stride_actm,
+    d_act, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm, stride_actm,
     ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C, with their h columns
-    (hg, hu) -> dh's gate and up columns and act_p stored; returns the rows' sum_j act * dA (zeros
-    without probs)."""
+    (hg, hu) and the rows' probs p (BLOCK_M,) fp32 -> dh's gate and up columns and act_p stored;
+    returns the rows' sum_j act * dA (zeros without probs)."""
     offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
@@ -304,7 +316,6 @@ def _glu_backward_quarter(
         sig = tl.sigmoid(CLAMP_ALPHA * gc)
         act = gc * sig * (uc + 1.0)
     if HAS_PROBS:
-        p = tl.load(probs_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
         d_probs = tl.sum(act * d_act, 1)
         d_act = d_act * p[:, None]
         act = act * p[:, None]
