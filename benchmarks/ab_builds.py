@@ -46,17 +46,9 @@ def probe(shape_names: str | None, steps: int, smoke: bool) -> dict:
     cells = {}
     for shape in shapes:
         for dist in runner.DISTS:
-            splits = runner.make_splits(shape, dist)
-            gen = torch.Generator(device=device).manual_seed(0)
-            M, N, H, F = shape.rows, shape.experts, shape.hidden, shape.ffn
-            leaves = [torch.randn(M, H, device=device, dtype=dtype, generator=gen),
-                      (torch.randn(N, 2 * F, H, device=device, generator=gen) * H**-0.5).to(dtype),
-                      (torch.randn(N, H, F, device=device, generator=gen) * F**-0.5).to(dtype),
-                      torch.rand(M, device=device, generator=gen)]
-            for t in leaves:
-                t.requires_grad_()
-            dy = torch.randn(M, H, device=device, dtype=dtype, generator=gen)
-            m_splits = torch.tensor(splits, device=device)
+            inputs, dy = runner.mlp_inputs(shape, device, dtype)
+            leaves = list(inputs.values())
+            m_splits = torch.tensor(runner.make_splits(shape, dist), device=device)
 
             def step(leaves=leaves, dy=dy, m_splits=m_splits):
                 for t in leaves:

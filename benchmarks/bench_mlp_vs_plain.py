@@ -54,17 +54,8 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str)
     device, dtype = cfg.device, cfg.dtype
     start = time.monotonic()
     splits = runner.make_splits(shape, dist)
-    gen = torch.Generator(device=device).manual_seed(0)
-    leaves = {
-        "x": torch.randn(M, H, device=device, dtype=dtype, generator=gen),
-        "w1": (torch.randn(N, 2 * Fd, H, device=device, generator=gen) * H**-0.5).to(dtype),
-        "w2": (torch.randn(N, H, Fd, device=device, generator=gen) * Fd**-0.5).to(dtype),
-        "probs": torch.rand(M, device=device, generator=gen),
-    }
-    for t in leaves.values():
-        t.requires_grad_()
+    leaves, dy = runner.mlp_inputs(shape, device, dtype)
     grads = list(leaves.values())
-    dy = torch.randn(M, H, device=device, dtype=dtype, generator=gen)
     m_splits = torch.tensor(splits, device=device)
     offs32 = torch.cumsum(m_splits, 0).to(torch.int32)
     x, w1, w2, probs = (leaves[k] for k in GRAD_NAMES)

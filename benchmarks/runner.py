@@ -109,6 +109,22 @@ def make_splits(shape: MoEShape, dist: str) -> list[int]:
     raise ValueError(f"unknown split distribution {dist!r}; expected one of {DISTS}")
 
 
+def mlp_inputs(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """The grouped MLP's leaves {x (M, H), w1 (N, 2F, H), w2 (N, H, F), probs (M,) fp32}, requiring
+    grad, and the output gradient dy (M, H), drawn in that order from one generator seeded 0."""
+    M, N, H, F = shape.rows, shape.experts, shape.hidden, shape.ffn
+    gen = torch.Generator(device=device).manual_seed(0)
+    leaves = {
+        "x": torch.randn(M, H, device=device, dtype=dtype, generator=gen),
+        "w1": (torch.randn(N, 2 * F, H, device=device, generator=gen) * H**-0.5).to(dtype),
+        "w2": (torch.randn(N, H, F, device=device, generator=gen) * F**-0.5).to(dtype),
+        "probs": torch.rand(M, device=device, generator=gen),
+    }
+    for t in leaves.values():
+        t.requires_grad_()
+    return leaves, torch.randn(M, H, device=device, dtype=dtype, generator=gen)
+
+
 def splits_table(cfg: BenchConfig) -> dict[str, dict[str, list[int]]]:
     """The exact counts of every (shape, dist) measured, for the JSON (to reproduce a cell)."""
     return {s.name: {d: make_splits(s, d) for d in cfg.dists} for s in cfg.shapes}

@@ -257,20 +257,20 @@ def glu_backward_kernel(
         hg_next, hu_next = _load_h(h_ptr, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                                    BLOCK_M, QUARTER)
         d_probs = _glu_backward_quarter(
-            d_act00, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm,
+            d_act00, hg, hu, c0, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm,
             stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         hg, hu = _load_h(h_ptr, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                          BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act01, hg_next, hu_next, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
+            d_act01, hg_next, hu_next, c0 + QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
             stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         hg_next, hu_next = _load_h(h_ptr, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
                                    BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act10, hg, hu, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
+            d_act10, hg, hu, c0 + 2 * QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
             stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act11, hg_next, hu_next, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr,
+            d_act11, hg_next, hu_next, c0 + 3 * QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr,
             p, stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
         if HAS_PROBS:
             offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -293,7 +293,7 @@ def _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK: tl.c
 
 @triton.jit
 def _glu_backward_quarter(
-    d_act, hg, hu, c0, g, N, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm, stride_actm,
+    d_act, hg, hu, c0, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm, stride_actm,
     ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
