@@ -476,3 +476,91 @@ def test_launch_plans_are_per_layout(nan_outputs):
         dw_ref, _ = ref_wgrad(dy[:14], contiguous[:14], splits)
         assert rel_err(gg.grouped_gemm_wgrad(dy, contiguous, offs), dw_ref) < 1e-6
     assert len(gg._PLANS) >= before + 3, "each forward layout is its own plan"
+
+
+# ---------------------------------------------------------------------------------------------
+# The warp-specialised Hopper forward (Gluon: no interpreter runs it). On the CPU it is compiled for
+# sm_90; on an sm_90 GPU it must give glu_forward_kernel's bits.
+# ---------------------------------------------------------------------------------------------
+
+
+_COMPILE_FOR_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.grouped_mlp import WS_FORWARD
+from moekit.ops.grouped_mlp_hopper_kernels import glu_forward_ws_kernel as kernel
+from moekit.ops.swiglu import ACTIVATIONS
+
+activation, glu_block, bias, probs = json.loads(sys.argv[1])
+options = {"num_warps": WS_FORWARD["num_warps"], "maxnreg": WS_FORWARD["maxnreg"]}
+const = {k: v for k, v in WS_FORWARD.items() if k not in options}
+const.update(ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=glu_block, HAS_BIAS=bias, HAS_PROBS=probs,
+             BLOCK_GROUPS=256, NUM_PROGRAMS=132)
+pointer = {"probs_ptr": "*fp32", "offs_ptr": "*i64"}
+sig = {n: "constexpr" if n in const else pointer.get(n, "*bf16") if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+                  "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx}))
+"""
+
+
+@pytest.mark.parametrize("activation,glu_block,bias,probs", [("swiglu", 14336, False, True),
+                                                              ("clamped_swiglu", 128, True, False)],
+                         ids=["swiglu-gate|up-probs", "clamped-k128-bias"])
+def test_hopper_forward_compiles_for_sm90(activation, glu_block, bias, probs):
+    """The library's configuration compiles for sm_90 into 16 warps (8 mma, 4 epilogue, the load
+    warp rounded up to a warp group) with wgmma and register reallocation, inside Hopper's 227 KB of
+    shared memory per block. In its own process: Gluon's standard functions cannot be compiled
+    where TRITON_INTERPRET=1 has turned them into interpreted ones."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps([activation, glu_block, bias, probs])],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["num_warps"] == 16 and got["wgmma"] and got["setmaxnreg"]
+    assert 0 < got["shared"] <= 227 * 1024
+
+
+HOPPER_CASES = {
+    # M, splits, H, F, glu_interleave_size, bias, probs, activation
+    "padding_empty_bias": (1000, [0, 300, 1, 0, 500], 256, 384, None, True, True, "swiglu"),
+    "clamped_no_probs": (1000, [0, 300, 1, 0, 500], 256, 384, None, True, False, "clamped_swiglu"),
+    "one_row": (64, [0, 1, 0], 64, 128, None, False, True, "swiglu"),
+    "all_padding": (300, [0, 0, 0], 64, 128, None, False, True, "swiglu"),
+    "gptoss_partial_tile": (4096, [1000, 0, 2000, 1096], 2880, 2880, None, True, True, "clamped_swiglu"),
+    "interleave_k128": (2048, [500, 700, 848], 512, 768, 128, False, True, "swiglu"),
+    "odd_rows": (777, [100, 233, 0, 444], 192, 256, None, False, True, "swiglu"),
+}
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))
+def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
+    from moekit.ops import grouped_mlp as gm
+
+    M, splits, H, F, k, bias, probs, activation = HOPPER_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    N = len(splits)
+    x = (torch.randn(M, H, generator=gen) * 3).to("cuda", dtype)
+    w1 = (torch.randn(N, 2 * F, H, generator=gen) / H**0.5).to("cuda", dtype)
+    b1 = torch.randn(N, 2 * F, generator=gen).to("cuda", dtype) if bias else None
+    p = torch.rand(M, generator=gen).cuda() if probs else None
+    offs = offs_of(splits, "cuda")
+    glu_block = F if k is None else k
+    assert gm._glu_forward_ws_ok(x, w1, glu_block, True, None)
+    h, act = gm.glu_forward(x, w1, offs, b1, p, k, activation)
+    cfg = gm._glu_candidates("fwd", dtype, F, glu_block, True)[0]  # a given cfg: glu_forward_kernel
+    h_ref, act_ref = gm.glu_forward(x, w1, offs, b1, p, k, activation, cfg=cfg)
+    assert torch.equal(h, h_ref) and torch.equal(act, act_ref)

@@ -228,6 +228,57 @@ def _glu_launchers():
     return Launcher(glu_forward_kernel), Launcher(glu_backward_kernel)
 
 
+# The Hopper forward's one configuration (grouped_mlp_hopper_kernels): a 128 x (128 + 128) tile,
+# 3 slots of 64 reduction columns (4 do not fit in shared memory beside the two h staging tiles),
+# the epilogue partition 16 columns at a time with 88 registers a thread (32 columns spill), the
+# load partition 24 registers, the mma partition the rest of the 128 per thread of 16 warps.
+# Measured on the H200 (notes/grouped_mlp.md, v8).
+WS_FORWARD = dict(BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, EPI_REGS=88,
+                  num_warps=8, maxnreg=128)
+
+
+@functools.cache
+def _ws_forward_launcher():
+    from moekit.ops.grouped_mlp_hopper_kernels import glu_forward_ws_kernel
+    from moekit.ops.triton_launch import Launcher
+
+    return Launcher(glu_forward_ws_kernel)
+
+
+def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int, use_tma: bool,
+                       cfg: GemmConfig | None) -> bool:
+    """Whether the forward runs the warp-specialised Hopper kernel: an sm_90 device, 16-bit operands
+    through TMA, the library's own configuration (cfg None; a given cfg names a glu_forward_kernel
+    configuration), the gate and up rows of a tile's columns in one run of 128 rows of w1 (k = F or
+    128 | k) and w1's experts one after the other (its 2-D view (N * 2F, H)). Everything else runs
+    glu_forward_kernel, which computes the same bits."""
+    if cfg is not None or not use_tma or _interpreting() or x_MH.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(x_MH.device) != (9, 0):
+        return False
+    ffn = w1_N2FH.shape[1] // 2
+    return (x_MH.dtype in (torch.bfloat16, torch.float16)
+            and (glu_block == ffn or glu_block % WS_FORWARD["BLOCK_C"] == 0)
+            and w1_N2FH.stride(2) == 1 and w1_N2FH.stride(0) == w1_N2FH.shape[1] * w1_N2FH.stride(1))
+
+
+def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str):
+    """The launch of the Hopper forward; tensors as `_glu_forward_launch`'s."""
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import LaunchPlan
+
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    bound = (_cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * _cdiv(ffn, WS_FORWARD["BLOCK_C"])
+    nprog = gg._grid_size(x_MH.device, bound)
+    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn,
+            bias_N2F.stride(0) if bias_N2F is not None else 0)
+    return LaunchPlan(_ws_forward_launcher(), (nprog,), ints, dict(
+        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
+        HAS_PROBS=probs_M is not None, BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, **WS_FORWARD))
+
+
 def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True,
                 cfg: GemmConfig | None = None):
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
@@ -292,6 +343,8 @@ def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_siz
         return gg._Plan(ffn, False, None)
     k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, x_MH, w1_N2FH)
+    if _glu_forward_ws_ok(x_MH, w1_N2FH, k, use_tma, cfg):
+        return gg._Plan(ffn, False, _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation))
 
     def trial(c: GemmConfig) -> None:
         h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
