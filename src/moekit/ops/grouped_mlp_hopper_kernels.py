@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 CLAMP_LIMIT = gl.constexpr(7.0)
 CLAMP_ALPHA = gl.constexpr(1.702)
@@ -295,3 +296,232 @@ def glu_forward_ws_kernel(
                    BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
     ], [4, 1], [EPI_REGS, 24])
 
+
+
+@gluon.jit
+def _bwd_load_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                        stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                        a_bufs, b_bufs, ready, empty, da_smem, hg_smem, hu_smem, h_ready, epi_ready, epi_free,
+                        ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                        GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                        STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+    """dy's rows and w2[g]'s (BLOCK_RED, BLOCK_C) boxes, one reduction step a slot, into the ring."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+    dy_desc = tma.make_tensor_descriptor(dy_ptr, shape=[M, H], strides=[stride_dym, 1],
+                                         block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, shape=[N * H, F], strides=[stride_wr, 1],
+                                        block_shape=[BLOCK_RED, BLOCK_C], layout=b_bufs.type.layout)
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * dy_ptr.dtype.element_ty.primitive_bitwidth // 8
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, BLOCK_C, GROUP_M)
+        dy_row0 = gl.where(g < N, row0, M)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = step * BLOCK_RED
+            tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [g * H + red0, c0], ready.index(slot), b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _bwd_epilogue_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                            stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                            a_bufs, b_bufs, ready, empty, da_smem, hg_smem, hu_smem, h_ready, epi_ready, epi_free,
+                            ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                            GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                            STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+    """The activation's backward of each tile from dA (fp32, in shared memory) and h, EPI_COLS
+    columns at a time: dh and act_p stored, d probs summed per row. h's gate and up tiles come by
+    TMA into shared memory, issued as soon as the previous tile's are read, so that they arrive
+    while the tile's main loop runs."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+    VEC: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
+                                            [gl.num_warps(), 1], [1, 0])
+    h_desc = tma.make_tensor_descriptor(h_ptr, shape=[M, 2 * F], strides=[stride_hm, 1],
+                                        block_shape=[BLOCK_M, BLOCK_C], layout=hg_smem.type.layout)
+    nbytes: gl.constexpr = 2 * BLOCK_M * BLOCK_C * dh_ptr.dtype.element_ty.primitive_bitwidth // 8
+    out_ty = dh_ptr.dtype.element_ty
+    tile_id = gl.program_id(0)
+    if tile_id < num_tiles:
+        _load_h_tile(tile_id, h_desc, hg_smem, hu_smem, h_ready, nbytes, num_pid_c, row_start, row_end, tile_end,
+                     M, N, GLU_BLOCK, BLOCK_M, BLOCK_C, GROUP_M)
+    count = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, BLOCK_C, GROUP_M)
+        # 64-bit tile bases and 32-bit offsets inside the tile: 64-bit pointers per element cost
+        # the registers this partition does not have.
+        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_m = row0 + offs_r
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        if HAS_PROBS:
+            p = gl.load(probs_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(gl.float32)
+        d_probs = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        dh_tile = dh_ptr + row0.to(gl.int64) * stride_dhm
+        act_tile = act_ptr + row0.to(gl.int64) * stride_actm
+        dh_rows = gl.expand_dims(offs_r * stride_dhm, 1)
+        act_rows = gl.expand_dims(offs_r * stride_actm, 1)
+        mbarrier.wait(h_ready, count & 1)
+        mbarrier.wait(epi_ready, count & 1)
+        for cc in gl.static_range(0, BLOCK_C, EPI_COLS):
+            offs_c = c0 + cc + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+            gate_c = gl.expand_dims(offs_c + (offs_c // GLU_BLOCK) * GLU_BLOCK, 0)
+            mask = gl.expand_dims(mask_m, 1) & gl.expand_dims(offs_c < F, 0)
+            # Columns past F and rows of other groups hold other values of h here (the boxes are
+            # not clipped there): they only feed outputs the masks drop.
+            hg = hg_smem.slice(cc, EPI_COLS, dim=1).load(layout).to(gl.float32)
+            hu = hu_smem.slice(cc, EPI_COLS, dim=1).load(layout).to(gl.float32)
+            d_act = da_smem.slice(cc, EPI_COLS, dim=1).load(layout)
+            if ACTIVATION == 0:
+                sig = 1 / (1 + gl.exp(-hg))
+                silu = hg * sig
+                act = silu * hu
+            else:
+                gc = gl.minimum(hg, CLAMP_LIMIT)
+                uc = gl.minimum(gl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
+                sig = 1 / (1 + gl.exp(-(CLAMP_ALPHA * gc)))
+                act = gc * sig * (uc + 1.0)
+            if HAS_PROBS:
+                d_probs += gl.sum(gl.where(mask, act * d_act, 0.0), 1)
+                d_act = d_act * gl.expand_dims(p, 1)
+                act = act * gl.expand_dims(p, 1)
+            if ACTIVATION == 0:
+                d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
+                d_u = d_act * silu
+            else:
+                # The clamps pass the gradient at the limit itself, as torch.clamp does.
+                d_g = gl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)),
+                               0.0)
+                d_u = gl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+            gl.store(dh_tile + dh_rows + gate_c, d_g.to(out_ty), mask=mask)
+            gl.store(dh_tile + dh_rows + gate_c + GLU_BLOCK, d_u.to(out_ty), mask=mask)
+            gl.store(act_tile + act_rows + gl.expand_dims(offs_c, 0), act.to(out_ty), mask=mask)
+        # Every warp of this partition has read dA and h before the buffers are handed back (dA
+        # to the mma partition; h to the next tile's TMA load, ordered after the reads by the
+        # fence).
+        gl.thread_barrier()
+        mbarrier.arrive(epi_free, count=1)
+        fence_async_shared()
+        if tile_id + NUM_PROGRAMS < num_tiles:
+            _load_h_tile(tile_id + NUM_PROGRAMS, h_desc, hg_smem, hu_smem, h_ready, nbytes, num_pid_c, row_start,
+                         row_end, tile_end, M, N, GLU_BLOCK, BLOCK_M, BLOCK_C, GROUP_M)
+        if HAS_PROBS:
+            pid_c = c0 // BLOCK_C
+            gl.store(dprobs_ptr + pid_c.to(gl.int64) * M + offs_m, d_probs, mask=mask_m)
+        count += 1
+
+
+@gluon.jit
+def _load_h_tile(tile_id, h_desc, hg_smem, hu_smem, h_ready, nbytes: gl.constexpr, num_pid_c, row_start, row_end,
+                 tile_end, M, N, GLU_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """TMA loads of a tile's gate and up columns of h (padding tiles: rows past M, zeros)."""
+    g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
+    h_row0 = gl.where(g < N, row0, M)
+    gate_col = c0 + (c0 // GLU_BLOCK) * GLU_BLOCK
+    mbarrier.expect(h_ready, nbytes)
+    tma.async_copy_global_to_shared(h_desc, [h_row0, gate_col], h_ready, hg_smem)
+    tma.async_copy_global_to_shared(h_desc, [h_row0, gate_col + GLU_BLOCK], h_ready, hu_smem)
+
+
+@gluon.jit
+def _bwd_mma_partition(offs_ptr, M, F, H, N, a_bufs, b_bufs, ready, empty, da_smem, epi_ready, epi_free,
+                       BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                       GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """dA = dy @ w2[g] of each tile over the ring (zeros on padding tiles), handed to the epilogue
+    partition in fp32 through da_smem."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    count = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, BLOCK_C, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, is_async=True)
+            # The previous slot's product is done once at most this one is in flight.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if step > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        acc = gl.where(g < N, acc, 0.0)
+        mbarrier.wait(epi_free, (count & 1) ^ 1)
+        da_smem.store(acc)
+        gl.thread_barrier()
+        mbarrier.arrive(epi_ready, count=1)
+        count += 1
+
+
+@gluon.jit
+def glu_backward_ws_kernel(
+    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+    M, F, H, N,
+    stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
+    EPI_REGS: gl.constexpr,
+):
+    """fc2's dgrad dA = dy @ w2[g] with the activation's backward in a concurrent epilogue, as
+    glu_backward_kernel: dh (M, 2F) and act_p (M, F) in h's dtype, with probs the d probs partials
+    (F tiles, M) fp32. dy: (M, H) row stride stride_dym; w: fc2's (N, H, F), experts contiguous
+    (stride H * stride_wr), unit last stride; needs BLOCK_RED | H (the 2-D view (N * H, F) of w2
+    must not reach into the next expert). num_warps = 8 (the mma partition)."""
+    dtype: gl.constexpr = dy_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_RED, BLOCK_C], dtype)
+    da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C], gl.float32)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
+    da_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_C], da_layout)
+    h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C], dtype)
+    hg_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], h_layout)
+    hu_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], h_layout)
+    h_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_free, count=1)
+    mbarrier.init(h_ready, count=1)
+    gl.warp_specialize([
+        (_bwd_mma_partition, (offs_ptr, M, F, H, N, a_bufs, b_bufs, ready, empty, da_smem, epi_ready, epi_free,
+                              BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
+        (_bwd_epilogue_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                                   stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                                   a_bufs, b_bufs, ready, empty, da_smem, hg_smem, hu_smem, h_ready, epi_ready,
+                                   epi_free,
+                                   ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
+                                   BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
+        (_bwd_load_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                               stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                               a_bufs, b_bufs, ready, empty, da_smem, hg_smem, hu_smem, h_ready, epi_ready,
+                               epi_free,
+                               ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
+                               BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
+    ], [4, 1], [EPI_REGS, 24])
