@@ -250,8 +250,9 @@ def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int
     """Whether the forward runs the warp-specialised Hopper kernel: an sm_90 device, 16-bit operands
     through TMA, the library's own configuration (cfg None; a given cfg names a glu_forward_kernel
     configuration), the gate and up rows of a tile's columns in one run of 128 rows of w1 (k = F or
-    128 | k) and w1's experts one after the other (its 2-D view (N * 2F, H)). Everything else runs
-    glu_forward_kernel, which computes the same bits."""
+    128 | k), w1's experts one after the other (its 2-D view (N * 2F, H)) and a tile's element
+    offsets in int32 (BLOCK_M rows of h). Everything else runs glu_forward_kernel, which computes
+    the same bits."""
     if cfg is not None or not use_tma or _interpreting() or x_MH.device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(x_MH.device) != (9, 0):
@@ -259,7 +260,8 @@ def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int
     ffn = w1_N2FH.shape[1] // 2
     return (x_MH.dtype in (torch.bfloat16, torch.float16)
             and (glu_block == ffn or glu_block % WS_FORWARD["BLOCK_C"] == 0)
-            and w1_N2FH.stride(2) == 1 and w1_N2FH.stride(0) == w1_N2FH.shape[1] * w1_N2FH.stride(1))
+            and w1_N2FH.stride(2) == 1 and w1_N2FH.stride(0) == w1_N2FH.shape[1] * w1_N2FH.stride(1)
+            and WS_FORWARD["BLOCK_M"] * 2 * ffn < 2**31)
 
 
 def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str):

@@ -93,8 +93,8 @@ def _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M: gl.constexp
     return g, row_lo, row_hi, row_lo + pid_m * BLOCK_M, pid_c * BLOCK_C
 
 
-# The two worker partitions take the same parameters (Gluon passes one argument list to all
-# workers), each using its own part of them.
+# The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
+# of worker partitions; each uses its own part of them.
 @gluon.jit
 def _load_partition(x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr, M, F, H, N,
                     stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
