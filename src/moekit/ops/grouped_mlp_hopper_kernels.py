@@ -40,8 +40,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-CLAMP_LIMIT = gl.constexpr(7.0)
-CLAMP_ALPHA = gl.constexpr(1.702)
+# clamped_swiglu's constants: the Triton kernels' own (gl.constexpr is tl.constexpr).
+from moekit.ops.grouped_mlp_kernels import CLAMP_ALPHA, CLAMP_LIMIT
 
 
 @gluon.jit
