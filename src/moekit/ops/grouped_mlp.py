@@ -8,7 +8,8 @@ so the probability scales both the activation output and the fc2 bias, and `prob
 
 Backends. `loop` and `torch` compose `grouped_linear`, `swiglu` and `grouped_linear`. `triton` (and
 `auto` where it resolves to triton) runs the fused path of `_fused_mlp`, kernels in
-`moekit.ops.grouped_mlp_kernels`:
+`moekit.ops.grouped_mlp_kernels` (on Hopper the forward's in `moekit.ops.grouped_mlp_hopper_kernels`,
+same bits; `_glu_forward_ws_ok` says when):
 
     forward   fc1 GEMM + bias + activation (+ probs) in one kernel -> h (M, 2F) (saved), act (M, F)
               fc2 GEMM with the probs-scaled bias                   -> y (M, H); act is freed
