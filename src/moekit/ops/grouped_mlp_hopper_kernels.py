@@ -295,3 +295,401 @@ def glu_forward_ws_kernel(
                    BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
     ], [4, 1], [EPI_REGS, 24])
 
+
+# --------------------------------------------------------------------------------------------------
+# The backward: a load warp beside 8 warps that run the main loop and the epilogue
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _bwd_load_partition(dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr,
+                        a_bufs, b0_bufs, b1_bufs, ready, empty,
+                        BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                        GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """dy's rows and the two (BLOCK_RED, BLOCK_C) boxes of w2[g] of each tile, one reduction step a
+    slot, into the ring; it runs ahead across tiles, so the next tile's first slots fill while the
+    other partition runs this tile's epilogue."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
+    dy_desc = tma.make_tensor_descriptor(dy_ptr, shape=[M, H], strides=[stride_dym, 1],
+                                         block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, shape=[N * H, F], strides=[stride_wr, 1],
+                                        block_shape=[BLOCK_RED, BLOCK_C], layout=b0_bufs.type.layout)
+    nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * dy_ptr.dtype.element_ty.primitive_bitwidth // 8
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
+        # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
+        dy_row0 = gl.where(g < N, row0, M)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = step * BLOCK_RED
+            tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [g * H + red0, c0], ready.index(slot), b0_bufs.index(slot))
+            # Past F (the last tile's second half) the box reads zeros, and nothing of it is stored.
+            tma.async_copy_global_to_shared(w_desc, [g * H + red0, c0 + BLOCK_C], ready.index(slot),
+                                            b1_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _bwd_load_h(h_ptr, row0, offs_r, mask_rows, c, shift, F, stride_hm, GLU_BLOCK: gl.constexpr,
+                EPI_COLS: gl.constexpr, layout: gl.constexpr):
+    """(gate, up) of h for activation columns c:c+EPI_COLS of the tile's rows, in h's dtype; zeros
+    where mask_rows is false and past F. The gate column of activation column j is j + shift."""
+    offs_c = c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    gate_c = gl.expand_dims(offs_c + shift, 0)
+    mask = gl.expand_dims(mask_rows, 1) & gl.expand_dims(offs_c < F, 0)
+    rows = h_ptr + row0.to(gl.int64) * stride_hm + gl.expand_dims(offs_r * stride_hm, 1)
+    return gl.load(rows + gate_c, mask=mask, other=0.0), gl.load(rows + gate_c + GLU_BLOCK, mask=mask, other=0.0)
+
+
+@gluon.jit
+def _bwd_chunk(d_act, hg, hu, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c, shift, F, stride_dhm, stride_actm,
+               ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+               EPI_COLS: gl.constexpr, layout: gl.constexpr):
+    """The activation's backward of EPI_COLS columns with the operations of glu_backward_kernel, in
+    its order: dh and act_p stored; returns the rows' sum_j act * dA (zeros without probs)."""
+    offs_c = c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    gate_c = gl.expand_dims(offs_c + shift, 0)
+    mask = gl.expand_dims(mask_m, 1) & gl.expand_dims(offs_c < F, 0)
+    out_ty = dh_ptr.dtype.element_ty
+    hg = hg.to(gl.float32)
+    hu = hu.to(gl.float32)
+    if ACTIVATION == 0:
+        sig = 1 / (1 + gl.exp(-hg))
+        silu = hg * sig
+        act = silu * hu
+    else:
+        gc = gl.minimum(hg, CLAMP_LIMIT)
+        uc = gl.minimum(gl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
+        sig = 1 / (1 + gl.exp(-(CLAMP_ALPHA * gc)))
+        act = gc * sig * (uc + 1.0)
+    if HAS_PROBS:
+        d_probs = gl.sum(act * d_act, 1)
+        d_act = d_act * gl.expand_dims(p, 1)
+        act = act * gl.expand_dims(p, 1)
+    else:
+        d_probs = gl.zeros([d_act.shape[0]], gl.float32, gl.SliceLayout(1, layout))
+    if ACTIVATION == 0:
+        d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
+        d_u = d_act * silu
+    else:
+        # The clamps pass the gradient at the limit itself, as torch.clamp does.
+        d_g = gl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
+        d_u = gl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+    dh_rows = dh_ptr + row0.to(gl.int64) * stride_dhm + gl.expand_dims(offs_r * stride_dhm, 1)
+    gl.store(dh_rows + gate_c, d_g.to(out_ty), mask=mask)
+    gl.store(dh_rows + gate_c + GLU_BLOCK, d_u.to(out_ty), mask=mask)
+    act_rows = act_ptr + row0.to(gl.int64) * stride_actm + gl.expand_dims(offs_r * stride_actm, 1)
+    gl.store(act_rows + gl.expand_dims(offs_c, 0), act.to(out_ty), mask=mask)
+    return d_probs
+
+
+@gluon.jit
+def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                       stride_hm, stride_dhm, stride_actm, a_bufs, b0_bufs, b1_bufs, ready, empty, da_smem,
+                       ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                       GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+    """dA of each tile in two fp32 accumulators of BLOCK_C columns over the ring, then the epilogue:
+    each accumulator goes through da_smem and is read back EPI_COLS columns at a time in a
+    coalesced layout; h's first two chunks are loaded before the main loop and the others two
+    chunks ahead of the math."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
+    VEC: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
+                                            [gl.num_warps(), 1], [1, 0])
+    CHUNKS: gl.constexpr = BLOCK_C // EPI_COLS
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
+        real = g < N
+        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_m = row0 + offs_r
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        mask_h = mask_m & real  # padding rows: h reads as zeros, so dh and act_p are zeros
+        # Each half of the tile's columns lies in one GLU block (k = F or BLOCK_C | k).
+        shift0 = (c0 // GLU_BLOCK) * GLU_BLOCK
+        shift1 = ((c0 + BLOCK_C) // GLU_BLOCK) * GLU_BLOCK
+        # Loads issued before the main loop, whose time hides their latency.
+        if HAS_PROBS:
+            p = gl.load(probs_ptr + offs_m, mask=mask_h, other=0.0).to(gl.float32)
+        else:
+            p = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        hg0, hu0 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS,
+                               layout)
+        hg1, hu1 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK,
+                               EPI_COLS, layout)
+        acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
+            acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            if step > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+
+        d_probs = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        for k in gl.static_range(2 * CHUNKS):
+            if k == 0:
+                da_smem.store(acc0)
+                gl.thread_barrier()
+            if k == CHUNKS:
+                # Every warp has read acc0's columns before acc1 takes the buffer.
+                gl.thread_barrier()
+                da_smem.store(acc1)
+                gl.thread_barrier()
+            c = c0 + k * EPI_COLS
+            if k + 2 < 2 * CHUNKS:
+                hg2, hu2 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c + 2 * EPI_COLS,
+                                       shift0 if k + 2 < CHUNKS else shift1, F, stride_hm, GLU_BLOCK, EPI_COLS,
+                                       layout)
+            d_act = da_smem.slice((k % CHUNKS) * EPI_COLS, EPI_COLS, dim=1).load(layout)
+            d_probs += _bwd_chunk(d_act, hg0, hu0, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c,
+                                  shift0 if k < CHUNKS else shift1, F, stride_dhm, stride_actm, ACTIVATION,
+                                  GLU_BLOCK, HAS_PROBS, EPI_COLS, layout)
+            if k + 1 < 2 * CHUNKS:
+                hg0 = hg1
+                hu0 = hu1
+            if k + 2 < 2 * CHUNKS:
+                hg1 = hg2
+                hu1 = hu2
+        # The next tile's first store into da_smem comes after every warp's last read of it.
+        gl.thread_barrier()
+        if HAS_PROBS:
+            pid_c = c0 // (2 * BLOCK_C)
+            gl.store(dprobs_ptr + pid_c.to(gl.int64) * M + offs_m, d_probs, mask=mask_m)
+
+
+@gluon.jit
+def glu_backward_ws_kernel(
+    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+    M, F, H, N,
+    stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """fc2's dgrad dA = dy @ w2[g] with the activation's backward, as glu_backward_kernel: dh (M, 2F)
+    and act_p (M, F) in h's dtype (the same bits), with probs the d probs partials
+    (cdiv(F, 2 BLOCK_C), M) fp32 (another summation order than glu_backward_kernel's). A tile is
+    BLOCK_M rows by 2 BLOCK_C activation columns. dy: (M, H) row stride stride_dym; w: fc2's
+    (N, H, F), experts contiguous (stride H * stride_wr), unit last stride; needs BLOCK_RED | H
+    (the 2-D view (N * H, F) of w2 must not reach into the next expert) and k = F or BLOCK_C | k.
+    num_warps = 8 (the mma partition)."""
+    dtype: gl.constexpr = dy_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_RED, BLOCK_C], dtype)
+    da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C], gl.float32)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
+    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
+    da_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_C], da_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_bwd_mma_partition, (h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                              stride_hm, stride_dhm, stride_actm, a_bufs, b0_bufs, b1_bufs, ready, empty, da_smem,
+                              ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
+                              BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
+        (_bwd_load_partition, (dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr,
+                               a_bufs, b0_bufs, b1_bufs, ready, empty,
+                               BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
+    ], [1], [LOAD_REGS])
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward with its epilogue in a partition of its own: dA handed over rounded to dy's dtype
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _bwd2_load_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                         stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                         a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready, epi_free,
+                         ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                         GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                         STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+    _bwd_load_partition(dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr, a_bufs, b0_bufs, b1_bufs,
+                        ready, empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)
+
+
+@gluon.jit
+def _bwd2_epilogue_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
+                             stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                             a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready, epi_free,
+                             ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
+                             GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                             STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+    """The activation's backward of each tile from the rounded dA the mma partition left in shared
+    memory, EPI_COLS columns at a time; h by pointer, two chunks ahead of the math (the first two
+    before the tile's dA is ready)."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
+    VEC: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
+                                            [gl.num_warps(), 1], [1, 0])
+    CHUNKS: gl.constexpr = BLOCK_C // EPI_COLS
+    count = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
+                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
+        real = g < N
+        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_m = row0 + offs_r
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        mask_h = mask_m & real  # padding rows: h reads as zeros, so dh and act_p are zeros
+        # Each half of the tile's columns lies in one GLU block (k = F or BLOCK_C | k).
+        shift0 = (c0 // GLU_BLOCK) * GLU_BLOCK
+        shift1 = ((c0 + BLOCK_C) // GLU_BLOCK) * GLU_BLOCK
+        if HAS_PROBS:
+            p = gl.load(probs_ptr + offs_m, mask=mask_h, other=0.0).to(gl.float32)
+        else:
+            p = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        hg0, hu0 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS,
+                               layout)
+        hg1, hu1 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK,
+                               EPI_COLS, layout)
+        d_probs = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        mbarrier.wait(epi_ready, count & 1)
+        for k in gl.static_range(2 * CHUNKS):
+            c = c0 + k * EPI_COLS
+            if k + 2 < 2 * CHUNKS:
+                hg2, hu2 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c + 2 * EPI_COLS,
+                                       shift0 if k + 2 < CHUNKS else shift1, F, stride_hm, GLU_BLOCK, EPI_COLS,
+                                       layout)
+            if k < CHUNKS:
+                d_act = da0_smem.slice(k * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
+            else:
+                d_act = da1_smem.slice((k - CHUNKS) * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
+            d_probs += _bwd_chunk(d_act, hg0, hu0, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c,
+                                  shift0 if k < CHUNKS else shift1, F, stride_dhm, stride_actm, ACTIVATION,
+                                  GLU_BLOCK, HAS_PROBS, EPI_COLS, layout)
+            if k + 1 < 2 * CHUNKS:
+                hg0 = hg1
+                hu0 = hu1
+            if k + 2 < 2 * CHUNKS:
+                hg1 = hg2
+                hu1 = hu2
+        # Every warp of this partition has read the staging buffers before they are handed back.
+        gl.thread_barrier()
+        mbarrier.arrive(epi_free, count=1)
+        if HAS_PROBS:
+            pid_c = c0 // (2 * BLOCK_C)
+            gl.store(dprobs_ptr + pid_c.to(gl.int64) * M + offs_m, d_probs, mask=mask_m)
+        count += 1
+
+
+@gluon.jit
+def _bwd2_mma_partition(offs_ptr, M, F, H, N, a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem,
+                        epi_ready, epi_free, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
+                        BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr,
+                        NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+    """dA of each tile in two fp32 accumulators of BLOCK_C columns over the ring, rounded to dy's
+    dtype and handed to the epilogue partition through da0_smem / da1_smem."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
+    out_ty = da0_smem.dtype
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    count = 0
+    for _tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
+            acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            if step > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        da0 = acc0.to(out_ty)
+        da1 = acc1.to(out_ty)
+        mbarrier.wait(epi_free, (count & 1) ^ 1)
+        da0_smem.store(da0)
+        da1_smem.store(da1)
+        gl.thread_barrier()
+        mbarrier.arrive(epi_ready, count=1)
+        count += 1
+
+
+@gluon.jit
+def glu_backward_ws2_kernel(
+    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+    M, F, H, N,
+    stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
+    EPI_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+):
+    """Scratch: glu_backward_ws_kernel with dA rounded to dy's dtype and its epilogue in 4 warps of
+    its own."""
+    dtype: gl.constexpr = dy_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_RED, BLOCK_C], dtype)
+    da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
+    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
+    da0_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], da_layout)
+    da1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], da_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_free, count=1)
+    gl.warp_specialize([
+        (_bwd2_mma_partition, (offs_ptr, M, F, H, N, a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem,
+                               epi_ready, epi_free, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS,
+                               NUM_PROGRAMS, STAGES)),
+        (_bwd2_epilogue_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+                                    M, F, H, N, stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                                    a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready,
+                                    epi_free, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
+                                    GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
+        (_bwd2_load_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
+                                M, F, H, N, stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
+                                a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready,
+                                epi_free, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
+                                GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
+    ], [4, 1], [EPI_REGS, LOAD_REGS])
