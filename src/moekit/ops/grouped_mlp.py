@@ -282,26 +282,33 @@ def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation:
         HAS_PROBS=probs_M is not None, BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, **WS_FORWARD))
 
 
-def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *, use_tma=True,
-                cfg: GemmConfig | None = None):
+def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True, cfg: GemmConfig | None = None):
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
 
     x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64;
-    bias_N2F (N, 2F) or None; probs_M (M,) or None. use_tma=False forces the pointer path (tests);
-    cfg a fixed kernel configuration (tests, tuning), else the tuned one of `_glu_candidates`.
-    The launch is planned once per problem (`_plan_glu_forward`, cached by the tensors' keys).
+    bias_N2F (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write into instead of fresh
+    tensors, see `_checked_out` (moe_experts writes the rows of one launch into part of a buffer).
+    use_tma=False forces the pointer path (tests); cfg a fixed kernel configuration (tests, tuning),
+    else the tuned one of `_glu_candidates`. The launch is planned once per problem
+    (`_plan_glu_forward`, cached by the tensors' keys).
     """
     from moekit.ops import grouped_gemm as gg
     from moekit.ops.triton_launch import tensor_key
 
-    key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
-                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
-    plan = gg._planned(key, lambda: _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
-                                                       activation, use_tma, cfg))
     M = x_MH.shape[0]
     ffn = w1_N2FH.shape[1] // 2
-    h = gg._empty((M, 2 * ffn), x_MH.device, x_MH.dtype)
-    act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
+    if out is None:
+        h = gg._empty((M, 2 * ffn), x_MH.device, x_MH.dtype)
+        act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
+        out_keys = None  # fresh tensors: 16-byte aligned, as the plan assumes without keys
+    else:
+        h, act = _checked_out(out, x_MH, ((M, 2 * ffn), (M, ffn)))
+        out_keys = (tensor_key(h), tensor_key(act))
+    key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
+                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg, out_keys)
+    plan = gg._planned(key, lambda: _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
+                                                       activation, use_tma, cfg, _aligned(h, act)))
     if plan.launch is not None:
         with gg._device_ctx(x_MH.device):
             plan.launch(x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
@@ -309,8 +316,28 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     return h, act
 
 
-def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig):
-    """The launch of the forward kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs)."""
+def _checked_out(out: tuple[torch.Tensor, ...], like: torch.Tensor,
+                 shapes: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
+    """The caller's output tensors of a fused kernel, which must be row-major (M, C) in `like`'s dtype
+    and on its device with row stride C: the kernels take the row strides as the widths. Rows of a
+    larger row-major buffer qualify (a row is addressed as row * stride from the tensor's start);
+    whether their start is 16-byte aligned is part of the plan's key."""
+    for t, shape in zip(out, shapes, strict=True):
+        if (tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device
+                or t.stride() != (shape[1], 1)):
+            raise ValueError(f"out: expected a row-major {shape} {like.dtype} tensor on {like.device} with row "
+                             f"stride {shape[1]}, got {tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}")
+    return out
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig,
+                        aligned_out: bool):
+    """The launch of the forward kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs).
+    aligned_out: whether h and act start 16-byte aligned (TMA stores need it)."""
     from moekit.ops import grouped_gemm as gg
     from moekit.ops.triton_launch import LaunchPlan
 
@@ -329,14 +356,15 @@ def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: st
         BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
         BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
         BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
-        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma), num_stages=c.stages,
+        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma and aligned_out), num_stages=c.stages,
         num_warps=c.warps,
     ))
 
 
-def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg):
+def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg,
+                      aligned_out: bool):
     """The forward's launch for this problem as `_Plan` (launch None: nothing to compute), its
-    config chosen once."""
+    config chosen once; aligned_out as `_glu_forward_launch`'s."""
     from moekit.ops import grouped_gemm as gg
 
     M, H = x_MH.shape
@@ -352,7 +380,7 @@ def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_siz
     def trial(c: GemmConfig) -> None:
         h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
         act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
-        _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, c)(
+        _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, c, aligned_out)(
             x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h, probs_M if probs_M is not None else h,
             offs)
 
@@ -361,37 +389,56 @@ def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_siz
                activation)
         chosen = _glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), trial, x_MH.device,
                            cfg)
-    return gg._Plan(ffn, False, _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen))
+    return gg._Plan(ffn, False, _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen,
+                                                    aligned_out))
 
 
-def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *, use_tma=True,
-                 cfg: GemmConfig | None = None):
+def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True, cfg: GemmConfig | None = None):
     """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), dprobs (M,) fp32 or None).
 
     dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h.
     act_p = act(h) (* probs) is fc2's wgrad operand; dprobs = sum_j act[r, j] * dA[r, j] per row
-    (the activation part of d probs), summed over the F tiles in a fixed order. cfg as glu_forward's.
+    (the activation part of d probs), summed over the F tiles in a fixed order. out: (dh, act_p) to
+    write into, as glu_forward's. cfg as glu_forward's.
     """
+    dh, act, part = glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation,
+                                          out=out, use_tma=use_tma, cfg=cfg)
+    # A fixed-shape sum over the F tiles: a fixed order, deterministic.
+    return dh, act, (part.sum(0) if part is not None else None)
+
+
+def glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *,
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True,
+                          cfg: GemmConfig | None = None):
+    """`glu_backward` with dprobs left as the kernel's partials: (dh, act_p, (F tiles, M) fp32, (0, M)
+    where no kernel runs, or None without probs). A caller that runs the rows in several launches
+    concatenates their partials and sums them once: on the GPU a sum's association depends on its
+    shape, so only the sum of the whole (F tiles, M) gives the bits of one launch."""
     from moekit.ops import grouped_gemm as gg
     from moekit.ops.triton_launch import tensor_key
 
-    key = gg._plan_key("glu_bwd", tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs),
-                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg)
-    plan = gg._planned(key, lambda: _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
-                                                        activation, use_tma, cfg))
     M = dy_MH.shape[0]
     ffn = w2_NHF.shape[2]
-    dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
-    act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+    if out is None:
+        dh = gg._empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype)
+        act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
+        out_keys = None
+    else:
+        dh, act = _checked_out(out, dy_MH, ((M, 2 * ffn), (M, ffn)))
+        out_keys = (tensor_key(dh), tensor_key(act))
+    key = gg._plan_key("glu_bwd", tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs),
+                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg, out_keys)
+    plan = gg._planned(key, lambda: _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
+                                                        activation, use_tma, cfg))
     if plan.launch is None:
-        return dh, act, (torch.zeros(M, device=dy_MH.device) if probs_M is not None else None)
+        return dh, act, (torch.zeros(0, M, device=dy_MH.device) if probs_M is not None else None)
     # One row of d probs partials per column tile.
     part = gg._empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
     with gg._device_ctx(dy_MH.device):
         plan.launch(dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
                     part if part is not None else dh, offs)
-    # A fixed-shape sum over the F tiles: a fixed order, deterministic.
-    return dh, act, (part.sum(0) if part is not None else None)
+    return dh, act, part
 
 
 def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig):
@@ -501,19 +548,25 @@ def fc2_backward_step(dy_MH, h_M2F, offs, probs_M, b2, w2s, glu_interleave_size,
     dy_MH = _row_major(dy_MH)
     dh, act_p, dprobs = library.glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h_M2F, offs, probs_M,
                                              glu_interleave_size, activation)
-    dw2 = library.grouped_gemm_wgrad(dy_MH, act_p, offs) if need_w2 else None
-    del act_p
+    return (dh, *fc2_params_backward_step(dy_MH, act_p, dprobs, offs, probs_M, b2, need_probs, need_w2, need_b2))
+
+
+def fc2_params_backward_step(dy_MH, act_p_MF, dprobs_M, offs, probs_M, b2, need_probs: bool, need_w2: bool,
+                             need_b2: bool):
+    """What follows glu_backward in fc2's backward, from its act_p (M, F) and dprobs (M,) fp32 or None:
+    (d probs (M,) in probs' dtype or None, d fc2 weight (N, H, F) or None, d fc2 bias (N, H) or None)."""
+    dw2 = library.grouped_gemm_wgrad(dy_MH, act_p_MF, offs) if need_w2 else None
     db2 = d_probs = None
     if probs_M is not None and need_probs and b2 is not None:
         # One pass over dy gives fc2's bias gradient and the bias term of d probs,
         # <dy[r], b2[group of r]> (y = ... + b2 * p).
         db2, bias_dot = library.group_row_sum_and_dot(dy_MH, offs, b2, probs_M)
-        dprobs = dprobs + bias_dot
+        dprobs_M = dprobs_M + bias_dot
     elif need_b2:
         db2 = library.group_row_sum(dy_MH, offs, probs_M)
     if probs_M is not None and need_probs:
-        d_probs = dprobs.to(probs_M.dtype)
-    return dh, d_probs, dw2, db2
+        d_probs = dprobs_M.to(probs_M.dtype)
+    return d_probs, dw2, db2
 
 
 def fc1_backward_step(dh_M2F, x_rows, offs, w1s, need_x: bool, need_w1: bool, need_b1: bool):

@@ -24,6 +24,17 @@ On the triton backend in eager mode the same steps run as two autograd nodes of 
 same results, less host time per call, which small batches are bound by. torch.compile and the
 other backends take the composition above.
 
+Held between forward and backward on that path: x itself, the routing's row maps (inverse,
+token_of_row: int64 per row), the probs and fc1's pre-activation h (M, 2F) in x's dtype; the layer's
+memory contract is at most 0.4x of what the plain PyTorch layer holds, (4F + 3H) values per routed
+row (`HELD_FRACTION_OF_PLAIN`). Where F is above about 3H (Mixtral 8x7B: H 4096, F 14336) h alone
+is over that: the layer then holds h of the first `kept` sorted rows only (`_held_h_rows`: the most
+that fit, less a spare) and computes the other rows' h again in the backward, before fc2's dgrad
+and the activation's backward, with the same kernel on x's rows gathered again: the same bits. It
+costs those rows' fc1 GEMM once more, (1 - kept/M) * 2/9 of the layer's forward+backward FLOPs
+(Mixtral at T 16384: 3.0% of the rows, 0.67% of the FLOPs; held 0.3995x of plain, measured on the
+H200). Under no_grad nothing is held and h is never split.
+
 Row movement is one primitive both ways: out[r] = sum_j src[index[r, j]], summed in fixed j order
 in fp32 with one rounding. The gather is its J = 1 case. Each direction's backward is the other
 one (the gather's backward sums each token's K row gradients; the combine's backward gathers),
@@ -34,6 +45,8 @@ the Triton backend runs) it is one Triton kernel; elsewhere plain torch (`src[in
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +61,10 @@ from moekit.ops.grouped_mlp import (
     fc1_backward_step,
     fc1_step,
     fc2_backward_step,
+    fc2_params_backward_step,
     fc2_step,
+    glu_backward_partials,
+    glu_forward,
     grouped_mlp,
 )
 from moekit.ops.routing import Routing, check_expert_ids, route
@@ -276,6 +292,11 @@ def moe_experts(
     does not run them): what the compiled graph keeps for the backward is AOTAutograd's choice (its
     min-cut partitioner may save x_sorted or recompute the gather); the range check of topk_ids
     (a read of the ids on the CPU) runs in eager only.
+
+    Memory held for the backward: at most 0.4x of the plain PyTorch layer's on the fused triton path
+    (see the module docstring): where fc1's pre-activation h whole would be over that (F above about
+    3H), part of its rows' h is computed again in the backward, bit for bit, at about
+    (1 - kept/M) * 2/9 of the layer's FLOPs.
     """
     num_experts = _num_experts(fc1_weight)
     _check_routing(x, topk_ids, topk_weights, num_experts)
@@ -335,6 +356,10 @@ def _fused_experts(x_TH, topk_weights_TK, routing: Routing, fc1_weight, fc2_weig
         backward: node 2 gathers dout's rows, runs fc2's and the activation's backward (dh, d probs,
         fc2's weight and bias gradients); node 1 gathers x again for fc1's weight gradient, then
         fc1's dgrad, sums each token's K rows into dx, and reads each weight's gradient at its row.
+
+    Where h whole would break the layer's memory contract (`_held_h_rows`), node 2 keeps h of the
+    first `kept` sorted rows only, and its backward computes the other rows' h again before fc2's
+    dgrad (`_glu_backward_recomputing`).
     """
     w1s, w2s = _as_list(fc1_weight), _as_list(fc2_weight)
     b1s, b2s = _as_list(fc1_bias), _as_list(fc2_bias)
@@ -342,78 +367,206 @@ def _fused_experts(x_TH, topk_weights_TK, routing: Routing, fc1_weight, fc2_weig
     check_interleave(ffn, glu_interleave_size)
     if select_backend(backend, x_TH.new_empty(0, ffn), _probe_weight(w2s)).name != "triton":
         return None
-    h, act, probs_M = _ExpertsFc1Fn.apply(x_TH, topk_weights_TK, routing, glu_interleave_size, activation, len(w1s),
-                                          *w1s, *b1s)
-    return _ExpertsFc2Fn.apply(h, act, probs_M, routing, glu_interleave_size, activation, len(w2s), *w2s, *b2s)
+    rows = routing.token_of_row.shape[0]
+    kept = rows
+    if torch.is_grad_enabled():  # else nothing is held: h whole, one launch
+        # Saved per routed row besides h: inverse (T, K) and token_of_row (M, 1) have one element a
+        # row, the probs (M,) are in topk_weights' dtype.
+        meta_bytes_per_row = (routing.inverse.element_size() + routing.token_of_row.element_size()
+                              + topk_weights_TK.element_size())
+        kept = _held_h_rows(rows, x_TH.shape[1], ffn, x_TH.element_size(), meta_bytes_per_row)
+    h, act, probs_M, h_head = _ExpertsFc1Fn.apply(x_TH, topk_weights_TK, routing, kept, glu_interleave_size,
+                                                  activation, len(w1s), *w1s, *b1s)
+    fc1 = None if h_head is None else _Fc1Operands(x_TH, tuple(w1s), tuple(b1s))
+    return _ExpertsFc2Fn.apply(h, act, probs_M, h_head, routing, glu_interleave_size, activation, fc1, len(w2s), *w2s,
+                               *b2s)
+
+
+# The layer's memory contract: what it holds between forward and backward is at most this fraction
+# of what the plain PyTorch layer holds, (4F + 3H) values of x's dtype per routed row (the README's
+# "held" column and benchmarks/summarize.py's bar). h alone is 2F values a row, over the bar once F
+# is above about 3H (Mixtral 8x7B: H 4096, F 14336).
+HELD_FRACTION_OF_PLAIN = 0.4
+
+# Bytes of the bar the layer leaves unused where it holds part of h: the CUDA caching allocator may
+# give a large tensor (the held rows of h) a cached block up to 1 MiB over its size (it splits a
+# block only where more than 1 MiB would be left; measured: 480 KiB over at H 256, F 1024), and the
+# layer holds a few tensors per layer rather than per row (offs (N+1,), the gradient slot of
+# `_ExpertsFc1Fn`, each rounded up to 512 bytes; a stacked fc2 bias (N, H) where the biases come per
+# expert). At Mixtral's width 2 MiB is 37 rows of h.
+_HELD_SPARE_BYTES = 2 * 2**20
+
+
+def _held_h_rows(rows: int, hidden: int, ffn: int, itemsize: int, meta_bytes_per_row: int) -> int:
+    """How many of the layer's `rows` sorted rows keep their h (2F values of `itemsize` bytes)
+    between forward and backward, with `meta_bytes_per_row` saved per row besides, under
+    HELD_FRACTION_OF_PLAIN of the plain layer's (4F + 3H) values per row: all of them where they
+    fit, else the most that fit in the bar less _HELD_SPARE_BYTES (at least 0). From shapes alone:
+    no host sync."""
+    h_row_bytes = 2 * ffn * itemsize
+    room = HELD_FRACTION_OF_PLAIN * rows * (4 * ffn + 3 * hidden) * itemsize - rows * meta_bytes_per_row
+    if h_row_bytes == 0 or rows * h_row_bytes <= room:  # no h, or all of it fits
+        return rows
+    return max(0, math.floor((room - _HELD_SPARE_BYTES) / h_row_bytes))
+
+
+class _Fc1Operands(NamedTuple):
+    """What node 2's backward computes h's tail rows from: x (T, H) and fc1's weights and biases as
+    the layer took them (references: they are alive anyway)."""
+
+    x_TH: torch.Tensor
+    w1s: tuple[torch.Tensor, ...]
+    b1s: tuple[torch.Tensor, ...]
+
+
+def _split_offsets(offs: torch.Tensor, kept: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert offsets (N+1,) of the sorted rows [0, kept) and of the rows [kept, rows), the
+    latter counted from row `kept`: an expert across the split has rows in both, rows past offs[N]
+    (padding) stay padding. Device ops, no host read."""
+    return offs.clamp(max=kept), (offs - kept).clamp(min=0, max=rows - kept)
+
+
+def _fc1_forward_split(x_MH, offs, probs_M, kept: int, glu_interleave_size, activation, w1s, b1s):
+    """fc1 + activation (`fc1_step`) of the rows [0, kept) and of the rows [kept, M), one launch
+    each: (h of the rows [0, kept) (kept, 2F), act (M, F)). The same bits as one launch: a row's h
+    and act depend on its x, probs and expert only. The tail's h is dropped here.
+
+    grouped_mlp.glu_forward is called directly, not through `library`: `out` (act's rows, so that
+    fc2 reads one (M, F) tensor) is not part of the custom op, and these nodes run in eager only."""
+    rows = x_MH.shape[0]
+    w1, b1 = _grouped(w1s, 3, "fc1 weight"), _grouped(b1s, 2, "fc1 bias")
+    ffn = w1.shape[1] // 2
+    offs_head, offs_tail = _split_offsets(offs, kept, rows)
+    h_head, act_MF = x_MH.new_empty(kept, 2 * ffn), x_MH.new_empty(rows, ffn)
+    glu_forward(x_MH[:kept], w1, offs_head, b1, probs_M[:kept], glu_interleave_size, activation,
+                out=(h_head, act_MF[:kept]))
+    glu_forward(x_MH[kept:], w1, offs_tail, b1, probs_M[kept:], glu_interleave_size, activation,
+                out=(x_MH.new_empty(rows - kept, 2 * ffn), act_MF[kept:]))
+    return h_head, act_MF
+
+
+def _glu_backward_recomputing(dy_MH, h_head, offs, probs_M, token_of_row_M1, fc1: _Fc1Operands, w2s,
+                              glu_interleave_size, activation):
+    """glu_backward of all M rows (dh (M, 2F), act_p (M, F), dprobs (M,) fp32) where only the first
+    kept = len(h_head) rows' h was held: the others' h is computed again first (x's rows gathered
+    again, fc1 + activation as `_fc1_forward_split` ran it, the same bits), then one launch per part.
+    The parts' d probs partials are summed as one (F tiles, M) tensor, as one launch's would be."""
+    rows, kept = dy_MH.shape[0], h_head.shape[0]
+    w1, b1 = _grouped(fc1.w1s, 3, "fc1 weight"), _grouped(fc1.b1s, 2, "fc1 bias")
+    w2 = _grouped(w2s, 3, "fc2 weight")
+    ffn = w2.shape[2]
+    offs_head, offs_tail = _split_offsets(offs, kept, rows)
+    dh_M2F, act_p_MF = dy_MH.new_empty(rows, 2 * ffn), dy_MH.new_empty(rows, ffn)
+    x_tail = library.sum_rows(fc1.x_TH, token_of_row_M1[kept:], True)
+    # The recomputed act goes to act_p's tail rows, which glu_backward then overwrites.
+    h_tail, _ = glu_forward(x_tail, w1, offs_tail, b1, probs_M[kept:], glu_interleave_size, activation,
+                            out=(x_tail.new_empty(rows - kept, 2 * ffn), act_p_MF[kept:]))
+    del x_tail
+    partials = [
+        glu_backward_partials(dy_MH[lo:hi], w2, h_part, offs_part, probs_M[lo:hi], glu_interleave_size, activation,
+                              out=(dh_M2F[lo:hi], act_p_MF[lo:hi]))[2]
+        for lo, hi, h_part, offs_part in ((0, kept, h_head, offs_head), (kept, rows, h_tail, offs_tail))
+        if hi > lo
+    ]
+    return dh_M2F, act_p_MF, torch.cat(partials, dim=1).sum(0)
 
 
 class _ExpertsFc1Fn(torch.autograd.Function):
-    """Node 1 of the fused layer. Inputs: x (T, H), topk_weights (T, K), the `Routing`, the GLU block,
-    the activation, n_w1, then n_w1 fc1 weights and the fc1 biases. Returns (h (M, 2F), act (M, F),
-    probs (M,)); act is not differentiable (node 2's backward yields h's gradient through it, as in
-    `_FusedFc1Fn`)."""
+    """Node 1 of the fused layer. Inputs: x (T, H), topk_weights (T, K), the `Routing`, kept (the
+    rows whose h is held, `_held_h_rows`), the GLU block, the activation, n_w1, then n_w1 fc1 weights
+    and the fc1 biases. Returns (h, act (M, F), probs (M,), h_head): with kept = M, h (M, 2F) and
+    h_head None; else h is a gradient slot, an (M, 2F) tensor of one element (node 2's backward
+    returns the whole dh for it: an output's gradient has the output's shape), and h_head (kept, 2F)
+    the rows held. act is not differentiable (node 2's backward yields h's gradient through it, as
+    in `_FusedFc1Fn`), nor is h_head."""
 
     @staticmethod
-    def forward(ctx, x_TH, topk_weights_TK, routing, glu_interleave_size, activation, n_w1, *params):
+    def forward(ctx, x_TH, topk_weights_TK, routing, kept, glu_interleave_size, activation, n_w1, *params):
         w1s, b1s = params[:n_w1], params[n_w1:]
         probs_M = topk_weights_TK.reshape(-1).index_select(0, routing.order.view(-1))
         x_sorted_MH = library.sum_rows(x_TH, routing.token_of_row, True)
-        h, act = fc1_step(x_sorted_MH, routing.offs, probs_M, glu_interleave_size, activation, w1s, b1s)
-        ctx.mark_non_differentiable(act)
+        rows = x_sorted_MH.shape[0]
+        if kept == rows:
+            h, act = fc1_step(x_sorted_MH, routing.offs, probs_M, glu_interleave_size, activation, w1s, b1s)
+            h_head = None
+            ctx.mark_non_differentiable(act)
+        else:
+            h_head, act = _fc1_forward_split(x_sorted_MH, routing.offs, probs_M, kept, glu_interleave_size,
+                                             activation, w1s, b1s)
+            h = torch.empty_strided((rows, h_head.shape[1]), (0, 0), dtype=act.dtype, device=act.device)
+            ctx.mark_non_differentiable(act, h_head)
         if not topk_weights_TK.requires_grad:
             ctx.mark_non_differentiable(probs_M)
         ctx.set_materialize_grads(False)
         ctx.n_w1 = n_w1
         ctx.b1_dims = tuple(b.dim() for b in b1s)
         ctx.save_for_backward(x_TH, routing.offs, routing.inverse, routing.token_of_row, *w1s)
-        return h, act, probs_M
+        return h, act, probs_M, h_head
 
     @staticmethod
-    def backward(ctx, dh_M2F, _d_act, d_probs_M):
+    def backward(ctx, dh_M2F, _d_act, d_probs_M, _d_h_head):
         x_TH, offs, inverse_TK, token_of_row_M1, *w1s = ctx.saved_tensors
         w1s = tuple(w1s)
         n_w1 = ctx.n_w1
-        need = ctx.needs_input_grad  # forward's inputs: x, weights, routing, glu, activation, n_w1, *params
+        need = ctx.needs_input_grad  # forward's inputs: x, weights, routing, kept, glu, activation, n_w1, *params
         dx_TH = d_weights_TK = None
         dw1 = db1 = None
         if dh_M2F is not None:
             dx_MH, dw1, db1 = fc1_backward_step(dh_M2F, lambda: library.sum_rows(x_TH, token_of_row_M1, True), offs,
-                                                w1s, need[0], any(need[6:6 + n_w1]), any(need[6 + n_w1:]))
+                                                w1s, need[0], any(need[7:7 + n_w1]), any(need[7 + n_w1:]))
             if dx_MH is not None:
                 dx_TH = library.sum_rows(dx_MH, inverse_TK, True)
         if need[1] and d_probs_M is not None:
             # Row inverse[t, k] holds copy (t, k): its weight's gradient, read once (no scatter).
             d_weights_TK = d_probs_M.index_select(0, inverse_TK.view(-1)).view(inverse_TK.shape)
-        return (dx_TH, d_weights_TK, None, None, None, None, *_unstack(dw1, w1s, 3),
+        return (dx_TH, d_weights_TK, None, None, None, None, None, *_unstack(dw1, w1s, 3),
                 *_unstack_bias(db1, ctx.b1_dims))
 
 
 class _ExpertsFc2Fn(torch.autograd.Function):
-    """Node 2 of the fused layer. Inputs: h, act, probs (node 1's outputs), the `Routing`, the GLU
-    block, the activation, n_w2, then n_w2 fc2 weights and the fc2 biases. Returns out (T, H)."""
+    """Node 2 of the fused layer. Inputs: h, act, probs, h_head (node 1's outputs), the `Routing`,
+    the GLU block, the activation, fc1 (`_Fc1Operands` where h_head is given, else None), n_w2, then
+    n_w2 fc2 weights and the fc2 biases. Returns out (T, H). Saves h, or h_head and what the backward
+    computes the other rows' h from."""
 
     @staticmethod
-    def forward(ctx, h_M2F, act_MF, probs_M, routing, glu_interleave_size, activation, n_w2, *params):
+    def forward(ctx, h_M2F, act_MF, probs_M, h_head, routing, glu_interleave_size, activation, fc1, n_w2, *params):
         w2s, b2s = params[:n_w2], params[n_w2:]
         b2 = _grouped(b2s, 2, "fc2 bias")
         y_sorted_MH = fc2_step(act_MF, routing.offs, probs_M, w2s, b2)
         ctx.glu, ctx.activation, ctx.n_w2 = glu_interleave_size, activation, n_w2
         ctx.b2_dims = tuple(b.dim() for b in b2s)
-        ctx.save_for_backward(h_M2F, routing.offs, probs_M, b2, routing.token_of_row, *w2s)
+        if fc1 is None:
+            ctx.save_for_backward(h_M2F, routing.offs, probs_M, b2, routing.token_of_row, *w2s)
+        else:
+            ctx.n_w1 = len(fc1.w1s)
+            ctx.save_for_backward(h_head, routing.offs, probs_M, b2, routing.token_of_row, *w2s, fc1.x_TH, *fc1.w1s,
+                                  *fc1.b1s)
+        ctx.recomputes = fc1 is not None
         return library.sum_rows(y_sorted_MH, routing.inverse, True)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out_TH):
-        h_M2F, offs, probs_M, b2, token_of_row_M1, *w2s = ctx.saved_tensors
-        w2s = tuple(w2s)
+        h_held, offs, probs_M, b2, token_of_row_M1, *rest = ctx.saved_tensors
         n_w2 = ctx.n_w2
-        need = ctx.needs_input_grad  # forward's inputs: h, act, probs, routing, glu, activation, n_w2, *params
+        w2s = tuple(rest[:n_w2])
+        # forward's inputs: h, act, probs, h_head, routing, glu, activation, fc1, n_w2, *params
+        need = ctx.needs_input_grad
+        need_w2, need_b2 = any(need[9:9 + n_w2]), any(need[9 + n_w2:])
         dy_sorted_MH = library.sum_rows(d_out_TH, token_of_row_M1, True)
-        dh, d_probs, dw2, db2 = fc2_backward_step(dy_sorted_MH, h_M2F, offs, probs_M, b2, w2s, ctx.glu,
-                                                  ctx.activation, need[2], any(need[7:7 + n_w2]),
-                                                  any(need[7 + n_w2:]))
-        return (dh, None, d_probs, None, None, None, None, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))
+        if ctx.recomputes:
+            x_TH, *fc1_params = rest[n_w2:]
+            fc1 = _Fc1Operands(x_TH, tuple(fc1_params[:ctx.n_w1]), tuple(fc1_params[ctx.n_w1:]))
+            dh, act_p, dprobs = _glu_backward_recomputing(dy_sorted_MH, h_held, offs, probs_M, token_of_row_M1, fc1,
+                                                          w2s, ctx.glu, ctx.activation)
+            d_probs, dw2, db2 = fc2_params_backward_step(dy_sorted_MH, act_p, dprobs, offs, probs_M, b2, need[2],
+                                                         need_w2, need_b2)
+        else:
+            dh, d_probs, dw2, db2 = fc2_backward_step(dy_sorted_MH, h_held, offs, probs_M, b2, w2s, ctx.glu,
+                                                      ctx.activation, need[2], need_w2, need_b2)
+        return (dh, None, d_probs, None, None, None, None, None, None, *_unstack(dw2, w2s, 3),
+                *_unstack_bias(db2, ctx.b2_dims))
 
 
 def moe_experts_reference(
