@@ -489,16 +489,19 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekit.ops.grouped_mlp import WS_FORWARD
-from moekit.ops.grouped_mlp_hopper_kernels import glu_forward_ws_kernel as kernel
+from moekit.ops.grouped_mlp import WS_BACKWARD, WS_FORWARD
+from moekit.ops.grouped_mlp_hopper_kernels import glu_backward_ws_kernel, glu_forward_ws_kernel
 from moekit.ops.swiglu import ACTIVATIONS
 
-activation, glu_block, bias, probs = json.loads(sys.argv[1])
-options = {"num_warps": WS_FORWARD["num_warps"], "maxnreg": WS_FORWARD["maxnreg"]}
-const = {k: v for k, v in WS_FORWARD.items() if k not in options}
-const.update(ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=glu_block, HAS_BIAS=bias, HAS_PROBS=probs,
+kind, activation, glu_block, bias, probs = json.loads(sys.argv[1])
+kernel, config = (glu_forward_ws_kernel, WS_FORWARD) if kind == "forward" else (glu_backward_ws_kernel, WS_BACKWARD)
+options = {"num_warps": config["num_warps"], "maxnreg": config["maxnreg"]}
+const = {k: v for k, v in config.items() if k not in options}
+const.update(ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=glu_block, HAS_PROBS=probs,
              BLOCK_GROUPS=256, NUM_PROGRAMS=132)
-pointer = {"probs_ptr": "*fp32", "offs_ptr": "*i64"}
+if kind == "forward":
+    const.update(HAS_BIAS=bias)
+pointer = {"probs_ptr": "*fp32", "dprobs_ptr": "*fp32", "offs_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else pointer.get(n, "*bf16") if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
 src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
@@ -509,24 +512,29 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 """
 
 
-@pytest.mark.parametrize("activation,glu_block,bias,probs", [("swiglu", 14336, False, True),
-                                                              ("clamped_swiglu", 128, True, False)],
-                         ids=["swiglu-gate|up-probs", "clamped-k128-bias"])
-def test_hopper_forward_compiles_for_sm90(activation, glu_block, bias, probs):
-    """The library's configuration compiles for sm_90 into 16 warps (8 mma, 4 epilogue, the load
-    warp rounded up to a warp group) with wgmma and register reallocation, inside Hopper's 227 KB of
-    shared memory per block. In its own process: Gluon's standard functions cannot be compiled
-    where TRITON_INTERPRET=1 has turned them into interpreted ones."""
+@pytest.mark.parametrize("kind,activation,glu_block,bias,probs,warps", [
+    ("forward", "swiglu", 14336, False, True, 16),
+    ("forward", "clamped_swiglu", 128, True, False, 16),
+    ("backward", "swiglu", 14336, False, True, 12),
+    ("backward", "clamped_swiglu", 128, False, False, 12),
+], ids=["fwd-swiglu-gate|up-probs", "fwd-clamped-k128-bias", "bwd-swiglu-gate|up-probs", "bwd-clamped-k128"])
+def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, probs, warps):
+    """The library's configurations compile for sm_90 with wgmma and register reallocation, inside
+    Hopper's 227 KB of shared memory per block: the forward into 16 warps (8 mma, 4 epilogue, the
+    load warp rounded up to a warp group), the backward into 12 (8 for the main loop and the
+    epilogue, the load warp's group). In its own process: Gluon's standard functions cannot be
+    compiled where TRITON_INTERPRET=1 has turned them into interpreted ones."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps([activation, glu_block, bias, probs])],
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90,
+                          json.dumps([kind, activation, glu_block, bias, probs])],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["num_warps"] == 16 and got["wgmma"] and got["setmaxnreg"]
+    assert got["num_warps"] == warps and got["wgmma"] and got["setmaxnreg"]
     assert 0 < got["shared"] <= 227 * 1024
 
 
@@ -564,3 +572,31 @@ def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
     cfg = gm._glu_candidates("fwd", dtype, F, glu_block, True)[0]  # a given cfg: glu_forward_kernel
     h_ref, act_ref = gm.glu_forward(x, w1, offs, b1, p, k, activation, cfg=cfg)
     assert torch.equal(h, h_ref) and torch.equal(act, act_ref)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))
+def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
+    """The Hopper backward gives glu_backward_kernel's dh and act_p bit for bit; its d probs sums the
+    same products over 256-column tiles instead of 128 (another fp32 summation order)."""
+    from moekit.ops import grouped_mlp as gm
+
+    M, splits, H, F, k, _, probs, activation = HOPPER_CASES[case]
+    gen = torch.Generator().manual_seed(12)
+    N = len(splits)
+    h = (torch.randn(M, 2 * F, generator=gen) * 2).to("cuda", dtype)
+    dy = torch.randn(M, H, generator=gen).to("cuda", dtype)
+    w2 = (torch.randn(N, H, F, generator=gen) / F**0.5).to("cuda", dtype)
+    p = torch.rand(M, generator=gen).cuda() if probs else None
+    offs = offs_of(splits, "cuda")
+    glu_block = F if k is None else k
+    assert gm._glu_backward_ws_ok(dy, w2, glu_block, True, None)
+    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs, p, k, activation)
+    cfg = gm._glu_candidates("bwd", dtype, F, glu_block, True)[0]  # a given cfg: glu_backward_kernel
+    dh_ref, act_ref, dprobs_ref = gm.glu_backward(dy, w2, h, offs, p, k, activation, cfg=cfg)
+    assert torch.equal(dh, dh_ref) and torch.equal(act_p, act_ref)
+    if probs:
+        torch.testing.assert_close(dprobs, dprobs_ref, rtol=1e-4, atol=1e-4 * float(dprobs_ref.abs().max()))

@@ -8,8 +8,9 @@ so the probability scales both the activation output and the fc2 bias, and `prob
 
 Backends. `loop` and `torch` compose `grouped_linear`, `swiglu` and `grouped_linear`. `triton` (and
 `auto` where it resolves to triton) runs the fused path of `_fused_mlp`, kernels in
-`moekit.ops.grouped_mlp_kernels` (on Hopper the forward's in `moekit.ops.grouped_mlp_hopper_kernels`,
-same bits; `_glu_forward_ws_ok` says when):
+`moekit.ops.grouped_mlp_kernels` (on Hopper both fused kernels' in
+`moekit.ops.grouped_mlp_hopper_kernels`, same h, act, dh and act_p bits; `_glu_forward_ws_ok` and
+`_glu_backward_ws_ok` say when):
 
     forward   fc1 GEMM + bias + activation (+ probs) in one kernel -> h (M, 2F) (saved), act (M, F)
               fc2 GEMM with the probs-scaled bias                   -> y (M, H); act is freed
@@ -461,6 +462,54 @@ def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str,
     ))
 
 
+# The Hopper backward's one configuration (grouped_mlp_hopper_kernels.glu_backward_ws_kernel): a
+# 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile, the epilogue
+# 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main loop and
+# the epilogue 240 of the 168 per thread of 12 warps. Measured on the H200 (notes/grouped_mlp.md, v9).
+WS_BACKWARD = dict(BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, LOAD_REGS=24,
+                   num_warps=8, maxnreg=168)
+
+
+@functools.cache
+def _ws_backward_launcher():
+    from moekit.ops.grouped_mlp_hopper_kernels import glu_backward_ws_kernel
+    from moekit.ops.triton_launch import Launcher
+
+    return Launcher(glu_backward_ws_kernel)
+
+
+def _glu_backward_ws_ok(dy_MH: torch.Tensor, w2_NHF: torch.Tensor, glu_block: int, use_tma: bool,
+                        cfg: GemmConfig | None) -> bool:
+    """Whether the backward runs the warp-specialised Hopper kernel: as `_glu_forward_ws_ok`, with
+    w2's experts one after the other and whole reduction steps per expert (its 2-D view (N * H, F),
+    BLOCK_RED | H). Everything else runs glu_backward_kernel (the same dh and act_p bits)."""
+    if cfg is not None or not use_tma or _interpreting() or dy_MH.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(dy_MH.device) != (9, 0):
+        return False
+    _, hidden, ffn = w2_NHF.shape
+    return (dy_MH.dtype in (torch.bfloat16, torch.float16)
+            and (glu_block == ffn or glu_block % WS_BACKWARD["BLOCK_C"] == 0)
+            and w2_NHF.stride(2) == 1 and w2_NHF.stride(0) == hidden * w2_NHF.stride(1)
+            and hidden % WS_BACKWARD["BLOCK_RED"] == 0
+            and WS_BACKWARD["BLOCK_M"] * 2 * ffn < 2**31)
+
+
+def _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str):
+    """The launch of the Hopper backward; tensors as `_glu_backward_launch`'s."""
+    from moekit.ops import grouped_gemm as gg
+    from moekit.ops.triton_launch import LaunchPlan
+
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
+    bound = (_cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * _cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
+    nprog = gg._grid_size(dy_MH.device, bound)
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    return LaunchPlan(_ws_backward_launcher(), (nprog,), ints, dict(
+        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
+        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, **WS_BACKWARD))
+
+
 def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, use_tma, cfg):
     """The backward's launch for this problem, as `_Plan` (cols: rows of d probs partials)."""
     from moekit.ops import grouped_gemm as gg
@@ -471,6 +520,9 @@ def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
         return gg._Plan(0, False, None)
     k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
+    if _glu_backward_ws_ok(dy_MH, w2_NHF, k, use_tma, cfg):
+        return gg._Plan(_cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]), False,
+                        _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation))
 
     def partial_rows(c: GemmConfig) -> int:
         return _cdiv(ffn, c.block_cols)

@@ -1,18 +1,21 @@
-"""Gluon kernels of the fused grouped MLP for Hopper (sm_90): warp-specialised, so that a tile's
-epilogue overlaps the next tile's main loop (jit code only; launchers live in
-`moekit.ops.grouped_mlp`).
+"""Gluon kernels of the fused grouped MLP for Hopper (sm_90), warp-specialised (jit code only;
+launchers live in `moekit.ops.grouped_mlp`).
 
 Legend as in `moekit.ops.grouped_mlp_kernels`: M routed rows, N experts, H hidden size, F ffn size;
-one output tile is BLOCK_M rows by BLOCK_C activation columns, reduced in steps of BLOCK_RED.
+BLOCK_M rows by BLOCK_C activation columns per accumulator, reduced in steps of BLOCK_RED.
 
-    glu_forward_ws_kernel  fc1 with the gated activation in its epilogue, as glu_forward_kernel:
-                           h = x @ w1[g]^T (+ b1[g])        x (M, H), w1 (N, 2F, H) -> h (M, 2F)
-                           act = act(gate(h), up(h)) (* probs)                     -> act (M, F)
+    glu_forward_ws_kernel   fc1 with the gated activation in its epilogue, as glu_forward_kernel:
+                            h = x @ w1[g]^T (+ b1[g])        x (M, H), w1 (N, 2F, H) -> h (M, 2F)
+                            act = act(gate(h), up(h)) (* probs)                     -> act (M, F)
+    glu_backward_ws_kernel  fc2's dgrad with the activation's backward, as glu_backward_kernel:
+                            dA = dy @ w2[g]                  dy (M, H), w2 (N, H, F)
+                            dh, act_p (M, 2F), (M, F); d probs partials
 
-Why a second forward: Triton 3.6 does not warp-specialise these loops on Hopper, so its persistent
-kernel runs each tile's epilogue (bias, rounding, the activation, three stores) and the restart of
-its pipeline between two main loops, with the tensor cores idle: about 10 us of a 62 us tile at
-Mixtral's shape (notes/grouped_mlp.md, v7). Here three partitions of one program run at once:
+Why: Triton 3.6 does not warp-specialise these loops on Hopper, so its persistent kernels run
+each tile's epilogue and the restart of the pipeline between two main loops with the tensor cores
+idle (about 10 us of a 62 us forward tile at Mixtral's shape, notes/grouped_mlp.md, v7).
+
+The forward runs three partitions of one program at once:
 
     load      (1 warp)   TMA loads of x and of the gate and up weight rows into a ring of STAGES
                          shared-memory slots, running ahead across tile boundaries
@@ -28,10 +31,18 @@ expert after the other): the gate rows of a tile's columns are one run of BLOCK_
 BLOCK_C | k or k = F (then the rows of the last, partial tile past F are up rows or the next
 expert's, feeding only columns past F, which are never stored).
 
-Measured on the H200 against glu_forward_kernel (notes/grouped_mlp.md, v8): 7-13% less time at the
-four MLP shapes of the benchmarks (Mixtral 12.8 -> 11.9 ms). A backward built the same way (dA
-handed to a 4-warp epilogue partition in fp32) was no faster than glu_backward_kernel and is not
-kept (commit 7627e1a has it).
+The backward has two partitions: the load warp, and 8 warps that run a 128 x 256 main loop (two
+accumulators over one dy box and two w2 boxes, the plain GEMM's tile: 128 x 128 tiles read a
+third more from L2 and ran 1.2x a plain dgrad) and then the tile's epilogue themselves, each
+accumulator through one fp32 staging tile in shared memory, with h loaded by pointer ahead of the
+math. The load warp fills the ring with the next tile during that epilogue, so only the epilogue's
+own time is between two main loops. Its dh and act_p are glu_backward_kernel's bits; d probs sums
+the same products over 256 columns per partial (another fp32 order).
+
+Measured on the H200 (notes/grouped_mlp.md, v8 and v9): the forward takes 7-13% less time than
+glu_forward_kernel at the four MLP shapes (Mixtral 12.8 -> 11.9 ms), the backward 0-4% less than
+glu_backward_kernel (Mixtral 7.63 -> 7.51 ms). Handing the backward's epilogue to a partition of its
+own did not pay: in 4 warps it cannot keep up (commits 7627e1a, d50ad19).
 """
 
 from __future__ import annotations
@@ -521,175 +532,3 @@ def glu_backward_ws_kernel(
                                BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
     ], [1], [LOAD_REGS])
 
-
-# --------------------------------------------------------------------------------------------------
-# The backward with its epilogue in a partition of its own: dA handed over rounded to dy's dtype
-# --------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _bwd2_load_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
-                         stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-                         a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready, epi_free,
-                         ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
-                         GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                         STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
-    _bwd_load_partition(dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr, a_bufs, b0_bufs, b1_bufs,
-                        ready, empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)
-
-
-@gluon.jit
-def _bwd2_epilogue_partition(dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
-                             stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-                             a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready, epi_free,
-                             ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-                             BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
-                             GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                             STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
-    """The activation's backward of each tile from the rounded dA the mma partition left in shared
-    memory, EPI_COLS columns at a time; h by pointer, two chunks ahead of the math (the first two
-    before the tile's dA is ready)."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
-    VEC: gl.constexpr = 8
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
-                                            [gl.num_warps(), 1], [1, 0])
-    CHUNKS: gl.constexpr = BLOCK_C // EPI_COLS
-    count = 0
-    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
-        real = g < N
-        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        offs_m = row0 + offs_r
-        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-        mask_h = mask_m & real  # padding rows: h reads as zeros, so dh and act_p are zeros
-        # Each half of the tile's columns lies in one GLU block (k = F or BLOCK_C | k).
-        shift0 = (c0 // GLU_BLOCK) * GLU_BLOCK
-        shift1 = ((c0 + BLOCK_C) // GLU_BLOCK) * GLU_BLOCK
-        if HAS_PROBS:
-            p = gl.load(probs_ptr + offs_m, mask=mask_h, other=0.0).to(gl.float32)
-        else:
-            p = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
-        hg0, hu0 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS,
-                               layout)
-        hg1, hu1 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK,
-                               EPI_COLS, layout)
-        d_probs = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
-        mbarrier.wait(epi_ready, count & 1)
-        for k in gl.static_range(2 * CHUNKS):
-            c = c0 + k * EPI_COLS
-            if k + 2 < 2 * CHUNKS:
-                hg2, hu2 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c + 2 * EPI_COLS,
-                                       shift0 if k + 2 < CHUNKS else shift1, F, stride_hm, GLU_BLOCK, EPI_COLS,
-                                       layout)
-            if k < CHUNKS:
-                d_act = da0_smem.slice(k * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
-            else:
-                d_act = da1_smem.slice((k - CHUNKS) * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
-            d_probs += _bwd_chunk(d_act, hg0, hu0, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c,
-                                  shift0 if k < CHUNKS else shift1, F, stride_dhm, stride_actm, ACTIVATION,
-                                  GLU_BLOCK, HAS_PROBS, EPI_COLS, layout)
-            if k + 1 < 2 * CHUNKS:
-                hg0 = hg1
-                hu0 = hu1
-            if k + 2 < 2 * CHUNKS:
-                hg1 = hg2
-                hu1 = hu2
-        # Every warp of this partition has read the staging buffers before they are handed back.
-        gl.thread_barrier()
-        mbarrier.arrive(epi_free, count=1)
-        if HAS_PROBS:
-            pid_c = c0 // (2 * BLOCK_C)
-            gl.store(dprobs_ptr + pid_c.to(gl.int64) * M + offs_m, d_probs, mask=mask_m)
-        count += 1
-
-
-@gluon.jit
-def _bwd2_mma_partition(offs_ptr, M, F, H, N, a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem,
-                        epi_ready, epi_free, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
-                        BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr,
-                        NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
-    """dA of each tile in two fp32 accumulators of BLOCK_C columns over the ring, rounded to dy's
-    dtype and handed to the epilogue partition through da0_smem / da1_smem."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
-    out_ty = da0_smem.dtype
-    red_steps = gl.cdiv(H, BLOCK_RED)
-    it = 0
-    count = 0
-    for _tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
-        acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
-        for step in range(red_steps):
-            slot = it % STAGES
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
-            acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
-            # The previous slot's two products are done once at most these two are in flight.
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-            if step > 0:
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-            it += 1
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        da0 = acc0.to(out_ty)
-        da1 = acc1.to(out_ty)
-        mbarrier.wait(epi_free, (count & 1) ^ 1)
-        da0_smem.store(da0)
-        da1_smem.store(da1)
-        gl.thread_barrier()
-        mbarrier.arrive(epi_ready, count=1)
-        count += 1
-
-
-@gluon.jit
-def glu_backward_ws2_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
-    M, F, H, N,
-    stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
-    EPI_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-):
-    """Scratch: glu_backward_ws_kernel with dA rounded to dy's dtype and its epilogue in 4 warps of
-    its own."""
-    dtype: gl.constexpr = dy_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_RED, BLOCK_C], dtype)
-    da_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C], dtype)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
-    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
-    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_RED, BLOCK_C], b_layout)
-    da0_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], da_layout)
-    da1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C], da_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(epi_ready, count=1)
-    mbarrier.init(epi_free, count=1)
-    gl.warp_specialize([
-        (_bwd2_mma_partition, (offs_ptr, M, F, H, N, a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem,
-                               epi_ready, epi_free, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS,
-                               NUM_PROGRAMS, STAGES)),
-        (_bwd2_epilogue_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
-                                    M, F, H, N, stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-                                    a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready,
-                                    epi_free, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                    GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
-        (_bwd2_load_partition, (dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
-                                M, F, H, N, stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-                                a_bufs, b0_bufs, b1_bufs, ready, empty, da0_smem, da1_smem, epi_ready,
-                                epi_free, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
-    ], [4, 1], [EPI_REGS, LOAD_REGS])
