@@ -209,18 +209,35 @@ def host_table(payload: dict | None) -> list[str]:
             *lines, ""]
 
 
-def tests_line(log: Path) -> tuple[str, str]:
-    """(pytest's final counts, verdict) from gpu_tests.log."""
-    try:
-        text = log.read_text()
-    except OSError:
+def tests_line(out: Path) -> tuple[str, str]:
+    """(pytest's final counts, verdict) from gpu_tests.log, and from gpu_tests_*.log where a later call
+    ran what a log cut at its time limit had not finished (read from pytest -v's per-test lines)."""
+    logs = [log for log in [out / "gpu_tests.log", *sorted(out.glob("gpu_tests_*.log"))] if log.is_file()]
+    if not logs:
         return "no log", "not run"
-    counts = re.findall(r"=+ (.*(?:passed|failed|error|skipped|deselected).*) in [\d.]+s", text)
-    status = re.findall(r"== exit status (\d+)", text)
-    if not counts:
-        return "no pytest summary" + (f" (exit {status[-1]})" if status else ""), "**incomplete**"
-    failed = re.search(r"\d+ (failed|error)", counts[-1])
-    return counts[-1], "**failures**" if failed else "all passed"
+    texts = [log.read_text() for log in logs]
+    counts = [re.findall(r"=+ (.*(?:passed|failed|error|skipped|deselected).*) in [\d.]+s", t) for t in texts]
+    if len(logs) == 1:
+        status = re.findall(r"== exit status (\d+)", texts[0])
+        if not counts[0]:
+            return "no pytest summary" + (f" (exit {status[-1]})" if status else ""), "**incomplete**"
+        failed = re.search(r"\d+ (failed|error)", counts[0][-1])
+        return counts[0][-1], "**failures**" if failed else "all passed"
+    result: dict[str, str] = {}
+    started: set[str] = set()
+    for text in texts:
+        started.update(re.findall(r"^(tests/\S+::\S+)", text, flags=re.M))
+        result.update((node, outcome.lower()) for outcome, node in
+                      re.findall(r"\b(PASSED|FAILED|ERROR|SKIPPED) (tests/\S+::\S+)", text))
+    tally = {k: list(result.values()).count(k) for k in ("passed", "failed", "error", "skipped")}
+    unfinished = started - set(result)
+    text = ", ".join(f"{n} {k}" for k, n in tally.items() if n) + f" over {len(logs)} logs (" + "; ".join(
+        f"{log.name}: {c[-1] if c else 'cut before its summary'}" for log, c in zip(logs, counts, strict=True)) + ")"
+    if unfinished:
+        text += f"; {len(unfinished)} started and never finished"
+    if tally["failed"] or tally["error"]:
+        return text, "**failures**"
+    return text, "**incomplete**" if unfinished else "all passed"
 
 
 def header(payloads: list[dict | None]) -> list[str]:
@@ -238,7 +255,7 @@ def summarize(out: Path) -> str:
     host, hf = _load(out / "host_overhead.json"), _load(out / "transformers.json")
     bars = Bars()
     tables = mlp_bars(bars, mlp) + layer_bars(bars, layer) + transformers_bar(bars, hf) + host_table(host)
-    counts, verdict = tests_line(out / "gpu_tests.log")
+    counts, verdict = tests_line(out)
     bars.add_text("pytest -m gpu", counts, "all pass", verdict)
     partial = [name for name, p in (("mlp_vs_plain", mlp), ("moe_layer", layer), ("host_overhead", host))
                if p and p.get("partial")]

@@ -105,6 +105,23 @@ def test_summary_verdicts(tmp_path):
     assert "cut short (partial JSON" in summarize.summarize(tmp_path)
 
 
+def test_summary_merges_a_cut_gpu_test_log_with_the_rest(tmp_path):
+    """A pytest -m gpu log cut at its time limit counts with a later log of what it had not finished;
+    a test started in the cut log and finished nowhere leaves the verdict incomplete."""
+    summarize = _load("summarize")
+    a, b, c = (f"tests/test_x.py::test_{n}" for n in "abc")
+    (tmp_path / "gpu_tests.log").write_text(
+        f"{a} \n{b} \n[gw0] [ 50%] PASSED {a} \n[gw1] [ 60%] SKIPPED {b} \n{c} \n== exit status 124\n")
+    assert summarize.tests_line(tmp_path) == ("no pytest summary (exit 124)", "**incomplete**")
+    (tmp_path / "gpu_tests_rest.log").write_text(f"{c} \n[gw0] [100%] PASSED {c} \n===== 1 passed in 3.0s =====\n")
+    counts, verdict = summarize.tests_line(tmp_path)
+    assert counts.startswith("2 passed, 1 skipped over 2 logs") and verdict == "all passed"
+    (tmp_path / "gpu_tests_rest.log").write_text(f"{c} \n[gw0] [100%] FAILED {c} \n===== 1 failed in 3.0s =====\n")
+    assert summarize.tests_line(tmp_path)[1] == "**failures**"
+    (tmp_path / "gpu_tests_rest.log").write_text("===== 0 passed in 0.1s =====\n")
+    assert summarize.tests_line(tmp_path)[1] == "**incomplete**"
+
+
 def test_time_rounds_rotates_order_and_keeps_the_others_on_error():
     runner = _load("runner")
     calls = []
