@@ -10,9 +10,10 @@
 # the layer part then cut at 150 s before SonicMoE's skewed cell):
 #   a. machine and versions (nvidia-smi, GPU name, torch, CUDA, triton, transformers, liger, commit)
 #                                             seen   7 s (installing Liger's wheel included)
-#   b. pytest -m gpu                          cap 200 s, seen  88 s with xdist's 4 workers (the
+#   b. pytest -m gpu                          cap 250 s, seen  88 s with xdist's 4 workers (the
 #      Triton compilations run in parallel; 169 s in one process at 0dda694); 113-121 s at 3aa0dcc
 #      with the Hopper forward's tests, and past 150 s on a fresh machine at ee2b788
+#      and cut at 200 s at 44d05c4 (130 tests, the backward's Hopper tests added): cap now 250 s
 #   c. bench_mlp_vs_plain.py                  cap  75 s, seen  51 s: grouped_mlp (triton, probs) vs
 #      plain_mlp, 4 shapes x balanced/skewed, 3 interleaved rounds, roof, peak and held memory
 #   d. bench_moe_layer.py                     cap 200 s, seen 145 s for 15 of its 16 cells (about
@@ -23,7 +24,7 @@
 #   f. bench_host_overhead.py                 cap  35 s, seen  17 s: 256/1024/4096 tokens, host
 #      enqueue vs GPU time and kernel launches per step (torch.profiler)
 #   g. summarize.py: the bars, measured / bar / verdict, and the README's tables, from the JSONs
-# Predicted: about 370 s; every cap reached would be 577 s, so the budget (min(cap, budget left)
+# Predicted: about 450 s; every cap reached would be 627 s, so the budget (min(cap, budget left)
 # per part) cuts the last parts first.
 # Each benchmark rewrites its JSON after every cell and stops starting cells (--max-seconds) early
 # enough to finish the one in progress, so a part cut short keeps what it measured. A part is
@@ -105,7 +106,7 @@ session() {
     else
         local xdist=()
         $PY -c 'import xdist' 2>/dev/null && xdist=(-n 4)
-        limit=$(limit_for 200)
+        limit=$(limit_for 250)
         {
             echo "== pytest -m gpu ${xdist[*]} (limit $limit s)"
             part "pytest -m gpu" "$limit" $PY -m pytest -m gpu -v -p no:cacheprovider -rfEs --durations=15 \

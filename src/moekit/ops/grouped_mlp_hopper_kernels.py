@@ -40,8 +40,8 @@ own time is between two main loops. Its dh and act_p are glu_backward_kernel's b
 the same products over 256 columns per partial (another fp32 order).
 
 Measured on the H200 (notes/grouped_mlp.md, v8 and v9): the forward takes 7-13% less time than
-glu_forward_kernel at the four MLP shapes (Mixtral 12.8 -> 11.9 ms), the backward 0-4% less than
-glu_backward_kernel (Mixtral 7.63 -> 7.51 ms). Handing the backward's epilogue to a partition of its
+glu_forward_kernel at the four MLP shapes (Mixtral 12.8 -> 11.9 ms), the backward 0.95-1.02x the
+time of glu_backward_kernel (Mixtral 7.62 -> 7.38-7.51 ms). Handing the backward's epilogue to a partition of its
 own did not pay: in 4 warps it cannot keep up (commits 7627e1a, d50ad19).
 """
 
