@@ -550,11 +550,20 @@ HOPPER_CASES = {
 }
 
 
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))
+
+def hopper_cases(test):
+    """A GPU test on an sm_90 device over HOPPER_CASES x (bf16, fp16)."""
+    for mark in reversed([gpu,
+                          pytest.mark.skipif(not torch.cuda.is_available()
+                                             or torch.cuda.get_device_capability() != (9, 0),
+                                             reason="needs an sm_90 GPU"),
+                          pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"]),
+                          pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))]):
+        test = mark(test)
+    return test
+
+
+@hopper_cases
 def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
     from moekit.ops import grouped_mlp as gm
 
@@ -574,11 +583,7 @@ def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
     assert torch.equal(h, h_ref) and torch.equal(act, act_ref)
 
 
-@gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))
+@hopper_cases
 def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
     """The Hopper backward gives glu_backward_kernel's dh and act_p bit for bit; its d probs sums the
     same products over 256-column tiles instead of 128 (another fp32 summation order)."""

@@ -255,15 +255,23 @@ def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int
     128 | k), w1's experts one after the other (its 2-D view (N * 2F, H)) and a tile's element
     offsets in int32 (BLOCK_M rows of h). Everything else runs glu_forward_kernel, which computes
     the same bits."""
-    if cfg is not None or not use_tma or _interpreting() or x_MH.device.type != "cuda":
+    return _hopper_ws_ok(x_MH, w1_N2FH, w1_N2FH.shape[1] // 2, glu_block, use_tma, cfg, WS_FORWARD)
+
+
+def _hopper_ws_ok(rows: torch.Tensor, weight: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
+                  cfg: GemmConfig | None, config: dict) -> bool:
+    """What both Hopper kernels need (`config`: WS_FORWARD or WS_BACKWARD; rows: x or dy (M, H);
+    weight: w1 (N, 2F, H) or w2 (N, H, F)): an sm_90 device, 16-bit row operands through TMA, no
+    fixed cfg, k = F or BLOCK_C | k, the weight's experts one after the other with a unit last
+    stride (its 2-D view), and a tile's element offsets in int32."""
+    if cfg is not None or not use_tma or _interpreting() or rows.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(x_MH.device) != (9, 0):
+    if torch.cuda.get_device_capability(rows.device) != (9, 0):
         return False
-    ffn = w1_N2FH.shape[1] // 2
-    return (x_MH.dtype in (torch.bfloat16, torch.float16)
-            and (glu_block == ffn or glu_block % WS_FORWARD["BLOCK_C"] == 0)
-            and w1_N2FH.stride(2) == 1 and w1_N2FH.stride(0) == w1_N2FH.shape[1] * w1_N2FH.stride(1)
-            and WS_FORWARD["BLOCK_M"] * 2 * ffn < 2**31)
+    return (rows.dtype in (torch.bfloat16, torch.float16)
+            and (glu_block == ffn or glu_block % config["BLOCK_C"] == 0)
+            and weight.stride(2) == 1 and weight.stride(0) == weight.shape[1] * weight.stride(1)
+            and config["BLOCK_M"] * 2 * ffn < 2**31)
 
 
 def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str):
@@ -483,16 +491,9 @@ def _glu_backward_ws_ok(dy_MH: torch.Tensor, w2_NHF: torch.Tensor, glu_block: in
     """Whether the backward runs the warp-specialised Hopper kernel: as `_glu_forward_ws_ok`, with
     w2's experts one after the other and whole reduction steps per expert (its 2-D view (N * H, F),
     BLOCK_RED | H). Everything else runs glu_backward_kernel (the same dh and act_p bits)."""
-    if cfg is not None or not use_tma or _interpreting() or dy_MH.device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(dy_MH.device) != (9, 0):
-        return False
     _, hidden, ffn = w2_NHF.shape
-    return (dy_MH.dtype in (torch.bfloat16, torch.float16)
-            and (glu_block == ffn or glu_block % WS_BACKWARD["BLOCK_C"] == 0)
-            and w2_NHF.stride(2) == 1 and w2_NHF.stride(0) == hidden * w2_NHF.stride(1)
-            and hidden % WS_BACKWARD["BLOCK_RED"] == 0
-            and WS_BACKWARD["BLOCK_M"] * 2 * ffn < 2**31)
+    return (hidden % WS_BACKWARD["BLOCK_RED"] == 0
+            and _hopper_ws_ok(dy_MH, w2_NHF, ffn, glu_block, use_tma, cfg, WS_BACKWARD))
 
 
 def _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str):
