@@ -104,38 +104,6 @@ def _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M: gl.constexp
     return g, row_lo, row_hi, row_lo + pid_m * BLOCK_M, pid_c * BLOCK_C
 
 
-@gluon.jit
-def _mma_two(a_bufs, b0_bufs, b1_bufs, ready, empty, it, red_steps, mma_layout: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
-    """One tile's main loop: (acc0, acc1, it) = the two fp32 (BLOCK_M, BLOCK_C) products of each
-    ring slot's A box with its two B boxes, summed over red_steps slots from the ring position it;
-    each slot handed back to the load partition once its products are done. B_TRANSPOSED: the B
-    boxes hold (BLOCK_C, BLOCK_RED) (the forward's weight rows), else (BLOCK_RED, BLOCK_C)."""
-    acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
-    acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
-    for step in range(red_steps):
-        slot = it % STAGES
-        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-        if B_TRANSPOSED:
-            b0 = b0_bufs.index(slot).permute((1, 0))
-            b1 = b1_bufs.index(slot).permute((1, 0))
-        else:
-            b0 = b0_bufs.index(slot)
-            b1 = b1_bufs.index(slot)
-        acc0 = warpgroup_mma(a_bufs.index(slot), b0, acc0, is_async=True)
-        acc1 = warpgroup_mma(a_bufs.index(slot), b1, acc1, is_async=True)
-        # The previous slot's two products are done once at most these two are in flight.
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-        if step > 0:
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        it += 1
-    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-    return acc0, acc1, it
-
-
 # The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
 # of worker partitions; each uses its own part of them.
 @gluon.jit
@@ -250,8 +218,22 @@ def _mma_partition(offs_ptr, bias_ptr, M, F, H, N, stride_bias_g,
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
                                             BLOCK_M, BLOCK_C, GROUP_M)
-        acc_g, acc_u, it = _mma_two(a_bufs, bg_bufs, bu_bufs, ready, empty, it, red_steps, mma_layout,
-                                    BLOCK_M, BLOCK_C, STAGES, True)
+        acc_g = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        acc_u = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            acc_g = warpgroup_mma(a_bufs.index(slot), bg_bufs.index(slot).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_bufs.index(slot), bu_bufs.index(slot).permute((1, 0)), acc_u, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            if step > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
 
         real = g < N  # padding rows: exact zeros whatever x or the bias hold
         acc_g = gl.where(real, acc_g, 0.0)
@@ -461,8 +443,22 @@ def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, 
                                layout)
         hg1, hu1 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK,
                                EPI_COLS, layout)
-        acc0, acc1, it = _mma_two(a_bufs, b0_bufs, b1_bufs, ready, empty, it, red_steps, mma_layout,
-                                  BLOCK_M, BLOCK_C, STAGES, False)
+        acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
+        for step in range(red_steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
+            acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            if step > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+            it += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
 
         d_probs = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
         for k in gl.static_range(2 * CHUNKS):
