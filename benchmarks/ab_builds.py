@@ -73,8 +73,10 @@ def probe(shape_names: str | None, steps: int, smoke: bool) -> dict:
                 for e in prof.events():
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
                         by_name.setdefault(e.name, []).append(e.device_time / 1000)
-                kernels = {name: {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps}
-                           for name, ts in by_name.items()}
+                kernels = {
+                    name: {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps}
+                    for name, ts in by_name.items()
+                }
             cells[f"{shape.name}/{dist}"] = {"hash": digest.hexdigest()[:16], "kernels": kernels}
             del leaves, dy
             if device.type == "cuda":
@@ -142,18 +144,31 @@ def main(argv=None) -> dict | None:
     for r in range(args.rounds):
         for name in ("a", "b"):
             runs[name].append(run_build(getattr(args, name), args))
-            print(f"[{time.monotonic() - start:6.1f} s] round {r + 1}/{args.rounds} build {name.upper()} done",
-                  flush=True)
+            print(
+                f"[{time.monotonic() - start:6.1f} s] round {r + 1}/{args.rounds} build {name.upper()} done", flush=True
+            )
     meta = runner.machine()
     if args.commit:
         meta.update(git_commit=args.commit, git_commit_from="--commit", git_dirty=None, git_dirty_paths=[])
     cells = compare(runs)
-    payload = {"meta": {**meta, "a": str(args.a), "b": str(args.b), "rounds": args.rounds, "steps": args.steps,
-                        "smoke": args.smoke, "order": ["a", "b"] * args.rounds},
-               "cells": cells}
+    payload = {
+        "meta": {
+            **meta,
+            "a": str(args.a),
+            "b": str(args.b),
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "smoke": args.smoke,
+            "order": ["a", "b"] * args.rounds,
+        },
+        "cells": cells,
+    }
     for cell, c in cells.items():
-        ratios = "  ".join(f"{n[:22]} {k['b_over_a']:.3f}" for n, k in c["kernels"].items()
-                           if "b_over_a" in k and ("glu" in n or "grouped" in n or "wgrad" in n))
+        ratios = "  ".join(
+            f"{n[:22]} {k['b_over_a']:.3f}"
+            for n, k in c["kernels"].items()
+            if "b_over_a" in k and ("glu" in n or "grouped" in n or "wgrad" in n)
+        )
         print(f"{cell:28} {'same' if c['bit_identical'] else 'DIFFER'}  B/A: {ratios}")
     if args.out:
         runner.write_json(args.out, payload)

@@ -63,6 +63,7 @@ def _variants(layer, mesh, solo_mesh):
 def _module_step(module, x, d_y):
     def step():
         module(x).backward(d_y)
+
     return step
 
 
@@ -187,12 +188,25 @@ def run(rank, world, port, args, queue):
         for v in steps:
             ms = statistics.median(times[v])
             dropped = getattr(modules[v], "dropped_copies", None)
-            results.append({
-                "shape": name, "tokens_per_gpu": tokens, "experts": experts, "top_k": top_k, "hidden": hidden,
-                "ffn": ffn, "variant": v, "rank": rank, "world": world, "ms": ms, "ms_rounds": times[v],
-                "tokens_per_s_per_gpu": tokens / ms * 1000, "all_to_all_share": shares.get(v),
-                "dropped_copies": None if dropped is None else int(dropped), "host_syncs_per_step": syncs.get(v),
-            })
+            results.append(
+                {
+                    "shape": name,
+                    "tokens_per_gpu": tokens,
+                    "experts": experts,
+                    "top_k": top_k,
+                    "hidden": hidden,
+                    "ffn": ffn,
+                    "variant": v,
+                    "rank": rank,
+                    "world": world,
+                    "ms": ms,
+                    "ms_rounds": times[v],
+                    "tokens_per_s_per_gpu": tokens / ms * 1000,
+                    "all_to_all_share": shares.get(v),
+                    "dropped_copies": None if dropped is None else int(dropped),
+                    "host_syncs_per_step": syncs.get(v),
+                }
+            )
         del steps, modules, layer, x, d_y
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -211,11 +225,17 @@ def _versions(device: str):
         except OSError:
             commit = None
     cuda = device == "cuda"
-    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "gpus": torch.cuda.device_count(),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "triton": triton.__version__,
-            "python": platform.python_version(), "commit": commit,
-            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
 
 
 def main(argv=None):
@@ -226,8 +246,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, a smoke test")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: every GPU; 2 on cpu)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a check of the script itself: 2 CPU ranks (gloo), the tiny shape, 1 round of 2 steps")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a check of the script itself: 2 CPU ranks (gloo), the tiny shape, 1 round of 2 steps",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.shapes, args.iters, args.rounds = "cpu", ["tiny"], 2, 1
@@ -257,8 +280,10 @@ def main(argv=None):
     for r in out["results"]:
         share = "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.2f}"
         syncs = "" if r["host_syncs_per_step"] is None else str(r["host_syncs_per_step"])
-        print(f"{r['shape']:16} {r['variant']:22} {r['rank']:>4} {r['ms']:8.2f} {r['tokens_per_s_per_gpu']:11.0f} "
-              f"{share:>9} {syncs:>5}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else ""))
+        print(
+            f"{r['shape']:16} {r['variant']:22} {r['rank']:>4} {r['ms']:8.2f} {r['tokens_per_s_per_gpu']:11.0f} "
+            f"{share:>9} {syncs:>5}" + (f" dropped {r['dropped_copies']}" if r["dropped_copies"] is not None else "")
+        )
     for line in _ratios(results):
         print(line)
 

@@ -56,8 +56,10 @@ def _bench_layer(cfg, roof, shape, dist, splits, layer, in_f, out_f) -> list[dic
     loop = select_backend("loop", x_MI, w_NOI)
     x32, w32, dy32 = x_MI.float(), w_NOI.float(), dy_MO.float()
     product_fns = {
-        "forward": (lambda impl: impl.forward(x_MI, w_NOI, go, None, None),
-                    lambda: loop.forward(x32, w32, go_host, None, None)),
+        "forward": (
+            lambda impl: impl.forward(x_MI, w_NOI, go, None, None),
+            lambda: loop.forward(x32, w32, go_host, None, None),
+        ),
         "dgrad": (lambda impl: impl.dgrad(dy_MO, w_NOI, go), lambda: loop.dgrad(dy32, w32, go_host)),
         "wgrad": (lambda impl: impl.wgrad(dy_MO, x_MI, go, N), lambda: loop.wgrad(dy32, x32, go_host, N)),
     }

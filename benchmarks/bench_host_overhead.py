@@ -102,15 +102,27 @@ def census(step, leaves, steps: int, device: torch.device) -> dict:
         "profiled_host_ms": host_us / 1e3 / steps,
         "in_events_ms": in_events_us / 1e3 / steps,
         "between_events_ms": (host_us - in_events_us) / 1e3 / steps,
-        "top_host_events": [{"name": a.key[:100], "calls": a.count / steps,
-                             "self_ms": a.self_cpu_time_total / 1e3 / steps} for a in top],
+        "top_host_events": [
+            {"name": a.key[:100], "calls": a.count / steps, "self_ms": a.self_cpu_time_total / 1e3 / steps} for a in top
+        ],
     }
     if not cuda:
-        return {**per_step, "launches": None, "kernels": None, "memcpys": None, "memsets": None, "kernel_ms": None,
-                "kernel_names": None}
-    return {**per_step, "launches": sum(kinds.values()) / steps,
-            **{k: kinds[k] / steps for k in ("kernels", "memcpys", "memsets")},
-            "kernel_ms": busy_us / 1e3 / steps, "kernel_names": {n: c / steps for n, c in names.most_common()}}
+        return {
+            **per_step,
+            "launches": None,
+            "kernels": None,
+            "memcpys": None,
+            "memsets": None,
+            "kernel_ms": None,
+            "kernel_names": None,
+        }
+    return {
+        **per_step,
+        "launches": sum(kinds.values()) / steps,
+        **{k: kinds[k] / steps for k in ("kernels", "memcpys", "memsets")},
+        "kernel_ms": busy_us / 1e3 / steps,
+        "kernel_names": {n: c / steps for n, c in names.most_common()},
+    }
 
 
 def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
@@ -118,8 +130,12 @@ def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
     ids, weights = layer.make_routing(shape, args.dist, device, dtype)
     if impl == "liger":
         ids = ids.to(torch.int32)
-    leaves = [base["x"].requires_grad_(), weights.requires_grad_(), base["w1"].requires_grad_(),
-              base["w2"].requires_grad_()]
+    leaves = [
+        base["x"].requires_grad_(),
+        weights.requires_grad_(),
+        base["w1"].requires_grad_(),
+        base["w2"].requires_grad_(),
+    ]
     dy = torch.randn_like(base["x"])
 
     def forward():
@@ -130,8 +146,16 @@ def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
 
     records = []
     for op, step in (("forward", forward), ("forward+backward", forward_backward)):
-        r = {"bench": NAME, "shape": shape.name, "tokens": shape.tokens, "dist": args.dist, "op": op, "impl": impl,
-             "status": "ok", "reason": None}
+        r = {
+            "bench": NAME,
+            "shape": shape.name,
+            "tokens": shape.tokens,
+            "dist": args.dist,
+            "op": op,
+            "impl": impl,
+            "status": "ok",
+            "reason": None,
+        }
         try:
             for _ in range(args.warmup):  # the first calls compile and tune
                 step()
@@ -163,10 +187,13 @@ def print_record(r: dict) -> None:
         return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
 
     note = f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""
-    print(f"  {r['shape']:<14} {r['op']:<16} {r['impl']:<7} host {f('host_ms', '7.3f')} ms  gpu wall "
-          f"{f('gpu_wall_ms', '7.3f')} ms  kernels {f('kernel_ms', '7.3f')} ms  launches {f('launches', '5.1f')}  "
-          f"profiled host: in events {f('in_events_ms', '6.3f')} ms between {f('between_events_ms', '6.3f')} ms  "
-          f"sync {r.get('host_sync')}  bound {r.get('bound', '-')}{note}", flush=True)
+    print(
+        f"  {r['shape']:<14} {r['op']:<16} {r['impl']:<7} host {f('host_ms', '7.3f')} ms  gpu wall "
+        f"{f('gpu_wall_ms', '7.3f')} ms  kernels {f('kernel_ms', '7.3f')} ms  launches {f('launches', '5.1f')}  "
+        f"profiled host: in events {f('in_events_ms', '6.3f')} ms between {f('between_events_ms', '6.3f')} ms  "
+        f"sync {r.get('host_sync')}  bound {r.get('bound', '-')}{note}",
+        flush=True,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -199,9 +226,16 @@ def main(argv=None) -> dict:
     liger, liger_reason = layer.liger_layer()
     if liger is not None and device.type == "cuda":
         impls["liger"] = liger
-    meta = {**runner.machine(device), "dtype": str(dtype).removeprefix("torch."), "moekit_backend": args.backend,
-            "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "profile_steps": args.profile_steps,
-            "liger": "timed" if "liger" in impls else liger_reason or "CUDA only"}
+    meta = {
+        **runner.machine(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "moekit_backend": args.backend,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "profile_steps": args.profile_steps,
+        "liger": "timed" if "liger" in impls else liger_reason or "CUDA only",
+    }
     records = []
     path = args.out / f"{NAME}.json"
     for shape in shapes:

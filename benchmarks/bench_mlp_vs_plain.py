@@ -67,12 +67,27 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str)
     flops_fwd = 6 * M * H * Fd
     records, timed = [], []
     for impl, fwd in forwards.items():
-        recs = {op: {"bench": NAME, "shape": shape.name, "dist": dist, "rows": M, "experts": N, "hidden": H,
-                     "ffn": Fd, "max_split": max(splits), "op": op, "impl": impl,
-                     "backend": args.backend if impl == "moekit" else "torch._grouped_mm",
-                     "flops": flops_fwd * (1 if op == "forward" else 3), "status": None, "reason": None,
-                     "ms": None, "tflops": None}
-                for op in OPS}
+        recs = {
+            op: {
+                "bench": NAME,
+                "shape": shape.name,
+                "dist": dist,
+                "rows": M,
+                "experts": N,
+                "hidden": H,
+                "ffn": Fd,
+                "max_split": max(splits),
+                "op": op,
+                "impl": impl,
+                "backend": args.backend if impl == "moekit" else "torch._grouped_mm",
+                "flops": flops_fwd * (1 if op == "forward" else 3),
+                "status": None,
+                "reason": None,
+                "ms": None,
+                "tflops": None,
+            }
+            for op in OPS
+        }
         records += recs.values()
 
         def fwd_bwd(fwd=fwd):
@@ -100,8 +115,9 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str)
                 torch.cuda.set_sync_debug_mode(0)
     del ref
     for op in OPS:
-        runner.time_rounds([(r, fn) for r, fn in timed if r["op"] == op], cfg.rounds,
-                           lambda fn: runner.time_ms(fn, cfg, grads))
+        runner.time_rounds(
+            [(r, fn) for r, fn in timed if r["op"] == op], cfg.rounds, lambda fn: runner.time_ms(fn, cfg, grads)
+        )
     runner.ratios_to(records, "plain")
     for r in records:
         r["cell_seconds"] = round(time.monotonic() - start, 1)  # the whole cell's wall time (budgeting)
@@ -112,12 +128,20 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str)
 def print_record(r: dict) -> None:
     t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
     ratio = f" x{r['x_plain']:.3f}" if r.get("x_plain") else "       "
-    mem = (f" held {r['held_bytes'] / 2**30:5.2f} GiB ({r['held_x_plain']:.2f}x) peak+ "
-           f"{r['peak_extra_bytes'] / 2**30:5.2f} GiB ({r['peak_extra_x_plain']:.2f}x)"
-           if r.get("held_x_plain") is not None and r.get("peak_extra_x_plain") is not None else "")
+    mem = (
+        f" held {r['held_bytes'] / 2**30:5.2f} GiB ({r['held_x_plain']:.2f}x) peak+ "
+        f"{r['peak_extra_bytes'] / 2**30:5.2f} GiB ({r['peak_extra_x_plain']:.2f}x)"
+        if r.get("held_x_plain") is not None and r.get("peak_extra_x_plain") is not None
+        else ""
+    )
     errors = (r.get("check") or {}).get("errors") or {}
-    worst = max((math.inf if None in (e["fro"], e["worst_slice"]) else max(e["fro"], e["worst_slice"])
-                 for e in errors.values()), default=None)
+    worst = max(
+        (
+            math.inf if None in (e["fro"], e["worst_slice"]) else max(e["fro"], e["worst_slice"])
+            for e in errors.values()
+        ),
+        default=None,
+    )
     err = f" err {worst:.1e}" if worst is not None else ""
     note = f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""
     print(f"  {r['shape']:<16} {r['dist']:<8} {r['op']:<16} {r['impl']:<7} {t}{ratio}{mem}{err}{note}", flush=True)
@@ -135,9 +159,15 @@ def summary(records: list[dict]) -> dict:
         values = [r[key] for r in mine if r.get(key) is not None]
         return max(values) if values else None
 
-    return {"cells": len(mine), "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "min": min(ratios),
-            "qwen_min": min(qwen) if qwen else None, "max_peak_x_plain": worst("peak_x_plain"),
-            "max_peak_extra_x_plain": worst("peak_extra_x_plain"), "max_held_x_plain": worst("held_x_plain")}
+    return {
+        "cells": len(mine),
+        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+        "min": min(ratios),
+        "qwen_min": min(qwen) if qwen else None,
+        "max_peak_x_plain": worst("peak_x_plain"),
+        "max_peak_extra_x_plain": worst("peak_extra_x_plain"),
+        "max_held_x_plain": worst("held_x_plain"),
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -148,8 +178,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("."), help="directory for mlp_vs_plain.json")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median kept)")
     p.add_argument("--quick", action="store_true", help="short do_bench repetitions (noisier)")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new cell after this many seconds (the rest are recorded as skipped)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="start no new cell after this many seconds (the rest are recorded as skipped)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, float32, CPU: proves the script runs")
     return p.parse_args(argv)
 
@@ -162,25 +196,49 @@ def main(argv=None) -> dict:
     pool = runner.SMOKE_SHAPES if args.smoke else runner.SHAPES
     warmup_ms, rep_ms = (10.0, 30.0) if args.quick or args.smoke else (25.0, 100.0)
     cfg = runner.BenchConfig(
-        device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, warmup_ms=warmup_ms,
-        rep_ms=rep_ms, smoke=args.smoke, quick=args.quick, rounds=args.rounds,
+        device=device,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        smoke=args.smoke,
+        quick=args.quick,
+        rounds=args.rounds,
         shapes=runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool]),
         dists=runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS),
-        backends=[args.backend], out=args.out, plot=False)
+        backends=[args.backend],
+        out=args.out,
+        plot=False,
+    )
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
     start = time.monotonic()
     roofs = [runner.measure_roof(cfg)]
     print(f"dense roof {roofs[0]['tflops']:.0f} TFLOP/s", flush=True)
-    meta = {**runner.environment(cfg, roofs[0]), "moekit_backend": args.backend, "splits": runner.splits_table(cfg),
-            "baseline": "plain_mlp (issue 10): grouped_mm, silu(g) * u * probs, grouped_mm"}
+    meta = {
+        **runner.environment(cfg, roofs[0]),
+        "moekit_backend": args.backend,
+        "splits": runner.splits_table(cfg),
+        "baseline": "plain_mlp (issue 10): grouped_mm, silu(g) * u * probs, grouped_mm",
+    }
     records: list[dict] = []
     path = args.out / f"{NAME}.json"
     for shape in cfg.shapes:
         for dist in cfg.dists:
             if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
-                records += [{"bench": NAME, "shape": shape.name, "dist": dist, "op": op, "impl": impl,
-                             "status": "skipped", "reason": f"not run: past --max-seconds {args.max_seconds:g}",
-                             "ms": None, "tflops": None} for impl in IMPLS for op in OPS]
+                records += [
+                    {
+                        "bench": NAME,
+                        "shape": shape.name,
+                        "dist": dist,
+                        "op": op,
+                        "impl": impl,
+                        "status": "skipped",
+                        "reason": f"not run: past --max-seconds {args.max_seconds:g}",
+                        "ms": None,
+                        "tflops": None,
+                    }
+                    for impl in IMPLS
+                    for op in OPS
+                ]
                 continue
             records += bench_cell(args, cfg, shape, dist)
             runner.write_json(path, {"meta": meta, "records": records, "partial": True})

@@ -178,17 +178,21 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     return err if np.isfinite(err) else None
 
 
-def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impls: dict,
-               reasons: dict) -> list[dict]:
+def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impls: dict, reasons: dict) -> list[dict]:
     device, dtype = args.device, args.dtype
     start = time.monotonic()
     base = make_inputs(shape, device, dtype)
     ids, weights = make_routing(shape, dist, device, dtype)
     ids32 = ids.to(torch.int32)  # Liger takes int32 ids; converted once, outside the timing
-    dy = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype,
-                     generator=torch.Generator(device=device).manual_seed(1))
-    leaves = {"x": base["x"].requires_grad_(True), "topk_weights": weights.requires_grad_(True),
-              "fc1_weight": base["w1"].requires_grad_(True), "fc2_weight": base["w2"].requires_grad_(True)}
+    dy = torch.randn(
+        shape.tokens, shape.hidden, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(1)
+    )
+    leaves = {
+        "x": base["x"].requires_grad_(True),
+        "topk_weights": weights.requires_grad_(True),
+        "fc1_weight": base["w1"].requires_grad_(True),
+        "fc2_weight": base["w2"].requires_grad_(True),
+    }
     grads = list(leaves.values())
     counts = torch.bincount(ids.reshape(-1), minlength=shape.experts)
     M = shape.tokens * shape.top_k
@@ -205,10 +209,23 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
         def fwd_bwd(fwd=fwd):
             fwd().backward(dy)
 
-        recs = {op: {"bench": NAME, **asdict(shape), "shape": shape.name, "dist": dist, "op": op, "impl": impl,
-                     "flops": flops_fwd * (1 if op == "forward" else 3), "status": None, "reason": None,
-                     "ms": None, "ms_rounds": [], "tflops": None}
-                for op in OPS}
+        recs = {
+            op: {
+                "bench": NAME,
+                **asdict(shape),
+                "shape": shape.name,
+                "dist": dist,
+                "op": op,
+                "impl": impl,
+                "flops": flops_fwd * (1 if op == "forward" else 3),
+                "status": None,
+                "reason": None,
+                "ms": None,
+                "ms_rounds": [],
+                "tflops": None,
+            }
+            for op in OPS
+        }
         records += recs.values()
         if reasons.get(impl):
             for r in recs.values():
@@ -233,8 +250,9 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
     for op in OPS:
-        runner.time_rounds([(r, fn) for r, fn in timed if r["op"] == op], args.rounds,
-                           lambda fn: runner.time_ms(fn, cfg, grads))
+        runner.time_rounds(
+            [(r, fn) for r, fn in timed if r["op"] == op], args.rounds, lambda fn: runner.time_ms(fn, cfg, grads)
+        )
     runner.ratios_to(records, "plain")
     for r in records:
         r["expert_counts_min_max"] = [int(counts.min()), int(counts.max())]
@@ -244,8 +262,22 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
 
 
 def skipped_records(shape: LayerShape, dist: str, reason: str) -> list[dict]:
-    return [{"bench": NAME, **asdict(shape), "shape": shape.name, "dist": dist, "op": op, "impl": impl,
-             "status": "skipped", "reason": reason, "ms": None, "tflops": None} for impl in IMPLS for op in OPS]
+    return [
+        {
+            "bench": NAME,
+            **asdict(shape),
+            "shape": shape.name,
+            "dist": dist,
+            "op": op,
+            "impl": impl,
+            "status": "skipped",
+            "reason": reason,
+            "ms": None,
+            "tflops": None,
+        }
+        for impl in IMPLS
+        for op in OPS
+    ]
 
 
 def profile_moekit(args, shape: LayerShape) -> None:
@@ -254,8 +286,12 @@ def profile_moekit(args, shape: LayerShape) -> None:
 
     base = make_inputs(shape, args.device, args.dtype)
     ids, weights = make_routing(shape, "balanced", args.device, args.dtype)
-    leaves = [base["x"].requires_grad_(True), base["w1"].requires_grad_(True), base["w2"].requires_grad_(True),
-              weights.requires_grad_(True)]
+    leaves = [
+        base["x"].requires_grad_(True),
+        base["w1"].requires_grad_(True),
+        base["w2"].requires_grad_(True),
+        weights.requires_grad_(True),
+    ]
     dy = torch.randn_like(base["x"])
     fn = moekit_layer(args.backend)
 
@@ -278,8 +314,7 @@ def print_record(r: dict) -> None:
     t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
     ratio = f" x{r['x_plain']:.2f}" if r.get("x_plain") else "      "
     held = r.get("held_bytes")
-    mem = (f" held {held / 2**30:5.2f} GiB peak+ {r['peak_extra_bytes'] / 2**30:5.2f} GiB"
-           if held is not None else "")
+    mem = f" held {held / 2**30:5.2f} GiB peak+ {r['peak_extra_bytes'] / 2**30:5.2f} GiB" if held is not None else ""
     note = f"  [{r['status']}: {r['reason'][:120]}]" if r["reason"] else ""
     print(f"  {r['shape']:<16} {r['dist']:<8} {r['op']:<16} {r['impl']:<7} {t}{ratio}{mem}{note}", flush=True)
 
@@ -291,9 +326,12 @@ def print_record(r: dict) -> None:
 
 def print_table(records: list[dict], roofs: list[dict]) -> None:
     print("\ndense roof: " + ", ".join(f"{r['tflops']:.1f}" for r in roofs) + " TFLOP/s (bf16 8192^3)")
-    header = (f"{'shape':<16} {'dist':<8} {'op':<16} " +
-              " ".join(f"{i + ' TF':>10}" for i in IMPLS) + f" {'moekit/plain':>12} {'liger/plain':>11}"
-              f" {'held GiB m/p/l':>18} {'peak+ m/p/l':>18} {'max err':>8}")
+    header = (
+        f"{'shape':<16} {'dist':<8} {'op':<16} "
+        + " ".join(f"{i + ' TF':>10}" for i in IMPLS)
+        + f" {'moekit/plain':>12} {'liger/plain':>11}"
+        f" {'held GiB m/p/l':>18} {'peak+ m/p/l':>18} {'max err':>8}"
+    )
     print(header)
     print("-" * len(header))
     cells = list(dict.fromkeys((r["shape"], r["dist"], r["op"]) for r in records))
@@ -309,10 +347,12 @@ def print_table(records: list[dict], roofs: list[dict]) -> None:
         peak = [r.get("peak_extra_bytes") for r in rs]
         errs = [v for r in rs for v in (r.get("errors_vs_plain") or {}).values()]
         worst = max((e if e is not None else float("inf")) for e in errs) if errs else None
-        print(f"{cell[0]:<16} {cell[1]:<8} {cell[2]:<16} {tf} {f(rs[0].get('x_plain'), '12.2f')} "
-              f"{f(rs[2].get('x_plain'), '11.2f')} "
-              f"{'/'.join(f(g / 2**30 if g is not None else None, '.2f') for g in gib):>18} "
-              f"{'/'.join(f(p / 2**30 if p is not None else None, '.2f') for p in peak):>18} {f(worst, '8.1e')}")
+        print(
+            f"{cell[0]:<16} {cell[1]:<8} {cell[2]:<16} {tf} {f(rs[0].get('x_plain'), '12.2f')} "
+            f"{f(rs[2].get('x_plain'), '11.2f')} "
+            f"{'/'.join(f(g / 2**30 if g is not None else None, '.2f') for g in gib):>18} "
+            f"{'/'.join(f(p / 2**30 if p is not None else None, '.2f') for p in peak):>18} {f(worst, '8.1e')}"
+        )
 
 
 def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None:
@@ -335,8 +375,9 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
                     hs.append(r["tflops"])
             ax.bar(xs, hs, width, label=impl, color=f"C{i}")
         for j, roof in enumerate(roofs):
-            ax.axhline(roof["tflops"], color="k", linestyle="--", linewidth=0.8,
-                       label="dense 8192^3" if j == 0 else None)
+            ax.axhline(
+                roof["tflops"], color="k", linestyle="--", linewidth=0.8, label="dense 8192^3" if j == 0 else None
+            )
         ax.set_title(f"MoE layer (routed experts), {op}", fontsize=10)
         ax.set_ylabel("TFLOP/s")
         ax.set_xticks(range(len(cells)))
@@ -358,8 +399,9 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=None,
-                        help="comma list of shape names, or 'other' for OTHER_SHAPES (default: SHAPES)")
+    parser.add_argument(
+        "--shapes", default=None, help="comma list of shape names, or 'other' for OTHER_SHAPES (default: SHAPES)"
+    )
     parser.add_argument("--dists", default="balanced,skewed")
     parser.add_argument("--backend", default="auto", help="moekit's GEMM backend (auto, triton, torch)")
     parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT)
@@ -368,10 +410,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 1)")
     parser.add_argument("--liger-autotune", action="store_true", help="let Liger autotune (slow: 32 configs)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="start no new cell after this many seconds (the rest are recorded as skipped)")
-    parser.add_argument("--profile", default=None, metavar="SHAPE",
-                        help="also print the CUDA kernels of one moekit forward+backward at this shape (balanced)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="start no new cell after this many seconds (the rest are recorded as skipped)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="SHAPE",
+        help="also print the CUDA kernels of one moekit forward+backward at this shape (balanced)",
+    )
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     args = parser.parse_args(argv)
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -383,8 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shape_list = list(OTHER_SHAPES)
     else:
         default = SMOKE_SHAPES if args.smoke else SHAPES
-        args.shape_list = (runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
-                           if args.shapes else list(default))
+        args.shape_list = (
+            runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool]) if args.shapes else list(default)
+        )
     args.dist_list = runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS)
     args.rounds = args.rounds or (1 if args.quick or args.smoke else 3)
     args.warmup_ms, args.rep_ms = (10.0, 30.0) if args.quick or args.smoke else (20.0, 60.0)
@@ -401,9 +452,20 @@ def main(argv=None) -> dict:
     reasons = {"liger": liger_reason}
     if args.device.type != "cuda" and liger is not None:
         reasons["liger"] = "Liger's kernels run on CUDA only"
-    cfg = runner.BenchConfig(device=args.device, dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                             smoke=args.smoke, quick=args.quick, rounds=args.rounds, shapes=[], dists=args.dist_list,
-                             backends=[args.backend], out=args.out, plot=args.plot)
+    cfg = runner.BenchConfig(
+        device=args.device,
+        dtype=args.dtype,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        smoke=args.smoke,
+        quick=args.quick,
+        rounds=args.rounds,
+        shapes=[],
+        dists=args.dist_list,
+        backends=[args.backend],
+        out=args.out,
+        plot=args.plot,
+    )
     start = time.monotonic()
     roofs = [runner.measure_roof(cfg)]
     env = runner.environment(cfg, roofs[0])
@@ -421,9 +483,13 @@ def main(argv=None) -> dict:
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
     roofs.append(runner.measure_roof(cfg))
-    env.update(roofs=roofs, moekit_backend=args.backend, liger=_liger_version(),
-               liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
-               shapes=[asdict(s) for s in args.shape_list])
+    env.update(
+        roofs=roofs,
+        moekit_backend=args.backend,
+        liger=_liger_version(),
+        liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
+        shapes=[asdict(s) for s in args.shape_list],
+    )
     print_table(records, roofs)
     if args.profile:
         profile_moekit(args, next(s for s in SHAPES + OTHER_SHAPES + SMOKE_SHAPES if s.name == args.profile))
@@ -431,8 +497,10 @@ def main(argv=None) -> dict:
     runner.write_json(args.out / f"{NAME}.json", payload)
     if args.plot:
         gpu = env["gpu"]["name"] if env.get("gpu") else env["device"]
-        title = (f"moe_experts ({args.backend}) vs plain_layer vs Liger {env['liger']}, {env['dtype']} on {gpu}, "
-                 f"torch {env['torch']}, triton {env['triton']}, {(env['git_commit'] or '?')[:10]}, {env['date']}")
+        title = (
+            f"moe_experts ({args.backend}) vs plain_layer vs Liger {env['liger']}, {env['dtype']} on {gpu}, "
+            f"torch {env['torch']}, triton {env['triton']}, {(env['git_commit'] or '?')[:10]}, {env['date']}"
+        )
         plot(records, roofs, args.out / f"{NAME}.png", title)
     return payload
 

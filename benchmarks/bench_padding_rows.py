@@ -38,19 +38,22 @@ def main() -> None:
         counts = [used // groups] * (groups - 1) + [used - (groups - 1) * (used // groups)]
         splits_dev = torch.tensor(counts, device=dev)
         cell = {
-            "rows": rows, "out_features": out_features, "padding_rows": padding,
+            "rows": rows,
+            "out_features": out_features,
+            "padding_rows": padding,
             "masked_fill_us": 1e3 * do_bench(lambda end=end: t.masked_fill_((row_ids >= end)[:, None], 0)),
             "kernel_us": 1e3 * do_bench(lambda end=end: _zero_rows_from(t, end)),
-            "forward_device_splits_us": 1e3 * do_bench(
-                lambda s=splits_dev: moekit.grouped_linear(x, w, s, backend="torch")),
+            "forward_device_splits_us": 1e3
+            * do_bench(lambda s=splits_dev: moekit.grouped_linear(x, w, s, backend="torch")),
             "forward_host_splits_us": 1e3 * do_bench(lambda c=counts: moekit.grouped_linear(x, w, c, backend="torch")),
         }
         results.append(cell)
         print(", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in cell.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cells": results}, f,
-                      indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cells": results}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

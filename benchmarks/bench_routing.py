@@ -150,18 +150,33 @@ def main(argv=None) -> dict:
     for tokens, top_k, num_experts in shapes:
         ids = router_ids(tokens, top_k, num_experts, device)
         assert_same(ids, num_experts, f"T={tokens} K={top_k} N={num_experts}")
-        assert_same(with_undefined_ids(ids, num_experts), num_experts, f"T={tokens} K={top_k} N={num_experts}, "
-                    "undefined ids")
+        assert_same(
+            with_undefined_ids(ids, num_experts), num_experts, f"T={tokens} K={top_k} N={num_experts}, undefined ids"
+        )
         for path, use_triton in (("torch", False), ("triton", True)):
             call = functools.partial(route, ids, num_experts, use_triton=use_triton)
 
-            records.append({"tokens": tokens, "top_k": top_k, "num_experts": num_experts, "rows": tokens * top_k,
-                            "path": path, "host_us": host_us(call, calls, device), "gpu_us": gpu_us(call, device),
-                            **launches(call, device), "exact": True})
+            records.append(
+                {
+                    "tokens": tokens,
+                    "top_k": top_k,
+                    "num_experts": num_experts,
+                    "rows": tokens * top_k,
+                    "path": path,
+                    "host_us": host_us(call, calls, device),
+                    "gpu_us": gpu_us(call, device),
+                    **launches(call, device),
+                    "exact": True,
+                }
+            )
             runner.write_json(args.out, {"meta": meta, "records": records, "partial": True})
     if args.sweep:
-        records += sweep(SMOKE_SHAPES[:1] if args.smoke else SWEEP_SHAPES, calls, device,
-                         lambda: runner.write_json(args.out, {"meta": meta, "records": records, "partial": True}))
+        records += sweep(
+            SMOKE_SHAPES[:1] if args.smoke else SWEEP_SHAPES,
+            calls,
+            device,
+            lambda: runner.write_json(args.out, {"meta": meta, "records": records, "partial": True}),
+        )
     payload = {"meta": meta, "records": records}
     runner.write_json(args.out, payload)
     print_table([r for r in records if "config" not in r])
@@ -186,9 +201,19 @@ def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:
                 ids = router_ids(tokens, top_k, num_experts, device)
                 assert_same(ids, num_experts, f"T={tokens} K={top_k} N={num_experts}, config {changes}")
                 call = functools.partial(routing.route, ids, num_experts, use_triton=True)
-                records.append({"tokens": tokens, "top_k": top_k, "num_experts": num_experts, "rows": tokens * top_k,
-                                "path": "triton", "config": changes, "host_us": host_us(call, calls, device),
-                                "gpu_us": gpu_us(call, device), "exact": True})
+                records.append(
+                    {
+                        "tokens": tokens,
+                        "top_k": top_k,
+                        "num_experts": num_experts,
+                        "rows": tokens * top_k,
+                        "path": "triton",
+                        "config": changes,
+                        "host_us": host_us(call, calls, device),
+                        "gpu_us": gpu_us(call, device),
+                        "exact": True,
+                    }
+                )
                 checkpoint()
     finally:
         routing._triton_routing = default
@@ -197,6 +222,7 @@ def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:
 
 def print_table(records: list[dict]) -> None:
     """One line per shape: host us, GPU us and kernels of the torch path / the Triton path."""
+
     def pair(torch_rec, triton_rec, key, spec):
         return " / ".join(format(r[key], spec) if r[key] is not None else "-" for r in (torch_rec, triton_rec))
 
@@ -208,8 +234,10 @@ def print_table(records: list[dict]) -> None:
         if set(paths) != {"torch", "triton"}:
             continue
         t, tr = paths["torch"], paths["triton"]
-        print(f"{tokens:>6} {top_k:>2} {num_experts:>4} {rows:>7} | {pair(t, tr, 'host_us', '.1f'):>22} | "
-              f"{pair(t, tr, 'gpu_us', '.1f'):>21} | {pair(t, tr, 'kernels', 'd')}")
+        print(
+            f"{tokens:>6} {top_k:>2} {num_experts:>4} {rows:>7} | {pair(t, tr, 'host_us', '.1f'):>22} | "
+            f"{pair(t, tr, 'gpu_us', '.1f'):>21} | {pair(t, tr, 'kernels', 'd')}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,14 +39,31 @@ def _config(smoke: bool):
 
     if smoke:
         return transformers.Qwen3MoeConfig(
-            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
             max_position_embeddings=256,
         )
     return transformers.Qwen3MoeConfig(
-        vocab_size=32768, hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, max_position_embeddings=4096,
+        vocab_size=32768,
+        hidden_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
     )
 
 
@@ -121,8 +138,11 @@ def main(argv=None) -> dict:
     applied = apply_moekit(copy.deepcopy(base))
 
     # name -> (model, experts implementation to set on it before each use, or None)
-    variants = {BASELINE: (base, "grouped_mm"), "moekit_apply": (applied, None),
-                "moekit_experts_implementation": (base, EXPERTS_IMPLEMENTATION)}
+    variants = {
+        BASELINE: (base, "grouped_mm"),
+        "moekit_apply": (applied, None),
+        "moekit_experts_implementation": (base, EXPERTS_IMPLEMENTATION),
+    }
     if args.eager:
         variants["transformers_eager"] = (base, "eager")
 
@@ -164,21 +184,48 @@ def main(argv=None) -> dict:
         peak, peak_base = r.get("peak_extra_bytes"), results[BASELINE].get("peak_extra_bytes")
         r["peak_extra_x_grouped_mm"] = peak / peak_base if peak is not None and peak_base else None
         ms, tps = r.get("fwd_bwd_ms"), r.get("tokens_per_s")
-        print(f"{name:32s} " + (f"{ms:9.2f} ms {tps:12.0f} tokens/s x{r['x_grouped_mm']:.3f}" if ms else " " * 40) +
-              (f"  peak+ {peak / 2**30:6.2f} GiB" if peak is not None else "") +
-              (f"  logits rel diff {r['logits_rel_diff_vs_grouped_mm']:.2e}" if "logits_rel_diff_vs_grouped_mm" in r
-               else "") + (f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""), flush=True)
+        print(
+            f"{name:32s} "
+            + (f"{ms:9.2f} ms {tps:12.0f} tokens/s x{r['x_grouped_mm']:.3f}" if ms else " " * 40)
+            + (f"  peak+ {peak / 2**30:6.2f} GiB" if peak is not None else "")
+            + (
+                f"  logits rel diff {r['logits_rel_diff_vs_grouped_mm']:.2e}"
+                if "logits_rel_diff_vs_grouped_mm" in r
+                else ""
+            )
+            + (f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""),
+            flush=True,
+        )
 
     result = {
-        "meta": {**runner.machine(device), "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
-                 "model": "Qwen3MoeForCausalLM (random init)",
-                 "config": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                        "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                        "moe_intermediate_size", "num_experts", "num_experts_per_tok")},
-                 "batch": batch, "seq": seq, "tokens_per_step": tokens, "iters": iters, "rounds": rounds,
-                 "timing": "median wall time of one forward+backward (cross-entropy loss), synchronized, "
-                           "over all rounds' steps; variants in interleaved rounds",
-                 "wall_s": round(time.monotonic() - start, 1)},
+        "meta": {
+            **runner.machine(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "smoke": args.smoke,
+            "model": "Qwen3MoeForCausalLM (random init)",
+            "config": {
+                k: getattr(cfg, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "moe_intermediate_size",
+                    "num_experts",
+                    "num_experts_per_tok",
+                )
+            },
+            "batch": batch,
+            "seq": seq,
+            "tokens_per_step": tokens,
+            "iters": iters,
+            "rounds": rounds,
+            "timing": "median wall time of one forward+backward (cross-entropy loss), synchronized, "
+            "over all rounds' steps; variants in interleaved rounds",
+            "wall_s": round(time.monotonic() - start, 1),
+        },
         "variants": results,
         "speedup_moekit_apply_vs_grouped_mm": results["moekit_apply"].get("x_grouped_mm"),
     }

@@ -171,8 +171,13 @@ def check_case(name, M, G, O, I, splits, dtype, bias=False, scale=False, nan_pad
     for k in ("fwd", "dgrad", "wgrad", "dbias"):
         ok = ok and out[f"{k}_err"] <= 2 * out[f"{k}_torch_err"] + eps
     out["ok"] = bool(ok)
-    print(f"[check] {name}: ok={ok} " + " ".join(f"{k}={out[k + '_err']:.2e}/{out[k + '_torch_err']:.2e}"
-                                                  for k in ("fwd", "dgrad", "wgrad", "dbias")), flush=True)
+    print(
+        f"[check] {name}: ok={ok} "
+        + " ".join(
+            f"{k}={out[k + '_err']:.2e}/{out[k + '_torch_err']:.2e}" for k in ("fwd", "dgrad", "wgrad", "dbias")
+        ),
+        flush=True,
+    )
     return out
 
 
@@ -230,8 +235,17 @@ def run_checks():
     out = {}
     torch.manual_seed(0)
     cases = [
-        ("gptoss_dims_edges_bias_scale", 8192, 8, 2880, 2880, [0, 1500, 0, 2000, 777, 1901, 1000, 0],
-         torch.bfloat16, True, True),
+        (
+            "gptoss_dims_edges_bias_scale",
+            8192,
+            8,
+            2880,
+            2880,
+            [0, 1500, 0, 2000, 777, 1901, 1000, 0],
+            torch.bfloat16,
+            True,
+            True,
+        ),
         ("prime_G_skewed", 6000, 7, 1536, 2048, [1, 2999, 0, 1000, 17, 1200, 700], torch.bfloat16, True, False),
         ("all_rows_one_group", 4096, 4, 1024, 512, [0, 0, 4096, 0], torch.bfloat16, False, False),
         ("one_row", 64, 3, 256, 128, [0, 1, 0], torch.bfloat16, True, True),
@@ -277,13 +291,22 @@ MODELS = {
 def op_fns(op, x, w, dy, offs, offs32):
     """(torch callable, config -> our callable, N of the op) for one op on one problem."""
     if op == "fwd":
-        return (lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs32),
-                lambda cfg: (lambda: gg.grouped_gemm_forward(x, w, offs, cfg=cfg, use_tma=True)), w.shape[1])
+        return (
+            lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs32),
+            lambda cfg: lambda: gg.grouped_gemm_forward(x, w, offs, cfg=cfg, use_tma=True),
+            w.shape[1],
+        )
     if op == "dgrad":
-        return (lambda: F.grouped_mm(dy, w, offs=offs32),
-                lambda cfg: (lambda: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True)), w.shape[2])
-    return (lambda: F.grouped_mm(dy.t(), x, offs=offs32),
-            lambda cfg: (lambda: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True)), x.shape[1])
+        return (
+            lambda: F.grouped_mm(dy, w, offs=offs32),
+            lambda cfg: lambda: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True),
+            w.shape[2],
+        )
+    return (
+        lambda: F.grouped_mm(dy.t(), x, offs=offs32),
+        lambda cfg: lambda: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True),
+        x.shape[1],
+    )
 
 
 def run_timing(ops, config_mode, dists):
@@ -303,8 +326,18 @@ def run_timing(ops, config_mode, dists):
                 offs = offs_of(splits, dev)
                 offs32 = offs[1:].to(torch.int32)
                 for op in ops:
-                    cell = {"model": model, "layer": layer, "dist": dist, "op": op, "M": M, "G": G, "I": I, "O": O,
-                            "max_split": max(splits), "empty": sum(1 for s in splits if s == 0)}
+                    cell = {
+                        "model": model,
+                        "layer": layer,
+                        "dist": dist,
+                        "op": op,
+                        "M": M,
+                        "G": G,
+                        "I": I,
+                        "O": O,
+                        "max_split": max(splits),
+                        "empty": sum(1 for s in splits if s == 0),
+                    }
                     try:
                         tfn, mk, n = op_fns(op, x, w, dy, offs, offs32)
                         cands = gg._candidates(op, torch.bfloat16, True, (9, 0), n)
@@ -317,19 +350,26 @@ def run_timing(ops, config_mode, dists):
                         times = {name: [] for name in runs}
                         names = list(runs)
                         for rnd in range(ROUNDS):
-                            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
                                 try:
                                     times[name].append(bench(runs[name]))
                                 except Exception as exc:
                                     times[name].append(f"error: {str(exc)[:300]}")
-                        tflops = {name: [flops / t / 1e9 if isinstance(t, float) else t for t in ts]
-                                  for name, ts in times.items()}
+                        tflops = {
+                            name: [flops / t / 1e9 if isinstance(t, float) else t for t in ts]
+                            for name, ts in times.items()
+                        }
                         cell["torch_tflops_runs"] = tflops.pop("torch")
                         cell["torch_tflops"] = statistics.median(cell["torch_tflops_runs"])
                         cell["ours_runs"] = tflops
-                        cell["ours"] = {name: (statistics.median(v) if all(isinstance(t, float) for t in v)
-                                               else next(t for t in v if isinstance(t, str)))
-                                        for name, v in tflops.items()}
+                        cell["ours"] = {
+                            name: (
+                                statistics.median(v)
+                                if all(isinstance(t, float) for t in v)
+                                else next(t for t in v if isinstance(t, str))
+                            )
+                            for name, v in tflops.items()
+                        }
                         good = [v for v in cell["ours"].values() if isinstance(v, float)]
                         cell["best_tflops"] = max(good) if good else None
                         cell["ratio"] = cell["best_tflops"] / cell["torch_tflops"] if good else None
@@ -337,10 +377,14 @@ def run_timing(ops, config_mode, dists):
                         cell["error"] = traceback.format_exc()[-1500:]
                     cells.append(cell)
                     dump()
-                    ours = " ".join(f"{v:6.1f}" if isinstance(v, float) else "ERR"
-                                    for v in cell.get("ours", {}).values())
-                    print(f"[time] {model:14s} {layer} {dist:8s} {op:5s} torch={cell.get('torch_tflops', 0):6.1f} "
-                          f"{ours}  ratio={cell.get('ratio') or 0:.3f}", flush=True)
+                    ours = " ".join(
+                        f"{v:6.1f}" if isinstance(v, float) else "ERR" for v in cell.get("ours", {}).values()
+                    )
+                    print(
+                        f"[time] {model:14s} {layer} {dist:8s} {op:5s} torch={cell.get('torch_tflops', 0):6.1f} "
+                        f"{ours}  ratio={cell.get('ratio') or 0:.3f}",
+                        flush=True,
+                    )
             del x, w, dy
             if not DRY:
                 torch.cuda.empty_cache()
@@ -355,10 +399,13 @@ def main():
     p.add_argument("--skip-timing", action="store_true")
     args = p.parse_args()
     t0 = time.time()
-    RES["env"] = {"gpu": "dry" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "triton": triton.__version__,
-                  "commit": os.environ.get("MOEKIT_BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()}
+    RES["env"] = {
+        "gpu": "dry" if DRY else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": os.environ.get("MOEKIT_BENCH_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+    }
     RES["dense_roof_tflops_before"] = dense_roof()
     print("dense roof", RES["dense_roof_tflops_before"], flush=True)
     if not args.skip_checks:
@@ -381,8 +428,10 @@ def main():
         RES["geomean_ratio"] = geo
         RES["min_ratio"] = min(c["ratio"] for c in cells)
         dump()
-        print(f"geomean ratio vs torch {geo:.3f}, min {RES['min_ratio']:.3f}; roof "
-              f"{RES['dense_roof_tflops_before']:.0f}/{RES['dense_roof_tflops_after']:.0f}; wall {RES['wall_s']:.0f}s")
+        print(
+            f"geomean ratio vs torch {geo:.3f}, min {RES['min_ratio']:.3f}; roof "
+            f"{RES['dense_roof_tflops_before']:.0f}/{RES['dense_roof_tflops_after']:.0f}; wall {RES['wall_s']:.0f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ for name in ("qwen3-256tok", "qwen3-1024tok", "qwen3-4096tok"):
             cell["host_ms"][kind].append((time.perf_counter() - t0) / 20 * 1e3)
             torch.cuda.synchronize()
     out["cells"].append(cell)
-    print(name, {k: [round(v, 3) for v in vs] for k, vs in cell["ms"].items()},
-          {k: [round(v, 3) for v in vs] for k, vs in cell["host_ms"].items()}, flush=True)
+    print(
+        name,
+        {k: [round(v, 3) for v in vs] for k, vs in cell["ms"].items()},
+        {k: [round(v, 3) for v in vs] for k, vs in cell["host_ms"].items()},
+        flush=True,
+    )
     with open(os.path.join(os.environ.get("OUT", "."), "small_layer_forward.json"), "w") as f:
         json.dump(out, f, indent=1)

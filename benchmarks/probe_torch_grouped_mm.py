@@ -18,8 +18,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dev = torch.device("cuda")
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }
     offs = torch.tensor([0, 64, 64, 200], device=dev, dtype=torch.int32)[1:]
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(256, 128, device=dev, dtype=dt)
@@ -31,8 +34,11 @@ def main() -> None:
             dw = F.grouped_mm(torch.randn(256, 64, device=dev, dtype=dt).t(), x, offs=offs)
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize()
-            res[key] = {"runs_sync_free": True, "empty_group_wgrad_max_abs": dw[1].abs().max().item(),
-                        "rows_past_last_offset_finite": bool(torch.isfinite(y[200:]).all())}
+            res[key] = {
+                "runs_sync_free": True,
+                "empty_group_wgrad_max_abs": dw[1].abs().max().item(),
+                "rows_past_last_offset_finite": bool(torch.isfinite(y[200:]).all()),
+            }
         except Exception as exc:  # record what fails and go on
             torch.cuda.set_sync_debug_mode(0)
             res[key] = {"error": str(exc)[:300]}

@@ -82,8 +82,10 @@ def main() -> None:
     dy_sorted = torch.randn_like(x_sorted)
     parts = [
         ("torch add_ on 8 elements", lambda: tiny.add_(1)),
-        ("Triton launch (_sum_rows_kernel)", lambda: _sum_rows_kernel[(1, 1)](
-            src, index, out, 64, 64, 1, 64, 64, BLOCK_R=64, BLOCK_D=64, num_warps=4)),
+        (
+            "Triton launch (_sum_rows_kernel)",
+            lambda: _sum_rows_kernel[(1, 1)](src, index, out, 64, 64, 1, 64, 64, BLOCK_R=64, BLOCK_D=64, num_warps=4),
+        ),
         ("_sum_rows", lambda: me._sum_rows(src, index, True)),
         ("route", lambda: route(ids, N)),
         ("resolve_splits (device)", lambda: resolve_splits(m_splits, N, x_sorted.shape[0], x_sorted.device)),
@@ -92,8 +94,10 @@ def main() -> None:
         ("glu_backward", lambda: gm.glu_backward(dy_sorted, w2d, h, go.offs, probs, None, "swiglu")),
         ("grouped_gemm_wgrad", lambda: gg.grouped_gemm_wgrad(dy_sorted, x_sorted, go.offs)),
         ("grouped_gemm_dgrad", lambda: gg.grouped_gemm_dgrad(h, w1d, go.offs)),
-        ("grouped_mlp forward, no grad", lambda: _no_grad(
-            lambda: moekit.grouped_mlp(x_sorted, w1, w2, m_splits, probs=probs, backend="triton"))),
+        (
+            "grouped_mlp forward, no grad",
+            lambda: _no_grad(lambda: moekit.grouped_mlp(x_sorted, w1, w2, m_splits, probs=probs, backend="triton")),
+        ),
         ("moe_experts forward, no grad", forward_no_grad),
         ("moe_experts forward+backward", step),
     ]

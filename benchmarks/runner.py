@@ -179,11 +179,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dists", default=",".join(DISTS), help="comma list of balanced,skewed")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (noisier numbers)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes, runs on CPU too: proves the script works, measures nothing useful")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes, runs on CPU too: proves the script works, measures nothing useful",
+    )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
 
 
@@ -226,8 +233,11 @@ def time_ms(fn: Callable[[], object], cfg: BenchConfig, grad_to_none: Sequence[t
     if cfg.device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                             grad_to_none=grad_to_none, return_mode="median"))
+        return float(
+            triton.testing.do_bench(
+                fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, grad_to_none=grad_to_none, return_mode="median"
+            )
+        )
     times = []
     for _ in range(3):
         for t in grad_to_none or ():
@@ -267,8 +277,9 @@ def check_host_sync(fn: Callable[[], object], device: torch.device) -> bool | No
         torch.cuda.set_sync_debug_mode(0)
 
 
-def time_rounds(timed: Sequence[tuple[dict, Callable[[], object]]], rounds: int,
-                time_one: Callable[[Callable[[], object]], float]) -> None:
+def time_rounds(
+    timed: Sequence[tuple[dict, Callable[[], object]]], rounds: int, time_one: Callable[[Callable[[], object]], float]
+) -> None:
     """Time every (record, fn) of one comparison `rounds` times, in rounds whose order rotates
     (round r starts at entry r), so that all are measured at the same mix of clocks: the H200's
     clocks drift within seconds (a dense roof of 790 -> 670 TFLOP/s in one run). Each record gets
@@ -290,8 +301,9 @@ def time_rounds(timed: Sequence[tuple[dict, Callable[[], object]]], rounds: int,
             record["tflops"] = record["flops"] / record["ms"] / 1e9 if record.get("flops") else None
 
 
-def memory_of(forward: Callable[[], torch.Tensor], dy: torch.Tensor, leaves: Sequence[torch.Tensor],
-              device: torch.device) -> dict:
+def memory_of(
+    forward: Callable[[], torch.Tensor], dy: torch.Tensor, leaves: Sequence[torch.Tensor], device: torch.device
+) -> dict:
     """Memory of one forward+backward, CUDA only (None elsewhere), gradients of `leaves` cleared
     before and after:
     held_bytes        allocated after the forward minus before it, the output excluded: what the
@@ -375,14 +387,19 @@ def _finite_or_none(v: float) -> float | None:
 
 def check_summary(errors: dict[str, dict], dtype: torch.dtype) -> dict:
     bound = CHECK_BOUND[dtype]
-    ok = all(e["fro"] is not None and e["worst_slice"] is not None and e["fro"] <= bound and e["worst_slice"] <= bound
-             for e in errors.values())
+    ok = all(
+        e["fro"] is not None and e["worst_slice"] is not None and e["fro"] <= bound and e["worst_slice"] <= bound
+        for e in errors.values()
+    )
     return {"bound": bound, "ok": ok, "errors": errors}
 
 
 def failed_check_reason(check: dict) -> str:
-    bad = {k: v for k, v in check["errors"].items()
-           if v["fro"] is None or v["worst_slice"] is None or max(v["fro"], v["worst_slice"]) > check["bound"]}
+    bad = {
+        k: v
+        for k, v in check["errors"].items()
+        if v["fro"] is None or v["worst_slice"] is None or max(v["fro"], v["worst_slice"]) > check["bound"]
+    }
     return f"error above {check['bound']:.0e} vs float32 reference: {bad}"
 
 
@@ -393,10 +410,21 @@ def failed_check_reason(check: dict) -> str:
 
 def new_record(bench: str, shape: MoEShape, dist: str, op: str, backend: str, flops: int, roof: dict) -> dict:
     return {
-        "bench": bench, **shape_fields(shape), "dist": dist, "op": op, "backend": backend,
-        "status": None, "reason": None, "flops": flops, "ms": None, "tflops": None,
-        "roof_tflops": roof["tflops"], "ratio_to_torch": None, "ratio_to_roof": None,
-        "check": None, "host_sync": None,
+        "bench": bench,
+        **shape_fields(shape),
+        "dist": dist,
+        "op": op,
+        "backend": backend,
+        "status": None,
+        "reason": None,
+        "flops": flops,
+        "ms": None,
+        "tflops": None,
+        "roof_tflops": roof["tflops"],
+        "ratio_to_torch": None,
+        "ratio_to_roof": None,
+        "check": None,
+        "host_sync": None,
     }
 
 
@@ -406,8 +434,13 @@ def error_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def measure_cell(record: dict, fn: Callable[[], object], check: Callable[[], dict], cfg: BenchConfig,
-                 grad_to_none: Sequence[torch.Tensor] | None = None) -> dict:
+def measure_cell(
+    record: dict,
+    fn: Callable[[], object],
+    check: Callable[[], dict],
+    cfg: BenchConfig,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> dict:
     """Check, then time one cell; failures are written into the record, never raised.
 
     `check()` runs the op (its first call: compilation and autotuning happen there, outside the
@@ -430,8 +463,9 @@ def measure_cell(record: dict, fn: Callable[[], object], check: Callable[[], dic
     return record
 
 
-def retime_interleaved(timed: Sequence[tuple[dict, Callable[[], object], Sequence[torch.Tensor] | None]],
-                       cfg: BenchConfig) -> None:
+def retime_interleaved(
+    timed: Sequence[tuple[dict, Callable[[], object], Sequence[torch.Tensor] | None]], cfg: BenchConfig
+) -> None:
     """Time the cells of one comparison (the backends of one op) cfg.rounds - 1 more times, in
     rounds that rotate their order, and give each its median.
 
@@ -464,8 +498,11 @@ def unavailable_record(record: dict, reason: str) -> dict:
 def print_progress(record: dict) -> None:
     timing = f"{record['ms']:9.3f} ms {record['tflops']:7.1f} TFLOP/s" if record["ms"] is not None else ""
     note = f"  ({_short(record['reason'], 160)})" if record["reason"] else ""
-    print(f"  {record['shape']:<16} {record['dist']:<8} {record['op']:<22} {record['backend']:<6} "
-          f"{record['status']:<12} {timing}{note}", flush=True)
+    print(
+        f"  {record['shape']:<16} {record['dist']:<8} {record['op']:<22} {record['backend']:<6} "
+        f"{record['status']:<12} {timing}{note}",
+        flush=True,
+    )
 
 
 def add_ratios(records: list[dict]) -> list[dict]:
@@ -528,8 +565,12 @@ def machine(device: torch.device | None = None) -> dict:
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "capability": f"{props.major}.{props.minor}",
-               "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
+        gpu = {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+        }
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -562,7 +603,8 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
         "rounds": cfg.rounds,
         "warmup_ms": cfg.warmup_ms,
         "rep_ms": cfg.rep_ms,
-        "timer": "triton.testing.do_bench median, L2 flushed, no CUDA graph" if cfg.device.type == "cuda"
+        "timer": "triton.testing.do_bench median, L2 flushed, no CUDA graph"
+        if cfg.device.type == "cuda"
         else "wall clock median of 3 (smoke)",
         "check_bound": CHECK_BOUND[cfg.dtype],
         "skew_seed": SKEW_SEED,
@@ -587,14 +629,16 @@ def _fmt(v, spec: str) -> str:
 
 
 def _short(reason: str | None, limit: int = 100) -> str:
-    return "" if not reason else reason if len(reason) <= limit else reason[:limit - 3] + "..."
+    return "" if not reason else reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def _worst_error(r: dict) -> float | None:
     if not r["check"] or not r["check"]["errors"]:
         return None
-    return max(max(v["fro"], v["worst_slice"]) if None not in (v["fro"], v["worst_slice"]) else math.inf
-               for v in r["check"]["errors"].values())
+    return max(
+        max(v["fro"], v["worst_slice"]) if None not in (v["fro"], v["worst_slice"]) else math.inf
+        for v in r["check"]["errors"].values()
+    )
 
 
 def print_table(records: list[dict], roofs: Sequence[dict]) -> None:
@@ -602,8 +646,10 @@ def print_table(records: list[dict], roofs: Sequence[dict]) -> None:
     roof_txt = ", ".join(f"{r['tflops']:.1f} TFLOP/s ({r['dtype']} {r['size']}^3)" for r in roofs)
     print(f"\ndense roof: {roof_txt}")
     has_mem = any(r.get("peak_bytes") is not None for r in records)
-    header = (f"{'shape':<16} {'dist':<8} {'op':<22} {'backend':<7} {'ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
-              f"{'x roof':>6} {'max err':>8} {'sync':>5}" + (f" {'peak GiB':>8}" if has_mem else "") + "  status")
+    header = (
+        f"{'shape':<16} {'dist':<8} {'op':<22} {'backend':<7} {'ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
+        f"{'x roof':>6} {'max err':>8} {'sync':>5}" + (f" {'peak GiB':>8}" if has_mem else "") + "  status"
+    )
     print(header)
     print("-" * len(header))
     unavailable: dict[str, str] = {}
@@ -614,9 +660,11 @@ def print_table(records: list[dict], roofs: Sequence[dict]) -> None:
         if r["status"] == "unavailable":
             unavailable.setdefault(r["backend"], r["reason"])
         status = r["status"] if r["status"] in ("ok", "unavailable") else f"{r['status']}: {_short(r['reason'])}"
-        print(f"{r['shape']:<16} {r['dist']:<8} {r['op']:<22} {r['backend']:<7} {_fmt(r['ms'], '9.3f')} "
-              f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['ratio_to_torch'], '7.2f')} {_fmt(r['ratio_to_roof'], '6.2f')} "
-              f"{_fmt(_worst_error(r), '8.1e')} {sync:>5}{mem}  {status}")
+        print(
+            f"{r['shape']:<16} {r['dist']:<8} {r['op']:<22} {r['backend']:<7} {_fmt(r['ms'], '9.3f')} "
+            f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['ratio_to_torch'], '7.2f')} {_fmt(r['ratio_to_roof'], '6.2f')} "
+            f"{_fmt(_worst_error(r), '8.1e')} {sync:>5}{mem}  {status}"
+        )
     for backend, reason in unavailable.items():
         print(f"unavailable {backend}: {reason}")
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "check_failed", "error", "unavailable")}
@@ -654,13 +702,18 @@ def plot(records: list[dict], roofs: Sequence[dict], path: Path, title: str) -> 
             for bar, hatch in zip(bars, hatches, strict=True):
                 bar.set_hatch(hatch)
         for i, roof in enumerate(roofs):
-            ax.axhline(roof["tflops"], color="k", linestyle="--", linewidth=0.8,
-                       label=f"dense {roof['size']}^3" if i == 0 else None)
+            ax.axhline(
+                roof["tflops"],
+                color="k",
+                linestyle="--",
+                linewidth=0.8,
+                label=f"dense {roof['size']}^3" if i == 0 else None,
+            )
         ax.set_title(op, fontsize=10)
         ax.set_ylabel("TFLOP/s")
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
-    for ax in list(axes.flat)[len(ops):]:
+    for ax in list(axes.flat)[len(ops) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper right", ncols=len(labels), fontsize=8)
@@ -678,8 +731,9 @@ def plot_title(env: dict) -> str:
     return f"moekit {env['dtype']} on {gpu}, torch {env['torch']}, triton {env['triton']}, {commit}, {env['date']}"
 
 
-def finish(name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict],
-           table: bool = True) -> dict:
+def finish(
+    name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict], table: bool = True
+) -> dict:
     """Ratios, table, JSON and PNG of one script's records."""
     add_ratios(records)
     if table:

@@ -112,9 +112,18 @@ def shape_cell(name: str) -> dict:
     parts["moekit_dgrad1"] = bench(lambda: gg.grouped_gemm_dgrad(dh, w1, offs))
     parts["plain_wgrad1"] = bench(lambda: torch._grouped_mm(dh.t(), x, offs=offs32))
     parts["moekit_wgrad1"] = bench(lambda: gg.grouped_gemm_wgrad(dh, x, offs))
-    flop = {"plain_fc1": fc1, "plain_fc2": fc2, "moekit_fc2": fc2, "plain_dgrad2": fc2, "plain_wgrad2": fc2,
-            "moekit_wgrad2": fc2, "plain_dgrad1": fc1, "moekit_dgrad1": fc1, "plain_wgrad1": fc1,
-            "moekit_wgrad1": fc1}
+    flop = {
+        "plain_fc1": fc1,
+        "plain_fc2": fc2,
+        "moekit_fc2": fc2,
+        "plain_dgrad2": fc2,
+        "plain_wgrad2": fc2,
+        "moekit_wgrad2": fc2,
+        "plain_dgrad1": fc1,
+        "moekit_dgrad1": fc1,
+        "plain_wgrad1": fc1,
+        "moekit_wgrad1": fc1,
+    }
     cell["tflops"] = {k: tflops(f, parts[k]) for k, f in flop.items()}
     print(name, {k: round(v, 3) for k, v in parts.items()}, flush=True)
     print(name, "TFLOP/s", {k: round(v) for k, v in cell["tflops"].items()}, flush=True)
@@ -154,13 +163,22 @@ def shape_cell(name: str) -> dict:
             # Every variant computes the same dh and act_p bit for bit; d probs up to the order of
             # its fp32 partial sums.
             dh_c, act_c, dprobs_c = gm.glu_backward(dy, w2, h, offs, probs, None, "swiglu", cfg=cfg)
-            same = (torch.equal(dh_c, reference[0]) and torch.equal(act_c, reference[1])
-                    and torch.allclose(dprobs_c, reference[2], rtol=1e-5, atol=1e-6))
+            same = (
+                torch.equal(dh_c, reference[0])
+                and torch.equal(act_c, reference[1])
+                and torch.allclose(dprobs_c, reference[2], rtol=1e-5, atol=1e-6)
+            )
             del dh_c, act_c, dprobs_c
             ms = bench(lambda cfg=cfg: gm.glu_backward(dy, w2, h, offs, probs, None, "swiglu", cfg=cfg))
             cell["glu_bwd"].append({"cfg": list(c), "ms": ms, "tflops": tflops(fc2, ms), "matches_default": same})
-            print(name, "glu_bwd", c, f"{ms:.3f} ms {tflops(fc2, ms):.0f} TFLOP/s", "same" if same else "DIFFERS",
-                  flush=True)
+            print(
+                name,
+                "glu_bwd",
+                c,
+                f"{ms:.3f} ms {tflops(fc2, ms):.0f} TFLOP/s",
+                "same" if same else "DIFFERS",
+                flush=True,
+            )
         except Exception as exc:
             cell["glu_bwd"].append({"cfg": list(c), "error": str(exc)[:200]})
             print(name, "glu_bwd", c, "ERROR", str(exc)[:200], flush=True)
@@ -179,14 +197,18 @@ def layer_cell(tokens: int) -> dict:
     weights = weights.requires_grad_()
     dy = torch.randn(tokens, H, device="cuda", dtype=bf, generator=gen)
     leaves = [x, w1, w2, weights]
-    fns = {"plain": lambda: plain_layer(x, w1, w2, ids, weights),
-           "moekit": lambda: moekit.moe_experts(x, ids, weights, w1, w2, backend="triton")}
+    fns = {
+        "plain": lambda: plain_layer(x, w1, w2, ids, weights),
+        "moekit": lambda: moekit.moe_experts(x, ids, weights, w1, w2, backend="triton"),
+    }
     cell: dict = {"tokens": tokens}
     for name, fn in fns.items():
+
         def step(fn=fn):
             for t in leaves:
                 t.grad = None
             fn().backward(dy)
+
         for _ in range(5):
             step()
         torch.cuda.synchronize()
@@ -216,10 +238,12 @@ def layer_cell(tokens: int) -> dict:
             stats.sort_stats("cumtime").print_stats(40)
             cell[f"{name}_host_profile"] = text.getvalue()
             print(text.getvalue()[:6000], flush=True)
-        cell[name] = {"host_enqueue_ms": host_ms, "wall_ms": wall_ms, "do_bench_ms": gpu_ms,
-                      "cuda_events": launches}
-        print(f"layer T={tokens} {name}: host {host_ms:.3f} ms, wall {wall_ms:.3f} ms, do_bench {gpu_ms:.3f} ms, "
-              f"{launches} device events", flush=True)
+        cell[name] = {"host_enqueue_ms": host_ms, "wall_ms": wall_ms, "do_bench_ms": gpu_ms, "cuda_events": launches}
+        print(
+            f"layer T={tokens} {name}: host {host_ms:.3f} ms, wall {wall_ms:.3f} ms, do_bench {gpu_ms:.3f} ms, "
+            f"{launches} device events",
+            flush=True,
+        )
     return cell
 
 
@@ -234,9 +258,17 @@ def main() -> None:
     p.add_argument("--skip-layer", action="store_true")
     args = p.parse_args()
     out = os.path.join(os.environ.get("OUT", "."), "tune_fused_mlp.json")
-    res = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "python": platform.python_version(), "git_commit": os.environ.get("MOEKIT_BENCH_COMMIT")},
-           "shapes": [], "layer": []}
+    res = {
+        "meta": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "git_commit": os.environ.get("MOEKIT_BENCH_COMMIT"),
+        },
+        "shapes": [],
+        "layer": [],
+    }
     res["meta"]["roof_tflops"] = roof()
     print("roof", res["meta"]["roof_tflops"], flush=True)
     if not args.skip_layer:

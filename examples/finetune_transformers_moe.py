@@ -23,18 +23,31 @@ import torch
 def build_model(name: str, vocab: int):
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     configs = {
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64,
-                                                         num_experts=8, num_experts_per_tok=2, head_dim=32, **common),
-        "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                                                  **common),
-        "mixtral": lambda: transformers.MixtralConfig(intermediate_size=64, num_local_experts=8,
-                                                      num_experts_per_tok=2, **common),
-        "gpt_oss": lambda: transformers.GptOssConfig(intermediate_size=64, num_local_experts=8,
-                                                     num_experts_per_tok=2, head_dim=32, sliding_window=64,
-                                                     layer_types=["sliding_attention", "full_attention"], **common),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, head_dim=32, **common
+        ),
+        "olmoe": lambda: transformers.OlmoeConfig(intermediate_size=64, num_experts=8, num_experts_per_tok=2, **common),
+        "mixtral": lambda: transformers.MixtralConfig(
+            intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, **common
+        ),
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        ),
     }
     return transformers.AutoModelForCausalLM.from_config(configs[name]())
 
@@ -48,16 +61,24 @@ def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3_moe", choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"),
-                        help="which small MoE to build from a config (default %(default)s)")
+    parser.add_argument(
+        "--model",
+        default="qwen3_moe",
+        choices=("qwen3_moe", "olmoe", "mixtral", "gpt_oss"),
+        help="which small MoE to build from a config (default %(default)s)",
+    )
     parser.add_argument("--from-pretrained", type=Path, help="a local transformers MoE checkpoint to start from")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default %(default)s)")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="parameter and compute dtype (default %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="parameter and compute dtype (default %(default)s)",
+    )
     parser.add_argument("--backend", default="auto", help="moekit GEMM backend: auto, torch, triton, loop")
     parser.add_argument("--save", type=Path, help="save the fine-tuned model here (save_pretrained)")
     args = parser.parse_args()

@@ -80,8 +80,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree (divides the world size)")
     parser.add_argument("--mode", choices=["dropless", "capacity"], default="dropless", help="token dispatch")
-    parser.add_argument("--aux-loss-coef", type=float, default=0.01,
-                        help="load-balancing loss coefficient (over every rank's tokens; 0: none)")
+    parser.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.01,
+        help="load-balancing loss coefficient (over every rank's tokens; 0: none)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
@@ -92,8 +96,11 @@ def main():
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--log-every", type=int, default=5, help="steps between progress updates")
     parser.add_argument("--save", default=None, help="DCP checkpoint directory to write at the end")
-    parser.add_argument("--resume", default=None,
-                        help="DCP checkpoint directory to start from (written by --save at any world size or --ep)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="DCP checkpoint directory to start from (written by --save at any world size or --ep)",
+    )
     args = parser.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -116,9 +123,16 @@ def main():
     world_mesh = init_device_mesh(device.type, (world,))
     ep_mesh = init_device_mesh(device.type, (args.ep, world // args.ep), mesh_dim_names=("ep", "dp"))
     torch.manual_seed(0)  # the same initial model on every rank
-    layers = [ExpertParallelMoE(moekit.MoELayer(args.hidden, 2 * args.hidden, args.experts, 2, device=device,
-                                                aux_loss_coef=args.aux_loss_coef), ep_mesh, mode=args.mode)
-              for _ in range(args.layers)]
+    layers = [
+        ExpertParallelMoE(
+            moekit.MoELayer(
+                args.hidden, 2 * args.hidden, args.experts, 2, device=device, aux_loss_coef=args.aux_loss_coef
+            ),
+            ep_mesh,
+            mode=args.mode,
+        )
+        for _ in range(args.layers)
+    ]
     model = TinyMoELM(args.vocab, args.hidden, layers, heads=4).to(device)
     # bf16 compute on GPUs; CPU stays in fp32 (bf16 matmuls there are slow, not what this shows).
     policy = BF16_COMPUTE if device.type == "cuda" else MixedPrecisionPolicy()
@@ -154,8 +168,10 @@ def main():
         print()
     dist.barrier()
     # One write per line: the ranks share the terminal.
-    sys.stdout.write(f"rank {rank}: {tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {args.steps} steps, "
-                     f"final loss {loss_value:.3f}\n")
+    sys.stdout.write(
+        f"rank {rank}: {tokens_per_step * args.steps / elapsed:,.0f} tokens/s over {args.steps} steps, "
+        f"final loss {loss_value:.3f}\n"
+    )
     sys.stdout.flush()
     if args.save:
         checkpoint.save(args.save, model, opt)

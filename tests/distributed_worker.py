@@ -63,14 +63,37 @@ def make_model(kind: str, grouped: bool, device, dtype=torch.float32, seed=0, au
 
     torch.manual_seed(seed)
     if kind == "linear":
-        inner = moekit.GroupedLinear(N, H, F, bias=True, single_grouped_weight=grouped, single_grouped_bias=grouped,
-                                     backend=EXPERTS_BACKEND, device=device, dtype=dtype)
+        inner = moekit.GroupedLinear(
+            N,
+            H,
+            F,
+            bias=True,
+            single_grouped_weight=grouped,
+            single_grouped_bias=grouped,
+            backend=EXPERTS_BACKEND,
+            device=device,
+            dtype=dtype,
+        )
         return Routed(inner, SPLITS)
     if kind == "mlp":
-        return Routed(moekit.GroupedMLP(N, H, F, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
-                                        device=device, dtype=dtype), SPLITS)
-    return moekit.MoELayer(H, F, N, K, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
-                           device=device, dtype=dtype, aux_loss_coef=aux_loss_coef)
+        return Routed(
+            moekit.GroupedMLP(
+                N, H, F, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND, device=device, dtype=dtype
+            ),
+            SPLITS,
+        )
+    return moekit.MoELayer(
+        H,
+        F,
+        N,
+        K,
+        bias=True,
+        single_grouped_weight=grouped,
+        backend=EXPERTS_BACKEND,
+        device=device,
+        dtype=dtype,
+        aux_loss_coef=aux_loss_coef,
+    )
 
 
 def batch(kind: str, rank: int, device, dtype=torch.float32, step=0) -> torch.Tensor:
@@ -87,7 +110,7 @@ def full_batch(kind: str, world: int, device, dtype=torch.float32, step=0):
     offs = [0]
     for s in SPLITS:
         offs.append(offs[-1] + s)
-    rows = [p[offs[e]:offs[e + 1]] for e in range(N) for p in parts]
+    rows = [p[offs[e] : offs[e + 1]] for e in range(N) for p in parts]
     return torch.cat(rows), [world * s for s in SPLITS]
 
 
@@ -125,7 +148,7 @@ def check_data_parallel(rank, world, device):
         for grouped in (True, False):
             for wrapper in ("ddp", "fsdp2"):
                 # N=8 experts on 4 ranks: whole experts per rank; force a cut through them too.
-                for shard_dim in ((None, 1) if wrapper == "fsdp2" and grouped else (None,)):
+                for shard_dim in (None, 1) if wrapper == "fsdp2" and grouped else (None,):
                     ref = make_model(kind, grouped, device)
                     model = copy.deepcopy(ref)
                     if wrapper == "ddp":
@@ -141,16 +164,21 @@ def check_data_parallel(rank, world, device):
                         # Mean over ranks of per-rank means = mean over the full batch (equal rows per rank).
                         loss_of(forward_full(ref, kind, x, m_splits)).backward()
                         if step == 0:
-                            for (name, p), (_, p_ref) in zip(inner.named_parameters(), ref.named_parameters(),
-                                                             strict=True):
+                            for (name, p), (_, p_ref) in zip(
+                                inner.named_parameters(), ref.named_parameters(), strict=True
+                            ):
                                 assert_rel(full(p.grad), p_ref.grad, FP32_REL, f"{wrapper} {kind} {name} gradient")
                         opt.step()
                         opt.zero_grad()
                         opt_ref.step()
                         opt_ref.zero_grad()
                     for (name, p), (_, p_ref) in zip(inner.named_parameters(), ref.named_parameters(), strict=True):
-                        assert_rel(full(p.detach()), p_ref.detach(), FP32_REL,
-                                   f"{wrapper} {kind} grouped={grouped} shard_dim={shard_dim} {name}")
+                        assert_rel(
+                            full(p.detach()),
+                            p_ref.detach(),
+                            FP32_REL,
+                            f"{wrapper} {kind} grouped={grouped} shard_dim={shard_dim} {name}",
+                        )
                     print(f"OK dp {wrapper} {kind} grouped={grouped} shard_dim={shard_dim}", flush=True)
     check_bf16_compute(rank, world, device, mesh)
 
@@ -171,8 +199,9 @@ def check_bf16_compute(rank, world, device, mesh):
             x_full, m_splits = full_batch(kind, world, device)
             loss_of(forward_full(ref64, kind, x_full.double(), m_splits)).backward()
             loss_of(forward_full(ref16, kind, x_full.bfloat16(), m_splits)).backward()
-            for (name, p), (_, p64), (_, p16) in zip(model.named_parameters(), ref64.named_parameters(),
-                                                     ref16.named_parameters(), strict=True):
+            for (name, p), (_, p64), (_, p16) in zip(
+                model.named_parameters(), ref64.named_parameters(), ref16.named_parameters(), strict=True
+            ):
                 grad = full(p.grad)
                 assert grad.dtype == torch.float32, f"{name}: gradient {grad.dtype}, expected the fp32 master's"
                 bound = 2 * rel_err(p16.grad, p64.grad) + tolerance_floor(torch.bfloat16, x_full.shape[0])
@@ -199,9 +228,18 @@ def moe_reference(layer, x, keep=None):
         return layer(x)
     weights, ids, _ = layer.route(x)
     e = layer.experts
-    return moekit.moe_experts(x, ids, weights * keep, e.fc1.weights(), e.fc2.weights(), fc1_bias=e.fc1.biases(),
-                              fc2_bias=e.fc2.biases(), activation=e.activation,
-                              glu_interleave_size=e.glu_interleave_size, backend=e.backend)
+    return moekit.moe_experts(
+        x,
+        ids,
+        weights * keep,
+        e.fc1.weights(),
+        e.fc2.weights(),
+        fc1_bias=e.fc1.biases(),
+        fc2_bias=e.fc2.biases(),
+        activation=e.activation,
+        glu_interleave_size=e.glu_interleave_size,
+        backend=e.backend,
+    )
 
 
 def kept_copies(ids: torch.Tensor, num_experts: int, slots: int) -> torch.Tensor:
@@ -290,7 +328,7 @@ def check_uneven_tokens(rank, world, device, dtype, tol, mesh):
     layer = make_model("moe", True, device, dtype)
     for num_chunks in (1, 3):
         model = ExpertParallelMoE(layer, mesh, num_chunks=num_chunks)
-        x = batch("moe", rank, device, dtype)[:rank * 5].clone().requires_grad_()
+        x = batch("moe", rank, device, dtype)[: rank * 5].clone().requires_grad_()
         y = model(x)
         y.backward(_dy(y, rank))
         x_ref = x.detach().clone().requires_grad_()
@@ -347,15 +385,21 @@ def check_ep_fsdp_training(rank, world, device):
     for ep in sorted({2, world}):
         mesh = ep_mesh(device, world, ep)
         # The load-balancing loss (aux) over every rank's tokens: one process's on the full batch.
-        for grouped, aux, mode in ((True, 0.0, "dropless"), (False, 0.0, "dropless"), (True, 0.5, "dropless"),
-                                   (False, 0.5, "capacity")):
+        for grouped, aux, mode in (
+            (True, 0.0, "dropless"),
+            (False, 0.0, "dropless"),
+            (True, 0.5, "dropless"),
+            (False, 0.5, "capacity"),
+        ):
             ref = make_model("moe", grouped, device, aux_loss_coef=aux)
             model = ExpertParallelMoE(copy.deepcopy(ref), mesh, mode=mode, capacity_factor=float(N))
             apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
-            local = slice(mesh["ep"].get_local_rank() * model.num_local_experts,
-                          (mesh["ep"].get_local_rank() + 1) * model.num_local_experts)
+            local = slice(
+                mesh["ep"].get_local_rank() * model.num_local_experts,
+                (mesh["ep"].get_local_rank() + 1) * model.num_local_experts,
+            )
 
             for step in range(2):
                 loss_of(model(batch("moe", rank, device, step=step))).backward()
@@ -370,13 +414,15 @@ def check_ep_fsdp_training(rank, world, device):
                 opt_ref.zero_grad()
             compare_ep_model(model, ref, local, grouped, grads=False, what=f"ep={ep} fsdp after 2 steps")
             assert mode == "dropless" or int(model.dropped_copies) == 0
-            print(f"OK ep={ep} x dp={world // ep} fsdp2 training {mode} grouped={grouped} aux_loss_coef={aux}",
-                  flush=True)
+            print(
+                f"OK ep={ep} x dp={world // ep} fsdp2 training {mode} grouped={grouped} aux_loss_coef={aux}", flush=True
+            )
 
 
 def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, what: str) -> None:
     """An FSDP2 + EP model's router and local experts (gradients: scale-sensitive, so the EP x DP
     divide factor is checked; or parameters) against the one-process reference's."""
+
     def value(p):
         return full(p.grad) if grads else full(p.detach())
 
@@ -413,8 +459,10 @@ def check_capacity_graph(rank, world, device, workdir):
 
     def data(seed):
         g = torch.Generator(device=device).manual_seed(1000 * seed + rank)
-        return (torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g),
-                torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g))
+        return (
+            torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g),
+            torch.randn(tokens, 256, device=device, dtype=torch.bfloat16, generator=g),
+        )
 
     x0, dy0 = data(0)
     x = x0.clone().requires_grad_()
@@ -438,8 +486,11 @@ def check_capacity_graph(rank, world, device, workdir):
     from test_gpu import _capture
 
     graph, y_static = _capture(step, leaves)
-    static = {"out": y_static, "dropped": model.dropped_copies,
-              **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)}}
+    static = {
+        "out": y_static,
+        "dropped": model.dropped_copies,
+        **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)},
+    }
     dropped_seen = set()
     for seed in (1, 2, 3):
         x_new, dy_new = data(seed)
@@ -451,8 +502,11 @@ def check_capacity_graph(rank, world, device, workdir):
         replayed = {k: v.clone() for k, v in static.items()}
         for t in leaves:
             t.grad = None
-        eager = {"out": step().detach(), "dropped": model.dropped_copies,
-                 **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)}}
+        eager = {
+            "out": step().detach(),
+            "dropped": model.dropped_copies,
+            **{name: t.grad for name, t in zip(["x", *dict(model.named_parameters())], leaves, strict=True)},
+        }
         for key, value in eager.items():
             assert torch.equal(replayed[key], value), f"replay {seed}: {key} differs from eager"
         dropped_seen.add(int(eager["dropped"]))
@@ -578,8 +632,9 @@ def check_uneven_shards(rank, world, device, workdir):
 
     def build3(grouped, shard_dim):
         torch.manual_seed(7)
-        model = moekit.MoELayer(H, F, 3, 2, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND,
-                                device=device)
+        model = moekit.MoELayer(
+            H, F, 3, 2, bias=True, single_grouped_weight=grouped, backend=EXPERTS_BACKEND, device=device
+        )
         apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy(), expert_shard_dim=shard_dim)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
 
@@ -603,8 +658,17 @@ def tiny_hf_model(device, seed=5, kind="mixtral"):
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=16, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=12,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
     if kind == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common)).to(device)
     config = transformers.GptOssConfig(head_dim=8, sliding_window=8, layer_types=["full_attention"], **common)
@@ -676,11 +740,15 @@ def one_process_check(workdir):
 
 
 GROUPS = {
-    "train": lambda rank, world, device, workdir: (check_data_parallel(rank, world, device),
-                                                   check_expert_parallel(rank, world, device),
-                                                   check_ep_fsdp_training(rank, world, device)),
-    "ep": lambda rank, world, device, workdir: (check_expert_parallel(rank, world, device),
-                                                check_ep_fsdp_training(rank, world, device)),
+    "train": lambda rank, world, device, workdir: (
+        check_data_parallel(rank, world, device),
+        check_expert_parallel(rank, world, device),
+        check_ep_fsdp_training(rank, world, device),
+    ),
+    "ep": lambda rank, world, device, workdir: (
+        check_expert_parallel(rank, world, device),
+        check_ep_fsdp_training(rank, world, device),
+    ),
     "capacity_graph": check_capacity_graph,
     "ckpt4": check_ckpt4,
     "ckpt2": check_ckpt2,

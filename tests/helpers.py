@@ -47,8 +47,9 @@ def tolerance_floor(dtype: torch.dtype, reduction_length: int) -> float:
     return UNIT_ROUNDOFF[dtype] + REORDER_SLACK * max(reduction_length, 1) ** 0.5 * UNIT_ROUNDOFF[torch.float32]
 
 
-def assert_within_tolerance(ours: torch.Tensor, ref64: torch.Tensor, torch_lowp: torch.Tensor, what: str,
-                            *, reduction_length: int | None = None) -> None:
+def assert_within_tolerance(
+    ours: torch.Tensor, ref64: torch.Tensor, torch_lowp: torch.Tensor, what: str, *, reduction_length: int | None = None
+) -> None:
     """The one tolerance rule: rel_err(ours) <= 2 * rel_err(torch_lowp) + floor(dtype, reduction length).
     `reduction_length` defaults to the largest dimension of the reference (a bound on the sums that
     produced it in these small tests)."""
@@ -97,8 +98,12 @@ def check_against_reference(
     to the output and to the gradient of every differentiable input. Each of `inputs` is a tensor or a
     list of tensors; returns ours' output and gradients (by input name) for further checks."""
     diff = set(differentiable if differentiable is not None else inputs)
-    rounded = {k: (v.detach().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-               if isinstance(v, torch.Tensor) else [t.detach().to(dtype) for t in v] for k, v in inputs.items()}
+    rounded = {
+        k: (v.detach().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        if isinstance(v, torch.Tensor)
+        else [t.detach().to(dtype) for t in v]
+        for k, v in inputs.items()
+    }
     ins_ours, ins_lowp, ins_ref = (_leaves(rounded, d, diff) for d in (dtype, dtype, torch.float64))
     y_ours, y_lowp, y_ref = ours(**ins_ours), torch_lowp(**ins_lowp), ref64(**ins_ref)
     assert y_ref.dtype == torch.float64
@@ -149,10 +154,10 @@ def torch_grouped_linear(x, weight, m_splits, bias=None, *, bias_scale=None):
     counts = splits_list(m_splits)
     pieces, lo = [], 0
     for g, c in enumerate(counts):
-        y = x[lo:lo + c] @ ws[g].t()
+        y = x[lo : lo + c] @ ws[g].t()
         if bs:
             b = bs[g][None, :]
-            y = y + (b * bias_scale.reshape(-1)[lo:lo + c, None].to(b.dtype) if bias_scale is not None else b)
+            y = y + (b * bias_scale.reshape(-1)[lo : lo + c, None].to(b.dtype) if bias_scale is not None else b)
         pieces.append(y)
         lo += c
     pieces.append(torch.zeros(x.shape[0] - lo, ws[0].shape[0], dtype=x.dtype, device=x.device))
@@ -184,8 +189,18 @@ def torch_swiglu(h, *, probs=None, glu_interleave_size=None, activation="swiglu"
     return out
 
 
-def torch_grouped_mlp(x, fc1_weight, fc2_weight, m_splits, *, probs=None, fc1_bias=None, fc2_bias=None,
-                      activation="swiglu", glu_interleave_size=None):
+def torch_grouped_mlp(
+    x,
+    fc1_weight,
+    fc2_weight,
+    m_splits,
+    *,
+    probs=None,
+    fc1_bias=None,
+    fc2_bias=None,
+    activation="swiglu",
+    glu_interleave_size=None,
+):
     h = torch_grouped_linear(x, fc1_weight, m_splits, fc1_bias)
     a = torch_swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     return torch_grouped_linear(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)

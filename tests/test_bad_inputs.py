@@ -29,30 +29,56 @@ def _gl(m_splits, *, rows=10, x=None, w=None, b=None, **kw):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m_splits, exc, msg", [
-    pytest.param([3, 3, 4], ValueError, r"m_splits has 3 entries; expected one per group \(4\)", id="short-list"),
-    pytest.param([1, 1, 1, 1, 1], ValueError, r"5 entries; expected one per group \(4\)", id="long-list"),
-    pytest.param(torch.tensor([3, 3, 4]), ValueError, r"3 entries; expected one per group \(4\)",
-                 id="short-cpu-tensor"),
-    pytest.param(torch.tensor([[1, 2], [3, 4]]), ValueError, r"must be 1-D.*\(2, 2\)", id="2d-tensor"),
-    pytest.param(torch.tensor([1.0, 2.0, 3.0, 4.0]), TypeError, r"integer tensor.*torch.float32", id="float-tensor"),
-    pytest.param([1.0, 2, 3, 4], TypeError, r"Python ints, got float \(1.0\)", id="float-in-list"),
-    pytest.param([True, 2, 3, 4], TypeError, r"Python ints, got bool", id="bool-in-list"),
-    pytest.param(None, TypeError, r"m_splits must be a list/tuple of ints.*got NoneType", id="None"),
-    pytest.param(10, TypeError, r"got int", id="scalar-int"),
-    pytest.param([3, -1, 4, 4], ValueError, r"non-negative; entries \[1\] are negative", id="negative"),
-    pytest.param(torch.tensor([3, 0, -2, 4], dtype=torch.int32), ValueError, r"entries \[2\] are negative",
-                 id="negative-int32-tensor"),
-    pytest.param([3, 3, 4, 2], ValueError, r"sums to 12 but the input has only 10 rows", id="sum-past-rows"),
-    pytest.param(torch.tensor([5, 5, 1, 0]), ValueError, r"sums to 11 but the input has only 10 rows",
-                 id="sum-past-rows-tensor"),
-    pytest.param(torch.tensor([2, 2, 2, 2], device="meta"), ValueError,
-                 r"m_splits is on meta but the input is on cpu", id="wrong-device"),
-    pytest.param(torch.tensor([2.0, 2, 2, 2], device="meta"), TypeError, r"int32 or int64, got torch.float32",
-                 id="wrong-device-float"),
-    pytest.param(torch.tensor([2, 2, 2, 2], dtype=torch.int16, device="meta"), TypeError,
-                 r"int32 or int64, got torch.int16", id="device-int16"),
-])
+@pytest.mark.parametrize(
+    "m_splits, exc, msg",
+    [
+        pytest.param([3, 3, 4], ValueError, r"m_splits has 3 entries; expected one per group \(4\)", id="short-list"),
+        pytest.param([1, 1, 1, 1, 1], ValueError, r"5 entries; expected one per group \(4\)", id="long-list"),
+        pytest.param(
+            torch.tensor([3, 3, 4]), ValueError, r"3 entries; expected one per group \(4\)", id="short-cpu-tensor"
+        ),
+        pytest.param(torch.tensor([[1, 2], [3, 4]]), ValueError, r"must be 1-D.*\(2, 2\)", id="2d-tensor"),
+        pytest.param(
+            torch.tensor([1.0, 2.0, 3.0, 4.0]), TypeError, r"integer tensor.*torch.float32", id="float-tensor"
+        ),
+        pytest.param([1.0, 2, 3, 4], TypeError, r"Python ints, got float \(1.0\)", id="float-in-list"),
+        pytest.param([True, 2, 3, 4], TypeError, r"Python ints, got bool", id="bool-in-list"),
+        pytest.param(None, TypeError, r"m_splits must be a list/tuple of ints.*got NoneType", id="None"),
+        pytest.param(10, TypeError, r"got int", id="scalar-int"),
+        pytest.param([3, -1, 4, 4], ValueError, r"non-negative; entries \[1\] are negative", id="negative"),
+        pytest.param(
+            torch.tensor([3, 0, -2, 4], dtype=torch.int32),
+            ValueError,
+            r"entries \[2\] are negative",
+            id="negative-int32-tensor",
+        ),
+        pytest.param([3, 3, 4, 2], ValueError, r"sums to 12 but the input has only 10 rows", id="sum-past-rows"),
+        pytest.param(
+            torch.tensor([5, 5, 1, 0]),
+            ValueError,
+            r"sums to 11 but the input has only 10 rows",
+            id="sum-past-rows-tensor",
+        ),
+        pytest.param(
+            torch.tensor([2, 2, 2, 2], device="meta"),
+            ValueError,
+            r"m_splits is on meta but the input is on cpu",
+            id="wrong-device",
+        ),
+        pytest.param(
+            torch.tensor([2.0, 2, 2, 2], device="meta"),
+            TypeError,
+            r"int32 or int64, got torch.float32",
+            id="wrong-device-float",
+        ),
+        pytest.param(
+            torch.tensor([2, 2, 2, 2], dtype=torch.int16, device="meta"),
+            TypeError,
+            r"int32 or int64, got torch.int16",
+            id="device-int16",
+        ),
+    ],
+)
 @pytest.mark.parametrize("backend", ["loop", "torch"])
 def test_bad_m_splits(backend, m_splits, exc, msg):
     with pytest.raises(exc, match=msg):
@@ -161,8 +187,9 @@ def test_unknown_backend():
     with pytest.raises(ValueError, match=msg):
         moekit.MoELayer(H, F, N, 2, backend="fast")
     with pytest.raises(ValueError, match=msg):
-        moekit.grouped_mlp(rand(8, H, seed=24), rand(N, 2 * F, H, seed=25), rand(N, H, F, seed=26), [2, 2, 2, 2],
-                           backend="fast")
+        moekit.grouped_mlp(
+            rand(8, H, seed=24), rand(N, 2 * F, H, seed=25), rand(N, H, F, seed=26), [2, 2, 2, 2], backend="fast"
+        )
 
 
 def test_unknown_activation():
@@ -170,30 +197,35 @@ def test_unknown_activation():
     with pytest.raises(ValueError, match=msg):
         moekit.swiglu(torch.zeros(2, 8), activation="gelu")
     with pytest.raises(ValueError, match=msg):
-        moekit.grouped_mlp(rand(8, H, seed=27), rand(N, 2 * F, H, seed=28), rand(N, H, F, seed=29), [2, 2, 2, 2],
-                           activation="gelu")
+        moekit.grouped_mlp(
+            rand(8, H, seed=27), rand(N, 2 * F, H, seed=28), rand(N, H, F, seed=29), [2, 2, 2, 2], activation="gelu"
+        )
     with pytest.raises(ValueError, match=msg):
         moekit.GroupedMLP(N, H, F, activation="gelu")
     with pytest.raises(ValueError, match=msg):
         moekit.MoELayer(H, F, N, 2, activation="gelu")
 
 
-@pytest.mark.parametrize("k, msg", [
-    pytest.param(3, r"glu_interleave_size 3 does not divide the ffn size 8", id="k=3-F=8"),
-    pytest.param(16, r"glu_interleave_size 16 does not divide the ffn size 8", id="k=16-F=8"),
-    pytest.param(0, r"glu_interleave_size must be a positive int or None, got 0", id="k=0"),
-    pytest.param(-2, r"positive int or None, got -2", id="k=-2"),
-    pytest.param(2.0, r"positive int or None, got 2.0", id="k=2.0"),
-    pytest.param(True, r"positive int or None, got True", id="k=True"),
-])
+@pytest.mark.parametrize(
+    "k, msg",
+    [
+        pytest.param(3, r"glu_interleave_size 3 does not divide the ffn size 8", id="k=3-F=8"),
+        pytest.param(16, r"glu_interleave_size 16 does not divide the ffn size 8", id="k=16-F=8"),
+        pytest.param(0, r"glu_interleave_size must be a positive int or None, got 0", id="k=0"),
+        pytest.param(-2, r"positive int or None, got -2", id="k=-2"),
+        pytest.param(2.0, r"positive int or None, got 2.0", id="k=2.0"),
+        pytest.param(True, r"positive int or None, got True", id="k=True"),
+    ],
+)
 def test_bad_interleave_size(k, msg):
     with pytest.raises(ValueError, match=msg):
         moekit.swiglu(torch.zeros(2, 2 * F), glu_interleave_size=k)
     with pytest.raises(ValueError, match=msg):
         moekit.GroupedMLP(N, H, F, glu_interleave_size=k)
     with pytest.raises(ValueError, match=msg):
-        moekit.grouped_mlp(rand(8, H, seed=30), rand(N, 2 * F, H, seed=31), rand(N, H, F, seed=32), [2, 2, 2, 2],
-                           glu_interleave_size=k)
+        moekit.grouped_mlp(
+            rand(8, H, seed=30), rand(N, 2 * F, H, seed=31), rand(N, H, F, seed=32), [2, 2, 2, 2], glu_interleave_size=k
+        )
     with pytest.raises(ValueError, match=msg):
         moekit.interleave_glu(torch.zeros(2 * F, H), k)
     with pytest.raises(ValueError, match=msg):
@@ -226,12 +258,15 @@ def test_bad_top_k_fails_at_construction(top_k):
 
 
 @pytest.mark.parametrize("module", ["GroupedMLP", "MoELayer"])
-@pytest.mark.parametrize("name, sizes", [
-    pytest.param("num_experts", (0, H, F), id="0-experts"),
-    pytest.param("ffn_hidden_size", (N, H, 0), id="F=0"),
-    pytest.param("hidden_size", (N, -3, F), id="H=-3"),
-    pytest.param("num_experts", (4.0, H, F), id="float-experts"),
-])
+@pytest.mark.parametrize(
+    "name, sizes",
+    [
+        pytest.param("num_experts", (0, H, F), id="0-experts"),
+        pytest.param("ffn_hidden_size", (N, H, 0), id="F=0"),
+        pytest.param("hidden_size", (N, -3, F), id="H=-3"),
+        pytest.param("num_experts", (4.0, H, F), id="float-experts"),
+    ],
+)
 def test_bad_sizes_name_the_constructor_argument(module, name, sizes):
     num_experts, hidden, ffn = sizes
     bad = dict(zip(("num_experts", "hidden_size", "ffn_hidden_size"), sizes, strict=True))[name]
@@ -267,17 +302,30 @@ def test_bad_permute_inputs():
         moekit.unpermute(torch.zeros(6, 4), row_map, torch.ones(3, 1))
 
 
-@pytest.mark.parametrize("row_map, exc, msg", [
-    pytest.param([[0, 6], [1, 2], [3, 4]], ValueError, r"values must lie in \[0, 6\).*found values in \[0, 6\]",
-                 id="past-the-rows"),
-    pytest.param([[0, -1], [1, 2], [3, 4]], ValueError, r"found values in \[-1, 4\]", id="negative"),
-    pytest.param([[0, 1], [1, 2], [3, 4]], ValueError,
-                 r"permutation of the sorted rows.*rows \[1\] appear more than once and rows \[5\] never",
-                 id="not-a-permutation"),
-    pytest.param([[0.0, 1], [2, 3], [4, 5]], TypeError, r"row_map must be an integer tensor.*torch.float32",
-                 id="float"),
-    pytest.param([[True, False], [True, False], [True, False]], TypeError, r"integer tensor.*torch.bool", id="bool"),
-])
+@pytest.mark.parametrize(
+    "row_map, exc, msg",
+    [
+        pytest.param(
+            [[0, 6], [1, 2], [3, 4]],
+            ValueError,
+            r"values must lie in \[0, 6\).*found values in \[0, 6\]",
+            id="past-the-rows",
+        ),
+        pytest.param([[0, -1], [1, 2], [3, 4]], ValueError, r"found values in \[-1, 4\]", id="negative"),
+        pytest.param(
+            [[0, 1], [1, 2], [3, 4]],
+            ValueError,
+            r"permutation of the sorted rows.*rows \[1\] appear more than once and rows \[5\] never",
+            id="not-a-permutation",
+        ),
+        pytest.param(
+            [[0.0, 1], [2, 3], [4, 5]], TypeError, r"row_map must be an integer tensor.*torch.float32", id="float"
+        ),
+        pytest.param(
+            [[True, False], [True, False], [True, False]], TypeError, r"integer tensor.*torch.bool", id="bool"
+        ),
+    ],
+)
 def test_bad_unpermute_row_map(row_map, exc, msg):
     """On the CPU the map is checked before any gather: no raw IndexError, no unwritten gradient rows."""
     y = torch.zeros(6, 4, requires_grad=True)
@@ -318,12 +366,15 @@ def test_torch_backend_refuses_float64():
         moekit.GroupedLinear(N, IN, OUT, backend="torch", dtype=torch.float64)(x, [2, 2, 2, 2])
 
 
-@pytest.mark.parametrize("dtype, in_f, out_f, bad", [
-    pytest.param(torch.float32, 18, 32, "in_features", id="fp32-in18"),
-    pytest.param(torch.float32, 16, 30, "out_features", id="fp32-out30"),
-    pytest.param(torch.bfloat16, 12, 32, "in_features", id="bf16-in12"),
-    pytest.param(torch.bfloat16, 16, 97, "out_features", id="bf16-out97"),
-])
+@pytest.mark.parametrize(
+    "dtype, in_f, out_f, bad",
+    [
+        pytest.param(torch.float32, 18, 32, "in_features", id="fp32-in18"),
+        pytest.param(torch.float32, 16, 30, "out_features", id="fp32-out30"),
+        pytest.param(torch.bfloat16, 12, 32, "in_features", id="bf16-in12"),
+        pytest.param(torch.bfloat16, 16, 97, "out_features", id="bf16-out97"),
+    ],
+)
 def test_torch_backend_refuses_unaligned_dims(dtype, in_f, out_f, bad):
     x, w = rand(8, in_f, dtype=dtype, seed=36), rand(N, out_f, in_f, dtype=dtype, seed=37)
     align = 16 // x.element_size()
@@ -357,5 +408,8 @@ def test_triton_backend_refuses_cpu_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"ValueError: backend='triton' cannot run here: .*TRITON_INTERPRET=1.*"
-                     r"Usable here: \['loop', 'torch'\]", out.stdout), out.stdout
+    assert re.search(
+        r"ValueError: backend='triton' cannot run here: .*TRITON_INTERPRET=1.*"
+        r"Usable here: \['loop', 'torch'\]",
+        out.stdout,
+    ), out.stdout

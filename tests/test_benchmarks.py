@@ -14,8 +14,16 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SESSION_FILES = {"session.log", "gpu_tests.log", "mlp_vs_plain.json", "moe_layer.json", "moe_layer.png",
-                 "transformers.json", "host_overhead.json", "summary.md"}
+SESSION_FILES = {
+    "session.log",
+    "gpu_tests.log",
+    "mlp_vs_plain.json",
+    "moe_layer.json",
+    "moe_layer.png",
+    "transformers.json",
+    "host_overhead.json",
+    "summary.md",
+}
 
 
 def _load(name: str):
@@ -29,10 +37,16 @@ def _load(name: str):
 def test_gpu_session_smoke_leaves_the_eight_files(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
-    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "MOEKIT_BENCH_COMMIT": "abc1234-test",
-           "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--smoke"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PY": sys.executable,
+        "MOEKIT_BENCH_COMMIT": "abc1234-test",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_session.sh"), "--smoke"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert {p.name for p in tmp_path.iterdir()} == SESSION_FILES  # the device tool returns at most 8
     for name in ("mlp_vs_plain", "moe_layer", "transformers", "host_overhead"):
@@ -68,10 +82,29 @@ def _records(cells: dict, impl_values: dict) -> list[dict]:
     for (shape, dist), ratio in cells.items():
         for op in ("forward", "forward+backward"):
             check = {"bound": 0.02, "ok": (shape, dist) != ("deepseek-v3-32e", "balanced")}
-            out.append({"shape": shape, "dist": dist, "op": op, "impl": "moekit", "tflops": 100.0 * ratio,
-                        "x_plain": ratio, "check": check, **impl_values})
-            out.append({"shape": shape, "dist": dist, "op": op, "impl": "plain", "tflops": 100.0, "x_plain": 1.0,
-                        "check": {"bound": 0.02, "ok": True}})
+            out.append(
+                {
+                    "shape": shape,
+                    "dist": dist,
+                    "op": op,
+                    "impl": "moekit",
+                    "tflops": 100.0 * ratio,
+                    "x_plain": ratio,
+                    "check": check,
+                    **impl_values,
+                }
+            )
+            out.append(
+                {
+                    "shape": shape,
+                    "dist": dist,
+                    "op": op,
+                    "impl": "plain",
+                    "tflops": 100.0,
+                    "x_plain": 1.0,
+                    "check": {"bound": 0.02, "ok": True},
+                }
+            )
     return out
 
 
@@ -87,20 +120,31 @@ def test_summary_verdicts(tmp_path):
     (tmp_path / "transformers.json").write_text(json.dumps({"variants": {"moekit_apply": {"x_grouped_mm": 1.31}}}))
     log = "== exit status 1\n===== 70 passed, 3 failed, 800 deselected in 99.1s ===\n"
     (tmp_path / "gpu_tests.log").write_text(log)
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in
-            summarize.summarize(tmp_path).splitlines() if line.startswith("| ") and " | " in line}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+        for line in summarize.summarize(tmp_path).splitlines()
+        if line.startswith("| ") and " | " in line
+    }
     assert rows["MLP forward vs plain_mlp, every cell"] == ["0.970x (gpt-oss-20b skewed)", ">= 1.00x", "**missed** |"]
     assert rows["MLP Qwen3-30B-A3B cells"][2] == "met |"
     assert rows["MLP output and gradients vs the float32 reference (moekit and plain, every cell)"] == [
-        "15/16 cells within 0.02; failed: moekit deepseek-v3-32e balanced", "all within the bound", "**missed** |"]
+        "15/16 cells within 0.02; failed: moekit deepseek-v3-32e balanced",
+        "all within the bound",
+        "**missed** |",
+    ]
     assert rows["MLP geometric mean (forward and forward+backward)"][2] == "met |"  # 1.2^7 * 0.97, 8th root
     assert rows["MLP peak memory of forward+backward above the start, x plain"][2] == "met |"
     assert rows["MLP memory held between forward and backward, x plain"][:3] == [
-        "0.700x (mixtral-8x7b balanced)", "<= 0.60x", "**missed** |"]
+        "0.700x (mixtral-8x7b balanced)",
+        "<= 0.60x",
+        "**missed** |",
+    ]
     assert rows["layer qwen3-30b-a3b forward+backward vs plain_layer"][2] == "met (1/2 cells measured) |"
     assert rows["layer mixtral-8x7b forward+backward vs plain_layer"][0] == "not measured"
-    assert rows["Hugging Face Qwen3-MoE, apply_moekit vs transformers' grouped_mm, forward+backward tokens/s"][2] \
+    assert (
+        rows["Hugging Face Qwen3-MoE, apply_moekit vs transformers' grouped_mm, forward+backward tokens/s"][2]
         == "met |"
+    )
     assert rows["pytest -m gpu"] == ["70 passed, 3 failed, 800 deselected", "all pass", "**failures** |"]
     assert "cut short (partial JSON" in summarize.summarize(tmp_path)
 
@@ -111,7 +155,8 @@ def test_summary_merges_a_cut_gpu_test_log_with_the_rest(tmp_path):
     summarize = _load("summarize")
     a, b, c = (f"tests/test_x.py::test_{n}" for n in "abc")
     (tmp_path / "gpu_tests.log").write_text(
-        f"{a} \n{b} \n[gw0] [ 50%] PASSED {a} \n[gw1] [ 60%] SKIPPED {b} \n{c} \n== exit status 124\n")
+        f"{a} \n{b} \n[gw0] [ 50%] PASSED {a} \n[gw1] [ 60%] SKIPPED {b} \n{c} \n== exit status 124\n"
+    )
     assert summarize.tests_line(tmp_path) == ("no pytest summary (exit 124)", "**incomplete**")
     (tmp_path / "gpu_tests_rest.log").write_text(f"{c} \n[gw0] [100%] PASSED {c} \n===== 1 passed in 3.0s =====\n")
     counts, verdict = summarize.tests_line(tmp_path)
@@ -136,6 +181,7 @@ def test_time_rounds_rotates_order_and_keeps_the_others_on_error():
             if name == "b" and len(calls) > 3:
                 raise RuntimeError("boom")
             return ms
+
         return fn
 
     timed = [(r, fn_of(r["name"], ms)) for r, ms in zip(records, (1.0, 2.0, 4.0), strict=True)]
@@ -151,10 +197,26 @@ def test_time_rounds_rotates_order_and_keeps_the_others_on_error():
 def test_ab_builds_smoke_same_build_is_bit_identical(tmp_path):
     out = tmp_path / "ab.json"
     src = str(BENCHMARKS.parent / "src")
-    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1",
-               "--shapes", "smoke-4e", "--commit", "abc1234-test", "--out", str(out)]
-    proc = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                          timeout=600)
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "ab_builds.py"),
+        "--a",
+        src,
+        "--b",
+        src,
+        "--smoke",
+        "--rounds",
+        "1",
+        "--shapes",
+        "smoke-4e",
+        "--commit",
+        "abc1234-test",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert payload["meta"]["git_commit"] == "abc1234-test" and payload["meta"]["order"] == ["a", "b"]

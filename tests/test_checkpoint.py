@@ -63,7 +63,8 @@ def test_grouped_linear_layouts_convert_on_load(src, dst):
 
 def test_state_dict_keys_per_layout():
     assert set(_linear("discrete").state_dict()) == {f"weight{i}" for i in range(N)} | {
-        f"bias{i}" for i in range(N)} | {"_extra_state"}
+        f"bias{i}" for i in range(N)
+    } | {"_extra_state"}
     assert set(_linear("single").state_dict()) == {"weight", "bias", "_extra_state"}
     sd = _linear("single").state_dict()
     assert sd["weight"].shape == (N, OUT, IN) and sd["bias"].shape == (N, OUT)
@@ -92,16 +93,28 @@ def test_transformer_engine_style_checkpoint_without_extra_state():
 
 
 @pytest.mark.parametrize("layout", ["single", "discrete"])
-@pytest.mark.parametrize("case, make, names", [
-    pytest.param("missing", lambda sd: sd.pop("weight2"), ["weight2"], id="missing-weight2"),
-    pytest.param("extra", lambda sd: sd.__setitem__("weight4", torch.zeros(OUT, IN)), ["weight4"],
-                 id="extra-weight4"),
-    pytest.param("shape", lambda sd: sd.__setitem__("weight1", torch.zeros(OUT, IN + 1)), ["weight1", "(24, 17)"],
-                 id="misshaped-weight1"),
-    pytest.param("bias", lambda sd: sd.pop("bias0"), ["bias0"], id="missing-bias0"),
-    pytest.param("bias-shape", lambda sd: sd.__setitem__("bias3", torch.zeros(OUT + 2)), ["bias3", "(26,)"],
-                 id="misshaped-bias3"),
-])
+@pytest.mark.parametrize(
+    "case, make, names",
+    [
+        pytest.param("missing", lambda sd: sd.pop("weight2"), ["weight2"], id="missing-weight2"),
+        pytest.param(
+            "extra", lambda sd: sd.__setitem__("weight4", torch.zeros(OUT, IN)), ["weight4"], id="extra-weight4"
+        ),
+        pytest.param(
+            "shape",
+            lambda sd: sd.__setitem__("weight1", torch.zeros(OUT, IN + 1)),
+            ["weight1", "(24, 17)"],
+            id="misshaped-weight1",
+        ),
+        pytest.param("bias", lambda sd: sd.pop("bias0"), ["bias0"], id="missing-bias0"),
+        pytest.param(
+            "bias-shape",
+            lambda sd: sd.__setitem__("bias3", torch.zeros(OUT + 2)),
+            ["bias3", "(26,)"],
+            id="misshaped-bias3",
+        ),
+    ],
+)
 def test_bad_expert_keys_raise_naming_them(layout, case, make, names):
     sd = dict(_linear("discrete", seed=6).state_dict())
     make(sd)
@@ -245,8 +258,9 @@ MATRIX_MODULES = [(single, k) for single in (True, False) for k in MATRIX_KS]
 
 
 def _matrix_mlp(single, k, seed=None):
-    m = moekit.GroupedMLP(MATRIX_N, MATRIX_H, MATRIX_F, bias=True, glu_interleave_size=k,
-                          single_grouped_weight=single, backend="loop")
+    m = moekit.GroupedMLP(
+        MATRIX_N, MATRIX_H, MATRIX_F, bias=True, glu_interleave_size=k, single_grouped_weight=single, backend="loop"
+    )
     if seed is not None:
         with torch.no_grad():
             for i, p in enumerate(m.parameters()):
@@ -293,8 +307,10 @@ def test_file_without_record_loads_as_gates_then_ups_or_is_refused(tmp_path):
     from safetensors.torch import save_file
 
     source = _mlp(None, seed=23)
-    save_file({k: v.contiguous() for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)},
-              str(tmp_path / "te.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)},
+        str(tmp_path / "te.safetensors"),
+    )
     plain = _mlp(None, single=False, seed=230)
     moekit.load_safetensors(plain, tmp_path / "te.safetensors")
     assert torch.equal(_stacked(plain.fc1, "weight"), _stacked(source.fc1, "weight"))
@@ -316,8 +332,11 @@ def test_file_of_an_earlier_moekit_loads_and_converts(tmp_path):
     source = _mlp(2, single=False, seed=24)
     sd = source.state_dict()
     extra = {k: v for k, v in sd.items() if k.endswith("_extra_state")}
-    save_file({k: v.contiguous() for k, v in sd.items() if k not in extra}, str(tmp_path / "old.safetensors"),
-              metadata={"format": "pt", "moekit.extra_state": json.dumps(extra)})
+    save_file(
+        {k: v.contiguous() for k, v in sd.items() if k not in extra},
+        str(tmp_path / "old.safetensors"),
+        metadata={"format": "pt", "moekit.extra_state": json.dumps(extra)},
+    )
     convert_checkpoint(tmp_path / "old.safetensors", tmp_path / "grouped.safetensors", "grouped", "none")
     for path in (tmp_path / "old.safetensors", tmp_path / "grouped.safetensors"):
         loaded = _mlp(1, seed=240)

@@ -23,13 +23,18 @@ from moekit.cli import build_parser  # noqa: E402
 N, H, F = 4, 8, 6
 REFUSED = "moekit convert: refused, nothing written: "
 # The command runs the moekit these tests imported, wherever the interpreter's install points.
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(moekit.__file__).parents[1]),
-                                                    *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [str(Path(moekit.__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    ),
+}
 
 
 def _moekit(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moekit", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "moekit", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd, env=ENV
+    )
 
 
 def _assert_one_line_refusal(proc: subprocess.CompletedProcess, prefix: str, *phrases: str) -> None:
@@ -66,12 +71,18 @@ def _sharded_with_bad_index(tmp_path):
 
 
 CONVERT_MISTAKES = {
-    "missing-destination-folder": (lambda t: (_hf_file(t / "src.safetensors"), t / "no" / "such" / "out.safetensors"),
-                                   "does not exist; create it first"),
-    "destination-ends-in-slash": (lambda t: (_hf_file(t / "src.safetensors"), f"{t / 'newdir'}/"),
-                                  "names a folder, but this source converts to a single file"),
-    "destination-exists": (lambda t: (_hf_file(t / "src.safetensors"), _hf_file(t / "out.safetensors")),
-                           "exists; moekit does not overwrite"),
+    "missing-destination-folder": (
+        lambda t: (_hf_file(t / "src.safetensors"), t / "no" / "such" / "out.safetensors"),
+        "does not exist; create it first",
+    ),
+    "destination-ends-in-slash": (
+        lambda t: (_hf_file(t / "src.safetensors"), f"{t / 'newdir'}/"),
+        "names a folder, but this source converts to a single file",
+    ),
+    "destination-exists": (
+        lambda t: (_hf_file(t / "src.safetensors"), _hf_file(t / "out.safetensors")),
+        "exists; moekit does not overwrite",
+    ),
     "invalid-index-json": (lambda t: (_sharded_with_bad_index(t), t / "out"), "not a readable index JSON"),
     "source-missing": (lambda t: (t / "nothing.safetensors", t / "out.safetensors"), "no such file or folder"),
     "truncated-source": (lambda t: (_truncated(t / "src.safetensors"), t / "out.safetensors"), "truncated"),
@@ -123,20 +134,32 @@ def test_argument_mistakes_are_one_line(tmp_path):
 
 def test_demo_mistakes_are_one_line(tmp_path):
     (tmp_path / "file").write_text("keep me")
-    cases = [(["--steps", "0"], "--steps must be a positive number of training steps, got 0"),
-             (["--out", tmp_path / "file"], "is an existing file; expected a folder"),
-             (["--device", "nonsense"], "is not a device")]
+    cases = [
+        (["--steps", "0"], "--steps must be a positive number of training steps, got 0"),
+        (["--out", tmp_path / "file"], "is an existing file; expected a folder"),
+        (["--device", "nonsense"], "is not a device"),
+    ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "has no usable CUDA device; use --device cpu or auto"))
         cases.append((["--backend", "triton"], "backend='triton' cannot run here"))
     # as a user runs it: not under the Triton interpreter that the test session turns on
     env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-m", "moekit", "demo", *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env) for args, _ in cases]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "moekit", "demo", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+        )
+        for args, _ in cases
+    ]
     for proc, (args, phrase) in zip(procs, cases, strict=True):
         out, err = proc.communicate(timeout=300)
-        _assert_one_line_refusal(subprocess.CompletedProcess(args, proc.returncode, out, err),
-                                 "moekit demo: refused: ", phrase)
+        _assert_one_line_refusal(
+            subprocess.CompletedProcess(args, proc.returncode, out, err), "moekit demo: refused: ", phrase
+        )
     assert (tmp_path / "file").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no moekit-demo folder made
 
@@ -188,8 +211,12 @@ def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path):
     pty = pytest.importorskip("pty")
     src = _hf_file(tmp_path / "src.safetensors")
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "moekit", "convert", str(src), str(tmp_path / "g.safetensors"),
-                             "--to", "grouped"], stdout=subprocess.PIPE, stderr=slave, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moekit", "convert", str(src), str(tmp_path / "g.safetensors"), "--to", "grouped"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=ENV,
+    )
     os.close(slave)
     shown = b""
     while True:
@@ -213,8 +240,13 @@ def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:
     """Start a convert of a 96 MB checkpoint, and send `sig` while its temporary output exists."""
     src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
     dst = tmp_path / "out.safetensors"
-    proc = subprocess.Popen([sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     temp = f".out.safetensors.moekit-convert-tmp-{proc.pid}"
     deadline = time.monotonic() + 120
     while not (tmp_path / temp).exists():

@@ -23,8 +23,16 @@ from helpers import rel_err, tolerance_floor
 from moekit.ops.grouped_linear import _BACKENDS
 
 TRITON_OK = _BACKENDS["triton"].unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
-BACKENDS = ["loop", "torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not TRITON_OK, reason="triton backend cannot run here (needs CUDA or TRITON_INTERPRET=1)"))]
+BACKENDS = [
+    "loop",
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not TRITON_OK, reason="triton backend cannot run here (needs CUDA or TRITON_INTERPRET=1)"
+        ),
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -77,8 +85,9 @@ def _grouped_mlp(backend, single_grouped_weight):
 
 def _moe_layer(backend, single_grouped_weight):
     torch.manual_seed(0)
-    return moekit.MoELayer(16, 16, num_experts=4, top_k=2, bias=True, single_grouped_weight=single_grouped_weight,
-                           backend=backend)
+    return moekit.MoELayer(
+        16, 16, num_experts=4, top_k=2, bias=True, single_grouped_weight=single_grouped_weight, backend=backend
+    )
 
 
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "per-expert"])
@@ -186,9 +195,9 @@ def test_experts_implementation_moekit_fullgraph():
 
     import moekit.integrations.transformers  # noqa: F401  (registers the implementation)
 
-    _compare(_LossOf(_model("qwen3_moe", experts_implementation="moekit")), {"input_ids": _ids()}, "aot_eager",
-             exact=False)
-
+    _compare(
+        _LossOf(_model("qwen3_moe", experts_implementation="moekit")), {"input_ids": _ids()}, "aot_eager", exact=False
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,8 +210,9 @@ def _cuda_step(module, x, compiled: bool, **call_kwargs):
     module.zero_grad(set_to_none=True)
     run = torch.compile(module, fullgraph=True) if compiled else module
     out = run(x, **call_kwargs)
-    out.backward(torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(7), device="cuda",
-                             dtype=out.dtype))
+    out.backward(
+        torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(7), device="cuda", dtype=out.dtype)
+    )
     grads = {"input x": x.grad, **{f"param {k}": p.grad for k, p in module.named_parameters()}}
     return out.detach(), grads
 

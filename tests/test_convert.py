@@ -27,8 +27,13 @@ from moekit.checkpoint.metadata import META_GROUPS  # noqa: E402
 N, H, F = 4, 8, 6
 
 
-def _hf_per_expert(layers=2, naming=("gate_proj", "up_proj", "down_proj"), dtype=torch.bfloat16, seed=0,
-                   prefix="model.layers.{l}.mlp.experts"):
+def _hf_per_expert(
+    layers=2,
+    naming=("gate_proj", "up_proj", "down_proj"),
+    dtype=torch.bfloat16,
+    seed=0,
+    prefix="model.layers.{l}.mlp.experts",
+):
     g = torch.Generator().manual_seed(seed)
     sd = {}
     gate, up, down = naming
@@ -63,8 +68,10 @@ def _save_sharded(sd: dict, directory, shards=3):
         part = {k: sd[k] for k in keys[s::shards]}
         save_file(part, str(directory / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+        "weight_map": weight_map,
+    }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     (directory / "config.json").write_text("{}")
     return directory
@@ -96,8 +103,9 @@ def _leftovers(directory, name):
 def test_single_file_round_trip(tmp_path, glu):
     sd = _hf_per_expert()
     save_file(sd, str(tmp_path / "src.safetensors"), metadata={"format": "pt"})
-    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "grouped.safetensors", "grouped",
-                       "none" if glu is None else glu)
+    convert_checkpoint(
+        tmp_path / "src.safetensors", tmp_path / "grouped.safetensors", "grouped", "none" if glu is None else glu
+    )
     grouped = load_file(str(tmp_path / "grouped.safetensors"))
     p = "model.layers.1.mlp.experts"
     fc1 = torch.stack([torch.cat([sd[f"{p}.{i}.gate_proj.weight"], sd[f"{p}.{i}.up_proj.weight"]]) for i in range(N)])
@@ -106,8 +114,14 @@ def test_single_file_round_trip(tmp_path, glu):
     assert grouped[f"{p}.gate_up_proj"].shape == (N, 2 * F, H)
     meta = Checkpoint(tmp_path / "grouped.safetensors").metadata
     records = {r["prefix"]: r for r in json.loads(meta[META_GROUPS])}
-    assert records[p] == {"prefix": p, "naming": "hf", "layout": "grouped", "role": "mlp", "num_experts": N,
-                          "glu_interleave_size": glu}
+    assert records[p] == {
+        "prefix": p,
+        "naming": "hf",
+        "layout": "grouped",
+        "role": "mlp",
+        "num_experts": N,
+        "glu_interleave_size": glu,
+    }
     assert meta["format"] == "pt"
 
     convert_checkpoint(tmp_path / "grouped.safetensors", tmp_path / "back.safetensors", "per-expert")
@@ -148,16 +162,16 @@ def test_transformer_engine_round_trip_and_interleave(tmp_path):
     # TE's fc1 rows: their gate/up order is not in the file; it must be stated.
     with pytest.raises(CheckpointError, match="src-glu-interleave"):
         convert_checkpoint(tmp_path / "te.safetensors", tmp_path / "g.safetensors", "grouped")
-    convert_checkpoint(tmp_path / "te.safetensors", tmp_path / "g.safetensors", "grouped", 2,
-                       src_glu_interleave="none")
+    convert_checkpoint(tmp_path / "te.safetensors", tmp_path / "g.safetensors", "grouped", 2, src_glu_interleave="none")
     grouped = load_file(str(tmp_path / "g.safetensors"))
     p = "decoder.layers.0.mlp.experts"
     fc1 = torch.stack([sd[f"{p}.linear_fc1.weight{i}"] for i in range(N)])
     assert torch.equal(grouped[f"{p}.linear_fc1.weight"], interleave_glu(fc1, 2, dim=1))
     b1 = torch.stack([sd[f"{p}.linear_fc1.bias{i}"] for i in range(N)])
     assert torch.equal(grouped[f"{p}.linear_fc1.bias"], interleave_glu(b1, 2, dim=1))
-    assert torch.equal(grouped[f"{p}.linear_fc2.weight"], torch.stack([sd[f"{p}.linear_fc2.weight{i}"]
-                                                                        for i in range(N)]))
+    assert torch.equal(
+        grouped[f"{p}.linear_fc2.weight"], torch.stack([sd[f"{p}.linear_fc2.weight{i}"] for i in range(N)])
+    )
     # The grouped file records k=2, so going back needs no --src-glu-interleave; the default would
     # keep k=2 in the per-expert fc1 tensors, so ask for the TE file's [gates; ups] order.
     convert_checkpoint(tmp_path / "g.safetensors", tmp_path / "b.safetensors", "per-expert", "none")
@@ -182,9 +196,18 @@ def test_conversion_streams_one_expert_at_a_time(tmp_path, monkeypatch):
 
 
 def _tiny_qwen3(transformers):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=H * 4, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, intermediate_size=32,
-                                      moe_intermediate_size=F * 2, num_experts=N, num_experts_per_tok=2)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=H * 4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        moe_intermediate_size=F * 2,
+        num_experts=N,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
     with torch.no_grad():
@@ -213,8 +236,9 @@ def test_converted_checkpoint_loads_into_transformers_and_grouped_mlp(tmp_path, 
     # The same tensors in a moekit GroupedMLP give the experts' outputs.
     prefix = "model.layers.1.mlp.experts"
     mlp = GroupedMLP(N, model.config.hidden_size, model.config.moe_intermediate_size, backend="loop")
-    mlp.load_state_dict({"fc1.weight": grouped[f"{prefix}.gate_up_proj"], "fc2.weight": grouped[f"{prefix}.down_proj"]},
-                        strict=False)
+    mlp.load_state_dict(
+        {"fc1.weight": grouped[f"{prefix}.gate_up_proj"], "fc2.weight": grouped[f"{prefix}.down_proj"]}, strict=False
+    )
     hidden = torch.randn(9, model.config.hidden_size)
     top_k_index = torch.randint(0, N, (9, 2), generator=torch.Generator().manual_seed(1))
     top_k_weights = torch.rand(9, 2)
@@ -235,8 +259,9 @@ def test_converted_checkpoint_loads_into_transformers_and_grouped_mlp(tmp_path, 
 def _refuse(tmp_path, sd, match, **kwargs):
     save_file(sd, str(tmp_path / "src.safetensors"))
     with pytest.raises(CheckpointError, match=match):
-        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", kwargs.pop("to", "grouped"),
-                           **kwargs)
+        convert_checkpoint(
+            tmp_path / "src.safetensors", tmp_path / "out.safetensors", kwargs.pop("to", "grouped"), **kwargs
+        )
     assert _leftovers(tmp_path, "out.safetensors") == []
 
 
@@ -291,14 +316,17 @@ def test_refuses_mixed_layouts(tmp_path):
 
 
 def test_refuses_grouped_without_recorded_glu_order(tmp_path):
-    sd = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
-          "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F)}
+    sd = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F),
+    }
     _refuse(tmp_path, sd, "not recorded", to="per-expert")
     # Stated, it converts.
     os.remove(tmp_path / "src.safetensors")
     save_file(sd, str(tmp_path / "src.safetensors"))
-    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "per-expert",
-                       src_glu_interleave="none")
+    convert_checkpoint(
+        tmp_path / "src.safetensors", tmp_path / "out.safetensors", "per-expert", src_glu_interleave="none"
+    )
     out = load_file(str(tmp_path / "out.safetensors"))
     up = out["model.layers.0.mlp.experts.2.up_proj.weight"]
     assert torch.equal(up, sd["model.layers.0.mlp.experts.gate_up_proj"][2, F:])
@@ -308,8 +336,13 @@ def test_inspect_fails_where_convert_would_refuse(tmp_path, capsys):
     """A grouped file that does not record its gate/up order: listed, exit status 1; stated, fine."""
     from moekit.cli import main
 
-    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
-               "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F)}, str(tmp_path / "g.safetensors"))
+    save_file(
+        {
+            "model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, 2 * F, H),
+            "model.layers.0.mlp.experts.down_proj": torch.randn(N, H, F),
+        },
+        str(tmp_path / "g.safetensors"),
+    )
     assert main(["inspect", str(tmp_path / "g.safetensors")]) == 1
     out = capsys.readouterr().out
     assert "not recorded" in out and "problems (convert would refuse)" in out and "--src-glu-interleave" in out
@@ -318,8 +351,10 @@ def test_inspect_fails_where_convert_would_refuse(tmp_path, capsys):
 
 
 def test_refuses_transposed_grouped(tmp_path):
-    sd = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, H, 2 * F),
-          "model.layers.0.mlp.experts.down_proj": torch.randn(N, F, H)}
+    sd = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(N, H, 2 * F),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(N, F, H),
+    }
     _refuse(tmp_path, sd, r"\[N, in, out\]", src_glu_interleave=1)
 
 
@@ -410,23 +445,37 @@ def _entry(begin, end, shape=(1,), dtype="F32"):
 
 MALFORMED = {
     # the same definition twice: the library keeps the last one and accepts it; which was meant is unknown
-    "duplicated-key": (lambda p: _raw_file(p, b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
-                                              b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
-                       "defined twice"),
+    "duplicated-key": (
+        lambda p: _raw_file(
+            p,
+            b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+            b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+            bytes(4),
+        ),
+        "defined twice",
+    ),
     "random-bytes": (lambda p: p.write_bytes(bytes(range(7, 250, 3)) * 5) and p, "header claims"),
     "json-list-header": (lambda p: _raw_file(p, b"[1, 2]"), "header is a JSON list; expected an object"),
     "not-json": (lambda p: _raw_file(p, b"{nope"), "header is not JSON"),
-    "missing-data-offsets": (lambda p: _raw_file(p, {"a": {"dtype": "F32", "shape": [1]}}, bytes(4)),
-                             "no 'data_offsets'"),
-    "shape-offset-disagree": (lambda p: _raw_file(p, {"a": _entry(0, 4, shape=(2,))}, bytes(4)),
-                              r"needs 8 bytes, but its data_offsets \[0, 4\] span 4"),
+    "missing-data-offsets": (
+        lambda p: _raw_file(p, {"a": {"dtype": "F32", "shape": [1]}}, bytes(4)),
+        "no 'data_offsets'",
+    ),
+    "shape-offset-disagree": (
+        lambda p: _raw_file(p, {"a": _entry(0, 4, shape=(2,))}, bytes(4)),
+        r"needs 8 bytes, but its data_offsets \[0, 4\] span 4",
+    ),
     "truncated": (lambda p: _raw_file(p, {"a": _entry(0, 4), "b": _entry(4, 8)}, bytes(6)), "truncated"),
-    "offsets-past-eof": (lambda p: _raw_file(p, {"a": _entry(0, 4), "b": _entry(100, 104)}, bytes(8)),
-                         "starts at data byte 100, expected 4"),
+    "offsets-past-eof": (
+        lambda p: _raw_file(p, {"a": _entry(0, 4), "b": _entry(100, 104)}, bytes(8)),
+        "starts at data byte 100, expected 4",
+    ),
     "header-claims-6GB": (lambda p: _raw_file(p, b"{}", header_len=6 << 30), r"header claims 6.0 GiB"),
     "unknown-dtype": (lambda p: _raw_file(p, {"a": _entry(0, 4, dtype="X32")}, bytes(4)), "unknown dtype 'X32'"),
-    "metadata-not-strings": (lambda p: _raw_file(p, {"__metadata__": {"a": 1}, "a": _entry(0, 4)}, bytes(4)),
-                             "__metadata__ must map strings to strings"),
+    "metadata-not-strings": (
+        lambda p: _raw_file(p, {"__metadata__": {"a": 1}, "a": _entry(0, 4)}, bytes(4)),
+        "__metadata__ must map strings to strings",
+    ),
     "trailing-bytes": (lambda p: _raw_file(p, {"a": _entry(0, 4)}, bytes(12)), "trailing bytes"),
     "shorter-than-8-bytes": (lambda p: p.write_bytes(b"abc") and p, "shorter than the 8-byte header length"),
 }
@@ -459,8 +508,11 @@ def test_malformed_file_refused_by_every_reader(tmp_path, case, capsys):
 
 def test_header_validation_accepts_what_the_library_writes(tmp_path):
     """Padding after the header, empty and zero-size tensors: valid files stay readable."""
-    save_file({"a": torch.zeros(0), "b": torch.ones(3, dtype=torch.bfloat16), "c": torch.ones(2, 2)},
-              str(tmp_path / "ok.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {"a": torch.zeros(0), "b": torch.ones(3, dtype=torch.bfloat16), "c": torch.ones(2, 2)},
+        str(tmp_path / "ok.safetensors"),
+        metadata={"format": "pt"},
+    )
     save_file({}, str(tmp_path / "empty.safetensors"))
     assert Checkpoint(tmp_path / "ok.safetensors").tensors["b"].shape == (3,)
     assert Checkpoint(tmp_path / "empty.safetensors").tensors == {}
@@ -484,8 +536,12 @@ def test_refuses_missing_last_expert_that_other_layers_have(tmp_path):
     sd = _hf_per_expert()
     for proj in ("gate_proj", "up_proj", "down_proj"):
         del sd[f"model.layers.1.mlp.experts.{N - 1}.{proj}.weight"]
-    _refuse(tmp_path, sd, rf"model.layers.1.mlp.experts: holds {N - 1} experts, other groups of this checkpoint "
-                          rf"hold {N}: missing expert indices \[{N - 1}\]")
+    _refuse(
+        tmp_path,
+        sd,
+        rf"model.layers.1.mlp.experts: holds {N - 1} experts, other groups of this checkpoint "
+        rf"hold {N}: missing expert indices \[{N - 1}\]",
+    )
 
 
 @pytest.mark.parametrize("field", ["num_local_experts", "num_experts", "n_routed_experts"])
@@ -494,8 +550,11 @@ def test_refuses_missing_last_expert_that_config_json_counts(tmp_path, field):
     save_file(sd, str(tmp_path / "model.safetensors"))
     nested = field == "n_routed_experts"  # also found inside a sub-config (e.g. text_config)
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {field: N}} if nested else {field: N}))
-    with pytest.raises(CheckpointError, match=rf"config.json \({field}={N}\) says {N}: missing expert indices "
-                                              rf"\[{N - 1}\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"config.json \({field}={N}\) says {N}: missing expert indices "
+        rf"\[{N - 1}\]",
+    ):
         convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
     (tmp_path / "config.json").write_text(json.dumps({field: N - 1}))
     convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
@@ -544,7 +603,9 @@ def test_demo_style_single_grouped_checkpoint_is_recognised(tmp_path):
     analysis = analyze(Checkpoint(tmp_path / "m.safetensors"))
     assert not analysis.problems
     assert {(g.prefix.rsplit(".", 1)[-1], g.layout, g.role, g.num_experts) for g in analysis.groups} == {
-        ("fc1", "grouped", "fc1", N), ("fc2", "grouped", "linear", N)}
+        ("fc1", "grouped", "fc1", N),
+        ("fc2", "grouped", "linear", N),
+    }
     assert "router.weight" in analysis.other_keys
     convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "p.safetensors", "per-expert")
     back = moekit.MoELayer(H, F, N, 2, glu_interleave_size=3, single_grouped_weight=False)

@@ -17,9 +17,7 @@ def test_demo_trains_and_round_trips(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_loss_single_grouped"] == summary["eval_loss_reloaded_discrete"]
     assert summary["final_train_loss"] < summary["first_loss"] - 0.5
-    assert summary["reloaded_expert_keys"] == sorted(
-        [f"weight{i}" for i in range(8)] + ["_extra_state"]
-    )
+    assert summary["reloaded_expert_keys"] == sorted([f"weight{i}" for i in range(8)] + ["_extra_state"])
     assert (tmp_path / "model.safetensors").stat().st_size > 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "identical" in capsys.readouterr().out

@@ -41,8 +41,13 @@ def _free_port() -> int:
 def run_group(group: str, world: int, workdir: Path, backend: str = "gloo") -> str:
     # The ranks run real kernels, not Triton's interpreter (the CPU backends are torch's).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(WORKER), group, str(world), str(_free_port()), backend, str(workdir)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), group, str(world), str(_free_port()), backend, str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert f"DONE {group} {world}" in proc.stdout
     return proc.stdout
@@ -55,17 +60,30 @@ def ok_lines(stdout: str) -> set[str]:
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
 def test_data_and_expert_parallel(tmp_path, world):
     done = ok_lines(run_group("train", world, tmp_path))
-    expected = {f"OK dp {w} {k} grouped={g} shard_dim=None" for w in ("ddp", "fsdp2") for k in ("linear", "mlp", "moe")
-                for g in (True, False)}
+    expected = {
+        f"OK dp {w} {k} grouped={g} shard_dim=None"
+        for w in ("ddp", "fsdp2")
+        for k in ("linear", "mlp", "moe")
+        for g in (True, False)
+    }
     expected |= {f"OK dp fsdp2 {k} grouped=True shard_dim=1" for k in ("linear", "mlp", "moe")}
     expected |= {f"OK dp fsdp2-bf16 {k} grouped={g}" for k in ("mlp", "moe") for g in (True, False)}
-    expected |= {f"OK ep={ep} dropless grouped={g} chunks={c}" for ep in {2, world}
-                 for g, c in ((True, 1), (False, 1), (True, 3))}
+    expected |= {
+        f"OK ep={ep} dropless grouped={g} chunks={c}"
+        for ep in {2, world}
+        for g, c in ((True, 1), (False, 1), (True, 3))
+    }
     expected |= {f"OK ep={ep} dropless uneven tokens per rank" for ep in {2, world}}
-    expected |= {f"OK ep={ep} x dp={world // ep} fsdp2 training {m} grouped={g} aux_loss_coef={a}"
-                 for ep in {2, world}
-                 for m, g, a in (("dropless", True, 0.0), ("dropless", False, 0.0), ("dropless", True, 0.5),
-                                 ("capacity", False, 0.5))}
+    expected |= {
+        f"OK ep={ep} x dp={world // ep} fsdp2 training {m} grouped={g} aux_loss_coef={a}"
+        for ep in {2, world}
+        for m, g, a in (
+            ("dropless", True, 0.0),
+            ("dropless", False, 0.0),
+            ("dropless", True, 0.5),
+            ("capacity", False, 0.5),
+        )
+    }
     assert expected <= done, sorted(expected - done)
     capacity = [line for line in done if "capacity factor=" in line]
     assert any("dropped=0" not in line for line in capacity), "capacity mode never dropped a copy"
@@ -124,7 +142,7 @@ def test_capacity_maps_match_the_rule(case):
     # local expert e) is expert e's when p < count, else padding (id L), sentinels too.
     local = num_experts // ep_size
     for dest in range(ep_size):
-        recv = maps.counts[dest * local:(dest + 1) * local].repeat(ep_size, 1)
+        recv = maps.counts[dest * local : (dest + 1) * local].repeat(ep_size, 1)
         got = received_local_ids(recv, slots).view(ep_size, local * slots + 1)
         for e in range(local):
             for p in range(slots):
@@ -184,12 +202,18 @@ def test_checkpoints_across_world_sizes_layouts_and_ep(tmp_path):
     pytest.importorskip("transformers")
     dw.one_process_save(tmp_path)
     done = ok_lines(run_group("ckpt4", 4, tmp_path))
-    assert {"OK ckpt 1 -> 4 (ep=2, fsdp2, discrete)", "OK ckpt resume bit-identical losses (4 ranks)",
-            "OK ckpt ep 2 -> 4, discrete -> grouped"} <= done, done
+    assert {
+        "OK ckpt 1 -> 4 (ep=2, fsdp2, discrete)",
+        "OK ckpt resume bit-identical losses (4 ranks)",
+        "OK ckpt ep 2 -> 4, discrete -> grouped",
+    } <= done, done
     done = ok_lines(run_group("ckpt2", 2, tmp_path))
-    assert {"OK ckpt 4 -> 2 (ep=1, grouped=False)", "OK ckpt 4 -> 2 (ep=2, grouped=True)",
-            "OK ckpt transformers apply_moekit + fsdp2 saved",
-            "OK ckpt uneven expert shards -> through-expert shards and discrete"} <= done, done
+    assert {
+        "OK ckpt 4 -> 2 (ep=1, grouped=False)",
+        "OK ckpt 4 -> 2 (ep=2, grouped=True)",
+        "OK ckpt transformers apply_moekit + fsdp2 saved",
+        "OK ckpt uneven expert shards -> through-expert shards and discrete",
+    } <= done, done
     dw.one_process_check(tmp_path)
 
 
@@ -254,8 +278,9 @@ def test_checkpoint_keeps_interleaved_rows(tmp_path, interleave):
     torch.manual_seed(0)
     model = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=interleave)
     checkpoint.save(tmp_path / "ckpt", model)
-    other = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=interleave,
-                            single_grouped_weight=False)
+    other = moekit.MoELayer(
+        dw.H, dw.F, dw.N, dw.K, bias=True, glu_interleave_size=interleave, single_grouped_weight=False
+    )
     checkpoint.load(tmp_path / "ckpt", other)
     x = torch.randn(10, dw.H)
     torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)

@@ -11,14 +11,18 @@ import moekit
 
 def _t(*shape, seed, positive=False):
     g = torch.Generator().manual_seed(seed)
-    t = torch.rand(*shape, generator=g, dtype=torch.float64) if positive else torch.randn(
-        *shape, generator=g, dtype=torch.float64)
+    t = (
+        torch.rand(*shape, generator=g, dtype=torch.float64)
+        if positive
+        else torch.randn(*shape, generator=g, dtype=torch.float64)
+    )
     return t.requires_grad_()
 
 
 def test_gradcheck_grouped_linear_loop_without_bias():
-    assert gradcheck(lambda x, w: moekit.grouped_linear(x, w, [1, 0, 3], backend="loop"),
-                     (_t(5, 3, seed=0), _t(3, 4, 3, seed=1)))
+    assert gradcheck(
+        lambda x, w: moekit.grouped_linear(x, w, [1, 0, 3], backend="loop"), (_t(5, 3, seed=0), _t(3, 4, 3, seed=1))
+    )
 
 
 def test_gradcheck_permute():
@@ -27,8 +31,10 @@ def test_gradcheck_permute():
 
 
 def test_gradcheck_grouped_linear_loop_with_bias():
-    assert gradcheck(lambda x, w, b: moekit.grouped_linear(x, w, [1, 0, 3], b, backend="loop"),
-                     (_t(5, 3, seed=3), _t(3, 4, 3, seed=4), _t(3, 4, seed=5)))
+    assert gradcheck(
+        lambda x, w, b: moekit.grouped_linear(x, w, [1, 0, 3], b, backend="loop"),
+        (_t(5, 3, seed=3), _t(3, 4, 3, seed=4), _t(3, 4, seed=5)),
+    )
 
 
 def test_gradcheck_swiglu():
@@ -37,8 +43,7 @@ def test_gradcheck_swiglu():
 
 def test_gradcheck_unpermute():
     row_map = torch.tensor([[0, 2], [1, 3]])
-    assert gradcheck(lambda y, w: moekit.unpermute(y, row_map, w),
-                     (_t(4, 3, seed=8), _t(2, 2, seed=9, positive=True)))
+    assert gradcheck(lambda y, w: moekit.unpermute(y, row_map, w), (_t(4, 3, seed=8), _t(2, 2, seed=9, positive=True)))
 
 
 def test_moe_layer_routes_float64_in_float64():

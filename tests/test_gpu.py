@@ -34,6 +34,7 @@ SPLITS = [
     pytest.param([0, 700, 512, 0, 900, 333, 1100, 0], id="empty-first-middle-last+padding"),
 ]
 
+
 def _capture(step, leaves):
     """Capture step() (a forward+backward) in a CUDA graph; returns (graph, step's output). Warms up
     on a side stream first (lazy init, autotuning), as torch.cuda.graphs asks; grads are set to None
@@ -54,13 +55,15 @@ def _capture(step, leaves):
     return graph, y_static
 
 
-
 def _require_backend(backend: str, in_features: int, out_features: int, device=None, dtype=BF16) -> None:
     """Skip (with select_backend's reason) when the backend cannot run these operands."""
     device = device or CUDA
     try:
-        select_backend(backend, torch.empty(0, in_features, device=device, dtype=dtype),
-                       torch.empty(1, out_features, in_features, device=device, dtype=dtype))
+        select_backend(
+            backend,
+            torch.empty(0, in_features, device=device, dtype=dtype),
+            torch.empty(1, out_features, in_features, device=device, dtype=dtype),
+        )
     except ValueError as exc:
         pytest.skip(str(exc))
 
@@ -88,8 +91,11 @@ def _on_device(fn, device):
 def test_grouped_linear_bf16_matches_float64(backend, m_splits, nan_poison, device=CUDA):
     _require_backend(backend, H, 2 * F, device)
     splits_dev = torch.tensor(m_splits, device=device)
-    inputs = {"x": rand(M, H, seed=1), "weight": rand(N, 2 * F, H, scale=H**-0.5, seed=2),
-              "bias": rand(N, 2 * F, seed=3)}
+    inputs = {
+        "x": rand(M, H, seed=1),
+        "weight": rand(N, 2 * F, H, scale=H**-0.5, seed=2),
+        "bias": rand(N, 2 * F, seed=3),
+    }
     # torch's own bf16 computation (helpers' per-group loop) runs on the CPU: same rounding of
     # each product (fp32 accumulation, one bf16 rounding), so the same error scale.
     res = check_against_reference(
@@ -123,8 +129,7 @@ def test_grouped_mlp_bf16_matches_float64(backend, m_splits, nan_poison, device=
         inputs,
         BF16,
     )
-    _assert_padding_and_empty_experts(res, m_splits,
-                                      weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
+    _assert_padding_and_empty_experts(res, m_splits, weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
 
 
 def _assert_padding_and_empty_experts(res: dict, m_splits: list[int], weight_keys: tuple[str, ...]) -> None:
@@ -215,8 +220,10 @@ def test_torch_grouped_mm_wgrad_writes_zeros_for_empty_experts():
     dy[used:], x[used:] = 1e3, 1e3  # padding rows must not contribute to any expert
     ends = torch.tensor(counts, device=CUDA).cumsum(0).to(torch.int32)
 
-    for name, wgrad in (("grouped_mm", lambda: grouped_mm(dy.t(), x, offs=ends)),
-                        ("moekit torch backend", lambda: _torch_backend_wgrad(dy, x, counts))):
+    for name, wgrad in (
+        ("grouped_mm", lambda: grouped_mm(dy.t(), x, offs=ends)),
+        ("moekit torch backend", lambda: _torch_backend_wgrad(dy, x, counts)),
+    ):
         # Leave NaN in the allocator block the output is likely to get, so unwritten memory shows.
         poison = torch.full((len(counts), out_f, in_f), float("nan"), device=CUDA, dtype=BF16)
         del poison
@@ -227,7 +234,7 @@ def test_torch_grouped_mm_wgrad_writes_zeros_for_empty_experts():
             if c == 0:
                 assert torch.count_nonzero(dw[g].nan_to_num(1.0)) == 0, f"{name}: dw[{g}] of an empty expert is not 0"
             else:
-                expected = dy[lo:lo + c].t().float() @ x[lo:lo + c].float()
+                expected = dy[lo : lo + c].t().float() @ x[lo : lo + c].float()
                 assert rel_err(dw[g], expected) < 1e-2, f"{name}: dw[{g}] wrong"
             lo += c
 
@@ -328,8 +335,7 @@ def _eager_grouped_linear(x, w, b, dy, splits, backend) -> dict[str, torch.Tenso
 
 # Tokens, experts, top-k, hidden, ffn: a real size for the layer's row movement and GEMMs.
 MOE_T, MOE_N, MOE_K, MOE_H, MOE_F = 2048, 8, 2, 1024, 768
-MOE_POOLS = [pytest.param(None, id="all-experts"),
-             pytest.param([1, 2, 3, 5, 6], id="empty-first-middle-last")]
+MOE_POOLS = [pytest.param(None, id="all-experts"), pytest.param([1, 2, 3, 5, 6], id="empty-first-middle-last")]
 
 
 def _moe_inputs(pool=None, seed=0, bias=False) -> dict:
@@ -352,9 +358,14 @@ def test_moe_experts_bf16_matches_float64(backend, pool, nan_poison):
     inputs = make_inputs(MOE_T, MOE_N, MOE_K, hidden=MOE_H, ffn=MOE_F, experts=pool, bias=True, seed=3)
     inputs["topk_weights"] = inputs["topk_weights"].to(BF16)
     ours = _on_device(functools.partial(moekit.moe_experts, backend=backend), CUDA)
-    res = check_against_reference(ours, _on_device(torch_moe_experts, CUDA),
-                                  _on_device(moekit.reference.moe_experts_reference, CUDA), inputs, BF16,
-                                  differentiable=[k for k in inputs if k != "topk_ids"])
+    res = check_against_reference(
+        ours,
+        _on_device(torch_moe_experts, CUDA),
+        _on_device(moekit.reference.moe_experts_reference, CUDA),
+        inputs,
+        BF16,
+        differentiable=[k for k in inputs if k != "topk_ids"],
+    )
     for name, t in res.items():
         assert_no_nan(t, name)
     for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
@@ -419,15 +430,18 @@ def test_moe_experts_cuda_graph_replay_with_new_routing_matches_eager(backend):
         graph.replay()
         torch.cuda.synchronize()
         replayed = {k: t.clone() for k, t in static.items()}
-        eager_leaves = {k: (t.detach().clone().requires_grad_(True) if t.is_floating_point() else new_ids.clone())
-                        for k, t in leaves.items()}
+        eager_leaves = {
+            k: (t.detach().clone().requires_grad_(True) if t.is_floating_point() else new_ids.clone())
+            for k, t in leaves.items()
+        }
         y = moekit.moe_experts(**eager_leaves, backend=backend)
         y.backward(dy)
         eager = {"out": y.detach(), **{k: t.grad for k, t in eager_leaves.items() if t.is_floating_point()}}
         for k in replayed:
             assert_no_nan(replayed[k], f"{case}: replayed {k}")
             assert torch.equal(replayed[k], eager[k]), (
-                f"{case}: replayed {k} differs from eager (relative error {rel_err(replayed[k], eager[k]):.2e})")
+                f"{case}: replayed {k} differs from eager (relative error {rel_err(replayed[k], eager[k]):.2e})"
+            )
         for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
             assert torch.count_nonzero(replayed["fc1_weight"][e]) == 0, f"{case}: d fc1_weight[{e}] not zero"
 
@@ -446,7 +460,8 @@ def test_moe_experts_holds_less_than_the_sorted_copy_of_x():
     allowance = rows * 3 * MOE_F * 2 + rows * 64
     assert held <= allowance, (
         f"moe_experts holds {held / 2**20:.1f} MiB for the backward; at most {allowance / 2**20:.1f} MiB expected "
-        f"without a sorted copy of x ({rows * MOE_H * 2 / 2**20:.1f} MiB)")
+        f"without a sorted copy of x ({rows * MOE_H * 2 / 2**20:.1f} MiB)"
+    )
     y.sum().backward()
 
 
@@ -478,9 +493,8 @@ def test_grouped_mlp_triton_fused_layouts_bf16(activation, interleave, nan_poiso
         inputs,
         BF16,
     )
-    _assert_padding_and_empty_experts(res, m_splits,
-                                      weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
-    assert torch.count_nonzero(res["probs"][sum(m_splits):]) == 0, "padding rows of d probs are not zero"
+    _assert_padding_and_empty_experts(res, m_splits, weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
+    assert torch.count_nonzero(res["probs"][sum(m_splits) :]) == 0, "padding rows of d probs are not zero"
 
 
 def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
@@ -499,8 +513,14 @@ def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
     def step():
         for t in leaves.values():
             t.grad = None
-        y = moekit.grouped_mlp(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], static_splits,
-                               probs=leaves["probs"], backend="triton")
+        y = moekit.grouped_mlp(
+            leaves["x"],
+            leaves["fc1_weight"],
+            leaves["fc2_weight"],
+            static_splits,
+            probs=leaves["probs"],
+            backend="triton",
+        )
         y.backward(dy)
         return {"out": y.detach(), **{k: t.grad for k, t in leaves.items()}}
 
@@ -516,8 +536,10 @@ def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()
-    for case, splits in {"skewed+padding": [0, 1000, 24, 0, 500, 300, 0, 24] + [0] * (N - 8),
-                         "all-on-one": [0, 0, 0, M, 0, 0, 0, 0]}.items():
+    for case, splits in {
+        "skewed+padding": [0, 1000, 24, 0, 500, 300, 0, 24] + [0] * (N - 8),
+        "all-on-one": [0, 0, 0, M, 0, 0, 0, 0],
+    }.items():
         static_splits.copy_(torch.tensor(splits))
         graph.replay()
         torch.cuda.synchronize()
@@ -525,4 +547,4 @@ def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
         eager = step()
         for k in replayed:
             assert torch.equal(replayed[k], eager[k]), f"{case}: replayed {k} differs from eager"
-        assert torch.count_nonzero(replayed["out"][sum(splits):]) == 0
+        assert torch.count_nonzero(replayed["out"][sum(splits) :]) == 0

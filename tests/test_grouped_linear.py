@@ -81,7 +81,8 @@ def test_bias_scale_matches_reference(backend, dtype):
     }
     check_against_reference(
         lambda x, weight, bias, bias_scale: moekit.grouped_linear(
-            x, weight, m_splits, bias, backend=backend, bias_scale=bias_scale),
+            x, weight, m_splits, bias, backend=backend, bias_scale=bias_scale
+        ),
         lambda x, weight, bias, bias_scale: torch_grouped_linear(x, weight, m_splits, bias, bias_scale=bias_scale),
         lambda x, weight, bias, bias_scale: grouped_linear_reference(x, weight, m_splits, bias, bias_scale=bias_scale),
         inputs,
@@ -94,8 +95,11 @@ def test_bias_scale_matches_reference(backend, dtype):
 def test_list_weights_match_reference(backend):
     """Weights and biases as N separate tensors (not one buffer) still work, each gets its gradient."""
     m_splits, rows = [0, 6, 0, 5], 13
-    inputs = {"x": rand(rows, IN, seed=8), "weight": list(rand(4, OUT, IN, seed=9)),
-              "bias": list(rand(4, OUT, seed=10))}
+    inputs = {
+        "x": rand(rows, IN, seed=8),
+        "weight": list(rand(4, OUT, IN, seed=9)),
+        "bias": list(rand(4, OUT, seed=10)),
+    }
     res = check_against_reference(
         lambda x, weight, bias: moekit.grouped_linear(x, weight, m_splits, bias, backend=backend),
         lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
@@ -127,11 +131,14 @@ def test_m_splits_forms_agree(backend, kind):
     assert rel_err(got, grouped_linear_reference(x, w, m_splits, b)) < 1e-6
 
 
-@pytest.mark.parametrize("m_splits, rows", [
-    pytest.param([2, 0, 5, 1], 8, id="exact"),
-    pytest.param([2, 0, 5, 1], 11, id="padding-rows"),
-    pytest.param([0, 0, 0, 0], 3, id="nothing-routed"),
-])
+@pytest.mark.parametrize(
+    "m_splits, rows",
+    [
+        pytest.param([2, 0, 5, 1], 8, id="exact"),
+        pytest.param([2, 0, 5, 1], 11, id="padding-rows"),
+        pytest.param([0, 0, 0, 0], 3, id="nothing-routed"),
+    ],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_device_offsets_path(backend, m_splits, rows, nan_poison):
     """Offsets the host does not know (what device m_splits become) give the host path's results;
@@ -154,13 +161,16 @@ def test_device_offsets_path(backend, m_splits, rows, nan_poison):
     assert torch.equal(grads_dev[0][used:], torch.zeros(rows - used, IN))
 
 
-@pytest.mark.parametrize("in_f, out_f", [
-    pytest.param(97, 97, id="97x97"),
-    pytest.param(97, 32, id="in97"),
-    pytest.param(32, 97, id="out97"),
-    pytest.param(2880, 96, id="in2880"),  # gpt-oss's hidden size
-    pytest.param(96, 2880, id="out2880"),
-])
+@pytest.mark.parametrize(
+    "in_f, out_f",
+    [
+        pytest.param(97, 97, id="97x97"),
+        pytest.param(97, 32, id="in97"),
+        pytest.param(32, 97, id="out97"),
+        pytest.param(2880, 96, id="in2880"),  # gpt-oss's hidden size
+        pytest.param(96, 2880, id="out2880"),
+    ],
+)
 def test_odd_dims(in_f, out_f):
     """auto runs whatever the dims; torch is refused (ValueError saying why) where grouped_mm cannot."""
     m_splits, rows = [3, 0, 2], 6
@@ -228,8 +238,11 @@ def test_random_splits_hypothesis(backend, data):
 def test_reference_is_independent_float64():
     """moekit's reference equals a plain per-group float64 computation written from the contract."""
     m_splits, rows = [2, 0, 3, 1], 8
-    x, w, b = (rand(rows, IN, dtype=torch.float64, seed=29), rand(4, OUT, IN, dtype=torch.float64, seed=30),
-               rand(4, OUT, dtype=torch.float64, seed=31))
+    x, w, b = (
+        rand(rows, IN, dtype=torch.float64, seed=29),
+        rand(4, OUT, IN, dtype=torch.float64, seed=30),
+        rand(4, OUT, dtype=torch.float64, seed=31),
+    )
     s = rand(rows, dtype=torch.float64, seed=32)
     ref = grouped_linear_reference(x, w, m_splits, b, bias_scale=s)
     mine = torch_grouped_linear(x, w, m_splits, b, bias_scale=s)
@@ -251,8 +264,16 @@ LAYOUTS = [
 
 
 def _module(n, in_f, out_f, single_w, single_b, *, bias=True, backend="auto", dtype=torch.float32, seed=0):
-    m = moekit.GroupedLinear(n, in_f, out_f, bias=bias, single_grouped_weight=single_w,
-                             single_grouped_bias=single_b, backend=backend, dtype=dtype)
+    m = moekit.GroupedLinear(
+        n,
+        in_f,
+        out_f,
+        bias=bias,
+        single_grouped_weight=single_w,
+        single_grouped_bias=single_b,
+        backend=backend,
+        dtype=dtype,
+    )
     with torch.no_grad():
         w = rand(n, out_f, in_f, dtype=dtype, seed=seed)
         b = rand(n, out_f, dtype=dtype, seed=seed + 1)
@@ -324,7 +345,7 @@ def test_module_no_bias_layouts():
 def test_module_defaults_and_init():
     m = moekit.GroupedLinear(3, 10, 6)
     assert [n for n, _ in m.named_parameters()] == [f"weight{i}" for i in range(3)] + [f"bias{i}" for i in range(3)]
-    bound = 1 / 10 ** 0.5
+    bound = 1 / 10**0.5
     for i in range(3):
         w = getattr(m, f"weight{i}")
         assert w.shape == (6, 10) and w.abs().max() <= bound and w.std() > 0
@@ -448,14 +469,17 @@ def test_nonfinite_gradient_in_padding_rows_does_not_leak(backend):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows, cols, end", [
-    pytest.param(200, 300, 137, id="mid-block-end"),
-    pytest.param(200, 300, 0, id="all-padding"),
-    pytest.param(200, 300, 200, id="no-padding"),
-    pytest.param(128, 128, 64, id="block-aligned"),
-    pytest.param(1, 5, 0, id="one-row"),
-    pytest.param(67, 1, 66, id="last-row-only"),
-])
+@pytest.mark.parametrize(
+    "rows, cols, end",
+    [
+        pytest.param(200, 300, 137, id="mid-block-end"),
+        pytest.param(200, 300, 0, id="all-padding"),
+        pytest.param(200, 300, 200, id="no-padding"),
+        pytest.param(128, 128, 64, id="block-aligned"),
+        pytest.param(1, 5, 0, id="one-row"),
+        pytest.param(67, 1, 66, id="last-row-only"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
 def test_zero_rows_from_kernel(rows, cols, end, dtype):
     """The padding kernel (run by the Triton interpreter here) writes zeros into rows [end, M) and
@@ -483,8 +507,11 @@ def test_zero_rows_from_kernel_respects_the_row_stride():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, used", [(4096, 4000), (4096, 0), (4096, 4096), (333, 100)],
-                         ids=["some-padding", "all-padding", "no-padding", "odd-rows"])
+@pytest.mark.parametrize(
+    "rows, used",
+    [(4096, 4000), (4096, 0), (4096, 4096), (333, 100)],
+    ids=["some-padding", "all-padding", "no-padding", "odd-rows"],
+)
 def test_torch_backend_device_splits_zero_padding_on_cuda(rows, used):
     """CUDA, device splits: forward and dgrad padding rows are exact zeros (grouped_mm leaves them
     unwritten), the real rows match host splits bit for bit, and the kernel alone, given a NaN

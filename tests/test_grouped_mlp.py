@@ -37,8 +37,8 @@ def _ids(dt):
 def _inputs(n, rows, *, probs=False, bias=False, seed=0):
     d = {
         "x": rand(rows, H, seed=seed),
-        "fc1_weight": rand(n, 2 * F, H, scale=H ** -0.5, seed=seed + 1),
-        "fc2_weight": rand(n, H, F, scale=F ** -0.5, seed=seed + 2),
+        "fc1_weight": rand(n, 2 * F, H, scale=H**-0.5, seed=seed + 1),
+        "fc2_weight": rand(n, H, F, scale=F**-0.5, seed=seed + 2),
     }
     if probs:
         d["probs"] = rand(rows, seed=seed + 3).abs()
@@ -67,8 +67,7 @@ def _fns(m_splits, backend, **kw):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_reference(backend, dtype, extras, m_splits, rows, nan_poison):
     n = len(m_splits)
-    res = check_against_reference(*_fns(m_splits, backend), _inputs(n, rows, probs=extras, bias=extras, seed=1),
-                                  dtype)
+    res = check_against_reference(*_fns(m_splits, backend), _inputs(n, rows, probs=extras, bias=extras, seed=1), dtype)
     for name, t in res.items():
         assert_no_nan(t, name)
     used = sum(m_splits)
@@ -99,13 +98,30 @@ def test_reference_is_independent_float64(activation):
     d = {k: v.double() for k, v in _inputs(4, rows, probs=True, bias=True, seed=20).items()}
     for k in (None, 2):
         torch.testing.assert_close(
-            grouped_mlp_reference(d["x"], d["fc1_weight"], d["fc2_weight"], m_splits, probs=d["probs"],
-                                  fc1_bias=d["fc1_bias"], fc2_bias=d["fc2_bias"], activation=activation,
-                                  glu_interleave_size=k),
-            torch_grouped_mlp(d["x"], d["fc1_weight"], d["fc2_weight"], m_splits, probs=d["probs"],
-                              fc1_bias=d["fc1_bias"], fc2_bias=d["fc2_bias"], activation=activation,
-                              glu_interleave_size=k),
-            rtol=1e-13, atol=1e-13,
+            grouped_mlp_reference(
+                d["x"],
+                d["fc1_weight"],
+                d["fc2_weight"],
+                m_splits,
+                probs=d["probs"],
+                fc1_bias=d["fc1_bias"],
+                fc2_bias=d["fc2_bias"],
+                activation=activation,
+                glu_interleave_size=k,
+            ),
+            torch_grouped_mlp(
+                d["x"],
+                d["fc1_weight"],
+                d["fc2_weight"],
+                m_splits,
+                probs=d["probs"],
+                fc1_bias=d["fc1_bias"],
+                fc2_bias=d["fc2_bias"],
+                activation=activation,
+                glu_interleave_size=k,
+            ),
+            rtol=1e-13,
+            atol=1e-13,
         )
 
 
@@ -141,8 +157,9 @@ def test_probs_semantics_by_hand(backend):
     u1 = 5.0 * 2.0 + 1.0
     d_gate1 = u1 * 0.5 * 0.25 * 3.0
     torch.testing.assert_close(b1.grad, torch.tensor([[d_gate0, d_up0], [d_gate1, 0.0]]), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(x.grad, torch.tensor([[d_gate0 * ln3 + d_up0 * 2.0], [d_gate1 * 0.0 + 0.0]]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        x.grad, torch.tensor([[d_gate0 * ln3 + d_up0 * 2.0], [d_gate1 * 0.0 + 0.0]]), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -164,8 +181,17 @@ def test_random_splits_hypothesis(backend, data):
 
 def _mlp(n, *, single, bias, k=None, activation="swiglu", backend="auto", dtype=torch.float32, seed=0):
     """A GroupedMLP whose weights are set from standard-order tensors (interleaved when k is set)."""
-    m = moekit.GroupedMLP(n, H, F, bias=bias, activation=activation, glu_interleave_size=k,
-                          single_grouped_weight=single, backend=backend, dtype=dtype)
+    m = moekit.GroupedMLP(
+        n,
+        H,
+        F,
+        bias=bias,
+        activation=activation,
+        glu_interleave_size=k,
+        single_grouped_weight=single,
+        backend=backend,
+        dtype=dtype,
+    )
     d = _inputs(n, 1, bias=True, seed=seed)
     w1, b1 = d["fc1_weight"].to(dtype), d["fc1_bias"].to(dtype)
     if k is not None:
@@ -191,12 +217,18 @@ def _set(lin, w, b):
 
 
 def _stacked_grads(lin):
-    gw = lin.weight.grad if lin.single_grouped_weight else torch.stack(
-        [getattr(lin, f"weight{i}").grad for i in range(lin.num_gemms)])
+    gw = (
+        lin.weight.grad
+        if lin.single_grouped_weight
+        else torch.stack([getattr(lin, f"weight{i}").grad for i in range(lin.num_gemms)])
+    )
     gb = None
     if lin.use_bias:
-        gb = lin.bias.grad if lin.single_grouped_bias else torch.stack(
-            [getattr(lin, f"bias{i}").grad for i in range(lin.num_gemms)])
+        gb = (
+            lin.bias.grad
+            if lin.single_grouped_bias
+            else torch.stack([getattr(lin, f"bias{i}").grad for i in range(lin.num_gemms)])
+        )
     return gw, gb
 
 
@@ -232,9 +264,15 @@ def test_module_layouts_identical(backend, dtype, bias):
                 assert torch.count_nonzero(g[1]) > 0
         outs.append([y, dx, dp, *grads])
     d = _inputs(n, 1, bias=True, seed=0)
-    ref = grouped_mlp_reference(x, d["fc1_weight"].to(dtype), d["fc2_weight"].to(dtype), m_splits, probs=probs,
-                                fc1_bias=d["fc1_bias"].to(dtype) if bias else None,
-                                fc2_bias=d["fc2_bias"].to(dtype) if bias else None)
+    ref = grouped_mlp_reference(
+        x,
+        d["fc1_weight"].to(dtype),
+        d["fc2_weight"].to(dtype),
+        m_splits,
+        probs=probs,
+        fc1_bias=d["fc1_bias"].to(dtype) if bias else None,
+        fc2_bias=d["fc2_bias"].to(dtype) if bias else None,
+    )
     assert rel_err(outs[0][0], ref) < (1e-6 if dtype == torch.float32 else 2e-2)
     for a, b in zip(outs[0], outs[1], strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -264,8 +302,10 @@ def test_interleaved_module_equivalent(backend, single, k):
         torch.testing.assert_close(a, b, **tight)
     if k != F:  # a module told the wrong order really gives something else
         wrong = _mlp(n, single=single, bias=True, backend=backend)
-        _set(wrong.fc1, *(moekit.interleave_glu(t, k, dim=1) for t in (_param(wrong.fc1, "weight"),
-                                                                       _param(wrong.fc1, "bias"))))
+        _set(
+            wrong.fc1,
+            *(moekit.interleave_glu(t, k, dim=1) for t in (_param(wrong.fc1, "weight"), _param(wrong.fc1, "bias"))),
+        )
         assert rel_err(wrong(x, m_splits, probs=probs), y_s) > 1e-2
 
 
@@ -331,8 +371,9 @@ def test_device_offsets_path(backend, nan_poison):
     outs = []
     for splits in (go, m_splits):
         leaves = {k: v.clone().requires_grad_() for k, v in d.items()}
-        y = moekit.grouped_mlp(leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), splits,
-                               backend=backend, **leaves)
+        y = moekit.grouped_mlp(
+            leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), splits, backend=backend, **leaves
+        )
         y.backward(dy)
         outs.append([y.detach()] + [v.grad for v in leaves.values()])
     for a, b in zip(*outs, strict=True):

@@ -24,8 +24,15 @@ from moekit.integrations.transformers import (  # noqa: E402
 
 REL_TOL = 1e-5
 VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def _config(name: str):
@@ -33,27 +40,60 @@ def _config(name: str):
         return transformers.MixtralConfig(intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, **COMMON)
     if name == "qwen2_moe":
         # Layer 1 dense (mlp_only_layers): the integration must leave it alone.
-        return transformers.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16,
-                                           shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
-                                           norm_topk_prob=False, mlp_only_layers=[1], **COMMON)
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            **COMMON,
+        )
     if name == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
-                                           num_experts_per_tok=3, norm_topk_prob=True, head_dim=8, **COMMON)
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            head_dim=8,
+            **COMMON,
+        )
     if name == "olmoe":
         return transformers.OlmoeConfig(intermediate_size=16, num_experts=8, num_experts_per_tok=2, **COMMON)
     if name == "deepseek_v3":
         # Layer 0 dense (first_k_dense_replace=1), layer 1 MoE with grouped top-k, routed scaling,
         # expert score bias and a shared expert.
         return transformers.DeepseekV3Config(
-            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
-            topk_group=2, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **{**COMMON, "num_key_value_heads": 4},
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **{**COMMON, "num_key_value_heads": 4},
         )
     if name == "gpt_oss":
-        return transformers.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                                         **COMMON)
+        return transformers.GptOssConfig(
+            intermediate_size=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **COMMON,
+        )
     raise KeyError(name)
 
 
@@ -229,8 +269,9 @@ def test_unsupported_model_raises_with_supported_list():
 
 def test_unsupported_experts_module_raises():
     # A transformers MoE that apply_moekit does not claim (its experts are not in the table).
-    cfg = transformers.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-                                      num_experts_per_tok=2, head_dim=8, **COMMON)
+    cfg = transformers.Qwen3MoeConfig(
+        intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8, **COMMON
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     for layer in model.model.layers:
         layer.mlp.experts.__class__ = type("OtherMoeExperts", (layer.mlp.experts.__class__,), {})
@@ -280,8 +321,9 @@ def test_from_pretrained_selects_moekit(tmp_path, monkeypatch):
 def test_save_pretrained_after_apply_moekit_round_trips(tmp_path, name):
     model = apply_moekit(_model(name))
     model.save_pretrained(tmp_path)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager",
-                                                                 torch_dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="eager", torch_dtype=torch.float32
+    )
     saved, state = reloaded.state_dict(), model.state_dict()
     assert saved.keys() == state.keys()
     assert all(torch.equal(saved[k], state[k]) for k in state)
@@ -300,11 +342,16 @@ def test_apply_moekit_twice_is_idempotent(name):
     params = dict(candidate.named_parameters())
     assert apply_moekit(candidate) is candidate
     assert {n: m for n, m in candidate.named_modules() if isinstance(m, MoekitExperts)} == modules
-    assert all(p is params[n] for n, p in candidate.named_parameters()) and params.keys() == dict(
-        candidate.named_parameters()).keys()
+    assert (
+        all(p is params[n] for n, p in candidate.named_parameters())
+        and params.keys() == dict(candidate.named_parameters()).keys()
+    )
     _assert_same_training_step(reference, candidate, _batch())
-    with pytest.raises(ValueError, match=r"already applied to this model with backend='auto', single_grouped_weight="
-                                         r"True; asked now for backend='loop'"):
+    with pytest.raises(
+        ValueError,
+        match=r"already applied to this model with backend='auto', single_grouped_weight="
+        r"True; asked now for backend='loop'",
+    ):
         apply_moekit(candidate, backend="loop")
     with pytest.raises(ValueError, match=r"asked now for backend='auto', single_grouped_weight=False"):
         apply_moekit(candidate, single_grouped_weight=False)

@@ -26,8 +26,18 @@ def _ids(dt):
     return str(dt).removeprefix("torch.")
 
 
-def torch_moe_experts(x, topk_ids, topk_weights, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *,
-                      activation="swiglu", glu_interleave_size=None):
+def torch_moe_experts(
+    x,
+    topk_ids,
+    topk_weights,
+    fc1_weight,
+    fc2_weight,
+    fc1_bias=None,
+    fc2_bias=None,
+    *,
+    activation="swiglu",
+    glu_interleave_size=None,
+):
     """The routed experts in plain torch, in x's dtype, from the documented semantics: each copy
     (t, k) runs expert topk_ids[t, k]; its weight scales the activation and the fc2 bias; the K
     copies of a token are summed."""
@@ -65,8 +75,8 @@ def make_inputs(num_tokens, num_experts, top_k, *, hidden=H, ffn=F, bias=False, 
         "x": rand(num_tokens, hidden, seed=seed + 1),
         "topk_ids": ids,
         "topk_weights": weights,
-        "fc1_weight": rand(num_experts, 2 * ffn, hidden, scale=hidden ** -0.5, seed=seed + 2),
-        "fc2_weight": rand(num_experts, hidden, ffn, scale=ffn ** -0.5, seed=seed + 3),
+        "fc1_weight": rand(num_experts, 2 * ffn, hidden, scale=hidden**-0.5, seed=seed + 2),
+        "fc2_weight": rand(num_experts, hidden, ffn, scale=ffn**-0.5, seed=seed + 3),
     }
     if bias:
         d["fc1_bias"] = rand(num_experts, 2 * ffn, scale=0.5, seed=seed + 4)
@@ -147,8 +157,9 @@ def test_odd_dims_loop_backend(nan_poison):
 def test_no_tokens():
     inputs = make_inputs(0, 4, 2, seed=1)
     x = inputs["x"].requires_grad_(True)
-    y = moekit.moe_experts(x, inputs["topk_ids"], inputs["topk_weights"], inputs["fc1_weight"],
-                           inputs["fc2_weight"], backend="torch")
+    y = moekit.moe_experts(
+        x, inputs["topk_ids"], inputs["topk_weights"], inputs["fc1_weight"], inputs["fc2_weight"], backend="torch"
+    )
     assert y.shape == (0, H)
     y.sum().backward()
     assert x.grad.shape == (0, H)
@@ -163,25 +174,35 @@ def test_list_weights_equal_stacked():
 
 def test_equals_permute_grouped_mlp_unpermute_in_float64():
     """The documented semantics, composed from the float64 references of permute's pieces."""
-    inputs = {k: (v.double() if v.is_floating_point() else v)
-              for k, v in make_inputs(14, 5, 2, bias=True, seed=4).items()}
+    inputs = {
+        k: (v.double() if v.is_floating_point() else v) for k, v in make_inputs(14, 5, 2, bias=True, seed=4).items()
+    }
     ids = inputs["topk_ids"]
     x_sorted, m_splits, row_map = moekit.reference.permute_reference(inputs["x"], ids, 5)
     probs = torch.empty(ids.numel(), dtype=torch.float64)
     probs[row_map.reshape(-1)] = inputs["topk_weights"].reshape(-1)
-    y_sorted = grouped_mlp_reference(x_sorted, inputs["fc1_weight"], inputs["fc2_weight"], m_splits, probs=probs,
-                                     fc1_bias=inputs["fc1_bias"], fc2_bias=inputs["fc2_bias"])
+    y_sorted = grouped_mlp_reference(
+        x_sorted,
+        inputs["fc1_weight"],
+        inputs["fc2_weight"],
+        m_splits,
+        probs=probs,
+        fc1_bias=inputs["fc1_bias"],
+        fc2_bias=inputs["fc2_bias"],
+    )
     composed = unpermute_reference(y_sorted, row_map)
     torch.testing.assert_close(moe_experts_reference(**inputs), composed, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(moekit.moe_experts(**inputs, backend="loop"), composed, rtol=1e-12, atol=1e-12)
 
 
 def test_reference_matches_plain_torch_in_float64():
-    inputs = {k: (v.double() if v.is_floating_point() else v)
-              for k, v in make_inputs(10, 4, 3, bias=True, seed=6).items()}
+    inputs = {
+        k: (v.double() if v.is_floating_point() else v) for k, v in make_inputs(10, 4, 3, bias=True, seed=6).items()
+    }
     kw = {"activation": "clamped_swiglu", "glu_interleave_size": 2}
-    torch.testing.assert_close(moe_experts_reference(**inputs, **kw), torch_moe_experts(**inputs, **kw),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        moe_experts_reference(**inputs, **kw), torch_moe_experts(**inputs, **kw), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_weights_of_other_dtype_keep_their_dtype():
@@ -190,8 +211,9 @@ def test_weights_of_other_dtype_keep_their_dtype():
     inputs = make_inputs(12, 4, 2, seed=8)
     x = inputs["x"].bfloat16().requires_grad_(True)
     w = inputs["topk_weights"].requires_grad_(True)
-    y = moekit.moe_experts(x, inputs["topk_ids"], w, inputs["fc1_weight"].bfloat16(),
-                           inputs["fc2_weight"].bfloat16(), backend="torch")
+    y = moekit.moe_experts(
+        x, inputs["topk_ids"], w, inputs["fc1_weight"].bfloat16(), inputs["fc2_weight"].bfloat16(), backend="torch"
+    )
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 
@@ -213,8 +235,10 @@ def test_move_rows_backward_is_differentiable():
     tokens = torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     rows = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     move = moe_experts_module._MoveRowsFn.apply
-    for fn, arg in ((lambda t: move(t, token_of_row, rows_of_token, False), tokens),
-                    (lambda t: move(t, rows_of_token, token_of_row, False), rows)):
+    for fn, arg in (
+        (lambda t: move(t, token_of_row, rows_of_token, False), tokens),
+        (lambda t: move(t, rows_of_token, token_of_row, False), rows),
+    ):
         torch.autograd.gradcheck(fn, (arg,))
         torch.autograd.gradgradcheck(lambda t, fn=fn: fn(t) ** 2, (arg,))
 
@@ -231,8 +255,11 @@ def _require_triton():
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("num_out,per_out,width", [(7, 1, 5), (37, 3, 33), (5, 4, 1), (3, 0, 8)],
-                         ids=["gather", "sum3-odd", "narrow-rows", "no-sources"])
+@pytest.mark.parametrize(
+    "num_out,per_out,width",
+    [(7, 1, 5), (37, 3, 33), (5, 4, 1), (3, 0, 8)],
+    ids=["gather", "sum3-odd", "narrow-rows", "no-sources"],
+)
 def test_sum_rows_kernel_matches_torch(num_out, per_out, width):
     _require_triton()
     gen = torch.Generator().manual_seed(0)
@@ -246,11 +273,14 @@ def test_sum_rows_kernel_matches_torch(num_out, per_out, width):
         assert torch.equal(got, src[index[:, 0]]), "a one-row sum is a gather: exact"
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(dict(num_tokens=19, num_experts=5, top_k=2, bias=True), id="bias"),
-    pytest.param(dict(num_tokens=9, num_experts=4, top_k=4, experts=None), id="topk=num_experts"),
-    pytest.param(dict(num_tokens=13, num_experts=6, top_k=1, experts=[0, 5]), id="top1-empty-middle"),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(dict(num_tokens=19, num_experts=5, top_k=2, bias=True), id="bias"),
+        pytest.param(dict(num_tokens=9, num_experts=4, top_k=4, experts=None), id="topk=num_experts"),
+        pytest.param(dict(num_tokens=13, num_experts=6, top_k=1, experts=[0, 5]), id="top1-empty-middle"),
+    ],
+)
 def test_triton_backend_matches_reference(case, nan_poison):
     _require_triton()
     check(make_inputs(seed=11, **case), torch.float32, backend="triton", glu_interleave_size=4)
@@ -336,8 +366,16 @@ def test_activation_checkpointing_gives_the_same_results(use_reentrant, backend)
         leaves = _leaves(inputs)
 
         def layer(x, w, leaves=leaves):
-            return moekit.moe_experts(x, leaves["topk_ids"], w, leaves["fc1_weight"], leaves["fc2_weight"],
-                                      fc1_bias=leaves["fc1_bias"], fc2_bias=leaves["fc2_bias"], backend=backend)
+            return moekit.moe_experts(
+                x,
+                leaves["topk_ids"],
+                w,
+                leaves["fc1_weight"],
+                leaves["fc2_weight"],
+                fc1_bias=leaves["fc1_bias"],
+                fc2_bias=leaves["fc2_bias"],
+                backend=backend,
+            )
 
         args = (leaves["x"], leaves["topk_weights"])
         y = checkpoint(layer, *args, use_reentrant=use_reentrant) if wrapped else layer(*args)
@@ -371,13 +409,22 @@ BAD_INPUTS = [
     pytest.param(lambda i: {"topk_ids": i["topk_ids"] > 0}, TypeError, "integer", id="ids-bool"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"][:5]}, ValueError, "tokens = 6", id="ids-rows"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"].reshape(-1)}, ValueError, "tokens, top_k", id="ids-1d"),
-    pytest.param(lambda i: {"topk_weights": i["topk_weights"][:, :1]}, ValueError, "topk_ids' shape",
-                 id="weights-shape"),
+    pytest.param(
+        lambda i: {"topk_weights": i["topk_weights"][:, :1]}, ValueError, "topk_ids' shape", id="weights-shape"
+    ),
     pytest.param(lambda i: {"topk_weights": i["topk_ids"]}, TypeError, "floating", id="weights-int"),
-    pytest.param(lambda i: {"topk_ids": i["topk_ids"][:, :0], "topk_weights": i["topk_weights"][:, :0]},
-                 ValueError, "top_k", id="top-k-0"),
-    pytest.param(lambda i: {"topk_ids": torch.zeros(6, 5, dtype=torch.long), "topk_weights": torch.ones(6, 5)},
-                 ValueError, "top_k", id="top-k-above-N"),
+    pytest.param(
+        lambda i: {"topk_ids": i["topk_ids"][:, :0], "topk_weights": i["topk_weights"][:, :0]},
+        ValueError,
+        "top_k",
+        id="top-k-0",
+    ),
+    pytest.param(
+        lambda i: {"topk_ids": torch.zeros(6, 5, dtype=torch.long), "topk_weights": torch.ones(6, 5)},
+        ValueError,
+        "top_k",
+        id="top-k-above-N",
+    ),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"] + 3}, ValueError, r"\[0, 4\)", id="ids-too-large"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"] - 2}, ValueError, r"\[0, 4\)", id="ids-negative"),
     pytest.param(lambda i: {"fc1_weight": i["fc1_weight"][:, :, :5]}, ValueError, "features", id="fc1-in"),
@@ -395,11 +442,15 @@ def test_bad_inputs_raise_clear_errors(change, exc, match):
         moekit.moe_experts(**inputs, backend="torch")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"backend": "fast"}, "unknown backend"),
-    ({"activation": "gelu"}, "unknown activation"),
-    ({"glu_interleave_size": 5}, "does not divide"),
-], ids=["backend", "activation", "interleave"])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"backend": "fast"}, "unknown backend"),
+        ({"activation": "gelu"}, "unknown activation"),
+        ({"glu_interleave_size": 5}, "does not divide"),
+    ],
+    ids=["backend", "activation", "interleave"],
+)
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         moekit.moe_experts(**make_inputs(6, 4, 2, seed=18), **{"backend": "torch", **kwargs})

@@ -54,7 +54,7 @@ def _inputs(seed: int, dropped: int = 0) -> dict:
     """make_inputs' weights with COUNTS' routing; `dropped` of expert 4's copies get id N (padding)."""
     inputs = make_inputs(TOKENS, EXPERTS, 2, bias=True, seed=seed)
     flat = torch.repeat_interleave(torch.arange(EXPERTS), torch.tensor(COUNTS))
-    flat[len(flat) - dropped:] = EXPERTS
+    flat[len(flat) - dropped :] = EXPERTS
     # Token t takes copies t and t + T of the sorted list: two different experts.
     ids = torch.stack([flat[:TOKENS], flat[TOKENS:]], 1)
     inputs["topk_ids"] = ids[torch.randperm(TOKENS, generator=torch.Generator().manual_seed(seed))]
@@ -105,9 +105,16 @@ def test_split_under_activation_checkpointing(use_reentrant, monkeypatch):
         leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
 
         def layer(x, w, leaves=leaves):
-            return moe_experts_module.moe_experts(x, leaves["topk_ids"], w, leaves["fc1_weight"],
-                                                  leaves["fc2_weight"], fc1_bias=leaves["fc1_bias"],
-                                                  fc2_bias=leaves["fc2_bias"], backend="triton")
+            return moe_experts_module.moe_experts(
+                x,
+                leaves["topk_ids"],
+                w,
+                leaves["fc1_weight"],
+                leaves["fc2_weight"],
+                fc1_bias=leaves["fc1_bias"],
+                fc2_bias=leaves["fc2_bias"],
+                backend="triton",
+            )
 
         args = (leaves["x"], leaves["topk_weights"])
         y = checkpoint(layer, *args, use_reentrant=use_reentrant) if wrapped else layer(*args)
@@ -121,9 +128,18 @@ def _fused_run(inputs: dict, dy: torch.Tensor) -> dict:
     copies), which sort past offs[N] into padding rows."""
     leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
     routing = route(leaves["topk_ids"], EXPERTS, use_triton=True)
-    y = moe_experts_module._fused_experts(leaves["x"], leaves["topk_weights"], routing, leaves["fc1_weight"],
-                                          leaves["fc2_weight"], leaves["fc1_bias"], leaves["fc2_bias"], "swiglu",
-                                          None, "triton")
+    y = moe_experts_module._fused_experts(
+        leaves["x"],
+        leaves["topk_weights"],
+        routing,
+        leaves["fc1_weight"],
+        leaves["fc2_weight"],
+        leaves["fc1_bias"],
+        leaves["fc2_bias"],
+        "swiglu",
+        None,
+        "triton",
+    )
     y.backward(dy)
     return {"out": y.detach(), **{k: v.grad for k, v in leaves.items() if v.is_floating_point()}}
 
@@ -245,8 +261,11 @@ def test_policy_at_mixtral():
     assert held + moe_experts_module._HELD_SPARE_BYTES + 2 * ffn * 2 > 0.4 * plain
 
 
-@pytest.mark.parametrize("hidden,ffn", [(2048, 768), (7168, 2048), (2880, 2880), (6144, 16384), (6144, 10752)],
-                         ids=["qwen3-30b", "deepseek-v3", "gpt-oss", "mixtral-8x22b", "dbrx"])
+@pytest.mark.parametrize(
+    "hidden,ffn",
+    [(2048, 768), (7168, 2048), (2880, 2880), (6144, 16384), (6144, 10752)],
+    ids=["qwen3-30b", "deepseek-v3", "gpt-oss", "mixtral-8x22b", "dbrx"],
+)
 @pytest.mark.parametrize("rows", [1, 7, 131072])
 def test_policy_holds_h_whole_up_to_about_3h(rows, hidden, ffn):
     assert moe_experts_module._held_h_rows(rows, hidden, ffn, 2, META_BF16) == rows
@@ -267,8 +286,10 @@ GPU_T, GPU_N, GPU_K = 1024, 8, 2
 
 
 def _gpu_run(inputs: dict, dy: torch.Tensor, **kw) -> dict:
-    leaves = {k: (v.cuda().to(torch.bfloat16).requires_grad_(True) if v.is_floating_point() else v.cuda())
-              for k, v in inputs.items()}
+    leaves = {
+        k: (v.cuda().to(torch.bfloat16).requires_grad_(True) if v.is_floating_point() else v.cuda())
+        for k, v in inputs.items()
+    }
     y = moe_experts_module.moe_experts(**leaves, backend="triton", **kw)
     y.backward(dy)
     return {"out": y.detach(), **{k: v.grad for k, v in leaves.items() if v.is_floating_point()}}
@@ -301,8 +322,10 @@ def test_held_memory_on_gpu(monkeypatch):
     hidden, ffn = 256, 1024
     rows = GPU_T * GPU_K
     inputs = make_inputs(GPU_T, GPU_N, GPU_K, hidden=hidden, ffn=ffn, bias=True, seed=32)
-    leaves = {k: (v.cuda().to(torch.bfloat16).requires_grad_(True) if v.is_floating_point() else v.cuda())
-              for k, v in inputs.items()}
+    leaves = {
+        k: (v.cuda().to(torch.bfloat16).requires_grad_(True) if v.is_floating_point() else v.cuda())
+        for k, v in inputs.items()
+    }
     dy = rand(GPU_T, hidden, seed=33).cuda().to(torch.bfloat16)
     bar = moe_experts_module.HELD_FRACTION_OF_PLAIN * _plain_bytes(rows, hidden, ffn, 2)
 

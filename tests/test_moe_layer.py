@@ -25,8 +25,21 @@ def _ids(dt):
     return str(dt).removeprefix("torch.")
 
 
-def torch_moe(x, router, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *, top_k, score_func="softmax",
-              norm_topk_prob=True, activation="swiglu", glu_interleave_size=None, aux_loss_coef=0.0):
+def torch_moe(
+    x,
+    router,
+    fc1_weight,
+    fc2_weight,
+    fc1_bias=None,
+    fc2_bias=None,
+    *,
+    top_k,
+    score_func="softmax",
+    norm_topk_prob=True,
+    activation="swiglu",
+    glu_interleave_size=None,
+    aux_loss_coef=0.0,
+):
     """The layer in plain torch, in x's dtype: route, run each token's experts, weight and sum.
     Returns (y (..., H), aux loss or None)."""
     x_TH = x.reshape(-1, x.shape[-1])
@@ -53,8 +66,8 @@ def torch_moe(x, router, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *
 def _inputs(*, bias, seed=0, num_experts=N):
     d = {
         "router": rand(num_experts, H, scale=0.5, seed=seed),
-        "fc1_weight": rand(num_experts, 2 * F, H, scale=H ** -0.5, seed=seed + 1),
-        "fc2_weight": rand(num_experts, H, F, scale=F ** -0.5, seed=seed + 2),
+        "fc1_weight": rand(num_experts, 2 * F, H, scale=H**-0.5, seed=seed + 1),
+        "fc2_weight": rand(num_experts, H, F, scale=F**-0.5, seed=seed + 2),
     }
     if bias:
         d["fc1_bias"] = rand(num_experts, 2 * F, scale=0.5, seed=seed + 3)
@@ -62,14 +75,21 @@ def _inputs(*, bias, seed=0, num_experts=N):
     return d
 
 
-_PARAM_NAMES = {"router": "router.weight", "fc1_weight": "experts.fc1.weight", "fc2_weight": "experts.fc2.weight",
-                "fc1_bias": "experts.fc1.bias", "fc2_bias": "experts.fc2.bias"}
+_PARAM_NAMES = {
+    "router": "router.weight",
+    "fc1_weight": "experts.fc1.weight",
+    "fc2_weight": "experts.fc2.weight",
+    "fc1_bias": "experts.fc1.bias",
+    "fc2_bias": "experts.fc2.bias",
+}
 
 
 def _layer_fn(layer):
     """Call `layer` with the given tensors as its parameters (so their gradients are read directly)."""
+
     def run(x, **params):
         return functional_call(layer, {_PARAM_NAMES[k]: v for k, v in params.items()}, (x,))
+
     return run
 
 
@@ -80,8 +100,9 @@ def _layer_fn(layer):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_reimplementation(backend, dtype, score_func, norm_topk_prob, bias, nan_poison):
     top_k = 2
-    layer = moekit.MoELayer(H, F, N, top_k, score_func=score_func, norm_topk_prob=norm_topk_prob, bias=bias,
-                            backend=backend, dtype=dtype)
+    layer = moekit.MoELayer(
+        H, F, N, top_k, score_func=score_func, norm_topk_prob=norm_topk_prob, bias=bias, backend=backend, dtype=dtype
+    )
     kw = {"top_k": top_k, "score_func": score_func, "norm_topk_prob": norm_topk_prob}
     inputs = {"x": rand(2, 8, H, seed=1), **_inputs(bias=bias, seed=2)}  # 3-D input: (batch, seq, H)
     res = check_against_reference(
@@ -101,9 +122,13 @@ def test_matches_reimplementation(backend, dtype, score_func, norm_topk_prob, bi
 def test_top_k_equals_num_experts(backend):
     layer = moekit.MoELayer(H, F, N, N, backend=backend)
     kw = {"top_k": N}
-    check_against_reference(_layer_fn(layer), lambda x, **p: torch_moe(x, **p, **kw)[0],
-                            lambda x, **p: torch_moe(x, **p, **kw)[0],
-                            {"x": rand(10, H, seed=3), **_inputs(bias=False, seed=4)}, torch.float32)
+    check_against_reference(
+        _layer_fn(layer),
+        lambda x, **p: torch_moe(x, **p, **kw)[0],
+        lambda x, **p: torch_moe(x, **p, **kw)[0],
+        {"x": rand(10, H, seed=3), **_inputs(bias=False, seed=4)},
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("activation, k", [("clamped_swiglu", None), ("swiglu", 2), ("clamped_swiglu", 1)])
@@ -111,8 +136,13 @@ def test_activation_and_interleave(activation, k):
     layer = moekit.MoELayer(H, F, N, 2, activation=activation, glu_interleave_size=k, bias=True)
     kw = {"top_k": 2, "activation": activation, "glu_interleave_size": k}
     inputs = {"x": rand(12, H, scale=3.0, seed=5), **_inputs(bias=True, seed=6)}
-    check_against_reference(_layer_fn(layer), lambda x, **p: torch_moe(x, **p, **kw)[0],
-                            lambda x, **p: torch_moe(x, **p, **kw)[0], inputs, torch.float32)
+    check_against_reference(
+        _layer_fn(layer),
+        lambda x, **p: torch_moe(x, **p, **kw)[0],
+        lambda x, **p: torch_moe(x, **p, **kw)[0],
+        inputs,
+        torch.float32,
+    )
 
 
 def _load(layer, d, dtype=torch.float32):
@@ -146,8 +176,11 @@ def test_unused_experts_get_zero_gradients_in_every_layout():
         used = set(layer.route(x)[1].reshape(-1).tolist())
         grads = {}
         for j, lin in ((1, layer.experts.fc1), (2, layer.experts.fc2)):
-            gw = lin.weight.grad if single else torch.stack([getattr(lin, f"weight{i}").grad
-                                                             for i in range(num_experts)])
+            gw = (
+                lin.weight.grad
+                if single
+                else torch.stack([getattr(lin, f"weight{i}").grad for i in range(num_experts)])
+            )
             for e in range(num_experts):
                 assert (torch.count_nonzero(gw[e]) == 0) == (e not in used), f"fc{j} expert {e}"
             grads[j] = gw

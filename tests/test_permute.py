@@ -41,13 +41,16 @@ def test_by_hand(nan_poison):
     torch.testing.assert_close(moekit.unpermute(y_sorted, row_map), torch.tensor([[4.0], [8.0], [9.0]]))
 
 
-@pytest.mark.parametrize("tokens, top_k, num_experts", [
-    pytest.param(13, 2, 4, id="T13-K2-N4"),
-    pytest.param(9, 4, 4, id="top_k=num_experts"),
-    pytest.param(1, 2, 5, id="one-token"),
-    pytest.param(20, 1, 7, id="top1-prime-N7"),
-    pytest.param(6, 3, 16, id="more-experts-than-copies"),
-])
+@pytest.mark.parametrize(
+    "tokens, top_k, num_experts",
+    [
+        pytest.param(13, 2, 4, id="T13-K2-N4"),
+        pytest.param(9, 4, 4, id="top_k=num_experts"),
+        pytest.param(1, 2, 5, id="one-token"),
+        pytest.param(20, 1, 7, id="top1-prime-N7"),
+        pytest.param(6, 3, 16, id="more-experts-than-copies"),
+    ],
+)
 def test_permute_matches_reference(tokens, top_k, num_experts, nan_poison):
     x = rand(tokens, 8, seed=1)
     ids = _expert_ids(tokens, top_k, num_experts, seed=2)
@@ -158,8 +161,12 @@ def test_permute_hypothesis(data):
     assert torch.equal(x_sorted.double(), ref_sorted)
     assert torch.equal(m_splits, ref_splits) and torch.equal(row_map, ref_map)
     w = rand(tokens, top_k, seed=17)
-    torch.testing.assert_close(moekit.unpermute(x_sorted, row_map, w).double(),
-                               unpermute_reference(ref_sorted, ref_map, w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        moekit.unpermute(x_sorted, row_map, w).double(),
+        unpermute_reference(ref_sorted, ref_map, w),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 # On the GPU (pytest -m gpu): real sizes, bf16, no host sync, deterministic gradients.
@@ -193,9 +200,11 @@ def test_permute_unpermute_on_gpu():
     assert torch.equal(x_sorted.cpu(), cpu_sorted) and torch.equal(row_map.cpu(), cpu_map)
     assert torch.equal(m_splits.cpu(), cpu_splits) and int(m_splits[-1]) == 0
     x64, w64, d_out64 = x.double(), w.double(), d_out.double()
-    ref = {"out": 2 * (w64[..., None] * x64[:, None, :]).sum(1),
-           "d x": 2 * d_out64 * w64.sum(1, keepdim=True),
-           "d w": 2 * (x64 * d_out64).sum(1, keepdim=True).expand(-1, top_k)}
+    ref = {
+        "out": 2 * (w64[..., None] * x64[:, None, :]).sum(1),
+        "d x": 2 * d_out64 * w64.sum(1, keepdim=True),
+        "d w": 2 * (x64 * d_out64).sum(1, keepdim=True).expand(-1, top_k),
+    }
     for name, got in zip(ref, (out, d_x, d_w), strict=True):
         assert_no_nan(got, name)
         err = rel_err(got.cpu(), ref[name])

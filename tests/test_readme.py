@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def _use_example() -> str:
     text = README.read_text()
-    use = text[text.index("\n## Use\n"):]
+    use = text[text.index("\n## Use\n") :]
     match = re.search(r"```python\n(.*?)```\n", use, flags=re.S)
     assert match, "the README's Use section has no python block"
     return match.group(1)

@@ -111,8 +111,11 @@ def _tokens_for(layout: str, top_k: int) -> int:
         rows = tokens * top_k
         chunk = _chunk_rows(rows, config)
         chunks = -(-rows // chunk)
-        if (layout == "inside-one-chunk" and rows < chunk) or (layout == "one-full-chunk" and rows == chunk) \
-                or (layout == "ragged-chunks" and chunks >= 3 and rows % chunk and chunk > config.sub):
+        if (
+            (layout == "inside-one-chunk" and rows < chunk)
+            or (layout == "one-full-chunk" and rows == chunk)
+            or (layout == "ragged-chunks" and chunks >= 3 and rows % chunk and chunk > config.sub)
+        ):
             return tokens
     raise AssertionError(f"no token count gives {layout} at top_k {top_k}")
 
@@ -121,7 +124,9 @@ def _tokens_for(layout: str, top_k: int) -> int:
 # interpreter is slow; int32 and int64 ids differ only in the load).
 RANDOM_CASES = [
     pytest.param(layout, num_experts, top_k, dtype, id=f"{layout}-N{num_experts}-K{top_k}-{str(dtype)[6:]}")
-    for layout in LAYOUTS for num_experts in (1, 3, 128, 257, 1024) for top_k in (1, 8)
+    for layout in LAYOUTS
+    for num_experts in (1, 3, 128, 257, 1024)
+    for top_k in (1, 8)
     for dtype in (torch.int64, torch.int32)
     if dtype == torch.int64 or (num_experts != 1024 and (layout == "ragged-chunks" or num_experts != 128))
 ]
@@ -165,8 +170,9 @@ def test_triton_route_undefined_ids_equal_torch_path(layout, nan_poison):
     one_each = torch.where(where == 0, -1, torch.where(where == 1, num_experts, valid))
     _assert_paths_equal(one_each, num_experts)
     several = torch.where(where == 0, torch.randint(-4, 0, (tokens, top_k), generator=gen), valid)
-    several = torch.where(where == 1, torch.randint(num_experts, num_experts + 4, (tokens, top_k), generator=gen),
-                          several)
+    several = torch.where(
+        where == 1, torch.randint(num_experts, num_experts + 4, (tokens, top_k), generator=gen), several
+    )
     _assert_paths_equal(several, num_experts)
     _assert_paths_equal(several.to(torch.int32), num_experts)
     only_negative = torch.where(where < 2, torch.randint(-3, 0, (tokens, top_k), generator=gen), valid)
@@ -232,7 +238,8 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     config = routing._triton_routing()._replace(
-        histogram=CountingLauncher("histogram"), scan=CountingLauncher("scan"), scatter=CountingLauncher("scatter"))
+        histogram=CountingLauncher("histogram"), scan=CountingLauncher("scan"), scatter=CountingLauncher("scatter")
+    )
     monkeypatch.setattr(routing, "_triton_routing", lambda: config)
     ids = torch.randint(0, 8, (64, 4), device=TRITON_DEVICE)
     ops = []
@@ -246,10 +253,13 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
 # On the GPU (pytest -m gpu): real sizes, no host sync, CUDA graph replay with new ids
 # --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("tokens", "top_k", "num_experts"), [
-    (256, 8, 128), (4096, 8, 128), (32768, 8, 128), (20011, 4, 32), (50000, 1, 257), (9000, 6, 1024)])
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "num_experts"),
+    [(256, 8, 128), (4096, 8, 128), (32768, 8, 128), (20011, 4, 32), (50000, 1, 257), (9000, 6, 1024)],
+)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_triton_route_on_gpu_equals_torch_path(tokens, top_k, num_experts, dtype):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -306,8 +316,13 @@ def test_triton_route_cuda_graph_replays_with_new_ids():
     with torch.cuda.graph(graph):
         static_out = route(static_ids, num_experts, use_triton=True)
     for seed in range(3):
-        new_ids = torch.randint(0, num_experts, (tokens, top_k), device="cuda",
-                                generator=torch.Generator(device="cuda").manual_seed(100 + seed))
+        new_ids = torch.randint(
+            0,
+            num_experts,
+            (tokens, top_k),
+            device="cuda",
+            generator=torch.Generator(device="cuda").manual_seed(100 + seed),
+        )
         static_ids.copy_(new_ids)
         graph.replay()
         for name, a, b in zip(Routing._fields, static_out, route(new_ids, num_experts), strict=True):

@@ -23,8 +23,7 @@ from moekit.reference import swiglu_reference
 F = 8
 M = 24
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
-KS = [pytest.param(None, id="k=None"), pytest.param(1, id="k=1"), pytest.param(2, id="k=2"),
-      pytest.param(F, id="k=F")]
+KS = [pytest.param(None, id="k=None"), pytest.param(1, id="k=1"), pytest.param(2, id="k=2"), pytest.param(F, id="k=F")]
 
 
 def _ids(dt):
@@ -58,7 +57,8 @@ def test_reference_is_independent_float64(activation, k):
     torch.testing.assert_close(
         swiglu_reference(h, probs=p, glu_interleave_size=k, activation=activation),
         torch_swiglu(h, probs=p, glu_interleave_size=k, activation=activation),
-        rtol=1e-14, atol=1e-14,
+        rtol=1e-14,
+        atol=1e-14,
     )
 
 
@@ -159,12 +159,15 @@ def test_interleave_matches_contract_indices(k):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, F])
-@pytest.mark.parametrize("shape, dim", [
-    pytest.param((2 * F, 5), 0, id="weight-2FxH-dim0"),
-    pytest.param((2 * F,), 0, id="bias-2F-dim0"),
-    pytest.param((3, 2 * F, 5), 1, id="grouped-weight-Nx2FxH-dim1"),
-    pytest.param((3, 2 * F), 1, id="grouped-bias-Nx2F-dim1"),
-])
+@pytest.mark.parametrize(
+    "shape, dim",
+    [
+        pytest.param((2 * F, 5), 0, id="weight-2FxH-dim0"),
+        pytest.param((2 * F,), 0, id="bias-2F-dim0"),
+        pytest.param((3, 2 * F, 5), 1, id="grouped-weight-Nx2FxH-dim1"),
+        pytest.param((3, 2 * F), 1, id="grouped-bias-Nx2F-dim1"),
+    ],
+)
 def test_interleave_round_trip(shape, dim, k):
     t = rand(*shape, seed=9)
     inter = moekit.interleave_glu(t, k, dim=dim)

@@ -47,10 +47,10 @@ def ref_forward(x, w, splits, bias=None, scale=None, dtype=torch.float64):
     r = 0
     for g, m in enumerate(splits):
         if m:
-            y[r:r + m] = x[r:r + m].to(dtype) @ w[g].to(dtype).T
+            y[r : r + m] = x[r : r + m].to(dtype) @ w[g].to(dtype).T
             if bias is not None:
                 b = bias[g].to(dtype)[None]
-                y[r:r + m] += b * scale[r:r + m].to(dtype)[:, None] if scale is not None else b
+                y[r : r + m] += b * scale[r : r + m].to(dtype)[:, None] if scale is not None else b
         r += m
     return y
 
@@ -60,7 +60,7 @@ def ref_dgrad(dy, w, splits, dtype=torch.float64):
     r = 0
     for g, m in enumerate(splits):
         if m:
-            dx[r:r + m] = dy[r:r + m].to(dtype) @ w[g].to(dtype)
+            dx[r : r + m] = dy[r : r + m].to(dtype) @ w[g].to(dtype)
         r += m
     return dx
 
@@ -72,8 +72,8 @@ def ref_wgrad(dy, x, splits, dtype=torch.float64):
     r = 0
     for g, m in enumerate(splits):
         if m:
-            dw[g] = dy[r:r + m].to(dtype).T @ x[r:r + m].to(dtype)
-            db[g] = dy[r:r + m].to(dtype).sum(0)
+            dw[g] = dy[r : r + m].to(dtype).T @ x[r : r + m].to(dtype)
+            db[g] = dy[r : r + m].to(dtype).sum(0)
         r += m
     return dw, db
 
@@ -147,8 +147,12 @@ def check_all(M, N, O, I, splits, dtype, device, bias=False, scale=False, **kw):
     assert torch.equal(dw, dw2) and torch.equal(db, db2), "wgrad/row sum must be deterministic"
     if s is not None:  # the probs-scaled row sum of fc2's bias gradient: products in fp32, like ours
         scaled = dys.double() * s[:used, None].double()
-        assert_close(gg.group_row_sum(dy, offs, s), ref_wgrad(scaled, xs, splits)[1],
-                     ref_wgrad(scaled.float(), xs, splits, dtype=torch.float32)[1].to(dtype), dtype)
+        assert_close(
+            gg.group_row_sum(dy, offs, s),
+            ref_wgrad(scaled, xs, splits)[1],
+            ref_wgrad(scaled.float(), xs, splits, dtype=torch.float32)[1].to(dtype),
+            dtype,
+        )
     return y, dx, dw, db
 
 
@@ -182,9 +186,15 @@ def test_interpreter_matches_reference(case, dtype, nan_outputs):
 # Every code path of the kernels: TMA or pointer loads, fused (flattened) or nested tile loops,
 # TMA-store or masked-store epilogues.
 PATHS = [
-    pytest.param(use_tma, flatten, epi, id=f"{'tma' if use_tma else 'ptr'}-{'flat' if flatten else 'nested'}"
-                 f"-{'tmastore' if epi else 'store'}")
-    for use_tma in (True, False) for flatten in (True, False) for epi in (True, False)
+    pytest.param(
+        use_tma,
+        flatten,
+        epi,
+        id=f"{'tma' if use_tma else 'ptr'}-{'flat' if flatten else 'nested'}-{'tmastore' if epi else 'store'}",
+    )
+    for use_tma in (True, False)
+    for flatten in (True, False)
+    for epi in (True, False)
     if use_tma or not epi
 ]
 
@@ -302,12 +312,21 @@ def test_gpu_every_candidate(op, nan_outputs):
     used = sum(splits)
     # op -> (reference in a dtype, our product with a config, its output width N)
     products = {
-        "fwd": (lambda d: ref_forward(x[:used], w, splits, b, dtype=d),
-                lambda cfg: gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True), O),
-        "dgrad": (lambda d: ref_dgrad(dy[:used], w, splits, dtype=d),
-                  lambda cfg: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True), I),
-        "wgrad": (lambda d: ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0],
-                  lambda cfg: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True), I),
+        "fwd": (
+            lambda d: ref_forward(x[:used], w, splits, b, dtype=d),
+            lambda cfg: gg.grouped_gemm_forward(x, w, offs, b, cfg=cfg, use_tma=True),
+            O,
+        ),
+        "dgrad": (
+            lambda d: ref_dgrad(dy[:used], w, splits, dtype=d),
+            lambda cfg: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg, use_tma=True),
+            I,
+        ),
+        "wgrad": (
+            lambda d: ref_wgrad(dy[:used], x[:used], splits, dtype=d)[0],
+            lambda cfg: gg.grouped_gemm_wgrad(dy, x, offs, cfg=cfg, use_tma=True),
+            I,
+        ),
     }
     ref, run, n = products[op]
     ref64, ref_bf16 = ref(torch.float64), ref(torch.bfloat16)
@@ -463,8 +482,8 @@ def test_launch_plans_are_per_layout(nan_outputs):
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(N, O, I, generator=gen)
     base = torch.randn(M * I + 4, generator=gen)
-    contiguous = base[:M * I].view(M, I)
-    unaligned = base[1:1 + M * I].view(M, I)  # 4-byte offset: no TMA, another plan
+    contiguous = base[: M * I].view(M, I)
+    unaligned = base[1 : 1 + M * I].view(M, I)  # 4-byte offset: no TMA, another plan
     column_major = torch.randn(I, M, generator=gen).t()  # stride(1) != 1: copied first
     offs = offs_of(splits, "cpu")
     dy_wide = torch.randn(M, 2 * O, generator=gen)
@@ -512,12 +531,16 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 """
 
 
-@pytest.mark.parametrize("kind,activation,glu_block,bias,probs,warps", [
-    ("forward", "swiglu", 14336, False, True, 16),
-    ("forward", "clamped_swiglu", 128, True, False, 16),
-    ("backward", "swiglu", 14336, False, True, 12),
-    ("backward", "clamped_swiglu", 128, False, False, 12),
-], ids=["fwd-swiglu-gate|up-probs", "fwd-clamped-k128-bias", "bwd-swiglu-gate|up-probs", "bwd-clamped-k128"])
+@pytest.mark.parametrize(
+    "kind,activation,glu_block,bias,probs,warps",
+    [
+        ("forward", "swiglu", 14336, False, True, 16),
+        ("forward", "clamped_swiglu", 128, True, False, 16),
+        ("backward", "swiglu", 14336, False, True, 12),
+        ("backward", "clamped_swiglu", 128, False, False, 12),
+    ],
+    ids=["fwd-swiglu-gate|up-probs", "fwd-clamped-k128-bias", "bwd-swiglu-gate|up-probs", "bwd-clamped-k128"],
+)
 def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, probs, warps):
     """The library's configurations compile for sm_90 with wgmma and register reallocation, inside
     Hopper's 227 KB of shared memory per block: the forward into 16 warps (8 mma, 4 epilogue, the
@@ -529,9 +552,13 @@ def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, prob
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90,
-                          json.dumps([kind, activation, glu_block, bias, probs])],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps([kind, activation, glu_block, bias, probs])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["num_warps"] == warps and got["wgmma"] and got["setmaxnreg"]
@@ -550,15 +577,19 @@ HOPPER_CASES = {
 }
 
 
-
 def hopper_cases(test):
     """A GPU test on an sm_90 device over HOPPER_CASES x (bf16, fp16)."""
-    for mark in reversed([gpu,
-                          pytest.mark.skipif(not torch.cuda.is_available()
-                                             or torch.cuda.get_device_capability() != (9, 0),
-                                             reason="needs an sm_90 GPU"),
-                          pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"]),
-                          pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES))]):
+    for mark in reversed(
+        [
+            gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                reason="needs an sm_90 GPU",
+            ),
+            pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"]),
+            pytest.mark.parametrize("case", list(HOPPER_CASES), ids=list(HOPPER_CASES)),
+        ]
+    ):
         test = mark(test)
     return test
 

@@ -24,14 +24,43 @@ def _triton_specialization():
 
 def _tensors():
     base = torch.empty(64, dtype=torch.float32)
-    out = [base, base[1:], base[4:], torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)[3:],
-           torch.empty(8, dtype=torch.int64)]
+    out = [
+        base,
+        base[1:],
+        base[4:],
+        torch.empty(8, dtype=torch.bfloat16),
+        torch.empty(8, dtype=torch.bfloat16)[3:],
+        torch.empty(8, dtype=torch.int64),
+    ]
     assert base.data_ptr() % 16 == 0, "the test needs one aligned tensor"
     return out
 
 
-INTS = [0, 1, 2, 3, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32,
-        -(2**31), -(2**31) - 16, 2**62, 2**63, 2**63 + 16, 2**64 - 16]
+INTS = [
+    0,
+    1,
+    2,
+    3,
+    15,
+    16,
+    17,
+    32,
+    48,
+    -1,
+    -16,
+    -17,
+    2**31 - 16,
+    2**31 - 1,
+    2**31,
+    2**31 + 16,
+    2**32,
+    -(2**31),
+    -(2**31) - 16,
+    2**62,
+    2**63,
+    2**63 + 16,
+    2**64 - 16,
+]
 
 
 def test_arg_key_is_at_least_as_fine_as_triton_specialization():
@@ -51,8 +80,10 @@ def test_arg_key_separates_what_triton_separates_for_tensors():
 
 def test_tensor_key_covers_alignment_shape_strides_dtype():
     base = torch.empty(64)
-    keys = [triton_launch.tensor_key(t) for t in (base[:16], base[1:17], base[:16].view(4, 4),
-                                                    base[:32].view(4, 8)[:, ::2], base[:16].double())]
+    keys = [
+        triton_launch.tensor_key(t)
+        for t in (base[:16], base[1:17], base[:16].view(4, 4), base[:32].view(4, 8)[:, ::2], base[:16].double())
+    ]
     assert len(set(keys)) == len(keys)
     assert triton_launch.tensor_key(None) is None
 

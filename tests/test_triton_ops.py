@@ -15,7 +15,9 @@ from moekit.reference import grouped_linear_reference, grouped_mlp_reference
 
 pytestmark = pytest.mark.skipif(
     moekit.ops.grouped_linear._BACKENDS["triton"].unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8))
-    is not None, reason="triton backend cannot run here (needs CUDA or TRITON_INTERPRET=1)")
+    is not None,
+    reason="triton backend cannot run here (needs CUDA or TRITON_INTERPRET=1)",
+)
 
 SPLITS = {
     "empty-first": ([0, 7, 5], 12),
@@ -41,7 +43,8 @@ def test_grouped_linear_triton_matches_reference(case, with_bias):
         ours,
         lambda x, weight, bias=None: torch_grouped_linear(x, weight, m_splits, bias),
         lambda x, weight, bias=None: grouped_linear_reference(x, weight, m_splits, bias),
-        inputs, torch.float32,
+        inputs,
+        torch.float32,
     )
     used = sum(m_splits)
     assert torch.equal(out["out"][used:], torch.zeros(rows - used, 20))
@@ -52,8 +55,7 @@ def test_grouped_mlp_triton_device_offsets_and_discrete_weights():
     """GroupedMLP with per-expert weights, probs and biases, offsets as the device path builds them."""
     m_splits, rows = [5, 0, 6], 13
     torch.manual_seed(0)
-    mlp = moekit.GroupedMLP(3, 16, 12, bias=True, single_grouped_weight=False, backend="triton",
-                            glu_interleave_size=4)
+    mlp = moekit.GroupedMLP(3, 16, 12, bias=True, single_grouped_weight=False, backend="triton", glu_interleave_size=4)
     offsets = _device_splits(torch.tensor(m_splits), 3, rows, torch.device("cpu"))
     x = rand(rows, 16, seed=4).requires_grad_()
     probs = rand(rows, seed=5).abs().requires_grad_()
@@ -64,8 +66,16 @@ def test_grouped_mlp_triton_device_offsets_and_discrete_weights():
     params = {n: p.detach().double().requires_grad_() for n, p in mlp.named_parameters()}
     x64, p64 = x.detach().double().requires_grad_(), probs.detach().double().requires_grad_()
     stack = lambda fc, kind: [params[f"{fc}.{kind}{i}"] for i in range(3)]  # noqa: E731
-    y64 = grouped_mlp_reference(x64, stack("fc1", "weight"), stack("fc2", "weight"), m_splits, probs=p64,
-                                fc1_bias=stack("fc1", "bias"), fc2_bias=stack("fc2", "bias"), glu_interleave_size=4)
+    y64 = grouped_mlp_reference(
+        x64,
+        stack("fc1", "weight"),
+        stack("fc2", "weight"),
+        m_splits,
+        probs=p64,
+        fc1_bias=stack("fc1", "bias"),
+        fc2_bias=stack("fc2", "bias"),
+        glu_interleave_size=4,
+    )
     y64.backward(dy.double())
     rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
     assert rel(y, y64) < 1e-5
@@ -73,9 +83,16 @@ def test_grouped_mlp_triton_device_offsets_and_discrete_weights():
     for name, p in mlp.named_parameters():
         assert rel(p.grad, params[name].grad) < 1e-5, name
     # fp32 torch-ops twin, as a sanity check of the reference itself
-    twin = torch_grouped_mlp(x.detach().double(), stack("fc1", "weight"), stack("fc2", "weight"), m_splits,
-                             probs=probs.detach().double(), fc1_bias=stack("fc1", "bias"),
-                             fc2_bias=stack("fc2", "bias"), glu_interleave_size=4)
+    twin = torch_grouped_mlp(
+        x.detach().double(),
+        stack("fc1", "weight"),
+        stack("fc2", "weight"),
+        m_splits,
+        probs=probs.detach().double(),
+        fc1_bias=stack("fc1", "bias"),
+        fc2_bias=stack("fc2", "bias"),
+        glu_interleave_size=4,
+    )
     assert rel(twin, y64.detach()) < 1e-12
 
 
@@ -93,9 +110,11 @@ MLP_SPLITS = {  # (m_splits, rows): 3 experts, tiles of 16 rows under the interp
 
 
 def _mlp_inputs(rows, hidden, ffn, experts, *, bias, probs, scale=1.0):
-    inputs = {"x": rand(rows, hidden, seed=11, scale=scale),
-              "fc1_weight": rand(experts, 2 * ffn, hidden, seed=12, scale=hidden**-0.5),
-              "fc2_weight": rand(experts, hidden, ffn, seed=13, scale=ffn**-0.5)}
+    inputs = {
+        "x": rand(rows, hidden, seed=11, scale=scale),
+        "fc1_weight": rand(experts, 2 * ffn, hidden, seed=12, scale=hidden**-0.5),
+        "fc2_weight": rand(experts, hidden, ffn, seed=13, scale=ffn**-0.5),
+    }
     if bias:
         inputs["fc1_bias"] = rand(experts, 2 * ffn, seed=14)
         inputs["fc2_bias"] = rand(experts, hidden, seed=15)
@@ -106,14 +125,16 @@ def _mlp_inputs(rows, hidden, ffn, experts, *, bias, probs, scale=1.0):
 
 def _check_mlp(m_splits, rows, inputs, **kw):
     def ours(**t):
-        return moekit.grouped_mlp(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, backend="triton",
-                                  **t, **kw)
+        return moekit.grouped_mlp(
+            t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, backend="triton", **t, **kw
+        )
 
     out = check_against_reference(
         ours,
         lambda **t: torch_grouped_mlp(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, **t, **kw),
         lambda **t: grouped_mlp_reference(t.pop("x"), t.pop("fc1_weight"), t.pop("fc2_weight"), m_splits, **t, **kw),
-        inputs, torch.float32,
+        inputs,
+        torch.float32,
     )
     used = sum(m_splits)
     assert torch.equal(out["out"][used:], torch.zeros(rows - used, inputs["x"].shape[1])), "padding rows"
@@ -137,16 +158,18 @@ def test_grouped_mlp_triton_fused_activations_and_layouts(activation, interleave
 
 
 @pytest.mark.parametrize("case", list(MLP_SPLITS), ids=list(MLP_SPLITS))
-@pytest.mark.parametrize("bias,probs", [(False, False), (True, False), (False, True)],
-                         ids=["plain", "bias", "probs"])
+@pytest.mark.parametrize("bias,probs", [(False, False), (True, False), (False, True)], ids=["plain", "bias", "probs"])
 def test_grouped_mlp_triton_fused_edges(case, bias, probs, nan_poison):
     m_splits, rows = MLP_SPLITS[case]
     # F = 40: not a multiple of the 16-column tile; H = 24.
     _check_mlp(m_splits, rows, _mlp_inputs(rows, 24, 40, 3, bias=bias, probs=probs))
 
 
-@pytest.mark.parametrize("ffn,interleave", [(4, None), (8, None), (8, 2), (12, None), (12, 4), (20, None)],
-                         ids=["F4", "F8", "F8-k2", "F12", "F12-k4", "F20"])
+@pytest.mark.parametrize(
+    "ffn,interleave",
+    [(4, None), (8, None), (8, 2), (12, None), (12, 4), (20, None)],
+    ids=["F4", "F8", "F8-k2", "F12", "F12-k4", "F20"],
+)
 def test_grouped_mlp_triton_narrow_ffn(ffn, interleave, nan_poison):
     """F narrower than (or not a power-of-two multiple of) the column tile: weight boxes past the
     last GLU block read zeros, epilogue boxes under 16 bytes fall back to pointer stores (these
@@ -175,8 +198,9 @@ def test_grouped_mlp_triton_saves_x_itself_and_h_only():
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
-        moekit.grouped_mlp(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], [7, 0, 13],
-                           probs=leaves["probs"], backend="triton")
+        moekit.grouped_mlp(
+            leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], [7, 0, 13], probs=leaves["probs"], backend="triton"
+        )
     assert any(s is leaves["x"] for s in packed), "x must be saved as the caller's tensor"
     shapes = sorted(tuple(s.shape) for s in packed if s.dim() == 2)
     assert shapes == [(rows, hidden), (rows, 2 * ffn)], shapes
@@ -204,8 +228,9 @@ def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
-        y = moekit.grouped_mlp(leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), [7, 0, 13],
-                               **leaves, backend="triton")
+        y = moekit.grouped_mlp(
+            leaves.pop("x"), leaves.pop("fc1_weight"), leaves.pop("fc2_weight"), [7, 0, 13], **leaves, backend="triton"
+        )
     assert len(saved_h) == 1 and saved_h[0]() is not None, "h is saved once for the backward"
     alive_at_fc1_dgrad = []
     original = grouped_gemm.grouped_gemm_dgrad

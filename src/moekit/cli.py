@@ -40,21 +40,28 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-GLU_HELP = ("'none' ([gates; ups]) or a block size (gate and up rows interleaved in blocks of that many; "
-            "1 = gpt-oss's alternating rows)")
+GLU_HELP = (
+    "'none' ([gates; ups]) or a block size (gate and up rows interleaved in blocks of that many; "
+    "1 = gpt-oss's alternating rows)"
+)
 
 
 def _add_demo(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="train a small MoE LM on a synthetic task and round-trip its checkpoint",
+        "demo",
+        help="train a small MoE LM on a synthetic task and round-trip its checkpoint",
         description="Train a small MoE language model built from moekit layers on a synthetic task, save it in the "
-                    "single-grouped-weight layout, reload it into per-expert weights and check that the evaluation "
-                    "loss is identical. Writes OUT/model.safetensors, OUT/loss.png and OUT/summary.json.")
+        "single-grouped-weight layout, reload it into per-expert weights and check that the evaluation "
+        "loss is identical. Writes OUT/model.safetensors, OUT/loss.png and OUT/summary.json.",
+    )
     p.add_argument("--steps", type=int, default=400, help="training steps, a positive integer (default 400)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="grouped GEMM backend (default auto)")
-    p.add_argument("--out", default="moekit-demo",
-                   help="folder for the checkpoint, plot and summary, created if missing (default moekit-demo)")
+    p.add_argument(
+        "--out",
+        default="moekit-demo",
+        help="folder for the checkpoint, plot and summary, created if missing (default moekit-demo)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights (default 0)")
 
     def run(args: argparse.Namespace) -> int:
@@ -89,8 +96,14 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        result = convert_checkpoint(args.src, args.dst, args.to, args.glu_interleave,
-                                    src_glu_interleave=args.src_glu_interleave, progress=progress)
+        result = convert_checkpoint(
+            args.src,
+            args.dst,
+            args.to,
+            args.glu_interleave,
+            src_glu_interleave=args.src_glu_interleave,
+            progress=progress,
+        )
     except CheckpointError as exc:
         return _refuse("convert", exc, "refused, nothing written")
     except VerificationError as exc:
@@ -98,15 +111,19 @@ def _run_convert(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     except (_Terminated, KeyboardInterrupt) as exc:
         signal_name = "SIGTERM" if isinstance(exc, _Terminated) else "interrupt"
-        print(f"moekit convert: stopped by {signal_name}; its temporary output was removed, nothing written",
-              file=sys.stderr)
+        print(
+            f"moekit convert: stopped by {signal_name}; its temporary output was removed, nothing written",
+            file=sys.stderr,
+        )
         return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
     for p in result.removed_temps:
         print(f"moekit convert: removed {p}, the temporary output of an earlier run that was killed")
-    print(f"moekit convert: wrote {result.destination} ({len(result.files)} file(s), {result.num_groups} expert "
-          f"groups, {result.num_tensors} tensors, {human_bytes(result.total_bytes)}); verified by an exact round trip")
+    print(
+        f"moekit convert: wrote {result.destination} ({len(result.files)} file(s), {result.num_groups} expert "
+        f"groups, {result.num_tensors} tensors, {human_bytes(result.total_bytes)}); verified by an exact round trip"
+    )
     return 0
 
 
@@ -128,31 +145,50 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _add_checkpoint_commands(subparsers) -> None:
     p = subparsers.add_parser(
-        "convert", help="convert expert weights between per-expert and grouped layouts",
+        "convert",
+        help="convert expert weights between per-expert and grouped layouts",
         description="Convert the expert tensors of a safetensors checkpoint between per-expert tensors "
-                    "(experts.{i}.gate_proj.weight, weight{i}) and grouped ones (experts.gate_up_proj, weight "
-                    "[N, out, in]), streaming, atomically, verified by an exact round trip. A single file converts "
-                    "to the file DST; a sharded checkpoint or a folder to the folder DST (same shard names, a new "
-                    "index, the other files copied). Refuses, writing nothing, on malformed files, missing, "
-                    "duplicated or misshapen experts, an ambiguous layout, an unknown gate/up row order, or a DST "
-                    "that exists or cannot be written.")
+        "(experts.{i}.gate_proj.weight, weight{i}) and grouped ones (experts.gate_up_proj, weight "
+        "[N, out, in]), streaming, atomically, verified by an exact round trip. A single file converts "
+        "to the file DST; a sharded checkpoint or a folder to the folder DST (same shard names, a new "
+        "index, the other files copied). Refuses, writing nothing, on malformed files, missing, "
+        "duplicated or misshapen experts, an ambiguous layout, an unknown gate/up row order, or a DST "
+        "that exists or cannot be written.",
+    )
     p.add_argument("src", metavar="SRC", help="a .safetensors file, an *.safetensors.index.json, or a folder")
-    p.add_argument("dst", metavar="DST",
-                   help="output file (single-file SRC) or folder (sharded SRC); must not exist, its folder must")
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="output file (single-file SRC) or folder (sharded SRC); must not exist, its folder must",
+    )
     p.add_argument("--to", required=True, choices=("grouped", "per-expert"), help="the expert layout to write")
-    p.add_argument("--glu-interleave", default="keep", metavar="SIZE",
-                   help=f"row order of the fused gate/up tensors written: {GLU_HELP}; default keep (the source's)")
-    p.add_argument("--src-glu-interleave", default="keep", metavar="SIZE",
-                   help=f"row order of the source's fused gate/up tensors where the file does not say: {GLU_HELP}")
+    p.add_argument(
+        "--glu-interleave",
+        default="keep",
+        metavar="SIZE",
+        help=f"row order of the fused gate/up tensors written: {GLU_HELP}; default keep (the source's)",
+    )
+    p.add_argument(
+        "--src-glu-interleave",
+        default="keep",
+        metavar="SIZE",
+        help=f"row order of the source's fused gate/up tensors where the file does not say: {GLU_HELP}",
+    )
     p.set_defaults(func=_run_convert)
     q = subparsers.add_parser(
-        "inspect", help="print the expert-weight layout of a safetensors checkpoint",
+        "inspect",
+        help="print the expert-weight layout of a safetensors checkpoint",
         description="Print the expert groups of a safetensors checkpoint (layout, naming, expert count, shapes, "
-                    "gate/up row order, dtype, size). Exits 1, listing them, where there are problems that would make "
-                    "`moekit convert` refuse the checkpoint.")
+        "gate/up row order, dtype, size). Exits 1, listing them, where there are problems that would make "
+        "`moekit convert` refuse the checkpoint.",
+    )
     q.add_argument("ckpt", metavar="CKPT", help="a .safetensors file, an *.safetensors.index.json, or a folder")
-    q.add_argument("--src-glu-interleave", default="keep", metavar="K",
-                   help=f"row order of fused gate/up tensors where the file does not record it: {GLU_HELP}")
+    q.add_argument(
+        "--src-glu-interleave",
+        default="keep",
+        metavar="K",
+        help=f"row order of fused gate/up tensors where the file does not record it: {GLU_HELP}",
+    )
     q.set_defaults(func=_run_inspect)
 
 
@@ -160,10 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     from moekit import __version__
 
     parser = _Parser(prog="moekit", description="moekit: grouped linears and MoE layers for PyTorch; checkpoint tools.")
-    parser.add_argument("--version", action="version", version=f"moekit {__version__}",
-                        help="print moekit's version and exit")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                       help="what to do; `moekit COMMAND --help` lists its options")
+    parser.add_argument(
+        "--version", action="version", version=f"moekit {__version__}", help="print moekit's version and exit"
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do; `moekit COMMAND --help` lists its options"
+    )
     _add_demo(subparsers)
     _add_checkpoint_commands(subparsers)
     return parser

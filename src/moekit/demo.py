@@ -77,8 +77,13 @@ class Block(nn.Module):
         self.attn = nn.MultiheadAttention(cfg.hidden, cfg.heads, batch_first=True)
         self.norm2 = nn.LayerNorm(cfg.hidden)
         self.moe = MoELayer(
-            cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k, aux_loss_coef=cfg.aux_loss_coef,
-            single_grouped_weight=single_grouped_weight, backend=backend,
+            cfg.hidden,
+            cfg.ffn,
+            cfg.experts,
+            cfg.top_k,
+            aux_loss_coef=cfg.aux_loss_coef,
+            single_grouped_weight=single_grouped_weight,
+            backend=backend,
         )
 
     def forward(self, x: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
@@ -127,8 +132,9 @@ def routing_table(model: TinyMoELM, task: DialectTask, tokens: torch.Tensor) -> 
     return table / table.sum(1, keepdim=True)
 
 
-def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out: str = "moekit-demo",
-             seed: int = 0) -> dict:
+def run_demo(
+    steps: int = 400, device: str = "auto", backend: str = "auto", out: str = "moekit-demo", seed: int = 0
+) -> dict:
     """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
 
     Raises ValueError, before training or writing anything, for steps < 1, a device this torch cannot
@@ -139,8 +145,9 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     dev = _demo_device(device)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out} is an existing file; expected a folder (new or existing) for the checkpoint, "
-                         "plot and summary")
+        raise ValueError(
+            f"--out {out} is an existing file; expected a folder (new or existing) for the checkpoint, plot and summary"
+        )
     cfg = DemoConfig(steps=steps, seed=seed)
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -153,8 +160,10 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     eval_tokens = task.batch(256, torch.Generator().manual_seed(cfg.seed + 1)).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"moekit demo: {cfg.layers}-layer MoE LM, {cfg.experts} experts top-{cfg.top_k}, {n_params / 1e3:.0f}k "
-          f"parameters, {cfg.dialects} dialects, device={dev}, backend={backend}")
+    print(
+        f"moekit demo: {cfg.layers}-layer MoE LM, {cfg.experts} experts top-{cfg.top_k}, {n_params / 1e3:.0f}k "
+        f"parameters, {cfg.dialects} dialects, device={dev}, backend={backend}"
+    )
     print(f"best possible loss (only the random start is unpredictable): {task.loss_floor():.3f}")
 
     losses = []
@@ -215,8 +224,10 @@ def run_demo(steps: int = 400, device: str = "auto", backend: str = "auto", out:
     print(f"  trained {cfg.steps} steps in {train_s:.1f}s ({summary['tokens_per_second']:,.0f} tokens/s)")
     print(f"  train loss {losses[0]:.3f} -> {losses[-1]:.3f} (floor {task.loss_floor():.3f})")
     print(f"  eval loss, single grouped weights  : {eval_loss:.6f}")
-    print(f"  eval loss, reloaded as weight0..{cfg.experts - 1}: {eval_loss_reloaded:.6f}"
-          f"  ({'identical' if eval_loss == eval_loss_reloaded else 'DIFFERENT'})")
+    print(
+        f"  eval loss, reloaded as weight0..{cfg.experts - 1}: {eval_loss_reloaded:.6f}"
+        f"  ({'identical' if eval_loss == eval_loss_reloaded else 'DIFFERENT'})"
+    )
     print(f"  checkpoint {ckpt}; loss curve {plot if plot else '(not drawn: pip install matplotlib)'}")
     if eval_loss != eval_loss_reloaded:
         raise RuntimeError("the checkpoint round trip changed the evaluation loss")
@@ -231,8 +242,10 @@ def _demo_device(device: str) -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"--device {device!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}, but this torch ({torch.__version__}) has no usable CUDA device; "
-                         "use --device cpu or auto")
+        raise ValueError(
+            f"--device {device}, but this torch ({torch.__version__}) has no usable CUDA device; "
+            "use --device cpu or auto"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"--device {device}, but there are {torch.cuda.device_count()} CUDA devices")
     if dev.type not in ("cpu", "cuda"):

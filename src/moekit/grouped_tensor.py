@@ -90,5 +90,7 @@ class GroupedTensor:
         return self.stacked()[i]
 
     def __repr__(self) -> str:
-        return (f"GroupedTensor(num_tensors={self.num_tensors}, member_shape={self.member_shape}, "
-                f"dtype={self.dtype}, device={self.device})")
+        return (
+            f"GroupedTensor(num_tensors={self.num_tensors}, member_shape={self.member_shape}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )

@@ -101,6 +101,7 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
     def piece(part, i, select=None):
         """One expert's tensor: canonical rows, then either the gate or up half (`select`), or
         the whole tensor with fused fc1 rows put in the target order."""
+
         def produce():
             rows = reader.canonical(g, part, i)
             if select is not None:
@@ -110,6 +111,7 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
             data = rows.contiguous().numpy().tobytes()
             reader.stats.note(len(data))
             yield data
+
         return produce
 
     def add(key, part, i=None, select=None, shape=None):
@@ -122,8 +124,8 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
         def stacked():
             for e in range(g.num_experts):
                 yield from piece(part, e)()
-        outputs.append(OutputTensor(key, g.dtype, (g.num_experts, *shape), g.num_experts * nbytes, stacked,
-                                    first_key))
+
+        outputs.append(OutputTensor(key, g.dtype, (g.num_experts, *shape), g.num_experts * nbytes, stacked, first_key))
 
     for part, shape in g.parts.items():
         if layout == "grouped":
@@ -152,11 +154,13 @@ def _copy_output(ckpt: Checkpoint, key: str, stats: _Stats) -> OutputTensor:
             data = ckpt.read(key, offset, min(COPY_PIECE_BYTES, t.nbytes - offset))
             stats.note(len(data))
             yield data
+
     return OutputTensor(key, t.dtype, t.shape, t.nbytes, produce, key)
 
 
-def _plan(ckpt: Checkpoint, analysis: Analysis, targets: dict[str, tuple[str, str, int | None]],
-          stats: _Stats) -> list[OutputTensor]:
+def _plan(
+    ckpt: Checkpoint, analysis: Analysis, targets: dict[str, tuple[str, str, int | None]], stats: _Stats
+) -> list[OutputTensor]:
     """All output tensors: each group in its target (layout, naming, glu order); others copied."""
     reader = _Reader(ckpt, stats)
     outputs = [_copy_output(ckpt, key, stats) for key in analysis.other_keys]
@@ -196,17 +200,21 @@ def parse_glu(value, flag: str = "--glu-interleave") -> int | None | str:
         return KEEP
     if text.isdigit() and int(text) >= 1:
         return int(text)
-    raise CheckpointError([f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), "
-                           f"got {value!r}"])
+    raise CheckpointError(
+        [f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), got {value!r}"]
+    )
 
 
 def refusals(ckpt: Checkpoint, analysis: Analysis) -> list[str]:
     """Everything that makes `convert` refuse a checkpoint whatever it is asked (`inspect` lists them)."""
     problems = list(analysis.problems)
-    problems += [f"{g.prefix or 'root'}: the gate/up row order of its fused fc1 tensors is not recorded; pass "
-                 "--src-glu-interleave none (rows [gates; ups]) or a block size (rows interleaved in blocks of "
-                 "that many)"
-                 for g in analysis.groups if g.fused_fc1 and g.glu_interleave_size == KEEP]
+    problems += [
+        f"{g.prefix or 'root'}: the gate/up row order of its fused fc1 tensors is not recorded; pass "
+        "--src-glu-interleave none (rows [gates; ups]) or a block size (rows interleaved in blocks of "
+        "that many)"
+        for g in analysis.groups
+        if g.fused_fc1 and g.glu_interleave_size == KEEP
+    ]
     if not analysis.groups and not problems:
         problems.append(f"{ckpt.path}: no expert tensors found (nothing to convert)")
     return problems
@@ -286,8 +294,9 @@ def convert_checkpoint(
     return ConvertResult(dst_path, files, len(analysis.groups), len(outputs), total, stats.peak_bytes, removed)
 
 
-def _write_outputs(ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict, tmp: Path, to_folder: bool,
-                   on_tensor) -> list[Path]:
+def _write_outputs(
+    ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict, tmp: Path, to_folder: bool, on_tensor
+) -> list[Path]:
     if not to_folder:
         write_safetensors(tmp, sorted(outputs, key=lambda o: o.key), metadata, on_tensor)
         return [tmp]
@@ -298,8 +307,12 @@ def _write_outputs(ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict
     for name, file_outputs in sorted(by_file.items()):
         write_safetensors(tmp / name, sorted(file_outputs, key=lambda o: o.key), metadata, on_tensor)
     for other in sorted(ckpt.folder.iterdir()):
-        if other.is_file() and not other.name.endswith(".safetensors") and other != ckpt.index_path \
-                and not other.name.startswith("."):
+        if (
+            other.is_file()
+            and not other.name.endswith(".safetensors")
+            and other != ckpt.index_path
+            and not other.name.startswith(".")
+        ):
             shutil.copy2(other, tmp / other.name)  # config.json and friends
     if ckpt.index_path is not None:
         index_meta = {k: v for k, v in ckpt.index_metadata.items() if not str(k).startswith("moekit.")}
@@ -310,8 +323,9 @@ def _write_outputs(ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict
     return [tmp / name for name in sorted(by_file)]
 
 
-def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint, stats: _Stats,
-                       progress: ProgressFn | None = None) -> None:
+def _verify_round_trip(
+    src: Checkpoint, src_analysis: Analysis, out: Checkpoint, stats: _Stats, progress: ProgressFn | None = None
+) -> None:
     """Convert `out` back to the source's layout in memory and compare every tensor bit for bit."""
     out_analysis = analyze(out)
     problems = list(out_analysis.problems)
@@ -329,8 +343,7 @@ def _verify_round_trip(src: Checkpoint, src_analysis: Analysis, out: Checkpoint,
     for count, (key, t) in enumerate(src.tensors.items(), 1):
         o = back[key]
         if o.dtype != t.dtype or tuple(o.shape) != t.shape:
-            raise VerificationError(f"{key} is {o.dtype} {o.shape}, "
-                               f"source {t.dtype} {t.shape}")
+            raise VerificationError(f"{key} is {o.dtype} {o.shape}, source {t.dtype} {t.shape}")
         offset = 0
         for piece in o.produce():
             if piece != src.read(key, offset, len(piece)):
@@ -351,20 +364,43 @@ def iter_rows(rows: list[tuple[str, ...]]) -> Iterator[str]:
 
 def format_inspection(ckpt: Checkpoint, analysis: Analysis) -> str:
     """A text table of the layout found, and the problems that would make `convert` refuse."""
-    rows = [("expert group", "layout", "naming", "role", "experts", "per-expert shapes", "glu interleave", "dtype",
-             "size")]
+    rows = [
+        ("expert group", "layout", "naming", "role", "experts", "per-expert shapes", "glu interleave", "dtype", "size")
+    ]
     for g in analysis.groups:
         shapes = ", ".join(f"{part} {list(shape)}" for part, shape in g.parts.items())
         size = sum(g.bytes_per_expert(part) for part in g.parts) * g.num_experts
-        glu = ("-" if not g.fused_fc1 else "not recorded" if g.glu_interleave_size == KEEP
-               else "none ([gates; ups])" if g.glu_interleave_size is None else str(g.glu_interleave_size))
-        rows.append((g.prefix or "(root)", g.layout, g.naming, g.role, str(g.num_experts), shapes, glu, g.dtype,
-                     human_bytes(size)))
-    lines = [f"checkpoint: {ckpt.path} ({len(ckpt.files)} file{'s' if len(ckpt.files) > 1 else ''}"
-             + (f", index {ckpt.index_path.name})" if ckpt.index_path else ")")]
+        glu = (
+            "-"
+            if not g.fused_fc1
+            else "not recorded"
+            if g.glu_interleave_size == KEEP
+            else "none ([gates; ups])"
+            if g.glu_interleave_size is None
+            else str(g.glu_interleave_size)
+        )
+        rows.append(
+            (
+                g.prefix or "(root)",
+                g.layout,
+                g.naming,
+                g.role,
+                str(g.num_experts),
+                shapes,
+                glu,
+                g.dtype,
+                human_bytes(size),
+            )
+        )
+    lines = [
+        f"checkpoint: {ckpt.path} ({len(ckpt.files)} file{'s' if len(ckpt.files) > 1 else ''}"
+        + (f", index {ckpt.index_path.name})" if ckpt.index_path else ")")
+    ]
     total = sum(t.nbytes for t in ckpt.tensors.values())
-    lines.append(f"tensors: {len(ckpt.tensors)} ({len(ckpt.tensors) - len(analysis.other_keys)} in "
-                 f"{len(analysis.groups)} expert groups, {len(analysis.other_keys)} others), {human_bytes(total)}")
+    lines.append(
+        f"tensors: {len(ckpt.tensors)} ({len(ckpt.tensors) - len(analysis.other_keys)} in "
+        f"{len(analysis.groups)} expert groups, {len(analysis.other_keys)} others), {human_bytes(total)}"
+    )
     recorded = sorted(k for k in ckpt.metadata if k.startswith("moekit."))
     lines.append("moekit metadata: " + (", ".join(recorded) if recorded else "none"))
     lines.append("")

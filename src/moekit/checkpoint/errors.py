@@ -8,5 +8,4 @@ class CheckpointError(ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
-        super().__init__(self.problems[0] if len(self.problems) == 1
-                         else "\n  - " + "\n  - ".join(self.problems))
+        super().__init__(self.problems[0] if len(self.problems) == 1 else "\n  - " + "\n  - ".join(self.problems))

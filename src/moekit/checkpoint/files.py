@@ -32,14 +32,51 @@ from moekit.checkpoint.errors import CheckpointError
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's limit
 
 # bits per element of every dtype the safetensors format defines
-DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
-_TORCH_DTYPE = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-                torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
-                torch.float64: "F64", torch.complex64: "C64"}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e8m0fnu", "F8_E8M0"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+_TORCH_DTYPE = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):
         _TORCH_DTYPE[getattr(torch, _name)] = _code
 
@@ -83,16 +120,20 @@ def _entry_problem(key: str, entry) -> str | None:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPE_BITS:
         return f"tensor {key!r} has unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BITS)}"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         return f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+    ):
         return f"tensor {key!r} has data_offsets {offsets!r}; expected [begin, end] (non-negative ints)"
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if offsets[1] < offsets[0] or bits % 8 or offsets[1] - offsets[0] != bits // 8:
-        return (f"tensor {key!r}: {dtype} {shape} needs {bits / 8:g} bytes, but its data_offsets {offsets} "
-                f"span {offsets[1] - offsets[0]}")
+        return (
+            f"tensor {key!r}: {dtype} {shape} needs {bits / 8:g} bytes, but its data_offsets {offsets} "
+            f"span {offsets[1] - offsets[0]}"
+        )
     return None
 
 
@@ -103,15 +144,21 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError([f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte "
-                                       "header length)"])
+                raise CheckpointError(
+                    [f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)"]
+                )
             (header_len,) = struct.unpack("<Q", head)
             if header_len > size - 8:
-                raise CheckpointError([f"{path}: not a safetensors file or truncated: its header claims "
-                                       f"{human_bytes(header_len)} ({header_len} bytes), the file holds {size}"])
+                raise CheckpointError(
+                    [
+                        f"{path}: not a safetensors file or truncated: its header claims "
+                        f"{human_bytes(header_len)} ({header_len} bytes), the file holds {size}"
+                    ]
+                )
             if header_len > MAX_HEADER_BYTES:
-                raise CheckpointError([f"{path}: header of {header_len} bytes exceeds safetensors' limit of "
-                                       f"{MAX_HEADER_BYTES}"])
+                raise CheckpointError(
+                    [f"{path}: header of {header_len} bytes exceeds safetensors' limit of {MAX_HEADER_BYTES}"]
+                )
             raw = f.read(header_len)
     except OSError as exc:
         raise CheckpointError([f"{path}: cannot read ({exc.strerror or exc})"]) from None
@@ -134,17 +181,29 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     for key, entry in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
         begin, end = entry["data_offsets"]
         if begin != expected:
-            problems.append(f"tensor {key!r} starts at data byte {begin}, expected {expected} "
-                            "(tensors overlap or leave a gap)")
+            problems.append(
+                f"tensor {key!r} starts at data byte {begin}, expected {expected} (tensors overlap or leave a gap)"
+            )
         expected = max(expected, end)
     if expected != data_len:
-        problems.append(f"the tensors cover {expected} data bytes, the file holds {data_len} "
-                        + ("(truncated)" if expected > data_len else "(trailing bytes)"))
+        problems.append(
+            f"the tensors cover {expected} data bytes, the file holds {data_len} "
+            + ("(truncated)" if expected > data_len else "(trailing bytes)")
+        )
     if problems:
         raise CheckpointError([f"{path}: {p}" for p in problems])
     _open_with_library(path)
-    tensors = {key: TensorEntry(key, path, e["dtype"], tuple(e["shape"]), 8 + header_len + e["data_offsets"][0],
-                                e["data_offsets"][1] - e["data_offsets"][0]) for key, e in header.items()}
+    tensors = {
+        key: TensorEntry(
+            key,
+            path,
+            e["dtype"],
+            tuple(e["shape"]),
+            8 + header_len + e["data_offsets"][0],
+            e["data_offsets"][1] - e["data_offsets"][0],
+        )
+        for key, e in header.items()
+    }
     return tensors, metadata
 
 
@@ -152,8 +211,9 @@ def _open_with_library(path: Path) -> None:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise CheckpointError(["reading safetensors files needs the safetensors package: "
-                               "pip install 'moekit[io]'"]) from None
+        raise CheckpointError(
+            ["reading safetensors files needs the safetensors package: pip install 'moekit[io]'"]
+        ) from None
     try:
         with safe_open(str(path), framework="pt"):
             pass
@@ -196,8 +256,9 @@ class OutputTensor:
     source_key: str = ""  # for conversions: the source tensor whose shard this one goes to
 
 
-def write_safetensors(path: Path, outputs: list[OutputTensor], metadata: dict[str, str],
-                      on_tensor: Callable[[int], None] | None = None) -> None:
+def write_safetensors(
+    path: Path, outputs: list[OutputTensor], metadata: dict[str, str], on_tensor: Callable[[int], None] | None = None
+) -> None:
     """Write `outputs` in order to a new file `path` (header first, then the data, streamed).
 
     on_tensor(nbytes) is called after each tensor is written (progress reports)."""
@@ -226,8 +287,14 @@ def write_safetensors(path: Path, outputs: list[OutputTensor], metadata: dict[st
 
 def tensor_output(key: str, t: torch.Tensor) -> OutputTensor:
     t = t.detach()
-    return OutputTensor(key, safetensors_dtype(t.dtype), tuple(t.shape), t.numel() * t.element_size(),
-                        lambda: iter([tensor_bytes(t)]), key)
+    return OutputTensor(
+        key,
+        safetensors_dtype(t.dtype),
+        tuple(t.shape),
+        t.numel() * t.element_size(),
+        lambda: iter([tensor_bytes(t)]),
+        key,
+    )
 
 
 # ---- temporary siblings and modes ------------------------------------------------------------
@@ -293,13 +360,18 @@ def check_destination(dst: str | os.PathLike, *, directory: bool) -> Path:
     text = os.fspath(dst)
     path = Path(text)
     if not directory and text.endswith(("/", os.sep)):
-        raise CheckpointError([f"{text} names a folder, but this source converts to a single file; give a file "
-                               f"name (e.g. {path / 'model.safetensors'}, with the folder created first)"])
+        raise CheckpointError(
+            [
+                f"{text} names a folder, but this source converts to a single file; give a file "
+                f"name (e.g. {path / 'model.safetensors'}, with the folder created first)"
+            ]
+        )
     if path.exists() or path.is_symlink():
         raise CheckpointError([f"{path} exists; moekit does not overwrite (remove it or choose another name)"])
     if not path.parent.is_dir():
-        raise CheckpointError([f"the folder {path.parent} does not exist; create it first or choose another "
-                               "destination"])
+        raise CheckpointError(
+            [f"the folder {path.parent} does not exist; create it first or choose another destination"]
+        )
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise CheckpointError([f"the folder {path.parent} is not writable; choose a destination you can write to"])
     return path
@@ -328,8 +400,12 @@ class Checkpoint:
             elif len(singles) == 1:
                 path = singles[0]
             else:
-                raise CheckpointError([f"{path}: a folder without *.safetensors.index.json must hold exactly one "
-                                       f"*.safetensors file; it holds {len(singles)}"])
+                raise CheckpointError(
+                    [
+                        f"{path}: a folder without *.safetensors.index.json must hold exactly one "
+                        f"*.safetensors file; it holds {len(singles)}"
+                    ]
+                )
         elif not path.exists():
             raise CheckpointError([f"{path}: no such file or folder"])
         elif path.name.endswith(".json"):
@@ -351,8 +427,12 @@ class Checkpoint:
             raise CheckpointError([f"{self.index_path}: not a readable index JSON ({exc})"]) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError([f"{self.index_path}: an index must be a JSON object whose 'weight_map' maps "
-                                   "tensor names to shard file names"])
+            raise CheckpointError(
+                [
+                    f"{self.index_path}: an index must be a JSON object whose 'weight_map' maps "
+                    "tensor names to shard file names"
+                ]
+            )
         self.index_metadata = index.get("metadata") or {}
         self.files = [self.index_path.parent / name for name in sorted(set(weight_map.values()))]
         problems: list[str] = []
@@ -372,9 +452,11 @@ class Checkpoint:
                 elif weight_map.get(key) != file.name:
                     problems.append(f"{file.name} holds {key!r}, which the index maps to {weight_map.get(key)}")
                 self.tensors.setdefault(key, t)
-        problems += [f"index lists {key!r} in {name}, which does not hold it"
-                     for key, name in weight_map.items() if key not in self.tensors and (self.index_path.parent
-                                                                                        / name).is_file()]
+        problems += [
+            f"index lists {key!r} in {name}, which does not hold it"
+            for key, name in weight_map.items()
+            if key not in self.tensors and (self.index_path.parent / name).is_file()
+        ]
         if problems:
             raise CheckpointError(problems)
 
@@ -400,8 +482,12 @@ class Checkpoint:
         try:
             data = json.loads(config.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError([f"{config}: cannot be read as JSON ({exc}); moekit reads it for the number "
-                                   "of experts: fix it or move it away"]) from exc
+            raise CheckpointError(
+                [
+                    f"{config}: cannot be read as JSON ({exc}); moekit reads it for the number "
+                    "of experts: fix it or move it away"
+                ]
+            ) from exc
         pending = [data]
         while pending:
             node = pending.pop(0)

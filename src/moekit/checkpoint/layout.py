@@ -44,10 +44,16 @@ _TE_PER_EXPERT = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<kind>weight|bias)(?P<ind
 _TE_GROUPED = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<kind>weight|bias)$")
 _LOOKS_PER_EXPERT = re.compile(r"experts\.\d+\.")
 _PROJ_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-PART_NAME = {"hf": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-             "mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
-HF_GROUPED_NAME = {"fc1_weight": "gate_up_proj", "fc2_weight": "down_proj", "fc1_bias": "gate_up_proj_bias",
-                   "fc2_bias": "down_proj_bias"}
+PART_NAME = {
+    "hf": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+}
+HF_GROUPED_NAME = {
+    "fc1_weight": "gate_up_proj",
+    "fc2_weight": "down_proj",
+    "fc1_bias": "gate_up_proj_bias",
+    "fc2_bias": "down_proj_bias",
+}
 
 
 # ---- the GLU row order -----------------------------------------------------------------------
@@ -143,8 +149,10 @@ def _same(values: dict[str, tuple], what: str, problems: list[str]) -> tuple | N
 def _dtype(ckpt: Checkpoint, keys, prefix: str, problems: list[str]) -> str | None:
     dtype = _same({key: (ckpt.tensors[key].dtype,) for key in keys}, f"{prefix or 'root'}: dtypes", problems)
     if dtype is not None and DTYPE_BITS[dtype[0]] % 8:
-        problems.append(f"{prefix or 'root'}: dtype {dtype[0]} packs several values per byte; moekit converts "
-                        "whole-byte dtypes only")
+        problems.append(
+            f"{prefix or 'root'}: dtype {dtype[0]} packs several values per byte; moekit converts "
+            "whole-byte dtypes only"
+        )
         return None
     return dtype[0] if dtype else None
 
@@ -222,13 +230,17 @@ def _check_expert_counts(ckpt: Checkpoint, groups: list[ExpertGroup], records: d
     for g in groups:
         recorded = (records.get(g.prefix) or {}).get("num_experts")
         if configured is not None and g.num_experts < configured[0]:
-            problems.append(f"{g.prefix}: holds experts 0..{g.num_experts - 1}, but {configured[1]} says "
-                            f"{configured[0]}: missing expert indices {list(range(g.num_experts, configured[0]))}")
+            problems.append(
+                f"{g.prefix}: holds experts 0..{g.num_experts - 1}, but {configured[1]} says "
+                f"{configured[0]}: missing expert indices {list(range(g.num_experts, configured[0]))}"
+            )
         elif isinstance(recorded, int) and g.num_experts < recorded:
             problems.append(f"{g.prefix}: holds experts 0..{g.num_experts - 1}, but the file records {recorded}")
         elif configured is None and g.num_experts < most:
-            problems.append(f"{g.prefix}: holds {g.num_experts} experts, other groups of this checkpoint hold {most}:"
-                            f" missing expert indices {list(range(g.num_experts, most))}")
+            problems.append(
+                f"{g.prefix}: holds {g.num_experts} experts, other groups of this checkpoint hold {most}:"
+                f" missing expert indices {list(range(g.num_experts, most))}"
+            )
 
 
 def _hf_per_expert_group(ckpt, prefix, naming, by_part, problems) -> ExpertGroup | None:
@@ -242,8 +254,11 @@ def _hf_per_expert_group(ckpt, prefix, naming, by_part, problems) -> ExpertGroup
     dtype = _dtype(ckpt, keys, prefix, problems)
 
     def shape_of(part, kind):
-        return _same({key: ckpt.tensors[key].shape for key in by_part.get((part, kind), {}).values()},
-                     f"{prefix}: shapes of {PART_NAME[naming][part]}.{kind}", problems)
+        return _same(
+            {key: ckpt.tensors[key].shape for key in by_part.get((part, kind), {}).values()},
+            f"{prefix}: shapes of {PART_NAME[naming][part]}.{kind}",
+            problems,
+        )
 
     gate, up, down = shape_of("gate", "weight"), shape_of("up", "weight"), shape_of("down", "weight")
     if gate and up and down:
@@ -281,8 +296,10 @@ def _hf_grouped_group(ckpt, prefix, found, record, problems) -> ExpertGroup | No
     num, hidden, ffn = down  # if stored [N, out, in]
     if gate_up[1:] != (2 * ffn, hidden) and gate_up[1:] == (ffn, 2 * hidden):
         # down [N, F, H] and gate_up [N, H, 2F]: the shapes tell the orientation apart, always.
-        problems.append(f"{prefix}: gate_up_proj {gate_up} / down_proj {down} are stored [N, in, out] "
-                        "(gpt-oss style); moekit convert handles [N, out, in] only")
+        problems.append(
+            f"{prefix}: gate_up_proj {gate_up} / down_proj {down} are stored [N, in, out] "
+            "(gpt-oss style); moekit convert handles [N, out, in] only"
+        )
         return None
     if gate_up[1:] != (2 * ffn, hidden):
         problems.append(f"{prefix}: gate_up_proj {gate_up} does not match down_proj {down} ([N, 2F, H] vs [N, H, F])")
@@ -316,8 +333,12 @@ def _te_group(ckpt, prefix, layout, by_kind, record, problems) -> ExpertGroup | 
         num = 1 + max(max(indices) for indices in by_kind.values())
         for kind, indices in by_kind.items():
             _check_indices(f"{join_key(prefix, kind)}{{i}}", indices, num, problems)
-        shapes = {kind: _same({key: ckpt.tensors[key].shape for key in indices.values()},
-                              f"{where}: shapes of {kind}{{i}}", problems) for kind, indices in by_kind.items()}
+        shapes = {
+            kind: _same(
+                {key: ckpt.tensors[key].shape for key in indices.values()}, f"{where}: shapes of {kind}{{i}}", problems
+            )
+            for kind, indices in by_kind.items()
+        }
     else:
         full = {kind: ckpt.tensors[indices[0]].shape for kind, indices in by_kind.items()}
         num = full["weight"][0] if full["weight"] else 0
@@ -345,8 +366,10 @@ def _settle_glu_order(group: ExpertGroup, record: dict | None, given, problems: 
         return
     recorded = record.get("glu_interleave_size") if record is not None and "glu_interleave_size" in record else KEEP
     if recorded != KEEP and given != KEEP and recorded != given:
-        problems.append(f"{group.prefix or 'root'}: the file records glu_interleave_size={recorded}, "
-                        f"but --src-glu-interleave says {given}")
+        problems.append(
+            f"{group.prefix or 'root'}: the file records glu_interleave_size={recorded}, "
+            f"but --src-glu-interleave says {given}"
+        )
     order = recorded if recorded != KEEP else given
     if order != KEEP and order is not None and group.ffn_size % order:
         problems.append(f"{group.prefix or 'root'}: glu_interleave_size {order} does not divide F={group.ffn_size}")
@@ -356,8 +379,9 @@ def _settle_glu_order(group: ExpertGroup, record: dict | None, given, problems: 
 # ---- GroupedLinear state dicts ---------------------------------------------------------------
 
 
-def collect_grouped(state_dict: dict, prefix: str, name: str, num: int,
-                    member_shape: tuple[int, ...]) -> torch.Tensor | None:
+def collect_grouped(
+    state_dict: dict, prefix: str, name: str, num: int, member_shape: tuple[int, ...]
+) -> torch.Tensor | None:
     """Read `name` (grouped, or packed (N*O, ...)) or `name{i}` (discrete) from a module's state dict
     and return one (N, *member_shape) tensor, or None if neither is present. Removes the keys read.
     `prefix` is the module's state-dict prefix (ends in "." or is "")."""
@@ -366,8 +390,12 @@ def collect_grouped(state_dict: dict, prefix: str, name: str, num: int,
     grouped_key = prefix + name
     has_grouped = grouped_key in state_dict and state_dict[grouped_key] is not None
     if has_grouped and indexed:
-        raise CheckpointError([f"checkpoint has both {grouped_key!r} and per-expert keys "
-                               f"{sorted(indexed.values())}; the layout is ambiguous"])
+        raise CheckpointError(
+            [
+                f"checkpoint has both {grouped_key!r} and per-expert keys "
+                f"{sorted(indexed.values())}; the layout is ambiguous"
+            ]
+        )
     if has_grouped:
         t = state_dict.pop(grouped_key)
         full = (num, *member_shape)
@@ -382,10 +410,17 @@ def collect_grouped(state_dict: dict, prefix: str, name: str, num: int,
     missing = [f"{prefix}{name}{i}" for i in range(num) if i not in indexed]
     extra = [indexed[i] for i in sorted(indexed) if i >= num]
     if missing or extra:
-        raise CheckpointError([f"checkpoint's per-expert {name} keys do not cover experts 0..{num - 1} exactly: "
-                               f"missing {missing}, extra {extra}"])
-    bad = [f"{indexed[i]} {tuple(state_dict[indexed[i]].shape)}" for i in range(num)
-           if tuple(state_dict[indexed[i]].shape) != member_shape]
+        raise CheckpointError(
+            [
+                f"checkpoint's per-expert {name} keys do not cover experts 0..{num - 1} exactly: "
+                f"missing {missing}, extra {extra}"
+            ]
+        )
+    bad = [
+        f"{indexed[i]} {tuple(state_dict[indexed[i]].shape)}"
+        for i in range(num)
+        if tuple(state_dict[indexed[i]].shape) != member_shape
+    ]
     if bad:
         raise CheckpointError([f"per-expert {name} tensors must have shape {member_shape}; got {bad}"])
     return torch.stack([state_dict.pop(indexed[i]) for i in range(num)])
@@ -400,8 +435,9 @@ def place_grouped(state_dict: dict, prefix: str, name: str, full: torch.Tensor, 
             state_dict[f"{prefix}{name}{i}"] = member
 
 
-def convert_glu_on_load(tensors: list[torch.Tensor | None], recorded: bool, ckpt_k: int | None,
-                        module_k: int | None, ffn: int, where: str) -> list[torch.Tensor | None]:
+def convert_glu_on_load(
+    tensors: list[torch.Tensor | None], recorded: bool, ckpt_k: int | None, module_k: int | None, ffn: int, where: str
+) -> list[torch.Tensor | None]:
     """An fc1's grouped (N, 2F, ...) tensors from the checkpoint's GLU order to the module's.
 
     A checkpoint that does not record its order is taken as `[gates; ups]` (TransformerEngine's and
@@ -409,11 +445,14 @@ def convert_glu_on_load(tensors: list[torch.Tensor | None], recorded: bool, ckpt
     if not recorded:
         if module_k is None:
             return tensors
-        raise CheckpointError([
-            f"{where}: this module expects fc1 rows interleaved with glu_interleave_size={module_k}, but the "
-            "checkpoint does not record its interleave size (no moekit extra state or file records). Load it "
-            "into a module with glu_interleave_size=None if it is [gates; ups], or convert it first "
-            "(moekit.interleave_glu / `moekit convert --src-glu-interleave`)."])
+        raise CheckpointError(
+            [
+                f"{where}: this module expects fc1 rows interleaved with glu_interleave_size={module_k}, but the "
+                "checkpoint does not record its interleave size (no moekit extra state or file records). Load it "
+                "into a module with glu_interleave_size=None if it is [gates; ups], or convert it first "
+                "(moekit.interleave_glu / `moekit convert --src-glu-interleave`)."
+            ]
+        )
     if ckpt_k == module_k:
         return tensors
     try:

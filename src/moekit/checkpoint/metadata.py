@@ -58,10 +58,17 @@ def glu_order_of_extra_state(extra) -> tuple[bool, int | None]:
     return False, None
 
 
-def group_record(prefix: str, naming: str, layout: str, role: str, num_experts: int,
-                 glu_interleave_size: int | None) -> dict:
-    return {"prefix": prefix, "naming": naming, "layout": layout, "role": role, "num_experts": num_experts,
-            "glu_interleave_size": glu_interleave_size}
+def group_record(
+    prefix: str, naming: str, layout: str, role: str, num_experts: int, glu_interleave_size: int | None
+) -> dict:
+    return {
+        "prefix": prefix,
+        "naming": naming,
+        "layout": layout,
+        "role": role,
+        "num_experts": num_experts,
+        "glu_interleave_size": glu_interleave_size,
+    }
 
 
 def records_from_state(state: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[dict], dict]:
@@ -83,9 +90,16 @@ def records_from_state(state: dict, shapes: dict[str, tuple[int, ...]]) -> tuple
         while join_key(prefix, f"weight{num}") in shapes:
             num += 1
         glu = bool(value.get("glu"))
-        records.append(group_record(prefix, "te", "grouped" if grouped else "per-expert", "fc1" if glu else "linear",
-                                    grouped[0] if grouped else (num or None),
-                                    value.get("glu_interleave_size") if glu else None))
+        records.append(
+            group_record(
+                prefix,
+                "te",
+                "grouped" if grouped else "per-expert",
+                "fc1" if glu else "linear",
+                grouped[0] if grouped else (num or None),
+                value.get("glu_interleave_size") if glu else None,
+            )
+        )
     return records, others
 
 
@@ -96,15 +110,18 @@ def _check_record(record, where: str) -> dict:
     prefix = record["prefix"]
     for field, allowed in (("naming", NAMINGS), ("role", ROLES)):
         if record.get(field) not in allowed:
-            problems.append(f"{where}: {META_GROUPS} record {prefix!r} has {field}={record.get(field)!r}; "
-                            f"expected one of {allowed}")
+            problems.append(
+                f"{where}: {META_GROUPS} record {prefix!r} has {field}={record.get(field)!r}; expected one of {allowed}"
+            )
     if record.get("layout", "per-expert") not in LAYOUTS:
-        problems.append(f"{where}: {META_GROUPS} record {prefix!r} has layout={record.get('layout')!r}; "
-                        f"expected one of {LAYOUTS}")
+        problems.append(
+            f"{where}: {META_GROUPS} record {prefix!r} has layout={record.get('layout')!r}; expected one of {LAYOUTS}"
+        )
     k = record.get("glu_interleave_size")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        problems.append(f"{where}: {META_GROUPS} record {prefix!r} has glu_interleave_size={k!r}; "
-                        "expected null or a positive int")
+        problems.append(
+            f"{where}: {META_GROUPS} record {prefix!r} has glu_interleave_size={k!r}; expected null or a positive int"
+        )
     if problems:
         raise CheckpointError(problems)
     return record
@@ -144,8 +161,11 @@ def other_extra_states(metadata: dict, where: str) -> dict:
 
 def extra_states_from_records(records: dict[str, dict]) -> dict:
     """`{prefix}._extra_state` for every te-named group: what its GroupedLinear loads."""
-    return {join_key(prefix, EXTRA_STATE_SUFFIX): linear_extra_state(r["role"] == "fc1", r.get("glu_interleave_size"))
-            for prefix, r in records.items() if r["naming"] == "te"}
+    return {
+        join_key(prefix, EXTRA_STATE_SUFFIX): linear_extra_state(r["role"] == "fc1", r.get("glu_interleave_size"))
+        for prefix, r in records.items()
+        if r["naming"] == "te"
+    }
 
 
 def file_metadata(records: list[dict], other_extra: dict, inherited: dict | None = None) -> dict[str, str]:

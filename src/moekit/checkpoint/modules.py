@@ -48,14 +48,16 @@ def save_safetensors(module_or_state: nn.Module | dict, path: str | os.PathLike)
         elif key.endswith(EXTRA_STATE_SUFFIX):
             extra[key] = value
         else:
-            raise TypeError(f"state entry {key!r} is a {type(value).__name__}; only tensors and extra states "
-                            "can be saved")
+            raise TypeError(
+                f"state entry {key!r} is a {type(value).__name__}; only tensors and extra states can be saved"
+            )
     records, others = records_from_state(extra, {key: tuple(t.shape) for key, t in tensors.items()})
     try:
         json.dumps(others)
     except TypeError as exc:
-        raise TypeError(f"extra states {sorted(others)} must be JSON-serialisable to go into a safetensors file "
-                        f"({exc})") from None
+        raise TypeError(
+            f"extra states {sorted(others)} must be JSON-serialisable to go into a safetensors file ({exc})"
+        ) from None
     path = Path(path)
     if not path.parent.is_dir():
         raise CheckpointError([f"the folder {path.parent} does not exist; create it first"])

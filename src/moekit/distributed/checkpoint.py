@@ -214,8 +214,13 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     return out
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         process_group: dist.ProcessGroup | None = None) -> None:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
     """Save `model` (and `optimizer`) to the DCP checkpoint directory `path` (every rank calls it)."""
     dcp.save(state_dict(model, optimizer), checkpoint_id=path, process_group=process_group)
 
@@ -251,8 +256,9 @@ def _check_fits(target: dict, path) -> None:
     if shapes:
         problems.append(f"global shapes differ: {shapes}")
     if problems:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not fit the model, nothing loaded: "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} does not fit the model, nothing loaded: " + "; ".join(problems)
+        )
 
 
 def _check_interleave(model: nn.Module, path, process_group) -> None:
@@ -261,22 +267,25 @@ def _check_interleave(model: nn.Module, path, process_group) -> None:
     modules = dict(model.named_modules())
     # A transformers model's experts are stored in the model's own row order (fixed by its type).
     hf_paths = [name for name, m in modules.items() if type(m).__name__ == "MoekitExperts"]
-    linears = {name: m for name, m in modules.items() if isinstance(m, GroupedLinear) and m.is_glu
-               and not any(_inside(name, p) for p in hf_paths)}
+    linears = {
+        name: m
+        for name, m in modules.items()
+        if isinstance(m, GroupedLinear) and m.is_glu and not any(_inside(name, p) for p in hf_paths)
+    }
     wanted = {f"model.{name}._extra_state": m for name, m in linears.items()}
     present = {key: m for key, m in wanted.items() if any(k == key or k.startswith(key + ".") for k in metadata)}
-    stored = {"model": {key[len("model."):]: m.get_extra_state() for key, m in present.items()}}
+    stored = {"model": {key[len("model.") :]: m.get_extra_state() for key, m in present.items()}}
     if present:
         dcp.load(stored, checkpoint_id=path, process_group=process_group)
     bad = []
     for key, module in wanted.items():
         ours = module.glu_interleave_size
         if key in present:
-            theirs = stored["model"][key[len("model."):]].get("glu_interleave_size")
+            theirs = stored["model"][key[len("model.") :]].get("glu_interleave_size")
             if theirs != ours:
-                bad.append(f"{key[len('model.'):-len('._extra_state')]}: checkpoint {theirs}, model {ours}")
+                bad.append(f"{key[len('model.') : -len('._extra_state')]}: checkpoint {theirs}, model {ours}")
         elif ours is not None:
-            bad.append(f"{key[len('model.'):-len('._extra_state')]}: checkpoint does not record it, model {ours}")
+            bad.append(f"{key[len('model.') : -len('._extra_state')]}: checkpoint does not record it, model {ours}")
     if bad:
         raise ValueError(
             f"checkpoint {os.fspath(path)!r} has fc1 rows in another GLU interleave order, nothing loaded: {bad}. "
@@ -285,8 +294,13 @@ def _check_interleave(model: nn.Module, path, process_group) -> None:
         )
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         process_group: dist.ProcessGroup | None = None) -> None:
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
     """Load a checkpoint written by `save` (any world size, EP degree, layout) into `model` (and
     `optimizer`), in place; every rank calls it. Raises ValueError before changing any tensor when
     the checkpoint does not fit."""
@@ -320,6 +334,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             else:
                 for m in members:
                     m[state_name] = value.clone() if isinstance(value, torch.Tensor) else value
-    groups = [{**g_loaded, "params": g_own["params"]}
-              for g_loaded, g_own in zip(loaded["param_groups"], osd["param_groups"], strict=True)]
+    groups = [
+        {**g_loaded, "params": g_own["params"]}
+        for g_loaded, g_own in zip(loaded["param_groups"], osd["param_groups"], strict=True)
+    ]
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})

@@ -32,8 +32,15 @@ import torch
 from moekit.ops.moe_experts import move_rows, use_triton_rows
 from moekit.ops.routing import route
 
-__all__ = ["CapacityMaps", "DroplessMaps", "capacity_maps", "dropless_maps", "move_rows", "received_local_ids",
-           "use_triton_rows"]
+__all__ = [
+    "CapacityMaps",
+    "DroplessMaps",
+    "capacity_maps",
+    "dropless_maps",
+    "move_rows",
+    "received_local_ids",
+    "use_triton_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,12 @@ class DroplessMaps:
 def dropless_maps(expert_ids: torch.Tensor, num_experts: int) -> DroplessMaps:
     """expert_ids: (T, K) integer -> DroplessMaps (device, no host read)."""
     routing = route(expert_ids, num_experts)
-    return DroplessMaps(counts=routing.counts(), token_of_row=routing.token_of_row, copy_of_row=routing.order,
-                        row_of_copy=routing.inverse)
+    return DroplessMaps(
+        counts=routing.counts(),
+        token_of_row=routing.token_of_row,
+        copy_of_row=routing.order,
+        row_of_copy=routing.inverse,
+    )
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,13 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
         return torch.cat([grid, grid.new_zeros(ep_size, 1)], 1).view(-1, 1)
 
     dropped = (counts - slots).clamp_min(0).sum()
-    return CapacityMaps(counts=counts, token_of_slot=per_slot(routing.token_of_row),
-                        copy_of_slot=per_slot(routing.order), slot_of_copy=slot_of_copy, dropped=dropped)
+    return CapacityMaps(
+        counts=counts,
+        token_of_slot=per_slot(routing.token_of_row),
+        copy_of_slot=per_slot(routing.order),
+        slot_of_copy=slot_of_copy,
+        dropped=dropped,
+    )
 
 
 def received_local_ids(recv_counts: torch.Tensor, slots: int) -> torch.Tensor:

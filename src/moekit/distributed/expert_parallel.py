@@ -76,8 +76,9 @@ class _AllToAll(torch.autograd.Function):
         return d_x, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
-                    group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Differentiable `torch.distributed.all_to_all_single` along dim 0 (splits None: equal)."""
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
@@ -131,8 +132,9 @@ class _AllToAllWait(torch.autograd.Function):
         pending = ctx.pending
         d_out = d_out.contiguous()
         pending.d_input = d_out.new_empty((sum(ctx.input_splits), *d_out.shape[1:]))
-        pending.work = dist.all_to_all_single(pending.d_input, d_out, ctx.input_splits, ctx.output_splits,
-                                              group=ctx.group, async_op=True)
+        pending.work = dist.all_to_all_single(
+            pending.d_input, d_out, ctx.input_splits, ctx.output_splits, group=ctx.group, async_op=True
+        )
         pending.keep_alive = d_out
         # `_AllToAllStart.backward` (the only consumer) ignores this and waits for the transfer.
         return d_out, None, None, None, None
@@ -140,8 +142,12 @@ class _AllToAllWait(torch.autograd.Function):
 
 def _start(x, output_splits, input_splits, group):
     pending = _Pending()
-    return _AllToAllStart.apply(x, output_splits, input_splits, group, pending), (output_splits, input_splits,
-                                                                                   group, pending)
+    return _AllToAllStart.apply(x, output_splits, input_splits, group, pending), (
+        output_splits,
+        input_splits,
+        group,
+        pending,
+    )
 
 
 def _wait(out, started):
@@ -198,8 +204,15 @@ class ExpertParallelMoE(nn.Module):
     keeps the global value, detached.
     """
 
-    def __init__(self, layer: MoELayer, mesh: DeviceMesh, *, mode: str = "dropless",
-                 capacity_factor: float = 1.0, num_chunks: int = 1) -> None:
+    def __init__(
+        self,
+        layer: MoELayer,
+        mesh: DeviceMesh,
+        *,
+        mode: str = "dropless",
+        capacity_factor: float = 1.0,
+        num_chunks: int = 1,
+    ) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a moekit.MoELayer, got {type(layer).__name__}")
@@ -243,10 +256,16 @@ class ExpertParallelMoE(nn.Module):
         weight = full.fc1.weights()
         ref = weight if isinstance(weight, torch.Tensor) else weight[0]
         self.experts = GroupedMLP(
-            self.num_local_experts, full.hidden_size, full.ffn_hidden_size, bias=full.fc1.use_bias,
-            activation=full.activation, glu_interleave_size=full.glu_interleave_size,
-            single_grouped_weight=full.fc1.single_grouped_weight, backend=full.backend,
-            device=ref.device, dtype=ref.dtype,
+            self.num_local_experts,
+            full.hidden_size,
+            full.ffn_hidden_size,
+            bias=full.fc1.use_bias,
+            activation=full.activation,
+            glu_interleave_size=full.glu_interleave_size,
+            single_grouped_weight=full.fc1.single_grouped_weight,
+            backend=full.backend,
+            device=ref.device,
+            dtype=ref.dtype,
         )
         if ref.device.type != "meta":
             self._copy_local_experts(full)
@@ -261,7 +280,7 @@ class ExpertParallelMoE(nn.Module):
                 if src_params is None:
                     continue
                 src_full = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
-                local = src_full[first:first + self.num_local_experts]
+                local = src_full[first : first + self.num_local_experts]
                 if isinstance(dst_params, torch.Tensor):
                     dst_params.copy_(local)
                 else:
@@ -336,29 +355,34 @@ class ExpertParallelMoE(nn.Module):
         for x_chunk, weights_TK, maps in routed:
             # The send buffers: copies sorted by expert, so grouped by destination rank.
             x_send = move_rows(x_chunk, maps.token_of_row, maps.row_of_copy, use_triton)
-            probs_send = move_rows(weights_TK.reshape(-1, 1), maps.copy_of_row, maps.row_of_copy.reshape(-1, 1),
-                                   use_triton)
+            probs_send = move_rows(
+                weights_TK.reshape(-1, 1), maps.copy_of_row, maps.row_of_copy.reshape(-1, 1), use_triton
+            )
             chunks.append((x_send, probs_send, maps))
         splits = splits_read.values()
         send = [[splits[r * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         recv = [[splits[(ep_size + r) * num_chunks + c] for r in range(ep_size)] for c in range(num_chunks)]
         dispatched = []
         for c, (x_send, probs_send, _) in enumerate(chunks):
-            dispatched.append((_start(x_send, recv[c], send[c], self.ep_group),
-                               _start(probs_send, recv[c], send[c], self.ep_group)))
+            dispatched.append(
+                (_start(x_send, recv[c], send[c], self.ep_group), _start(probs_send, recv[c], send[c], self.ep_group))
+            )
         expert_of_block = torch.arange(local_L, device=x_TH.device).repeat(ep_size)
         combined = []
         for c, ((x_recv, x_started), (probs_recv, probs_started)) in enumerate(dispatched):
             x_recv = _wait(x_recv, x_started)
             probs_recv = _wait(probs_recv, probs_started)
             # Received rows come grouped (source rank, local expert).
-            local_ids = torch.repeat_interleave(expert_of_block, recv_counts[:, c].reshape(-1),
-                                                output_size=x_recv.shape[0])
+            local_ids = torch.repeat_interleave(
+                expert_of_block, recv_counts[:, c].reshape(-1), output_size=x_recv.shape[0]
+            )
             y_recv = self._local_experts(x_recv, probs_recv, local_ids, use_triton)
             combined.append(_start(y_recv, send[c], recv[c], self.ep_group))
         # Each token's K outputs (already weighted by the experts' probs) summed back.
-        out = [move_rows(_wait(*started), chunk[2].row_of_copy, chunk[2].token_of_row, use_triton)
-               for started, chunk in zip(combined, chunks, strict=True)]
+        out = [
+            move_rows(_wait(*started), chunk[2].row_of_copy, chunk[2].token_of_row, use_triton)
+            for started, chunk in zip(combined, chunks, strict=True)
+        ]
         return out[0] if num_chunks == 1 else torch.cat(out)
 
     def capacity(self, num_tokens: int) -> int:
@@ -380,8 +404,9 @@ class ExpertParallelMoE(nn.Module):
         recv_counts = torch.empty_like(maps.counts)
         dist.all_to_all_single(recv_counts, maps.counts, group=self.ep_group)
         x_send = move_rows(x_TH, maps.token_of_slot, maps.slot_of_copy, use_triton)
-        probs_send = move_rows(weights_TK.reshape(-1, 1), maps.copy_of_slot, maps.slot_of_copy.reshape(-1, 1),
-                               use_triton)
+        probs_send = move_rows(
+            weights_TK.reshape(-1, 1), maps.copy_of_slot, maps.slot_of_copy.reshape(-1, 1), use_triton
+        )
         x_recv = all_to_all_rows(x_send, None, None, self.ep_group)
         probs_recv = all_to_all_rows(probs_send, None, None, self.ep_group)
         local_ids = received_local_ids(recv_counts.view(self.ep_size, self.num_local_experts), slots)
@@ -390,8 +415,9 @@ class ExpertParallelMoE(nn.Module):
         # Dropped copies read their destination's sentinel slot, which came back as zeros.
         return move_rows(y_back, maps.slot_of_copy, maps.token_of_slot, use_triton)
 
-    def _local_experts(self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor,
-                       use_triton: bool) -> torch.Tensor:
+    def _local_experts(
+        self, x_recv: torch.Tensor, probs_recv: torch.Tensor, local_ids: torch.Tensor, use_triton: bool
+    ) -> torch.Tensor:
         """Received rows through the local experts, as `moekit.moe_experts` runs its rows: x_recv
         (R, H) in any order, probs_recv (R, 1) their router weights, local_ids (R,) their local
         expert, L for an empty slot. Sorted by local expert on the device (empty slots last: the
@@ -407,5 +433,7 @@ class ExpertParallelMoE(nn.Module):
 
     def extra_repr(self) -> str:
         capacity = f", capacity_factor={self.capacity_factor}" if self.mode == "capacity" else ""
-        return (f"num_experts={self.num_experts}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
-                f"mode={self.mode!r}{capacity}")
+        return (
+            f"num_experts={self.num_experts}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
+            f"mode={self.mode!r}{capacity}"
+        )

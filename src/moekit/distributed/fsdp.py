@@ -57,8 +57,9 @@ def expert_shard_placement(module: nn.Module, mesh_size: int, shard_dim: int | N
                 f"expert shard_dim=1 cuts out_features={linear.out_features} into {mesh_size} shards; FSDP2 needs "
                 "them equal (a multiple of the mesh size): use shard_dim=0 or None"
             )
-        dim = shard_dim if shard_dim is not None else (0 if linear.num_gemms % mesh_size == 0 or not out_divisible
-                                                       else 1)
+        dim = (
+            shard_dim if shard_dim is not None else (0 if linear.num_gemms % mesh_size == 0 or not out_divisible else 1)
+        )
         if linear.single_grouped_weight:
             dims[id(linear.weight)] = dim
         if linear.use_bias and linear.single_grouped_bias:
@@ -93,12 +94,22 @@ def apply_fsdp(
     """
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError("mesh must be a 1-D DeviceMesh over the data-parallel ranks of the dense parameters")
-    def shard(module: nn.Module, unit_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
-        fully_shard(module, mesh=unit_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    shard_placement_fn=expert_shard_placement(module, unit_mesh.size(), expert_shard_dim))
 
-    experts_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-                                          output_dtype=mp_policy.output_dtype, cast_forward_inputs=False)
+    def shard(module: nn.Module, unit_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
+        fully_shard(
+            module,
+            mesh=unit_mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            shard_placement_fn=expert_shard_placement(module, unit_mesh.size(), expert_shard_dim),
+        )
+
+    experts_policy = MixedPrecisionPolicy(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=False,
+    )
     for module in [m for m in model.modules() if experts_of(m) is not None]:
         if isinstance(module, ExpertParallelMoE):
             if module.mesh.ndim != 2:
@@ -117,4 +128,3 @@ def apply_fsdp(
     for block in (*blocks, model):
         shard(block, mesh, mp_policy)
     return model
-

@@ -140,8 +140,9 @@ def _layout_of_interface_experts(experts: nn.Module) -> ExpertsLayout:
             f"{name} uses activation {type(getattr(experts, 'act_fn', None)).__name__}; moekit runs silu GLU experts"
         )
     # The default gate splits fc1's output in halves, [gates; ups], whatever is_concatenated says.
-    return ExpertsLayout(bool(getattr(experts, "is_transposed", False)), None, "swiglu",
-                         bool(getattr(experts, "has_bias", False)))
+    return ExpertsLayout(
+        bool(getattr(experts, "is_transposed", False)), None, "swiglu", bool(getattr(experts, "has_bias", False))
+    )
 
 
 # The replaced module's tensor names -> (GroupedMLP linear, parameter kind).
@@ -187,15 +188,26 @@ class MoekitExperts(nn.Module):
         # gate_up_proj is [N, H, 2F] when transposed, [N, 2F, H] otherwise.
         hidden, two_ffn = gate_up.shape[1:] if layout.transposed else gate_up.shape[1:][::-1]
         mlp = GroupedMLP(
-            num_experts, hidden, two_ffn // 2, bias=layout.has_bias, activation=layout.activation,
-            glu_interleave_size=layout.glu_interleave_size, single_grouped_weight=single_grouped_weight,
-            backend=backend, device="meta", dtype=gate_up.dtype,
+            num_experts,
+            hidden,
+            two_ffn // 2,
+            bias=layout.has_bias,
+            activation=layout.activation,
+            glu_interleave_size=layout.glu_interleave_size,
+            single_grouped_weight=single_grouped_weight,
+            backend=backend,
+            device="meta",
+            dtype=gate_up.dtype,
         )
         for model_name, (linear_name, kind) in _MODEL_NAMES.items():
             if kind == "bias" and not layout.has_bias:
                 continue
-            _install(getattr(mlp, linear_name), kind, getattr(experts, model_name),
-                     transpose=layout.transposed and kind == "weight")
+            _install(
+                getattr(mlp, linear_name),
+                kind,
+                getattr(experts, model_name),
+                transpose=layout.transposed and kind == "weight",
+            )
         return cls(mlp, layout, name)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -248,8 +260,16 @@ def _save_in_model_layout(module: MoekitExperts, state_dict: dict, prefix: str, 
         state_dict[prefix + name] = t.detach().contiguous() if not t.is_contiguous() else t.detach()
 
 
-def _load_from_model_layout(module: MoekitExperts, state_dict: dict, prefix: str, local_metadata, strict,
-                            missing_keys, unexpected_keys, error_msgs) -> None:
+def _load_from_model_layout(
+    module: MoekitExperts,
+    state_dict: dict,
+    prefix: str,
+    local_metadata,
+    strict,
+    missing_keys,
+    unexpected_keys,
+    error_msgs,
+) -> None:
     for model_name, (linear_name, kind) in _MODEL_NAMES.items():
         key = prefix + model_name
         if key not in state_dict:
@@ -315,8 +335,11 @@ def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weig
             f"experts_implementation={EXPERTS_IMPLEMENTATION!r}."
         )
     for parent, attr, experts in found:
-        setattr(parent, attr, MoekitExperts.from_transformers(
-            experts, backend=backend, single_grouped_weight=single_grouped_weight))
+        setattr(
+            parent,
+            attr,
+            MoekitExperts.from_transformers(experts, backend=backend, single_grouped_weight=single_grouped_weight),
+        )
     return model
 
 
@@ -340,8 +363,16 @@ def moekit_experts_forward(
     backend = getattr(getattr(self, "config", None), "moekit_backend", "auto")
 
     return moe_experts(
-        hidden_states, top_k_index, top_k_weights, fc1_weight, fc2_weight, fc1_bias=fc1_bias, fc2_bias=fc2_bias,
-        activation=layout.activation, glu_interleave_size=layout.glu_interleave_size, backend=backend,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        fc1_weight,
+        fc2_weight,
+        fc1_bias=fc1_bias,
+        fc2_bias=fc2_bias,
+        activation=layout.activation,
+        glu_interleave_size=layout.glu_interleave_size,
+        backend=backend,
     )
 
 

@@ -158,25 +158,34 @@ class GroupedLinear(nn.Module):
         # size and replaced the entry with this module's own state; nothing to adopt here.
         return None
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Either layout (and a packed weight) is accepted; fc1 rows move to this module's GLU order.
         extra_key = prefix + EXTRA_STATE_SUFFIX
         weight = collect_grouped(state_dict, prefix, "weight", self.num_gemms, (self.out_features, self.in_features))
         # Without a bias of its own the module leaves bias keys in place: a strict load reports them.
-        bias = (collect_grouped(state_dict, prefix, "bias", self.num_gemms, (self.out_features,))
-                if self.use_bias else None)
+        bias = (
+            collect_grouped(state_dict, prefix, "bias", self.num_gemms, (self.out_features,)) if self.use_bias else None
+        )
         if self.is_glu and (weight is not None or bias is not None):
             recorded, ckpt_k = glu_order_of_extra_state(state_dict.get(extra_key))
-            weight, bias = convert_glu_on_load([weight, bias], recorded, ckpt_k, self.glu_interleave_size,
-                                               self.out_features // 2, prefix.rstrip(".") or "module")
+            weight, bias = convert_glu_on_load(
+                [weight, bias],
+                recorded,
+                ckpt_k,
+                self.glu_interleave_size,
+                self.out_features // 2,
+                prefix.rstrip(".") or "module",
+            )
         if weight is not None:
             place_grouped(state_dict, prefix, "weight", weight, self.single_grouped_weight)
         if bias is not None:
             place_grouped(state_dict, prefix, "bias", bias, self.single_grouped_bias)
         state_dict[extra_key] = self.get_extra_state()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
 def _as_list(t):

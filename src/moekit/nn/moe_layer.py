@@ -21,9 +21,16 @@ def run_experts(
     """`moekit.moe_experts` with a GroupedMLP's parameters and settings: x_TH (T, H) in token order,
     topk_ids / topk_weights (T, K) -> (T, H), each token's K expert outputs weighted and summed."""
     return moe_experts(
-        x_TH, topk_ids, topk_weights, experts.fc1.weights(), experts.fc2.weights(),
-        fc1_bias=experts.fc1.biases(), fc2_bias=experts.fc2.biases(), activation=experts.activation,
-        glu_interleave_size=experts.glu_interleave_size, backend=experts.backend,
+        x_TH,
+        topk_ids,
+        topk_weights,
+        experts.fc1.weights(),
+        experts.fc2.weights(),
+        fc1_bias=experts.fc1.biases(),
+        fc2_bias=experts.fc2.biases(),
+        activation=experts.activation,
+        glu_interleave_size=experts.glu_interleave_size,
+        backend=experts.backend,
     )
 
 
@@ -88,9 +95,16 @@ class MoELayer(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = GroupedMLP(
-            num_experts, hidden_size, ffn_hidden_size, bias=bias, activation=activation,
-            glu_interleave_size=glu_interleave_size, single_grouped_weight=single_grouped_weight,
-            backend=backend, device=device, dtype=dtype,
+            num_experts,
+            hidden_size,
+            ffn_hidden_size,
+            bias=bias,
+            activation=activation,
+            glu_interleave_size=glu_interleave_size,
+            single_grouped_weight=single_grouped_weight,
+            backend=backend,
+            device=device,
+            dtype=dtype,
         )
         self.aux_loss: torch.Tensor | None = None
 

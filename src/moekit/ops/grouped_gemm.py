@@ -84,8 +84,10 @@ def _unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type == "cpu":
         if _INTERPRET:
             return None
-        return ("triton kernels need a CUDA device; on CPU they run only under the Triton "
-                "interpreter (set TRITON_INTERPRET=1 before triton is imported)")
+        return (
+            "triton kernels need a CUDA device; on CPU they run only under the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before triton is imported)"
+        )
     if device.type != "cuda":
         return f"triton grouped GEMM runs on CUDA devices (or CPU under TRITON_INTERPRET=1), not {device.type}"
     if _INTERPRET:
@@ -218,8 +220,11 @@ def _bucket(m: int) -> int:
 def _grid_size(device: torch.device, bound: int, per_sm: int = 1) -> int:
     """Programs of a persistent kernel: per_sm per multiprocessor (2 lets one program's epilogue
     overlap another's main loop), at most `bound` (the tiles of the largest schedule)."""
-    sms = 4 if (_INTERPRET or device.type != "cuda") else multiprocessor_count(device.index if device.index is not None
-                                                                 else torch.cuda.current_device())
+    sms = (
+        4
+        if (_INTERPRET or device.type != "cuda")
+        else multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    )
     return max(1, min(sms * per_sm, bound))
 
 
@@ -236,14 +241,17 @@ def _check_offs(offs: torch.Tensor, groups: int, device: torch.device) -> torch.
 def _device_ctx(device: torch.device):
     """Launches go to the tensors' device: switch to it unless it is already current (entering
     torch.cuda.device costs two device exchanges per launch)."""
-    if device.type == "cuda" and not _INTERPRET and device.index is not None \
-            and device.index != torch.cuda.current_device():
+    if (
+        device.type == "cuda"
+        and not _INTERPRET
+        and device.index is not None
+        and device.index != torch.cuda.current_device()
+    ):
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
 
-def _mm_launch(a, w, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: GemmConfig,
-               use_tma: bool) -> LaunchPlan:
+def _mm_launch(a, w, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> LaunchPlan:
     """The launch of grouped_mm_kernel for a (M, red) row-major input, a fresh (M, out_cols) output,
     and weights w (N, b_rows, b_cols); tensors: (a, w, out, bias or out, scale or out, offs)."""
     M, red = a.shape
@@ -252,14 +260,42 @@ def _mm_launch(a, w, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: G
     nprog = _grid_size(a.device, bound)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = bool(cfg.epi_tma and use_tma and (out_cols * a.element_size()) % 16 == 0)
-    ints = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), w.stride(0), w.stride(1), out_cols,
-            bias.stride(0) if bias is not None else 0)
-    return LaunchPlan(_grouped_mm, (nprog,), ints, dict(
-        TRANS_B=trans_b, HAS_BIAS=bias is not None, HAS_SCALE=has_scale, USE_TMA=use_tma, UPCAST=_INTERPRET,
-        DOT_PRECISION=_dot_precision(a.dtype), BLOCK_M=cfg.block_rows, BLOCK_C=cfg.block_cols,
-        BLOCK_RED=cfg.block_red, GROUP_M=cfg.group_rows, BLOCK_GROUPS=_block_groups(N + 2), NUM_PROGRAMS=nprog,
-        FLATTEN=cfg.flatten, EPI_TMA=epi_tma, num_stages=cfg.stages, num_warps=cfg.warps,
-    ))
+    ints = (
+        M,
+        out_cols,
+        red,
+        N,
+        b_rows,
+        b_cols,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out_cols,
+        bias.stride(0) if bias is not None else 0,
+    )
+    return LaunchPlan(
+        _grouped_mm,
+        (nprog,),
+        ints,
+        dict(
+            TRANS_B=trans_b,
+            HAS_BIAS=bias is not None,
+            HAS_SCALE=has_scale,
+            USE_TMA=use_tma,
+            UPCAST=_INTERPRET,
+            DOT_PRECISION=_dot_precision(a.dtype),
+            BLOCK_M=cfg.block_rows,
+            BLOCK_C=cfg.block_cols,
+            BLOCK_RED=cfg.block_red,
+            GROUP_M=cfg.group_rows,
+            BLOCK_GROUPS=_block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=cfg.flatten,
+            EPI_TMA=epi_tma,
+            num_stages=cfg.stages,
+            num_warps=cfg.warps,
+        ),
+    )
 
 
 def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tma: bool) -> None:
@@ -269,8 +305,10 @@ def _run_mm(a, w, offs, out, bias, scale, trans_b: bool, cfg: GemmConfig, use_tm
 
 def _check_weight(a: torch.Tensor, w: torch.Tensor) -> None:
     if w.dim() != 3 or w.stride(2) != 1:
-        raise ValueError(f"the weight must be a 3-D (groups, out, in) tensor whose last dim has stride 1, "
-                         f"got shape {tuple(w.shape)} strides {w.stride()}")
+        raise ValueError(
+            f"the weight must be a 3-D (groups, out, in) tensor whose last dim has stride 1, "
+            f"got shape {tuple(w.shape)} strides {w.stride()}"
+        )
     if a.dim() != 2:
         raise ValueError(f"expected a 2-D input (rows, features), got shape {tuple(a.shape)}")
     if w.dtype != a.dtype or w.device != a.device:
@@ -312,8 +350,17 @@ def _planned(key: tuple, make):
 
 def _mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: bool | None) -> torch.Tensor:
     """Shared launcher of forward (op="fwd": out (M, O)) and dgrad (op="dgrad": out (M, I))."""
-    key = _plan_key(op, tensor_key(a), tensor_key(w), tensor_key(offs), tensor_key(bias), tensor_key(scale), cfg,
-                    use_tma, _dot_precision(a.dtype))
+    key = _plan_key(
+        op,
+        tensor_key(a),
+        tensor_key(w),
+        tensor_key(offs),
+        tensor_key(bias),
+        tensor_key(scale),
+        cfg,
+        use_tma,
+        _dot_precision(a.dtype),
+    )
     plan = _planned(key, lambda: _plan_mm(op, a, w, offs, bias, scale, cfg, use_tma))
     if plan.contiguous:
         a = a.contiguous()
@@ -346,8 +393,7 @@ def _plan_mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, use_tma: 
             cands = _candidates(op, a.dtype, use_tma, cap, cols)
             key = (op, a.dtype, cols, red, N, _bucket(M), use_tma, bias is not None, scale is not None)
             out = _empty((M, cols), a.device, a.dtype)
-            cfg = _pick(key, cands,
-                        lambda c: _run_mm(a, w, offs, out, bias, scale, trans_b, c, use_tma), a.device)
+            cfg = _pick(key, cands, lambda c: _run_mm(a, w, offs, out, bias, scale, trans_b, c, use_tma), a.device)
     return _Plan(cols, contiguous, _mm_launch(a, w, cols, bias, scale is not None, trans_b, cfg, use_tma))
 
 
@@ -414,12 +460,26 @@ def _wgrad_launch(dy, x, num_groups: int, cfg: GemmConfig, use_tma: bool) -> Lau
     bound = num_groups * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
     nprog = _grid_size(dy.device, bound)
     epi_tma = bool(cfg.epi_tma and use_tma and (I * dy.element_size()) % 16 == 0)
-    return LaunchPlan(_wgrad, (nprog,), (M, O, I, num_groups, dy.stride(0), x.stride(0), O * I, I), dict(
-        USE_TMA=use_tma, UPCAST=_INTERPRET, DOT_PRECISION=_dot_precision(dy.dtype),
-        BLOCK_O=cfg.block_rows, BLOCK_I=cfg.block_cols, BLOCK_M=cfg.block_red, GROUP_O=cfg.group_rows,
-        BLOCK_GROUPS=_block_groups(num_groups + 1), NUM_PROGRAMS=nprog, FLATTEN=cfg.flatten, EPI_TMA=epi_tma,
-        num_stages=cfg.stages, num_warps=cfg.warps,
-    ))
+    return LaunchPlan(
+        _wgrad,
+        (nprog,),
+        (M, O, I, num_groups, dy.stride(0), x.stride(0), O * I, I),
+        dict(
+            USE_TMA=use_tma,
+            UPCAST=_INTERPRET,
+            DOT_PRECISION=_dot_precision(dy.dtype),
+            BLOCK_O=cfg.block_rows,
+            BLOCK_I=cfg.block_cols,
+            BLOCK_M=cfg.block_red,
+            GROUP_O=cfg.group_rows,
+            BLOCK_GROUPS=_block_groups(num_groups + 1),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=cfg.flatten,
+            EPI_TMA=epi_tma,
+            num_stages=cfg.stages,
+            num_warps=cfg.warps,
+        ),
+    )
 
 
 def grouped_gemm_wgrad(
@@ -436,8 +496,9 @@ def grouped_gemm_wgrad(
     Groups with no rows get zeros. Rows r >= offs[N] take part in nothing. cfg, use_tma as in
     grouped_gemm_forward.
     """
-    key = _plan_key("wgrad", tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma,
-                    _dot_precision(dy_MO.dtype))
+    key = _plan_key(
+        "wgrad", tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma, _dot_precision(dy_MO.dtype)
+    )
     plan = _planned(key, lambda: _plan_wgrad(dy_MO, x_MI, offs, cfg, use_tma))
     dy = dy_MO.contiguous() if plan.contiguous else dy_MO
     x = x_MI.contiguous() if plan.contiguous else x_MI
@@ -489,8 +550,9 @@ def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.T
     return _row_sums(src_MC, offs, row_scale_M, None)[0]
 
 
-def group_row_sum_and_dot(src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor,
-                          row_scale_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_row_sum_and_dot(
+    src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor, row_scale_M: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_row_sum` and, from the same pass over src, dot (M,) fp32 with dot[r] = <src[r], vec[g]>
     for the group g of row r (0 for padding rows): fc2's bias gradient and the bias term of d probs."""
     if vec_NC.dim() != 2 or vec_NC.shape != (offs.shape[0] - 1, src_MC.shape[1]):
@@ -518,11 +580,23 @@ def _row_sums(src_MC, offs, row_scale_M, vec_NC):
     part = torch.empty((splits, N, C), device=src.device, dtype=torch.float32)
     with _device_ctx(src.device):
         _group_row_sum[(triton.cdiv(C, block_c), N, splits)](
-            src, row_scale_M if row_scale_M is not None else src, part,
-            vec_NC if vec_NC is not None else src, dots if dots is not None else part,
-            offs, M, C, N, src.stride(0), vec_NC.stride(0) if vec_NC is not None else 0,
-            HAS_SCALE=row_scale_M is not None, ROW_DOT=vec_NC is not None, SPLITS=splits,
-            BLOCK_M=32, BLOCK_C=block_c, num_warps=4,
+            src,
+            row_scale_M if row_scale_M is not None else src,
+            part,
+            vec_NC if vec_NC is not None else src,
+            dots if dots is not None else part,
+            offs,
+            M,
+            C,
+            N,
+            src.stride(0),
+            vec_NC.stride(0) if vec_NC is not None else 0,
+            HAS_SCALE=row_scale_M is not None,
+            ROW_DOT=vec_NC is not None,
+            SPLITS=splits,
+            BLOCK_M=32,
+            BLOCK_C=block_c,
+            num_warps=4,
         )
     # Fixed-shape torch sums have a fixed reduction order: deterministic.
     return part.sum(0).to(src.dtype), (dots.sum(0) if dots is not None else None)

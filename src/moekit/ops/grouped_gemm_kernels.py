@@ -74,8 +74,7 @@ def locate_tile(tile_id, tile_end, row_start, row_end):
 
 
 @triton.jit
-def tile_schedule(offs_ptr, M, N, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_GROUPS: tl.constexpr):
+def tile_schedule(offs_ptr, M, N, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
     """The flat tile space of a persistent row-tiled kernel: the (row-tile, column-tile) grid of each
     group in turn, then the padding pseudo-group N. Returns (num_pid_c, row_start, row_end, tile_end,
     num_tiles): column tiles, each group's row range, the inclusive cumsum of tiles per group (for
@@ -100,8 +99,20 @@ def swizzle(t, num_pid_m, num_pid_c, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def load_a(a_desc, a_ptr, red0, row0, row_lo, row_hi, RED, stride_am,
-           USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RED: tl.constexpr):
+def load_a(
+    a_desc,
+    a_ptr,
+    red0,
+    row0,
+    row_lo,
+    row_hi,
+    RED,
+    stride_am,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_RED) of the routed rows a[row0:, red0:]; rows outside [row_lo, row_hi) and
     columns past RED read as zeros on the pointer path (TMA callers point padding tiles' boxes past
     the end instead)."""
@@ -113,7 +124,8 @@ def load_a(a_desc, a_ptr, red0, row0, row_lo, row_hi, RED, stride_am,
         mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
         a = tl.load(
             a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_red[None, :],
-            mask=mask_m[:, None] & (offs_red[None, :] < RED), other=0.0,
+            mask=mask_m[:, None] & (offs_red[None, :] < RED),
+            other=0.0,
         )
     if UPCAST:
         # The Triton 3.6 interpreter multiplies bf16 dot operands as raw integers.
@@ -122,9 +134,23 @@ def load_a(a_desc, a_ptr, red0, row0, row_lo, row_hi, RED, stride_am,
 
 
 @triton.jit
-def load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
-            TRANS_B: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-            BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
+def load_b(
+    b_desc,
+    b_ptr,
+    g,
+    N,
+    red0,
+    c0,
+    COLS,
+    RED,
+    stride_bg,
+    stride_br,
+    TRANS_B: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+):
     """(BLOCK_RED, BLOCK_C) of w[g]: stored (COLS, RED) when TRANS_B (forward), (RED, COLS) otherwise."""
     if USE_TMA:
         if TRANS_B:
@@ -155,10 +181,25 @@ def split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _fwd_epilogue(
-    acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, N, row0, c0, row_lo, row_hi, COLS,
-    stride_cm, stride_bias_g,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EPI_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    acc,
+    c_ptr,
+    c_desc,
+    bias_ptr,
+    scale_ptr,
+    g,
+    N,
+    row0,
+    c0,
+    row_lo,
+    row_hi,
+    COLS,
+    stride_cm,
+    stride_bias_g,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """acc (BLOCK_M, BLOCK_C) fp32 -> (+ bias[g] (* scale[r])) -> output dtype -> rows of the group.
 
@@ -175,7 +216,8 @@ def _fwd_epilogue(
         # Padding tiles (g == N) get no bias: padding rows are written as exact zeros.
         bias = tl.load(
             bias_ptr + g.to(tl.int64) * stride_bias_g + offs_c,
-            mask=mask_c & (g < N), other=0.0,
+            mask=mask_c & (g < N),
+            other=0.0,
         ).to(tl.float32)
         if HAS_SCALE:
             scale = tl.load(scale_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
@@ -199,14 +241,37 @@ def _fwd_epilogue(
 
 @triton.jit
 def grouped_mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr,
-    M, COLS, RED, N, B_ROWS, B_COLS,
-    stride_am, stride_bg, stride_br, stride_cm, stride_bias_g,
-    TRANS_B: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr, EPI_TMA: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    B_ROWS,
+    B_COLS,
+    stride_am,
+    stride_bg,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    TRANS_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    EPI_TMA: tl.constexpr,
 ):
     """Forward (TRANS_B) and dgrad: c (M, COLS) = a (M, RED) @ op(w[g]) per group, padding rows zero.
 
@@ -221,20 +286,22 @@ def grouped_mm_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, COLS, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, COLS, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
     red_steps = tl.cdiv(RED, BLOCK_RED)
 
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(
-            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED])
+            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED]
+        )
         if TRANS_B:
             b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1],
-                block_shape=[1, BLOCK_C, BLOCK_RED])
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
+            )
         else:
             b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1],
-                block_shape=[1, BLOCK_RED, BLOCK_C])
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
+            )
     else:
         a_desc = None
         b_desc = None
@@ -249,28 +316,69 @@ def grouped_mm_kernel(
         a_row0 = tl.where(g < N, row0, M)
         if EPI_TMA:
             c_desc = tl.make_tensor_descriptor(
-                c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2])
+                c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2]
+            )
         else:
             c_desc = None
         acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
         for step in range(red_steps):
             red0 = step * BLOCK_RED
-            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am,
-                       USE_TMA, UPCAST, BLOCK_M, BLOCK_RED)
-            b = load_b(b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br,
-                        TRANS_B, USE_TMA, UPCAST, BLOCK_C, BLOCK_RED)
+            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, UPCAST, BLOCK_M, BLOCK_RED)
+            b = load_b(
+                b_desc,
+                b_ptr,
+                g,
+                N,
+                red0,
+                c0,
+                COLS,
+                RED,
+                stride_bg,
+                stride_br,
+                TRANS_B,
+                USE_TMA,
+                UPCAST,
+                BLOCK_C,
+                BLOCK_RED,
+            )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
         acc = tl.where(g < N, acc, 0.0)
         _fwd_epilogue(
-            acc, c_ptr, c_desc, bias_ptr, scale_ptr, g, N, row0, c0, row_lo, row_hi, COLS,
-            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C,
+            acc,
+            c_ptr,
+            c_desc,
+            bias_ptr,
+            scale_ptr,
+            g,
+            N,
+            row0,
+            c0,
+            row_lo,
+            row_hi,
+            COLS,
+            stride_cm,
+            stride_bias_g,
+            HAS_BIAS,
+            HAS_SCALE,
+            EPI_TMA,
+            BLOCK_M,
+            BLOCK_C,
         )
 
 
 @triton.jit
-def _wgrad_tile(tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M,
-                GROUP_O: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+def _wgrad_tile(
+    tile_id,
+    tiles_per_group,
+    num_pid_o,
+    num_pid_i,
+    offs_ptr,
+    M,
+    GROUP_O: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
     """wgrad tile -> (group, o0, i0, group's row start, group's row end)."""
     g = tile_id // tiles_per_group
     pid_o, pid_i = swizzle(tile_id % tiles_per_group, num_pid_o, num_pid_i, GROUP_O)
@@ -282,9 +390,25 @@ def _wgrad_tile(tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M,
 
 
 @triton.jit
-def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride_dym, stride_xm,
-                USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr):
+def _wgrad_load(
+    dy_desc,
+    x_desc,
+    dy_ptr,
+    x_ptr,
+    r0,
+    o0,
+    i0,
+    row_hi,
+    O,
+    I,
+    stride_dym,
+    stride_xm,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """One reduction step of wgrad operands: a = dy[r0:r0+BLOCK_M, o0:o0+BLOCK_O]^T (BLOCK_O, BLOCK_M),
     b = x[r0:r0+BLOCK_M, i0:i0+BLOCK_I] (BLOCK_M, BLOCK_I). Rows at or past row_hi must add nothing:
     the pointer path masks them, with TMA the descriptors' row extents make them zeros (see
@@ -299,11 +423,13 @@ def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride
         mask_m = offs_m < row_hi
         a = tl.load(
             dy_ptr + offs_m.to(tl.int64)[None, :] * stride_dym + offs_o[:, None],
-            mask=mask_m[None, :] & (offs_o[:, None] < O), other=0.0,
+            mask=mask_m[None, :] & (offs_o[:, None] < O),
+            other=0.0,
         )
         b = tl.load(
             x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_i[None, :],
-            mask=mask_m[:, None] & (offs_i[None, :] < I), other=0.0,
+            mask=mask_m[:, None] & (offs_i[None, :] < I),
+            other=0.0,
         )
     if UPCAST:
         a = a.to(tl.float32)
@@ -312,8 +438,21 @@ def _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, r0, o0, i0, row_hi, O, I, stride
 
 
 @triton.jit
-def _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
-                    EPI_TMA: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+def _wgrad_epilogue(
+    acc,
+    dw_ptr,
+    dw_desc,
+    g,
+    o0,
+    i0,
+    O,
+    I,
+    stride_dwg,
+    stride_dwo,
+    EPI_TMA: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
     """dw[g, o0:o0+BLOCK_O, i0:i0+BLOCK_I] = acc. EPI_TMA: asynchronous TMA stores through a
     (N, O, I) descriptor, whose bounds clip the O and I tails (wgrad tiles are short in the
     reduction, so overlapping their write-back with the next tile matters)."""
@@ -325,19 +464,34 @@ def _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dw
     else:
         offs_o = o0 + tl.arange(0, BLOCK_O)
         offs_i = i0 + tl.arange(0, BLOCK_I)
-        dw_ptrs = (dw_ptr + g.to(tl.int64) * stride_dwg
-                   + offs_o.to(tl.int64)[:, None] * stride_dwo + offs_i[None, :])
+        dw_ptrs = dw_ptr + g.to(tl.int64) * stride_dwg + offs_o.to(tl.int64)[:, None] * stride_dwo + offs_i[None, :]
         tl.store(dw_ptrs, acc.to(out_ty), mask=(offs_o[:, None] < O) & (offs_i[None, :] < I))
 
 
 @triton.jit
 def wgrad_kernel(
-    dy_ptr, x_ptr, dw_ptr, offs_ptr,
-    M, O, I, N,
-    stride_dym, stride_xm, stride_dwg, stride_dwo,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUP_O: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    dw_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dym,
+    stride_xm,
+    stride_dwg,
+    stride_dwo,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_O: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
     EPI_TMA: tl.constexpr,
 ):
     """dw[g] (O, I) = dy[rows of g]^T @ x[rows of g] for every group in one launch.
@@ -371,8 +525,8 @@ def wgrad_kernel(
     num_tiles = N * tiles_per_group
     if EPI_TMA:
         dw_desc = tl.make_tensor_descriptor(
-            dw_ptr, shape=[N, O, I], strides=[stride_dwg, stride_dwo, 1],
-            block_shape=[1, BLOCK_O, BLOCK_I // 2])
+            dw_ptr, shape=[N, O, I], strides=[stride_dwg, stride_dwo, 1], block_shape=[1, BLOCK_O, BLOCK_I // 2]
+        )
     else:
         dw_desc = None
     if FLATTEN:
@@ -383,8 +537,9 @@ def wgrad_kernel(
         # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
         first_v = offs_g * tiles_per_group
         # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
-        mine_v = ((first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
-                  - (first_v - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS)
+        mine_v = (first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
+            first_v - pid + NUM_PROGRAMS - 1
+        ) // NUM_PROGRAMS
         mine_v = tl.where(offs_g < N, mine_v, 0)
         total_steps = tl.sum(mine_v * steps_v, 0)
 
@@ -401,12 +556,13 @@ def wgrad_kernel(
             # Whole-tensor descriptors, built once: a group whose row count is a multiple of
             # BLOCK_M never reads past its end, so it needs no descriptor of its own.
             dy_full = tl.make_tensor_descriptor(
-                dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O])
+                dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
+            )
             # Rows past offs[N] (padding, may be NaN) read as zeros.
             rows_used = tl.max(tl.where(offs_g < N, hi_v, 0), 0)
             x_desc = tl.make_tensor_descriptor(
-                x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1],
-                block_shape=[BLOCK_M, BLOCK_I])
+                x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_I]
+            )
             dy_desc = dy_full
         else:
             dy_desc = None
@@ -416,7 +572,8 @@ def wgrad_kernel(
             if step == 0:
                 tile_id += NUM_PROGRAMS
                 g, o0, i0, row_lo, row_hi = _wgrad_tile(
-                    tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I)
+                    tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
+                )
                 tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
                 if USE_TMA:
                     if (row_hi - row_lo) % BLOCK_M == 0:
@@ -427,18 +584,39 @@ def wgrad_kernel(
                         # path to the tile's first loads: only ragged groups pay it, once per run
                         # of consecutive tiles of the group.
                         dy_desc = tl.make_tensor_descriptor(
-                            dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
-                            block_shape=[BLOCK_M, BLOCK_O])
+                            dy_ptr,
+                            shape=[tl.maximum(row_hi, 1), O],
+                            strides=[stride_dym, 1],
+                            block_shape=[BLOCK_M, BLOCK_O],
+                        )
                         desc_g = g
-            a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + step * BLOCK_M, o0, i0, row_hi, O, I,
-                               stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_O, BLOCK_I, BLOCK_M)
+            a, b = _wgrad_load(
+                dy_desc,
+                x_desc,
+                dy_ptr,
+                x_ptr,
+                row_lo + step * BLOCK_M,
+                o0,
+                i0,
+                row_hi,
+                O,
+                I,
+                stride_dym,
+                stride_xm,
+                USE_TMA,
+                UPCAST,
+                BLOCK_O,
+                BLOCK_I,
+                BLOCK_M,
+            )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             last = step == tile_steps - 1
             if last:
                 # An empty group's single step may have read rows of other groups: store zeros.
                 acc = tl.where(row_hi > row_lo, acc, 0.0)
-                _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo,
-                                EPI_TMA, BLOCK_O, BLOCK_I)
+                _wgrad_epilogue(
+                    acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I
+                )
                 acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
             # The step counter must not depend on the epilogue branch: the next tile's loads
             # (pipeline stage 0) would then wait for this tile's store (last stage).
@@ -446,30 +624,61 @@ def wgrad_kernel(
     else:
         for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS):
             g, o0, i0, row_lo, row_hi = _wgrad_tile(
-                tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I)
+                tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
+            )
             if USE_TMA:
                 dy_desc = tl.make_tensor_descriptor(
-                    dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1],
-                    block_shape=[BLOCK_M, BLOCK_O])
+                    dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
+                )
                 x_desc = tl.make_tensor_descriptor(
-                    x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1],
-                    block_shape=[BLOCK_M, BLOCK_I])
+                    x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_I]
+                )
             else:
                 dy_desc = None
                 x_desc = None
             acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
             for step in range(tl.cdiv(row_hi - row_lo, BLOCK_M)):
-                a, b = _wgrad_load(dy_desc, x_desc, dy_ptr, x_ptr, row_lo + step * BLOCK_M, o0, i0, row_hi, O, I,
-                                   stride_dym, stride_xm, USE_TMA, UPCAST, BLOCK_O, BLOCK_I, BLOCK_M)
+                a, b = _wgrad_load(
+                    dy_desc,
+                    x_desc,
+                    dy_ptr,
+                    x_ptr,
+                    row_lo + step * BLOCK_M,
+                    o0,
+                    i0,
+                    row_hi,
+                    O,
+                    I,
+                    stride_dym,
+                    stride_xm,
+                    USE_TMA,
+                    UPCAST,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_M,
+                )
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
 
 
 @triton.jit
 def group_row_sum_kernel(
-    src_ptr, scale_ptr, part_ptr, vec_ptr, dot_ptr, offs_ptr, M, COLS, N, stride_sm, stride_vec_g,
-    HAS_SCALE: tl.constexpr, ROW_DOT: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    src_ptr,
+    scale_ptr,
+    part_ptr,
+    vec_ptr,
+    dot_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    N,
+    stride_sm,
+    stride_vec_g,
+    HAS_SCALE: tl.constexpr,
+    ROW_DOT: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """part[s, g, c] = sum of src[r, c] (* scale[r]) over the s-th of SPLITS equal slices of group
     g's rows, in fp32. Grid (column tiles, N, SPLITS). With ROW_DOT also, for every row r of group g,
@@ -498,7 +707,8 @@ def group_row_sum_kernel(
         mask_m = offs_m < r_stop
         vals = tl.load(
             src_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_c[None, :],
-            mask=mask_m[:, None] & mask_c[None, :], other=0.0,
+            mask=mask_m[:, None] & mask_c[None, :],
+            other=0.0,
         ).to(tl.float32)
         if ROW_DOT:
             tl.store(dot_ptr + pid_c.to(tl.int64) * M + offs_m, tl.sum(vals * vec[None, :], 1), mask=mask_m)

@@ -178,7 +178,7 @@ def _zero_padding_rows(t: torch.Tensor, go: GroupOffsets) -> torch.Tensor:
     the last offset; on CUDA a kernel that reads it on the device (no host sync)."""
     if go.host is not None:
         if go.host[-1] < go.rows:
-            t[go.host[-1]:] = 0
+            t[go.host[-1] :] = 0
         return t
     if t.device.type == "cuda" and t.stride(-1) == 1 and _zero_rows_from(t, go.offs[-1:]):
         return t
@@ -202,8 +202,9 @@ def _zero_rows_from(t: torch.Tensor, end: torch.Tensor) -> bool:
     rows, cols = t.shape
     if rows:
         grid = (-(-rows // _ZERO_BLOCK_ROWS),)
-        zero_rows_from_kernel[grid](t, end, rows, cols, t.stride(0),
-                                    BLOCK_ROWS=_ZERO_BLOCK_ROWS, BLOCK_COLS=_ZERO_BLOCK_COLS)
+        zero_rows_from_kernel[grid](
+            t, end, rows, cols, t.stride(0), BLOCK_ROWS=_ZERO_BLOCK_ROWS, BLOCK_COLS=_ZERO_BLOCK_COLS
+        )
     return True
 
 
@@ -338,9 +339,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         # forward's inputs: backend, offs, host_offs, bias_scale, n_w, n_b, x, *params
         if ctx.needs_input_grad[6]:
             dx = library.grouped_linear_dgrad(backend, dy_MO, w_NOI, offs, host_offs)
-        if any(ctx.needs_input_grad[7:7 + n_w]):
+        if any(ctx.needs_input_grad[7 : 7 + n_w]):
             dw = library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
-        if n_b and any(ctx.needs_input_grad[7 + n_w:]):
+        if n_b and any(ctx.needs_input_grad[7 + n_w :]):
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and ctx.needs_input_grad[3]:
             acc_t = compute_dtype(dy_MO, bias_scale_M)
@@ -348,8 +349,9 @@ class _GroupedLinearFn(torch.autograd.Function):
             bias_MO = _bias_rows(bias_NO, go, acc_t)
             dscale = (dy_bias_MO.to(acc_t) * bias_MO).sum(-1).to(bias_scale_M.dtype)
         dws = (dw,) if weights[0].dim() == 3 else (tuple(dw.unbind(0)) if dw is not None else (None,) * n_w)
-        dbs = () if not n_b else ((db,) if ctx.grouped_b else
-                                  (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
+        dbs = (
+            () if not n_b else ((db,) if ctx.grouped_b else (tuple(db.unbind(0)) if db is not None else (None,) * n_b))
+        )
         return (None, None, None, dscale, None, None, dx, *dws, *dbs)
 
 
@@ -467,8 +469,9 @@ def grouped_linear(
         bias_scale = bias_scale.reshape(-1)
     x = _row_major(x)
     host_offs = list(go.host) if go.host is not None else None
-    return _GroupedLinearFn.apply(impl.name, go.offs, host_offs, bias_scale, len(weights), len(biases), x, *weights,
-                                  *biases)
+    return _GroupedLinearFn.apply(
+        impl.name, go.offs, host_offs, bias_scale, len(weights), len(biases), x, *weights, *biases
+    )
 
 
 def grouped_linear_reference(
@@ -486,15 +489,19 @@ def grouped_linear_reference(
     w_list = list(weights[0].unbind(0)) if len(weights) == 1 and weights[0].dim() == 3 else weights
     biases = [b.double() for b in _as_list(bias)]
     b_list = list(biases[0].unbind(0)) if len(biases) == 1 and biases[0].dim() == 2 else biases
-    go = resolve_splits(m_splits, len(w_list), x.shape[0], torch.device("cpu") if not isinstance(m_splits, torch.Tensor)
-                        else m_splits.device)
+    go = resolve_splits(
+        m_splits,
+        len(w_list),
+        x.shape[0],
+        torch.device("cpu") if not isinstance(m_splits, torch.Tensor) else m_splits.device,
+    )
     offs = go.host_offsets()
     x64 = x.double()
     rows = []
     for g, w in enumerate(w_list):
-        y = x64[offs[g]:offs[g + 1]] @ w.t()
+        y = x64[offs[g] : offs[g + 1]] @ w.t()
         if b_list:
-            s = 1.0 if bias_scale is None else bias_scale.reshape(-1)[offs[g]:offs[g + 1], None].double()
+            s = 1.0 if bias_scale is None else bias_scale.reshape(-1)[offs[g] : offs[g + 1], None].double()
             y = y + b_list[g] * s
         rows.append(y)
     rows.append(x64.new_zeros(x.shape[0] - offs[-1], w_list[0].shape[0]))

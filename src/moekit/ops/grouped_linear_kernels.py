@@ -13,8 +13,13 @@ import triton.language as tl
 
 @triton.jit
 def zero_rows_from_kernel(
-    t_ptr, end_ptr, rows, cols, stride_row,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    t_ptr,
+    end_ptr,
+    rows,
+    cols,
+    stride_row,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     pid_row = tl.program_id(0)
     end = tl.load(end_ptr)

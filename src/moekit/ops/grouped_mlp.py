@@ -101,8 +101,17 @@ def grouped_mlp(
     fc1_impl = select_backend(backend, x, _probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), _probe_weight(w2s))
     if fc1_impl.name == "triton" and fc2_impl.name == "triton":
-        return _fused_mlp(go, probs, glu_interleave_size, activation, _row_major(x), tuple(w1s), tuple(w2s),
-                          tuple(_as_list(fc1_bias)), tuple(_as_list(fc2_bias)))
+        return _fused_mlp(
+            go,
+            probs,
+            glu_interleave_size,
+            activation,
+            _row_major(x),
+            tuple(w1s),
+            tuple(w2s),
+            tuple(_as_list(fc1_bias)),
+            tuple(_as_list(fc2_bias)),
+        )
     h = grouped_linear(x, fc1_weight, go, fc1_bias, backend=backend)
     a = swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     scale = probs.reshape(-1) if probs is not None and fc2_bias is not None else None
@@ -190,8 +199,13 @@ def _glu_epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int
     """Whether the forward's h and act leave through TMA: boxes of a tile's BLOCK_C consecutive gate
     (or up) columns need BLOCK_C | k or k = F, at least 16 bytes per box row, and 16-byte aligned
     rows of h and act."""
-    return (cfg.epi_tma and use_tma and (glu_block == ffn or glu_block % cfg.block_cols == 0)
-            and cfg.block_cols * x.element_size() >= 16 and (ffn * x.element_size()) % 16 == 0)
+    return (
+        cfg.epi_tma
+        and use_tma
+        and (glu_block == ffn or glu_block % cfg.block_cols == 0)
+        and cfg.block_cols * x.element_size() >= 16
+        and (ffn * x.element_size()) % 16 == 0
+    )
 
 
 def _glu_weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
@@ -214,8 +228,9 @@ def _glu_use_tma(use_tma: bool, ffn: int, glu_block: int, *operands: torch.Tenso
     return ok and box_ok
 
 
-def _glu_pick(kind: str, key: tuple, cands: list[GemmConfig], launch, device: torch.device,
-              cfg: GemmConfig | None) -> GemmConfig:
+def _glu_pick(
+    kind: str, key: tuple, cands: list[GemmConfig], launch, device: torch.device, cfg: GemmConfig | None
+) -> GemmConfig:
     from moekit.ops import grouped_gemm as gg
 
     return cfg if cfg is not None else gg._pick((kind, *key), cands, launch, device)
@@ -235,8 +250,9 @@ def _glu_launchers():
 # the epilogue partition 16 columns at a time with 88 registers a thread (32 columns spill), the
 # load partition 24 registers, the mma partition the rest of the 128 per thread of 16 warps.
 # Measured on the H200 (notes/grouped_mlp.md, v8).
-WS_FORWARD = dict(BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, EPI_REGS=88,
-                  num_warps=8, maxnreg=128)
+WS_FORWARD = dict(
+    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, EPI_REGS=88, num_warps=8, maxnreg=128
+)
 
 
 @functools.cache
@@ -247,8 +263,9 @@ def _ws_forward_launcher():
     return Launcher(glu_forward_ws_kernel)
 
 
-def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int, use_tma: bool,
-                       cfg: GemmConfig | None) -> bool:
+def _glu_forward_ws_ok(
+    x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int, use_tma: bool, cfg: GemmConfig | None
+) -> bool:
     """Whether the forward runs the warp-specialised Hopper kernel: an sm_90 device, 16-bit operands
     through TMA, the library's own configuration (cfg None; a given cfg names a glu_forward_kernel
     configuration), the gate and up rows of a tile's columns in one run of 128 rows of w1 (k = F or
@@ -258,8 +275,15 @@ def _glu_forward_ws_ok(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, glu_block: int
     return _hopper_ws_ok(x_MH, w1_N2FH, w1_N2FH.shape[1] // 2, glu_block, use_tma, cfg, WS_FORWARD)
 
 
-def _hopper_ws_ok(rows: torch.Tensor, weight: torch.Tensor, ffn: int, glu_block: int, use_tma: bool,
-                  cfg: GemmConfig | None, config: dict) -> bool:
+def _hopper_ws_ok(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    ffn: int,
+    glu_block: int,
+    use_tma: bool,
+    cfg: GemmConfig | None,
+    config: dict,
+) -> bool:
     """What both Hopper kernels need (`config`: WS_FORWARD or WS_BACKWARD; rows: x or dy (M, H);
     weight: w1 (N, 2F, H) or w2 (N, H, F)): an sm_90 device, 16-bit row operands through TMA, no
     fixed cfg, k = F or BLOCK_C | k, the weight's experts one after the other with a unit last
@@ -268,10 +292,13 @@ def _hopper_ws_ok(rows: torch.Tensor, weight: torch.Tensor, ffn: int, glu_block:
         return False
     if torch.cuda.get_device_capability(rows.device) != (9, 0):
         return False
-    return (rows.dtype in (torch.bfloat16, torch.float16)
-            and (glu_block == ffn or glu_block % config["BLOCK_C"] == 0)
-            and weight.stride(2) == 1 and weight.stride(0) == weight.shape[1] * weight.stride(1)
-            and config["BLOCK_M"] * 2 * ffn < 2**31)
+    return (
+        rows.dtype in (torch.bfloat16, torch.float16)
+        and (glu_block == ffn or glu_block % config["BLOCK_C"] == 0)
+        and weight.stride(2) == 1
+        and weight.stride(0) == weight.shape[1] * weight.stride(1)
+        and config["BLOCK_M"] * 2 * ffn < 2**31
+    )
 
 
 def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str):
@@ -284,15 +311,46 @@ def _glu_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation:
     ffn = two_f // 2
     bound = (_cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * _cdiv(ffn, WS_FORWARD["BLOCK_C"])
     nprog = gg._grid_size(x_MH.device, bound)
-    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn,
-            bias_N2F.stride(0) if bias_N2F is not None else 0)
-    return LaunchPlan(_ws_forward_launcher(), (nprog,), ints, dict(
-        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
-        HAS_PROBS=probs_M is not None, BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, **WS_FORWARD))
+    ints = (
+        M,
+        ffn,
+        H,
+        N,
+        x_MH.stride(0),
+        w1_N2FH.stride(1),
+        two_f,
+        ffn,
+        bias_N2F.stride(0) if bias_N2F is not None else 0,
+    )
+    return LaunchPlan(
+        _ws_forward_launcher(),
+        (nprog,),
+        ints,
+        dict(
+            ACTIVATION=ACTIVATIONS.index(activation),
+            GLU_BLOCK=k,
+            HAS_BIAS=bias_N2F is not None,
+            HAS_PROBS=probs_M is not None,
+            BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            **WS_FORWARD,
+        ),
+    )
 
 
-def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, *,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True, cfg: GemmConfig | None = None):
+def glu_forward(
+    x_MH,
+    w1_N2FH,
+    offs,
+    bias_N2F,
+    probs_M,
+    glu_interleave_size,
+    activation,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma=True,
+    cfg: GemmConfig | None = None,
+):
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
 
     x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64;
@@ -314,28 +372,52 @@ def glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, act
     else:
         h, act = _checked_out(out, x_MH, ((M, 2 * ffn), (M, ffn)))
         out_keys = (tensor_key(h), tensor_key(act))
-    key = gg._plan_key("glu_fwd", tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F),
-                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg, out_keys)
-    plan = gg._planned(key, lambda: _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size,
-                                                       activation, use_tma, cfg, _aligned(h, act)))
+    key = gg._plan_key(
+        "glu_fwd",
+        tensor_key(x_MH),
+        tensor_key(w1_N2FH),
+        tensor_key(offs),
+        tensor_key(bias_N2F),
+        tensor_key(probs_M),
+        glu_interleave_size,
+        activation,
+        use_tma,
+        cfg,
+        out_keys,
+    )
+    plan = gg._planned(
+        key,
+        lambda: _plan_glu_forward(
+            x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg, _aligned(h, act)
+        ),
+    )
     if plan.launch is not None:
         with gg._device_ctx(x_MH.device):
-            plan.launch(x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h,
-                        probs_M if probs_M is not None else h, offs)
+            plan.launch(
+                x_MH,
+                w1_N2FH,
+                h,
+                act,
+                bias_N2F if bias_N2F is not None else h,
+                probs_M if probs_M is not None else h,
+                offs,
+            )
     return h, act
 
 
-def _checked_out(out: tuple[torch.Tensor, ...], like: torch.Tensor,
-                 shapes: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, ...]:
+def _checked_out(
+    out: tuple[torch.Tensor, ...], like: torch.Tensor, shapes: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, ...]:
     """The caller's output tensors of a fused kernel, which must be row-major (M, C) in `like`'s dtype
     and on its device with row stride C: the kernels take the row strides as the widths. Rows of a
     larger row-major buffer qualify (a row is addressed as row * stride from the tensor's start);
     whether their start is 16-byte aligned is part of the plan's key."""
     for t, shape in zip(out, shapes, strict=True):
-        if (tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device
-                or t.stride() != (shape[1], 1)):
-            raise ValueError(f"out: expected a row-major {shape} {like.dtype} tensor on {like.device} with row "
-                             f"stride {shape[1]}, got {tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}")
+        if tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device or t.stride() != (shape[1], 1):
+            raise ValueError(
+                f"out: expected a row-major {shape} {like.dtype} tensor on {like.device} with row "
+                f"stride {shape[1]}, got {tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}"
+            )
     return out
 
 
@@ -343,8 +425,9 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig,
-                        aligned_out: bool):
+def _glu_forward_launch(
+    x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: str, use_tma: bool, c: GemmConfig, aligned_out: bool
+):
     """The launch of the forward kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs).
     aligned_out: whether h and act start 16-byte aligned (TMA stores need it)."""
     from moekit.ops import grouped_gemm as gg
@@ -356,22 +439,49 @@ def _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k: int, activation: st
     bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
     nprog = gg._grid_size(x_MH.device, bound, c.programs_per_sm)
     box_blocks, box_rows = _glu_weight_box(k, ffn, c.block_cols)
-    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), two_f, ffn,
-            bias_N2F.stride(0) if bias_N2F is not None else 0)
-    return LaunchPlan(_glu_launchers()[0], (nprog,), ints, dict(
-        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_BIAS=bias_N2F is not None,
-        HAS_PROBS=probs_M is not None, USE_TMA=use_tma, UPCAST=gg._INTERPRET,
-        DOT_PRECISION=gg._dot_precision(x_MH.dtype),
-        BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
-        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten,
-        BOX_BLOCKS=box_blocks, BOX_ROWS=box_rows,
-        EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma and aligned_out), num_stages=c.stages,
-        num_warps=c.warps,
-    ))
+    ints = (
+        M,
+        ffn,
+        H,
+        N,
+        x_MH.stride(0),
+        w1_N2FH.stride(0),
+        w1_N2FH.stride(1),
+        two_f,
+        ffn,
+        bias_N2F.stride(0) if bias_N2F is not None else 0,
+    )
+    return LaunchPlan(
+        _glu_launchers()[0],
+        (nprog,),
+        ints,
+        dict(
+            ACTIVATION=ACTIVATIONS.index(activation),
+            GLU_BLOCK=k,
+            HAS_BIAS=bias_N2F is not None,
+            HAS_PROBS=probs_M is not None,
+            USE_TMA=use_tma,
+            UPCAST=gg._INTERPRET,
+            DOT_PRECISION=gg._dot_precision(x_MH.dtype),
+            BLOCK_M=c.block_rows,
+            BLOCK_C=c.block_cols,
+            BLOCK_RED=c.block_red,
+            GROUP_M=c.group_rows,
+            BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=c.flatten,
+            BOX_BLOCKS=box_blocks,
+            BOX_ROWS=box_rows,
+            EPI_TMA=_glu_epilogue_tma(c, x_MH, ffn, k, use_tma and aligned_out),
+            num_stages=c.stages,
+            num_warps=c.warps,
+        ),
+    )
 
 
-def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg,
-                      aligned_out: bool):
+def _plan_glu_forward(
+    x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg, aligned_out: bool
+):
     """The forward's launch for this problem as `_Plan` (launch None: nothing to compute), its
     config chosen once; aligned_out as `_glu_forward_launch`'s."""
     from moekit.ops import grouped_gemm as gg
@@ -390,20 +500,30 @@ def _plan_glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_siz
         h = gg._empty((M, two_f), x_MH.device, x_MH.dtype)
         act = gg._empty((M, ffn), x_MH.device, x_MH.dtype)
         _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, c, aligned_out)(
-            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h, probs_M if probs_M is not None else h,
-            offs)
+            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h, probs_M if probs_M is not None else h, offs
+        )
 
     with gg._device_ctx(x_MH.device):
-        key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None,
-               activation)
-        chosen = _glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), trial, x_MH.device,
-                           cfg)
-    return gg._Plan(ffn, False, _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen,
-                                                    aligned_out))
+        key = (x_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, bias_N2F is not None, probs_M is not None, activation)
+        chosen = _glu_pick("glu_fwd", key, _glu_candidates("fwd", x_MH.dtype, ffn, k, use_tma), trial, x_MH.device, cfg)
+    return gg._Plan(
+        ffn, False, _glu_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, k, activation, use_tma, chosen, aligned_out)
+    )
 
 
-def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True, cfg: GemmConfig | None = None):
+def glu_backward(
+    dy_MH,
+    w2_NHF,
+    h_M2F,
+    offs,
+    probs_M,
+    glu_interleave_size,
+    activation,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma=True,
+    cfg: GemmConfig | None = None,
+):
     """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), dprobs (M,) fp32 or None).
 
     dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h.
@@ -411,15 +531,26 @@ def glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activ
     (the activation part of d probs), summed over the F tiles in a fixed order. out: (dh, act_p) to
     write into, as glu_forward's. cfg as glu_forward's.
     """
-    dh, act, part = glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation,
-                                          out=out, use_tma=use_tma, cfg=cfg)
+    dh, act, part = glu_backward_partials(
+        dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, out=out, use_tma=use_tma, cfg=cfg
+    )
     # A fixed-shape sum over the F tiles: a fixed order, deterministic.
     return dh, act, (part.sum(0) if part is not None else None)
 
 
-def glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, *,
-                          out: tuple[torch.Tensor, torch.Tensor] | None = None, use_tma=True,
-                          cfg: GemmConfig | None = None):
+def glu_backward_partials(
+    dy_MH,
+    w2_NHF,
+    h_M2F,
+    offs,
+    probs_M,
+    glu_interleave_size,
+    activation,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma=True,
+    cfg: GemmConfig | None = None,
+):
     """`glu_backward` with dprobs left as the kernel's partials: (dh, act_p, (F tiles, M) fp32, (0, M)
     where no kernel runs, or None without probs). A caller that runs the rows in several launches
     concatenates their partials and sums them once: on the GPU a sum's association depends on its
@@ -436,17 +567,38 @@ def glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_si
     else:
         dh, act = _checked_out(out, dy_MH, ((M, 2 * ffn), (M, ffn)))
         out_keys = (tensor_key(dh), tensor_key(act))
-    key = gg._plan_key("glu_bwd", tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs),
-                       tensor_key(probs_M), glu_interleave_size, activation, use_tma, cfg, out_keys)
-    plan = gg._planned(key, lambda: _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
-                                                        activation, use_tma, cfg))
+    key = gg._plan_key(
+        "glu_bwd",
+        tensor_key(dy_MH),
+        tensor_key(w2_NHF),
+        tensor_key(h_M2F),
+        tensor_key(offs),
+        tensor_key(probs_M),
+        glu_interleave_size,
+        activation,
+        use_tma,
+        cfg,
+        out_keys,
+    )
+    plan = gg._planned(
+        key,
+        lambda: _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, use_tma, cfg),
+    )
     if plan.launch is None:
         return dh, act, (torch.zeros(0, M, device=dy_MH.device) if probs_M is not None else None)
     # One row of d probs partials per column tile.
     part = gg._empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
     with gg._device_ctx(dy_MH.device):
-        plan.launch(dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh,
-                    part if part is not None else dh, offs)
+        plan.launch(
+            dy_MH,
+            w2_NHF,
+            h_M2F,
+            dh,
+            act,
+            probs_M if probs_M is not None else dh,
+            part if part is not None else dh,
+            offs,
+        )
     return dh, act, part
 
 
@@ -461,21 +613,37 @@ def _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str,
     bound = (_cdiv(M, c.block_rows) + N + 1) * _cdiv(ffn, c.block_cols)
     nprog = gg._grid_size(dy_MH.device, bound, c.programs_per_sm)
     ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
-    return LaunchPlan(_glu_launchers()[1], (nprog,), ints, dict(
-        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
-        USE_TMA=use_tma, UPCAST=gg._INTERPRET, DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
-        BLOCK_M=c.block_rows, BLOCK_C=c.block_cols, BLOCK_RED=c.block_red, GROUP_M=c.group_rows,
-        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, FLATTEN=c.flatten, num_stages=c.stages,
-        num_warps=c.warps,
-    ))
+    return LaunchPlan(
+        _glu_launchers()[1],
+        (nprog,),
+        ints,
+        dict(
+            ACTIVATION=ACTIVATIONS.index(activation),
+            GLU_BLOCK=k,
+            HAS_PROBS=probs_M is not None,
+            USE_TMA=use_tma,
+            UPCAST=gg._INTERPRET,
+            DOT_PRECISION=gg._dot_precision(dy_MH.dtype),
+            BLOCK_M=c.block_rows,
+            BLOCK_C=c.block_cols,
+            BLOCK_RED=c.block_red,
+            GROUP_M=c.group_rows,
+            BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=c.flatten,
+            num_stages=c.stages,
+            num_warps=c.warps,
+        ),
+    )
 
 
 # The Hopper backward's one configuration (grouped_mlp_hopper_kernels.glu_backward_ws_kernel): a
 # 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile, the epilogue
 # 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main loop and
 # the epilogue 240 of the 168 per thread of 12 warps. Measured on the H200 (notes/grouped_mlp.md, v9).
-WS_BACKWARD = dict(BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, LOAD_REGS=24,
-                   num_warps=8, maxnreg=168)
+WS_BACKWARD = dict(
+    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, LOAD_REGS=24, num_warps=8, maxnreg=168
+)
 
 
 @functools.cache
@@ -486,14 +654,16 @@ def _ws_backward_launcher():
     return Launcher(glu_backward_ws_kernel)
 
 
-def _glu_backward_ws_ok(dy_MH: torch.Tensor, w2_NHF: torch.Tensor, glu_block: int, use_tma: bool,
-                        cfg: GemmConfig | None) -> bool:
+def _glu_backward_ws_ok(
+    dy_MH: torch.Tensor, w2_NHF: torch.Tensor, glu_block: int, use_tma: bool, cfg: GemmConfig | None
+) -> bool:
     """Whether the backward runs the warp-specialised Hopper kernel: as `_glu_forward_ws_ok`, with
     w2's experts one after the other and whole reduction steps per expert (its 2-D view (N * H, F),
     BLOCK_RED | H). Everything else runs glu_backward_kernel (the same dh and act_p bits)."""
     _, hidden, ffn = w2_NHF.shape
-    return (hidden % WS_BACKWARD["BLOCK_RED"] == 0
-            and _hopper_ws_ok(dy_MH, w2_NHF, ffn, glu_block, use_tma, cfg, WS_BACKWARD))
+    return hidden % WS_BACKWARD["BLOCK_RED"] == 0 and _hopper_ws_ok(
+        dy_MH, w2_NHF, ffn, glu_block, use_tma, cfg, WS_BACKWARD
+    )
 
 
 def _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: str):
@@ -506,9 +676,19 @@ def _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k: int, activation: s
     bound = (_cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * _cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
     nprog = gg._grid_size(dy_MH.device, bound)
     ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
-    return LaunchPlan(_ws_backward_launcher(), (nprog,), ints, dict(
-        ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=k, HAS_PROBS=probs_M is not None,
-        BLOCK_GROUPS=gg._block_groups(N + 2), NUM_PROGRAMS=nprog, **WS_BACKWARD))
+    return LaunchPlan(
+        _ws_backward_launcher(),
+        (nprog,),
+        ints,
+        dict(
+            ACTIVATION=ACTIVATIONS.index(activation),
+            GLU_BLOCK=k,
+            HAS_PROBS=probs_M is not None,
+            BLOCK_GROUPS=gg._block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            **WS_BACKWARD,
+        ),
+    )
 
 
 def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, use_tma, cfg):
@@ -522,8 +702,11 @@ def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
     k = ffn if glu_interleave_size is None else glu_interleave_size
     use_tma = _glu_use_tma(use_tma, ffn, k, dy_MH, w2_NHF)
     if _glu_backward_ws_ok(dy_MH, w2_NHF, k, use_tma, cfg):
-        return gg._Plan(_cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]), False,
-                        _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation))
+        return gg._Plan(
+            _cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]),
+            False,
+            _glu_backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation),
+        )
 
     def partial_rows(c: GemmConfig) -> int:
         return _cdiv(ffn, c.block_cols)
@@ -533,14 +716,17 @@ def _plan_glu_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size,
         act = gg._empty((M, ffn), dy_MH.device, dy_MH.dtype)
         part = gg._empty((partial_rows(c), M), dy_MH.device, torch.float32)
         _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation, use_tma, c)(
-            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh, part, offs)
+            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh, part, offs
+        )
 
     with gg._device_ctx(dy_MH.device):
         key = (dy_MH.dtype, ffn, H, N, k, gg._bucket(M), use_tma, probs_M is not None, activation)
-        chosen = _glu_pick("glu_bwd", key, _glu_candidates("bwd", dy_MH.dtype, ffn, k, use_tma), trial,
-                           dy_MH.device, cfg)
-    return gg._Plan(partial_rows(chosen), False,
-                    _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation, use_tma, chosen))
+        chosen = _glu_pick(
+            "glu_bwd", key, _glu_candidates("bwd", dy_MH.dtype, ffn, k, use_tma), trial, dy_MH.device, cfg
+        )
+    return gg._Plan(
+        partial_rows(chosen), False, _glu_backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, k, activation, use_tma, chosen)
+    )
 
 
 def _unstack(grad: torch.Tensor | None, params: tuple[torch.Tensor, ...], grouped_dim: int):
@@ -584,28 +770,49 @@ def _fused_mlp(go: GroupOffsets, probs_M, glu_interleave_size, activation, x_MH,
 
 def fc1_step(x_MH, offs, probs_M, glu_interleave_size, activation, w1s, b1s):
     """fc1 + bias + activation (* probs) in one kernel: (h (M, 2F), act (M, F)) in x's dtype."""
-    return library.glu_forward(x_MH, _grouped(w1s, 3, "fc1 weight"), offs, _grouped(b1s, 2, "fc1 bias"), probs_M,
-                               glu_interleave_size, activation)
+    return library.glu_forward(
+        x_MH,
+        _grouped(w1s, 3, "fc1 weight"),
+        offs,
+        _grouped(b1s, 2, "fc1 bias"),
+        probs_M,
+        glu_interleave_size,
+        activation,
+    )
 
 
 def fc2_step(act_MF, offs, probs_M, w2s, b2):
     """fc2 with the probs-scaled bias: y (M, H)."""
-    return library.grouped_gemm_forward(act_MF, _grouped(w2s, 3, "fc2 weight"), offs, b2,
-                                        probs_M if b2 is not None else None)
+    return library.grouped_gemm_forward(
+        act_MF, _grouped(w2s, 3, "fc2 weight"), offs, b2, probs_M if b2 is not None else None
+    )
 
 
-def fc2_backward_step(dy_MH, h_M2F, offs, probs_M, b2, w2s, glu_interleave_size, activation,
-                      need_probs: bool, need_w2: bool, need_b2: bool):
+def fc2_backward_step(
+    dy_MH,
+    h_M2F,
+    offs,
+    probs_M,
+    b2,
+    w2s,
+    glu_interleave_size,
+    activation,
+    need_probs: bool,
+    need_w2: bool,
+    need_b2: bool,
+):
     """fc2's backward and the activation's: (dh (M, 2F), d probs (M,) in probs' dtype or None,
     d fc2 weight (N, H, F) or None, d fc2 bias (N, H) or None). The caller drops h once this returns."""
     dy_MH = _row_major(dy_MH)
-    dh, act_p, dprobs = library.glu_backward(dy_MH, _grouped(w2s, 3, "fc2 weight"), h_M2F, offs, probs_M,
-                                             glu_interleave_size, activation)
+    dh, act_p, dprobs = library.glu_backward(
+        dy_MH, _grouped(w2s, 3, "fc2 weight"), h_M2F, offs, probs_M, glu_interleave_size, activation
+    )
     return (dh, *fc2_params_backward_step(dy_MH, act_p, dprobs, offs, probs_M, b2, need_probs, need_w2, need_b2))
 
 
-def fc2_params_backward_step(dy_MH, act_p_MF, dprobs_M, offs, probs_M, b2, need_probs: bool, need_w2: bool,
-                             need_b2: bool):
+def fc2_params_backward_step(
+    dy_MH, act_p_MF, dprobs_M, offs, probs_M, b2, need_probs: bool, need_w2: bool, need_b2: bool
+):
     """What follows glu_backward in fc2's backward, from its act_p (M, F) and dprobs (M,) fp32 or None:
     (d probs (M,) in probs' dtype or None, d fc2 weight (N, H, F) or None, d fc2 bias (N, H) or None)."""
     dw2 = library.grouped_gemm_wgrad(dy_MH, act_p_MF, offs) if need_w2 else None
@@ -660,8 +867,9 @@ class _FusedFc1Fn(torch.autograd.Function):
         w1s = tuple(w1s)
         n_w1 = ctx.n_w1
         need = ctx.needs_input_grad  # forward's inputs: offs, probs, glu, activation, n_w1, x, *params
-        dx, dw1, db1 = fc1_backward_step(dh_M2F, lambda: x_MH, offs, w1s, need[5], any(need[6:6 + n_w1]),
-                                         any(need[6 + n_w1:]))
+        dx, dw1, db1 = fc1_backward_step(
+            dh_M2F, lambda: x_MH, offs, w1s, need[5], any(need[6 : 6 + n_w1]), any(need[6 + n_w1 :])
+        )
         return (None, None, None, None, None, dx, *_unstack(dw1, w1s, 3), *_unstack_bias(db1, ctx.b1_dims))
 
 
@@ -686,6 +894,17 @@ class _FusedFc2Fn(torch.autograd.Function):
         w2s = tuple(w2s)
         n_w2 = ctx.n_w2
         need = ctx.needs_input_grad  # forward's inputs: offs, glu, activation, n_w2, h, act, probs, *params
-        dh, d_probs, dw2, db2 = fc2_backward_step(dy_MH, h, offs, probs_M, b2, w2s, ctx.glu, ctx.activation,
-                                                  need[6], any(need[7:7 + n_w2]), any(need[7 + n_w2:]))
+        dh, d_probs, dw2, db2 = fc2_backward_step(
+            dy_MH,
+            h,
+            offs,
+            probs_M,
+            b2,
+            w2s,
+            ctx.glu,
+            ctx.activation,
+            need[6],
+            any(need[7 : 7 + n_w2]),
+            any(need[7 + n_w2 :]),
+        )
         return (None, None, None, None, dh, None, d_probs, *_unstack(dw2, w2s, 3), *_unstack_bias(db2, ctx.b2_dims))

@@ -86,14 +86,29 @@ def _tile_schedule(offs_ptr, M, N, F, BLOCK_M: gl.constexpr, BLOCK_C: gl.constex
 
 
 @gluon.jit
-def _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
-          GROUP_M: gl.constexpr):
+def _tile(
+    tile_id,
+    num_pid_c,
+    row_start,
+    row_end,
+    tile_end,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
     """(group, its row range, the tile's first row and first activation column) of a flat tile id,
     in the order of grouped_gemm_kernels.locate_tile and swizzle."""
     done = tile_end <= tile_id
     g, first_tile, row_lo, row_hi = gl.reduce(
-        (done.to(gl.int32), gl.where(done, tile_end, 0), gl.where(done, 2147483647, row_start),
-         gl.where(done, 2147483647, row_end)), 0, _min_tuple)
+        (
+            done.to(gl.int32),
+            gl.where(done, tile_end, 0),
+            gl.where(done, 2147483647, row_start),
+            gl.where(done, 2147483647, row_end),
+        ),
+        0,
+        _min_tuple,
+    )
     t = tile_id - first_tile
     num_pid_m = gl.cdiv(row_hi - row_lo, BLOCK_M)
     num_in_band = GROUP_M * num_pid_c
@@ -107,26 +122,64 @@ def _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M: gl.constexp
 # The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
 # of worker partitions; each uses its own part of them.
 @gluon.jit
-def _load_partition(x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr, M, F, H, N,
-                    stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
-                    a_bufs, bg_bufs, bu_bufs, ready, empty, hg_smem, hu_smem, epi_ready, epi_free,
-                    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    HAS_PROBS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
-                    BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr,
-                    NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+def _load_partition(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    act_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_xm,
+    stride_wr,
+    stride_hm,
+    stride_actm,
+    stride_bias_g,
+    a_bufs,
+    bg_bufs,
+    bu_bufs,
+    ready,
+    empty,
+    hg_smem,
+    hu_smem,
+    epi_ready,
+    epi_free,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_COLS: gl.constexpr,
+):
     """x's rows and the tile's gate and up weight rows, BLOCK_RED columns a slot, into the ring."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
-    x_desc = tma.make_tensor_descriptor(x_ptr, shape=[M, H], strides=[stride_xm, 1],
-                                        block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, shape=[N * 2 * F, H], strides=[stride_wr, 1],
-                                        block_shape=[BLOCK_C, BLOCK_RED], layout=bg_bufs.type.layout)
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
+    x_desc = tma.make_tensor_descriptor(
+        x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+    )
+    w_desc = tma.make_tensor_descriptor(
+        w_ptr,
+        shape=[N * 2 * F, H],
+        strides=[stride_wr, 1],
+        block_shape=[BLOCK_C, BLOCK_RED],
+        layout=bg_bufs.type.layout,
+    )
     nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * x_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
         # Padding tiles point past the last row (TMA reads zeros there).
         x_row0 = gl.where(g < N, row0, M)
         gate_row = g * 2 * F + c0 + (c0 // GLU_BLOCK) * GLU_BLOCK
@@ -137,31 +190,65 @@ def _load_partition(x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr,
             red0 = step * BLOCK_RED
             tma.async_copy_global_to_shared(x_desc, [x_row0, red0], ready.index(slot), a_bufs.index(slot))
             tma.async_copy_global_to_shared(w_desc, [gate_row, red0], ready.index(slot), bg_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [gate_row + GLU_BLOCK, red0], ready.index(slot),
-                                            bu_bufs.index(slot))
+            tma.async_copy_global_to_shared(
+                w_desc, [gate_row + GLU_BLOCK, red0], ready.index(slot), bu_bufs.index(slot)
+            )
             it += 1
 
 
 @gluon.jit
-def _epilogue_partition(x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr, M, F, H, N,
-                        stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
-                        a_bufs, bg_bufs, bu_bufs, ready, empty, hg_smem, hu_smem, epi_ready, epi_free,
-                        ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        HAS_PROBS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
-                        BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr,
-                        NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+def _epilogue_partition(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    act_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_xm,
+    stride_wr,
+    stride_hm,
+    stride_actm,
+    stride_bias_g,
+    a_bufs,
+    bg_bufs,
+    bu_bufs,
+    ready,
+    empty,
+    hg_smem,
+    hu_smem,
+    epi_ready,
+    epi_free,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_COLS: gl.constexpr,
+):
     """h and the activation of each tile from the rounded h the mma partition left in shared memory,
     EPI_COLS columns at a time, by 16-byte pointer stores."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
     VEC: gl.constexpr = 8
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
-                                            [gl.num_warps(), 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC], [gl.num_warps(), 1], [1, 0]
+    )
     out_ty = h_ptr.dtype.element_ty
     count = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
         # 64-bit tile bases and 32-bit offsets inside the tile: 64-bit pointers per element cost
         # the registers this partition does not have.
         offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -200,24 +287,47 @@ def _epilogue_partition(x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_
 
 
 @gluon.jit
-def _mma_partition(offs_ptr, bias_ptr, M, F, H, N, stride_bias_g,
-                   a_bufs, bg_bufs, bu_bufs, ready, empty, hg_smem, hu_smem, epi_ready, epi_free,
-                   GLU_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
-                   BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+def _mma_partition(
+    offs_ptr,
+    bias_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_bias_g,
+    a_bufs,
+    bg_bufs,
+    bu_bufs,
+    ready,
+    empty,
+    hg_smem,
+    hu_smem,
+    epi_ready,
+    epi_free,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """The two accumulators of each tile over the ring; h (rounded, bias added, zeros on padding
     tiles) handed to the epilogue partition through hg_smem / hu_smem."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]
+    )
     out_ty = hg_smem.dtype
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     count = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
         acc_g = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         acc_u = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         for step in range(red_steps):
@@ -257,12 +367,34 @@ def _mma_partition(offs_ptr, bias_ptr, M, F, H, N, stride_bias_g,
 
 @gluon.jit
 def glu_forward_ws_kernel(
-    x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr,
-    M, F, H, N,
-    stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
-    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PROBS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    act_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_xm,
+    stride_wr,
+    stride_hm,
+    stride_actm,
+    stride_bias_g,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_COLS: gl.constexpr,
     EPI_REGS: gl.constexpr,
 ):
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
@@ -290,21 +422,126 @@ def glu_forward_ws_kernel(
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
 
-    gl.warp_specialize([
-        (_mma_partition, (offs_ptr, bias_ptr, M, F, H, N, stride_bias_g, a_bufs, bg_bufs, bu_bufs, ready,
-                          empty, hg_smem, hu_smem, epi_ready, epi_free, GLU_BLOCK, HAS_BIAS, BLOCK_M,
-                          BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
-        (_epilogue_partition, (x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr, M, F, H, N,
-                   stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
-                   a_bufs, bg_bufs, bu_bufs, ready, empty, hg_smem, hu_smem, epi_ready, epi_free,
-                   ACTIVATION, GLU_BLOCK, HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
-                   BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
-        (_load_partition, (x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr, M, F, H, N,
-                   stride_xm, stride_wr, stride_hm, stride_actm, stride_bias_g,
-                   a_bufs, bg_bufs, bu_bufs, ready, empty, hg_smem, hu_smem, epi_ready, epi_free,
-                   ACTIVATION, GLU_BLOCK, HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
-                   BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
-    ], [4, 1], [EPI_REGS, 24])
+    gl.warp_specialize(
+        [
+            (
+                _mma_partition,
+                (
+                    offs_ptr,
+                    bias_ptr,
+                    M,
+                    F,
+                    H,
+                    N,
+                    stride_bias_g,
+                    a_bufs,
+                    bg_bufs,
+                    bu_bufs,
+                    ready,
+                    empty,
+                    hg_smem,
+                    hu_smem,
+                    epi_ready,
+                    epi_free,
+                    GLU_BLOCK,
+                    HAS_BIAS,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _epilogue_partition,
+                (
+                    x_ptr,
+                    w_ptr,
+                    h_ptr,
+                    act_ptr,
+                    bias_ptr,
+                    probs_ptr,
+                    offs_ptr,
+                    M,
+                    F,
+                    H,
+                    N,
+                    stride_xm,
+                    stride_wr,
+                    stride_hm,
+                    stride_actm,
+                    stride_bias_g,
+                    a_bufs,
+                    bg_bufs,
+                    bu_bufs,
+                    ready,
+                    empty,
+                    hg_smem,
+                    hu_smem,
+                    epi_ready,
+                    epi_free,
+                    ACTIVATION,
+                    GLU_BLOCK,
+                    HAS_BIAS,
+                    HAS_PROBS,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    EPI_COLS,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    x_ptr,
+                    w_ptr,
+                    h_ptr,
+                    act_ptr,
+                    bias_ptr,
+                    probs_ptr,
+                    offs_ptr,
+                    M,
+                    F,
+                    H,
+                    N,
+                    stride_xm,
+                    stride_wr,
+                    stride_hm,
+                    stride_actm,
+                    stride_bias_g,
+                    a_bufs,
+                    bg_bufs,
+                    bu_bufs,
+                    ready,
+                    empty,
+                    hg_smem,
+                    hu_smem,
+                    epi_ready,
+                    epi_free,
+                    ACTIVATION,
+                    GLU_BLOCK,
+                    HAS_BIAS,
+                    HAS_PROBS,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    EPI_COLS,
+                ),
+            ),
+        ],
+        [4, 1],
+        [EPI_REGS, 24],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,26 +550,48 @@ def glu_forward_ws_kernel(
 
 
 @gluon.jit
-def _bwd_load_partition(dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr,
-                        a_bufs, b0_bufs, b1_bufs, ready, empty,
-                        BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
-                        GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                        STAGES: gl.constexpr):
+def _bwd_load_partition(
+    dy_ptr,
+    w_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_dym,
+    stride_wr,
+    a_bufs,
+    b0_bufs,
+    b1_bufs,
+    ready,
+    empty,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """dy's rows and the two (BLOCK_RED, BLOCK_C) boxes of w2[g] of each tile, one reduction step a
     slot, into the ring; it runs ahead across tiles, so the next tile's first slots fill while the
     other partition runs this tile's epilogue."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
-    dy_desc = tma.make_tensor_descriptor(dy_ptr, shape=[M, H], strides=[stride_dym, 1],
-                                         block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, shape=[N * H, F], strides=[stride_wr, 1],
-                                        block_shape=[BLOCK_RED, BLOCK_C], layout=b0_bufs.type.layout)
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS
+    )
+    dy_desc = tma.make_tensor_descriptor(
+        dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+    )
+    w_desc = tma.make_tensor_descriptor(
+        w_ptr, shape=[N * H, F], strides=[stride_wr, 1], block_shape=[BLOCK_RED, BLOCK_C], layout=b0_bufs.type.layout
+    )
     nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * dy_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0 = _tile(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, 2 * BLOCK_C, GROUP_M
+        )
         # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
         dy_row0 = gl.where(g < N, row0, M)
         for step in range(red_steps):
@@ -343,14 +602,26 @@ def _bwd_load_partition(dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_
             tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
             tma.async_copy_global_to_shared(w_desc, [g * H + red0, c0], ready.index(slot), b0_bufs.index(slot))
             # Past F (the last tile's second half) the box reads zeros, and nothing of it is stored.
-            tma.async_copy_global_to_shared(w_desc, [g * H + red0, c0 + BLOCK_C], ready.index(slot),
-                                            b1_bufs.index(slot))
+            tma.async_copy_global_to_shared(
+                w_desc, [g * H + red0, c0 + BLOCK_C], ready.index(slot), b1_bufs.index(slot)
+            )
             it += 1
 
 
 @gluon.jit
-def _bwd_load_h(h_ptr, row0, offs_r, mask_rows, c, shift, F, stride_hm, GLU_BLOCK: gl.constexpr,
-                EPI_COLS: gl.constexpr, layout: gl.constexpr):
+def _bwd_load_h(
+    h_ptr,
+    row0,
+    offs_r,
+    mask_rows,
+    c,
+    shift,
+    F,
+    stride_hm,
+    GLU_BLOCK: gl.constexpr,
+    EPI_COLS: gl.constexpr,
+    layout: gl.constexpr,
+):
     """(gate, up) of h for activation columns c:c+EPI_COLS of the tile's rows, in h's dtype; zeros
     where mask_rows is false and past F. The gate column of activation column j is j + shift."""
     offs_c = c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
@@ -361,9 +632,27 @@ def _bwd_load_h(h_ptr, row0, offs_r, mask_rows, c, shift, F, stride_hm, GLU_BLOC
 
 
 @gluon.jit
-def _bwd_chunk(d_act, hg, hu, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c, shift, F, stride_dhm, stride_actm,
-               ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-               EPI_COLS: gl.constexpr, layout: gl.constexpr):
+def _bwd_chunk(
+    d_act,
+    hg,
+    hu,
+    p,
+    dh_ptr,
+    act_ptr,
+    row0,
+    offs_r,
+    mask_m,
+    c,
+    shift,
+    F,
+    stride_dhm,
+    stride_actm,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    EPI_COLS: gl.constexpr,
+    layout: gl.constexpr,
+):
     """The activation's backward of EPI_COLS columns with the operations of glu_backward_kernel, in
     its order: dh and act_p stored; returns the rows' sum_j act * dA (zeros without probs)."""
     offs_c = c + gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
@@ -403,29 +692,59 @@ def _bwd_chunk(d_act, hg, hu, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c, shift
 
 
 @gluon.jit
-def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
-                       stride_hm, stride_dhm, stride_actm, a_bufs, b0_bufs, b1_bufs, ready, empty, da_smem,
-                       ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr,
-                       GROUP_M: gl.constexpr, BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                       STAGES: gl.constexpr, EPI_COLS: gl.constexpr):
+def _bwd_mma_partition(
+    h_ptr,
+    dh_ptr,
+    act_ptr,
+    probs_ptr,
+    dprobs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_hm,
+    stride_dhm,
+    stride_actm,
+    a_bufs,
+    b0_bufs,
+    b1_bufs,
+    ready,
+    empty,
+    da_smem,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_COLS: gl.constexpr,
+):
     """dA of each tile in two fp32 accumulators of BLOCK_C columns over the ring, then the epilogue:
     each accumulator goes through da_smem and is read back EPI_COLS columns at a time in a
     coalesced layout; h's first two chunks are loaded before the main loop and the others two
     chunks ahead of the math."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS
+    )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16])
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]
+    )
     VEC: gl.constexpr = 8
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC],
-                                            [gl.num_warps(), 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, VEC], [32 * VEC // EPI_COLS, EPI_COLS // VEC], [gl.num_warps(), 1], [1, 0]
+    )
     CHUNKS: gl.constexpr = BLOCK_C // EPI_COLS
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end,
-                                            BLOCK_M, 2 * BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0 = _tile(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, 2 * BLOCK_C, GROUP_M
+        )
         real = g < N
         offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         offs_m = row0 + offs_r
@@ -439,10 +758,10 @@ def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, 
             p = gl.load(probs_ptr + offs_m, mask=mask_h, other=0.0).to(gl.float32)
         else:
             p = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
-        hg0, hu0 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS,
-                               layout)
-        hg1, hu1 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK,
-                               EPI_COLS, layout)
+        hg0, hu0 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c0, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS, layout)
+        hg1, hu1 = _bwd_load_h(
+            h_ptr, row0, offs_r, mask_h, c0 + EPI_COLS, shift0, F, stride_hm, GLU_BLOCK, EPI_COLS, layout
+        )
         acc0 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         acc1 = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         for step in range(red_steps):
@@ -472,13 +791,41 @@ def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, 
                 gl.thread_barrier()
             c = c0 + k * EPI_COLS
             if k + 2 < 2 * CHUNKS:
-                hg2, hu2 = _bwd_load_h(h_ptr, row0, offs_r, mask_h, c + 2 * EPI_COLS,
-                                       shift0 if k + 2 < CHUNKS else shift1, F, stride_hm, GLU_BLOCK, EPI_COLS,
-                                       layout)
+                hg2, hu2 = _bwd_load_h(
+                    h_ptr,
+                    row0,
+                    offs_r,
+                    mask_h,
+                    c + 2 * EPI_COLS,
+                    shift0 if k + 2 < CHUNKS else shift1,
+                    F,
+                    stride_hm,
+                    GLU_BLOCK,
+                    EPI_COLS,
+                    layout,
+                )
             d_act = da_smem.slice((k % CHUNKS) * EPI_COLS, EPI_COLS, dim=1).load(layout)
-            d_probs += _bwd_chunk(d_act, hg0, hu0, p, dh_ptr, act_ptr, row0, offs_r, mask_m, c,
-                                  shift0 if k < CHUNKS else shift1, F, stride_dhm, stride_actm, ACTIVATION,
-                                  GLU_BLOCK, HAS_PROBS, EPI_COLS, layout)
+            d_probs += _bwd_chunk(
+                d_act,
+                hg0,
+                hu0,
+                p,
+                dh_ptr,
+                act_ptr,
+                row0,
+                offs_r,
+                mask_m,
+                c,
+                shift0 if k < CHUNKS else shift1,
+                F,
+                stride_dhm,
+                stride_actm,
+                ACTIVATION,
+                GLU_BLOCK,
+                HAS_PROBS,
+                EPI_COLS,
+                layout,
+            )
             if k + 1 < 2 * CHUNKS:
                 hg0 = hg1
                 hu0 = hu1
@@ -494,12 +841,34 @@ def _bwd_mma_partition(h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, 
 
 @gluon.jit
 def glu_backward_ws_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
-    M, F, H, N,
-    stride_dym, stride_wr, stride_hm, stride_dhm, stride_actm,
-    ACTIVATION: gl.constexpr, GLU_BLOCK: gl.constexpr, HAS_PROBS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_RED: gl.constexpr, GROUP_M: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr, EPI_COLS: gl.constexpr,
+    dy_ptr,
+    w_ptr,
+    h_ptr,
+    dh_ptr,
+    act_ptr,
+    probs_ptr,
+    dprobs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_dym,
+    stride_wr,
+    stride_hm,
+    stride_dhm,
+    stride_actm,
+    ACTIVATION: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPI_COLS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward, as glu_backward_kernel: dh (M, 2F)
@@ -522,13 +891,70 @@ def glu_backward_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_bwd_mma_partition, (h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr, M, F, H, N,
-                              stride_hm, stride_dhm, stride_actm, a_bufs, b0_bufs, b1_bufs, ready, empty, da_smem,
-                              ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M,
-                              BLOCK_GROUPS, NUM_PROGRAMS, STAGES, EPI_COLS)),
-        (_bwd_load_partition, (dy_ptr, w_ptr, offs_ptr, M, F, H, N, stride_dym, stride_wr,
-                               a_bufs, b0_bufs, b1_bufs, ready, empty,
-                               BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
-    ], [1], [LOAD_REGS])
-
+    gl.warp_specialize(
+        [
+            (
+                _bwd_mma_partition,
+                (
+                    h_ptr,
+                    dh_ptr,
+                    act_ptr,
+                    probs_ptr,
+                    dprobs_ptr,
+                    offs_ptr,
+                    M,
+                    F,
+                    H,
+                    N,
+                    stride_hm,
+                    stride_dhm,
+                    stride_actm,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    ready,
+                    empty,
+                    da_smem,
+                    ACTIVATION,
+                    GLU_BLOCK,
+                    HAS_PROBS,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    EPI_COLS,
+                ),
+            ),
+            (
+                _bwd_load_partition,
+                (
+                    dy_ptr,
+                    w_ptr,
+                    offs_ptr,
+                    M,
+                    F,
+                    H,
+                    N,
+                    stride_dym,
+                    stride_wr,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    ready,
+                    empty,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [1],
+        [LOAD_REGS],
+    )

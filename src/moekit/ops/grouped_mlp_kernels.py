@@ -61,14 +61,33 @@ def _glu_desc(ptr, rows, F, stride_m, GLU_BLOCK: tl.constexpr, BLOCK_M: tl.const
     consecutive gate (index 0) or up (index 1) columns of one GLU block, clipped at the block's end
     (k = F: at F) and at `rows`. Needs BLOCK_C | k or k = F."""
     return tl.make_tensor_descriptor(
-        ptr, shape=[rows, F // GLU_BLOCK, 2, GLU_BLOCK], strides=[stride_m, 2 * GLU_BLOCK, GLU_BLOCK, 1],
-        block_shape=[BLOCK_M, 1, 1, BLOCK_C])
+        ptr,
+        shape=[rows, F // GLU_BLOCK, 2, GLU_BLOCK],
+        strides=[stride_m, 2 * GLU_BLOCK, GLU_BLOCK, 1],
+        block_shape=[BLOCK_M, 1, 1, BLOCK_C],
+    )
 
 
 @triton.jit
-def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, UP: tl.constexpr,
-                USE_TMA: tl.constexpr, UPCAST: tl.constexpr, GLU_BLOCK: tl.constexpr,
-                BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr):
+def _load_glu_w(
+    w_desc,
+    w_ptr,
+    g,
+    N,
+    red0,
+    c0,
+    gate_c,
+    mask_c,
+    H,
+    stride_wg,
+    stride_wr,
+    UP: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    GLU_BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+):
     """(BLOCK_RED, BLOCK_C) of w1[g]^T: the gate rows (UP = 0) or up rows (UP = 1) of the tile's
     columns, reduction columns red0:red0+BLOCK_RED."""
     if USE_TMA:
@@ -79,7 +98,8 @@ def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, str
         rows = gate_c + UP * GLU_BLOCK
         b = tl.load(
             w_ptr + g.to(tl.int64) * stride_wg + rows.to(tl.int64)[None, :] * stride_wr + offs_red[:, None],
-            mask=(offs_red[:, None] < H) & mask_c[None, :] & (g < N), other=0.0,
+            mask=(offs_red[:, None] < H) & mask_c[None, :] & (g < N),
+            other=0.0,
         )
     if UPCAST:
         b = b.to(tl.float32)
@@ -87,28 +107,72 @@ def _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, str
 
 
 @triton.jit
-def _store_act(act, act_ptr, row0, row_hi, c0, offs_m, offs_c, mask_m, mask_c, F, stride_actm,
-               EPI_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _store_act(
+    act,
+    act_ptr,
+    row0,
+    row_hi,
+    c0,
+    offs_m,
+    offs_c,
+    mask_m,
+    mask_c,
+    F,
+    stride_actm,
+    EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """act (BLOCK_M, BLOCK_C) -> act_out[row0:, c0:], rows below row_hi and columns below F only."""
     if EPI_TMA:
         act_desc = tl.make_tensor_descriptor(
-            act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, BLOCK_C])
+            act_ptr, shape=[row_hi, F], strides=[stride_actm, 1], block_shape=[BLOCK_M, BLOCK_C]
+        )
         act_desc.store([row0, c0], act)
     else:
-        tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :], act,
-                 mask=mask_m[:, None] & mask_c[None, :])
+        tl.store(
+            act_ptr + offs_m.to(tl.int64)[:, None] * stride_actm + offs_c[None, :],
+            act,
+            mask=mask_m[:, None] & mask_c[None, :],
+        )
 
 
 @triton.jit
 def glu_forward_kernel(
-    x_ptr, w_ptr, h_ptr, act_ptr, bias_ptr, probs_ptr, offs_ptr,
-    M, F, H, N,
-    stride_xm, stride_wg, stride_wr, stride_hm, stride_actm, stride_bias_g,
-    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    BOX_BLOCKS: tl.constexpr, BOX_ROWS: tl.constexpr, EPI_TMA: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    act_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_xm,
+    stride_wg,
+    stride_wr,
+    stride_hm,
+    stride_actm,
+    stride_bias_g,
+    ACTIVATION: tl.constexpr,
+    GLU_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    BOX_BLOCKS: tl.constexpr,
+    BOX_ROWS: tl.constexpr,
+    EPI_TMA: tl.constexpr,
 ):
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
 
@@ -123,15 +187,19 @@ def glu_forward_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
         x_desc = tl.make_tensor_descriptor(
-            x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED])
+            x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED]
+        )
         w_desc = tl.make_tensor_descriptor(
-            w_ptr, shape=[N, F // GLU_BLOCK, 2, GLU_BLOCK, H],
+            w_ptr,
+            shape=[N, F // GLU_BLOCK, 2, GLU_BLOCK, H],
             strides=[stride_wg, 2 * GLU_BLOCK * stride_wr, GLU_BLOCK * stride_wr, stride_wr, 1],
-            block_shape=[1, BOX_BLOCKS, 1, BOX_ROWS, BLOCK_RED])
+            block_shape=[1, BOX_BLOCKS, 1, BOX_ROWS, BLOCK_RED],
+        )
     else:
         x_desc = None
         w_desc = None
@@ -147,12 +215,45 @@ def glu_forward_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
         for step in range(red_steps):
             red0 = step * BLOCK_RED
-            a = load_a(x_desc, x_ptr, red0, x_row0, row_lo, row_hi, H, stride_xm, USE_TMA, UPCAST,
-                       BLOCK_M, BLOCK_RED)
-            b_g = _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, 0,
-                              USE_TMA, UPCAST, GLU_BLOCK, BLOCK_C, BLOCK_RED)
-            b_u = _load_glu_w(w_desc, w_ptr, g, N, red0, c0, gate_c, mask_c, H, stride_wg, stride_wr, 1,
-                              USE_TMA, UPCAST, GLU_BLOCK, BLOCK_C, BLOCK_RED)
+            a = load_a(x_desc, x_ptr, red0, x_row0, row_lo, row_hi, H, stride_xm, USE_TMA, UPCAST, BLOCK_M, BLOCK_RED)
+            b_g = _load_glu_w(
+                w_desc,
+                w_ptr,
+                g,
+                N,
+                red0,
+                c0,
+                gate_c,
+                mask_c,
+                H,
+                stride_wg,
+                stride_wr,
+                0,
+                USE_TMA,
+                UPCAST,
+                GLU_BLOCK,
+                BLOCK_C,
+                BLOCK_RED,
+            )
+            b_u = _load_glu_w(
+                w_desc,
+                w_ptr,
+                g,
+                N,
+                red0,
+                c0,
+                gate_c,
+                mask_c,
+                H,
+                stride_wg,
+                stride_wr,
+                1,
+                USE_TMA,
+                UPCAST,
+                GLU_BLOCK,
+                BLOCK_C,
+                BLOCK_RED,
+            )
             acc_g = tl.dot(a, b_g, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, b_u, acc_u, input_precision=DOT_PRECISION)
 
@@ -184,19 +285,57 @@ def glu_forward_kernel(
         act = _act(h_g.to(tl.float32), h_u.to(tl.float32), ACTIVATION)
         if HAS_PROBS:
             act = act * p[:, None]
-        _store_act(act.to(out_ty), act_ptr, row0, row_hi, c0, offs_m, offs_c, mask_m, mask_c, F, stride_actm,
-                   EPI_TMA, BLOCK_M, BLOCK_C)
+        _store_act(
+            act.to(out_ty),
+            act_ptr,
+            row0,
+            row_hi,
+            c0,
+            offs_m,
+            offs_c,
+            mask_m,
+            mask_c,
+            F,
+            stride_actm,
+            EPI_TMA,
+            BLOCK_M,
+            BLOCK_C,
+        )
 
 
 @triton.jit
 def glu_backward_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, act_ptr, probs_ptr, dprobs_ptr, offs_ptr,
-    M, F, H, N,
-    stride_dym, stride_wg, stride_wr, stride_hm, stride_dhm, stride_actm,
-    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_RED: tl.constexpr,
-    GROUP_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    dy_ptr,
+    w_ptr,
+    h_ptr,
+    dh_ptr,
+    act_ptr,
+    probs_ptr,
+    dprobs_ptr,
+    offs_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_dym,
+    stride_wg,
+    stride_wr,
+    stride_hm,
+    stride_dhm,
+    stride_actm,
+    ACTIVATION: tl.constexpr,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
 
@@ -207,13 +346,16 @@ def glu_backward_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS)
+        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    )
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
         dy_desc = tl.make_tensor_descriptor(
-            dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED])
+            dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED]
+        )
         w_desc = tl.make_tensor_descriptor(
-            w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C])
+            w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
+        )
     else:
         dy_desc = None
         w_desc = None
@@ -229,17 +371,20 @@ def glu_backward_kernel(
         # made again for the d probs store below rather than kept live through the loop.
         if HAS_PROBS:
             offs_pm = row0 + tl.arange(0, BLOCK_M)
-            p = tl.load(probs_ptr + offs_pm, mask=(offs_pm >= row_lo) & (offs_pm < row_hi) & (g < N),
-                        other=0.0).to(tl.float32)
+            p = tl.load(probs_ptr + offs_pm, mask=(offs_pm >= row_lo) & (offs_pm < row_hi) & (g < N), other=0.0).to(
+                tl.float32
+            )
         else:
             p = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
         for step in range(red_steps):
             red0 = step * BLOCK_RED
-            a = load_a(dy_desc, dy_ptr, red0, dy_row0, row_lo, row_hi, H, stride_dym, USE_TMA, UPCAST,
-                       BLOCK_M, BLOCK_RED)
-            b = load_b(w_desc, w_ptr, g, N, red0, c0, F, H, stride_wg, stride_wr, False, USE_TMA, UPCAST,
-                       BLOCK_C, BLOCK_RED)
+            a = load_a(
+                dy_desc, dy_ptr, red0, dy_row0, row_lo, row_hi, H, stride_dym, USE_TMA, UPCAST, BLOCK_M, BLOCK_RED
+            )
+            b = load_b(
+                w_desc, w_ptr, g, N, red0, c0, F, H, stride_wg, stride_wr, False, USE_TMA, UPCAST, BLOCK_C, BLOCK_RED
+            )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
         # Epilogue: the activation's backward in four column quarters (the fp32 temporaries of a
@@ -254,48 +399,145 @@ def glu_backward_kernel(
         d_act00, d_act01 = split_halves(d_act0, BLOCK_M, BLOCK_C // 2)
         d_act10, d_act11 = split_halves(d_act1, BLOCK_M, BLOCK_C // 2)
         hg, hu = _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, QUARTER)
-        hg_next, hu_next = _load_h(h_ptr, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
-                                   BLOCK_M, QUARTER)
+        hg_next, hu_next = _load_h(
+            h_ptr, c0 + QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, QUARTER
+        )
         d_probs = _glu_backward_quarter(
-            d_act00, hg, hu, c0, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm,
-            stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
-        hg, hu = _load_h(h_ptr, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
-                         BLOCK_M, QUARTER)
+            d_act00,
+            hg,
+            hu,
+            c0,
+            row0,
+            row_lo,
+            row_hi,
+            F,
+            dh_ptr,
+            act_ptr,
+            p,
+            stride_dhm,
+            stride_actm,
+            ACTIVATION,
+            GLU_BLOCK,
+            HAS_PROBS,
+            BLOCK_M,
+            QUARTER,
+        )
+        hg, hu = _load_h(h_ptr, c0 + 2 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, QUARTER)
         d_probs += _glu_backward_quarter(
-            d_act01, hg_next, hu_next, c0 + QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
-            stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
-        hg_next, hu_next = _load_h(h_ptr, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK,
-                                   BLOCK_M, QUARTER)
+            d_act01,
+            hg_next,
+            hu_next,
+            c0 + QUARTER,
+            row0,
+            row_lo,
+            row_hi,
+            F,
+            dh_ptr,
+            act_ptr,
+            p,
+            stride_dhm,
+            stride_actm,
+            ACTIVATION,
+            GLU_BLOCK,
+            HAS_PROBS,
+            BLOCK_M,
+            QUARTER,
+        )
+        hg_next, hu_next = _load_h(
+            h_ptr, c0 + 3 * QUARTER, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK, BLOCK_M, QUARTER
+        )
         d_probs += _glu_backward_quarter(
-            d_act10, hg, hu, c0 + 2 * QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p,
-            stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+            d_act10,
+            hg,
+            hu,
+            c0 + 2 * QUARTER,
+            row0,
+            row_lo,
+            row_hi,
+            F,
+            dh_ptr,
+            act_ptr,
+            p,
+            stride_dhm,
+            stride_actm,
+            ACTIVATION,
+            GLU_BLOCK,
+            HAS_PROBS,
+            BLOCK_M,
+            QUARTER,
+        )
         d_probs += _glu_backward_quarter(
-            d_act11, hg_next, hu_next, c0 + 3 * QUARTER, row0, row_lo, row_hi, F, dh_ptr, act_ptr,
-            p, stride_dhm, stride_actm, ACTIVATION, GLU_BLOCK, HAS_PROBS, BLOCK_M, QUARTER)
+            d_act11,
+            hg_next,
+            hu_next,
+            c0 + 3 * QUARTER,
+            row0,
+            row_lo,
+            row_hi,
+            F,
+            dh_ptr,
+            act_ptr,
+            p,
+            stride_dhm,
+            stride_actm,
+            ACTIVATION,
+            GLU_BLOCK,
+            HAS_PROBS,
+            BLOCK_M,
+            QUARTER,
+        )
         if HAS_PROBS:
             offs_m = row0 + tl.arange(0, BLOCK_M)
-            tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, d_probs,
-                     mask=(offs_m >= row_lo) & (offs_m < row_hi))
+            tl.store(dprobs_ptr + pid_c.to(tl.int64) * M + offs_m, d_probs, mask=(offs_m >= row_lo) & (offs_m < row_hi))
 
 
 @triton.jit
-def _load_h(h_ptr, c0, g, N, row0, row_lo, row_hi, F, stride_hm, GLU_BLOCK: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_h(
+    h_ptr,
+    c0,
+    g,
+    N,
+    row0,
+    row_lo,
+    row_hi,
+    F,
+    stride_hm,
+    GLU_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """(gate, up) columns of h for activation columns c0:c0+BLOCK_C, (BLOCK_M, BLOCK_C) each in h's
     dtype; zeros outside the tile's group, past F and on padding tiles."""
     _, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     mask = ((offs_m >= row_lo) & (offs_m < row_hi))[:, None] & mask_c[None, :] & (g < N)
     h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
-    return (tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0),
-            tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0))
+    return (
+        tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0),
+        tl.load(h_rows + (gate_c + GLU_BLOCK)[None, :], mask=mask, other=0.0),
+    )
 
 
 @triton.jit
 def _glu_backward_quarter(
-    d_act, hg, hu, c0, row0, row_lo, row_hi, F, dh_ptr, act_ptr, p, stride_dhm, stride_actm,
-    ACTIVATION: tl.constexpr, GLU_BLOCK: tl.constexpr, HAS_PROBS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    d_act,
+    hg,
+    hu,
+    c0,
+    row0,
+    row_lo,
+    row_hi,
+    F,
+    dh_ptr,
+    act_ptr,
+    p,
+    stride_dhm,
+    stride_actm,
+    ACTIVATION: tl.constexpr,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """d_act (BLOCK_M, BLOCK_C) fp32 = dA of activation columns c0:c0+BLOCK_C, with their h columns
     (hg, hu) and the rows' probs p (BLOCK_M,) fp32 -> dh's gate and up columns and act_p stored;

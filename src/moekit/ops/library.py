@@ -53,25 +53,38 @@ def _backend(name: str):
 # --------------------------------------------------------------------------------------------------
 
 
-def _linear_forward_impl(backend: str, x_MI: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor,
-                         host_offs: list[int] | None, bias_NO: torch.Tensor | None,
-                         bias_scale_M: torch.Tensor | None) -> torch.Tensor:
+def _linear_forward_impl(
+    backend: str,
+    x_MI: torch.Tensor,
+    w_NOI: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+) -> torch.Tensor:
     return _backend(backend).forward(x_MI, w_NOI, _offsets(offs, host_offs, x_MI.shape[0]), bias_NO, bias_scale_M)
 
 
-def _linear_dgrad_impl(backend: str, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor,
-                       host_offs: list[int] | None) -> torch.Tensor:
+def _linear_dgrad_impl(
+    backend: str, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None
+) -> torch.Tensor:
     return _backend(backend).dgrad(dy_MO, w_NOI, _offsets(offs, host_offs, dy_MO.shape[0]))
 
 
-def _linear_wgrad_impl(backend: str, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor,
-                       host_offs: list[int] | None) -> torch.Tensor:
+def _linear_wgrad_impl(
+    backend: str, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None
+) -> torch.Tensor:
     go = _offsets(offs, host_offs, dy_MO.shape[0])
     return _backend(backend).wgrad(dy_MO, x_MI, go, go.num_groups)
 
 
-def _linear_dbias_impl(backend: str, dy_MO: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None,
-                       bias_scale_M: torch.Tensor | None) -> torch.Tensor:
+def _linear_dbias_impl(
+    backend: str,
+    dy_MO: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_scale_M: torch.Tensor | None,
+) -> torch.Tensor:
     go = _offsets(offs, host_offs, dy_MO.shape[0])
     return _backend(backend).dbias(dy_MO, go, go.num_groups, bias_scale_M)
 
@@ -119,17 +132,29 @@ def _(t_MC, offs, host_offs):
 # --------------------------------------------------------------------------------------------------
 
 
-def _glu_forward_impl(x_MH: torch.Tensor, w1_N2FH: torch.Tensor, offs: torch.Tensor, bias_N2F: torch.Tensor | None,
-                      probs_M: torch.Tensor | None, glu_interleave_size: int | None,
-                      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _glu_forward_impl(
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from moekit.ops.grouped_mlp import glu_forward
 
     return glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation)
 
 
-def _glu_backward_impl(dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F: torch.Tensor, offs: torch.Tensor,
-                       probs_M: torch.Tensor | None, glu_interleave_size: int | None,
-                       activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_backward_impl(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh, act_p, dprobs): dprobs is (M,) fp32, or (0,) without probs (an op returns tensors)."""
     from moekit.ops.grouped_mlp import glu_backward
 
@@ -137,8 +162,13 @@ def _glu_backward_impl(dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F: torch.T
     return dh, act_p, (dprobs if dprobs is not None else dy_MH.new_empty(0, dtype=torch.float32))
 
 
-def _gemm_forward_impl(x_MI: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor, bias_NO: torch.Tensor | None,
-                       bias_scale_M: torch.Tensor | None) -> torch.Tensor:
+def _gemm_forward_impl(
+    x_MI: torch.Tensor,
+    w_NOI: torch.Tensor,
+    offs: torch.Tensor,
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+) -> torch.Tensor:
     from moekit.ops.grouped_gemm import grouped_gemm_forward
 
     return grouped_gemm_forward(x_MI, w_NOI, offs, bias_NO, bias_scale_M)
@@ -162,8 +192,9 @@ def _row_sum_impl(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.T
     return group_row_sum(src_MC, offs, row_scale_M)
 
 
-def _row_sum_and_dot_impl(src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor,
-                          row_scale_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sum_and_dot_impl(
+    src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor, row_scale_M: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     from moekit.ops.grouped_gemm import group_row_sum_and_dot
 
     return group_row_sum_and_dot(src_MC, offs, vec_NC, row_scale_M)
@@ -175,8 +206,7 @@ _gemm_forward_op = torch.library.custom_op("moekit::grouped_gemm_forward", _gemm
 _gemm_dgrad_op = torch.library.custom_op("moekit::grouped_gemm_dgrad", _gemm_dgrad_impl, mutates_args=())
 _gemm_wgrad_op = torch.library.custom_op("moekit::grouped_gemm_wgrad", _gemm_wgrad_impl, mutates_args=())
 _row_sum_op = torch.library.custom_op("moekit::group_row_sum", _row_sum_impl, mutates_args=())
-_row_sum_and_dot_op = torch.library.custom_op("moekit::group_row_sum_and_dot", _row_sum_and_dot_impl,
-                                              mutates_args=())
+_row_sum_and_dot_op = torch.library.custom_op("moekit::group_row_sum_and_dot", _row_sum_and_dot_impl, mutates_args=())
 
 
 @_glu_forward_op.register_fake

@@ -125,8 +125,12 @@ def _sum_rows_launch(src_SD: torch.Tensor, index_RJ: torch.Tensor):
     block_d = min(triton.next_power_of_2(num_features), 1024)
     block_r = max(1, 4096 // block_d)
     grid = (triton.cdiv(num_out, block_r), triton.cdiv(num_features, block_d))
-    return LaunchPlan(_sum_rows_launcher(), grid, (num_out, num_features, per_out, src_SD.stride(0), num_features),
-                      dict(BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4))
+    return LaunchPlan(
+        _sum_rows_launcher(),
+        grid,
+        (num_out, num_features, per_out, src_SD.stride(0), num_features),
+        dict(BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4),
+    )
 
 
 def _sum_rows(src_SD: torch.Tensor, index_RJ: torch.Tensor, use_triton: bool) -> torch.Tensor:
@@ -160,8 +164,9 @@ class _MoveRowsFn(torch.autograd.Function):
         return d_src, None, None, None
 
 
-def move_rows(src_SD: torch.Tensor, index_fwd_RJ: torch.Tensor, index_bwd_SJ: torch.Tensor,
-              use_triton: bool) -> torch.Tensor:
+def move_rows(
+    src_SD: torch.Tensor, index_fwd_RJ: torch.Tensor, index_bwd_SJ: torch.Tensor, use_triton: bool
+) -> torch.Tensor:
     """out (R, D): out[r] = sum_j src[index_fwd[r, j]], differentiable; the backward is
     d src[s] = sum_j d out[index_bwd[s, j]], so index_bwd must be index_fwd's transpose (the
     package's other layers, expert parallelism among them, move rows with this one primitive)."""
@@ -307,8 +312,18 @@ def moe_experts(
     # a traced graph takes the torch ops, which torch.compile knows.
     routing = route(topk_ids, num_experts, use_triton=use_triton and not torch.compiler.is_compiling())
     if impl.name == "triton" and not torch.compiler.is_compiling():
-        fused = _fused_experts(x, topk_weights, routing, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation,
-                               glu_interleave_size, backend)
+        fused = _fused_experts(
+            x,
+            topk_weights,
+            routing,
+            fc1_weight,
+            fc2_weight,
+            fc1_bias,
+            fc2_bias,
+            activation,
+            glu_interleave_size,
+            backend,
+        )
         if fused is not None:
             return fused
     offs, order_M1, inverse_TK, token_of_row_M1 = routing
@@ -317,8 +332,14 @@ def moe_experts(
     # writes each weight's gradient exactly once: exact and deterministic, and one plain torch op
     # each way instead of a row-movement node.
     probs_M = topk_weights.reshape(-1).index_select(0, order_M1.view(-1))
-    mlp_kwargs = dict(probs=probs_M, fc1_bias=fc1_bias, fc2_bias=fc2_bias, activation=activation,
-                      glu_interleave_size=glu_interleave_size, backend=backend)
+    mlp_kwargs = dict(
+        probs=probs_M,
+        fc1_bias=fc1_bias,
+        fc2_bias=fc2_bias,
+        activation=activation,
+        glu_interleave_size=glu_interleave_size,
+        backend=backend,
+    )
     if torch.compiler.is_compiling():
         # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
         # gather in the backward); saved-tensor hooks are not traced.
@@ -327,8 +348,9 @@ def moe_experts(
         # On an accelerator, the offsets as grouped_mlp takes them (it need not rebuild them from
         # counts); on the CPU the counts, which it reads on the host for free (then the torch
         # backend knows there are no padding rows to zero).
-        splits = (offs.diff() if offs.device.type == "cpu"
-                  else GroupOffsets(offs=offs, host=None, rows=x_sorted_MH.shape[0]))
+        splits = (
+            offs.diff() if offs.device.type == "cpu" else GroupOffsets(offs=offs, host=None, rows=x_sorted_MH.shape[0])
+        )
         pack, unpack = _regathering_hooks(x, x_sorted_MH, token_of_row_M1, use_triton)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, splits, **mlp_kwargs)
@@ -341,8 +363,18 @@ def moe_experts(
 # --------------------------------------------------------------------------------------------------
 
 
-def _fused_experts(x_TH, topk_weights_TK, routing: Routing, fc1_weight, fc2_weight, fc1_bias, fc2_bias, activation,
-                   glu_interleave_size, backend) -> torch.Tensor | None:
+def _fused_experts(
+    x_TH,
+    topk_weights_TK,
+    routing: Routing,
+    fc1_weight,
+    fc2_weight,
+    fc1_bias,
+    fc2_bias,
+    activation,
+    glu_interleave_size,
+    backend,
+) -> torch.Tensor | None:
     """The layer on the triton backend in eager mode, or None where fc2 does not run on it.
 
     The grouped MLP's fused steps (`fc1_step` ... `fc1_backward_step`, shared with `grouped_mlp`) in
@@ -372,14 +404,17 @@ def _fused_experts(x_TH, topk_weights_TK, routing: Routing, fc1_weight, fc2_weig
     if torch.is_grad_enabled():  # else nothing is held: h whole, one launch
         # Saved per routed row besides h: inverse (T, K) and token_of_row (M, 1) have one element a
         # row, the probs (M,) are in topk_weights' dtype.
-        meta_bytes_per_row = (routing.inverse.element_size() + routing.token_of_row.element_size()
-                              + topk_weights_TK.element_size())
+        meta_bytes_per_row = (
+            routing.inverse.element_size() + routing.token_of_row.element_size() + topk_weights_TK.element_size()
+        )
         kept = _held_h_rows(rows, x_TH.shape[1], ffn, x_TH.element_size(), meta_bytes_per_row)
-    h, act, probs_M, h_head = _ExpertsFc1Fn.apply(x_TH, topk_weights_TK, routing, kept, glu_interleave_size,
-                                                  activation, len(w1s), *w1s, *b1s)
+    h, act, probs_M, h_head = _ExpertsFc1Fn.apply(
+        x_TH, topk_weights_TK, routing, kept, glu_interleave_size, activation, len(w1s), *w1s, *b1s
+    )
     fc1 = None if h_head is None else _Fc1Operands(x_TH, tuple(w1s), tuple(b1s))
-    return _ExpertsFc2Fn.apply(h, act, probs_M, h_head, routing, glu_interleave_size, activation, fc1, len(w2s), *w2s,
-                               *b2s)
+    return _ExpertsFc2Fn.apply(
+        h, act, probs_M, h_head, routing, glu_interleave_size, activation, fc1, len(w2s), *w2s, *b2s
+    )
 
 
 # The layer's memory contract: what it holds between forward and backward is at most this fraction
@@ -438,15 +473,25 @@ def _fc1_forward_split(x_MH, offs, probs_M, kept: int, glu_interleave_size, acti
     ffn = w1.shape[1] // 2
     offs_head, offs_tail = _split_offsets(offs, kept, rows)
     h_head, act_MF = x_MH.new_empty(kept, 2 * ffn), x_MH.new_empty(rows, ffn)
-    glu_forward(x_MH[:kept], w1, offs_head, b1, probs_M[:kept], glu_interleave_size, activation,
-                out=(h_head, act_MF[:kept]))
-    glu_forward(x_MH[kept:], w1, offs_tail, b1, probs_M[kept:], glu_interleave_size, activation,
-                out=(x_MH.new_empty(rows - kept, 2 * ffn), act_MF[kept:]))
+    glu_forward(
+        x_MH[:kept], w1, offs_head, b1, probs_M[:kept], glu_interleave_size, activation, out=(h_head, act_MF[:kept])
+    )
+    glu_forward(
+        x_MH[kept:],
+        w1,
+        offs_tail,
+        b1,
+        probs_M[kept:],
+        glu_interleave_size,
+        activation,
+        out=(x_MH.new_empty(rows - kept, 2 * ffn), act_MF[kept:]),
+    )
     return h_head, act_MF
 
 
-def _glu_backward_recomputing(dy_MH, h_head, offs, probs_M, token_of_row_M1, fc1: _Fc1Operands, w2s,
-                              glu_interleave_size, activation):
+def _glu_backward_recomputing(
+    dy_MH, h_head, offs, probs_M, token_of_row_M1, fc1: _Fc1Operands, w2s, glu_interleave_size, activation
+):
     """glu_backward of all M rows (dh (M, 2F), act_p (M, F), dprobs (M,) fp32) where only the first
     kept = len(h_head) rows' h was held: the others' h is computed again first (x's rows gathered
     again, fc1 + activation as `_fc1_forward_split` ran it, the same bits), then one launch per part.
@@ -459,12 +504,28 @@ def _glu_backward_recomputing(dy_MH, h_head, offs, probs_M, token_of_row_M1, fc1
     dh_M2F, act_p_MF = dy_MH.new_empty(rows, 2 * ffn), dy_MH.new_empty(rows, ffn)
     x_tail = library.sum_rows(fc1.x_TH, token_of_row_M1[kept:], True)
     # The recomputed act goes to act_p's tail rows, which glu_backward then overwrites.
-    h_tail, _ = glu_forward(x_tail, w1, offs_tail, b1, probs_M[kept:], glu_interleave_size, activation,
-                            out=(x_tail.new_empty(rows - kept, 2 * ffn), act_p_MF[kept:]))
+    h_tail, _ = glu_forward(
+        x_tail,
+        w1,
+        offs_tail,
+        b1,
+        probs_M[kept:],
+        glu_interleave_size,
+        activation,
+        out=(x_tail.new_empty(rows - kept, 2 * ffn), act_p_MF[kept:]),
+    )
     del x_tail
     partials = [
-        glu_backward_partials(dy_MH[lo:hi], w2, h_part, offs_part, probs_M[lo:hi], glu_interleave_size, activation,
-                              out=(dh_M2F[lo:hi], act_p_MF[lo:hi]))[2]
+        glu_backward_partials(
+            dy_MH[lo:hi],
+            w2,
+            h_part,
+            offs_part,
+            probs_M[lo:hi],
+            glu_interleave_size,
+            activation,
+            out=(dh_M2F[lo:hi], act_p_MF[lo:hi]),
+        )[2]
         for lo, hi, h_part, offs_part in ((0, kept, h_head, offs_head), (kept, rows, h_tail, offs_tail))
         if hi > lo
     ]
@@ -491,8 +552,9 @@ class _ExpertsFc1Fn(torch.autograd.Function):
             h_head = None
             ctx.mark_non_differentiable(act)
         else:
-            h_head, act = _fc1_forward_split(x_sorted_MH, routing.offs, probs_M, kept, glu_interleave_size,
-                                             activation, w1s, b1s)
+            h_head, act = _fc1_forward_split(
+                x_sorted_MH, routing.offs, probs_M, kept, glu_interleave_size, activation, w1s, b1s
+            )
             h = torch.empty_strided((rows, h_head.shape[1]), (0, 0), dtype=act.dtype, device=act.device)
             ctx.mark_non_differentiable(act, h_head)
         if not topk_weights_TK.requires_grad:
@@ -512,15 +574,31 @@ class _ExpertsFc1Fn(torch.autograd.Function):
         dx_TH = d_weights_TK = None
         dw1 = db1 = None
         if dh_M2F is not None:
-            dx_MH, dw1, db1 = fc1_backward_step(dh_M2F, lambda: library.sum_rows(x_TH, token_of_row_M1, True), offs,
-                                                w1s, need[0], any(need[7:7 + n_w1]), any(need[7 + n_w1:]))
+            dx_MH, dw1, db1 = fc1_backward_step(
+                dh_M2F,
+                lambda: library.sum_rows(x_TH, token_of_row_M1, True),
+                offs,
+                w1s,
+                need[0],
+                any(need[7 : 7 + n_w1]),
+                any(need[7 + n_w1 :]),
+            )
             if dx_MH is not None:
                 dx_TH = library.sum_rows(dx_MH, inverse_TK, True)
         if need[1] and d_probs_M is not None:
             # Row inverse[t, k] holds copy (t, k): its weight's gradient, read once (no scatter).
             d_weights_TK = d_probs_M.index_select(0, inverse_TK.view(-1)).view(inverse_TK.shape)
-        return (dx_TH, d_weights_TK, None, None, None, None, None, *_unstack(dw1, w1s, 3),
-                *_unstack_bias(db1, ctx.b1_dims))
+        return (
+            dx_TH,
+            d_weights_TK,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *_unstack(dw1, w1s, 3),
+            *_unstack_bias(db1, ctx.b1_dims),
+        )
 
 
 class _ExpertsFc2Fn(torch.autograd.Function):
@@ -540,8 +618,9 @@ class _ExpertsFc2Fn(torch.autograd.Function):
             ctx.save_for_backward(h_M2F, routing.offs, probs_M, b2, routing.token_of_row, *w2s)
         else:
             ctx.n_w1 = len(fc1.w1s)
-            ctx.save_for_backward(h_head, routing.offs, probs_M, b2, routing.token_of_row, *w2s, fc1.x_TH, *fc1.w1s,
-                                  *fc1.b1s)
+            ctx.save_for_backward(
+                h_head, routing.offs, probs_M, b2, routing.token_of_row, *w2s, fc1.x_TH, *fc1.w1s, *fc1.b1s
+            )
         ctx.recomputes = fc1 is not None
         return library.sum_rows(y_sorted_MH, routing.inverse, True)
 
@@ -553,20 +632,34 @@ class _ExpertsFc2Fn(torch.autograd.Function):
         w2s = tuple(rest[:n_w2])
         # forward's inputs: h, act, probs, h_head, routing, glu, activation, fc1, n_w2, *params
         need = ctx.needs_input_grad
-        need_w2, need_b2 = any(need[9:9 + n_w2]), any(need[9 + n_w2:])
+        need_w2, need_b2 = any(need[9 : 9 + n_w2]), any(need[9 + n_w2 :])
         dy_sorted_MH = library.sum_rows(d_out_TH, token_of_row_M1, True)
         if ctx.recomputes:
             x_TH, *fc1_params = rest[n_w2:]
-            fc1 = _Fc1Operands(x_TH, tuple(fc1_params[:ctx.n_w1]), tuple(fc1_params[ctx.n_w1:]))
-            dh, act_p, dprobs = _glu_backward_recomputing(dy_sorted_MH, h_held, offs, probs_M, token_of_row_M1, fc1,
-                                                          w2s, ctx.glu, ctx.activation)
-            d_probs, dw2, db2 = fc2_params_backward_step(dy_sorted_MH, act_p, dprobs, offs, probs_M, b2, need[2],
-                                                         need_w2, need_b2)
+            fc1 = _Fc1Operands(x_TH, tuple(fc1_params[: ctx.n_w1]), tuple(fc1_params[ctx.n_w1 :]))
+            dh, act_p, dprobs = _glu_backward_recomputing(
+                dy_sorted_MH, h_held, offs, probs_M, token_of_row_M1, fc1, w2s, ctx.glu, ctx.activation
+            )
+            d_probs, dw2, db2 = fc2_params_backward_step(
+                dy_sorted_MH, act_p, dprobs, offs, probs_M, b2, need[2], need_w2, need_b2
+            )
         else:
-            dh, d_probs, dw2, db2 = fc2_backward_step(dy_sorted_MH, h_held, offs, probs_M, b2, w2s, ctx.glu,
-                                                      ctx.activation, need[2], need_w2, need_b2)
-        return (dh, None, d_probs, None, None, None, None, None, None, *_unstack(dw2, w2s, 3),
-                *_unstack_bias(db2, ctx.b2_dims))
+            dh, d_probs, dw2, db2 = fc2_backward_step(
+                dy_sorted_MH, h_held, offs, probs_M, b2, w2s, ctx.glu, ctx.activation, need[2], need_w2, need_b2
+            )
+        return (
+            dh,
+            None,
+            d_probs,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *_unstack(dw2, w2s, 3),
+            *_unstack_bias(db2, ctx.b2_dims),
+        )
 
 
 def moe_experts_reference(

@@ -38,5 +38,4 @@ def _sum_rows_kernel(
         src_rows = tl.load(index_ptr + offs_r64 * rows_per_out + j, mask=mask_r, other=0).to(tl.int64)
         vals = tl.load(src_ptr + src_rows[:, None] * stride_src + offs_d[None, :], mask=mask_rd, other=0.0)
         acc += vals.to(tl.float32)
-    tl.store(out_ptr + offs_r64[:, None] * stride_out + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_rd)
+    tl.store(out_ptr + offs_r64[:, None] * stride_out + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_rd)

@@ -111,20 +111,41 @@ def _triton_routing() -> _TritonRouting:
     from moekit.ops.triton_launch import Launcher
 
     interpret = isinstance(kernels.scatter_rows_kernel, InterpretedFunction)
-    launchers = (Launcher(kernels.chunk_histogram_kernel), Launcher(kernels.bucket_scan_kernel),
-                 Launcher(kernels.scatter_rows_kernel))
+    launchers = (
+        Launcher(kernels.chunk_histogram_kernel),
+        Launcher(kernels.bucket_scan_kernel),
+        Launcher(kernels.scatter_rows_kernel),
+    )
     if interpret:
         # Tiny tiles, so that CPU tests cover several sub-blocks, chunks, bucket tiles and scan
         # blocks quickly.
-        return _TritonRouting(*launchers, True, sub=16, max_chunk=64, target_chunks=4, max_bucket_tile=128,
-                              scan_buckets=64, scan_block=2, scatter_warps=4)
+        return _TritonRouting(
+            *launchers,
+            True,
+            sub=16,
+            max_chunk=64,
+            target_chunks=4,
+            max_bucket_tile=128,
+            scan_buckets=64,
+            scan_block=2,
+            scatter_warps=4,
+        )
     # 32-row sub-blocks: the 32 x 32 rank comparison of a step is 8 values a thread, so the scatter
     # kernel needs 56 registers (compiled for sm_90; 64-row sub-blocks need 177 with 8 warps, one
     # program per SM). About 2048 chunks at large M: programs for every SM, while the scan over
     # chunks stays one or two (4 buckets, 1024 chunks) tiles a program (one compiled variant for
     # every M; 101 registers with 8 warps).
-    return _TritonRouting(*launchers, False, sub=32, max_chunk=2048, target_chunks=2048, max_bucket_tile=1024,
-                          scan_buckets=4, scan_block=1024, scatter_warps=4)
+    return _TritonRouting(
+        *launchers,
+        False,
+        sub=32,
+        max_chunk=2048,
+        target_chunks=2048,
+        max_bucket_tile=1024,
+        scan_buckets=4,
+        scan_block=1024,
+        scatter_warps=4,
+    )
 
 
 def _next_power_of_2(n: int) -> int:
@@ -164,20 +185,31 @@ def _make_plan(topk_ids: torch.Tensor, num_experts: int, config: _TritonRouting)
     scratch_size = num_buckets * num_chunks + num_buckets + 4 * num_chunks + 2
     # Row indices (up to the last chunk's end) and scratch offsets are int32 in the kernels.
     if num_chunks * chunk >= 2**31 or scratch_size >= 2**31:
-        raise ValueError(f"the Triton routing indexes rows in int32: {num_tokens} tokens x top_k {top_k} with "
-                         f"{num_experts} experts are too many; use use_triton=False")
+        raise ValueError(
+            f"the Triton routing indexes rows in int32: {num_tokens} tokens x top_k {top_k} with "
+            f"{num_experts} experts are too many; use use_triton=False"
+        )
     bucket_tile = min(_next_power_of_2(num_buckets), config.max_bucket_tile)
     stride_t, stride_k = topk_ids.stride()
     top_k_div = max(top_k, 1)  # no rows when top_k is 0; the kernels still divide by it
     ids_args = (num_rows, top_k_div, stride_t, stride_k, num_experts, num_chunks)
     return _RoutingPlan(
         scratch_size,
-        LaunchPlan(config.histogram, (num_chunks,), ids_args,
-                   {"CHUNK": chunk, "BUCKET_TILE": bucket_tile, "num_warps": 4}),
-        LaunchPlan(config.scan, (-(-num_buckets // config.scan_buckets),), (num_experts, num_chunks),
-                   {"SCAN_BUCKETS": config.scan_buckets, "SCAN_BLOCK": config.scan_block, "num_warps": 8}),
-        LaunchPlan(config.scatter, (num_chunks,), ids_args,
-                   {"CHUNK": chunk, "SUB": config.sub, "BUCKET_TILE": bucket_tile, "num_warps": config.scatter_warps}),
+        LaunchPlan(
+            config.histogram, (num_chunks,), ids_args, {"CHUNK": chunk, "BUCKET_TILE": bucket_tile, "num_warps": 4}
+        ),
+        LaunchPlan(
+            config.scan,
+            (-(-num_buckets // config.scan_buckets),),
+            (num_experts, num_chunks),
+            {"SCAN_BUCKETS": config.scan_buckets, "SCAN_BLOCK": config.scan_block, "num_warps": 8},
+        ),
+        LaunchPlan(
+            config.scatter,
+            (num_chunks,),
+            ids_args,
+            {"CHUNK": chunk, "SUB": config.sub, "BUCKET_TILE": bucket_tile, "num_warps": config.scatter_warps},
+        ),
     )
 
 
@@ -185,15 +217,18 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a (tokens, top_k) tensor, got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in _TRITON_ID_DTYPES:
-        raise TypeError(f"topk_ids must be int8, int16, int32, int64 or uint8 for the Triton routing, "
-                        f"got {topk_ids.dtype}")
+        raise TypeError(
+            f"topk_ids must be int8, int16, int32, int64 or uint8 for the Triton routing, got {topk_ids.dtype}"
+        )
     if num_experts < 0:
         raise ValueError(f"num_experts must be >= 0, got {num_experts}")
     config = _triton_routing()
     device = topk_ids.device
     if device.type != "cuda" and not (device.type == "cpu" and config.interpret):
-        raise ValueError(f"the Triton routing runs on CUDA tensors (or CPU ones when TRITON_INTERPRET=1 was set "
-                         f"before triton was imported), got a tensor on {device}")
+        raise ValueError(
+            f"the Triton routing runs on CUDA tensors (or CPU ones when TRITON_INTERPRET=1 was set "
+            f"before triton was imported), got a tensor on {device}"
+        )
     from moekit.ops.triton_launch import tensor_key
 
     # Plans by everything Triton specializes the launches on (at small M the host time of each call
@@ -209,8 +244,12 @@ def _route_triton(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     order = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
     inverse = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
     token_of_row = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
-    switch = (device.type == "cuda" and not config.interpret and device.index is not None
-              and device.index != torch.cuda.current_device())
+    switch = (
+        device.type == "cuda"
+        and not config.interpret
+        and device.index is not None
+        and device.index != torch.cuda.current_device()
+    )
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
         plan.histogram(topk_ids, scratch)
         plan.scan(scratch)

@@ -126,8 +126,21 @@ def bucket_scan_kernel(scratch_ptr, num_experts, num_chunks, SCAN_BUCKETS: tl.co
 
 
 @triton.jit
-def _rank_by_value(ids_ptr, scratch_ptr, ids, buckets, offs_row, num_rows, top_k, stride_t, stride_k,
-                   num_experts, num_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr):
+def _rank_by_value(
+    ids_ptr,
+    scratch_ptr,
+    ids,
+    buckets,
+    offs_row,
+    num_rows,
+    top_k,
+    stride_t,
+    stride_k,
+    num_experts,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+):
     """For rows of the undefined buckets (0 and N + 1): how many rows of the same bucket anywhere
     sort before them by (id, flat row), as torch's stable sort of the ids orders them. Visits only
     chunks that hold undefined ids, so it costs nothing on valid input; O(M) per row otherwise."""
@@ -142,10 +155,12 @@ def _rank_by_value(ids_ptr, scratch_ptr, ids, buckets, offs_row, num_rows, top_k
             for sub_start in range(0, CHUNK, SUB):
                 offs_other = chunk * CHUNK + sub_start + tl.arange(0, SUB)
                 mask_other = offs_other < num_rows
-                ids_other, buckets_other = _load_ids(ids_ptr, offs_other, mask_other, top_k, stride_t, stride_k,
-                                                     num_experts)
+                ids_other, buckets_other = _load_ids(
+                    ids_ptr, offs_other, mask_other, top_k, stride_t, stride_k, num_experts
+                )
                 before = (ids_other[None, :] < ids[:, None]) | (
-                    (ids_other[None, :] == ids[:, None]) & (offs_other[None, :] < offs_row[:, None]))
+                    (ids_other[None, :] == ids[:, None]) & (offs_other[None, :] < offs_row[:, None])
+                )
                 before = before & (buckets_other[None, :] == buckets[:, None]) & mask_other[None, :]
                 acc += tl.sum(before.to(tl.int32), axis=1)
     return acc
@@ -189,8 +204,9 @@ def scatter_rows_kernel(
         if pid_c == 0:
             # offs[e] = rows with id < e = first row of bucket e + 1 for e >= 1; offs[0] = 0, since
             # negative ids count as expert 0's rows.
-            tl.store(offs_ptr + offs_b - 1, tl.where(offs_b == 1, 0, bucket_start).to(tl.int64),
-                     mask=mask_b & (offs_b >= 1))
+            tl.store(
+                offs_ptr + offs_b - 1, tl.where(offs_b == 1, 0, bucket_start).to(tl.int64), mask=mask_b & (offs_b >= 1)
+            )
         # Next free sorted row of each bucket for this chunk, advanced after every sub-block.
         cursor = bucket_start + tl.load(scratch_ptr + offs_b * num_chunks + pid_c, mask=mask_b, other=0)
         for sub_start in range(0, CHUNK, SUB):
@@ -208,8 +224,21 @@ def scatter_rows_kernel(
             # Undefined ids that differ within a side: ordered by value like torch's sort (rare, slow).
             mask_exact = mask_tile & (((buckets == 0) & exact_neg) | ((buckets == num_buckets - 1) & exact_over))
             if tl.sum(mask_exact.to(tl.int32), axis=0) > 0:
-                rank_exact = _rank_by_value(ids_ptr, scratch_ptr, ids, buckets, offs_row, num_rows, top_k,
-                                            stride_t, stride_k, num_experts, num_chunks, CHUNK, SUB)
+                rank_exact = _rank_by_value(
+                    ids_ptr,
+                    scratch_ptr,
+                    ids,
+                    buckets,
+                    offs_row,
+                    num_rows,
+                    top_k,
+                    stride_t,
+                    stride_k,
+                    num_experts,
+                    num_chunks,
+                    CHUNK,
+                    SUB,
+                )
                 pos = tl.where(mask_exact, tl.where(buckets == 0, rank_exact, overflow_start + rank_exact), pos)
             rows = offs_row.to(tl.int64)
             tl.store(order_ptr + pos, rows, mask=mask_tile)

@@ -181,7 +181,7 @@ def _reorder(t: torch.Tensor, k: int, dim: int, to_interleaved: bool) -> torch.T
     if k is None:
         raise ValueError("k must be an int; the standard layout needs no conversion")
     check_interleave(ffn, k)
-    lead, tail = t.shape[:dim], t.shape[dim + 1:]
+    lead, tail = t.shape[:dim], t.shape[dim + 1 :]
     if to_interleaved:
         # [2, F/k, k] -> [F/k, 2, k]
         v = t.reshape(*lead, 2, ffn // k, k, *tail).transpose(dim, dim + 1)

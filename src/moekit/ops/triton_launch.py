@@ -86,15 +86,26 @@ class Launcher:
         constexprs included, and skips those)."""
         binary = self.kernel[grid](*args, **kwargs)
         bound = self.kernel.device_caches[driver.active.get_current_device()][4](*args, **kwargs)[0]
-        return binary, tuple(bound.values())[len(args):]
+        return binary, tuple(bound.values())[len(args) :]
 
 
 def _run_binary(binary, tail: tuple, grid: tuple[int, ...], args: tuple) -> None:
     """Launch a compiled kernel on the current stream, as Triton does once it has the binary (no
     launch hooks: they take Triton's path)."""
     stream = driver.active.get_current_stream(driver.active.get_current_device())
-    binary.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-               binary.function, binary.packed_metadata, None, None, None, *args, *tail)
+    binary.run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        stream,
+        binary.function,
+        binary.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *tail,
+    )
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
