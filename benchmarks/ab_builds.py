@@ -1,11 +1,13 @@
 """Two builds of moekit, kernel by kernel: grouped_mlp forward+backward (triton backend, router probs)
-at the README's four MLP shapes, balanced and skewed, each build in its own processes, alternating
-(A, B, A, B, ...), so that a kernel change is timed against the code it replaces on one machine.
+at the README's four MLP shapes (`--op mlp`), or moe_experts forward+backward at the README's four
+layer shapes (`--op layer`), balanced and skewed, each build in its own processes, alternating (A, B,
+A, B, ...), so that a change is timed against the code it replaces on one machine.
 
 For each build and cell: the CUDA time of every kernel (torch.profiler, median over the profiled
-steps, and calls per step) and a hash of the output and every gradient, so that a change meant to
-be bit-identical is checked to be. A build is a source tree holding `moekit/` (e.g. a copy of
-`src/` with one kernel edited); Triton's cache keys on the source, so the two never share binaries.
+steps, and calls per step), the whole step's time (CUDA events, median), and a hash of the output and
+every gradient, so that a change meant to be bit-identical is checked to be. A build is a source
+tree holding `moekit/` (e.g. a copy of `src/` with one kernel edited); Triton's cache keys on the
+source, so the two never share binaries.
 
     python benchmarks/ab_builds.py --a src --b /tmp/variant/src --rounds 2 --out ab.json
     python benchmarks/ab_builds.py --a src --b src --smoke --out /tmp/ab.json   # CPU: the plumbing
@@ -31,19 +33,15 @@ BENCHMARKS = Path(__file__).resolve().parent
 PROBE_TAG = "AB_PROBE_RESULT "
 
 
-def probe(shape_names: str | None, steps: int, smoke: bool) -> dict:
-    """In this process (moekit from PYTHONPATH): per cell, kernel times and the results' hash."""
+def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
+    """(cell name, step, leaves) of grouped_mlp at the MLP shapes."""
     import runner
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import moekit
 
-    device = torch.device("cpu" if smoke else "cuda")
-    dtype = torch.float32 if smoke else torch.bfloat16
     pool = runner.SMOKE_SHAPES if smoke else runner.SHAPES
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool
-    cells = {}
     for shape in shapes:
         for dist in runner.DISTS:
             inputs, dy = runner.mlp_inputs(shape, device, dtype)
@@ -58,29 +56,125 @@ def probe(shape_names: str | None, steps: int, smoke: bool) -> dict:
                 y.backward(dy)
                 return y
 
-            digest = hashlib.sha1()
-            for t in (step(), *(t.grad for t in leaves)):
-                digest.update(t.detach().float().cpu().numpy().tobytes())
-            kernels = {}
-            if device.type == "cuda":
-                step()
+            yield f"{shape.name}/{dist}", step, leaves
+
+
+def _layer_cells(shape_names: str | None, smoke: bool, device, dtype):
+    """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four)."""
+    import bench_moe_layer as layer
+    import runner
+    import torch
+
+    import moekit
+
+    pool = layer.SMOKE_SHAPES if smoke else layer.SHAPES[:4]
+    shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool
+    for shape in shapes:
+        for dist in runner.DISTS:
+            base = layer.make_inputs(shape, device, dtype)
+            ids, weights = layer.make_routing(shape, dist, device, dtype)
+            leaves = [base["x"].requires_grad_(True), weights.requires_grad_(True), base["w1"], base["w2"]]
+            leaves[2].requires_grad_(True)
+            leaves[3].requires_grad_(True)
+            gen = torch.Generator(device=device).manual_seed(1)
+            dy = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+
+            def step(leaves=leaves, dy=dy, ids=ids):
+                for t in leaves:
+                    t.grad = None
+                x, w, w1, w2 = leaves
+                y = moekit.moe_experts(x, ids, w, w1, w2, backend="triton")
+                y.backward(dy)
+                return y
+
+            yield f"{shape.name}/{dist}", step, leaves
+
+
+# Edge cases of the fused MLP (`--op cases`, hashes only): M, splits, H, F, glu_interleave_size, bias,
+# probs, activation. Padding rows, empty experts, one row, all padding, gpt-oss's partial tile, an
+# interleaved layout, odd rows: where two builds must agree bit for bit beyond the benchmark shapes.
+CASES = {
+    "padding_empty_bias": (1000, [0, 300, 1, 0, 500], 256, 384, None, True, True, "swiglu"),
+    "clamped_no_probs": (1000, [0, 300, 1, 0, 500], 256, 384, None, True, False, "clamped_swiglu"),
+    "one_row": (64, [0, 1, 0], 64, 128, None, False, True, "swiglu"),
+    "all_padding": (300, [0, 0, 0], 64, 128, None, False, True, "swiglu"),
+    "gptoss_partial_tile": (4096, [1000, 0, 2000, 1096], 2880, 2880, None, True, True, "clamped_swiglu"),
+    "interleave_k128": (2048, [500, 700, 848], 512, 768, 128, False, True, "swiglu"),
+    "interleave_k1": (1024, [500, 500, 0], 256, 256, 1, True, True, "clamped_swiglu"),
+    "odd_rows": (777, [100, 233, 0, 444], 192, 256, None, False, True, "swiglu"),
+}
+
+
+def _case_cells(shape_names: str | None, smoke: bool, device, dtype):
+    """(cell name, step, leaves) of grouped_mlp at CASES (scaled down to tiny sizes with --smoke)."""
+    import torch
+
+    import moekit
+
+    for name, (rows, splits, hidden, ffn, block, bias, probs, activation) in CASES.items():
+        if shape_names and name not in shape_names.split(","):
+            continue
+        if smoke:
+            rows, splits, hidden, ffn = 40, [s * 40 // max(rows, 1) for s in splits], 16, 16
+            block = None if block is None else min(block, 4)
+        gen = torch.Generator().manual_seed(11)
+        n = len(splits)
+        x = (torch.randn(rows, hidden, generator=gen) * 3).to(device, dtype).requires_grad_(True)
+        w1 = (torch.randn(n, 2 * ffn, hidden, generator=gen) / hidden**0.5).to(device, dtype).requires_grad_(True)
+        w2 = (torch.randn(n, hidden, ffn, generator=gen) / ffn**0.5).to(device, dtype).requires_grad_(True)
+        b1 = torch.randn(n, 2 * ffn, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
+        b2 = torch.randn(n, hidden, generator=gen).to(device, dtype).requires_grad_(True) if bias else None
+        p = torch.rand(rows, generator=gen).to(device).requires_grad_(True) if probs else None
+        dy = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+        leaves = [t for t in (x, w1, w2, b1, b2, p) if t is not None]
+        m_splits = torch.tensor(splits, device=device)
+        kw = dict(fc1_bias=b1, fc2_bias=b2, probs=p, activation=activation, glu_interleave_size=block)
+
+        def step(leaves=leaves, x=x, w1=w1, w2=w2, dy=dy, m_splits=m_splits, kw=kw):
+            for t in leaves:
+                t.grad = None
+            y = moekit.grouped_mlp(x, w1, w2, m_splits, backend="triton", **kw)
+            y.backward(dy)
+            return y
+
+        yield name, step, leaves
+
+
+def probe(op: str, shape_names: str | None, steps: int, smoke: bool) -> dict:
+    """In this process (moekit from PYTHONPATH): per cell, kernel times, step time and the results' hash."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    cells = {}
+    make = {"mlp": _mlp_cells, "layer": _layer_cells, "cases": _case_cells}[op]
+    for cell, step, leaves in make(shape_names, smoke, device, dtype):
+        digest = hashlib.sha1()
+        for t in (step(), *(t.grad for t in leaves)):
+            digest.update(t.detach().float().cpu().numpy().tobytes())
+        kernels, step_ms = {}, None
+        if device.type == "cuda" and op != "cases":
+            import triton
+
+            step_ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step()
                 torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(steps):
-                        step()
-                    torch.cuda.synchronize()
-                by_name: dict[str, list[float]] = {}
-                for e in prof.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-                        by_name.setdefault(e.name, []).append(e.device_time / 1000)
-                kernels = {
-                    name: {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps}
-                    for name, ts in by_name.items()
-                }
-            cells[f"{shape.name}/{dist}"] = {"hash": digest.hexdigest()[:16], "kernels": kernels}
-            del leaves, dy
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            by_name: dict[str, list[float]] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+                    by_name.setdefault(e.name, []).append(e.device_time / 1000)
+            kernels = {
+                name: {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps} for name, ts in by_name.items()
+            }
+        cells[cell] = {"hash": digest.hexdigest()[:16], "kernels": kernels, "step_ms": step_ms}
+        del leaves, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return cells
 
 
@@ -88,7 +182,7 @@ def run_build(src: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(BENCHMARKS)])}
     if args.smoke:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    command = [sys.executable, str(Path(__file__).resolve()), "--probe", "--steps", str(args.steps)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--probe", "--steps", str(args.steps), "--op", args.op]
     command += (["--shapes", args.shapes] if args.shapes else []) + (["--smoke"] if args.smoke else [])
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PROBE_TAG)]
@@ -109,7 +203,11 @@ def compare(runs: dict[str, list[dict]]) -> dict:
             if all(t is not None for ts in times.values() for t in ts):
                 entry["b_over_a"] = statistics.mean(times["b"]) / statistics.mean(times["a"])
             kernels[name] = entry
-        cells[cell] = {"bit_identical": len(hashes) == 1, "kernels": kernels}
+        steps = {b: [r[cell].get("step_ms") for r in runs[b]] for b in runs}
+        step = {f"{b}_step_ms": t for b, t in steps.items()}
+        if all(t is not None for ts in steps.values() for t in ts):
+            step["step_b_over_a"] = statistics.mean(steps["b"]) / statistics.mean(steps["a"])
+        cells[cell] = {"bit_identical": len(hashes) == 1, **step, "kernels": kernels}
     return cells
 
 
@@ -119,6 +217,12 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--b", type=Path, help="build B: a source tree holding moekit/ (the change)")
     parser.add_argument("--rounds", type=int, default=2, help="processes per build, alternating (default 2)")
     parser.add_argument("--steps", type=int, default=7, help="profiled forward+backward steps per cell")
+    parser.add_argument(
+        "--op",
+        choices=("mlp", "layer", "cases"),
+        default="mlp",
+        help="grouped_mlp at the MLP shapes, moe_experts at the layer shapes, or grouped_mlp at CASES (hashes only)",
+    )
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (the device copy has no git)")
@@ -127,7 +231,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
-        print(PROBE_TAG + json.dumps(probe(args.shapes, args.steps, args.smoke)), flush=True)
+        print(PROBE_TAG + json.dumps(probe(args.op, args.shapes, args.steps, args.smoke)), flush=True)
         return None
     for name in ("a", "b"):
         src = getattr(args, name)
@@ -159,6 +263,7 @@ def main(argv=None) -> dict | None:
             "rounds": args.rounds,
             "steps": args.steps,
             "smoke": args.smoke,
+            "op": args.op,
             "order": ["a", "b"] * args.rounds,
         },
         "cells": cells,
@@ -169,7 +274,8 @@ def main(argv=None) -> dict | None:
             for n, k in c["kernels"].items()
             if "b_over_a" in k and ("glu" in n or "grouped" in n or "wgrad" in n)
         )
-        print(f"{cell:28} {'same' if c['bit_identical'] else 'DIFFER'}  B/A: {ratios}")
+        step = f"step {c['step_b_over_a']:.3f}" if "step_b_over_a" in c else ""
+        print(f"{cell:28} {'same' if c['bit_identical'] else 'DIFFER'}  {step}  B/A: {ratios}")
     if args.out:
         runner.write_json(args.out, payload)
     return payload

@@ -1,4 +1,4 @@
-"""moekit.ops.routing.route: the torch path against the Triton counting sort (use_triton=True).
+"""moekit.ops.routing.sort_by_expert: the torch path against the Triton counting sort (use_triton=True).
 
 Legend: T tokens, K experts per token (top-k), M = T*K routed rows, N experts.
 
@@ -13,7 +13,7 @@ router gives them (top-k of random scores: K distinct experts per token), both p
 
 With --sweep, also the Triton path's GPU and host time under other tile sizes (rows per sub-block,
 target number of chunks, warps of the scatter kernel) at 2048 and 262144 rows: records with a
-"config" entry, for choosing the defaults of `moekit.ops.routing._triton_routing`.
+"config" entry, for choosing the defaults of `moekit.ops.runtime.configs.ROUTING_TILES`.
 
     python benchmarks/bench_routing.py --out $OUT/routing.json             # H200: about 30 s
     python benchmarks/bench_routing.py --sweep --out $OUT/routing.json     # H200: about 60 s more
@@ -38,7 +38,7 @@ import torch
 SHAPES = ((256, 8, 128), (1024, 8, 128), (4096, 8, 128), (32768, 8, 128), (2048, 4, 32))
 SMOKE_SHAPES = ((3, 2, 5), (40, 4, 7))
 SWEEP_SHAPES = ((256, 8, 128), (32768, 8, 128))
-# Tile sizes tried by --sweep (the first is the default): fields of routing._TritonRouting.
+# Tile sizes tried by --sweep (the first is the default): fields of configs.RoutingTiles.
 SWEEP_CONFIGS = (
     {"sub": 32, "target_chunks": 2048, "scatter_warps": 4},
     {"sub": 16, "target_chunks": 2048, "scatter_warps": 4},
@@ -121,7 +121,7 @@ def with_undefined_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def assert_same(ids: torch.Tensor, num_experts: int, what: str) -> None:
-    from moekit.ops.routing import route
+    from moekit.ops.routing import sort_by_expert as route
 
     expected = route(ids, num_experts)
     ours = route(ids, num_experts, use_triton=True)
@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import runner
 
-    from moekit.ops.routing import route
+    from moekit.ops.routing import sort_by_expert as route
 
     device = torch.device("cuda" if cuda else "cpu")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -189,18 +189,21 @@ def main(argv=None) -> dict:
 
 def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:
     """The Triton path under each of SWEEP_CONFIGS (checked exact against the torch path first)."""
-    from moekit.ops import routing
+    import dataclasses
 
-    default = routing._triton_routing
+    from moekit.ops.routing import sort_by_expert
+    from moekit.ops.runtime import configs, launch
+
+    arch = launch.arch_of(device)
+    default = configs.ROUTING_TILES[arch]
     records = []
     try:
         for changes in SWEEP_CONFIGS:
-            config = default()._replace(**changes)
-            routing._triton_routing = lambda config=config: config
+            configs.ROUTING_TILES[arch] = dataclasses.replace(default, **changes)
             for tokens, top_k, num_experts in shapes:
                 ids = router_ids(tokens, top_k, num_experts, device)
                 assert_same(ids, num_experts, f"T={tokens} K={top_k} N={num_experts}, config {changes}")
-                call = functools.partial(routing.route, ids, num_experts, use_triton=True)
+                call = functools.partial(sort_by_expert, ids, num_experts, use_triton=True)
                 records.append(
                     {
                         "tokens": tokens,
@@ -216,7 +219,7 @@ def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:
                 )
                 checkpoint()
     finally:
-        routing._triton_routing = default
+        configs.ROUTING_TILES[arch] = default
     return records
 
 

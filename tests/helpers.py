@@ -174,16 +174,22 @@ def glu_indices(ffn: int, k: int | None) -> tuple[list[int], list[int]]:
     return gates, ups
 
 
-def torch_swiglu(h, *, probs=None, glu_interleave_size=None, activation="swiglu"):
+# Each activation written with plain torch ops, independently of moekit's registry.
+TORCH_ACTIVATIONS = {
+    "swiglu": lambda g, u: torch.nn.functional.silu(g) * u,
+    "clamped_swiglu": lambda g, u: (
+        torch.clamp(g, max=7.0) * torch.sigmoid(1.702 * torch.clamp(g, max=7.0)) * (torch.clamp(u, -7.0, 7.0) + 1)
+    ),
+    "geglu": lambda g, u: torch.nn.functional.gelu(g) * u,
+    "geglu_tanh": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u,
+    "reglu": lambda g, u: torch.nn.functional.relu(g) * u,
+}
+
+
+def torch_glu(h, *, probs=None, glu_interleave_size=None, activation="swiglu"):
     ffn = h.shape[1] // 2
     gi, ui = glu_indices(ffn, glu_interleave_size)
-    g, u = h[:, gi], h[:, ui]
-    if activation == "swiglu":
-        out = torch.nn.functional.silu(g) * u
-    else:
-        g = torch.clamp(g, max=7.0)
-        u = torch.clamp(u, -7.0, 7.0)
-        out = g * torch.sigmoid(1.702 * g) * (u + 1)
+    out = TORCH_ACTIVATIONS[activation](h[:, gi], h[:, ui])
     if probs is not None:
         out = out * probs.reshape(-1, 1).to(out.dtype)
     return out
@@ -202,7 +208,7 @@ def torch_grouped_mlp(
     glu_interleave_size=None,
 ):
     h = torch_grouped_linear(x, fc1_weight, m_splits, fc1_bias)
-    a = torch_swiglu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
+    a = torch_glu(h, probs=probs, glu_interleave_size=glu_interleave_size, activation=activation)
     return torch_grouped_linear(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)
 
 

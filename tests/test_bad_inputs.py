@@ -12,7 +12,7 @@ import torch
 
 import moekit
 from helpers import rand
-from moekit.ops.grouped_linear import select_backend
+from moekit.ops.runtime.backends import select_backend
 
 N, IN, OUT = 4, 16, 32
 H, F = 16, 8
@@ -113,20 +113,20 @@ def test_input_features_mismatch():
 
 
 def test_dtype_mismatch():
-    with pytest.raises(TypeError, match=r"input dtype torch.bfloat16 differs from weight dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"x's dtype torch.bfloat16 differs from weight's torch.float32"):
         _gl([2, 2, 2, 2], rows=8, x=rand(8, IN, dtype=torch.bfloat16, seed=13))
-    with pytest.raises(TypeError, match=r"input dtype torch.float32 differs from bias dtype torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"x's dtype torch.float32 differs from bias's torch.bfloat16"):
         _gl([2, 2, 2, 2], rows=8, b=rand(N, OUT, dtype=torch.bfloat16, seed=14))
-    with pytest.raises(TypeError, match=r"differs from weight dtype"):
+    with pytest.raises(TypeError, match=r"differs from weight.s torch.float32"):
         moekit.GroupedLinear(N, IN, OUT)(rand(8, IN, dtype=torch.float64, seed=15), [2, 2, 2, 2])
-    with pytest.raises(TypeError, match=r"differs from weight dtype"):
+    with pytest.raises(TypeError, match=r"differs from fc1_weight.s torch.bfloat16"):
         moekit.GroupedMLP(N, H, F, dtype=torch.bfloat16)(rand(8, H, seed=16), [2, 2, 2, 2])
 
 
 def test_device_mismatch():
-    with pytest.raises(ValueError, match=r"input is on cpu but a weight is on meta"):
+    with pytest.raises(ValueError, match=r"weight is on meta but x is on cpu"):
         _gl([2, 2, 2, 2], rows=8, w=torch.empty(N, OUT, IN, device="meta"))
-    with pytest.raises(ValueError, match=r"input is on cpu but a bias is on meta"):
+    with pytest.raises(ValueError, match=r"bias is on meta but x is on cpu"):
         _gl([2, 2, 2, 2], rows=8, b=torch.empty(N, OUT, device="meta"))
 
 
@@ -158,17 +158,20 @@ def test_bad_mlp_shapes():
         moekit.grouped_mlp(x, w1, rand(N, H, F - 1, seed=23), [2, 2, 2, 2])
     with pytest.raises(ValueError, match=r"probs must have shape \(8,\) or \(8, 1\), one per row; got \(4,\)"):
         moekit.grouped_mlp(x, w1, w2, [2, 2, 2, 2], probs=torch.ones(4))
-    with pytest.raises(TypeError, match=r"probs must be floating point, got torch.int64"):
+    with pytest.raises(TypeError, match=r"probs is torch.int64, not a floating dtype"):
         moekit.grouped_mlp(x, w1, w2, [2, 2, 2, 2], probs=torch.ones(8, dtype=torch.int64))
 
 
 def test_bad_swiglu_inputs():
-    with pytest.raises(ValueError, match=r"last dimension must be even \(2F\), got 7"):
-        moekit.swiglu(torch.zeros(3, 7))
+    with pytest.raises(
+        ValueError,
+        match=r"h must be 2-D \(rows, 2F\) with an even number of columns, got shape \(3, 7\)",  # noqa: E501
+    ):
+        moekit.glu(torch.zeros(3, 7))
     with pytest.raises(ValueError, match=r"h must be 2-D"):
-        moekit.swiglu(torch.zeros(2, 3, 8))
+        moekit.glu(torch.zeros(2, 3, 8))
     with pytest.raises(ValueError, match=r"probs is on meta but the input is on cpu"):
-        moekit.swiglu(torch.zeros(3, 8), probs=torch.ones(3, device="meta"))
+        moekit.glu(torch.zeros(3, 8), probs=torch.ones(3, device="meta"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,9 +196,9 @@ def test_unknown_backend():
 
 
 def test_unknown_activation():
-    msg = r"unknown activation 'gelu'; expected one of \('swiglu', 'clamped_swiglu'\)"
+    msg = r"unknown activation 'gelu'; expected one of \('swiglu', 'clamped_swiglu', 'geglu', 'geglu_tanh', 'reglu'\)"
     with pytest.raises(ValueError, match=msg):
-        moekit.swiglu(torch.zeros(2, 8), activation="gelu")
+        moekit.glu(torch.zeros(2, 8), activation="gelu")
     with pytest.raises(ValueError, match=msg):
         moekit.grouped_mlp(
             rand(8, H, seed=27), rand(N, 2 * F, H, seed=28), rand(N, H, F, seed=29), [2, 2, 2, 2], activation="gelu"
@@ -207,35 +210,35 @@ def test_unknown_activation():
 
 
 @pytest.mark.parametrize(
-    "k, msg",
+    "k, exc, msg",
     [
-        pytest.param(3, r"glu_interleave_size 3 does not divide the ffn size 8", id="k=3-F=8"),
-        pytest.param(16, r"glu_interleave_size 16 does not divide the ffn size 8", id="k=16-F=8"),
-        pytest.param(0, r"glu_interleave_size must be a positive int or None, got 0", id="k=0"),
-        pytest.param(-2, r"positive int or None, got -2", id="k=-2"),
-        pytest.param(2.0, r"positive int or None, got 2.0", id="k=2.0"),
-        pytest.param(True, r"positive int or None, got True", id="k=True"),
+        pytest.param(3, ValueError, r"glu_interleave_size 3 does not divide the ffn size 8", id="k=3-F=8"),
+        pytest.param(16, ValueError, r"glu_interleave_size 16 does not divide the ffn size 8", id="k=16-F=8"),
+        pytest.param(0, ValueError, r"glu_interleave_size must be an int >= 1, got 0", id="k=0"),
+        pytest.param(-2, ValueError, r"glu_interleave_size must be an int >= 1, got -2", id="k=-2"),
+        pytest.param(2.0, TypeError, r"glu_interleave_size must be an int, got 2.0 \(float\)", id="k=2.0"),
+        pytest.param(True, TypeError, r"glu_interleave_size must be an int, got True \(bool\)", id="k=True"),
     ],
 )
-def test_bad_interleave_size(k, msg):
-    with pytest.raises(ValueError, match=msg):
-        moekit.swiglu(torch.zeros(2, 2 * F), glu_interleave_size=k)
-    with pytest.raises(ValueError, match=msg):
+def test_bad_interleave_size(k, exc, msg):
+    with pytest.raises(exc, match=msg):
+        moekit.glu(torch.zeros(2, 2 * F), glu_interleave_size=k)
+    with pytest.raises(exc, match=msg):
         moekit.GroupedMLP(N, H, F, glu_interleave_size=k)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(exc, match=msg):
         moekit.grouped_mlp(
             rand(8, H, seed=30), rand(N, 2 * F, H, seed=31), rand(N, H, F, seed=32), [2, 2, 2, 2], glu_interleave_size=k
         )
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(exc, match=msg):
         moekit.interleave_glu(torch.zeros(2 * F, H), k)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(exc, match=msg):
         moekit.deinterleave_glu(torch.zeros(N, 2 * F), k, dim=1)
 
 
 def test_bad_interleave_tensor():
     with pytest.raises(ValueError, match=r"dimension 1 of shape \(4, 7\) must have even length 2F, got 7"):
         moekit.interleave_glu(torch.zeros(4, 7), 1, dim=1)
-    with pytest.raises(ValueError, match=r"k must be an int; the standard layout needs no conversion"):
+    with pytest.raises(ValueError, match=r"glu_interleave_size must be an int; the standard layout needs no"):
         moekit.interleave_glu(torch.zeros(8), None)
 
 
@@ -337,7 +340,7 @@ def test_bad_unpermute_row_map(row_map, exc, msg):
 
 def test_bad_unpermute_operands():
     row_map = torch.arange(6).view(3, 2)
-    with pytest.raises(TypeError, match=r"weights must be floating point, got torch.int64"):
+    with pytest.raises(TypeError, match=r"weights is torch.int64, not a floating dtype"):
         moekit.unpermute(torch.zeros(6, 4), row_map, torch.ones(3, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"row_map is on meta but y_sorted is on cpu"):
         moekit.unpermute(torch.zeros(6, 4), row_map.to("meta"))
@@ -378,7 +381,7 @@ def test_torch_backend_refuses_float64():
 def test_torch_backend_refuses_unaligned_dims(dtype, in_f, out_f, bad):
     x, w = rand(8, in_f, dtype=dtype, seed=36), rand(N, out_f, in_f, dtype=dtype, seed=37)
     align = 16 // x.element_size()
-    msg = rf"backend='torch' cannot run here: .*{bad} to be a multiple of {align}.*in={in_f}, out={out_f}"
+    msg = rf"backend='torch' cannot run here: .*{bad} to be a non-zero multiple of {align}.*in={in_f}, out={out_f}"
     with pytest.raises(ValueError, match=msg):
         moekit.grouped_linear(x, w, [2, 2, 2, 2], backend="torch")
     assert select_backend("auto", x, w).name == "loop"
@@ -413,3 +416,72 @@ def test_triton_backend_refuses_cpu_without_interpreter():
         r"Usable here: \['loop', 'torch'\]",
         out.stdout,
     ), out.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# Values of the wrong type or range, refused in one line naming the argument; valid edges computed
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        pytest.param(
+            lambda: moekit.grouped_mlp(torch.ones(8, 4, dtype=torch.int32), torch.ones(2, 8, 4, dtype=torch.int32),
+                                       torch.ones(2, 4, 4, dtype=torch.int32), [4, 4]),
+            TypeError, r"x is torch.int32, not a floating dtype", id="grouped_mlp-int32",
+        ),
+        pytest.param(lambda: moekit.swiglu(torch.ones(3, 8, dtype=torch.int64)), TypeError,
+                     r"h is torch.int64, not a floating dtype", id="swiglu-int64"),
+        pytest.param(lambda: moekit.glu(torch.ones(3, 8, dtype=torch.bool)), TypeError,
+                     r"h is torch.bool, not a floating dtype", id="glu-bool"),
+        pytest.param(lambda: moekit.grouped_linear(torch.ones(4, 8).to(torch.float8_e4m3fn),
+                                                   torch.ones(2, 4, 8).to(torch.float8_e4m3fn), [2, 2]),
+                     TypeError, r"x is torch.float8_e4m3fn, a float8 storage type", id="grouped_linear-float8"),
+        pytest.param(lambda: moekit.moe_experts(torch.ones(4, 8), torch.zeros(4, 2, dtype=torch.complex64),
+                                                torch.ones(4, 2), torch.ones(3, 16, 8), torch.ones(3, 8, 8)),
+                     TypeError, r"topk_ids must be an integer tensor, got torch.complex64", id="complex-ids"),
+        pytest.param(lambda: moekit.permute(torch.ones(4, 8), torch.zeros(4, 2, dtype=torch.int64), 3.5),
+                     TypeError, r"num_experts must be an int, got 3.5 \(float\)", id="permute-num_experts-float"),
+        pytest.param(lambda: moekit.permute(torch.ones(4, 8), torch.zeros(4, 2, dtype=torch.int64), True),
+                     TypeError, r"num_experts must be an int, got True \(bool\)", id="permute-num_experts-bool"),
+        pytest.param(lambda: moekit.permute(torch.ones(4, 8), torch.zeros(4, 2, dtype=torch.int64), None),
+                     TypeError, r"num_experts must be an int, got None", id="permute-num_experts-None"),
+        pytest.param(lambda: moekit.permute(torch.ones(4, 8), torch.zeros(4, 2, dtype=torch.int64), "3"),
+                     TypeError, r"num_experts must be an int, got '3' \(str\)", id="permute-num_experts-str"),
+        pytest.param(lambda: moekit.grouped_linear([[1.0] * 8] * 4, torch.ones(2, 4, 8), [2, 2]), TypeError,
+                     r"x must be a torch.Tensor, got list", id="x-list"),
+        pytest.param(lambda: moekit.grouped_mlp(torch.ones(4, 8), torch.ones(2, 8, 8), torch.ones(2, 8, 4), [2, 2],
+                                                probs=[0.5] * 4),
+                     TypeError, r"probs must be a torch.Tensor, got list", id="probs-list"),
+        pytest.param(lambda: moekit.grouped_linear(torch.ones(4, 8), torch.ones(2, 4, 8), [2, 2],
+                                                   torch.ones(2, 4), bias_scale=[1.0] * 4),
+                     TypeError, r"bias_scale must be a torch.Tensor, got list", id="bias_scale-list"),
+        pytest.param(lambda: moekit.grouped_linear(torch.ones(4, 8), torch.ones(2, 4, 8).numpy(), [2, 2]),
+                     TypeError, r"weight must be a torch.Tensor, got ndarray", id="weight-numpy"),
+        pytest.param(lambda: moekit.grouped_linear(torch.ones(4, 8), torch.ones(2, 4, 8), [2, 2],
+                                                   torch.ones(2, 4), bias_scale=torch.ones(4, device="meta")),
+                     ValueError, r"bias_scale is on meta but x is on cpu", id="bias_scale-device"),
+        pytest.param(lambda: moekit.GroupedTensor.empty(-1, (4, 5)), ValueError,
+                     r"num_tensors must be an int >= 0, got -1", id="grouped_tensor-negative"),
+        pytest.param(lambda: moekit.GroupedTensor.empty(2, (4, -5)), ValueError,
+                     r"each dimension of shape must be an int >= 0, got -5", id="grouped_tensor-negative-dim"),
+    ],
+)  # fmt: skip
+def test_wrong_types_and_ranges_are_refused_in_one_line(call, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_zero_width_input_gives_the_right_zeros():
+    """A 0-feature input: every backend that runs gives (rows, out) zeros (and zero gradients) where torch's
+    grouped_mm would reject the strides; "auto" picks a backend that runs."""
+    x = torch.randn(10, 0, requires_grad=True)
+    w = torch.randn(3, 16, 0, requires_grad=True)
+    y = moekit.grouped_linear(x, w, [3, 3, 4])
+    assert y.shape == (10, 16) and torch.equal(y, torch.zeros(10, 16))
+    y.sum().backward()
+    assert x.grad.shape == (10, 0) and w.grad.shape == (3, 16, 0)
+    with pytest.raises(ValueError, match=r"backend='torch' cannot run here: .*non-zero multiple"):
+        moekit.grouped_linear(x, w, [3, 3, 4], backend="torch")

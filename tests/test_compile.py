@@ -20,9 +20,9 @@ import torch
 
 import moekit
 from helpers import rel_err, tolerance_floor
-from moekit.ops.grouped_linear import _BACKENDS
+from moekit.ops.runtime.backends import backend_named
 
-TRITON_OK = _BACKENDS["triton"].unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
+TRITON_OK = backend_named("triton").unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
 BACKENDS = [
     "loop",
     "torch",

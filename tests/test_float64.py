@@ -38,7 +38,7 @@ def test_gradcheck_grouped_linear_loop_with_bias():
 
 
 def test_gradcheck_swiglu():
-    assert gradcheck(lambda h, p: moekit.swiglu(h, probs=p), (_t(4, 8, seed=6), _t(4, seed=7, positive=True)))
+    assert gradcheck(lambda h, p: moekit.glu(h, probs=p), (_t(4, 8, seed=6), _t(4, seed=7, positive=True)))
 
 
 def test_gradcheck_unpermute():

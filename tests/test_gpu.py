@@ -14,7 +14,8 @@ import torch
 
 import moekit
 from helpers import assert_no_nan, check_against_reference, rand, rel_err, torch_grouped_linear, torch_grouped_mlp
-from moekit.ops.grouped_linear import select_backend
+from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.runtime.backends import select_backend
 from moekit.reference import grouped_linear_reference, grouped_mlp_reference
 
 pytestmark = [
@@ -240,11 +241,11 @@ def test_torch_grouped_mm_wgrad_writes_zeros_for_empty_experts():
 
 
 def _torch_backend_wgrad(dy, x, counts):
-    from moekit._splits import resolve_splits
+    from moekit.ops.splits import resolve_splits
 
     impl = select_backend("torch", x, torch.empty(1, dy.shape[1], x.shape[1], device=CUDA, dtype=BF16))
     go = resolve_splits(torch.tensor(counts, device=CUDA), len(counts), x.shape[0], CUDA)
-    return impl.wgrad(dy, x, go, len(counts))
+    return impl.wgrad(dy, x, go)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -472,7 +473,7 @@ def test_moe_experts_holds_less_than_the_sorted_copy_of_x():
 
 
 @pytest.mark.parametrize("interleave", [None, 1, 4, 256], ids=["gate|up", "k1", "k4", "k256"])
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_grouped_mlp_triton_fused_layouts_bf16(activation, interleave, nan_poison):
     _require_backend("triton", H, 2 * F)
     m_splits = [0, 700, 512, 0, 900, 333, 1100, 0]

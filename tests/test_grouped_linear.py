@@ -25,8 +25,9 @@ from helpers import (
     splits_as,
     torch_grouped_linear,
 )
-from moekit._splits import _device_splits
-from moekit.ops.grouped_linear import packed_view, select_backend
+from moekit.ops.grouped_linear import packed_view
+from moekit.ops.runtime.backends import select_backend
+from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference
 
 IN, OUT = 16, 32  # multiples of 8: torch's CPU grouped_mm runs them in fp32 and bf16
@@ -143,7 +144,7 @@ def test_m_splits_forms_agree(backend, kind):
 def test_device_offsets_path(backend, m_splits, rows, nan_poison):
     """Offsets the host does not know (what device m_splits become) give the host path's results;
     the torch backend then zeroes padding rows without reading the offsets on the host."""
-    go = _device_splits(torch.tensor(m_splits, dtype=torch.int32), 4, rows, torch.device("cpu"))
+    go = device_offsets(torch.tensor(m_splits, dtype=torch.int32), 4, rows, torch.device("cpu"))
     assert go.host is None
     x = rand(rows, IN, seed=16).requires_grad_()
     w, b = rand(4, OUT, IN, seed=17).requires_grad_(), rand(4, OUT, seed=18).requires_grad_()
@@ -486,10 +487,10 @@ def test_zero_rows_from_kernel(rows, cols, end, dtype):
     nothing else: the rows before `end` keep their NaN poison, so a kernel that touched them (or a
     whole-tensor pass) would show here as zeros, and an unwritten padding row as NaN."""
     pytest.importorskip("triton")
-    from moekit.ops.grouped_linear import _zero_rows_from
+    from moekit.ops.runtime.rows import zero_rows_from
 
     t = nan_like(torch.zeros(rows, cols, dtype=dtype))
-    assert _zero_rows_from(t, torch.tensor([end]))
+    assert zero_rows_from(t, torch.tensor([end])) is t
     assert torch.isnan(t[:end]).all()
     assert torch.equal(t[end:], torch.zeros(rows - end, cols, dtype=dtype))
 
@@ -497,11 +498,11 @@ def test_zero_rows_from_kernel(rows, cols, end, dtype):
 def test_zero_rows_from_kernel_respects_the_row_stride():
     """A row-major view with a wider row stride (a column slice): columns outside it stay untouched."""
     pytest.importorskip("triton")
-    from moekit.ops.grouped_linear import _zero_rows_from
+    from moekit.ops.runtime.rows import zero_rows_from
 
     base = nan_like(torch.zeros(70, 150))
     view = base[:, 10:140]
-    assert _zero_rows_from(view, torch.tensor([33]))
+    assert zero_rows_from(view, torch.tensor([33])) is view
     assert torch.equal(view[33:], torch.zeros(37, 130))
     assert torch.isnan(view[:33]).all() and torch.isnan(base[:, :10]).all() and torch.isnan(base[:, 140:]).all()
 
@@ -516,7 +517,7 @@ def test_torch_backend_device_splits_zero_padding_on_cuda(rows, used):
     """CUDA, device splits: forward and dgrad padding rows are exact zeros (grouped_mm leaves them
     unwritten), the real rows match host splits bit for bit, and the kernel alone, given a NaN
     buffer, writes exactly the padding rows."""
-    from moekit.ops.grouped_linear import _zero_rows_from
+    from moekit.ops.runtime.rows import zero_rows_from
 
     dev = torch.device("cuda")
     counts = [used // 4] * 3 + [used - 3 * (used // 4)]
@@ -532,5 +533,5 @@ def test_torch_backend_device_splits_zero_padding_on_cuda(rows, used):
     assert torch.equal(outs[0][0][used:], torch.zeros_like(outs[0][0][used:]))
     assert torch.equal(outs[0][1][used:], torch.zeros_like(outs[0][1][used:]))
     t = torch.full((rows, 512), float("nan"), device=dev, dtype=torch.bfloat16)
-    assert _zero_rows_from(t, torch.tensor([used], device=dev))
+    assert zero_rows_from(t, torch.tensor([used], device=dev)) is t
     assert torch.isnan(t[:used]).all() and torch.equal(t[used:], torch.zeros_like(t[used:]))

@@ -24,7 +24,8 @@ from helpers import (
     splits_as,
     torch_grouped_mlp,
 )
-from moekit._splits import _device_splits
+from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_mlp_reference
 
 H, F = 16, 16  # 2F = 32: torch's CPU grouped_mm runs every GEMM of the MLP in fp32 and bf16
@@ -82,7 +83,7 @@ def test_matches_reference(backend, dtype, extras, m_splits, rows, nan_poison):
 
 
 @pytest.mark.parametrize("k", [None, 1, 2, F], ids=lambda k: f"k={k}")
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_activations_and_interleave_match_reference(backend, dtype, activation, k):
@@ -92,7 +93,7 @@ def test_activations_and_interleave_match_reference(backend, dtype, activation, 
     check_against_reference(*_fns(m_splits, backend, activation=activation, glu_interleave_size=k), inputs, dtype)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_reference_is_independent_float64(activation):
     m_splits, rows = [3, 0, 4, 2], 11
     d = {k: v.double() for k, v in _inputs(4, rows, probs=True, bias=True, seed=20).items()}
@@ -364,7 +365,7 @@ def test_device_offsets_path(backend, nan_poison):
     """Offsets the host does not know (what device m_splits become on CUDA) give the host path's results,
     padding rows included."""
     m_splits, rows = [3, 0, 4, 1], 10
-    go = _device_splits(torch.tensor(m_splits), 4, rows, torch.device("cpu"))
+    go = device_offsets(torch.tensor(m_splits), 4, rows, torch.device("cpu"))
     assert go.host is None
     d = _inputs(4, rows, probs=True, bias=True, seed=80)
     dy = rand(rows, H, seed=81)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import moekit
-from helpers import BACKENDS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand, torch_swiglu
+from helpers import BACKENDS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand, torch_glu
 from moekit.ops import moe_experts as moe_experts_module
-from moekit.ops.grouped_linear import select_backend
+from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.runtime.backends import select_backend
 from moekit.reference import grouped_mlp_reference, moe_experts_reference, unpermute_reference
 
 H, F = 16, 24
@@ -50,7 +51,7 @@ def torch_moe_experts(
         h = x[tokens] @ fc1_weight[e].t()
         if fc1_bias is not None:
             h = h + fc1_bias[e]
-        a = torch_swiglu(h, probs=p, activation=activation, glu_interleave_size=glu_interleave_size)
+        a = torch_glu(h, probs=p, activation=activation, glu_interleave_size=glu_interleave_size)
         y = a @ fc2_weight[e].t()
         if fc2_bias is not None:
             y = y + fc2_bias[e] * p[:, None]
@@ -117,7 +118,7 @@ def test_matches_reference(backend, dtype, bias, nan_poison):
 
 
 @pytest.mark.parametrize("glu_interleave_size", [None, 1, 4, 24], ids=lambda k: f"interleave-{k}")
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activations_and_interleave_sizes(activation, glu_interleave_size, nan_poison):
     inputs = make_inputs(20, 5, 3, bias=True, seed=3)
     # Large enough pre-activations that clamped_swiglu's limits (|h| > 7) are reached.
@@ -234,13 +235,24 @@ def test_move_rows_backward_is_differentiable():
     rows_of_token = torch.tensor([[1, 4], [0, 3], [2, 5]])  # token -> its two rows
     tokens = torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     rows = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
-    move = moe_experts_module._MoveRowsFn.apply
+    from moekit.ops.rows import move_rows as move
+
     for fn, arg in (
         (lambda t: move(t, token_of_row, rows_of_token, False), tokens),
         (lambda t: move(t, rows_of_token, token_of_row, False), rows),
     ):
         torch.autograd.gradcheck(fn, (arg,))
         torch.autograd.gradgradcheck(lambda t, fn=fn: fn(t) ** 2, (arg,))
+    # Weighted combine (unpermute's): the weights get their gradient too, the backward moves the rows
+    # with the weights in the transposed map's order.
+    weights = torch.rand(3, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    copy_of_row = torch.tensor([2, 0, 4, 3, 1, 5])  # rows_of_token's inverse: row -> t*2 + k
+
+    def combine(t, w):
+        return move(t, rows_of_token, token_of_row, False, w, w.reshape(-1)[copy_of_row][:, None])
+
+    torch.autograd.gradcheck(combine, (rows, weights))
+    torch.autograd.gradgradcheck(lambda t, w: combine(t, w) ** 2, (rows, weights))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +277,9 @@ def test_sum_rows_kernel_matches_torch(num_out, per_out, width):
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(11, width, generator=gen)
     index = torch.randint(0, 11, (num_out, per_out), generator=gen)
-    got = moe_experts_module._sum_rows_triton(src, index)
+    from moekit.ops.runtime.rows import gather_sum_rows
+
+    got = gather_sum_rows(src, index)
     expected = src.double()[index].sum(1)
     assert got.dtype == src.dtype
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
@@ -311,14 +325,14 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
     """Composition path (torch backend): x_sorted (M x H, K times x) is freed after the forward; the
     backward gathers it again through moe_experts' saved-tensor hooks."""
     made = []
-    original = moe_experts_module._MoveRowsFn.apply
+    original = moe_experts_module.move_rows
 
     def remember(*args):
         out = original(*args)
         made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(moe_experts_module._MoveRowsFn, "apply", remember)
+    monkeypatch.setattr(moe_experts_module, "move_rows", remember)
     leaves = _leaves(make_inputs(16, 4, 2, seed=14))
     y = moekit.moe_experts(**leaves, backend="torch")
     gc.collect()
@@ -342,7 +356,7 @@ def test_fused_layer_saves_no_row_sized_copy_of_x():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = moekit.moe_experts(**leaves, backend="triton")
-    assert type(y.grad_fn).__name__ == "_ExpertsFc2FnBackward"
+    assert type(y.grad_fn).__name__ == "_Fc2NodeBackward"
     shapes = [tuple(t.shape) for t in saved]
     assert (num_tokens * top_k, H) not in shapes, shapes
     assert any(t is leaves["x"] for t in saved), "x itself is what the backward gathers again"
@@ -403,8 +417,8 @@ def test_modifying_x_in_place_before_backward_raises(backend):
 
 
 BAD_INPUTS = [
-    pytest.param(lambda i: {"x": i["x"][0]}, ValueError, "x must be a 2-D floating", id="x-1d"),
-    pytest.param(lambda i: {"x": i["x"].long()}, ValueError, "x must be a 2-D floating", id="x-int"),
+    pytest.param(lambda i: {"x": i["x"][0]}, ValueError, r"x must be 2-D \(tokens, hidden\)", id="x-1d"),
+    pytest.param(lambda i: {"x": i["x"].long()}, TypeError, "x is torch.int64, not a floating dtype", id="x-int"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"].float()}, TypeError, "integer", id="ids-float"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"] > 0}, TypeError, "integer", id="ids-bool"),
     pytest.param(lambda i: {"topk_ids": i["topk_ids"][:5]}, ValueError, "tokens = 6", id="ids-rows"),

@@ -1,7 +1,7 @@
 """moe_experts' fused layer (triton backend) holding h for its first sorted rows only and computing
 the others' h again in the backward: the same bits as holding it whole, against the float64
 reference, what the layer holds between forward and backward (the memory contract), and the policy
-`_held_h_rows`.
+`held_h_rows`.
 
 Legend: T tokens, K experts per token, M = T*K routed rows, N experts, H hidden size, F ffn size.
 """
@@ -17,13 +17,15 @@ from test_moe_experts import _require_triton, check, make_inputs
 
 from helpers import rand
 from moekit.ops import moe_experts as moe_experts_module
-from moekit.ops.routing import route
+from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.grouped_mlp import ExpertRoute, FusedSpec, fused_mlp
+from moekit.ops.routing import sort_by_expert
 from moekit.reference import moe_experts_reference
 
 
 def _hold(monkeypatch, kept_of_rows):
     """Make the layer hold h for kept_of_rows(M) rows."""
-    monkeypatch.setattr(moe_experts_module, "_held_h_rows", lambda rows, *_: kept_of_rows(rows))
+    monkeypatch.setattr(moe_experts_module, "held_h_rows", lambda rows, *_: kept_of_rows(rows))
 
 
 def _assert_equal(split: dict, whole: dict) -> None:
@@ -62,10 +64,10 @@ def _inputs(seed: int, dropped: int = 0) -> dict:
 
 
 def test_cpu_tile_rows():
-    from moekit.ops import grouped_mlp as gm
+    from moekit.ops.runtime.configs import glu_candidates
 
     for kernel in ("fwd", "bwd"):
-        assert gm._glu_candidates(kernel, torch.float32, 24, 24, True)[0].block_rows == TILE_ROWS
+        assert glu_candidates(kernel, torch.float32, 24, 24, True, "interpreter")[0].block_rows == TILE_ROWS
 
 
 @pytest.mark.parametrize("kept", CPU_SPLITS)
@@ -79,7 +81,7 @@ def test_split_is_bit_identical_and_matches_reference(kept, monkeypatch, nan_poi
 
 
 @pytest.mark.parametrize("glu_interleave_size", [None, 4], ids=lambda k: f"interleave-{k}")
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_split_activations_and_interleave(activation, glu_interleave_size, monkeypatch, nan_poison):
     _require_triton()
     inputs = _inputs(seed=22)
@@ -127,18 +129,22 @@ def _fused_run(inputs: dict, dy: torch.Tensor) -> dict:
     """The fused layer's two nodes on a routing the public op refuses on the CPU: ids >= N (dropped
     copies), which sort past offs[N] into padding rows."""
     leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
-    routing = route(leaves["topk_ids"], EXPERTS, use_triton=True)
-    y = moe_experts_module._fused_experts(
-        leaves["x"],
+    order = sort_by_expert(leaves["topk_ids"], EXPERTS, use_triton=True)
+    x = leaves["x"]
+    rows, ffn = order.token_of_row.shape[0], leaves["fc2_weight"].shape[2]
+    kept = moe_experts_module.held_h_rows(rows, x.shape[1], ffn, x.element_size(), 24)
+    spec = FusedSpec("triton", None, "swiglu", 1, 1)
+    y = fused_mlp(
+        spec,
+        order.offs,
+        ExpertRoute.of(order, True),
+        kept,
+        x,
         leaves["topk_weights"],
-        routing,
-        leaves["fc1_weight"],
-        leaves["fc2_weight"],
-        leaves["fc1_bias"],
-        leaves["fc2_bias"],
-        "swiglu",
-        None,
-        "triton",
+        [leaves["fc1_weight"]],
+        [leaves["fc1_bias"]],
+        [leaves["fc2_weight"]],
+        [leaves["fc2_bias"]],
     )
     y.backward(dy)
     return {"out": y.detach(), **{k: v.grad for k, v in leaves.items() if v.is_floating_point()}}
@@ -197,7 +203,7 @@ def test_held_memory_meets_the_contract(monkeypatch):
     within the bar, and frees it in the backward. Without the spare bytes (they cover the CUDA
     allocator's rounding, which a count of saved storages does not see): the count per row is exact."""
     _require_triton()
-    monkeypatch.setattr(moe_experts_module, "_HELD_SPARE_BYTES", 0)
+    monkeypatch.setattr(moe_experts_module, "HELD_SPARE_BYTES", 0)
     num_tokens, top_k, hidden, ffn = 40, 2, 16, 64
     rows = num_tokens * top_k
     inputs = make_inputs(num_tokens, 4, top_k, hidden=hidden, ffn=ffn, bias=True, seed=25)
@@ -230,7 +236,7 @@ def test_h_held_whole_where_it_fits():
 def test_no_grad_holds_nothing_and_splits_nothing(monkeypatch):
     _require_triton()
     calls = []
-    monkeypatch.setattr(moe_experts_module, "_held_h_rows", lambda rows, *_: calls.append(rows) or 0)
+    monkeypatch.setattr(moe_experts_module, "held_h_rows", lambda rows, *_: calls.append(rows) or 0)
     with torch.no_grad():
         moe_experts_module.moe_experts(**make_inputs(8, 4, 2, hidden=16, ffn=64, seed=28), backend="triton")
     assert calls == []
@@ -252,13 +258,13 @@ def test_policy_at_mixtral():
     rows, hidden, ffn = 16384 * 2, 4096, 14336
     plain = _plain_bytes(rows, hidden, ffn, 2)
     assert plain == 4_563_402_752
-    kept = moe_experts_module._held_h_rows(rows, hidden, ffn, 2, META_BF16)
+    kept = moe_experts_module.held_h_rows(rows, hidden, ffn, 2, META_BF16)
     assert kept < rows
     held = kept * 2 * ffn * 2 + rows * META_BF16
     assert held <= 0.4 * plain
     assert (rows - kept) / rows < 0.035
     # The most rows that fit with the spare bytes: one row more would not.
-    assert held + moe_experts_module._HELD_SPARE_BYTES + 2 * ffn * 2 > 0.4 * plain
+    assert held + moe_experts_module.HELD_SPARE_BYTES + 2 * ffn * 2 > 0.4 * plain
 
 
 @pytest.mark.parametrize(
@@ -268,11 +274,11 @@ def test_policy_at_mixtral():
 )
 @pytest.mark.parametrize("rows", [1, 7, 131072])
 def test_policy_holds_h_whole_up_to_about_3h(rows, hidden, ffn):
-    assert moe_experts_module._held_h_rows(rows, hidden, ffn, 2, META_BF16) == rows
+    assert moe_experts_module.held_h_rows(rows, hidden, ffn, 2, META_BF16) == rows
 
 
 def test_policy_edges():
-    held_h_rows = moe_experts_module._held_h_rows
+    held_h_rows = moe_experts_module.held_h_rows
     assert held_h_rows(0, 16, 64, 4, 20) == 0
     assert held_h_rows(10, 16, 0, 4, 20) == 10  # no h
     assert held_h_rows(10, 1, 1000, 4, 20) == 0  # too little room for a row after the spare bytes
@@ -298,7 +304,7 @@ def _gpu_run(inputs: dict, dy: torch.Tensor, **kw) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("glu_interleave_size", [None, 128], ids=lambda k: f"interleave-{k}")
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_split_anywhere_is_bit_identical_on_gpu(activation, glu_interleave_size, monkeypatch):
     rows = GPU_T * GPU_K
     inputs = make_inputs(GPU_T, GPU_N, GPU_K, hidden=512, ffn=1024, bias=True, experts=[1, 2, 3, 5, 6], seed=30)

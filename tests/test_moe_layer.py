@@ -15,7 +15,7 @@ from helpers import (
     check_against_reference,
     rand,
     rel_err,
-    torch_swiglu,
+    torch_glu,
 )
 
 H, F, N = 16, 16, 4
@@ -51,7 +51,7 @@ def torch_moe(
     h = torch.einsum("tkoh,th->tko", fc1_weight[ids], x_TH)
     if fc1_bias is not None:
         h = h + fc1_bias[ids]
-    a = torch_swiglu(h.reshape(-1, h.shape[-1]), activation=activation, glu_interleave_size=glu_interleave_size)
+    a = torch_glu(h.reshape(-1, h.shape[-1]), activation=activation, glu_interleave_size=glu_interleave_size)
     y = torch.einsum("tkhf,tkf->tkh", fc2_weight[ids], a.reshape(*ids.shape, -1))
     if fc2_bias is not None:
         y = y + fc2_bias[ids]

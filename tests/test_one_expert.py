@@ -8,13 +8,13 @@ import torch
 
 import moekit
 from helpers import check_against_reference, rand, torch_grouped_linear
-from moekit.ops.grouped_linear import _BACKENDS
+from moekit.ops.runtime.backends import backend_named
 from moekit.reference import grouped_linear_reference
 
 RUNNABLE = [
     b
     for b in ("loop", "torch", "triton")
-    if _BACKENDS[b].unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
+    if backend_named(b).unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
 ]
 
 

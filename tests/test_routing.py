@@ -1,4 +1,4 @@
-"""moekit.ops.routing.route against a plain Python rule: offsets, stable order, inverse, tokens; the
+"""moekit.ops.routing.sort_by_expert against a plain Python rule: offsets, stable order, inverse, tokens; the
 Triton path (three kernels; on CPU under the interpreter) against the same rule and, bit for bit,
 against the torch path, on the chunk layouts of its counting sort and on undefined ids."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.ops.routing import Routing, _chunk_rows, _triton_routing, route
+from moekit.ops.routing import ExpertOrder, sort_by_expert
+from moekit.ops.runtime.configs import ROUTING_TILES
+from moekit.ops.runtime.routing import chunk_rows
 
 # The Triton path runs on CUDA, or on CPU under the interpreter (the root conftest sets it there).
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -22,11 +24,11 @@ CASES = {
 }
 
 
-def _route(ids: torch.Tensor, num_experts: int, use_triton: bool) -> Routing:
+def _route(ids: torch.Tensor, num_experts: int, use_triton: bool) -> ExpertOrder:
     if not use_triton:
-        return route(ids, num_experts)
-    routing = route(ids.to(TRITON_DEVICE), num_experts, use_triton=True)
-    return Routing(*(t.cpu() for t in routing))
+        return sort_by_expert(ids, num_experts)
+    routing = sort_by_expert(ids.to(TRITON_DEVICE), num_experts, use_triton=True)
+    return ExpertOrder(*(t.cpu() for t in routing))
 
 
 def _python_rule(flat: list[int], num_experts: int, top_k: int) -> dict[str, list[int]]:
@@ -41,14 +43,14 @@ def _python_rule(flat: list[int], num_experts: int, top_k: int) -> dict[str, lis
     return {"offs": offs, "order": order, "inverse": inverse, "token_of_row": [c // top_k for c in order]}
 
 
-def _assert_routing(routing: Routing, ids: torch.Tensor, num_experts: int) -> None:
+def _assert_routing(routing: ExpertOrder, ids: torch.Tensor, num_experts: int) -> None:
     expected = _python_rule(ids.reshape(-1).tolist(), num_experts, ids.shape[1])
     assert routing.offs.tolist() == expected["offs"]
-    assert routing.order.view(-1).tolist() == expected["order"]
-    assert routing.inverse.reshape(-1).tolist() == expected["inverse"]
+    assert routing.copy_of_row.view(-1).tolist() == expected["order"]
+    assert routing.row_map.reshape(-1).tolist() == expected["inverse"]
     assert routing.token_of_row.view(-1).tolist() == expected["token_of_row"]
-    assert routing.offs.shape == (num_experts + 1,) and routing.inverse.shape == ids.shape
-    assert routing.order.shape == routing.token_of_row.shape == (ids.numel(), 1)
+    assert routing.offs.shape == (num_experts + 1,) and routing.row_map.shape == ids.shape
+    assert routing.copy_of_row.shape == routing.token_of_row.shape == (ids.numel(), 1)
     for t in routing:
         assert t.dtype == torch.int64
 
@@ -58,7 +60,7 @@ def _assert_paths_equal(ids: torch.Tensor, num_experts: int) -> None:
     torch_path = _route(ids, num_experts, False)
     triton_path = _route(ids, num_experts, True)
     _assert_routing(torch_path, ids, num_experts)
-    for name, ours, theirs in zip(Routing._fields, triton_path, torch_path, strict=True):
+    for name, ours, theirs in zip(ExpertOrder._fields, triton_path, torch_path, strict=True):
         assert torch.equal(ours, theirs), name
 
 
@@ -75,14 +77,14 @@ def test_route_matches_python_rule(case, use_triton, nan_poison):
     offs = [sum(1 for e in flat if e < j) for j in range(num_experts + 1)]
     assert routing.offs.tolist() == offs
     assert routing.counts().tolist() == [offs[e + 1] - offs[e] for e in range(num_experts)]
-    assert routing.order.view(-1).tolist() == order
+    assert routing.copy_of_row.view(-1).tolist() == order
     assert routing.token_of_row.view(-1).tolist() == [c // top_k for c in order]
     inverse = [0] * len(flat)
     for row, copy in enumerate(order):
         inverse[copy] = row
-    assert routing.inverse.reshape(-1).tolist() == inverse
-    assert routing.inverse.shape == ids.shape
-    for t in (routing.offs, routing.order, routing.inverse, routing.token_of_row):
+    assert routing.row_map.reshape(-1).tolist() == inverse
+    assert routing.row_map.shape == ids.shape
+    for t in (routing.offs, routing.copy_of_row, routing.row_map, routing.token_of_row):
         assert t.dtype == torch.int64
 
 
@@ -92,7 +94,7 @@ def test_route_ids_past_the_experts_are_padding_rows(use_triton):
     expert's rows), negative ids fall in expert 0's rows."""
     routing = _route(torch.tensor([[5, 0], [1, -1]]), 2, use_triton)
     assert routing.offs.tolist() == [0, 2, 3]
-    assert routing.order.view(-1).tolist() == [3, 1, 2, 0]
+    assert routing.copy_of_row.view(-1).tolist() == [3, 1, 2, 0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,10 +108,10 @@ LAYOUTS = ("inside-one-chunk", "one-full-chunk", "ragged-chunks")
 def _tokens_for(layout: str, top_k: int) -> int:
     """A token count whose T*K rows fall in `layout` of the Triton path's chunking: fewer rows than
     one chunk, exactly one chunk, or three chunks or more of several sub-blocks with a ragged last."""
-    config = _triton_routing()
+    config = ROUTING_TILES["interpreter"]
     for tokens in range(1, 1 << 17):
         rows = tokens * top_k
-        chunk = _chunk_rows(rows, config)
+        chunk = chunk_rows(rows, config)
         chunks = -(-rows // chunk)
         if (
             (layout == "inside-one-chunk" and rows < chunk)
@@ -203,11 +205,11 @@ def test_triton_route_no_experts_and_empty_top_k(nan_poison):
 
 def test_triton_route_refuses_what_it_cannot_route():
     with pytest.raises(ValueError, match=r"\(tokens, top_k\)"):
-        route(torch.zeros(6, dtype=torch.int64, device=TRITON_DEVICE), 3, use_triton=True)
-    with pytest.raises(TypeError, match="int8, int16, int32, int64 or uint8"):
-        route(torch.zeros(2, 2, device=TRITON_DEVICE), 3, use_triton=True)
-    with pytest.raises(ValueError, match="num_experts must be >= 0"):
-        route(torch.zeros(2, 2, dtype=torch.int64, device=TRITON_DEVICE), -1, use_triton=True)
+        sort_by_expert(torch.zeros(6, dtype=torch.int64, device=TRITON_DEVICE), 3, use_triton=True)
+    with pytest.raises(TypeError, match="topk_ids must be an integer tensor"):
+        sort_by_expert(torch.zeros(2, 2, device=TRITON_DEVICE), 3, use_triton=True)
+    with pytest.raises(ValueError, match="num_experts must be an int >= 0"):
+        sort_by_expert(torch.zeros(2, 2, dtype=torch.int64, device=TRITON_DEVICE), -1, use_triton=True)
 
 
 def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
@@ -215,7 +217,7 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
     (each costs host time, and none may read a device value)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moekit.ops import routing
+    from moekit.ops.runtime import routing
 
     launched = []
 
@@ -227,7 +229,7 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
             return lambda *args, **kwargs: launched.append(self.name)
 
     class CountingLauncher:  # what routing's launch plans use of a Launcher
-        _direct = False
+        direct = False
 
         def __init__(self, name):
             self.kernel = CountingKernel(name)
@@ -237,14 +239,14 @@ def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):
             ops.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    config = routing._triton_routing()._replace(
-        histogram=CountingLauncher("histogram"), scan=CountingLauncher("scan"), scatter=CountingLauncher("scatter")
+    counting = routing.RoutingLaunchers(
+        CountingLauncher("histogram"), CountingLauncher("scan"), CountingLauncher("scatter")
     )
-    monkeypatch.setattr(routing, "_triton_routing", lambda: config)
+    monkeypatch.setattr(routing, "LAUNCHERS", counting)
     ids = torch.randint(0, 8, (64, 4), device=TRITON_DEVICE)
     ops = []
     with RecordOps():
-        route(ids, 8, use_triton=True)
+        sort_by_expert(ids, 8, use_triton=True)
     assert launched == ["histogram", "scan", "scatter"]
     assert ops and set(ops) == {"empty.memory_format"}, ops
 
@@ -266,14 +268,14 @@ def test_triton_route_on_gpu_equals_torch_path(tokens, top_k, num_experts, dtype
     # Skewed: experts drawn with random weights, so some are empty and some are crowded.
     weights = torch.rand(num_experts, device="cuda", generator=gen) ** 4
     ids = torch.multinomial(weights, tokens * top_k, replacement=True, generator=gen).view(tokens, top_k).to(dtype)
-    expected = route(ids, num_experts)
+    expected = sort_by_expert(ids, num_experts)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ours = route(ids, num_experts, use_triton=True)
+        ours = sort_by_expert(ids, num_experts, use_triton=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for name, a, b in zip(Routing._fields, ours, expected, strict=True):
+    for name, a, b in zip(ExpertOrder._fields, ours, expected, strict=True):
         assert torch.equal(a, b), name
 
 
@@ -284,8 +286,10 @@ def test_triton_route_on_gpu_undefined_ids_equal_torch_path():
     tokens, top_k, num_experts = 8192, 8, 64
     ids = torch.randint(-3, num_experts + 3, (tokens, top_k), device="cuda", generator=gen)
     for candidate in (ids, torch.where(ids < 0, -1, torch.where(ids >= num_experts, num_experts, ids))):
-        expected = route(candidate, num_experts)
-        for name, a, b in zip(Routing._fields, route(candidate, num_experts, use_triton=True), expected, strict=True):
+        expected = sort_by_expert(candidate, num_experts)
+        for name, a, b in zip(
+            ExpertOrder._fields, sort_by_expert(candidate, num_experts, use_triton=True), expected, strict=True
+        ):
             assert torch.equal(a, b), name
 
 
@@ -296,8 +300,8 @@ def test_triton_route_on_gpu_narrow_and_strided_ids(dtype):
     gen = torch.Generator(device="cuda").manual_seed(2)
     ids = torch.randint(0, 100, (3000, 6), device="cuda", generator=gen).to(dtype)
     for view in (ids, ids.t(), ids[::3, 1:5]):
-        expected = route(view, 100)
-        for name, a, b in zip(Routing._fields, route(view, 100, use_triton=True), expected, strict=True):
+        expected = sort_by_expert(view, 100)
+        for name, a, b in zip(ExpertOrder._fields, sort_by_expert(view, 100, use_triton=True), expected, strict=True):
             assert torch.equal(a, b), name
 
 
@@ -310,11 +314,11 @@ def test_triton_route_cuda_graph_replays_with_new_ids():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        route(static_ids, num_experts, use_triton=True)  # compiles and warms the launchers
+        sort_by_expert(static_ids, num_experts, use_triton=True)  # compiles and warms the launchers
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = route(static_ids, num_experts, use_triton=True)
+        static_out = sort_by_expert(static_ids, num_experts, use_triton=True)
     for seed in range(3):
         new_ids = torch.randint(
             0,
@@ -325,5 +329,5 @@ def test_triton_route_cuda_graph_replays_with_new_ids():
         )
         static_ids.copy_(new_ids)
         graph.replay()
-        for name, a, b in zip(Routing._fields, static_out, route(new_ids, num_experts), strict=True):
+        for name, a, b in zip(ExpertOrder._fields, static_out, sort_by_expert(new_ids, num_experts), strict=True):
             assert torch.equal(a, b), name

@@ -21,9 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-gg = pytest.importorskip("moekit.ops.grouped_gemm")
+gg = pytest.importorskip("moekit.ops.runtime.gemm")
+from moekit.ops.activations import ACTIVATIONS  # noqa: E402
+from moekit.ops.runtime import configs, launch  # noqa: E402
+from moekit.ops.runtime import glu as rglu  # noqa: E402
 
-ON_CPU = gg.triton_unavailable_reason("cpu", torch.float32) is None
+ON_CPU = launch.unavailable_reason("cpu", torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -94,13 +97,9 @@ def assert_close(out, ref64, torch_same_precision, dtype):
 
 
 @pytest.fixture
-def nan_outputs(monkeypatch):
-    """Every output the module allocates starts as NaN, so an element the kernels skip fails."""
-
-    def empty_nan(shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(gg, "_empty", empty_nan)
+def nan_outputs(nan_poison):
+    """Every output the runtime allocates (`launch.empty`, torch.empty) starts as NaN, so an element the
+    kernels skip fails."""
 
 
 def make_problem(M, N, O, I, splits, dtype, device, bias=False, scale=False, seed=0):
@@ -204,7 +203,7 @@ PATHS = [
 def test_interpreter_code_paths(use_tma, flatten, epi, nan_outputs):
     # 32 rows: whole K tiles and interior m-tiles (whole-tensor descriptors); 1 and 33 rows:
     # ragged groups (descriptors bounded at the group's end); rows 66..74: padding.
-    cfg = gg.GemmConfig(16, 32, 16, 2, 1, 4, flatten, epi)
+    cfg = configs.GemmConfig(16, 32, 16, 2, 1, 4, flatten, epi)
     check_all(75, 4, 48, 40, [0, 32, 1, 33], torch.float32, "cpu", True, True, cfg=cfg, use_tma=use_tma)
 
 
@@ -214,7 +213,7 @@ def test_interpreter_wgrad_ragged_tails(nan_outputs):
     # group descriptor) and the padding rows of x (NaN here) as zeros too (x's descriptor ends at
     # offs[N]). Six tiles per group over four programs: programs meet a group on consecutive tiles
     # (descriptor reuse). Groups: ragged, empty, whole K steps, one row, ragged into the padding.
-    cfg = gg.GemmConfig(16, 32, 16, 2, 1, 4, True, True)
+    cfg = configs.GemmConfig(16, 32, 16, 2, 1, 4, True, True)
     splits = [35, 0, 32, 1, 24]
     x, w, dy, _, _ = make_problem(100, 5, 96, 64, splits, torch.float32, "cpu", False, False)
     used = sum(splits)
@@ -230,7 +229,7 @@ def test_interpreter_wgrad_ragged_tails(nan_outputs):
 def test_interpreter_many_tiles_per_program(nan_outputs):
     # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
     # persistent schedule must visit every tile exactly once.
-    cfg = gg.GemmConfig(16, 16, 16, 2, 1, 4, True, True)
+    cfg = configs.GemmConfig(16, 16, 16, 2, 1, 4, True, True)
     check_all(130, 5, 40, 24, [17, 0, 50, 33, 9], torch.float32, "cpu", True, False, cfg=cfg, use_tma=True)
 
 
@@ -272,8 +271,8 @@ def test_bad_arguments():
             gg.grouped_gemm_forward(torch.randn(10, 7), w, torch.zeros(4, dtype=torch.int64))
         with pytest.raises(ValueError):
             gg.grouped_gemm_forward(x, w.double(), torch.zeros(4, dtype=torch.int64))
-    assert "int32" in gg.triton_unavailable_reason("cpu", torch.int32)
-    assert gg.triton_unavailable_reason("meta", torch.float32) is not None
+    assert "int32" in launch.unavailable_reason("cpu", torch.int32)
+    assert launch.unavailable_reason("meta", torch.float32) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +329,7 @@ def test_gpu_every_candidate(op, nan_outputs):
     }
     ref, run, n = products[op]
     ref64, ref_bf16 = ref(torch.float64), ref(torch.bfloat16)
-    for cfg in gg._candidates(op, torch.bfloat16, True, gg._capability(0), n):
+    for cfg in configs.gemm_candidates(op, torch.bfloat16, True, "sm90", n):
         out = run(cfg)
         if op == "wgrad":
             assert (out[1] == 0).all() and (out[7] == 0).all(), cfg
@@ -410,11 +409,10 @@ def test_gpu_no_host_sync():
 @cpu_only
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "ptr"])
 @pytest.mark.parametrize("interleave", [None, 2], ids=["gate|up", "k2"])
-def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
-    from moekit.ops import grouped_mlp as gm
-    from moekit.ops.swiglu import swiglu_reference
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_interpreter_glu_kernels(activation, use_tma, interleave, nan_poison):
+    from moekit.ops.glu import glu_reference
 
-    monkeypatch.setattr(gg, "_empty", lambda shape, device, dtype: torch.full(shape, float("nan"), dtype=dtype))
     splits, M, N, H, F = [9, 0, 14], 27, 3, 24, 40
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(M, H, generator=gen) * 3
@@ -426,15 +424,15 @@ def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
     x[23:], probs[23:], dy[23:] = float("nan"), float("nan"), float("nan")  # padding rows hold NaN
     offs = offs_of(splits, "cpu")
     used = sum(splits)
-    h, act = gm.glu_forward(x, w1, offs, b1, probs, interleave, "clamped_swiglu", use_tma=use_tma)
+    h, act = rglu.glu_forward(x, w1, offs, b1, probs, interleave, activation, use_tma=use_tma)
     h_ref = ref_forward(x[:used], w1, splits, b1)
     h64 = h[:used].double().requires_grad_()
     p64 = probs[:used].double().requires_grad_()
-    act_ref = swiglu_reference(h64, probs=p64, glu_interleave_size=interleave, activation="clamped_swiglu")
+    act_ref = glu_reference(h64, probs=p64, glu_interleave_size=interleave, activation=activation)
     assert rel_err(h[:used], h_ref) < 1e-6 and rel_err(act[:used], act_ref) < 1e-6
     assert not h[used:].any() and not act[used:].any(), "padding rows must be exact zeros"
 
-    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs, probs, interleave, "clamped_swiglu", use_tma=use_tma)
+    dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs, probs, interleave, activation, use_tma=use_tma)
     d_act = ref_dgrad(dy[:used], w2, splits)  # dA = dy @ w2[g]
     act_ref.backward(d_act)
     assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
@@ -445,14 +443,12 @@ def test_interpreter_glu_kernels(use_tma, interleave, monkeypatch):
 @cpu_only
 @pytest.mark.parametrize("interleave", [None, 8], ids=["gate|up", "k8"])
 @pytest.mark.parametrize("ffn", [64, 72], ids=["F64", "F72"])
-def test_interpreter_glu_backward_column_tiles(interleave, ffn, monkeypatch):
+def test_interpreter_glu_backward_column_tiles(interleave, ffn, nan_poison):
     """The backward's epilogue over several column tiles, each in four quarters with h loaded one
     quarter ahead and d probs summed over the quarters then over the tiles: F = 64 in four 16-column
     tiles, F = 72 with a last tile of 8 columns (its last quarters past F)."""
-    from moekit.ops import grouped_mlp as gm
-    from moekit.ops.swiglu import swiglu_reference
+    from moekit.ops.glu import glu_reference
 
-    monkeypatch.setattr(gg, "_empty", lambda shape, device, dtype: torch.full(shape, float("nan"), dtype=dtype))
     splits, M, N, H = [9, 0, 14], 27, 3, 24
     gen = torch.Generator().manual_seed(4)
     h = torch.randn(M, 2 * ffn, generator=gen) * 2
@@ -462,11 +458,11 @@ def test_interpreter_glu_backward_column_tiles(interleave, ffn, monkeypatch):
     used = sum(splits)
     h[used:] = 0.0  # the forward writes zeros to padding rows
     dy[used:], probs[used:] = float("nan"), float("nan")
-    cfg = gg.GemmConfig(16, 16, 16, 8, 1, 4, False)
-    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs_of(splits, "cpu"), probs, interleave, "swiglu", cfg=cfg)
+    cfg = configs.GemmConfig(16, 16, 16, 8, 1, 4, False)
+    dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs_of(splits, "cpu"), probs, interleave, "swiglu", cfg=cfg)
     h64 = h[:used].double().requires_grad_()
     p64 = probs[:used].double().requires_grad_()
-    act_ref = swiglu_reference(h64, probs=p64, glu_interleave_size=interleave, activation="swiglu")
+    act_ref = glu_reference(h64, probs=p64, glu_interleave_size=interleave, activation="swiglu")
     act_ref.backward(ref_dgrad(dy[:used], w2, splits))
     assert rel_err(dh[:used], h64.grad) < 1e-6 and rel_err(dprobs[:used], p64.grad) < 1e-6
     assert rel_err(act_p[:used], act_ref) < 1e-6
@@ -488,13 +484,13 @@ def test_launch_plans_are_per_layout(nan_outputs):
     offs = offs_of(splits, "cpu")
     dy_wide = torch.randn(M, 2 * O, generator=gen)
     dy_strided = dy_wide[:, ::2]
-    before = len(gg._PLANS)
+    before = launch.planned_count()
     for x in (contiguous, unaligned, column_major, contiguous, unaligned):
         assert rel_err(gg.grouped_gemm_forward(x, w, offs)[:14], ref_forward(x[:14], w, splits)) < 1e-6
     for dy in (dy_wide[:, :O], dy_strided, dy_wide[:, :O].contiguous()):
         dw_ref, _ = ref_wgrad(dy[:14], contiguous[:14], splits)
         assert rel_err(gg.grouped_gemm_wgrad(dy, contiguous, offs), dw_ref) < 1e-6
-    assert len(gg._PLANS) >= before + 3, "each forward layout is its own plan"
+    assert launch.planned_count() >= before + 3, "each forward layout is its own plan"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,15 +504,15 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekit.ops.grouped_mlp import WS_BACKWARD, WS_FORWARD
-from moekit.ops.grouped_mlp_hopper_kernels import glu_backward_ws_kernel, glu_forward_ws_kernel
-from moekit.ops.swiglu import ACTIVATIONS
+from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
+from moekit.ops.runtime.configs import WS_BACKWARD, WS_FORWARD
+from moekit.ops.runtime.glu import jit_pair
 
 kind, activation, glu_block, bias, probs = json.loads(sys.argv[1])
 kernel, config = (glu_forward_ws_kernel, WS_FORWARD) if kind == "forward" else (glu_backward_ws_kernel, WS_BACKWARD)
 options = {"num_warps": config["num_warps"], "maxnreg": config["maxnreg"]}
 const = {k: v for k, v in config.items() if k not in options}
-const.update(ACTIVATION=ACTIVATIONS.index(activation), GLU_BLOCK=glu_block, HAS_PROBS=probs,
+const.update(**jit_pair(activation), GLU_BLOCK=glu_block, HAS_PROBS=probs,
              BLOCK_GROUPS=256, NUM_PROGRAMS=132)
 if kind == "forward":
     const.update(HAS_BIAS=bias)
@@ -538,8 +534,19 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
         ("forward", "clamped_swiglu", 128, True, False, 16),
         ("backward", "swiglu", 14336, False, True, 12),
         ("backward", "clamped_swiglu", 128, False, False, 12),
+        ("forward", "geglu", 2048, True, True, 16),
+        ("backward", "geglu_tanh", 2048, False, True, 12),
+        ("backward", "reglu", 256, False, False, 12),
     ],
-    ids=["fwd-swiglu-gate|up-probs", "fwd-clamped-k128-bias", "bwd-swiglu-gate|up-probs", "bwd-clamped-k128"],
+    ids=[
+        "fwd-swiglu-gate|up-probs",
+        "fwd-clamped-k128-bias",
+        "bwd-swiglu-gate|up-probs",
+        "bwd-clamped-k128",
+        "fwd-geglu-bias-probs",
+        "bwd-geglu_tanh-probs",
+        "bwd-reglu-k256",
+    ],
 )
 def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, probs, warps):
     """The library's configurations compile for sm_90 with wgmma and register reallocation, inside
@@ -596,7 +603,6 @@ def hopper_cases(test):
 
 @hopper_cases
 def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
-    from moekit.ops import grouped_mlp as gm
 
     M, splits, H, F, k, bias, probs, activation = HOPPER_CASES[case]
     gen = torch.Generator().manual_seed(11)
@@ -607,10 +613,10 @@ def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
     p = torch.rand(M, generator=gen).cuda() if probs else None
     offs = offs_of(splits, "cuda")
     glu_block = F if k is None else k
-    assert gm._glu_forward_ws_ok(x, w1, glu_block, True, None)
-    h, act = gm.glu_forward(x, w1, offs, b1, p, k, activation)
-    cfg = gm._glu_candidates("fwd", dtype, F, glu_block, True)[0]  # a given cfg: glu_forward_kernel
-    h_ref, act_ref = gm.glu_forward(x, w1, offs, b1, p, k, activation, cfg=cfg)
+    assert rglu.hopper_kernels_take(x, w1, F, glu_block, True, None, configs.WS_FORWARD)
+    h, act = rglu.glu_forward(x, w1, offs, b1, p, k, activation)
+    cfg = configs.glu_candidates("fwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_forward_kernel
+    h_ref, act_ref = rglu.glu_forward(x, w1, offs, b1, p, k, activation, cfg=cfg)
     assert torch.equal(h, h_ref) and torch.equal(act, act_ref)
 
 
@@ -618,7 +624,6 @@ def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
 def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
     """The Hopper backward gives glu_backward_kernel's dh and act_p bit for bit; its d probs sums the
     same products over 256-column tiles instead of 128 (another fp32 summation order)."""
-    from moekit.ops import grouped_mlp as gm
 
     M, splits, H, F, k, _, probs, activation = HOPPER_CASES[case]
     gen = torch.Generator().manual_seed(12)
@@ -629,10 +634,10 @@ def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
     p = torch.rand(M, generator=gen).cuda() if probs else None
     offs = offs_of(splits, "cuda")
     glu_block = F if k is None else k
-    assert gm._glu_backward_ws_ok(dy, w2, glu_block, True, None)
-    dh, act_p, dprobs = gm.glu_backward(dy, w2, h, offs, p, k, activation)
-    cfg = gm._glu_candidates("bwd", dtype, F, glu_block, True)[0]  # a given cfg: glu_backward_kernel
-    dh_ref, act_ref, dprobs_ref = gm.glu_backward(dy, w2, h, offs, p, k, activation, cfg=cfg)
+    assert H % 64 == 0 and rglu.hopper_kernels_take(dy, w2, F, glu_block, True, None, configs.WS_BACKWARD)
+    dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs, p, k, activation)
+    cfg = configs.glu_candidates("bwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_backward_kernel
+    dh_ref, act_ref, dprobs_ref = rglu.glu_backward(dy, w2, h, offs, p, k, activation, cfg=cfg)
     assert torch.equal(dh, dh_ref) and torch.equal(act_p, act_ref)
     if probs:
         torch.testing.assert_close(dprobs, dprobs_ref, rtol=1e-4, atol=1e-4 * float(dprobs_ref.abs().max()))

@@ -1,4 +1,4 @@
-"""moekit.ops.triton_launch: the keys under which a compiled binary is reused must be at least as
+"""moekit.ops.runtime.launch: the keys under which a compiled binary is reused must be at least as
 fine as Triton's own specialization (else a binary compiled for aligned or divisible arguments
 would run on others); plans and their cache; the passthrough under the interpreter."""
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moekit.ops import triton_launch  # noqa: E402
+from moekit.ops.runtime import launch as triton_launch  # noqa: E402
 
 
 def _triton_specialization():
@@ -98,16 +98,17 @@ def test_plan_cache_empties_past_its_limit():
 
 def test_interpreter_launches_take_tritons_path():
     """Under the interpreter (CPU tests) a launcher and a plan are plain `kernel[grid](...)` calls."""
-    from moekit.ops.grouped_gemm import _INTERPRET
-    from moekit.ops.moe_experts_kernels import _sum_rows_kernel
+    from moekit.ops.kernels.rows import gather_sum_rows_kernel
 
-    if not _INTERPRET:
+    if not triton_launch.INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 (the root conftest sets it on CPU machines)")
-    launcher = triton_launch.Launcher(_sum_rows_kernel)
-    assert not launcher._direct
+    launcher = triton_launch.Launcher(gather_sum_rows_kernel)
+    assert not launcher.direct
     src = torch.arange(12.0).view(4, 3)
     index = torch.tensor([[2], [0]])
     out = torch.full((2, 3), float("nan"))
-    plan = triton_launch.LaunchPlan(launcher, (1, 1), (2, 3, 1, 3, 3), dict(BLOCK_R=2, BLOCK_D=4, num_warps=4))
-    plan(src, index, out)
+    plan = triton_launch.LaunchPlan(
+        launcher, (1, 1), (2, 3, 1, 3, 3), dict(HAS_WEIGHT=False, BLOCK_R=2, BLOCK_D=4, num_warps=4)
+    )
+    plan(src, index, src, out)
     assert torch.equal(out, src[[2, 0]])

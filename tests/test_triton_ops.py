@@ -10,12 +10,13 @@ import torch
 
 import moekit
 from helpers import check_against_reference, rand, torch_grouped_linear, torch_grouped_mlp
-from moekit._splits import _device_splits
+from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.runtime.backends import backend_named
+from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference, grouped_mlp_reference
 
 pytestmark = pytest.mark.skipif(
-    moekit.ops.grouped_linear._BACKENDS["triton"].unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8))
-    is not None,
+    backend_named("triton").unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is not None,
     reason="triton backend cannot run here (needs CUDA or TRITON_INTERPRET=1)",
 )
 
@@ -56,7 +57,7 @@ def test_grouped_mlp_triton_device_offsets_and_discrete_weights():
     m_splits, rows = [5, 0, 6], 13
     torch.manual_seed(0)
     mlp = moekit.GroupedMLP(3, 16, 12, bias=True, single_grouped_weight=False, backend="triton", glu_interleave_size=4)
-    offsets = _device_splits(torch.tensor(m_splits), 3, rows, torch.device("cpu"))
+    offsets = device_offsets(torch.tensor(m_splits), 3, rows, torch.device("cpu"))
     x = rand(rows, 16, seed=4).requires_grad_()
     probs = rand(rows, seed=5).abs().requires_grad_()
     y = mlp(x, offsets, probs=probs)
@@ -148,7 +149,7 @@ def _check_mlp(m_splits, rows, inputs, **kw):
 
 
 @pytest.mark.parametrize("interleave", [None, 1, 2, 4, 16], ids=["gate|up", "k1", "k2", "k4", "k16"])
-@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_grouped_mlp_triton_fused_activations_and_layouts(activation, interleave, nan_poison):
     """Both activations on every GLU layout (k < tile: pointer epilogue; k = F or a multiple of
     the tile: TMA epilogue), biases and probs, an empty expert and padding rows. x is scaled so
@@ -215,7 +216,7 @@ def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
     import gc
     import weakref
 
-    from moekit.ops import grouped_gemm
+    from moekit.ops.runtime import gemm as grouped_gemm
 
     rows, hidden, ffn = 20, 16, 24
     t = _mlp_inputs(rows, hidden, ffn, 3, bias=True, probs=True)

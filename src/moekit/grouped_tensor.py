@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from moekit.validation import check_int
+
 
 class GroupedTensor:
     """N tensors of one shape in one flat buffer.
@@ -42,7 +44,9 @@ class GroupedTensor:
         device: torch.device | str | None = None,
     ) -> GroupedTensor:
         """Uninitialised storage for `num_tensors` members of `shape`."""
-        numel = num_tensors * math.prod(int(d) for d in shape)
+        num_tensors = check_int("num_tensors", num_tensors, minimum=0)
+        shape = tuple(check_int("each dimension of shape", d, minimum=0) for d in shape)
+        numel = num_tensors * math.prod(shape)
         return cls(torch.empty(numel, dtype=dtype, device=device), num_tensors, shape)
 
     @classmethod

@@ -4,17 +4,17 @@ Each returns float64 and is differentiable by plain autograd; tests compare the 
 gradients against these.
 """
 
+from moekit.ops.glu import glu_reference
 from moekit.ops.grouped_linear import grouped_linear_reference
 from moekit.ops.grouped_mlp import grouped_mlp_reference
 from moekit.ops.moe_experts import moe_experts_reference
-from moekit.ops.permute import permute_reference, unpermute_reference
-from moekit.ops.swiglu import swiglu_reference
+from moekit.ops.rows import permute_reference, unpermute_reference
 
 __all__ = [
+    "glu_reference",
     "grouped_linear_reference",
     "grouped_mlp_reference",
     "moe_experts_reference",
     "permute_reference",
-    "swiglu_reference",
     "unpermute_reference",
 ]

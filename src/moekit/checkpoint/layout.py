@@ -32,7 +32,7 @@ import torch
 from moekit.checkpoint.errors import CheckpointError
 from moekit.checkpoint.files import DTYPE_BITS, Checkpoint
 from moekit.checkpoint.metadata import join_key, read_records
-from moekit.ops.swiglu import check_interleave, deinterleave_glu, interleave_glu
+from moekit.ops.glu import check_interleave, deinterleave_glu, interleave_glu
 
 KEEP = "keep"  # a GLU order argument that was not given
 

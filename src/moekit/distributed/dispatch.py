@@ -29,8 +29,9 @@ import torch
 
 # The device routing and moe_experts' row primitive: one implementation for the single-process
 # layer and the expert-parallel one.
-from moekit.ops.moe_experts import move_rows, use_triton_rows
-from moekit.ops.routing import route
+from moekit.ops.routing import sort_by_expert
+from moekit.ops.rows import move_rows
+from moekit.ops.runtime import backends
 
 __all__ = [
     "CapacityMaps",
@@ -41,6 +42,12 @@ __all__ = [
     "received_local_ids",
     "use_triton_rows",
 ]
+
+
+def use_triton_rows(backend: str, x: torch.Tensor) -> bool:
+    """Whether the rows of experts on `backend` (a name, as GroupedMLP keeps it) move with moekit's row
+    kernel, as `moe_experts` decides it."""
+    return backends.use_triton_rows(backends.select_backend(backend, x, x.new_empty(1, 1, x.shape[1])), x)
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,12 @@ class DroplessMaps:
 
 def dropless_maps(expert_ids: torch.Tensor, num_experts: int) -> DroplessMaps:
     """expert_ids: (T, K) integer -> DroplessMaps (device, no host read)."""
-    routing = route(expert_ids, num_experts)
+    routing = sort_by_expert(expert_ids, num_experts)
     return DroplessMaps(
         counts=routing.counts(),
         token_of_row=routing.token_of_row,
-        copy_of_row=routing.order,
-        row_of_copy=routing.inverse,
+        copy_of_row=routing.copy_of_row,
+        row_of_copy=routing.row_map,
     )
 
 
@@ -94,8 +101,8 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
     num_tokens, top_k = expert_ids.shape
     local_L = num_experts // ep_size
     device = expert_ids.device
-    routing = route(expert_ids, num_experts)
-    counts, row_of_copy = routing.counts(), routing.inverse
+    routing = sort_by_expert(expert_ids, num_experts)
+    counts, row_of_copy = routing.counts(), routing.row_map
     starts = routing.offs[:-1]
     # Copy side: position of each copy among its expert's copies, then its slot or the sentinel.
     ids = expert_ids.to(torch.int64)
@@ -115,7 +122,7 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
     return CapacityMaps(
         counts=counts,
         token_of_slot=per_slot(routing.token_of_row),
-        copy_of_slot=per_slot(routing.order),
+        copy_of_slot=per_slot(routing.copy_of_row),
         slot_of_copy=slot_of_copy,
         dropped=dropped,
     )

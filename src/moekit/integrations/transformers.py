@@ -66,8 +66,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.moe_layer import run_experts
+from moekit.ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from moekit.ops.moe_experts import moe_experts
-from moekit.ops.swiglu import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 
 EXPERTS_IMPLEMENTATION = "moekit"
 

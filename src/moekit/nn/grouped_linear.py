@@ -18,11 +18,11 @@ import math
 import torch
 from torch import nn
 
-from moekit._splits import MSplits
 from moekit.checkpoint.layout import collect_grouped, convert_glu_on_load, place_grouped
 from moekit.checkpoint.metadata import EXTRA_STATE_SUFFIX, glu_order_of_extra_state, linear_extra_state
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops.grouped_linear import BACKENDS, grouped_linear, packed_view
+from moekit.ops.splits import MSplits
 
 
 class GroupedLinear(nn.Module):

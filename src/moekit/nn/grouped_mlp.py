@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit._splits import MSplits
 from moekit.nn.grouped_linear import GroupedLinear
+from moekit.ops.activations import activation_named
+from moekit.ops.glu import check_interleave
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.swiglu import check_activation, check_interleave
+from moekit.ops.splits import MSplits
 
 
 def check_sizes(**sizes: int) -> None:
@@ -45,7 +46,7 @@ class GroupedMLP(nn.Module):
     ) -> None:
         super().__init__()
         check_sizes(num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
-        check_activation(activation)
+        activation_named(activation)
         check_interleave(ffn_hidden_size, glu_interleave_size)
         self.num_experts = num_experts
         self.hidden_size = hidden_size

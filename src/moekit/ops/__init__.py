@@ -1,20 +1,35 @@
-"""moekit's ops: one module per op (autograd Function, launchers, float64 reference), its Triton
-kernels, jit code only, in a sibling module named `<op>_kernels.py`.
+"""moekit's ops, in layers that import only downward:
 
-Shape legend of the whole package. Internal tensor names may carry their shape as a suffix
-(`x_MI`, `w_NOI`, `row_map_TK`); each letter has this one meaning everywhere:
+    kernels/     jit code only (Triton and Gluon): the tile schedule, the grouped GEMM, the fused MLP
+                 (Triton, and warp-specialised Gluon for Hopper), the row kernel, the routing sort, and
+                 the activations' jit act/grad pairs
+    runtime/     device facts, every configuration table (configs.py), the one plan-and-launch recipe
+                 (launch.py), the host side of each kernel family, and the backends behind one Protocol
+                 with the capabilities the fused paths ask for (backends.py)
+    library.py   every launch as a torch.library custom op with a fake implementation
+    the ops      activations (the registry), glu, grouped_linear, grouped_mlp, moe_experts, rows
+                 (move_rows, permute, unpermute), routing (sort_by_expert), splits; each public op with
+                 its float64 reference beside it
 
-    N   groups: experts (or a grouped linear's GEMMs)
-    M   routed rows, the rows of a grouped op: tokens x top-k after permute
+Shape legend of the whole package. Internal tensor names may carry their shape as a suffix (`x_MI`,
+`w_NOI`, `row_map_TK`); each letter has this one meaning everywhere:
+
+    N   experts (the groups of a grouped op)
+    L   local experts: the experts of one expert-parallel rank (N / EP)
+    M   routed rows, the rows of a grouped op: tokens x top-k after sorting by expert
     T   tokens
     K   top-k, experts per token (only that: never a GEMM dimension or a block size)
-    I   a linear's in_features; the reduction dimension of a forward GEMM
+    I   a linear's in_features
     O   a linear's out_features
     H   hidden size (fc1's I, fc2's O)
     F   expert ffn size: fc1 maps H -> 2F (gate and up), fc2 maps F -> H
+    D   features of a row that a row movement carries (any width)
+    J   rows summed into one output row by a row movement
+    R   rows an expert-parallel rank receives
+    C   capacity slots per (source rank, expert) in expert parallelism's capacity mode
 
-A GEMM's reduction dimension is named for what it is (I, M in a weight gradient) or `red`, never
-"K". The GLU block size has no letter: `glu_interleave_size`. A literal 2 stays a number (`h_M2F`).
-Public parameters and error messages use plain names (`bias_scale`, `in_features`), not these
-suffixes.
+A GEMM's reduction dimension is named for what it is (I, M in a weight gradient) or `red`, never K. A
+generic width with no meaning of its own is `X`. The GLU block has a word, not a letter:
+`glu_interleave_size` (`glu_block` inside kernels). A literal 2 stays a number (`h_M2F`). Public
+parameters and error messages use plain names (`bias_scale`, `in_features`), not these suffixes.
 """

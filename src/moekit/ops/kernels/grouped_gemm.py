@@ -1,6 +1,5 @@
 # ruff: noqa: E741  (I and O are the legend's in/out feature sizes)
-"""Triton kernels of the grouped GEMM (jit code only; launchers, configs and autotuning live in
-`moekit.ops.grouped_gemm`).
+"""Triton kernels of the grouped GEMM (jit code only; host code in `moekit.ops.runtime.gemm`).
 
 Legend: M routed rows, N groups (experts), I in_features, O out_features. Inside the forward/dgrad
 kernel one output tile is (BLOCK_M rows, BLOCK_C columns) and its reduction runs in steps of
@@ -15,7 +14,7 @@ the group's rows in steps of BLOCK_M.
 
 Rows of group g are `offs[g]:offs[g+1]` (`offs`: device int64, N+1 entries). No kernel is given a
 host copy of `offs`: each derives its tile schedule from it on the device (no host syncs, CUDA-graph
-capturable with other split sizes). notes/grouped_gemm.md has the design and its measurements.
+capturable with other split sizes). notes/grouped_gemm.md has the design.
 """
 
 from __future__ import annotations
@@ -23,160 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# --------------------------------------------------------------------------------------------
-# Device-side helpers (also used by the fused MLP kernels in grouped_mlp_kernels.py)
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _min_tuple(a0, a1, a2, a3, b0, b1, b2, b3):
-    # Combine of the tile-locating reduction: (#groups ending at or before the tile, the largest
-    # such end = the group's first tile, smallest start / end among the groups not yet ended =
-    # the tile's group's row range, because starts and ends are non-decreasing).
-    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2), tl.minimum(a3, b3)
-
-
-@triton.jit
-def group_rows(offs_ptr, M, N, BLOCK_GROUPS: tl.constexpr, PAD_GROUP: tl.constexpr):
-    """Row range [start, end) of every group, as vectors of BLOCK_GROUPS int32 (entries past the
-    last group are empty ranges at M). With PAD_GROUP, entry N is the padding pseudo-group
-    offs[N]:M. Values are clamped into [0, M] and made non-decreasing, so a bad offs tensor can make
-    results wrong but can never send a load or store outside its buffer."""
-    offs_g = tl.arange(0, BLOCK_GROUPS)
-    start = tl.load(offs_ptr + offs_g, mask=offs_g <= N, other=0).to(tl.int32)
-    end = tl.load(offs_ptr + offs_g + 1, mask=offs_g < N, other=0).to(tl.int32)
-    start = tl.minimum(tl.maximum(start, 0), M)
-    end = tl.minimum(tl.maximum(end, start), M)
-    if PAD_GROUP:
-        end = tl.where(offs_g == N, M, end)
-    n_groups = N + 1 if PAD_GROUP else N
-    start = tl.where(offs_g < n_groups, start, M)
-    end = tl.where(offs_g < n_groups, end, M)
-    return start, end
-
-
-@triton.jit
-def locate_tile(tile_id, tile_end, row_start, row_end):
-    """(group, first tile id of that group, group's row start, group's row end) of a flat tile id.
-    tile_end: inclusive prefix sum of tiles per group (non-decreasing)."""
-    done = tile_end <= tile_id
-    n_done, first_tile, r0, r1 = tl.reduce(
-        (
-            done.to(tl.int32),
-            tl.where(done, tile_end, 0),
-            tl.where(done, 2147483647, row_start),
-            tl.where(done, 2147483647, row_end),
-        ),
-        0,
-        _min_tuple,
-    )
-    return n_done, first_tile, r0, r1
-
-
-@triton.jit
-def tile_schedule(offs_ptr, M, N, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
-    """The flat tile space of a persistent row-tiled kernel: the (row-tile, column-tile) grid of each
-    group in turn, then the padding pseudo-group N. Returns (num_pid_c, row_start, row_end, tile_end,
-    num_tiles): column tiles, each group's row range, the inclusive cumsum of tiles per group (for
-    locate_tile) and the total."""
-    num_pid_c = tl.cdiv(COLS, BLOCK_C)
-    row_start, row_end = group_rows(offs_ptr, M, N, BLOCK_GROUPS, True)
-    tiles = tl.cdiv(row_end - row_start, BLOCK_M) * num_pid_c
-    return num_pid_c, row_start, row_end, tl.cumsum(tiles, 0), tl.sum(tiles, 0)
-
-
-@triton.jit
-def swizzle(t, num_pid_m, num_pid_c, GROUP_M: tl.constexpr):
-    """Local tile index -> (pid_m, pid_c), GROUP_M row tiles at a time, so that the programs running
-    at one moment share a few A row-blocks and B column-blocks in L2."""
-    num_in_band = GROUP_M * num_pid_c
-    band = t // num_in_band
-    first_m = band * GROUP_M
-    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (t % num_in_band) % band_m
-    pid_c = (t % num_in_band) // band_m
-    return pid_m, pid_c
-
-
-@triton.jit
-def load_a(
-    a_desc,
-    a_ptr,
-    red0,
-    row0,
-    row_lo,
-    row_hi,
-    RED,
-    stride_am,
-    USE_TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_RED: tl.constexpr,
-):
-    """(BLOCK_M, BLOCK_RED) of the routed rows a[row0:, red0:]; rows outside [row_lo, row_hi) and
-    columns past RED read as zeros on the pointer path (TMA callers point padding tiles' boxes past
-    the end instead)."""
-    if USE_TMA:
-        a = a_desc.load([row0, red0])
-    else:
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        offs_red = red0 + tl.arange(0, BLOCK_RED)
-        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-        a = tl.load(
-            a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_red[None, :],
-            mask=mask_m[:, None] & (offs_red[None, :] < RED),
-            other=0.0,
-        )
-    if UPCAST:
-        # The Triton 3.6 interpreter multiplies bf16 dot operands as raw integers.
-        a = a.to(tl.float32)
-    return a
-
-
-@triton.jit
-def load_b(
-    b_desc,
-    b_ptr,
-    g,
-    N,
-    red0,
-    c0,
-    COLS,
-    RED,
-    stride_bg,
-    stride_br,
-    TRANS_B: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_RED: tl.constexpr,
-):
-    """(BLOCK_RED, BLOCK_C) of w[g]: stored (COLS, RED) when TRANS_B (forward), (RED, COLS) otherwise."""
-    if USE_TMA:
-        if TRANS_B:
-            b = b_desc.load([g, c0, red0]).reshape(BLOCK_C, BLOCK_RED).T
-        else:
-            b = b_desc.load([g, red0, c0]).reshape(BLOCK_RED, BLOCK_C)
-    else:
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        offs_red = red0 + tl.arange(0, BLOCK_RED)
-        mask = (offs_red[:, None] < RED) & (offs_c[None, :] < COLS) & (g < N)
-        b_base = b_ptr + g.to(tl.int64) * stride_bg
-        if TRANS_B:
-            b = tl.load(b_base + offs_c.to(tl.int64)[None, :] * stride_br + offs_red[:, None], mask=mask, other=0.0)
-        else:
-            b = tl.load(b_base + offs_red.to(tl.int64)[:, None] * stride_br + offs_c[None, :], mask=mask, other=0.0)
-    if UPCAST:
-        b = b.to(tl.float32)
-    return b
-
-
-@triton.jit
-def split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """(BLOCK_P, BLOCK_Q) -> two (BLOCK_P, BLOCK_Q // 2) column halves: the epilogue stores half a
-    tile at a time, which halves its shared-memory staging buffer."""
-    acc = tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_Q // 2)), (0, 2, 1))
-    return tl.split(acc)
+from moekit.ops.kernels.schedule import group_rows, load_a, load_b, split_halves, swizzle, tile_coords, tile_schedule
 
 
 @triton.jit
@@ -286,7 +132,7 @@ def grouped_mm_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, COLS, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+        offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
     red_steps = tl.cdiv(RED, BLOCK_RED)
 
@@ -306,10 +152,9 @@ def grouped_mm_kernel(
         a_desc = None
         b_desc = None
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
-        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
-        row0 = row_lo + pid_m * BLOCK_M
-        c0 = pid_c * BLOCK_C
+        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         # Every tile runs the same reduction loop (a tile-invariant trip count is what lets Triton
         # fuse the tile loop and the reduction loop into one software pipeline). Padding tiles
         # (g == N) point their TMA boxes past the end of a and b, so they read zeros and no memory.
@@ -531,7 +376,7 @@ def wgrad_kernel(
         dw_desc = None
     if FLATTEN:
         offs_g = tl.arange(0, BLOCK_GROUPS)
-        lo_v, hi_v = group_rows(offs_ptr, M, N, BLOCK_GROUPS, False)
+        lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
         steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_M), 1)
         # Steps this program will run: each of its tiles takes max(1, steps of its group); an
         # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.

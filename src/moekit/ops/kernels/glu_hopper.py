@@ -1,19 +1,19 @@
-"""Gluon kernels of the fused grouped MLP for Hopper (sm_90), warp-specialised (jit code only;
-launchers live in `moekit.ops.grouped_mlp`).
+"""Gluon kernels of the fused grouped MLP for Hopper (sm_90), warp-specialised (jit code only; host
+code in `moekit.ops.runtime.glu`).
 
-Legend as in `moekit.ops.grouped_mlp_kernels`: M routed rows, N experts, H hidden size, F ffn size;
+Legend as in `moekit.ops.kernels.glu`: M routed rows, N experts, H hidden size, F ffn size;
 BLOCK_M rows by BLOCK_C activation columns per accumulator, reduced in steps of BLOCK_RED.
 
     glu_forward_ws_kernel   fc1 with the gated activation in its epilogue, as glu_forward_kernel:
                             h = x @ w1[g]^T (+ b1[g])        x (M, H), w1 (N, 2F, H) -> h (M, 2F)
-                            act = act(gate(h), up(h)) (* probs)                     -> act (M, F)
+                            act = ACT(gate(h), up(h)) (* probs)                     -> act (M, F)
     glu_backward_ws_kernel  fc2's dgrad with the activation's backward, as glu_backward_kernel:
                             dA = dy @ w2[g]                  dy (M, H), w2 (N, H, F)
                             dh, act_p (M, 2F), (M, F); d probs partials
 
-Why: Triton 3.6 does not warp-specialise these loops on Hopper, so its persistent kernels run
-each tile's epilogue and the restart of the pipeline between two main loops with the tensor cores
-idle (about 10 us of a 62 us forward tile at Mixtral's shape, notes/grouped_mlp.md, v7).
+Why: Triton 3.6 does not warp-specialise these persistent loops on Hopper, so its kernels run each
+tile's epilogue, and the restart of the pipeline between two main loops, with the tensor cores idle.
+Here the loads and the epilogue run in partitions of their own beside the main loop.
 
 The forward runs three partitions of one program at once:
 
@@ -25,24 +25,22 @@ The forward runs three partitions of one program at once:
     epilogue  (4 warps)  reads h back in column chunks, stores h, computes the activation (and
                          probs) from the rounded h and stores it, all by coalesced pointer stores
 
-The activation is computed with the same operations in the same order as glu_forward_kernel, so
+The tile schedule (`moekit.ops.kernels.schedule`) and the activation pair (ACT, ACT_GRAD from
+`moekit.ops.kernels.activations`) are the Triton kernels' own jit functions, called from Gluon, so
 both kernels give the same bits. Weight rows are read through a 2-D view (N * 2F, H) of w1 (one
 expert after the other): the gate rows of a tile's columns are one run of BLOCK_C rows, which needs
 BLOCK_C | k or k = F (then the rows of the last, partial tile past F are up rows or the next
 expert's, feeding only columns past F, which are never stored).
 
 The backward has two partitions: the load warp, and 8 warps that run a 128 x 256 main loop (two
-accumulators over one dy box and two w2 boxes, the plain GEMM's tile: 128 x 128 tiles read a
-third more from L2 and ran 1.2x a plain dgrad) and then the tile's epilogue themselves, each
-accumulator through one fp32 staging tile in shared memory, with h loaded by pointer ahead of the
-math. The load warp fills the ring with the next tile during that epilogue, so only the epilogue's
-own time is between two main loops. Its dh and act_p are glu_backward_kernel's bits; d probs sums
-the same products over 256 columns per partial (another fp32 order).
-
-Measured on the H200 (notes/grouped_mlp.md, v8 and v9): the forward takes 7-13% less time than
-glu_forward_kernel at the four MLP shapes (Mixtral 12.8 -> 11.9 ms), the backward 0.95-1.02x the
-time of glu_backward_kernel (Mixtral 7.62 -> 7.38-7.51 ms). Handing the backward's epilogue to a partition of its
-own did not pay: in 4 warps it cannot keep up (commits 7627e1a, d50ad19).
+accumulators over one dy box and two w2 boxes, the plain GEMM's tile: 128 x 128 tiles read a third
+more from L2) and then the tile's epilogue themselves, each accumulator through one fp32 staging
+tile in shared memory, with h loaded by pointer ahead of the math. The load warp fills the ring
+with the next tile during that epilogue, so only the epilogue's own time is between two main loops.
+Its dh and act_p are glu_backward_kernel's bits; d probs sums the same products over 256 columns
+per partial (another fp32 order). An epilogue partition of its own (4 warps) cannot keep up with
+the backward's main loop: its epilogue moves three times the forward's bytes per tile
+(notes/grouped_mlp.md).
 """
 
 from __future__ import annotations
@@ -51,72 +49,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# clamped_swiglu's constants: the Triton kernels' own (gl.constexpr is tl.constexpr).
-from moekit.ops.grouped_mlp_kernels import CLAMP_ALPHA, CLAMP_LIMIT
+from moekit.ops.kernels.schedule import tile_coords, tile_schedule
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _min_tuple(a0, a1, a2, a3, b0, b1, b2, b3):
-    # As grouped_gemm_kernels._min_tuple: (#groups ended at or before the tile, the largest such
-    # end = the group's first tile, the row range of the first group not yet ended).
-    return a0 + b0, gl.maximum(a1, b1), gl.minimum(a2, b2), gl.minimum(a3, b3)
-
-
-@gluon.jit
-def _tile_schedule(offs_ptr, M, N, F, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_GROUPS: gl.constexpr):
-    """grouped_gemm_kernels.tile_schedule in the calling partition's warps: (num_pid_c, row_start,
-    row_end, tile_end, num_tiles), group N being the padding rows offs[N]:M."""
+def _group_ids(BLOCK_GROUPS: gl.constexpr):
+    """arange(0, BLOCK_GROUPS) over the calling partition's warps: the group vector of
+    `schedule.tile_schedule`, which every partition computes for itself."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    offs_g = gl.arange(0, BLOCK_GROUPS, layout=layout)
-    start = gl.load(offs_ptr + offs_g, mask=offs_g <= N, other=0).to(gl.int32)
-    end = gl.load(offs_ptr + offs_g + 1, mask=offs_g < N, other=0).to(gl.int32)
-    start = gl.minimum(gl.maximum(start, 0), M)
-    end = gl.minimum(gl.maximum(end, start), M)
-    end = gl.where(offs_g == N, M, end)
-    start = gl.where(offs_g <= N, start, M)
-    end = gl.where(offs_g <= N, end, M)
-    num_pid_c = gl.cdiv(F, BLOCK_C)
-    tiles = gl.cdiv(end - start, BLOCK_M) * num_pid_c
-    return num_pid_c, start, end, gl.associative_scan(tiles, 0, _add), gl.sum(tiles, 0)
-
-
-@gluon.jit
-def _tile(
-    tile_id,
-    num_pid_c,
-    row_start,
-    row_end,
-    tile_end,
-    BLOCK_M: gl.constexpr,
-    BLOCK_C: gl.constexpr,
-    GROUP_M: gl.constexpr,
-):
-    """(group, its row range, the tile's first row and first activation column) of a flat tile id,
-    in the order of grouped_gemm_kernels.locate_tile and swizzle."""
-    done = tile_end <= tile_id
-    g, first_tile, row_lo, row_hi = gl.reduce(
-        (
-            done.to(gl.int32),
-            gl.where(done, tile_end, 0),
-            gl.where(done, 2147483647, row_start),
-            gl.where(done, 2147483647, row_end),
-        ),
-        0,
-        _min_tuple,
-    )
-    t = tile_id - first_tile
-    num_pid_m = gl.cdiv(row_hi - row_lo, BLOCK_M)
-    num_in_band = GROUP_M * num_pid_c
-    first_m = (t // num_in_band) * GROUP_M
-    band_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (t % num_in_band) % band_m
-    pid_c = (t % num_in_band) // band_m
-    return g, row_lo, row_hi, row_lo + pid_m * BLOCK_M, pid_c * BLOCK_C
+    return gl.arange(0, BLOCK_GROUPS, layout=layout)
 
 
 # The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
@@ -148,7 +89,8 @@ def _load_partition(
     hu_smem,
     epi_ready,
     epi_free,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_PROBS: gl.constexpr,
@@ -162,8 +104,8 @@ def _load_partition(
     EPI_COLS: gl.constexpr,
 ):
     """x's rows and the tile's gate and up weight rows, BLOCK_RED columns a slot, into the ring."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     x_desc = tma.make_tensor_descriptor(
         x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -179,7 +121,9 @@ def _load_partition(
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         # Padding tiles point past the last row (TMA reads zeros there).
         x_row0 = gl.where(g < N, row0, M)
         gate_row = g * 2 * F + c0 + (c0 // GLU_BLOCK) * GLU_BLOCK
@@ -223,7 +167,8 @@ def _epilogue_partition(
     hu_smem,
     epi_ready,
     epi_free,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_PROBS: gl.constexpr,
@@ -238,8 +183,8 @@ def _epilogue_partition(
 ):
     """h and the activation of each tile from the rounded h the mma partition left in shared memory,
     EPI_COLS columns at a time, by 16-byte pointer stores."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     VEC: gl.constexpr = 8
     layout: gl.constexpr = gl.BlockedLayout(
@@ -248,7 +193,9 @@ def _epilogue_partition(
     out_ty = h_ptr.dtype.element_ty
     count = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         # 64-bit tile bases and 32-bit offsets inside the tile: 64-bit pointers per element cost
         # the registers this partition does not have.
         offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -271,12 +218,7 @@ def _epilogue_partition(
             gl.store(h_tile + h_rows + gate_c + GLU_BLOCK, h_u, mask=mask)
             g32 = h_g.to(gl.float32)
             u32 = h_u.to(gl.float32)
-            if ACTIVATION == 0:
-                act = g32 * (1 / (1 + gl.exp(-g32))) * u32
-            else:
-                gc = gl.minimum(g32, CLAMP_LIMIT)
-                uc = gl.minimum(gl.maximum(u32, -CLAMP_LIMIT), CLAMP_LIMIT)
-                act = gc * (1 / (1 + gl.exp(-(CLAMP_ALPHA * gc)))) * (uc + 1.0)
+            act = ACT(g32, u32)
             if HAS_PROBS:
                 act = act * gl.expand_dims(p, 1)
             gl.store(act_tile + act_rows + gl.expand_dims(offs_c, 0), act.to(out_ty), mask=mask)
@@ -316,8 +258,8 @@ def _mma_partition(
 ):
     """The two accumulators of each tile over the ring; h (rounded, bias added, zeros on padding
     tiles) handed to the epilogue partition through hg_smem / hu_smem."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]
@@ -327,7 +269,9 @@ def _mma_partition(
     it = 0
     count = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M)
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         acc_g = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         acc_u = gl.zeros([BLOCK_M, BLOCK_C], gl.float32, mma_layout)
         for step in range(red_steps):
@@ -383,7 +327,8 @@ def glu_forward_ws_kernel(
     stride_hm,
     stride_actm,
     stride_bias_g,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_PROBS: gl.constexpr,
@@ -482,7 +427,8 @@ def glu_forward_ws_kernel(
                     hu_smem,
                     epi_ready,
                     epi_free,
-                    ACTIVATION,
+                    ACT,
+                    ACT_GRAD,
                     GLU_BLOCK,
                     HAS_BIAS,
                     HAS_PROBS,
@@ -524,7 +470,8 @@ def glu_forward_ws_kernel(
                     hu_smem,
                     epi_ready,
                     epi_free,
-                    ACTIVATION,
+                    ACT,
+                    ACT_GRAD,
                     GLU_BLOCK,
                     HAS_BIAS,
                     HAS_PROBS,
@@ -576,8 +523,8 @@ def _bwd_load_partition(
     """dy's rows and the two (BLOCK_RED, BLOCK_C) boxes of w2[g] of each tile, one reduction step a
     slot, into the ring; it runs ahead across tiles, so the next tile's first slots fill while the
     other partition runs this tile's epilogue."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
     dy_desc = tma.make_tensor_descriptor(
         dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -589,7 +536,7 @@ def _bwd_load_partition(
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, 2 * BLOCK_C, GROUP_M
         )
         # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
@@ -647,7 +594,8 @@ def _bwd_chunk(
     F,
     stride_dhm,
     stride_actm,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_PROBS: gl.constexpr,
     EPI_COLS: gl.constexpr,
@@ -661,28 +609,14 @@ def _bwd_chunk(
     out_ty = dh_ptr.dtype.element_ty
     hg = hg.to(gl.float32)
     hu = hu.to(gl.float32)
-    if ACTIVATION == 0:
-        sig = 1 / (1 + gl.exp(-hg))
-        silu = hg * sig
-        act = silu * hu
-    else:
-        gc = gl.minimum(hg, CLAMP_LIMIT)
-        uc = gl.minimum(gl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
-        sig = 1 / (1 + gl.exp(-(CLAMP_ALPHA * gc)))
-        act = gc * sig * (uc + 1.0)
+    act = ACT(hg, hu)
     if HAS_PROBS:
         d_probs = gl.sum(act * d_act, 1)
         d_act = d_act * gl.expand_dims(p, 1)
         act = act * gl.expand_dims(p, 1)
     else:
         d_probs = gl.zeros([d_act.shape[0]], gl.float32, gl.SliceLayout(1, layout))
-    if ACTIVATION == 0:
-        d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
-        d_u = d_act * silu
-    else:
-        # The clamps pass the gradient at the limit itself, as torch.clamp does.
-        d_g = gl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
-        d_u = gl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+    d_g, d_u = ACT_GRAD(hg, hu, d_act)
     dh_rows = dh_ptr + row0.to(gl.int64) * stride_dhm + gl.expand_dims(offs_r * stride_dhm, 1)
     gl.store(dh_rows + gate_c, d_g.to(out_ty), mask=mask)
     gl.store(dh_rows + gate_c + GLU_BLOCK, d_u.to(out_ty), mask=mask)
@@ -712,7 +646,8 @@ def _bwd_mma_partition(
     ready,
     empty,
     da_smem,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_PROBS: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -728,8 +663,8 @@ def _bwd_mma_partition(
     each accumulator goes through da_smem and is read back EPI_COLS columns at a time in a
     coalesced layout; h's first two chunks are loaded before the main loop and the others two
     chunks ahead of the math."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = _tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, 2 * BLOCK_C, BLOCK_GROUPS
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]
@@ -742,7 +677,7 @@ def _bwd_mma_partition(
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0 = _tile(
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, 2 * BLOCK_C, GROUP_M
         )
         real = g < N
@@ -820,7 +755,8 @@ def _bwd_mma_partition(
                 F,
                 stride_dhm,
                 stride_actm,
-                ACTIVATION,
+                ACT,
+                ACT_GRAD,
                 GLU_BLOCK,
                 HAS_PROBS,
                 EPI_COLS,
@@ -858,7 +794,8 @@ def glu_backward_ws_kernel(
     stride_hm,
     stride_dhm,
     stride_actm,
-    ACTIVATION: gl.constexpr,
+    ACT: gl.constexpr,
+    ACT_GRAD: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
     HAS_PROBS: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -915,7 +852,8 @@ def glu_backward_ws_kernel(
                     ready,
                     empty,
                     da_smem,
-                    ACTIVATION,
+                    ACT,
+                    ACT_GRAD,
                     GLU_BLOCK,
                     HAS_PROBS,
                     BLOCK_M,

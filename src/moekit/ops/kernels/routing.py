@@ -1,6 +1,8 @@
-"""Triton kernels of `moekit.ops.routing`: a stable counting sort of the M routed rows by expert.
+"""Triton kernels of the routing (jit code only; host code in `moekit.ops.runtime.routing`): a stable
+counting sort of the M routed rows by expert.
 
-Legend: M routed rows (flat copy t*K + k), T tokens, K top-k, N experts. C chunks of CHUNK rows.
+Legend: M routed rows (flat copy t*K + k), T tokens, K top-k, N experts. The rows are cut into chunks of
+CHUNK rows (num_chunks of them).
 
 Rows go to N + 2 buckets, clamp(id, -1, N) + 1: bucket 0 holds the (undefined) negative ids, which
 count as expert 0's rows, buckets 1..N the experts, bucket N + 1 the (undefined) ids >= N, sorted
@@ -13,15 +15,15 @@ past offs[N]. Three launches, no atomics, no host read:
    the negative ids, and the ids >= N, are not all equal.
 3. `scatter_rows_kernel`, one program per chunk: each row's sorted position, the first row of its
    bucket (a scan of the totals) + its chunk's earlier rows in the bucket (step 2) + the rows of
-   the bucket before it inside the chunk; then order, inverse and token_of_row are written there.
+   the bucket before it inside the chunk; then copy_of_row, row_map and token_of_row are written there.
 
 Undefined ids among themselves: the torch path sorts every id by value, so negative ids (and ids
 >= N) go by value, then by flat row. Where a side holds one value (the usual -1 of dropped copies)
 the counting order is already that. Where it holds several, step 3 ranks those rows by (id, row)
 against every chunk that holds undefined ids: O(M) work per such row, on undefined input only.
 
-Scratch, one int32 buffer: counts [N + 2, C] (bucket-major; the chunk prefix after step 2), totals
-[N + 2], extremes [4, C] (lowest and highest negative id, lowest and highest id >= N), flags [2].
+Scratch, one int32 buffer: counts [N + 2, num_chunks] (bucket-major; the chunk prefix after step 2),
+totals [N + 2], extremes [4, num_chunks] (lowest and highest negative id, lowest and highest id >= N), flags [2].
 """
 
 import triton
@@ -171,8 +173,8 @@ def scatter_rows_kernel(
     ids_ptr,
     scratch_ptr,
     offs_ptr,
-    order_ptr,
-    inverse_ptr,
+    copy_of_row_ptr,
+    row_map_ptr,
     token_of_row_ptr,
     num_rows,
     top_k,
@@ -184,8 +186,8 @@ def scatter_rows_kernel(
     SUB: tl.constexpr,
     BUCKET_TILE: tl.constexpr,
 ):
-    """Each row r of chunk pid_c at its sorted position p: order[p] = r, token_of_row[p] = r // K,
-    inverse[r] = p. Program 0 also writes offs (N + 1 entries)."""
+    """Each flat row r of chunk pid_c at its sorted position p: copy_of_row[p] = r, token_of_row[p] = r // K,
+    row_map[r] = p. Program 0 also writes offs (N + 1 entries)."""
     pid_c = tl.program_id(0)
     num_buckets = num_experts + 2
     totals_ptr = scratch_ptr + num_buckets * num_chunks
@@ -241,6 +243,6 @@ def scatter_rows_kernel(
                 )
                 pos = tl.where(mask_exact, tl.where(buckets == 0, rank_exact, overflow_start + rank_exact), pos)
             rows = offs_row.to(tl.int64)
-            tl.store(order_ptr + pos, rows, mask=mask_tile)
+            tl.store(copy_of_row_ptr + pos, rows, mask=mask_tile)
             tl.store(token_of_row_ptr + pos, rows // top_k, mask=mask_tile)
-            tl.store(inverse_ptr + offs_row, pos.to(tl.int64), mask=mask_tile)
+            tl.store(row_map_ptr + offs_row, pos.to(tl.int64), mask=mask_tile)

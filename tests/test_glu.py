@@ -16,13 +16,13 @@ from helpers import (
     check_against_reference,
     glu_indices,
     rand,
-    torch_swiglu,
+    torch_glu,
 )
-from moekit.reference import swiglu_reference
+from moekit.ops.activations import ACTIVATIONS
+from moekit.reference import glu_reference
 
 F = 8
 M = 24
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
 KS = [pytest.param(None, id="k=None"), pytest.param(1, id="k=1"), pytest.param(2, id="k=2"), pytest.param(F, id="k=F")]
 
 
@@ -44,7 +44,7 @@ def test_matches_reference(dtype, activation, with_probs, k, nan_poison):
     def call(fn):
         return lambda h, probs=None: fn(h, probs=probs, glu_interleave_size=k, activation=activation)
 
-    res = check_against_reference(call(moekit.swiglu), call(torch_swiglu), call(swiglu_reference), inputs, dtype)
+    res = check_against_reference(call(moekit.glu), call(torch_glu), call(glu_reference), inputs, dtype)
     assert not torch.isnan(res["h"]).any()
 
 
@@ -55,8 +55,8 @@ def test_reference_is_independent_float64(activation, k):
     h = rand(M, 2 * F, dtype=torch.float64, scale=4.0, seed=3)
     p = rand(M, dtype=torch.float64, seed=4)
     torch.testing.assert_close(
-        swiglu_reference(h, probs=p, glu_interleave_size=k, activation=activation),
-        torch_swiglu(h, probs=p, glu_interleave_size=k, activation=activation),
+        glu_reference(h, probs=p, glu_interleave_size=k, activation=activation),
+        torch_glu(h, probs=p, glu_interleave_size=k, activation=activation),
         rtol=1e-14,
         atol=1e-14,
     )
@@ -66,11 +66,11 @@ def test_gate_comes_first_by_hand():
     """out_j = silu(h[:, j]) * h[:, F + j]: the gate is the FIRST half (unlike torch's glu)."""
     ln3 = math.log(3.0)  # sigmoid(ln 3) = 3/4, so silu(ln 3) = 0.75 ln 3
     h = torch.tensor([[ln3, 0.0, 2.0, 5.0]])  # F = 2: gates (ln3, 0), ups (2, 5)
-    out = moekit.swiglu(h)
+    out = moekit.glu(h)
     expected = torch.tensor([[0.75 * ln3 * 2.0, 0.0]])
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     # Swapping the halves gives something else, so the order is really tested.
-    assert not torch.allclose(moekit.swiglu(h[:, [2, 3, 0, 1]]), expected)
+    assert not torch.allclose(moekit.glu(h[:, [2, 3, 0, 1]]), expected)
 
 
 def test_probs_by_hand():
@@ -78,7 +78,7 @@ def test_probs_by_hand():
     ln3 = math.log(3.0)
     h = torch.tensor([[ln3, 2.0], [0.0, 7.0]], requires_grad=True)  # F = 1
     p = torch.tensor([0.5, 0.25], requires_grad=True)
-    out = moekit.swiglu(h, probs=p)
+    out = moekit.glu(h, probs=p)
     act0 = 0.75 * ln3 * 2.0
     torch.testing.assert_close(out, torch.tensor([[act0 * 0.5], [0.0]]), rtol=1e-6, atol=1e-7)
     out.backward(torch.tensor([[2.0], [3.0]]))
@@ -95,7 +95,7 @@ def test_probs_by_hand():
 def test_clamped_swiglu_by_hand():
     """g = min(g, 7), u = clamp(u, -7, 7), out = g sigmoid(1.702 g) (u + 1); no gradient where clamped."""
     h = torch.tensor([[8.0, 1.0, -9.0, 0.5]], requires_grad=True)  # gates (8, 1), ups (-9, 0.5)
-    out = moekit.swiglu(h, activation="clamped_swiglu")
+    out = moekit.glu(h, activation="clamped_swiglu")
 
     def sig(v):
         return 1.0 / (1.0 + math.exp(-v))
@@ -115,17 +115,17 @@ def test_interleaved_input_gives_standard_output(k):
     h = rand(M, 2 * F, seed=5)
     p = rand(M, seed=6)
     for activation in ACTIVATIONS:
-        expected = moekit.swiglu(h, probs=p, activation=activation)
-        got = moekit.swiglu(moekit.interleave_glu(h, k, dim=1), probs=p, glu_interleave_size=k, activation=activation)
+        expected = moekit.glu(h, probs=p, activation=activation)
+        got = moekit.glu(moekit.interleave_glu(h, k, dim=1), probs=p, glu_interleave_size=k, activation=activation)
         torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-7)
 
 
 def test_probs_column_shape_and_dtype():
     h = rand(M, 2 * F, dtype=torch.bfloat16, seed=7)
     p = rand(M, seed=8).abs()  # fp32 probabilities with bf16 activations, as MoELayer passes them
-    out = moekit.swiglu(h, probs=p[:, None])
+    out = moekit.glu(h, probs=p[:, None])
     assert out.dtype == torch.bfloat16 and out.shape == (M, F)
-    assert torch.equal(out, moekit.swiglu(h, probs=p))
+    assert torch.equal(out, moekit.glu(h, probs=p))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,10 +62,10 @@ def resolve_splits(m_splits: MSplits, num_groups: int, rows: int, device: torch.
             )
         return m_splits
     if isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu":
-        return _device_splits(m_splits, num_groups, rows, device)
+        return device_offsets(m_splits, num_groups, rows, device)
     if isinstance(m_splits, torch.Tensor) and torch.compiler.is_compiling():
         # A traced graph cannot read a tensor's values on the host: CPU splits take the device path.
-        return _device_splits(m_splits.to(device), num_groups, rows, device)
+        return device_offsets(m_splits.to(device), num_groups, rows, device)
     host = _host_splits(m_splits, num_groups, rows)
     offs_host = [0]
     for count in host:
@@ -106,7 +106,7 @@ def _host_splits(m_splits: MSplits, num_groups: int, rows: int) -> list[int]:
     return values
 
 
-def _device_splits(m_splits: torch.Tensor, num_groups: int, rows: int, device: torch.device) -> GroupOffsets:
+def device_offsets(m_splits: torch.Tensor, num_groups: int, rows: int, device: torch.device) -> GroupOffsets:
     if m_splits.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"device m_splits must be int32 or int64, got {m_splits.dtype}")
     if _canonical(m_splits.device) != _canonical(torch.device(device)):

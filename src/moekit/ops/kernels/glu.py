@@ -1,16 +1,15 @@
-"""Triton kernels of the fused grouped MLP (jit code only; launchers and autograd live in
-`moekit.ops.grouped_mlp`).
+"""Triton kernels of the fused grouped MLP (jit code only; host code in `moekit.ops.runtime.glu`).
 
 Legend: M routed rows, N experts, H hidden size, F ffn size. One output tile is BLOCK_M rows by
 BLOCK_C activation columns (columns of F); the reduction runs in steps of BLOCK_RED.
 
     glu_forward_kernel   fc1 with the gated activation in its epilogue:
                          h = x @ w1[g]^T (+ b1[g])              x (M, H), w1 (N, 2F, H) -> h (M, 2F)
-                         act = act(gate(h), up(h)) (* probs)                           -> act (M, F)
+                         act = ACT(gate(h), up(h)) (* probs)                           -> act (M, F)
     glu_backward_kernel  fc2's dgrad with the activation's backward in its epilogue:
                          dA = dy @ w2[g]                         dy (M, H), w2 (N, H, F), never stored
-                         dh = d act(gate(h), up(h)) given dA (* probs)                 -> dh (M, 2F)
-                         act_p = act(gate(h), up(h)) (* probs)   (fc2's wgrad operand)  -> (M, F)
+                         dh = ACT_GRAD(gate(h), up(h), dA (* probs))                   -> dh (M, 2F)
+                         act_p = ACT(gate(h), up(h)) (* probs)   (fc2's wgrad operand)  -> (M, F)
                          d probs partials = sum over the tile's columns of act * dA     -> (F tiles, M) fp32
 
 Gate and up columns of output column j (glu_interleave_size k; k = F is the `[gate | up]` layout):
@@ -20,8 +19,11 @@ program. With TMA the weight rows of a tile are read through a 5-D view (N, F/k,
 a box of BLOCK_C // k blocks of k gate (or up) rows when k divides BLOCK_C, a run of BLOCK_C rows
 inside one block otherwise.
 
+The gated activation is a constexpr pair of jit functions (ACT, ACT_GRAD) from
+`moekit.ops.kernels.activations`.
+
 Every tile runs the same reduction loop (what lets Triton fuse the persistent tile loop and the
-reduction loop into one software pipeline, as in grouped_gemm_kernels.grouped_mm_kernel); padding
+reduction loop into one software pipeline, as in kernels.grouped_gemm.grouped_mm_kernel); padding
 tiles (rows past offs[N]) read zeros and store zeros.
 """
 
@@ -30,10 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops.grouped_gemm_kernels import load_a, load_b, locate_tile, split_halves, swizzle, tile_schedule
-
-CLAMP_LIMIT = tl.constexpr(7.0)
-CLAMP_ALPHA = tl.constexpr(1.702)
+from moekit.ops.kernels.schedule import load_a, load_b, split_halves, tile_coords, tile_schedule
 
 
 @triton.jit
@@ -42,17 +41,6 @@ def _glu_cols(c0, F, GLU_BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_c = c0 + tl.arange(0, BLOCK_C)
     gate_c = offs_c + (offs_c // GLU_BLOCK) * GLU_BLOCK
     return offs_c, gate_c, offs_c < F
-
-
-@triton.jit
-def _act(g, u, ACTIVATION: tl.constexpr):
-    """The gated activation in fp32: 0 = swiglu silu(g) * u; 1 = clamped_swiglu (gpt-oss)."""
-    if ACTIVATION == 0:
-        return g * tl.sigmoid(g) * u
-    else:
-        gc = tl.minimum(g, CLAMP_LIMIT)
-        uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT), CLAMP_LIMIT)
-        return gc * tl.sigmoid(CLAMP_ALPHA * gc) * (uc + 1.0)
 
 
 @triton.jit
@@ -156,7 +144,8 @@ def glu_forward_kernel(
     stride_hm,
     stride_actm,
     stride_bias_g,
-    ACTIVATION: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
     GLU_BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PROBS: tl.constexpr,
@@ -187,7 +176,7 @@ def glu_forward_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+        offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
@@ -205,10 +194,9 @@ def glu_forward_kernel(
         w_desc = None
     out_ty = h_ptr.dtype.element_ty
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
-        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
-        row0 = row_lo + pid_m * BLOCK_M
-        c0 = pid_c * BLOCK_C
+        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         offs_c, gate_c, mask_c = _glu_cols(c0, F, GLU_BLOCK, BLOCK_C)
         x_row0 = tl.where(g < N, row0, M)  # padding tiles: TMA boxes past the end read zeros
         acc_g = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
@@ -282,7 +270,7 @@ def glu_forward_kernel(
             h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
             tl.store(h_rows + gate_c[None, :], h_g, mask=mask)
             tl.store(h_rows + (gate_c + GLU_BLOCK)[None, :], h_u, mask=mask)
-        act = _act(h_g.to(tl.float32), h_u.to(tl.float32), ACTIVATION)
+        act = ACT(h_g.to(tl.float32), h_u.to(tl.float32))
         if HAS_PROBS:
             act = act * p[:, None]
         _store_act(
@@ -323,7 +311,8 @@ def glu_backward_kernel(
     stride_hm,
     stride_dhm,
     stride_actm,
-    ACTIVATION: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
     GLU_BLOCK: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -346,7 +335,7 @@ def glu_backward_kernel(
     """
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, M, N, F, BLOCK_M, BLOCK_C, BLOCK_GROUPS
+        offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     red_steps = tl.cdiv(H, BLOCK_RED)
     if USE_TMA:
@@ -361,10 +350,9 @@ def glu_backward_kernel(
         w_desc = None
     QUARTER: tl.constexpr = BLOCK_C // 4
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        g, first_tile, row_lo, row_hi = locate_tile(tile_id, tile_end, row_start, row_end)
-        pid_m, pid_c = swizzle(tile_id - first_tile, tl.cdiv(row_hi - row_lo, BLOCK_M), num_pid_c, GROUP_M)
-        row0 = row_lo + pid_m * BLOCK_M
-        c0 = pid_c * BLOCK_C
+        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
         dy_row0 = tl.where(g < N, row0, M)
         # The tile's probs are loaded before the main loop, whose time hides the load's latency
         # (in the epilogue it was exposed: 0.4-3.8% of this kernel, notes v7). The row offsets are
@@ -416,7 +404,8 @@ def glu_backward_kernel(
             p,
             stride_dhm,
             stride_actm,
-            ACTIVATION,
+            ACT,
+            ACT_GRAD,
             GLU_BLOCK,
             HAS_PROBS,
             BLOCK_M,
@@ -437,7 +426,8 @@ def glu_backward_kernel(
             p,
             stride_dhm,
             stride_actm,
-            ACTIVATION,
+            ACT,
+            ACT_GRAD,
             GLU_BLOCK,
             HAS_PROBS,
             BLOCK_M,
@@ -460,7 +450,8 @@ def glu_backward_kernel(
             p,
             stride_dhm,
             stride_actm,
-            ACTIVATION,
+            ACT,
+            ACT_GRAD,
             GLU_BLOCK,
             HAS_PROBS,
             BLOCK_M,
@@ -480,7 +471,8 @@ def glu_backward_kernel(
             p,
             stride_dhm,
             stride_actm,
-            ACTIVATION,
+            ACT,
+            ACT_GRAD,
             GLU_BLOCK,
             HAS_PROBS,
             BLOCK_M,
@@ -533,7 +525,8 @@ def _glu_backward_quarter(
     p,
     stride_dhm,
     stride_actm,
-    ACTIVATION: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
     GLU_BLOCK: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -548,28 +541,14 @@ def _glu_backward_quarter(
     out_ty = dh_ptr.dtype.element_ty
     hg = hg.to(tl.float32)
     hu = hu.to(tl.float32)
-    if ACTIVATION == 0:
-        sig = tl.sigmoid(hg)
-        silu = hg * sig
-        act = silu * hu
-    else:
-        gc = tl.minimum(hg, CLAMP_LIMIT)
-        uc = tl.minimum(tl.maximum(hu, -CLAMP_LIMIT), CLAMP_LIMIT)
-        sig = tl.sigmoid(CLAMP_ALPHA * gc)
-        act = gc * sig * (uc + 1.0)
+    act = ACT(hg, hu)
     if HAS_PROBS:
         d_probs = tl.sum(act * d_act, 1)
         d_act = d_act * p[:, None]
         act = act * p[:, None]
     else:
         d_probs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if ACTIVATION == 0:
-        d_g = d_act * hu * sig * (1.0 + hg * (1.0 - sig))
-        d_u = d_act * silu
-    else:
-        # The clamps pass the gradient at the limit itself, as torch.clamp does.
-        d_g = tl.where(hg <= CLAMP_LIMIT, d_act * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
-        d_u = tl.where((hu >= -CLAMP_LIMIT) & (hu <= CLAMP_LIMIT), d_act * gc * sig, 0.0)
+    d_g, d_u = ACT_GRAD(hg, hu, d_act)
     mask = mask_m[:, None] & mask_c[None, :]
     dh_rows = dh_ptr + offs_m.to(tl.int64)[:, None] * stride_dhm
     tl.store(dh_rows + gate_c[None, :], d_g.to(out_ty), mask=mask)

@@ -1,0 +1,178 @@
+"""Gated activations between the two expert linears (`glu`, `swiglu`), and the fc1 row-order conversions
+(`interleave_glu`, `deinterleave_glu`).
+
+Legend: M rows, F ffn size (the activation's output features).
+
+fc1's output `h (M, 2F)` holds gates and ups. Standard order: `[all gates | all ups]`. With
+`glu_interleave_size` (the GLU block) it comes in F / block blocks of 2 * block: `[g(block) u(block)]
+...`, so one output tile of an fc1 GEMM holds both halves of the columns it produces (what a fused
+GEMM + activation epilogue needs); block 1 is gpt-oss's alternating layout. Both orders are views of h as
+(M, F / block, 2, block): the standard one is block = F.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.ops.activations import activation_named
+from moekit.ops.splits import compute_dtype
+from moekit.validation import check_float_tensor, check_int, check_same_device, check_tensor
+
+
+def check_interleave(ffn_size: int, glu_interleave_size: int | None) -> int:
+    """The GLU block (F for the standard layout) after validating `glu_interleave_size`: None or a
+    positive int that divides F."""
+    if glu_interleave_size is None:
+        return ffn_size
+    block = check_int("glu_interleave_size", glu_interleave_size, minimum=1)
+    if ffn_size % block:
+        raise ValueError(
+            f"glu_interleave_size {block} does not divide the ffn size {ffn_size} (F % glu_interleave_size must be 0)"
+        )
+    return block
+
+
+def check_probs(probs: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor | None:
+    """`probs` (rows,) or (rows, 1), floating, on `like`'s device, as a (rows,) tensor; None stays None."""
+    if probs is None:
+        return None
+    check_float_tensor("probs", probs)
+    if probs.shape not in ((rows,), (rows, 1)):
+        raise ValueError(f"probs must have shape ({rows},) or ({rows}, 1), one per row; got {tuple(probs.shape)}")
+    check_same_device("probs", probs, "the input", like)
+    return probs.reshape(rows)
+
+
+def split_gate_up(h_M2F: torch.Tensor, glu_interleave_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up), each (..., F), of h (..., 2F) in either order."""
+    if h_M2F.shape[-1] % 2:
+        raise ValueError(f"the GLU input's last dimension must be even (2F), got {h_M2F.shape[-1]}")
+    ffn = h_M2F.shape[-1] // 2
+    block = check_interleave(ffn, glu_interleave_size)
+    h_blocks = h_M2F.reshape(*h_M2F.shape[:-1], ffn // block, 2, block)
+    gate = h_blocks[..., 0, :].reshape(*h_M2F.shape[:-1], ffn)
+    up = h_blocks[..., 1, :].reshape(*h_M2F.shape[:-1], ffn)
+    return gate, up
+
+
+def join_gate_up(gate: torch.Tensor, up: torch.Tensor, glu_interleave_size: int | None) -> torch.Tensor:
+    """The inverse of `split_gate_up`."""
+    ffn = gate.shape[-1]
+    block = check_interleave(ffn, glu_interleave_size)
+    lead = gate.shape[:-1]
+    h = torch.stack([gate.reshape(*lead, ffn // block, block), up.reshape(*lead, ffn // block, block)], dim=-2)
+    return h.reshape(*lead, 2 * ffn)
+
+
+class _GluFn(torch.autograd.Function):
+    """Saves only h (and probs); the backward recomputes the activation in fp32."""
+
+    @staticmethod
+    def forward(ctx, h_M2F, probs_M, glu_interleave_size, activation):
+        act = activation_named(activation)
+        gate, up = split_gate_up(h_M2F, glu_interleave_size)
+        acc_t = compute_dtype(h_M2F, probs_M)
+        out = act.forward(gate.to(acc_t), up.to(acc_t))
+        if probs_M is not None:
+            out = out * probs_M.to(acc_t)[:, None]
+        ctx.save_for_backward(h_M2F, probs_M)
+        ctx.glu_interleave_size, ctx.activation = glu_interleave_size, activation
+        return out.to(h_M2F.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out_MF):
+        h_M2F, probs_M = ctx.saved_tensors
+        act = activation_named(ctx.activation)
+        gate, up = split_gate_up(h_M2F, ctx.glu_interleave_size)
+        acc_t = compute_dtype(h_M2F, probs_M)
+        gate, up, d_out = gate.to(acc_t), up.to(acc_t), d_out_MF.to(acc_t)
+        d_probs = None
+        if probs_M is not None:
+            if ctx.needs_input_grad[1]:
+                d_probs = (act.forward(gate, up) * d_out).sum(-1).to(probs_M.dtype)
+            d_out = d_out * probs_M.to(acc_t)[:, None]
+        d_gate, d_up = act.backward(gate, up, d_out)
+        return join_gate_up(d_gate, d_up, ctx.glu_interleave_size).to(h_M2F.dtype), d_probs, None, None
+
+
+def _check_h(h: torch.Tensor) -> None:
+    check_float_tensor("h", h)
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"h must be 2-D (rows, 2F) with an even number of columns, got shape {tuple(h.shape)}")
+
+
+def glu(
+    h: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    probs: torch.Tensor | None = None,
+    glu_interleave_size: int | None = None,
+) -> torch.Tensor:
+    """Gated activation of fc1's output: out = act(gate) * up (* probs per row).
+
+    h: (M, 2F) gates and ups, standard or interleaved order (module doc). activation: a name of
+    `moekit.ops.activations.ACTIVATIONS`. probs: optional (M,) router probabilities that scale each
+    output row. Returns (M, F) in h's dtype; math in fp32 (float64 for float64 h) with one rounding.
+    """
+    activation_named(activation)
+    _check_h(h)
+    probs = check_probs(probs, h.shape[0], h)
+    check_interleave(h.shape[1] // 2, glu_interleave_size)
+    return _GluFn.apply(h, probs, glu_interleave_size, activation)
+
+
+def swiglu(
+    h: torch.Tensor, *, probs: torch.Tensor | None = None, glu_interleave_size: int | None = None
+) -> torch.Tensor:
+    """`glu` with the SwiGLU activation: silu(gate) * up (* probs)."""
+    return glu(h, activation="swiglu", probs=probs, glu_interleave_size=glu_interleave_size)
+
+
+def glu_reference(
+    h: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    probs: torch.Tensor | None = None,
+    glu_interleave_size: int | None = None,
+) -> torch.Tensor:
+    """float64 reference of `glu` (autograd through plain torch ops); returns float64."""
+    gate, up = split_gate_up(h.double(), glu_interleave_size)
+    out = activation_named(activation).forward(gate, up)
+    if probs is not None:
+        out = out * probs.double().reshape(-1, 1)
+    return out
+
+
+def interleave_glu(t: torch.Tensor, glu_interleave_size: int, dim: int = 0) -> torch.Tensor:
+    """Reorder `dim` (length 2F, standard `[gates; ups]`) into GLU blocks of `glu_interleave_size`.
+
+    For an fc1 weight (2F, H) or bias (2F,) use dim=0; for a grouped (N, 2F, H) weight or (N, 2F) bias
+    use dim=1. Returns a new contiguous tensor.
+    """
+    return _reorder(t, glu_interleave_size, dim, to_interleaved=True)
+
+
+def deinterleave_glu(t: torch.Tensor, glu_interleave_size: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of `interleave_glu`: blocks of `glu_interleave_size` along `dim` back to `[gates; ups]`."""
+    return _reorder(t, glu_interleave_size, dim, to_interleaved=False)
+
+
+def _reorder(t: torch.Tensor, glu_interleave_size: int, dim: int, to_interleaved: bool) -> torch.Tensor:
+    check_tensor("t", t)
+    dim = check_int("dim", dim)
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
+    dim = dim % t.dim()
+    length = t.shape[dim]
+    if length % 2:
+        raise ValueError(f"dimension {dim} of shape {tuple(t.shape)} must have even length 2F, got {length}")
+    ffn = length // 2
+    if glu_interleave_size is None:
+        raise ValueError("glu_interleave_size must be an int; the standard layout needs no conversion")
+    block = check_interleave(ffn, glu_interleave_size)
+    lead, tail = t.shape[:dim], t.shape[dim + 1 :]
+    if to_interleaved:  # [2, F/block, block] -> [F/block, 2, block]
+        v = t.reshape(*lead, 2, ffn // block, block, *tail).transpose(dim, dim + 1)
+    else:
+        v = t.reshape(*lead, ffn // block, 2, block, *tail).transpose(dim, dim + 1)
+    return v.reshape(t.shape).contiguous()

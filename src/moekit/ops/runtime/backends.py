@@ -1,0 +1,419 @@
+"""The backends of moekit's grouped products, behind one Protocol, and the capabilities the fused paths ask
+for.
+
+Legend: M rows, N groups (experts), I/O a linear's in/out features, H hidden size, F ffn size, D features
+of a moved row, J rows summed into one.
+
+Every backend computes the four products of a grouped linear (`GemmBackend`): forward, dgrad, wgrad and
+the per-group bias sums. A backend that also runs the fused MLP's kernels has the `FusedMLP`
+capability (fc1 + activation in one kernel, fc2's dgrad + the activation's backward in one kernel, and
+the bias sums with the d probs term in one pass); the fused paths of `grouped_mlp` and `moe_experts`
+ask a backend for it (`fused_mlp_of`), never for a name. Rows move with `gather_sum_rows`: moekit's row
+kernel wherever the Triton kernels run (`use_triton_rows`), plain torch elsewhere, with the same values.
+
+    "loop"    per-group matmuls: the reference schedule, any device and dtype (reads device offsets on
+              the host: a sync, which is why "auto" never picks it on CUDA when another can run)
+    "torch"   torch's grouped GEMM (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`), where it
+              supports the device and dtype; offsets stay on the device
+    "triton"  moekit's own kernels (`moekit.ops.runtime`): CUDA, or the CPU under TRITON_INTERPRET=1;
+              has FusedMLP
+    "auto"    the first that runs of `auto_order(x)`
+
+This module needs no triton: the Triton backend imports moekit's runtime when first asked to run.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from moekit.ops.runtime.device import cuda_capability
+from moekit.ops.splits import GroupOffsets, compute_dtype
+from moekit.validation import check_bool
+
+BACKENDS = ("auto", "loop", "torch", "triton")
+
+
+@runtime_checkable
+class GemmBackend(Protocol):
+    """The four products of a grouped linear over rows sorted by group (`offs`: `GroupOffsets`)."""
+
+    name: str
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        """Why this backend cannot run for input x and weights like w_NOI; None if it can."""
+
+    def forward(
+        self,
+        x_MI: torch.Tensor,
+        w_NOI: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """y (M, O) = x @ w[g]^T (+ bias[g] (* bias_scale)), padding rows zero."""
+
+    def dgrad(self, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+        """dx (M, I) = dy @ w[g], padding rows zero."""
+
+    def wgrad(self, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+        """dw (N, O, I) = dy[rows of g]^T x[rows of g]; groups without rows get zeros."""
+
+    def dbias(self, dy_MO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor | None) -> torch.Tensor:
+        """db (N, O) = per-group sums of dy's rows (* bias_scale); dy's padding rows must be zero."""
+
+
+@runtime_checkable
+class FusedMLP(Protocol):
+    """The fused MLP's kernels (moekit.ops.runtime.glu for their contracts)."""
+
+    def glu_forward(
+        self,
+        x_MH: torch.Tensor,
+        w1_N2FH: torch.Tensor,
+        offs: torch.Tensor,
+        bias_N2F: torch.Tensor | None,
+        probs_M: torch.Tensor | None,
+        glu_interleave_size: int | None,
+        activation: str,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h (M, 2F), act (M, F)): fc1 + bias + activation (* probs) in one kernel."""
+
+    def glu_backward_partials(
+        self,
+        dy_MH: torch.Tensor,
+        w2_NHF: torch.Tensor,
+        h_M2F: torch.Tensor,
+        offs: torch.Tensor,
+        probs_M: torch.Tensor | None,
+        glu_interleave_size: int | None,
+        activation: str,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(dh (M, 2F), act_p (M, F), d probs partials or None): fc2's dgrad + the activation's backward."""
+
+    def dbias_and_dot(
+        self, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d fc2 bias (N, H), <dy[r], b2[g]> (M,) fp32) from one pass over dy."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Group bookkeeping of the torch paths
+# --------------------------------------------------------------------------------------------------
+
+
+def zero_padding_rows(t: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+    """Zero rows past the last offset in place (grouped_mm leaves them unwritten; the contract says
+    zeros), at the cost of the padding rows, not of the whole tensor: a slice where the host knows the
+    last offset; on CUDA a kernel that reads it on the device (no host sync)."""
+    if offs.host is not None:
+        if offs.host[-1] < offs.rows:
+            t[offs.host[-1] :] = 0
+        return t
+    runtime = triton_runtime()
+    if t.device.type == "cuda" and t.stride(-1) == 1 and runtime is not None:
+        return runtime.rows.zero_rows_from(t, offs.offs[-1:])
+    # Offsets the host was not given off CUDA (only tests build those on the CPU), or no Triton: a
+    # masked pass over the whole tensor, still without reading the offsets on the host.
+    rows = torch.arange(offs.rows, device=t.device)
+    return t.masked_fill_((rows >= offs.offs[-1])[:, None], 0)
+
+
+def without_padding(t: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+    """t itself where the host knows there are no padding rows, else a copy with them zeroed."""
+    if offs.host is not None and offs.host[-1] == offs.rows:
+        return t
+    return zero_padding_rows(t.clone(), offs)
+
+
+def bias_rows(bias_NO: torch.Tensor, offs: GroupOffsets, dtype: torch.dtype) -> torch.Tensor:
+    """(M, O): the bias of every row's group in `dtype`; zeros for padding rows."""
+    zero_row = bias_NO.new_zeros(1, bias_NO.shape[1])
+    return torch.cat([bias_NO, zero_row]).to(dtype)[offs.row_group()]
+
+
+def _group_sum(dy_MO: torch.Tensor, offs: GroupOffsets, scale_M: torch.Tensor | None) -> torch.Tensor:
+    """Per-group row sums as a (N, M) x (M, O) product: deterministic (no atomics), no sync."""
+    acc_t = compute_dtype(dy_MO, scale_M)
+    src = dy_MO.to(acc_t) if scale_M is None else dy_MO.to(acc_t) * scale_M[:, None].to(acc_t)
+    groups = torch.arange(offs.num_groups, device=offs.offs.device)
+    onehot_NM = (offs.row_group()[None, :] == groups[:, None]).to(acc_t)
+    return (onehot_NM @ src).to(dy_MO.dtype)
+
+
+def _add_group_bias(y_MO, bias_NO, offs: GroupOffsets, bias_scale_M):
+    """y += bias[group(row)] (* scale[row]), math in fp32, one rounding."""
+    acc_t = compute_dtype(y_MO, bias_scale_M)
+    bias_MO = bias_rows(bias_NO, offs, acc_t)
+    if bias_scale_M is not None:
+        bias_MO = bias_MO * bias_scale_M[:, None].to(acc_t)
+    return (y_MO.to(acc_t) + bias_MO).to(y_MO.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------------
+
+
+class LoopBackend:
+    """Per-group matmuls: the reference schedule; any device and dtype. Reads device offsets on the host
+    (a sync)."""
+
+    name = "loop"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        return None
+
+    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
+        bounds = offs.host_offsets()
+        y_MO = x_MI.new_zeros(x_MI.shape[0], w_NOI.shape[1])
+        for g in range(w_NOI.shape[0]):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi == lo:
+                continue
+            acc = x_MI[lo:hi] @ w_NOI[g].t()
+            if bias_NO is not None:
+                acc_t = compute_dtype(x_MI, bias_scale_M)
+                b = bias_NO[g].to(acc_t)
+                acc = acc.to(acc_t) + (b * bias_scale_M[lo:hi, None].to(acc_t) if bias_scale_M is not None else b)
+            y_MO[lo:hi] = acc.to(y_MO.dtype)
+        return y_MO
+
+    def dgrad(self, dy_MO, w_NOI, offs):
+        bounds = offs.host_offsets()
+        dx_MI = dy_MO.new_zeros(dy_MO.shape[0], w_NOI.shape[2])
+        for g in range(w_NOI.shape[0]):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi > lo:
+                dx_MI[lo:hi] = dy_MO[lo:hi] @ w_NOI[g]
+        return dx_MI
+
+    def wgrad(self, dy_MO, x_MI, offs):
+        bounds = offs.host_offsets()
+        dw_NOI = dy_MO.new_zeros(offs.num_groups, dy_MO.shape[1], x_MI.shape[1])
+        for g in range(offs.num_groups):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi > lo:
+                dw_NOI[g] = dy_MO[lo:hi].t() @ x_MI[lo:hi]
+        return dw_NOI
+
+    def dbias(self, dy_MO, offs, bias_scale_M):
+        bounds = offs.host_offsets()
+        acc_t = compute_dtype(dy_MO, bias_scale_M)
+        src = dy_MO.to(acc_t) if bias_scale_M is None else dy_MO.to(acc_t) * bias_scale_M[:, None].to(acc_t)
+        db = torch.zeros(offs.num_groups, dy_MO.shape[1], dtype=acc_t, device=dy_MO.device)
+        for g in range(offs.num_groups):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi > lo:
+                db[g] = src[lo:hi].sum(0)
+        return db.to(dy_MO.dtype)
+
+
+def torch_grouped_mm():
+    """torch's grouped GEMM, or None where this torch has none."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+class TorchBackend:
+    """torch's grouped GEMM; device offsets stay on the device."""
+
+    name = "torch"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        if torch_grouped_mm() is None:
+            return f"this torch ({torch.__version__}) has no grouped_mm"
+        if x.device.type == "cuda":
+            if x.dtype != torch.bfloat16:
+                return f"torch's CUDA grouped_mm runs on bfloat16 only, got {x.dtype}"
+            if cuda_capability(x.device) < (8, 0):
+                return "torch's CUDA grouped_mm needs compute capability >= 8.0"
+        elif x.device.type == "cpu":
+            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                return f"torch's CPU grouped_mm supports float32/bfloat16/float16, got {x.dtype}"
+        else:
+            return f"torch's grouped_mm does not run on {x.device.type}"
+        # grouped_mm requires 16-byte aligned row strides for every operand it touches, and no empty
+        # reduction.
+        align = 16 // x.element_size()
+        bad = [n for n, d in (("in_features", x.shape[1]), ("out_features", w_NOI.shape[1])) if d % align or d == 0]
+        if bad:
+            return (
+                f"torch's grouped_mm needs {', '.join(bad)} to be a non-zero multiple of {align} for {x.dtype} "
+                f"(got in={x.shape[1]}, out={w_NOI.shape[1]}); use backend='loop' or 'triton'"
+            )
+        return None
+
+    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
+        ends = offs.offs[1:].to(torch.int32)
+        y_MO = torch_grouped_mm()(x_MI, w_NOI.transpose(-2, -1), offs=ends)
+        if bias_NO is not None:
+            y_MO = _add_group_bias(y_MO, bias_NO, offs, bias_scale_M)
+        return zero_padding_rows(y_MO, offs)
+
+    def dgrad(self, dy_MO, w_NOI, offs):
+        ends = offs.offs[1:].to(torch.int32)
+        return zero_padding_rows(torch_grouped_mm()(dy_MO, w_NOI, offs=ends), offs)
+
+    def wgrad(self, dy_MO, x_MI, offs):
+        ends = offs.offs[1:].to(torch.int32)
+        return torch_grouped_mm()(dy_MO.t(), x_MI, offs=ends)
+
+    def dbias(self, dy_MO, offs, bias_scale_M):
+        return _group_sum(dy_MO, offs, bias_scale_M)
+
+
+class TritonRuntime(NamedTuple):
+    """moekit's Triton runtime modules."""
+
+    gemm: ModuleType
+    glu: ModuleType
+    launch: ModuleType
+    rows: ModuleType
+    routing: ModuleType
+
+
+_RUNTIME: list[TritonRuntime | None] = []
+
+
+def triton_runtime() -> TritonRuntime | None:
+    """moekit's Triton runtime, or None where triton cannot be imported. Imported on first use: moekit
+    runs without triton through the other backends."""
+    if not _RUNTIME:
+        try:
+            from moekit.ops.runtime import gemm, glu, launch, routing, rows
+        except ImportError:
+            _RUNTIME.append(None)
+        else:
+            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing))
+    return _RUNTIME[0]
+
+
+class TritonBackend:
+    """moekit's own Triton kernels: every GEMM product, and the FusedMLP capability."""
+
+    name = "triton"
+
+    def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
+        return triton_unavailable_reason(x.device, x.dtype)
+
+    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
+        return triton_runtime().gemm.grouped_gemm_forward(x_MI, w_NOI, offs.offs, bias_NO, bias_scale_M)
+
+    def dgrad(self, dy_MO, w_NOI, offs):
+        return triton_runtime().gemm.grouped_gemm_dgrad(dy_MO, w_NOI, offs.offs)
+
+    def wgrad(self, dy_MO, x_MI, offs):
+        return triton_runtime().gemm.grouped_gemm_wgrad(dy_MO, x_MI, offs.offs)
+
+    def dbias(self, dy_MO, offs, bias_scale_M):
+        return triton_runtime().gemm.group_row_sum(dy_MO, offs.offs, bias_scale_M)
+
+    # The FusedMLP capability: the runtime's functions themselves, so that a call goes straight to the
+    # launcher (no frame of this module on a kernel's path).
+    @property
+    def glu_forward(self):
+        return triton_runtime().glu.glu_forward
+
+    @property
+    def glu_backward_partials(self):
+        return triton_runtime().glu.glu_backward_partials
+
+    @property
+    def dbias_and_dot(self):
+        return triton_runtime().gemm.group_row_sum_and_dot
+
+
+def gather_sum_rows(
+    src_SD: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, use_triton: bool
+) -> torch.Tensor:
+    """(rows of index, D): out[r] = sum over j of (weight[r, j] *) src[index[r, j]], j in ascending order,
+    sums in fp32 (float64 for float64 src), one rounding, in src's dtype. With use_triton, moekit's row
+    kernel for the kernels' dtypes; otherwise (and for other dtypes, e.g. float64 router weights) torch's
+    gather and a fixed-order sum over j: the same values (a gather is exact, the sums run in one order)."""
+    src_SD, index = src_SD.contiguous(), index.contiguous()
+    if use_triton and src_SD.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return triton_runtime().rows.gather_sum_rows(src_SD, index, weight)
+    num_out, per_out = index.shape
+    gathered = src_SD.index_select(0, index.reshape(-1))
+    if per_out == 1 and weight is None:
+        return gathered
+    acc_t = torch.promote_types(src_SD.dtype, torch.float32)
+    gathered = gathered.view(num_out, per_out, src_SD.shape[1]).to(acc_t)
+    if weight is not None:
+        gathered = gathered * weight.to(acc_t)[:, :, None]
+    return gathered.sum(1).to(src_SD.dtype)
+
+
+def set_autotune(enabled: bool) -> None:
+    """Turn the Triton kernels' configuration search on (default) or off. With it on, the first call of
+    each problem class times the few candidate configurations of `moekit.ops.runtime.configs` (one host
+    sync, once); off, every launch takes the first candidate: for runs that must not sync even on their
+    first step. Without triton there is nothing to tune."""
+    check_bool("enabled", enabled)
+    runtime = triton_runtime()
+    if runtime is not None:
+        runtime.launch.set_autotune(enabled)
+
+
+def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why moekit's Triton kernels cannot run for `dtype` on `device`; None if they can."""
+    runtime = triton_runtime()
+    if runtime is None:
+        return "triton cannot be imported (pip install triton)"
+    return runtime.launch.unavailable_reason(device, dtype)
+
+
+_BACKEND_OBJECTS: dict[str, GemmBackend] = {b.name: b for b in (LoopBackend(), TorchBackend(), TritonBackend())}
+
+
+def backend_named(name: str) -> GemmBackend:
+    """The backend of a resolved name (the custom ops of `moekit.ops.library` carry backends by name)."""
+    return _BACKEND_OBJECTS[name]
+
+
+def auto_order(x: torch.Tensor) -> tuple[str, ...]:
+    """Backends "auto" tries, in order. On Hopper moekit's kernels are at least as fast as grouped_mm in
+    every product (the benchmarks' results); on older GPUs they run an untuned pointer path, so
+    grouped_mm comes first there. Where only one of torch/triton runs (fp16/fp32, odd dims on CUDA), it
+    beats the loop, which also syncs."""
+    if x.device.type == "cuda":
+        if cuda_capability(x.device)[0] >= 9:
+            return ("triton", "torch", "loop")
+        return ("torch", "triton", "loop")
+    return ("torch", "loop")
+
+
+def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor) -> GemmBackend:
+    """Resolve a backend name for this input; ValueError saying why and what would work where an explicit
+    one cannot run. Nothing falls back silently: "auto" is the only name that chooses."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        impl = _BACKEND_OBJECTS[backend]
+        reason = impl.unavailable_reason(x, w_NOI)
+        if reason is not None:
+            usable = [n for n, b in _BACKEND_OBJECTS.items() if b.unavailable_reason(x, w_NOI) is None]
+            raise ValueError(f"backend={backend!r} cannot run here: {reason}. Usable here: {usable}")
+        return impl
+    for name in auto_order(x):  # the first that runs (asking the others would cost host time)
+        if _BACKEND_OBJECTS[name].unavailable_reason(x, w_NOI) is None:
+            return _BACKEND_OBJECTS[name]
+    return _BACKEND_OBJECTS["loop"]
+
+
+def fused_mlp_of(backend: GemmBackend) -> FusedMLP | None:
+    """The backend's FusedMLP capability, or None where it has none."""
+    return backend if isinstance(backend, FusedMLP) else None
+
+
+def use_triton_rows(backend: GemmBackend, x: torch.Tensor) -> bool:
+    """Whether a layer on `backend` moves its rows with moekit's row kernel: wherever moekit's Triton
+    kernels run, on CUDA whatever GEMM backend was chosen, and on the CPU (interpreter) when the Triton
+    backend itself was chosen."""
+    runs = triton_unavailable_reason(x.device, x.dtype) is None
+    return runs and (isinstance(backend, TritonBackend) or x.device.type == "cuda")

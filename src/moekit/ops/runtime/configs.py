@@ -1,0 +1,181 @@
+"""Every kernel configuration moekit launches, per architecture, in one module (as quack's gemm_config).
+
+An architecture is one of `ARCHES`: "sm90" (Hopper: TMA descriptors, wgmma, the warp-specialised Gluon
+kernels), "sm80" (Ampere/Ada and operands TMA cannot take: pointer loads) and "interpreter" (Triton's
+CPU interpreter, tests: tiny tiles so that small problems cover many tiles). The tables say which
+configurations a problem class may run; the launcher (`moekit.ops.runtime.launch.plan_launch`) picks
+among them (the first is the default; several candidates are timed once per process unless autotuning
+is off) and plans the launch once per problem.
+
+Why each entry is what it is, and the measurements that decided it, are in notes/grouped_gemm.md and
+notes/grouped_mlp.md. Plain Python and torch: importing this module needs no triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Arch = Literal["sm90", "sm80", "interpreter"]
+ARCHES: tuple[Arch, ...] = ("sm90", "sm80", "interpreter")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One configuration of a tiled Triton GEMM kernel: the output tile (block_rows x block_cols), the
+    reduction step, the swizzle band (group_rows row tiles share their B blocks in L2), pipelining
+    stages, warps, whether the persistent tile loop and the reduction loop form one software pipeline
+    (flatten), whether tiles leave through TMA stores (epi_tma) and how many programs of the
+    persistent kernel share a multiprocessor (programs_per_sm).
+
+    For the forward/dgrad kernel the tile is (rows of M, output columns) and the reduction runs over
+    the input features; for the wgrad kernel the tile is (O, I) and the reduction runs over the
+    group's rows; for the fused MLP kernels block_cols counts activation columns (the forward's tile
+    is twice as wide in h).
+    """
+
+    block_rows: int
+    block_cols: int
+    block_red: int
+    group_rows: int
+    stages: int
+    warps: int
+    flatten: bool
+    epi_tma: bool = False
+    programs_per_sm: int = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped GEMM (kernels.grouped_gemm): forward / dgrad ("fwd", "dgrad") and weight gradient ("wgrad")
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def gemm_candidates(op: str, dtype: torch.dtype, use_tma: bool, arch: Arch, cols: int) -> tuple[GemmConfig, ...]:
+    """Candidates of the plain grouped GEMM for one problem class; the first is the default."""
+    if arch == "interpreter":
+        return (GemmConfig(32, 32, 16, 4, 1, 4, False),)
+    if dtype == torch.float32:
+        return (GemmConfig(64, 64, 32, 8, 3, 4, False),)
+    if arch == "sm90" and use_tma:
+        if op == "wgrad":
+            # One config: its 4-stage and whole-tile-store variants measured within noise of it, and a
+            # single candidate means no tuning sync.
+            return (GemmConfig(128, 256, 64, 8, 3, 8, True, True),)
+        # Variants of the 128 x 256 x 64 / 8-warp tile (flatten, epi_tma); 128 x 128 only for narrow outputs.
+        big = (
+            GemmConfig(128, 256, 64, 8, 3, 8, True, False),
+            GemmConfig(128, 256, 64, 8, 3, 8, True, True),
+            GemmConfig(128, 256, 64, 8, 3, 8, False, False),
+        )
+        return big if cols > 128 else (GemmConfig(128, 128, 64, 8, 4, 8, True, False), big[0])
+    # Pointer path (operands TMA cannot take, or Ampere/Ada): shapes that fit 100 KB of shared memory.
+    return (GemmConfig(128, 128, 32, 8, 3, 8, False), GemmConfig(128, 64, 32, 8, 4, 4, False))
+
+
+# Per-group row sums (kernels.grouped_gemm.group_row_sum_kernel): (row slices per group, columns per program).
+ROW_SUM_TILES: dict[Arch, tuple[int, int]] = {"sm90": (8, 128), "sm80": (8, 128), "interpreter": (2, 32)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused MLP (kernels.glu, Triton): glu_forward_kernel ("fwd") and glu_backward_kernel ("bwd")
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def glu_widths(ffn: int, glu_block: int, arch: Arch) -> tuple[int, ...]:
+    """Activation-column widths (BLOCK_C) the fused kernels may take for this ffn size and GLU block
+    (`glu_interleave_size`, F for `[gate | up]`), widest first. A tile's weight box needs
+    block | BLOCK_C or BLOCK_C | block (or block = F); no width above the next power of two of F."""
+    widths = (16, 8) if arch == "interpreter" else (128, 64, 32, 16)
+    cap = max(1 << (ffn - 1).bit_length(), widths[-1])
+    fits = [w for w in widths if w <= cap and (glu_block == ffn or glu_block % w == 0 or w % glu_block == 0)]
+    return tuple(fits) or (min(cap, widths[0]),)
+
+
+@functools.cache
+def glu_candidates(
+    kernel: str, dtype: torch.dtype, ffn: int, glu_block: int, use_tma: bool, arch: Arch
+) -> tuple[GemmConfig, ...]:
+    """The configuration of the fused kernel `kernel` ("fwd" or "bwd"): one each (no tuning sync).
+
+    Both use 128 rows x 128 activation columns: the forward holds two fp32 accumulators (gate and up,
+    the register budget of one 128 x 256 tile of the plain GEMM), the backward one. The forward is
+    fastest with the tile loop and the reduction loop left unfused and 3 stages (4 do not fit in
+    shared memory beside its epilogue), the backward with 4 stages, unfused too. epi_tma: the forward's
+    h and act leave through TMA where the layout allows it (the backward's epilogue moves h, dh and
+    act_p by pointer)."""
+    widths = glu_widths(ffn, glu_block, arch)
+    if arch == "interpreter":
+        return (GemmConfig(16, widths[0], 16, 8, 1, 4, False, True),)
+    if not use_tma or dtype == torch.float32:
+        return (GemmConfig(128, widths[0], 64, 8, 3, 8, True, True),)
+    if kernel == "fwd":
+        return (GemmConfig(128, widths[0], 64, 8, 3, 8, False, True),)
+    return (GemmConfig(128, widths[0], 64, 8, 4, 8, False),)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused MLP on Hopper (kernels.glu_hopper, Gluon): one configuration each, sm90 only
+# --------------------------------------------------------------------------------------------------
+
+# Forward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns (4 do not fit in shared memory
+# beside the two h staging tiles), the epilogue partition 16 columns at a time with 88 registers a
+# thread (32 columns spill), the load partition 24 registers, the mma partition the rest of the 128
+# per thread of 16 warps.
+WS_FORWARD = dict(
+    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, EPI_REGS=88, num_warps=8, maxnreg=128
+)
+# Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
+# the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
+# loop and the epilogue 240 of the 168 per thread of 12 warps.
+WS_BACKWARD = dict(
+    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, LOAD_REGS=24, num_warps=8, maxnreg=168
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Row movement (kernels.rows) and routing (kernels.routing)
+# --------------------------------------------------------------------------------------------------
+
+
+def rows_tile(num_features: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) of the row kernel: about 4096 elements a program (8 KiB of bf16 per block of
+    source rows, enough bytes in flight to stream at HBM speed); narrow rows (the (M, 1) router weights)
+    get many rows a program."""
+    block_d = min(1 << max(num_features - 1, 0).bit_length(), 1024)
+    return max(1, 4096 // block_d), block_d
+
+
+# The padding-row zeroing kernel (kernels.rows.zero_rows_from_kernel): (BLOCK_ROWS, BLOCK_COLS).
+ZERO_ROWS_TILE = (64, 128)
+
+
+@dataclass(frozen=True)
+class RoutingTiles:
+    """The routing kernels' tile sizes: rows per sub-block (sub), chunks of up to max_chunk rows, about
+    target_chunks chunks, buckets per tile, the scan's buckets per program and chunks per step, and the
+    scatter kernel's warps."""
+
+    sub: int
+    max_chunk: int
+    target_chunks: int
+    max_bucket_tile: int
+    scan_buckets: int
+    scan_block: int
+    scatter_warps: int
+
+
+ROUTING_TILES: dict[Arch, RoutingTiles] = {
+    # 32-row sub-blocks: the 32 x 32 rank comparison of a step is 8 values a thread, so the scatter
+    # kernel needs 56 registers (64-row sub-blocks need 177 with 8 warps, one program per SM). About
+    # 2048 chunks at large M: programs for every SM, while the scan over chunks stays one or two tiles
+    # a program (one compiled variant for every M).
+    "sm90": RoutingTiles(32, 2048, 2048, 1024, 4, 1024, 4),
+    "sm80": RoutingTiles(32, 2048, 2048, 1024, 4, 1024, 4),
+    # Tiny tiles, so that CPU tests cover several sub-blocks, chunks, bucket tiles and scan blocks quickly.
+    "interpreter": RoutingTiles(16, 64, 4, 128, 64, 2, 4),
+}

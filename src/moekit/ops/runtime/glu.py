@@ -1,0 +1,426 @@
+"""Host side of the fused MLP kernels: fc1 with the gated activation in its epilogue (`glu_forward`), and
+fc2's dgrad with the activation's backward in its epilogue (`glu_backward`), planned and launched by the
+one recipe of `moekit.ops.runtime.launch`.
+
+Legend: M routed rows, N experts, H hidden size, F ffn size.
+
+Two kernels compute each: the Triton kernels of `moekit.ops.kernels.glu` (every GPU, the interpreter,
+every layout) and, on sm_90 with 16-bit operands through TMA and the library's own configuration, the
+warp-specialised Gluon kernels of `moekit.ops.kernels.glu_hopper` (`hopper_kernels_take` says when).
+Both give the same bits, so which one runs is a matter of speed only, never of results.
+
+The activation is a name of the registry (`moekit.ops.activations`); its jit pair is the function of
+that name and `<name>_grad` in `moekit.ops.kernels.activations`, passed to the kernels as constexprs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from moekit.ops.kernels import activations as jit_activations
+from moekit.ops.kernels.glu import glu_backward_kernel, glu_forward_kernel
+from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
+from moekit.ops.runtime.configs import WS_BACKWARD, WS_FORWARD, Arch, GemmConfig, glu_candidates, glu_widths
+from moekit.ops.runtime.device import capability
+from moekit.ops.runtime.launch import (
+    INTERPRET,
+    Launcher,
+    LaunchPlan,
+    Plan,
+    block_groups,
+    device_ctx,
+    device_index,
+    dot_precision,
+    empty,
+    grid_size,
+    next_power_of_2,
+    pick_config,
+    plan_launch,
+    tensor_key,
+    use_tma,
+)
+
+_FORWARD = Launcher(glu_forward_kernel)
+_BACKWARD = Launcher(glu_backward_kernel)
+_FORWARD_WS = Launcher(glu_forward_ws_kernel)
+_BACKWARD_WS = Launcher(glu_backward_ws_kernel)
+
+
+@functools.cache
+def jit_pair(activation: str) -> dict:
+    """The kernels' ACT and ACT_GRAD constexprs of a registered activation."""
+    return {"ACT": getattr(jit_activations, activation), "ACT_GRAD": getattr(jit_activations, activation + "_grad")}
+
+
+def _epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, tma: bool) -> bool:
+    """Whether the forward's h and act leave through TMA: boxes of a tile's BLOCK_C consecutive gate (or
+    up) columns need BLOCK_C | block or block = F, at least 16 bytes per box row, and 16-byte aligned rows
+    of h and act."""
+    return (
+        cfg.epi_tma
+        and tma
+        and (glu_block == ffn or glu_block % cfg.block_cols == 0)
+        and cfg.block_cols * x.element_size() >= 16
+        and (ffn * x.element_size()) % 16 == 0
+    )
+
+
+def _weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
+    """(BOX_BLOCKS, BOX_ROWS) of the forward's weight box in the 5-D view (N, F/block, 2, block, H): whole
+    GLU blocks when block divides BLOCK_C and F has more than one, else a run of BLOCK_C rows inside one
+    block (power-of-two box; rows past a block narrower than the tile, block = F < BLOCK_C, read as
+    zeros)."""
+    if glu_block < block_cols and glu_block < ffn:
+        return block_cols // glu_block, glu_block
+    return 1, block_cols
+
+
+def _use_tma(forced: bool, ffn: int, glu_block: int, *operands: torch.Tensor) -> tuple[bool, Arch]:
+    """Operands through TMA: as the plain GEMM decides, and a weight box every width allows."""
+    tma, arch = use_tma(None if forced else False, operands[0].shape[1] > 0, *operands)
+    box_ok = all(glu_block == ffn or glu_block % w == 0 or w % glu_block == 0 for w in glu_widths(ffn, glu_block, arch))
+    return tma and box_ok, arch
+
+
+def hopper_kernels_take(
+    rows: torch.Tensor, weight: torch.Tensor, ffn: int, glu_block: int, tma: bool, cfg: GemmConfig | None, config: dict
+) -> bool:
+    """Whether a warp-specialised Hopper kernel (`config`: WS_FORWARD or WS_BACKWARD; rows: x or dy
+    (M, H); weight: w1 (N, 2F, H) or w2 (N, H, F)) runs: an sm_90 device, 16-bit row operands through
+    TMA, no fixed cfg (a given cfg names a Triton kernel's configuration), block = F or BLOCK_C | block,
+    the weight's experts one after the other with a unit last stride (its 2-D view), and a tile's element
+    offsets in int32. Everything else runs the Triton kernel, which computes the same bits."""
+    if cfg is not None or not tma or INTERPRET or rows.device.type != "cuda":
+        return False
+    if capability(device_index(rows.device)) != (9, 0):
+        return False
+    return (
+        rows.dtype in (torch.bfloat16, torch.float16)
+        and (glu_block == ffn or glu_block % config["BLOCK_C"] == 0)
+        and weight.stride(2) == 1
+        and weight.stride(0) == weight.shape[1] * weight.stride(1)
+        and config["BLOCK_M"] * 2 * ffn < 2**31
+    )
+
+
+def _checked_out(
+    out: tuple[torch.Tensor, ...], like: torch.Tensor, shapes: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, ...]:
+    """The caller's output tensors of a fused kernel, which must be row-major (M, X) in `like`'s dtype and
+    on its device with row stride X: the kernels take the row strides as the widths. Rows of a larger
+    row-major buffer qualify (a row is addressed as row * stride from the tensor's start); whether their
+    start is 16-byte aligned is part of the plan's key."""
+    for t, shape in zip(out, shapes, strict=True):
+        if tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device or t.stride() != (shape[1], 1):
+            raise ValueError(
+                f"out: expected a row-major {shape} {like.dtype} tensor on {like.device} with row stride "
+                f"{shape[1]}, got {tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward: h = x @ w1^T (+ b1), act = ACT(gate(h), up(h)) (* probs)
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma, c: GemmConfig, aligned_out):
+    """glu_forward_kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs). aligned_out: whether h
+    and act start 16-byte aligned (TMA stores need it)."""
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
+    nprog = grid_size(x_MH.device, bound, c.programs_per_sm)
+    box_blocks, box_rows = _weight_box(glu_block, ffn, c.block_cols)
+    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), two_f, ffn)
+    ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
+    return LaunchPlan(
+        _FORWARD,
+        (nprog,),
+        ints,
+        dict(
+            **jit_pair(activation),
+            GLU_BLOCK=glu_block,
+            HAS_BIAS=bias_N2F is not None,
+            HAS_PROBS=probs_M is not None,
+            USE_TMA=tma,
+            UPCAST=INTERPRET,
+            DOT_PRECISION=dot_precision(x_MH.dtype),
+            BLOCK_M=c.block_rows,
+            BLOCK_C=c.block_cols,
+            BLOCK_RED=c.block_red,
+            GROUP_M=c.group_rows,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=c.flatten,
+            BOX_BLOCKS=box_blocks,
+            BOX_ROWS=box_rows,
+            EPI_TMA=_epilogue_tma(c, x_MH, ffn, glu_block, tma and aligned_out),
+            num_stages=c.stages,
+            num_warps=c.warps,
+        ),
+    )
+
+
+def _forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation):
+    """glu_forward_ws_kernel; tensors as `_forward_launch`'s."""
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    bound = (triton.cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, WS_FORWARD["BLOCK_C"])
+    nprog = grid_size(x_MH.device, bound)
+    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn)
+    ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
+    constexprs = dict(
+        **jit_pair(activation),
+        GLU_BLOCK=glu_block,
+        HAS_BIAS=bias_N2F is not None,
+        HAS_PROBS=probs_M is not None,
+        BLOCK_GROUPS=block_groups(N + 2),
+        NUM_PROGRAMS=nprog,
+        **WS_FORWARD,
+    )
+    return LaunchPlan(_FORWARD_WS, (nprog,), ints, constexprs)
+
+
+def _plan_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, forced_tma, cfg, aligned):
+    M, H = x_MH.shape
+    N, two_f, _ = w1_N2FH.shape
+    ffn = two_f // 2
+    if M == 0 or ffn == 0:
+        return Plan(None, ffn)
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    tma, arch = _use_tma(forced_tma, ffn, glu_block, x_MH, w1_N2FH)
+    if hopper_kernels_take(x_MH, w1_N2FH, ffn, glu_block, tma, cfg, WS_FORWARD):
+        return Plan(_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation), ffn)
+
+    def trial(c: GemmConfig) -> None:
+        h, act = empty((M, two_f), x_MH.device, x_MH.dtype), empty((M, ffn), x_MH.device, x_MH.dtype)
+        _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma, c, aligned)(
+            x_MH, w1_N2FH, h, act, bias_N2F if bias_N2F is not None else h, probs_M if probs_M is not None else h, offs
+        )
+
+    if cfg is None:
+        with device_ctx(x_MH.device):
+            problem = ("glu_fwd", x_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
+            problem += (bias_N2F is not None, probs_M is not None, activation)
+            candidates = glu_candidates("fwd", x_MH.dtype, ffn, glu_block, tma, arch)
+            cfg = pick_config(problem, candidates, trial, x_MH.device)
+    return Plan(_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma, cfg, aligned), ffn)
+
+
+def glu_forward(
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma: bool = True,
+    cfg: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
+
+    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64; bias_N2F
+    (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write into instead of fresh tensors (rows of
+    larger row-major buffers; `moe_experts` writes the rows of one launch into part of a buffer).
+    use_tma=False forces the pointer path (tests); cfg a fixed Triton kernel configuration (tests,
+    tuning), else the table's. The activation is computed from h as stored (rounded to the output
+    dtype), so the backward, which recomputes it from the saved h, sees the forward's values.
+    """
+    M = x_MH.shape[0]
+    ffn = w1_N2FH.shape[1] // 2
+    if out is None:
+        h, act = empty((M, 2 * ffn), x_MH.device, x_MH.dtype), empty((M, ffn), x_MH.device, x_MH.dtype)
+        out_keys = None  # fresh tensors: 16-byte aligned, as the plan assumes without keys
+    else:
+        h, act = _checked_out(out, x_MH, ((M, 2 * ffn), (M, ffn)))
+        out_keys = (tensor_key(h), tensor_key(act))
+    key = (tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
+    key += (glu_interleave_size, activation, use_tma, cfg, out_keys)
+    aligned = h.data_ptr() % 16 == 0 and act.data_ptr() % 16 == 0
+    plan = plan_launch(
+        "glu_fwd",
+        key,
+        lambda: _plan_forward(
+            x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, use_tma, cfg, aligned
+        ),
+    )
+    if plan.launch is not None:
+        with device_ctx(x_MH.device):
+            plan.launch(
+                x_MH,
+                w1_N2FH,
+                h,
+                act,
+                bias_N2F if bias_N2F is not None else h,
+                probs_M if probs_M is not None else h,
+                offs,
+            )
+    return h, act
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: dA = dy @ w2, dh = ACT_GRAD(gate(h), up(h), dA (* probs)), act_p, d probs partials
+# --------------------------------------------------------------------------------------------------
+
+
+def _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, c: GemmConfig):
+    """glu_backward_kernel; tensors: (dy, w2, h, dh, act_p, probs or dh, partials or dh, offs)."""
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
+    bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
+    nprog = grid_size(dy_MH.device, bound, c.programs_per_sm)
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    return LaunchPlan(
+        _BACKWARD,
+        (nprog,),
+        ints,
+        dict(
+            **jit_pair(activation),
+            GLU_BLOCK=glu_block,
+            HAS_PROBS=probs_M is not None,
+            USE_TMA=tma,
+            UPCAST=INTERPRET,
+            DOT_PRECISION=dot_precision(dy_MH.dtype),
+            BLOCK_M=c.block_rows,
+            BLOCK_C=c.block_cols,
+            BLOCK_RED=c.block_red,
+            GROUP_M=c.group_rows,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=c.flatten,
+            num_stages=c.stages,
+            num_warps=c.warps,
+        ),
+    )
+
+
+def _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation):
+    """glu_backward_ws_kernel; tensors as `_backward_launch`'s."""
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
+    bound = (triton.cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
+    nprog = grid_size(dy_MH.device, bound)
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    constexprs = dict(
+        **jit_pair(activation),
+        GLU_BLOCK=glu_block,
+        HAS_PROBS=probs_M is not None,
+        BLOCK_GROUPS=block_groups(N + 2),
+        NUM_PROGRAMS=nprog,
+        **WS_BACKWARD,
+    )
+    return LaunchPlan(_BACKWARD_WS, (nprog,), ints, constexprs)
+
+
+def _plan_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, forced_tma, cfg):
+    """The backward's plan; its `cols` are the rows of the d probs partials."""
+    M, H = dy_MH.shape
+    N, _, ffn = w2_NHF.shape
+    if M == 0 or ffn == 0:
+        return Plan(None, 0)
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    tma, arch = _use_tma(forced_tma, ffn, glu_block, dy_MH, w2_NHF)
+    # The Hopper backward also needs whole reduction steps per expert in w2's 2-D view (N * H, F).
+    if H % WS_BACKWARD["BLOCK_RED"] == 0 and hopper_kernels_take(dy_MH, w2_NHF, ffn, glu_block, tma, cfg, WS_BACKWARD):
+        launch = _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation)
+        return Plan(launch, triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]))
+
+    def trial(c: GemmConfig) -> None:
+        dh, act = empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype), empty((M, ffn), dy_MH.device, dy_MH.dtype)
+        part = empty((triton.cdiv(ffn, c.block_cols), M), dy_MH.device, torch.float32)
+        _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, c)(
+            dy_MH, w2_NHF, h_M2F, dh, act, probs_M if probs_M is not None else dh, part, offs
+        )
+
+    if cfg is None:
+        with device_ctx(dy_MH.device):
+            problem = ("glu_bwd", dy_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
+            problem += (probs_M is not None, activation)
+            candidates = glu_candidates("bwd", dy_MH.dtype, ffn, glu_block, tma, arch)
+            cfg = pick_config(problem, candidates, trial, dy_MH.device)
+    launch = _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, cfg)
+    return Plan(launch, triton.cdiv(ffn, cfg.block_cols))
+
+
+def glu_backward_partials(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma: bool = True,
+    cfg: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), d probs partials (F tiles,
+    M) fp32 ((0, M) where no kernel runs; None without probs)).
+
+    dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h. act_p =
+    ACT(h) (* probs) is fc2's wgrad operand; the partials hold, per column tile, sum_j act[r, j] * dA[r, j]
+    (the activation part of d probs). A caller that runs the rows in several launches concatenates their
+    partials and sums them once: on the GPU a sum's association depends on its shape, so only the sum of
+    the whole (F tiles, M) gives the bits of one launch. out, use_tma, cfg as glu_forward's.
+    """
+    M = dy_MH.shape[0]
+    ffn = w2_NHF.shape[2]
+    if out is None:
+        dh, act = empty((M, 2 * ffn), dy_MH.device, dy_MH.dtype), empty((M, ffn), dy_MH.device, dy_MH.dtype)
+        out_keys = None
+    else:
+        dh, act = _checked_out(out, dy_MH, ((M, 2 * ffn), (M, ffn)))
+        out_keys = (tensor_key(dh), tensor_key(act))
+    key = (tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs), tensor_key(probs_M))
+    key += (glu_interleave_size, activation, use_tma, cfg, out_keys)
+    plan = plan_launch(
+        "glu_bwd",
+        key,
+        lambda: _plan_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, use_tma, cfg),
+    )
+    if plan.launch is None:
+        return dh, act, (torch.zeros(0, M, device=dy_MH.device) if probs_M is not None else None)
+    part = empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
+    with device_ctx(dy_MH.device):
+        plan.launch(
+            dy_MH,
+            w2_NHF,
+            h_M2F,
+            dh,
+            act,
+            probs_M if probs_M is not None else dh,
+            part if part is not None else dh,
+            offs,
+        )
+    return dh, act, part
+
+
+def glu_backward(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma: bool = True,
+    cfg: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`glu_backward_partials` with the partials summed: (dh, act_p, d probs (M,) fp32 or None), the sum
+    over the column tiles taken in a fixed order (deterministic)."""
+    dh, act, part = glu_backward_partials(
+        dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, out=out, use_tma=use_tma, cfg=cfg
+    )
+    return dh, act, (part.sum(0) if part is not None else None)
