@@ -135,3 +135,9 @@ print("ok")
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_pre_commit_runs_the_ruff_ci_runs():
+    """The pre-commit hooks and CI format with the same ruff (its style moves between releases)."""
+    rev = re.search(r"ruff-pre-commit\n\s+rev: v([\d.]+)", (ROOT / ".pre-commit-config.yaml").read_text())
+    assert rev and _constraints()["ruff"] == rev.group(1)
