@@ -225,7 +225,7 @@ def main(argv=None) -> dict | None:
     )
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
-    parser.add_argument("--commit", default=None, help="the commit build A is (the device copy has no git)")
+    parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per probe process")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): hashes only")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)

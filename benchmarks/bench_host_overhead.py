@@ -1,9 +1,9 @@
-"""Where the time of a small MoE layer goes: host work or GPU work (issue 10's small-batch bar).
+"""Where the time of a small MoE layer goes: host work or GPU work (the small-batch bar).
 
 Legend: T tokens, N experts, K experts per token, H hidden size, F ffn size.
 
 At Qwen3-30B-A3B's width (N 128, K 8, H 2048, F 768) with 256, 1024 and 4096 tokens, for
-moekit.moe_experts, plain_layer (bench_moe_layer's, issue 10's) and Liger-Kernel's fused MoE when
+moekit.moe_experts, plain_layer (bench_moe_layer's) and Liger-Kernel's fused MoE when
 importable, forward and forward+backward, after warm-up:
 - host_ms: wall time of the Python calls per step, `steps` steps enqueued back to back with no
   synchronization (the host's enqueue cost; a step that syncs with the host waits for the GPU here);
@@ -172,7 +172,7 @@ def measure(args, shape, impl: str, fn, device, dtype) -> list[dict]:
             if r.get("kernel_ms") is not None:
                 r["bound"] = "host" if r["host_ms"] > r["kernel_ms"] else "gpu"
                 r["host_us_per_launch"] = r["host_ms"] * 1e3 / r["launches"] if r["launches"] else None
-        except Exception as exc:  # keep the other variants of a scarce run
+        except Exception as exc:  # keep the other variants' measurements
             r["status"], r["reason"] = "error", runner.error_reason(exc)
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)

@@ -1,4 +1,4 @@
-"""moekit.grouped_mlp (with router probs) against the plain PyTorch of issue 10 (`plain_mlp`), in one
+"""moekit.grouped_mlp (with router probs) against the plain PyTorch a user would write (`plain_mlp`), in one
 process, interleaved rounds, dense 8192^3 bf16 roof measured in the same run (start and end).
 
 Legend: M routed rows, N experts, H hidden size, F ffn size.
@@ -35,7 +35,7 @@ OPS = ("forward", "forward+backward")
 GRAD_NAMES = ("x", "w1", "w2", "probs")
 
 
-def plain_mlp(x, w1, w2, offs, probs):  # offs = cumsum(m_splits) as int32 (issue 10, verbatim)
+def plain_mlp(x, w1, w2, offs, probs):  # offs = cumsum(m_splits) as int32
     h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
     g, u = h.chunk(2, -1)
     return torch._grouped_mm(F.silu(g) * u * probs[:, None].to(x.dtype), w2.transpose(-2, -1), offs=offs)
@@ -108,7 +108,7 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: runner.MoEShape, dist: str)
                 if not check["ok"]:
                     r["reason"] = runner.failed_check_reason(check)
             timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
-        except Exception as exc:  # one broken implementation must not lose the cell of a scarce run
+        except Exception as exc:  # one broken implementation must not lose the cell
             for r in recs.values():
                 r["status"], r["reason"] = "error", runner.error_reason(exc)
             if device.type == "cuda":
@@ -148,7 +148,7 @@ def print_record(r: dict) -> None:
 
 
 def summary(records: list[dict]) -> dict:
-    """The issue's MLP bars over the measured cells (the ratios of moekit to plain)."""
+    """The MLP bars (summarize.py's) over the measured cells (the ratios of moekit to plain)."""
     mine = [r for r in records if r["impl"] == "moekit" and r.get("x_plain")]
     if not mine:
         return {}
@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
         **runner.environment(cfg, roofs[0]),
         "moekit_backend": args.backend,
         "splits": runner.splits_table(cfg),
-        "baseline": "plain_mlp (issue 10): grouped_mm, silu(g) * u * probs, grouped_mm",
+        "baseline": "plain_mlp: grouped_mm, silu(g) * u * probs, grouped_mm",
     }
     records: list[dict] = []
     path = args.out / f"{NAME}.json"

@@ -94,7 +94,7 @@ SMOKE_SHAPES = (LayerShape("smoke", 64, 6, 2, 32, 48), LayerShape("smoke-top1", 
 
 
 def plain_layer(x, w1, w2, topk_ids, topk_weights):
-    """The plain PyTorch layer of issue 10 (verbatim in meaning): x (T, H), ids/weights (T, K)."""
+    """The plain PyTorch layer a user would write: x (T, H), ids/weights (T, K)."""
     T, K = topk_ids.shape
     order = torch.argsort(topk_ids.reshape(-1), stable=True)
     offs = torch.bincount(topk_ids.reshape(-1), minlength=w1.shape[0]).cumsum(0).to(torch.int32)
@@ -244,7 +244,7 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
             for r in recs.values():
                 r.update(status="ok", errors_vs_plain=errors, host_sync=sync, **mem)
             timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
-        except Exception as exc:  # one broken cell must not lose the rest of a scarce GPU run
+        except Exception as exc:  # one broken cell must not lose the rest of the run
             for r in recs.values():
                 r["status"], r["reason"] = "error", runner.error_reason(exc)
             if device.type == "cuda":
@@ -405,7 +405,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dists", default="balanced,skewed")
     parser.add_argument("--backend", default="auto", help="moekit's GEMM backend (auto, triton, torch)")
     parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT)
-    parser.add_argument("--commit", default=None, help="the git commit measured (the device copy has no git)")
+    parser.add_argument("--commit", default=None, help="the git commit measured (for a tree without .git)")
     parser.add_argument("--quick", action="store_true", help="one round, short repetitions (noisier)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 1)")
@@ -469,7 +469,7 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     roofs = [runner.measure_roof(cfg)]
     env = runner.environment(cfg, roofs[0])
-    if args.commit:  # before the first partial JSON: the device copy's git (if any) is not the repo's
+    if args.commit:  # before the first partial JSON: a copied tree's git (if any) may not be the repo's
         env.update(git_commit=args.commit, git_commit_from="--commit", git_dirty=None, git_dirty_paths=[])
     records = []
     # Shape by shape (both routings share the shape's kernel compilations, the larger first cost).

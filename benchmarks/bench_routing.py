@@ -15,8 +15,8 @@ With --sweep, also the Triton path's GPU and host time under other tile sizes (r
 target number of chunks, warps of the scatter kernel) at 2048 and 262144 rows: records with a
 "config" entry, for choosing the defaults of `moekit.ops.runtime.configs.ROUTING_TILES`.
 
-    python benchmarks/bench_routing.py --out $OUT/routing.json             # H200: about 30 s
-    python benchmarks/bench_routing.py --sweep --out $OUT/routing.json     # H200: about 60 s more
+    python benchmarks/bench_routing.py --out $OUT/routing.json
+    python benchmarks/bench_routing.py --sweep --out $OUT/routing.json
     python benchmarks/bench_routing.py --smoke --sweep --out /tmp/routing.json   # CPU interpreter, tiny
 
 Writes the JSON (machine, versions, commit: runner.machine) and prints a table.

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One NCCL session for moekit.distributed on a machine with 2 GPUs, run from the repository root with
-# $OUT set (the device tool's output folder). Every step is bounded; the bounds add up to 450 s
-# (typically about 4 minutes):
+# $OUT set (the folder for its logs and results). Every step is bounded; the bounds add up to 450 s:
 #   1. machine and versions; 2. bench_expert_parallel.py (EP=2 vs one GPU, all-to-all share,
 #   overlap, capacity eager and replayed from a CUDA graph, dropless) per shape; 3. the distributed
 #   checks of tests/distributed_worker.py over NCCL: "capacity_graph" (capacity mode on the GPU
@@ -12,8 +11,9 @@
 #   OUT=/tmp/out benchmarks/gpu_distributed_session.sh --smoke   # the script itself on CPU (gloo)
 #
 # Leaves in $OUT: distributed_tests.log, ep_bench.log, ep_bench_<shape>.json.
-# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), as this host requires.
-# MOEKIT_BENCH_COMMIT names the commit measured (the device copy of the tree has no history).
+# NVLink multicast is switched off (NCCL_NVLS_ENABLE=0 and friends), as the README's numbers were
+# measured: not every host allows it.
+# MOEKIT_BENCH_COMMIT names the commit measured (a copy of the tree without .git cannot say).
 # Exit status: 0 when every check passed and every benchmark finished; 1 otherwise (all always run).
 
 set -uo pipefail

@@ -1,29 +1,16 @@
 """Shared machinery of moekit's benchmarks: shapes, splits, timing, memory, correctness checks,
-machine and versions, JSON, tables, plots.
+machine and versions, JSON.
 
 Legend: M routed rows, N experts, H hidden size, F expert ffn size.
 
-The scripts of the GPU session (bench_mlp_vs_plain, bench_moe_layer, bench_host_overhead,
-bench_transformers; see benchmarks/README.md) use: `machine()` (GPU, versions, commit: every JSON's
-meta), `measure_roof`, `time_ms`, `time_rounds` (interleaved rounds), `memory_of` (peak and held
-memory), `rel_errors`. bench_grouped_linear (each grouped GEMM product alone) builds its records
-with `new_record` / `measure_cell` / `run_script`, one per measured cell (shape x split
-distribution x op x backend), with these keys:
-
-    bench, shape, rows, experts, hidden, ffn, dist, op, backend,
-    status        "ok" | "check_failed" | "unavailable" | "error"
-    reason        why a cell is unavailable / errored / failed its check (None when ok)
-    flops         2 * M * in * out per GEMM of the op
-    ms, tflops    median time of one call, and flops / time
-    roof_tflops   the dense 8192^3 matmul measured by the same process
-    ratio_to_torch, ratio_to_roof   tflops / the torch backend's tflops of the same cell, / roof_tflops
-    check         {"bound", "ok", "errors": {tensor: {"fro", "worst_slice"}}} against a float32 reference
-    host_sync     whether one call synchronized with the host (CUDA only; None elsewhere)
+The benchmark scripts (see benchmarks/README.md) use: `machine()` (GPU, versions, commit: every
+JSON's meta), `measure_roof` (the dense matmul roof timed in the same process), `time_ms`,
+`time_rounds` (interleaved rounds), `memory_of` (peak and held memory), `rel_errors` /
+`check_summary` (errors against a float32 reference), `write_json`.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.metadata
 import json
@@ -35,7 +22,7 @@ import subprocess
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -142,11 +129,6 @@ def select_by_name(items: Sequence, names: str | None, what: str, all_names: Ite
     return [it for it in items if (it if isinstance(it, str) else it.name) in wanted]
 
 
-def shape_fields(shape: MoEShape) -> dict:
-    fields = asdict(shape)
-    return {"shape": fields.pop("name"), **fields}
-
-
 # --------------------------------------------------------------------------------------------------
 # Configuration shared by the scripts
 # --------------------------------------------------------------------------------------------------
@@ -160,62 +142,14 @@ class BenchConfig:
     rep_ms: float
     smoke: bool
     quick: bool
-    # Timing rounds per cell: backends compared in one cell are timed again in interleaved rounds
-    # and each keeps its median (retime_interleaved).
+    # Timing rounds per cell: the implementations compared in one cell are timed in interleaved
+    # rounds and each keeps its median (time_rounds).
     rounds: int
     shapes: list[MoEShape]
     dists: list[str]
     backends: list[str]
     out: Path
     plot: bool
-    # Where the records so far are saved after each (shape, dist), so that a crashed or killed run
-    # still leaves its measurements behind.
-    partial_path: Path | None = None
-
-
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backends", default="torch,triton", help="comma list of loop,torch,triton")
-    parser.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    parser.add_argument("--dists", default=",".join(DISTS), help="comma list of balanced,skewed")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON and PNG")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (noisier numbers)")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes, runs on CPU too: proves the script works, measures nothing useful",
-    )
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=("bfloat16", "float16", "float32"),
-        help="default: bfloat16 on CUDA, float32 on CPU",
-    )
-    parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu" and not args.smoke:
-        raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    shape_pool = SMOKE_SHAPES if args.smoke else SHAPES
-    # do_bench's defaults are warmup=25 ms, rep=100 ms; --quick trades noise for wall time.
-    warmup_ms, rep_ms = (10.0, 30.0) if args.quick or args.smoke else (25.0, 100.0)
-    return BenchConfig(
-        device=device,
-        dtype=dtype,
-        warmup_ms=warmup_ms,
-        rep_ms=rep_ms,
-        smoke=args.smoke,
-        quick=args.quick,
-        rounds=1 if args.quick or args.smoke else 3,
-        shapes=select_by_name(shape_pool, args.shapes, "shapes", [s.name for s in shape_pool]),
-        dists=select_by_name(DISTS, args.dists, "dists", DISTS),
-        backends=[b.strip() for b in args.backends.split(",") if b.strip()],
-        out=args.out,
-        plot=args.plot,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,8 +215,8 @@ def time_rounds(
     timed: Sequence[tuple[dict, Callable[[], object]]], rounds: int, time_one: Callable[[Callable[[], object]], float]
 ) -> None:
     """Time every (record, fn) of one comparison `rounds` times, in rounds whose order rotates
-    (round r starts at entry r), so that all are measured at the same mix of clocks: the H200's
-    clocks drift within seconds (a dense roof of 790 -> 670 TFLOP/s in one run). Each record gets
+    (round r starts at entry r), so that all are measured at the same mix of clocks: a GPU's clocks
+    drift within seconds under sustained load. Each record gets
     ms_rounds, ms (their median) and tflops (record["flops"] / ms); a call that raises marks its
     record "error" and leaves the other entries' rounds alone."""
     live = list(timed)
@@ -293,7 +227,7 @@ def time_rounds(
                 continue
             try:
                 record.setdefault("ms_rounds", []).append(time_one(fn))
-            except Exception as exc:  # one broken entry must not lose the others of a scarce run
+            except Exception as exc:  # one broken entry must not lose the others' measurements
                 record["status"], record["reason"] = "error", f"round {rnd}: {error_reason(exc)}"
     for record, _ in timed:
         if record.get("ms_rounds"):
@@ -404,126 +338,14 @@ def failed_check_reason(check: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Cells
+# Errors and memory
 # --------------------------------------------------------------------------------------------------
-
-
-def new_record(bench: str, shape: MoEShape, dist: str, op: str, backend: str, flops: int, roof: dict) -> dict:
-    return {
-        "bench": bench,
-        **shape_fields(shape),
-        "dist": dist,
-        "op": op,
-        "backend": backend,
-        "status": None,
-        "reason": None,
-        "flops": flops,
-        "ms": None,
-        "tflops": None,
-        "roof_tflops": roof["tflops"],
-        "ratio_to_torch": None,
-        "ratio_to_roof": None,
-        "check": None,
-        "host_sync": None,
-    }
 
 
 def error_reason(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
     return f"{type(exc).__name__}: {exc}{where}"
-
-
-def measure_cell(
-    record: dict,
-    fn: Callable[[], object],
-    check: Callable[[], dict],
-    cfg: BenchConfig,
-    grad_to_none: Sequence[torch.Tensor] | None = None,
-) -> dict:
-    """Check, then time one cell; failures are written into the record, never raised.
-
-    `check()` runs the op (its first call: compilation and autotuning happen there, outside the
-    timing) and returns check_summary(...). A failed check still gets timed, marked check_failed.
-    """
-    try:
-        record["check"] = check()
-        record["host_sync"] = check_host_sync(fn, cfg.device)
-        ms = time_ms(fn, cfg, grad_to_none)
-        record["ms"], record["tflops"] = ms, record["flops"] / ms / 1e9
-        record["ms_rounds"] = [ms]
-        record["status"] = "ok" if record["check"]["ok"] else "check_failed"
-        if not record["check"]["ok"]:
-            record["reason"] = failed_check_reason(record["check"])
-    except Exception as exc:  # one broken cell must not lose the rest of a scarce GPU run
-        record["status"], record["reason"] = "error", error_reason(exc)
-        if cfg.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-    print_progress(record)
-    return record
-
-
-def retime_interleaved(
-    timed: Sequence[tuple[dict, Callable[[], object], Sequence[torch.Tensor] | None]], cfg: BenchConfig
-) -> None:
-    """Time the cells of one comparison (the backends of one op) cfg.rounds - 1 more times, in
-    rounds that rotate their order, and give each its median.
-
-    The H200's clocks drift within seconds (a dense roof of 790 -> 670 TFLOP/s in one run), so
-    backends timed once, one after another, would be compared at different clocks; interleaving
-    gives every backend the same mix of them. Every backend gets the same treatment.
-    """
-    cells = [(r, fn, g) for r, fn, g in timed if r.get("ms_rounds")]
-    for rnd in range(1, cfg.rounds if cells else 0):
-        k = rnd % len(cells)
-        for record, fn, grads in cells[k:] + cells[:k]:
-            try:
-                record["ms_rounds"].append(time_ms(fn, cfg, grads))
-            except Exception as exc:  # keep the rounds already measured; say what went wrong
-                record["reason"] = record["reason"] or f"round {rnd}: {error_reason(exc)}"
-    for record, _, _ in cells:
-        record["ms"] = statistics.median(record["ms_rounds"])
-        record["tflops"] = record["flops"] / record["ms"] / 1e9
-    if cfg.rounds > 1 and cells:
-        medians = "  ".join(f"{r['backend']} {r['tflops']:.1f}" for r, _, _ in cells)
-        print(f"    median of {cfg.rounds} rounds: {medians}", flush=True)
-
-
-def unavailable_record(record: dict, reason: str) -> dict:
-    record["status"], record["reason"] = "unavailable", reason
-    print_progress(record)
-    return record
-
-
-def print_progress(record: dict) -> None:
-    timing = f"{record['ms']:9.3f} ms {record['tflops']:7.1f} TFLOP/s" if record["ms"] is not None else ""
-    note = f"  ({_short(record['reason'], 160)})" if record["reason"] else ""
-    print(
-        f"  {record['shape']:<16} {record['dist']:<8} {record['op']:<22} {record['backend']:<6} "
-        f"{record['status']:<12} {timing}{note}",
-        flush=True,
-    )
-
-
-def add_ratios(records: list[dict]) -> list[dict]:
-    """Fill ratio_to_torch (same shape, dist, op) and ratio_to_roof in place."""
-    torch_tflops = {_cell_key(r): r["tflops"] for r in records if r["backend"] == "torch" and r["tflops"]}
-    for r in records:
-        if r["tflops"]:
-            base = torch_tflops.get(_cell_key(r))
-            r["ratio_to_torch"] = r["tflops"] / base if base else None
-            r["ratio_to_roof"] = r["tflops"] / r["roof_tflops"] if r["roof_tflops"] else None
-    return records
-
-
-def _cell_key(r: dict) -> tuple:
-    return (r["bench"], r["shape"], r["dist"], r["op"])
-
-
-def save_partial(cfg: BenchConfig, records: list[dict]) -> None:
-    if cfg.partial_path is not None:
-        cfg.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        cfg.partial_path.write_text(json.dumps({"records": records}) + "\n")
 
 
 def release_memory(device: torch.device) -> None:
@@ -556,8 +378,9 @@ def _version(distribution: str) -> str | None:
 def machine(device: torch.device | None = None) -> dict:
     """What every result depends on: the machine, the versions and the code revision measured.
 
-    The GPU machine gets a copy of the tree without .git: there the caller names the commit in
-    MOEKIT_BENCH_COMMIT (it wins over git, which could be another repository's)."""
+    A copy of the tree without .git (as a GPU machine may get it) cannot say which commit it is:
+    the caller names it in MOEKIT_BENCH_COMMIT, which wins over git (that could be another
+    repository's)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     status = _git("status", "--porcelain")
     dirty_paths = [line[3:] for line in status.splitlines()] if status else []
@@ -616,151 +439,3 @@ def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}", flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Table and plot
-# --------------------------------------------------------------------------------------------------
-
-
-def _fmt(v, spec: str) -> str:
-    width = spec.split(".")[0]
-    return format(v, spec) if v is not None else format("-", f">{width}")
-
-
-def _short(reason: str | None, limit: int = 100) -> str:
-    return "" if not reason else reason if len(reason) <= limit else reason[: limit - 3] + "..."
-
-
-def _worst_error(r: dict) -> float | None:
-    if not r["check"] or not r["check"]["errors"]:
-        return None
-    return max(
-        max(v["fro"], v["worst_slice"]) if None not in (v["fro"], v["worst_slice"]) else math.inf
-        for v in r["check"]["errors"].values()
-    )
-
-
-def print_table(records: list[dict], roofs: Sequence[dict]) -> None:
-    """One line per cell; the reasons of unavailable backends once each, below the table."""
-    roof_txt = ", ".join(f"{r['tflops']:.1f} TFLOP/s ({r['dtype']} {r['size']}^3)" for r in roofs)
-    print(f"\ndense roof: {roof_txt}")
-    has_mem = any(r.get("peak_bytes") is not None for r in records)
-    header = (
-        f"{'shape':<16} {'dist':<8} {'op':<22} {'backend':<7} {'ms':>9} {'TFLOP/s':>8} {'x torch':>7} "
-        f"{'x roof':>6} {'max err':>8} {'sync':>5}" + (f" {'peak GiB':>8}" if has_mem else "") + "  status"
-    )
-    print(header)
-    print("-" * len(header))
-    unavailable: dict[str, str] = {}
-    for r in records:
-        sync = {True: "yes", False: "no", None: "-"}[r["host_sync"]]
-        peak = r.get("peak_bytes")
-        mem = f" {_fmt(peak / 2**30 if peak is not None else None, '8.2f')}" if has_mem else ""
-        if r["status"] == "unavailable":
-            unavailable.setdefault(r["backend"], r["reason"])
-        status = r["status"] if r["status"] in ("ok", "unavailable") else f"{r['status']}: {_short(r['reason'])}"
-        print(
-            f"{r['shape']:<16} {r['dist']:<8} {r['op']:<22} {r['backend']:<7} {_fmt(r['ms'], '9.3f')} "
-            f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['ratio_to_torch'], '7.2f')} {_fmt(r['ratio_to_roof'], '6.2f')} "
-            f"{_fmt(_worst_error(r), '8.1e')} {sync:>5}{mem}  {status}"
-        )
-    for backend, reason in unavailable.items():
-        print(f"unavailable {backend}: {reason}")
-    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "check_failed", "error", "unavailable")}
-    print("cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
-
-
-def plot(records: list[dict], roofs: Sequence[dict], path: Path, title: str) -> None:
-    """One panel per op: TFLOP/s per (shape, dist), a bar per backend, the roof as a dashed line.
-    Bars of cells that failed their check are hatched; missing bars are unavailable/errored cells."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = list(dict.fromkeys(r["op"] for r in records))
-    cells = list(dict.fromkeys((r["shape"], r["dist"]) for r in records))
-    backends = list(dict.fromkeys(r["backend"] for r in records))
-    if not ops:
-        return
-    ncols = 2 if len(ops) > 1 else 1
-    nrows = math.ceil(len(ops) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, 3.4 * nrows), squeeze=False)
-    width = 0.8 / max(len(backends), 1)
-    by_key = {(r["op"], r["shape"], r["dist"], r["backend"]): r for r in records}
-    for ax, op in zip(axes.flat, ops, strict=False):
-        for b_idx, backend in enumerate(backends):
-            xs, heights, hatches = [], [], []
-            for c_idx, (shape, dist) in enumerate(cells):
-                r = by_key.get((op, shape, dist, backend))
-                if r and r["tflops"]:
-                    xs.append(c_idx + (b_idx - (len(backends) - 1) / 2) * width)
-                    heights.append(r["tflops"])
-                    hatches.append("//" if r["status"] == "check_failed" else "")
-            bars = ax.bar(xs, heights, width, label=backend, color=f"C{b_idx}")
-            for bar, hatch in zip(bars, hatches, strict=True):
-                bar.set_hatch(hatch)
-        for i, roof in enumerate(roofs):
-            ax.axhline(
-                roof["tflops"],
-                color="k",
-                linestyle="--",
-                linewidth=0.8,
-                label=f"dense {roof['size']}^3" if i == 0 else None,
-            )
-        ax.set_title(op, fontsize=10)
-        ax.set_ylabel("TFLOP/s")
-        ax.set_xticks(range(len(cells)))
-        ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
-    for ax in list(axes.flat)[len(ops) :]:
-        ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncols=len(labels), fontsize=8)
-    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
-
-
-def plot_title(env: dict) -> str:
-    gpu = env["gpu"]["name"] if env.get("gpu") else env["device"]
-    commit = (env["git_commit"] or "unknown")[:10] + ("+dirty" if env["git_dirty"] else "")
-    return f"moekit {env['dtype']} on {gpu}, torch {env['torch']}, triton {env['triton']}, {commit}, {env['date']}"
-
-
-def finish(
-    name: str, records: list[dict], env: dict, cfg: BenchConfig, roofs: Sequence[dict], table: bool = True
-) -> dict:
-    """Ratios, table, JSON and PNG of one script's records."""
-    add_ratios(records)
-    if table:
-        print_table(records, roofs)
-    payload = {"meta": env, "records": records}
-    write_json(cfg.out / f"{name}.json", payload)
-    if cfg.plot:
-        plot(records, roofs, cfg.out / f"{name}.png", plot_title(env))
-    if cfg.partial_path is not None:
-        cfg.partial_path.unlink(missing_ok=True)
-    return payload
-
-
-def partial_path_for(out: Path, name: str) -> Path:
-    return out / f".{name}.partial.json"
-
-
-def run_script(name: str, doc: str | None, run: Callable, argv: Sequence[str] | None = None) -> dict:
-    """What each benchmark script's main does: parse the common options, measure the roof, run the
-    script's cells, then table, JSON and PNG."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
-    cfg = config_from_args(parser.parse_args(argv))
-    cfg.partial_path = partial_path_for(cfg.out, name)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
-    roof = measure_roof(cfg)
-    env = environment(cfg, roof)
-    env["splits"] = splits_table(cfg)
-    records = run(cfg, roof, [])
-    return finish(name, records, env, cfg, [roof])

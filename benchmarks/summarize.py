@@ -1,4 +1,4 @@
-"""The bars of issue 10, measured / bar / met or missed, from one GPU session's results, as markdown.
+"""moekit's performance bars, measured / bar / met or missed, from one GPU session's results, as markdown.
 
     python benchmarks/summarize.py OUT [--write OUT/summary.md]
 
@@ -376,7 +376,7 @@ def summarize(out: Path) -> str:
         else []
     )
     lines = [
-        "## moekit GPU session: issue 10's bars",
+        "## moekit GPU session: the performance bars",
         "",
         *header([mlp, layer, hf, host]),
         "",
