@@ -3,7 +3,7 @@
 from moekit import reference
 from moekit.checkpoint import load_safetensors, read_safetensors, save_safetensors
 from moekit.grouped_tensor import GroupedTensor
-from moekit.nn import GroupedLinear, GroupedMLP, MoELayer
+from moekit.nn import GroupedLinear, GroupedMLP, MoELayer, TopKRouter
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.moe_experts import moe_experts
@@ -17,6 +17,7 @@ __all__ = [
     "GroupedMLP",
     "GroupedTensor",
     "MoELayer",
+    "TopKRouter",
     "__version__",
     "deinterleave_glu",
     "grouped_linear",
