@@ -608,7 +608,7 @@ def _as_list(params):
 
 
 def check_capacity_graph(rank, world, device, workdir):
-    """NCCL only: capacity mode in bf16 on moekit's GPU kernels. An eager step makes no host sync
+    """NCCL only: capacity mode (with capacity_tokens) in bf16 on moekit's GPU kernels. An eager step makes no host sync
     (torch.cuda's sync debug mode set to error), and forward+backward captured in one CUDA graph,
     replayed with new tokens (so new routing and new drops), gives what an eager step gives, bit for
     bit (every kernel on the path is deterministic), outputs, dropped count and every gradient."""
@@ -622,8 +622,9 @@ def check_capacity_graph(rank, world, device, workdir):
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     torch.manual_seed(0)
     layer = moekit.MoELayer(256, 128, 4 * world, 2, bias=True, device=device, dtype=torch.bfloat16)
-    model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0)
     tokens = 384
+    # capacity_tokens: C fixed without the agreeing all-reduce, whose result the host would read.
+    model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0, capacity_tokens=tokens)
 
     def data(seed):
         g = torch.Generator(device=device).manual_seed(1000 * seed + rank)
