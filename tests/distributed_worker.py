@@ -388,6 +388,12 @@ def uneven_counts(pattern, world):
     return [pattern[r % len(pattern)] for r in range(world)]
 
 
+def uneven_patterns(world):
+    """The token patterns a world runs: both on 2 ranks, the first on 4 (CI time: it already holds
+    an EP group with a rank without tokens and one with unequal counts)."""
+    return UNEVEN_TOKENS if world == 2 else UNEVEN_TOKENS[:1]
+
+
 def check_capacity_uneven_tokens(rank, world, device, dtype, tol, mesh):
     """Capacity mode with another token count on every rank, 0 included (issue: 0 tokens raised on
     one rank and hung the other; 5 and 7 tokens aborted gloo): C comes from the group's largest
@@ -397,7 +403,7 @@ def check_capacity_uneven_tokens(rank, world, device, dtype, tol, mesh):
     from moekit.distributed import ExpertParallelMoE
 
     ep = mesh["ep"].size()
-    for pattern in UNEVEN_TOKENS:
+    for pattern in uneven_patterns(world):
         counts = uneven_counts(pattern, world)
         most = max(counts[r] for r in ep_group_ranks(mesh, world))
         for factor, capacity_tokens in ((float(N), None), (0.5, None), (1.0, 3)):
@@ -441,7 +447,7 @@ def check_aux_loss_uneven_tokens(rank, world, device, dtype, tol, mesh):
     from moekit.distributed import ExpertParallelMoE
 
     ep = mesh["ep"].size()
-    for pattern in (*UNEVEN_TOKENS, (0, 0, 0, 0)):
+    for pattern in (*uneven_patterns(world), (0, 0, 0, 0)):
         counts = uneven_counts(pattern, world)
         for mode in ("dropless", "capacity"):
             layer = make_model("moe", True, device, dtype, aux_loss_coef=0.5)
@@ -554,7 +560,7 @@ def check_ep_fsdp_uneven_tokens(rank, world, device):
     _, caught = view_warnings(lambda: probe(torch.randn(2, SEQ_LEN, H, device=device)))
     assert caught, "FSDP2's view warning did not fire on a module returning a view: the check below cannot fail"
     tokens = sum(SEQUENCES[r % 4] * SEQ_LEN for r in range(world))
-    for ep in sorted({2, world}):
+    for ep in (2,):  # 2 ranks: (2, 1); 4 ranks: (2, 2), EP groups of unequal counts over 2 dp replicas
         mesh = ep_mesh(device, world, ep)
         for mode, grouped in (("dropless", True), ("capacity", False)):
             ref = make_model("moe", grouped, device, aux_loss_coef=0.5)

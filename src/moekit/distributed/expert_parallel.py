@@ -261,6 +261,11 @@ class ExpertParallelMoE(nn.Module):
         self.dropped_copies: torch.Tensor | None = None
 
     @property
+    def hidden_size(self) -> int:
+        """The router's."""
+        return self.router.hidden_size
+
+    @property
     def num_experts(self) -> int:
         """Experts in all (over every EP rank): the router's."""
         return self.router.num_experts
