@@ -154,8 +154,10 @@ def test_input_of_another_dtype_is_refused_at_forward(module, x_dtype):
     built = _build(module)
     x = torch.ones(4, H, dtype=x_dtype)
     call = (lambda: built(x)) if module == "MoELayer" else (lambda: built(x, [1, 1, 2, 0]))
+    layer_cast = r" or the layer \(layer.to\(.*\)\)" if x_dtype.is_floating_point else ""
     pattern = (
-        rf"^MoELayer's parameters are torch.float32 but the input is {re.escape(str(x_dtype))}; cast"
+        rf"^MoELayer's parameters are torch.float32 but the input is {re.escape(str(x_dtype))}; cast the "
+        rf"input \(x.to\(torch.float32\)\){layer_cast}$"
         if module == "MoELayer"
         else rf"^input dtype {re.escape(str(x_dtype))} differs from weight dtype torch.float32"
     )

@@ -18,6 +18,7 @@ from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import TopKRouter, TopKRouting, inject_aux_loss
 from moekit.nn.shapes import check_last_dim, rows_as
 from moekit.ops.moe_experts import moe_experts
+from moekit.validation import COMPUTE_DTYPES
 
 
 def run_experts(
@@ -45,9 +46,11 @@ def layer_input(module: str, router: TopKRouter, x: torch.Tensor) -> torch.Tenso
     check_last_dim(x, "hidden_size", router.hidden_size)
     param_dtype = router.weight.dtype
     if x.dtype != param_dtype:
+        # The layer can take the input's dtype only if that is one moekit computes in.
+        layer_cast = f" or the layer (layer.to({x.dtype}))" if x.dtype in COMPUTE_DTYPES else ""
         raise TypeError(
             f"{module}'s parameters are {param_dtype} but the input is {x.dtype}; cast the input "
-            f"(x.to({param_dtype})) or the layer (layer.to({x.dtype}))"
+            f"(x.to({param_dtype})){layer_cast}"
         )
     return x.reshape(-1, router.hidden_size)
 
