@@ -251,7 +251,7 @@ def kept_copies(ids: torch.Tensor, num_experts: int, slots: int) -> torch.Tensor
     for e in flat:
         keep.append(seen[e] < slots)
         seen[e] += 1
-    return torch.tensor(keep, device=ids.device).view(ids.shape)
+    return torch.tensor(keep, dtype=torch.bool, device=ids.device).view(ids.shape)
 
 
 def check_expert_parallel(rank, world, device):
@@ -279,16 +279,23 @@ def check_expert_parallel(rank, world, device):
             print(f"OK ep={ep} dropless grouped={grouped} chunks={num_chunks}", flush=True)
         check_uneven_tokens(rank, world, device, dtype, tol, mesh)
         check_capacity(rank, world, device, dtype, tol, mesh)
+        check_capacity_uneven_tokens(rank, world, device, dtype, tol, mesh)
+        check_aux_loss_uneven_tokens(rank, world, device, dtype, tol, mesh)
 
 
-def check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, what, slots=None):
-    """This rank's expert gradients against MoELayer's for the same experts on the tokens of every
-    rank of its EP group (with `slots`, capacity mode's dropped copies weighted zero)."""
+def ep_group_ranks(mesh, world):
+    """The global ranks of this rank's EP group (the same "dp" coordinate)."""
     dp_rank, ep = mesh["dp"].get_local_rank(), mesh["ep"].size()
-    group_ranks = [r for r in range(world) if r % (world // ep) == dp_rank]  # same dp coordinate
+    return [r for r in range(world) if r % (world // ep) == dp_rank]
+
+
+def check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, what, slots=None, counts=None):
+    """This rank's expert gradients against MoELayer's for the same experts on the tokens of every
+    rank of its EP group (with `slots`, capacity mode's dropped copies weighted zero; with
+    `counts`, rank r's first counts[r] tokens)."""
     layer.zero_grad()
-    for r in group_ranks:
-        x_r = batch("moe", r, device, dtype)
+    for r in ep_group_ranks(mesh, world):
+        x_r = batch("moe", r, device, dtype)[: None if counts is None else counts[r]]
         keep_r = None if slots is None else kept_copies(layer.route(x_r)[1], N, slots)
         moe_reference(layer, x_r, keep_r).backward(_dy(x_r, r))
     first = model.ep_rank * model.num_local_experts
@@ -372,6 +379,98 @@ def check_capacity(rank, world, device, dtype, tol, mesh):
         print(f"OK ep={ep} capacity factor={factor} grouped={grouped} dropped={int(model.dropped_copies)}", flush=True)
 
 
+# Tokens per global rank r: pattern[r % 4]. In every EP group (2 ranks of world 2; (0, 2) and
+# (1, 3), or all 4, of world 4) the counts differ, and some rank has none.
+UNEVEN_TOKENS = ((6, 0, 5, 7), (5, 7, 0, 6))
+
+
+def uneven_counts(pattern, world):
+    return [pattern[r % len(pattern)] for r in range(world)]
+
+
+def uneven_patterns(world):
+    """The token patterns a world runs: both on 2 ranks, the first on 4 (CI time: it already holds
+    an EP group with a rank without tokens and one with unequal counts)."""
+    return UNEVEN_TOKENS if world == 2 else UNEVEN_TOKENS[:1]
+
+
+def check_capacity_uneven_tokens(rank, world, device, dtype, tol, mesh):
+    """Capacity mode with another token count on every rank, 0 included (issue: 0 tokens raised on
+    one rank and hung the other; 5 and 7 tokens aborted gloo): C comes from the group's largest
+    count, the first C copies of each expert (token order) are kept; outputs, dropped counts and the
+    gradients of x, the router and this rank's experts equal MoELayer's with the dropped copies'
+    weights zeroed. With capacity_tokens set, C comes from it alone."""
+    from moekit.distributed import ExpertParallelMoE
+
+    ep = mesh["ep"].size()
+    for pattern in uneven_patterns(world):
+        counts = uneven_counts(pattern, world)
+        most = max(counts[r] for r in ep_group_ranks(mesh, world))
+        for factor, capacity_tokens in ((float(N), None), (0.5, None), (1.0, 3)):
+            layer = make_model("moe", True, device, dtype)
+            x = batch("moe", rank, device, dtype)[: counts[rank]]
+            model = ExpertParallelMoE(
+                layer, mesh, mode="capacity", capacity_factor=factor, capacity_tokens=capacity_tokens
+            )
+            slots = model.capacity(most if capacity_tokens is None else capacity_tokens)
+            xg = x.clone().requires_grad_()
+            y = model(xg)
+            assert y.shape == x.shape, (tuple(y.shape), tuple(x.shape))
+            y.backward(_dy(y, rank))
+            d_router = model.router.weight.grad
+            model.router.weight.grad = None
+            keep = kept_copies(layer.route(x)[1], N, slots)
+            x_ref = x.clone().requires_grad_()
+            moe_reference(layer, x_ref, keep).backward(_dy(y, rank))
+            what = f"capacity tokens={counts} factor={factor} capacity_tokens={capacity_tokens}"
+            if counts[rank]:
+                assert_rel(y, moe_reference(layer, x, keep), tol, f"{what} output")
+                assert_rel(xg.grad, x_ref.grad, tol, f"{what} d x")
+                assert_rel(d_router, layer.router.weight.grad, tol, f"{what} d router")
+            else:
+                assert d_router is not None and not d_router.any(), (
+                    f"{what}: a rank without tokens got a router gradient"
+                )
+            assert int(model.dropped_copies) == int((~keep).sum()), (what, int(model.dropped_copies))
+            if factor == N:
+                assert int(model.dropped_copies) == 0, what
+            check_local_expert_grads(model, layer, mesh, world, device, dtype, tol, what, slots, counts)
+            print(f"OK ep={ep} {what} dropped={int(model.dropped_copies)}", flush=True)
+
+
+def check_aux_loss_uneven_tokens(rank, world, device, dtype, tol, mesh):
+    """The load-balancing loss with another token count on every rank, 0 included, both modes (room
+    for every copy): aux_loss equals one process's on every rank's tokens, and the router gradient
+    averaged over the ranks (what data parallelism takes) equals one process's, whose loss is the
+    ranks' mean loss with the aux loss injected by the layer. No token on any rank: aux_loss 0 and
+    a zero router gradient (issue: NaN)."""
+    from moekit.distributed import ExpertParallelMoE
+
+    ep = mesh["ep"].size()
+    for pattern in (*uneven_patterns(world), (0, 0, 0, 0)):
+        counts = uneven_counts(pattern, world)
+        for mode in ("dropless", "capacity"):
+            layer = make_model("moe", True, device, dtype, aux_loss_coef=0.5)
+            model = ExpertParallelMoE(layer, mesh, mode=mode, capacity_factor=float(N))
+            x = batch("moe", rank, device, dtype)[: counts[rank]]
+            y = model(x)
+            y.backward(_dy(y, rank))
+            d_router = model.router.weight.grad
+            model.router.weight.grad = None
+            dist.all_reduce(d_router)
+            d_router /= world
+            what = f"{mode} aux loss tokens={counts}"
+            parts = [batch("moe", r, device, dtype)[: counts[r]] for r in range(world)]
+            y_ref = layer(torch.cat(parts))
+            d_y = torch.cat([_dy(p, r) for r, p in enumerate(parts)]) / world
+            y_ref.backward(d_y)
+            assert_rel(model.aux_loss, layer.aux_loss, tol, f"{what} value")
+            assert_rel(d_router, layer.router.weight.grad, tol, f"{what} d router")
+            if not sum(counts):
+                assert float(model.aux_loss) == 0 and not d_router.any(), what
+            print(f"OK ep={ep} {what}", flush=True)
+
+
 def check_ep_fsdp_training(rank, world, device):
     """FSDP2 + EP on an (ep, dp) mesh, fp32: the first gradients and the parameters after AdamW
     steps equal one process's on the full batch (every rank's tokens); also in capacity mode with
@@ -419,6 +518,81 @@ def check_ep_fsdp_training(rank, world, device):
             )
 
 
+VIEW_WARNING = "returned a view tensor"
+SEQ_LEN = 3
+SEQUENCES = (2, 0, 1, 3)  # per global rank r: SEQUENCES[r % 4] sequences of SEQ_LEN tokens
+
+
+def sequences(rank, device, step=0):
+    """(batch, SEQ_LEN, H) fp32 sequences of one rank in one step."""
+    g = torch.Generator().manual_seed(5000 + 1000 * step + rank)
+    return torch.randn(SEQUENCES[rank % 4], SEQ_LEN, H, generator=g, dtype=torch.float64).to(device, torch.float32)
+
+
+def check_ep_fsdp_uneven_tokens(rank, world, device):
+    """FSDP2 + EP on (ep, dp) meshes with another number of sequences on every rank (none on one),
+    3-D input (batch, seq, H) as a transformer block passes it, the aux loss on, both modes (capacity
+    with room for every copy): the first gradients and the parameters after two AdamW steps equal
+    one process's on every rank's tokens (each rank's loss is its tokens' share of the global mean),
+    and FSDP2 warns about no returned view (issue: "FSDPExpertParallelMoE returned a view tensor" on
+    every rank of examples/train_distributed.py). The warning check is shown to fire first, on an
+    FSDP2 module that does return a view."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from moekit.distributed import ExpertParallelMoE, apply_fsdp
+
+    class ReturnsView(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).view(x.shape)
+
+    world_mesh = init_device_mesh(device.type, (world,))
+
+    def view_warnings(call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = call()
+        return out, [str(w.message) for w in caught if VIEW_WARNING in str(w.message)]
+
+    probe = fully_shard(ReturnsView(H, H, device=device), mesh=world_mesh)
+    _, caught = view_warnings(lambda: probe(torch.randn(2, SEQ_LEN, H, device=device)))
+    assert caught, "FSDP2's view warning did not fire on a module returning a view: the check below cannot fail"
+    tokens = sum(SEQUENCES[r % 4] * SEQ_LEN for r in range(world))
+    for ep in (2,):  # 2 ranks: (2, 1); 4 ranks: (2, 2), EP groups of unequal counts over 2 dp replicas
+        mesh = ep_mesh(device, world, ep)
+        for mode, grouped in (("dropless", True), ("capacity", False)):
+            ref = make_model("moe", grouped, device, aux_loss_coef=0.5)
+            model = ExpertParallelMoE(copy.deepcopy(ref), mesh, mode=mode, capacity_factor=float(N))
+            apply_fsdp(model, world_mesh, mp_policy=MixedPrecisionPolicy())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=ADAM_EPS)
+            first = mesh["ep"].get_local_rank() * model.num_local_experts
+            local = slice(first, first + model.num_local_experts)
+            what = (
+                f"ep={ep} x dp={world // ep} fsdp2 {mode} uneven sequences {[SEQUENCES[r % 4] for r in range(world)]}"
+            )
+            for step in range(2):
+                x = sequences(rank, device, step)
+                y, caught = view_warnings(lambda x=x, model=model: model(x))
+                assert not caught, f"{what}: {caught[0]}"
+                assert y.shape == x.shape and y._base is None, (tuple(y.shape), tuple(x.shape))
+                # This rank's part of the mean over every rank's tokens, times the ranks FSDP2 averages over.
+                (world * (y - 0.1).square().sum() / (tokens * H)).backward()
+                x_full = torch.cat([sequences(r, device, step).reshape(-1, H) for r in range(world)])
+                loss_of(ref(x_full)).backward()
+                if step == 0:
+                    compare_ep_model(model, ref, local, grouped, grads=True, what=f"{what} gradient")
+                assert_rel(model.aux_loss, ref.aux_loss, FP32_REL, f"{what} aux loss step {step}")
+                opt.step()
+                opt.zero_grad()
+                opt_ref.step()
+                opt_ref.zero_grad()
+            compare_ep_model(model, ref, local, grouped, grads=False, what=f"{what} after 2 steps")
+            print(f"OK {what}", flush=True)
+
+
 def compare_ep_model(model, ref, local: slice, grouped: bool, *, grads: bool, what: str) -> None:
     """An FSDP2 + EP model's router and local experts (gradients: scale-sensitive, so the EP x DP
     divide factor is checked; or parameters) against the one-process reference's."""
@@ -440,7 +614,7 @@ def _as_list(params):
 
 
 def check_capacity_graph(rank, world, device, workdir):
-    """NCCL only: capacity mode in bf16 on moekit's GPU kernels. An eager step makes no host sync
+    """NCCL only: capacity mode (with capacity_tokens) in bf16 on moekit's GPU kernels. An eager step makes no host sync
     (torch.cuda's sync debug mode set to error), and forward+backward captured in one CUDA graph,
     replayed with new tokens (so new routing and new drops), gives what an eager step gives, bit for
     bit (every kernel on the path is deterministic), outputs, dropped count and every gradient."""
@@ -454,8 +628,9 @@ def check_capacity_graph(rank, world, device, workdir):
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     torch.manual_seed(0)
     layer = moekit.MoELayer(256, 128, 4 * world, 2, bias=True, device=device, dtype=torch.bfloat16)
-    model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0)
     tokens = 384
+    # capacity_tokens: C fixed without the agreeing all-reduce, whose result the host would read.
+    model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0, capacity_tokens=tokens)
 
     def data(seed):
         g = torch.Generator(device=device).manual_seed(1000 * seed + rank)
@@ -744,10 +919,12 @@ GROUPS = {
         check_data_parallel(rank, world, device),
         check_expert_parallel(rank, world, device),
         check_ep_fsdp_training(rank, world, device),
+        check_ep_fsdp_uneven_tokens(rank, world, device),
     ),
     "ep": lambda rank, world, device, workdir: (
         check_expert_parallel(rank, world, device),
         check_ep_fsdp_training(rank, world, device),
+        check_ep_fsdp_uneven_tokens(rank, world, device),
     ),
     "capacity_graph": check_capacity_graph,
     "ckpt4": check_ckpt4,

@@ -243,9 +243,9 @@ def test_bad_interleave_tensor():
 
 
 def test_bad_module_arguments():
-    with pytest.raises(ValueError, match=r"num_gemms must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"num_gemms must be an int >= 1, got 0"):
         moekit.GroupedLinear(0, IN, OUT)
-    with pytest.raises(ValueError, match=r"in_features must be a positive int, got 16.0"):
+    with pytest.raises(TypeError, match=r"in_features must be an int, got 16.0 \(float\)"):
         moekit.GroupedLinear(N, 16.0, OUT)
     with pytest.raises(ValueError, match=r"unknown score_func 'relu'; expected one of \('softmax', 'sigmoid'\)"):
         moekit.MoELayer(H, F, N, 2, score_func="relu")
@@ -255,8 +255,11 @@ def test_bad_module_arguments():
 
 @pytest.mark.parametrize("top_k", [5, 0, -1, 2.0, True, "2"], ids=["5>N", "0", "-1", "float-2.0", "bool", "str"])
 def test_bad_top_k_fails_at_construction(top_k):
-    msg = rf"top_k must be an int in \[1, num_experts=4\], got {re.escape(repr(top_k))}"
-    with pytest.raises(ValueError, match=msg):
+    if isinstance(top_k, int) and not isinstance(top_k, bool):
+        exc, msg = ValueError, rf"top_k must be an int in \[1, num_experts=4\], got {top_k}"
+    else:
+        exc, msg = TypeError, rf"top_k must be an int, got {re.escape(repr(top_k))}"
+    with pytest.raises(exc, match=msg):
         moekit.MoELayer(H, F, N, top_k)
 
 
@@ -273,7 +276,11 @@ def test_bad_top_k_fails_at_construction(top_k):
 def test_bad_sizes_name_the_constructor_argument(module, name, sizes):
     num_experts, hidden, ffn = sizes
     bad = dict(zip(("num_experts", "hidden_size", "ffn_hidden_size"), sizes, strict=True))[name]
-    with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {re.escape(repr(bad))}$"):
+    if isinstance(bad, int):
+        exc, msg = ValueError, rf"^{name} must be an int >= 1, got {bad}$"
+    else:
+        exc, msg = TypeError, rf"^{name} must be an int, got {re.escape(repr(bad))} \({type(bad).__name__}\)$"
+    with pytest.raises(exc, match=msg):
         if module == "GroupedMLP":
             moekit.GroupedMLP(num_experts, hidden, ffn)
         else:

@@ -28,6 +28,7 @@ from moekit.distributed import checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
+MODES = ("dropless", "capacity")
 sys.path.insert(0, str(WORKER.parent))
 import distributed_worker as dw  # noqa: E402
 
@@ -84,6 +85,19 @@ def test_data_and_expert_parallel(tmp_path, world):
             ("capacity", False, 0.5),
         )
     }
+    for ep in {2, world}:
+        for pattern in dw.uneven_patterns(world):
+            counts = dw.uneven_counts(pattern, world)
+            expected |= {
+                f"OK ep={ep} capacity tokens={counts} factor={f} capacity_tokens={c}"
+                for f, c in ((float(dw.N), None), (0.5, None), (1.0, 3))
+            }
+        for pattern in (*dw.uneven_patterns(world), (0, 0, 0, 0)):
+            expected |= {f"OK ep={ep} {m} aux loss tokens={dw.uneven_counts(pattern, world)}" for m in MODES}
+    sequences = [dw.SEQUENCES[r % 4] for r in range(world)]
+    expected |= {f"OK ep=2 x dp={world // 2} fsdp2 {m} uneven sequences {sequences}" for m in MODES}
+    # The capacity lines carry their dropped count after the name: compare the names.
+    done |= {line.rsplit(" dropped=", 1)[0] for line in done if " capacity tokens=" in line}
     assert expected <= done, sorted(expected - done)
     capacity = [line for line in done if "capacity factor=" in line]
     assert any("dropped=0" not in line for line in capacity), "capacity mode never dropped a copy"
@@ -150,14 +164,28 @@ def test_capacity_maps_match_the_rule(case):
         assert (got[:, -1] == local).all()
 
 
-def test_capacity_mode_reads_nothing_on_host(monkeypatch):
-    """Capacity mode forward and backward on meta tensors (no data: any host read raises) over a
-    fake process group of 2 ranks; dropless on the same input stops at its one documented read. The
-    local grouped MLP (tested for host syncs on its own, and meta-incapable) is a stand-in here."""
+@pytest.fixture
+def fake_group():
+    """torch's fake process group of 2 ranks (this process is rank 0; collectives do nothing) and
+    its 1-D mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tokens", [dw.T, 0], ids=["tokens", "no-tokens"])
+def test_capacity_mode_reads_nothing_on_host(monkeypatch, fake_group, tokens):
+    """Capacity mode with capacity_tokens, forward and backward on meta tensors (no data: any host
+    read raises) over a fake process group of 2 ranks, with tokens and without; without
+    capacity_tokens it reads the agreed largest token count, and dropless its split sizes (so the
+    check can fail). The local grouped MLP (tested for host syncs on its own, and meta-incapable)
+    is a stand-in here."""
     import moekit.nn.grouped_mlp as grouped_mlp_module
     from moekit.distributed import ExpertParallelMoE
 
@@ -169,22 +197,71 @@ def test_capacity_mode_reads_nothing_on_host(monkeypatch):
         return x * probs[:, None] + (fc1_weight.sum() + fc2_weight.sum()) * 0
 
     monkeypatch.setattr(grouped_mlp_module, "grouped_mlp", stand_in_mlp)  # what GroupedMLP.forward calls
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        layer = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, device="meta")
-        model = ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.0)
-        x = torch.empty(dw.T, dw.H, device="meta", requires_grad=True)
-        y = model(x)
-        y.sum().backward()
-        slots = model.capacity(dw.T)
-        assert calls == [(2 * (dw.N // 2 * slots + 1), dw.H)]
-        assert y.shape == x.shape and x.grad.shape == x.shape and model.dropped_copies.device.type == "meta"
-        assert model.router.weight.grad is not None and model.experts.fc1.weight.grad is not None
-        with pytest.raises(NotImplementedError, match="meta"):
-            ExpertParallelMoE(layer, mesh)(x)
-    finally:
-        dist.destroy_process_group()
+    layer = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, device="meta", aux_loss_coef=0.1)
+    model = ExpertParallelMoE(layer, fake_group, mode="capacity", capacity_factor=1.0, capacity_tokens=dw.T)
+    x = torch.empty(tokens, dw.H, device="meta", requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    slots = model.capacity(dw.T)
+    assert calls == [(2 * (dw.N // 2 * slots + 1), dw.H)]
+    assert y.shape == x.shape and x.grad.shape == x.shape and model.dropped_copies.device.type == "meta"
+    assert model.router.weight.grad is not None and model.experts.fc1.weight.grad is not None
+    with pytest.raises(RuntimeError, match="meta"):
+        ExpertParallelMoE(layer, fake_group, mode="capacity")(x)
+    with pytest.raises(NotImplementedError, match="meta"):
+        ExpertParallelMoE(layer, fake_group)(x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"capacity_factor": float("inf")}, ValueError, r"^capacity_factor must be a finite number, got inf$"),
+        ({"capacity_factor": float("nan")}, ValueError, r"^capacity_factor must be a finite number, got nan$"),
+        ({"capacity_factor": 0.0}, ValueError, r"^capacity_factor must be > 0, got 0.0$"),
+        ({"capacity_factor": -1}, ValueError, r"^capacity_factor must be > 0, got -1.0$"),
+        ({"capacity_factor": "1.25"}, TypeError, r"^capacity_factor must be a finite number, got '1.25' \(str\)$"),
+        ({"capacity_factor": True}, TypeError, r"^capacity_factor must be a finite number, got True \(bool\)$"),
+        ({"mode": "drop"}, ValueError, r"^unknown mode 'drop'; expected one of \('dropless', 'capacity'\)$"),
+        ({"num_chunks": 0}, ValueError, r"^num_chunks must be an int >= 1, got 0$"),
+        ({"num_chunks": 2.0}, TypeError, r"^num_chunks must be an int, got 2.0 \(float\)$"),
+        ({"num_chunks": 2, "mode": "capacity"}, ValueError, r"^num_chunks > 1 .* for mode='dropless' only$"),
+        ({"capacity_tokens": 0, "mode": "capacity"}, ValueError, r"^capacity_tokens must be an int >= 1, got 0$"),
+        ({"capacity_tokens": "8", "mode": "capacity"}, TypeError, r"^capacity_tokens must be an int, got '8'"),
+        ({"capacity_tokens": 8}, ValueError, r"^capacity_tokens sets capacity mode's slots; .* mode='capacity' only$"),
+    ],
+)
+def test_expert_parallel_refuses_bad_arguments_at_construction(fake_group, kwargs, exc, match):
+    """Refused in one line when the module is built (on every rank alike, before any collective):
+    issue: capacity_factor=inf was accepted and the forward raised OverflowError."""
+    from moekit.distributed import ExpertParallelMoE
+
+    layer = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K)
+    with pytest.raises(exc, match=match):
+        ExpertParallelMoE(layer, fake_group, **{"mode": "dropless", **kwargs})
+    with pytest.raises(TypeError, match=r"^layer must be a moekit.MoELayer, got GroupedMLP$"):
+        ExpertParallelMoE(layer.experts, fake_group)
+
+
+def test_expert_parallel_is_the_layers_parts(fake_group):
+    """The router is the layer's own module (not a copy of its settings); the experts are this
+    rank's slice of the layer's, in its layout and options, under the layer's parameter names."""
+    from moekit.distributed import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K, bias=True, single_grouped_weight=False, glu_interleave_size=2)
+    model = ExpertParallelMoE(layer, fake_group)
+    assert model.router is layer.router
+    names = dict(model.named_parameters()).keys()
+    assert "router.weight" in names and names <= dict(layer.named_parameters()).keys()
+    assert model.experts.options() == layer.experts.options()
+    local = dw.N // 2  # rank 0 of 2
+    for name in ("fc1", "fc2"):
+        ours, full = getattr(model.experts, name), getattr(layer.experts, name)
+        for i in range(local):
+            assert torch.equal(getattr(ours, f"weight{i}"), getattr(full, f"weight{i}"))
+            assert torch.equal(getattr(ours, f"bias{i}"), getattr(full, f"bias{i}"))
+    layer.router.top_k = 1  # one setting, read where it lives
+    assert model.router.top_k == 1 and layer.top_k == 1
 
 
 @pytest.mark.gpu

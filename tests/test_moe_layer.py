@@ -241,9 +241,190 @@ def test_route_outputs():
     torch.testing.assert_close(weights.sum(-1), torch.ones(5))
     torch.testing.assert_close(scores.sum(-1), torch.ones(5))
     assert torch.equal(ids, scores.topk(2, dim=-1).indices)
-    layer.norm_topk_prob = False
+    layer.norm_topk_prob = False  # the router's setting, set through the layer
+    assert layer.router.norm_topk_prob is False
     w2, _, s2 = layer.route(rand(5, H, seed=13))
     torch.testing.assert_close(w2, s2.topk(2, dim=-1).values)
+
+
+# --------------------------------------------------------------------------------------------------
+# The named parts: TopKRouter (+ its load-balancing loss) and GroupedMLP experts
+# --------------------------------------------------------------------------------------------------
+
+
+def torch_router(x, weight, *, top_k, score_func="softmax", norm_topk_prob=True):
+    """The router in plain torch, in x's dtype: (top-k weights, ids, scores)."""
+    logits = x @ weight.t()
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    weights, ids = scores.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids, scores
+
+
+def torch_switch_loss(ids, scores, coef):
+    """coef * N * sum_e f_e * P_e: f_e the share of the routed copies on e, P_e e's mean score."""
+    num_experts = scores.shape[1]
+    share = torch.bincount(ids.reshape(-1), minlength=num_experts).to(scores.dtype) / ids.numel()
+    return coef * num_experts * (share * scores.mean(0)).sum()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_and_its_loss_match_reimplementation(score_func, norm_topk_prob):
+    """TopKRouter alone: its top-k weights and its load-balancing loss (from load_balancing_stats),
+    outputs and the gradients of x and the gate, by the tolerance rule against float64."""
+    top_k, coef = 2, 0.3
+    router = moekit.TopKRouter(H, N, top_k, score_func=score_func, norm_topk_prob=norm_topk_prob, aux_loss_coef=coef)
+    kw = {"top_k": top_k, "score_func": score_func, "norm_topk_prob": norm_topk_prob}
+    inputs = {"x": rand(11, H, seed=20), "weight": rand(N, H, scale=0.5, seed=21)}
+
+    def ours_weights(x, weight):
+        return functional_call(router, {"weight": weight}, (x,)).weights
+
+    def ours_loss(x, weight):
+        routing = functional_call(router, {"weight": weight}, (x,))
+        return router.load_balancing_loss(router.load_balancing_stats(routing))
+
+    def torch_loss(x, weight):
+        _, ids, scores = torch_router(x, weight, **kw)
+        return torch_switch_loss(ids, scores, coef)
+
+    check_against_reference(
+        ours_weights,
+        lambda **p: torch_router(**p, **kw)[0],
+        lambda **p: torch_router(**p, **kw)[0],
+        inputs,
+        torch.float32,
+    )
+    res = check_against_reference(ours_loss, torch_loss, torch_loss, inputs, torch.float32)
+    assert torch.count_nonzero(res["weight"]) > 0
+    routing = router(inputs["x"])
+    _, ids, scores = torch_router(inputs["x"], router.weight.detach(), **kw)
+    assert torch.equal(routing.ids, ids) and routing.ids.dtype == torch.int64
+    assert routing.weights.dtype == routing.scores.dtype == torch.float32
+
+
+def test_load_balancing_statistics_of_parts_add_up():
+    """The statistics of two token sets (two ranks) add up to the whole's, and the parts computed
+    against the totals (what expert parallelism backpropagates on each rank) sum to the whole's
+    loss, with the same router gradient (float64: to rounding)."""
+    router = moekit.TopKRouter(H, N, 2, aux_loss_coef=0.2, dtype=torch.float64)
+    x = rand(13, H, dtype=torch.float64, seed=22)
+    whole = router.load_balancing_stats(router(x))
+    loss = router.load_balancing_loss(whole)
+    (d_whole,) = torch.autograd.grad(loss, router.weight)
+    parts = [router.load_balancing_stats(router(piece)) for piece in (x[:5], x[5:], x[:0])]
+    totals = moekit.nn.LoadBalancingStats(
+        *(sum(getattr(p, f) for p in parts) for f in ("copies", "score_sum", "tokens"))
+    )
+    for field in ("copies", "tokens"):
+        assert torch.equal(getattr(totals, field), getattr(whole, field)), field
+    assert_within_tolerance(totals.score_sum, whole.score_sum, whole.score_sum, "score sums", reduction_length=13)
+    detached = totals._replace(score_sum=totals.score_sum.detach())
+    part_losses = [router.load_balancing_loss(p, detached) for p in parts]
+    (d_parts,) = torch.autograd.grad(sum(part_losses), router.weight)
+    assert rel_err(sum(part_losses), loss) < 1e-14
+    assert rel_err(d_parts, d_whole) < 1e-13 and d_whole.abs().sum() > 0
+
+
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H)], ids=["0-tokens", "0-sequences"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_is_zero_without_tokens(shape, score_func, nan_poison):
+    """Training on 0 tokens with aux_loss_coef > 0: the loss is 0 (issue: NaN) and the router gets a
+    zero gradient (not NaN, not None), as every expert parameter does."""
+    layer = moekit.MoELayer(H, F, N, 2, score_func=score_func, aux_loss_coef=0.1)
+    x = torch.zeros(shape, requires_grad=True)
+    y = layer(x)
+    assert y.shape == shape
+    y.sum().backward()
+    assert layer.aux_loss is not None and float(layer.aux_loss) == 0.0
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
+    assert x.grad.shape == shape
+
+
+@pytest.mark.parametrize("aux_loss_coef", [0.0, 0.1])
+@pytest.mark.parametrize("shape", [(6, H), (2, 3, H), (H,)], ids=["2-D", "3-D", "1-D"])
+def test_output_is_no_view_and_in_place_ops_keep_gradients(shape, aux_loss_coef):
+    """The output is never a view (FSDP2 warns about modules that return one: an in-place op on it
+    would drop its hooks), in any input shape, with and without the injected aux loss; an in-place
+    op on it gives the gradients the same out-of-place op gives."""
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(H, F, N, 2, aux_loss_coef=aux_loss_coef)
+    x = rand(*shape, seed=23)
+    grads = []
+    for in_place in (False, True):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        assert y.shape == shape and y._base is None and not y._is_view()
+        y = y.mul_(3.0) if in_place else y * 3.0
+        (y * rand(*shape, seed=24)).sum().backward()
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    linear = moekit.GroupedLinear(2, H, 5)
+    assert linear(rand(2, 3, H, seed=25), [4, 2])._base is None
+
+
+def test_inject_aux_loss():
+    """inject_aux_loss: the output's values, not a view, whose backward also backpropagates the loss
+    with gradient 1 (exact here)."""
+    w = rand(4, dtype=torch.float64, seed=26).requires_grad_()
+    x = rand(3, 2, dtype=torch.float64, seed=27).requires_grad_()
+    t = x * 3
+    out = moekit.nn.inject_aux_loss(t, (w**2).sum())
+    assert torch.equal(out, t) and out._base is None
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    assert torch.equal(w.grad, 2 * w.detach())
+
+
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "discrete"])
+def test_parts_keep_state_dict_and_initialisation(single_grouped_weight):
+    """MoELayer = router + experts under the state-dict keys it always had (checkpoints and the
+    transformers integration read `router.weight`); the router draws its initial weight as the
+    nn.Linear it replaced did, so a seeded layer starts where it used to; the router's settings are
+    read and set in one place."""
+    layer_kw = {"bias": True, "single_grouped_weight": single_grouped_weight}
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(H, F, 2, 1, **layer_kw)
+    experts = ["weight", "bias"] if single_grouped_weight else [f"{k}{i}" for k in ("weight", "bias") for i in range(2)]
+    assert list(layer.state_dict()) == [
+        "router.weight",
+        *(f"experts.fc1.{k}" for k in experts),
+        "experts.fc1._extra_state",
+        *(f"experts.fc2.{k}" for k in experts),
+        "experts.fc2._extra_state",
+    ]
+    torch.manual_seed(0)
+    gate = torch.nn.Linear(H, 2, bias=False)
+    mlp = moekit.GroupedMLP(2, H, F, **layer_kw)
+    assert torch.equal(layer.router.weight, gate.weight)
+    for (name, p), (_, q) in zip(layer.experts.named_parameters(), mlp.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert isinstance(layer.router, moekit.TopKRouter) and moekit.nn.TopKRouter is moekit.TopKRouter
+    layer.aux_loss_coef = 0.5
+    assert layer.router.aux_loss_coef == 0.5 and (layer.hidden_size, layer.num_experts, layer.top_k) == (H, 2, 1)
+    with pytest.raises(AttributeError, match="num_experts is fixed at construction"):
+        layer.num_experts = 3
+
+
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "discrete"])
+def test_select_experts(single_grouped_weight):
+    """GroupedMLP.select_experts: a GroupedMLP of a range of the experts, same options and layout,
+    whose forward on rows routed to them equals the full module's on the same rows."""
+    torch.manual_seed(0)
+    full = moekit.GroupedMLP(5, H, F, bias=True, glu_interleave_size=2, single_grouped_weight=single_grouped_weight)
+    part = full.select_experts(1, 3)
+    assert part.num_experts == 3 and part.options() == full.options()
+    x, probs = rand(7, H, seed=28), rand(7, seed=29)
+    torch.testing.assert_close(part(x, [2, 0, 5], probs), full(x, [0, 2, 0, 5, 0], probs), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"experts 3..5 do not exist: this GroupedMLP has 5"):
+        full.select_experts(3, 3)
+    with pytest.raises(ValueError, match=r"^count must be an int >= 1, got 0$"):
+        full.select_experts(0, 0)
 
 
 def test_reference_is_an_attribute_of_the_package():

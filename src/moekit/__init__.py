@@ -3,7 +3,7 @@
 from moekit import reference
 from moekit.checkpoint import load_safetensors, read_safetensors, save_safetensors
 from moekit.grouped_tensor import GroupedTensor
-from moekit.nn import GroupedLinear, GroupedMLP, MoELayer
+from moekit.nn import GroupedLinear, GroupedMLP, MoELayer, TopKRouter
 from moekit.ops.activations import ACTIVATIONS
 from moekit.ops.glu import deinterleave_glu, glu, interleave_glu, swiglu
 from moekit.ops.grouped_linear import grouped_linear
@@ -20,6 +20,7 @@ __all__ = [
     "GroupedMLP",
     "GroupedTensor",
     "MoELayer",
+    "TopKRouter",
     "__version__",
     "deinterleave_glu",
     "glu",

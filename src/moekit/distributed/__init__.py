@@ -2,8 +2,9 @@
 
 - `apply_fsdp(model, mesh, ...)`: FSDP2 (`fully_shard`) on a model's MoE experts, blocks and root,
   bf16 compute with fp32 parameters and reductions by default.
-- `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity")`: a `MoELayer` with N/EP experts per
-  rank, token copies moved with `all_to_all_single`; composes with FSDP2 over a 2-D (ep, dp) mesh.
+- `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity")`: a `MoELayer`'s router with N/EP
+  of its experts per rank, token copies moved with `all_to_all_single`, any token count on each rank;
+  composes with FSDP2 over a 2-D (ep, dp) mesh.
 - `moekit.distributed.checkpoint.save/load`: `torch.distributed.checkpoint` with expert tensors
   stored globally, independent of layout, sharding and EP degree.
 

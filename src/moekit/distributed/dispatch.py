@@ -40,6 +40,7 @@ __all__ = [
     "dropless_maps",
     "move_rows",
     "received_local_ids",
+    "sentinel_slots",
     "use_triton_rows",
 ]
 
@@ -95,12 +96,22 @@ class CapacityMaps:
 
 
 def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slots: int) -> CapacityMaps:
-    """expert_ids: (T, K) integer, T >= 1; `slots` = C per expert -> CapacityMaps (device, no host
+    """expert_ids: (T, K) integer, T >= 0; `slots` = C per expert -> CapacityMaps (device, no host
     read, shapes fixed by T, K, N, EP and C alone). The first C copies of an expert in (token, k)
-    order are kept."""
+    order are kept. With T = 0 every slot is empty and reads row 0: the caller gives the gathers a
+    source with a row there (`sentinel_slots` says where its gradient may come from)."""
     num_tokens, top_k = expert_ids.shape
     local_L = num_experts // ep_size
     device = expert_ids.device
+    if num_tokens == 0:
+        empty = torch.zeros(ep_size * (local_L * slots + 1), 1, dtype=torch.int64, device=device)
+        return CapacityMaps(
+            counts=torch.zeros(num_experts, dtype=torch.int64, device=device),
+            token_of_slot=empty,
+            copy_of_slot=empty,
+            slot_of_copy=expert_ids.new_empty((0, top_k), dtype=torch.int64),
+            dropped=torch.zeros((), dtype=torch.int64, device=device),
+        )
     routing = sort_by_expert(expert_ids, num_experts)
     counts, row_of_copy = routing.counts(), routing.row_map
     starts = routing.offs[:-1]
@@ -126,6 +137,12 @@ def capacity_maps(expert_ids: torch.Tensor, num_experts: int, ep_size: int, slot
         slot_of_copy=slot_of_copy,
         dropped=dropped,
     )
+
+
+def sentinel_slots(num_experts: int, ep_size: int, slots: int, rows: int, device: torch.device) -> torch.Tensor:
+    """(rows, 1) the first destination's sentinel slot: a backward map for source rows that no slot
+    holds (the row an empty buffer reads when a rank has no tokens), whose gradient is exactly zero."""
+    return torch.full((rows, 1), num_experts // ep_size * slots, dtype=torch.int64, device=device)
 
 
 def received_local_ids(recv_counts: torch.Tensor, slots: int) -> torch.Tensor:

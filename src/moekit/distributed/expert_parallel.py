@@ -4,10 +4,14 @@ token copies travel to the rank of their expert and back with `all_to_all_single
 Legend: T tokens (this rank's), K top-k, N experts in all, H hidden size; EP ranks in the group,
 L = N/EP experts per rank ("local"), C slots per (source rank, expert) in capacity mode.
 
+`ExpertParallelMoE` is `MoELayer`'s parts recomposed: the same `TopKRouter` module, this rank's
+experts (`GroupedMLP.select_experts`), and the dispatch below; the layer's input check and output
+(`moekit.nn.moe_layer.layer_input` / `layer_output`) are MoELayer's own.
+
 Dispatch and combine, for one rank (index maps in `moekit.distributed.dispatch`, all on the device):
-1. route (`MoELayer.route`, the single-process layer's own router) and sort the T*K copies by
-   global expert (moe_experts' device routing). Experts r*L..(r+1)*L-1 live on rank r, so the
-   sorted copies are already grouped by destination rank.
+1. route this rank's tokens with the router and sort the T*K copies by global expert (moe_experts'
+   device routing). Experts r*L..(r+1)*L-1 live on rank r, so the sorted copies are already
+   grouped by destination rank.
 2. exchange the per-expert counts with `all_to_all_single` on the device: rank r learns, for each
    source rank s, how many copies s routed to each of r's L experts.
 3. gather the send buffer straight from the tokens (one (M, H) copy: the all-to-all's input) and
@@ -16,23 +20,33 @@ Dispatch and combine, for one rank (index maps in `moekit.distributed.dispatch`,
    experts as `moekit.moe_experts` runs its rows (sorted by local expert on the device, the fused
    grouped MLP with the router weights as probs, back in received order; the grouped MLP keeps its
    sorted input for the weight gradients, an (R, H) tensor, where moe_experts gathers it again from
-   the K times smaller tokens); the outputs travel back the same way and each token's K (already weighted) outputs
-   are summed in fixed order. Every row movement is a deterministic gather-sum, forward and
-   backward: no floating-point atomics.
+   the K times smaller tokens); the outputs travel back the same way and each token's K (already
+   weighted) outputs are summed in fixed order. Every row movement is a deterministic gather-sum,
+   forward and backward: no floating-point atomics.
+
+Every rank of the group takes part in every forward and backward with any token count, 0 included
+(a rank without tokens still sends and receives: the others' copies reach its experts). Arguments
+are refused at construction, on every rank alike, before any collective.
 
 Modes:
 - "dropless": the all-to-all splits are the exchanged counts, so their sums must reach the host:
   one device-to-host copy per forward (the split sizes of the dispatch, which the combine and both
   backward passes reuse; with num_chunks > 1, all chunks' sizes in the same one copy). Outputs and
   gradients equal the single-process `MoELayer`'s.
-- "capacity": every (source rank, expert) pair gets C = ceil(capacity_factor * T * K / N) slots (and
-  each destination one sentinel slot that dropped copies point to), so every buffer has a fixed
-  size, nothing is read by the host and the step can be captured in a CUDA graph. Every rank must
-  pass the same number of tokens T >= 1 (the buffers' sizes must agree). Copies past C are dropped,
-  the last ones in token order (the first C copies of each expert, in token order, are kept):
-  deterministic. Empty slots travel but are padding rows of the local grouped MLP (not computed).
-  `dropped_copies` holds the number of copies this rank's tokens lost in the last forward, as a
-  device tensor. Dropless mode takes any T per rank.
+- "capacity": every (source rank, expert) pair gets C slots (and each destination one sentinel slot
+  that dropped copies point to), so every buffer has a size fixed by C and the maps are computed
+  without a host read. C = ceil(capacity_factor * T_C * K / N) must be the same on every rank of the
+  group, so T_C is one number for all: `capacity_tokens` if given, else the largest token count of
+  the group in this forward, agreed by one all-reduce (max) of one integer over the EP group, which
+  the host reads (it sizes the buffers: on CUDA one device-to-host copy of one integer, a sync).
+  With `capacity_tokens` nothing is read by the host and the step can be captured in a CUDA graph;
+  a rank with more tokens than that just drops more copies. While a CUDA graph is being captured
+  without `capacity_tokens`, nothing can be read either: T_C is then this rank's own token count,
+  so every rank must capture with the same one (as before ranks could differ). Copies past C are
+  dropped, the last ones in token order (the first C copies of each expert, in token order, are
+  kept): deterministic. Empty slots travel but are padding rows of the local grouped MLP (not
+  computed). `dropped_copies` holds the number of copies this rank's tokens lost in the last
+  forward, as a device tensor.
 """
 
 from __future__ import annotations
@@ -49,10 +63,12 @@ from moekit.distributed.dispatch import (
     dropless_maps,
     move_rows,
     received_local_ids,
+    sentinel_slots,
     use_triton_rows,
 )
-from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.moe_layer import MoELayer, _AuxLossInjector
+from moekit.nn.moe_layer import MoELayer, layer_input, layer_output
+from moekit.nn.router import LoadBalancingStats, TopKRouting
+from moekit.validation import check_choice, check_float, check_positive_int
 
 MODES = ("dropless", "capacity")
 
@@ -173,35 +189,31 @@ class _HostRead:
         return self.host.tolist()
 
 
-def _as_input_shape(y_TH: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # A 2-D input gets the (T, H) result itself, not a view (FSDP2 warns about views).
-    return y_TH if x.dim() == 2 else y_TH.reshape(x.shape)
-
-
 class ExpertParallelMoE(nn.Module):
     """A `MoELayer` with its experts spread over the expert-parallel ranks of `mesh`.
 
     `ExpertParallelMoE(layer, mesh, mode="dropless" | "capacity", capacity_factor=1.0,
-    num_chunks=1)`; forward(x (..., H)) -> (..., H), like `layer`. `num_chunks > 1` (dropless)
-    splits the tokens into chunks whose all-to-alls are started asynchronously, so that one chunk's
-    transfers can overlap another's experts, forward and backward; whether that pays is measured in
-    benchmarks/bench_expert_parallel.py.
+    num_chunks=1, capacity_tokens=None)`; forward(x (..., H)) -> (..., H), like `layer`, with any
+    number of tokens on each rank (0 included). `num_chunks > 1` (dropless) splits the tokens into
+    chunks whose all-to-alls are started asynchronously, so that one chunk's transfers can overlap
+    another's experts, forward and backward; whether that pays is measured in
+    benchmarks/bench_expert_parallel.py. `capacity_factor` and `capacity_tokens` set capacity
+    mode's C (module docstring).
     `mesh` is a 1-D DeviceMesh (expert parallelism only) or a
     2-D one with dims ("ep", "dp") (experts replicated over "dp", e.g. sharded there by FSDP2:
-    `moekit.distributed.apply_fsdp`). The layer's router is shared (the same module); the experts
-    become a `GroupedMLP` of N/EP experts, experts r*N/EP..(r+1)*N/EP-1 of `layer` on EP rank r
-    (copied from `layer.experts` unless those live on the meta device), in the layer's weight
-    layout. Parameter names equal `layer`'s, so `moekit.distributed.checkpoint` stores the same
-    global tensors whatever the EP degree.
+    `moekit.distributed.apply_fsdp`). `router` is the layer's router (the same module); `experts`
+    are experts r*N/EP..(r+1)*N/EP-1 of `layer` on EP rank r (`GroupedMLP.select_experts`: copied
+    unless on the meta device), in the layer's weight layout. Parameter names equal `layer`'s, so
+    `moekit.distributed.checkpoint` stores the same global tensors whatever the EP degree.
 
     Every rank routes its own tokens; the expert gradients sum the contributions of every EP rank's
     tokens (a data-parallel wrapper over the "dp" dim then averages them: `apply_fsdp` sets the
     divide factor to EP x DP so that they match a loss averaged over all ranks).
 
-    With the layer's `aux_loss_coef > 0` (training), MoELayer's load-balancing loss is computed over
-    the tokens of every rank of `mesh` (one all-reduce per mesh dim of counts, score sums and token
-    counts, on the device), its gradient added through the output as MoELayer adds it; `aux_loss`
-    keeps the global value, detached.
+    With the router's `aux_loss_coef > 0` (training), MoELayer's load-balancing loss is computed
+    over the tokens of every rank of `mesh` (the router's statistics all-reduced, one all-reduce per
+    mesh dim, on the device), its gradient added through the output as MoELayer adds it; `aux_loss`
+    keeps the global value, detached (0 when no rank has a token).
     """
 
     def __init__(
@@ -212,6 +224,7 @@ class ExpertParallelMoE(nn.Module):
         mode: str = "dropless",
         capacity_factor: float = 1.0,
         num_chunks: int = 1,
+        capacity_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
@@ -222,14 +235,16 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"a 2-D mesh must have dims ('ep', 'dp'), got {mesh.mesh_dim_names}")
         if mesh.ndim not in (1, 2):
             raise ValueError(f"mesh must be 1-D (ep) or 2-D (ep, dp), got {mesh.ndim} dims")
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-        if not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
-            raise ValueError(f"capacity_factor must be a positive number, got {capacity_factor!r}")
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-        if num_chunks > 1 and mode != "dropless":
+        self.mode = check_choice("mode", mode, MODES)
+        self.capacity_factor = check_float("capacity_factor", capacity_factor, positive=True)
+        self.num_chunks = check_positive_int("num_chunks", num_chunks)
+        if capacity_tokens is not None:
+            capacity_tokens = check_positive_int("capacity_tokens", capacity_tokens)
+        self.capacity_tokens = capacity_tokens
+        if self.num_chunks > 1 and mode != "dropless":
             raise ValueError("num_chunks > 1 (all-to-all overlapped with the experts) exists for mode='dropless' only")
+        if capacity_tokens is not None and mode != "capacity":
+            raise ValueError("capacity_tokens sets capacity mode's slots; it exists for mode='capacity' only")
         self.mesh = mesh
         self.ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
         self.ep_group = self.ep_mesh.get_group()
@@ -239,97 +254,46 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(
                 f"num_experts={layer.num_experts} is not divisible by the expert-parallel size {self.ep_size}"
             )
-        self.mode = mode
-        self.capacity_factor = float(capacity_factor)
-        self.num_chunks = num_chunks
-        self.hidden_size = layer.hidden_size
-        self.num_experts = layer.num_experts
         self.num_local_experts = layer.num_experts // self.ep_size
-        self.top_k = layer.top_k
-        self.score_func = layer.score_func
-        self.norm_topk_prob = layer.norm_topk_prob
-        self.aux_loss_coef = layer.aux_loss_coef
-        self.aux_loss: torch.Tensor | None = None
-        self._routing_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.router = layer.router
-        full = layer.experts
-        weight = full.fc1.weights()
-        ref = weight if isinstance(weight, torch.Tensor) else weight[0]
-        self.experts = GroupedMLP(
-            self.num_local_experts,
-            full.hidden_size,
-            full.ffn_hidden_size,
-            bias=full.fc1.use_bias,
-            activation=full.activation,
-            glu_interleave_size=full.glu_interleave_size,
-            single_grouped_weight=full.fc1.single_grouped_weight,
-            backend=full.backend,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-        if ref.device.type != "meta":
-            self._copy_local_experts(full)
+        self.experts = layer.experts.select_experts(self.ep_rank * self.num_local_experts, self.num_local_experts)
+        self.aux_loss: torch.Tensor | None = None
         self.dropped_copies: torch.Tensor | None = None
 
-    @torch.no_grad()
-    def _copy_local_experts(self, full: GroupedMLP) -> None:
-        first = self.ep_rank * self.num_local_experts
-        for name in ("fc1", "fc2"):
-            src, dst = getattr(full, name), getattr(self.experts, name)
-            for src_params, dst_params in ((src.weights(), dst.weights()), (src.biases(), dst.biases())):
-                if src_params is None:
-                    continue
-                src_full = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
-                local = src_full[first : first + self.num_local_experts]
-                if isinstance(dst_params, torch.Tensor):
-                    dst_params.copy_(local)
-                else:
-                    for p, value in zip(dst_params, local.unbind(0), strict=True):
-                        p.copy_(value)
+    @property
+    def hidden_size(self) -> int:
+        """The router's."""
+        return self.router.hidden_size
+
+    @property
+    def num_experts(self) -> int:
+        """Experts in all (over every EP rank): the router's."""
+        return self.router.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"input's last dimension is {x.shape[-1] if x.dim() else None}; expected "
-                f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
-            )
-        x_TH = x.reshape(-1, self.hidden_size)
-        # (copies per expert (N,), router scores summed over this rank's tokens (N,)) for the aux loss.
-        self._routing_stats = []
-        y_TH = self._dropless(x_TH) if self.mode == "dropless" else self._capacity(x_TH)
-        if self.aux_loss_coef > 0 and self.training:
-            y_TH = _AuxLossInjector.apply(y_TH, self._aux_loss(x_TH.shape[0]))
-        self._routing_stats = []
-        return _as_input_shape(y_TH, x)
+        x_TH = layer_input("ExpertParallelMoE", self.router, x)
+        routing = self.router(x_TH)
+        aux = self._aux_loss(routing) if self.router.aux_loss_coef > 0 and self.training else None
+        y_TH = self._dropless(x_TH, routing) if self.mode == "dropless" else self._capacity(x_TH, routing)
+        return layer_output(y_TH, x.shape, aux)
 
-    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`MoELayer.route`: (top-k weights (T, K) fp32, expert ids (T, K), scores (T, N) fp32)."""
-        weights, ids, scores = MoELayer.route(self, x_TH)
-        if self.aux_loss_coef > 0 and self.training:
-            self._routing_stats.append((ids, scores.sum(0)))
-        return weights, ids, scores
-
-    def _aux_loss(self, num_tokens: int) -> torch.Tensor:
-        """MoELayer's load-balancing loss `coef * N * sum_e f_e * P_e` over the tokens of every rank
-        of the mesh: f_e (share of routed copies) and P_e (mean score) come from one all-reduce of
-        (copies per expert, score sums, tokens) over the mesh (per dim); the returned part, this
-        rank's, differentiates its own scores' sum, scaled so that the mean over the mesh's ranks
-        (what data-parallel gradient averaging takes) is the loss of one process on all the tokens,
-        whatever each rank's token count. `self.aux_loss` keeps that global loss, detached."""
-        ids = torch.cat([i.reshape(-1) for i, _ in self._routing_stats])
-        score_sum = torch.stack([s for _, s in self._routing_stats]).sum(0)
-        copies = torch.zeros(self.num_experts, dtype=torch.float64, device=ids.device)
-        copies.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float64))  # integer-valued: exact
-        totals = torch.cat([copies, score_sum.detach().double(), copies.new_full((1,), num_tokens)])
+    def _aux_loss(self, routing: TopKRouting) -> torch.Tensor:
+        """MoELayer's load-balancing loss over the tokens of every rank of the mesh: the router's
+        statistics (copies per expert, score sums, tokens) all-reduced over the mesh (per dim) give
+        f_e and the token count; the returned part, this rank's, differentiates its own scores'
+        sum, scaled so that the mean over the mesh's ranks (what data-parallel gradient averaging
+        takes) is the loss of one process on all the tokens, whatever each rank's token count.
+        `self.aux_loss` keeps that global loss, detached."""
+        router, num_experts = self.router, self.router.num_experts
+        local = router.load_balancing_stats(routing)
+        totals = torch.cat([local.copies, local.score_sum.detach().double(), local.tokens.view(1)])
         for dim in range(self.mesh.ndim):
             dist.all_reduce(totals, group=self.mesh.get_group(dim))
-        num_experts = self.num_experts
-        routed_share = (totals[:num_experts] / (totals[-1] * self.top_k)).to(score_sum.dtype)
-        scale = self.aux_loss_coef * num_experts
-        self.aux_loss = scale * (routed_share * (totals[num_experts:-1] / totals[-1]).to(score_sum.dtype)).sum()
-        return scale * (routed_share * score_sum).sum() * (self.mesh.size() / totals[-1]).to(score_sum.dtype)
+        total = LoadBalancingStats(totals[:num_experts], totals[num_experts:-1].to(local.score_sum.dtype), totals[-1])
+        self.aux_loss = router.load_balancing_loss(total).detach()
+        return router.load_balancing_loss(local, total) * self.mesh.size()
 
-    def _dropless(self, x_TH: torch.Tensor) -> torch.Tensor:
+    def _dropless(self, x_TH: torch.Tensor, routing: TopKRouting) -> torch.Tensor:
         """Dropless dispatch and combine of x_TH's tokens in `num_chunks` token chunks: every
         all-to-all starts as soon as its input exists and is waited for only where its output is
         needed, so chunk c+1's dispatch and chunk c's combine can run while chunk c's (c+1's)
@@ -339,8 +303,8 @@ class ExpertParallelMoE(nn.Module):
         routed = []
         # Exactly num_chunks pieces (some may be empty) on every rank, whatever its token count: the
         # ranks' all-to-alls must pair up.
-        for x_chunk in torch.tensor_split(x_TH, self.num_chunks):
-            weights_TK, ids_TK, _ = self.route(x_chunk)
+        pieces = (torch.tensor_split(t, self.num_chunks) for t in (x_TH, routing.weights, routing.ids))
+        for x_chunk, weights_TK, ids_TK in zip(*pieces, strict=True):
             routed.append((x_chunk, weights_TK, dropless_maps(ids_TK, self.num_experts)))
         num_chunks = len(routed)
         # Counts to each destination rank, chunk-major: (EP, chunks, L); received (EP sources, chunks, L).
@@ -386,32 +350,51 @@ class ExpertParallelMoE(nn.Module):
         return out[0] if num_chunks == 1 else torch.cat(out)
 
     def capacity(self, num_tokens: int) -> int:
-        """Slots per (source rank, expert) for `num_tokens` tokens on each rank."""
-        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+        """Slots C per (source rank, expert) when T_C (module docstring) is `num_tokens`."""
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.router.top_k / self.num_experts))
 
-    def _capacity(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """Fixed-size dispatch and combine: every buffer's shape depends on T, K, N, EP and C only,
-        so nothing is read by the host and the step can be captured in a CUDA graph."""
-        num_tokens = x_TH.shape[0]
-        if num_tokens == 0:
-            raise ValueError("mode='capacity' needs at least one token per rank (every rank passes the same count)")
-        slots = self.capacity(num_tokens)
+    def _capacity_token_count(self, num_tokens: int, device: torch.device) -> int:
+        """T_C of a forward in which this rank has `num_tokens` tokens: `capacity_tokens` if set;
+        during CUDA graph capture `num_tokens`; else the group's largest token count, from one
+        all-reduce (max) of one integer over the EP group, read by the host."""
+        if self.capacity_tokens is not None:
+            return self.capacity_tokens
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return num_tokens
+        most = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return int(most.item())
+
+    def _capacity(self, x_TH: torch.Tensor, routing: TopKRouting) -> torch.Tensor:
+        """Fixed-size dispatch and combine: every buffer's shape depends on EP, L and C (the
+        same on every rank) and each map's on this rank's T too, so nothing but C is read by the
+        host (and C not with `capacity_tokens`)."""
+        num_tokens, hidden = x_TH.shape
+        slots = self.capacity(self._capacity_token_count(num_tokens, x_TH.device))
         use_triton = use_triton_rows(self.experts.backend, x_TH)
-        weights_TK, ids_TK, _ = self.route(x_TH)
-        maps = capacity_maps(ids_TK, self.num_experts, self.ep_size, slots)
+        maps = capacity_maps(routing.ids, self.num_experts, self.ep_size, slots)
         self.dropped_copies = maps.dropped
         # recv_counts[s * L + e]: copies that EP rank s routed to this rank's local expert e.
         recv_counts = torch.empty_like(maps.counts)
         dist.all_to_all_single(recv_counts, maps.counts, group=self.ep_group)
-        x_send = move_rows(x_TH, maps.token_of_slot, maps.slot_of_copy, use_triton)
-        probs_send = move_rows(
-            weights_TK.reshape(-1, 1), maps.copy_of_slot, maps.slot_of_copy.reshape(-1, 1), use_triton
-        )
+        x_src, probs_src = x_TH, routing.weights.reshape(-1, 1)
+        x_bwd, probs_bwd = maps.slot_of_copy, maps.slot_of_copy.reshape(-1, 1)
+        if num_tokens == 0:
+            # No tokens: every slot is empty and reads row 0; one zero row is there to be read (its
+            # gradient, from a sentinel slot, is zero and is dropped with it).
+            x_src = torch.cat([x_TH, x_TH.new_zeros(1, hidden)])
+            probs_src = torch.cat([probs_src, probs_src.new_zeros(1, 1)])
+            x_bwd = probs_bwd = sentinel_slots(self.num_experts, self.ep_size, slots, 1, x_TH.device)
+        x_send = move_rows(x_src, maps.token_of_slot, x_bwd, use_triton)
+        probs_send = move_rows(probs_src, maps.copy_of_slot, probs_bwd, use_triton)
         x_recv = all_to_all_rows(x_send, None, None, self.ep_group)
         probs_recv = all_to_all_rows(probs_send, None, None, self.ep_group)
         local_ids = received_local_ids(recv_counts.view(self.ep_size, self.num_local_experts), slots)
         y_recv = self._local_experts(x_recv, probs_recv, local_ids, use_triton)
         y_back = all_to_all_rows(y_recv, None, None, self.ep_group)
+        if num_tokens == 0:
+            # Nothing to combine; the (0, H) result still leads the backward to the reverse transfers.
+            return y_back[:0].clone()
         # Dropped copies read their destination's sentinel slot, which came back as zeros.
         return move_rows(y_back, maps.slot_of_copy, maps.token_of_slot, use_triton)
 
@@ -432,7 +415,9 @@ class ExpertParallelMoE(nn.Module):
         return move_rows(y_sorted, sorted_of_slot, slot_of_sorted, use_triton)
 
     def extra_repr(self) -> str:
-        capacity = f", capacity_factor={self.capacity_factor}" if self.mode == "capacity" else ""
+        capacity = ""
+        if self.mode == "capacity":
+            capacity = f", capacity_factor={self.capacity_factor}, capacity_tokens={self.capacity_tokens}"
         return (
             f"num_experts={self.num_experts}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, "
             f"mode={self.mode!r}{capacity}"

@@ -21,8 +21,10 @@ from torch import nn
 from moekit.checkpoint.layout import collect_grouped, convert_glu_on_load, place_grouped
 from moekit.checkpoint.metadata import EXTRA_STATE_SUFFIX, glu_order_of_extra_state, linear_extra_state
 from moekit.grouped_tensor import GroupedTensor
+from moekit.nn.shapes import check_last_dim, rows_as
 from moekit.ops.grouped_linear import BACKENDS, grouped_linear, packed_view
 from moekit.ops.splits import MSplits
+from moekit.validation import check_bool, check_choice, check_compute_dtype, check_positive_int
 
 
 class GroupedLinear(nn.Module):
@@ -45,32 +47,28 @@ class GroupedLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-        self.num_gemms = num_gemms
-        self.in_features = in_features
-        self.out_features = out_features
-        self.use_bias = bias
-        self.single_grouped_weight = single_grouped_weight
-        self.single_grouped_bias = single_grouped_bias
-        self.backend = backend
+        self.num_gemms = check_positive_int("num_gemms", num_gemms)
+        self.in_features = check_positive_int("in_features", in_features)
+        self.out_features = check_positive_int("out_features", out_features)
+        self.use_bias = check_bool("bias", bias)
+        self.single_grouped_weight = check_bool("single_grouped_weight", single_grouped_weight)
+        self.single_grouped_bias = check_bool("single_grouped_bias", single_grouped_bias)
+        self.backend = check_choice("backend", backend, BACKENDS)
+        dtype = check_compute_dtype("dtype", dtype if dtype is not None else torch.get_default_dtype())
         # Set by GroupedMLP on its fc1: the output rows are GLU gate/up pairs in this order.
         self.is_glu = False
         self.glu_interleave_size: int | None = None
 
-        factory = {"device": device, "dtype": dtype if dtype is not None else torch.get_default_dtype()}
-        weight_store = GroupedTensor.empty(num_gemms, (out_features, in_features), **factory)
-        if single_grouped_weight:
+        factory = {"device": device, "dtype": dtype}
+        weight_store = GroupedTensor.empty(self.num_gemms, (self.out_features, self.in_features), **factory)
+        if self.single_grouped_weight:
             self.weight = nn.Parameter(weight_store.stacked())
         else:
             for i, member in enumerate(weight_store.tensors()):
                 self.register_parameter(f"weight{i}", nn.Parameter(member))
-        if bias:
-            bias_store = GroupedTensor.empty(num_gemms, (out_features,), **factory)
-            if single_grouped_bias:
+        if self.use_bias:
+            bias_store = GroupedTensor.empty(self.num_gemms, (self.out_features,), **factory)
+            if self.single_grouped_bias:
                 self.bias = nn.Parameter(bias_store.stacked())
             else:
                 for i, member in enumerate(bias_store.tensors()):
@@ -130,15 +128,10 @@ class GroupedLinear(nn.Module):
     # ---- forward -----------------------------------------------------------------------------
 
     def forward(self, inp: torch.Tensor, m_splits: MSplits) -> torch.Tensor:
-        if inp.dim() < 1 or inp.shape[-1] != self.in_features:
-            raise ValueError(
-                f"input's last dimension is {inp.shape[-1] if inp.dim() else None}; "
-                f"expected in_features={self.in_features} (input shape {tuple(inp.shape)})"
-            )
+        check_last_dim(inp, "in_features", self.in_features)
         x = inp.reshape(-1, self.in_features)
         y = grouped_linear(x, self.weights(), m_splits, self.biases(), backend=self.backend)
-        # A 2-D input gets the op's own output back, not a view of it (FSDP2 warns about views).
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
+        return rows_as(y, (*inp.shape[:-1], self.out_features))
 
     def extra_repr(self) -> str:
         return (

@@ -5,6 +5,8 @@ Legend: M routed rows, N experts, H hidden size, F expert ffn size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -13,13 +15,7 @@ from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.splits import MSplits
-
-
-def check_sizes(**sizes: int) -> None:
-    """Raise a ValueError naming the constructor argument that is not a positive int."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+from moekit.validation import check_bool, check_int, check_positive_int
 
 
 class GroupedMLP(nn.Module):
@@ -45,12 +41,13 @@ class GroupedMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_sizes(num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.hidden_size = check_positive_int("hidden_size", hidden_size)
+        self.ffn_hidden_size = check_positive_int("ffn_hidden_size", ffn_hidden_size)
+        check_bool("bias", bias)
+        check_bool("single_grouped_weight", single_grouped_weight)
         activation_named(activation)
         check_interleave(ffn_hidden_size, glu_interleave_size)
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
-        self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
         self.glu_interleave_size = glu_interleave_size
         self.backend = backend
@@ -60,6 +57,47 @@ class GroupedMLP(nn.Module):
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias=bias, **layout, **factory)
         self.fc1.is_glu = True
         self.fc1.glu_interleave_size = glu_interleave_size
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that build a GroupedMLP like this one (all but the sizes, device and
+        dtype): the one list of them that the layers built on GroupedMLP reuse."""
+        return {
+            "bias": self.fc1.use_bias,
+            "activation": self.activation,
+            "glu_interleave_size": self.glu_interleave_size,
+            "single_grouped_weight": self.fc1.single_grouped_weight,
+            "backend": self.backend,
+        }
+
+    def select_experts(self, first: int, count: int) -> GroupedMLP:
+        """A new GroupedMLP of experts first .. first+count-1 of this one (how expert parallelism takes
+        its rank's experts), with its options, layout, device and dtype and copies of those experts'
+        parameters (none on the meta device, where parameters hold no values)."""
+        first = check_int("first", first, minimum=0)
+        count = check_positive_int("count", count)
+        if first + count > self.num_experts:
+            raise ValueError(
+                f"experts {first}..{first + count - 1} do not exist: this GroupedMLP has {self.num_experts}"
+            )
+        weight = self.fc1.weights()
+        ref = weight if isinstance(weight, torch.Tensor) else weight[0]
+        part = GroupedMLP(
+            count, self.hidden_size, self.ffn_hidden_size, **self.options(), device=ref.device, dtype=ref.dtype
+        )
+        if ref.device.type != "meta":
+            with torch.no_grad():
+                for src, dst in ((self.fc1, part.fc1), (self.fc2, part.fc2)):
+                    for src_params, dst_params in ((src.weights(), dst.weights()), (src.biases(), dst.biases())):
+                        if src_params is None:
+                            continue
+                        src_all = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
+                        chosen = src_all[first : first + count]
+                        if isinstance(dst_params, torch.Tensor):
+                            dst_params.copy_(chosen)
+                        else:
+                            for p, value in zip(dst_params, chosen.unbind(0), strict=True):
+                                p.copy_(value)
+        return part
 
     def forward(self, x: torch.Tensor, m_splits: MSplits, probs: torch.Tensor | None = None) -> torch.Tensor:
         return grouped_mlp(

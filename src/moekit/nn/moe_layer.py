@@ -1,18 +1,24 @@
-"""MoELayer: router + the routed GroupedMLP experts (`moekit.moe_experts`: sort by expert, grouped
-MLP, weighted combine).
+"""MoELayer: a `TopKRouter` and its routed `GroupedMLP` experts (`moekit.moe_experts`: sort by
+expert, grouped MLP, weighted combine).
 
 Legend: T tokens, K experts per token (top-k), N experts, H hidden size.
+
+The layer's input contract (`layer_input`) and output (`layer_output`) are shared with
+`moekit.distributed.ExpertParallelMoE`, which composes the same router with its rank's experts.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from moekit.nn.grouped_mlp import GroupedMLP, check_sizes
+from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.nn.router import TopKRouter, TopKRouting, inject_aux_loss
+from moekit.nn.shapes import check_last_dim, rows_as
 from moekit.ops.moe_experts import moe_experts
-
-SCORE_FUNCS = ("softmax", "sigmoid")
+from moekit.validation import COMPUTE_DTYPES
 
 
 def run_experts(
@@ -34,32 +40,69 @@ def run_experts(
     )
 
 
-class _AuxLossInjector(torch.autograd.Function):
-    """Identity on the output; its backward also starts the auxiliary loss's backward, so the loss
-    trains the router without the caller adding it to theirs (Megatron-Core's approach)."""
+def layer_input(module: str, router: TopKRouter, x: torch.Tensor) -> torch.Tensor:
+    """An MoE layer's input x (..., H) as tokens (T, H); refused in one line, naming `module`, when
+    its last dimension is not the router's hidden size or its dtype not the router's parameters'."""
+    check_last_dim(x, "hidden_size", router.hidden_size)
+    param_dtype = router.weight.dtype
+    if x.dtype != param_dtype:
+        # The layer can take the input's dtype only if that is one moekit computes in.
+        layer_cast = f" or the layer (layer.to({x.dtype}))" if x.dtype in COMPUTE_DTYPES else ""
+        raise TypeError(
+            f"{module}'s parameters are {param_dtype} but the input is {x.dtype}; cast the input "
+            f"(x.to({param_dtype})){layer_cast}"
+        )
+    return x.reshape(-1, router.hidden_size)
 
-    @staticmethod
-    def forward(ctx, output, aux_loss):
-        ctx.save_for_backward(aux_loss)
-        return output.view_as(output)
 
-    @staticmethod
-    def backward(ctx, d_output):
-        (aux_loss,) = ctx.saved_tensors
-        return d_output, torch.ones_like(aux_loss)
+def layer_output(y_TH: torch.Tensor, shape: torch.Size, aux_loss: torch.Tensor | None) -> torch.Tensor:
+    """An MoE layer's result (T, H) in the input's shape, never a view (FSDP2 warns about views);
+    with `aux_loss`, its backward also backpropagates the load-balancing loss (`inject_aux_loss`)."""
+    y = rows_as(y_TH, shape)
+    return y if aux_loss is None else inject_aux_loss(y, aux_loss)
+
+
+class _RouterSetting:
+    """A MoELayer attribute that is its router's: read (and, unless a size, set) there, so that each
+    setting has one copy."""
+
+    def __init__(self, *, writable: bool = True) -> None:
+        self.writable = writable
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        return self if layer is None else getattr(layer.router, self.name)
+
+    def __set__(self, layer: Any, value: Any) -> None:
+        if not self.writable:
+            raise AttributeError(f"MoELayer's {self.name} is fixed at construction")
+        setattr(layer.router, self.name, value)
 
 
 class MoELayer(nn.Module):
-    """Top-k routed mixture of `GroupedMLP` experts.
+    """Top-k routed mixture of `GroupedMLP` experts: `router` (a `TopKRouter`) + `experts`.
 
     forward(x (..., H)) -> (..., H). The router is a bias-free linear gate; scores are
     softmax or sigmoid in fp32, the top-k of them (optionally renormalised) weight the experts'
     outputs: they enter the experts as `probs` (scaling the activation and fc2 bias).
-    With `aux_loss_coef > 0`, the Switch-Transformer load-balancing loss
+    With `aux_loss_coef > 0`, in training, the Switch-Transformer load-balancing loss
     `coef * N * sum_e f_e * P_e` (f_e: share of routed copies to e, P_e: mean score of e) is added
-    to the gradient through the output and kept, detached, in `self.aux_loss` for logging.
-    No step reads device values on the host.
+    to the gradient through the output and kept, detached, in `self.aux_loss` for logging (0, with
+    a zero gradient, for 0 tokens). No step reads device values on the host.
+
+    The router's settings (`top_k`, `score_func`, `norm_topk_prob`, `aux_loss_coef`; the sizes
+    `hidden_size`, `num_experts` read-only) read and write `self.router`'s. State dict keys: `router.weight`,
+    `experts.fc1.*`, `experts.fc2.*`.
     """
+
+    hidden_size = _RouterSetting(writable=False)
+    num_experts = _RouterSetting(writable=False)
+    top_k = _RouterSetting()
+    score_func = _RouterSetting()
+    norm_topk_prob = _RouterSetting()
+    aux_loss_coef = _RouterSetting()
 
     def __init__(
         self,
@@ -80,20 +123,16 @@ class MoELayer(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_sizes(num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
-        if score_func not in SCORE_FUNCS:
-            raise ValueError(f"unknown score_func {score_func!r}; expected one of {SCORE_FUNCS}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-        if aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
-        self.hidden_size = hidden_size
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.score_func = score_func
-        self.norm_topk_prob = norm_topk_prob
-        self.aux_loss_coef = aux_loss_coef
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            norm_topk_prob=norm_topk_prob,
+            aux_loss_coef=aux_loss_coef,
+            device=device,
+            dtype=dtype,
+        )
         self.experts = GroupedMLP(
             num_experts,
             hidden_size,
@@ -108,36 +147,17 @@ class MoELayer(nn.Module):
         )
         self.aux_loss: torch.Tensor | None = None
 
-    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(top-k weights (T, K) fp32, expert ids (T, K), all scores (T, N) fp32)."""
-        logits = self.router(x_TH)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        weights, ids = scores.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        return weights, ids, scores
+    def route(self, x_TH: torch.Tensor) -> TopKRouting:
+        """The router's decision for x_TH (T, H): (top-k weights (T, K) fp32, expert ids (T, K),
+        all scores (T, N) fp32)."""
+        return self.router(x_TH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"input's last dimension is {x.shape[-1] if x.dim() else None}; expected "
-                f"hidden_size={self.hidden_size} (input shape {tuple(x.shape)})"
-            )
-        param_dtype = self.router.weight.dtype
-        if x.dtype != param_dtype:
-            raise TypeError(
-                f"MoELayer's parameters are {param_dtype} but the input is {x.dtype}; cast the input "
-                f"(x.to({param_dtype})) or the layer (layer.to({x.dtype}))"
-            )
-        x_TH = x.reshape(-1, self.hidden_size)
-        weights, ids, scores = self.route(x_TH)
-        y_TH = run_experts(self.experts, x_TH, ids, weights)
-        if self.aux_loss_coef > 0 and self.training:
-            # Copies routed to each expert, counted on the device (sums of ones: exact in any order).
-            ones = scores.new_ones(ids.numel())
-            routed_share = scores.new_zeros(self.num_experts).scatter_add_(0, ids.reshape(-1), ones) / ids.numel()
-            aux = self.aux_loss_coef * self.num_experts * (routed_share * scores.mean(0)).sum()
+        x_TH = layer_input("MoELayer", self.router, x)
+        routing = self.router(x_TH)
+        y_TH = run_experts(self.experts, x_TH, routing.ids, routing.weights)
+        aux = None
+        if self.router.aux_loss_coef > 0 and self.training:
+            aux = self.router.load_balancing_loss(self.router.load_balancing_stats(routing))
             self.aux_loss = aux.detach()
-            y_TH = _AuxLossInjector.apply(y_TH, aux)
-        return y_TH.reshape(x.shape)
+        return layer_output(y_TH, x.shape, aux)
