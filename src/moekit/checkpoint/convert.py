@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from collections import defaultdict
@@ -23,6 +24,8 @@ import torch
 
 from moekit.checkpoint.errors import CheckpointError
 from moekit.checkpoint.files import (
+    DTYPE_BITS,
+    MAX_HEADER_BYTES,
     Checkpoint,
     OutputTensor,
     check_destination,
@@ -62,7 +65,10 @@ class _Stats:
 
 
 def _rows(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
-    """bytes of a per-expert tensor -> uint8 (rows, bytes per row): reorders rows whatever the dtype."""
+    """bytes of a per-expert tensor -> uint8 (rows, bytes per row): reorders rows whatever the dtype.
+    A tensor without elements (0 rows, or rows of 0 columns) is a valid expert: (rows, 0)."""
+    if not data:
+        return torch.empty(shape[0], 0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(shape[0], -1)
 
 
@@ -116,7 +122,7 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
 
     def add(key, part, i=None, select=None, shape=None):
         shape = shape or g.parts[part]
-        nbytes = g.bytes_per_expert(part) * shape[0] // g.parts[part][0]
+        nbytes = math.prod(shape) * DTYPE_BITS[g.dtype] // 8
         if i is not None:
             outputs.append(OutputTensor(key, g.dtype, shape, nbytes, piece(part, i, select), first_key))
             return
@@ -229,8 +235,34 @@ def _targets(analysis: Analysis, to: str, glu_interleave) -> tuple[dict, list[st
         out_fused = dataclasses.replace(g, layout=to).fused_fc1
         if out_fused and glu is not None and g.ffn_size % glu:
             problems.append(f"{g.prefix or 'root'}: --glu-interleave {glu} does not divide F={g.ffn_size}")
+        if to == "per-expert" and g.layout == "grouped":
+            problems += _per_expert_problems(g)
         targets[g.prefix] = (to, g.naming, glu if out_fused else None)
     return targets, problems
+
+
+# The fewest header bytes one tensor takes besides its key: {"dtype":"U8","shape":[],"data_offsets":[0,0]},
+HEADER_BYTES_PER_TENSOR = 48
+
+
+def _per_expert_problems(g: ExpertGroup) -> list[str]:
+    """What the per-expert layout cannot hold of a grouped group: no experts (there would be no tensor
+    to say the group exists), or so many that the header would pass the safetensors limit (checked
+    before any of those tensors is planned: the count comes from a shape, not from the file's size)."""
+    where = g.prefix or "root"
+    if g.num_experts == 0:
+        return [
+            f"{where}: holds 0 experts; the per-expert layout has no tensor to record a group of none "
+            "(keep it grouped, or remove it)"
+        ]
+    per_expert = sum(2 if g.naming != "te" and part.startswith("fc1") else 1 for part in g.parts)
+    count = g.num_experts * per_expert
+    if count * (HEADER_BYTES_PER_TENSOR + len(g.prefix)) > MAX_HEADER_BYTES:
+        return [
+            f"{where}: {g.num_experts:,} experts would be {count:,} per-expert tensors, more than a safetensors "
+            f"header holds (at most {MAX_HEADER_BYTES:,} bytes); keep it grouped"
+        ]
+    return []
 
 
 def convert_checkpoint(
@@ -247,7 +279,7 @@ def convert_checkpoint(
     src: a `.safetensors` file, an `*.safetensors.index.json`, or a folder holding either. A single
     file converts to the file `dst`; a sharded checkpoint (or a folder) to the folder `dst` (same
     shard names, a new index, the folder's other files copied along).
-    glu_interleave: order of fused fc1 tensors written: None (`[gates; ups]`), k, or "keep" (the
+    glu_interleave: order of fused fc1 tensors written: None (`[gates; ups]`), a block size, or "keep" (the
     source's; `[gates; ups]` where the source had gate and up apart).
     src_glu_interleave: order of the source's fused fc1 tensors where the file does not record it.
     Raises CheckpointError (nothing written) on malformed files, missing, duplicated or misshapen
@@ -315,7 +347,7 @@ def _write_outputs(
         ):
             shutil.copy2(other, tmp / other.name)  # config.json and friends
     if ckpt.index_path is not None:
-        index_meta = {k: v for k, v in ckpt.index_metadata.items() if not str(k).startswith("moekit.")}
+        index_meta = {key: value for key, value in ckpt.index_metadata.items() if not str(key).startswith("moekit.")}
         index_meta["total_size"] = sum(o.nbytes for o in outputs)
         weight_map = {o.key: name for name, file_outputs in by_file.items() for o in file_outputs}
         index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
@@ -401,7 +433,7 @@ def format_inspection(ckpt: Checkpoint, analysis: Analysis) -> str:
         f"tensors: {len(ckpt.tensors)} ({len(ckpt.tensors) - len(analysis.other_keys)} in "
         f"{len(analysis.groups)} expert groups, {len(analysis.other_keys)} others), {human_bytes(total)}"
     )
-    recorded = sorted(k for k in ckpt.metadata if k.startswith("moekit."))
+    recorded = sorted(key for key in ckpt.metadata if key.startswith("moekit."))
     lines.append("moekit metadata: " + (", ".join(recorded) if recorded else "none"))
     lines.append("")
     lines += list(iter_rows(rows))
