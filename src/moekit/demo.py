@@ -22,6 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+try:  # optional (`pip install 'moekit[plot]'`); imported with the module, before the demo's work starts
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError:
+    Figure = FigureCanvasAgg = None
+
 from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
@@ -254,15 +260,12 @@ def _demo_device(device: str) -> torch.device:
 
 
 def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if Figure is None:
         print("matplotlib is not installed, so no loss plot was drawn (pip install 'moekit[plot]')")
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))  # no pyplot: no global backend or figure state
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     ax.plot(range(1, len(losses) + 1), losses, label="train loss", lw=1.2)
     ax.axhline(floor, color="gray", ls="--", lw=1, label=f"best possible ({floor:.3f})")
     ax.set_xlabel("step")
@@ -272,5 +275,4 @@ def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

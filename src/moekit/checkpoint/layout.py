@@ -168,11 +168,13 @@ def expert_index(text: str, key: str) -> int:
 SHOWN_INDICES = 6  # a list of missing indices names at most this many
 
 
-def missing_indices(present: Iterable[int], stop: int, start: int = 0) -> str | None:
+def missing_indices(
+    present: Iterable[int], stop: int, start: int = 0, *, what: str = "expert indices", name=str
+) -> str | None:
     """'missing expert indices [2, 5]' (at most SHOWN_INDICES of them) or 'missing 9,999,999 expert
-    indices [1, 2, 3, ..., 9999999]': the indices of start..stop-1 not in `present`, or None if none
-    are. Time and memory in proportion to `present` (what a file holds), never to `stop` (an index or
-    a count read from a file)."""
+    indices [1, 2, 3, ..., 9999999]': the indices of start..stop-1 not in `present`, each written by
+    `name`, or None if none are missing. Time and memory in proportion to `present` (what a file
+    holds), never to `stop` (an index or a count read from a file)."""
     present = set(present)
     count = stop - start - sum(1 for i in present if start <= i < stop)
     if count <= 0:
@@ -184,11 +186,11 @@ def missing_indices(present: Iterable[int], stop: int, start: int = 0) -> str | 
             first.append(i)
         i += 1
     if count <= SHOWN_INDICES:
-        return f"missing expert indices {first}"
+        return f"missing {what} [{', '.join(map(name, first))}]"
     last = stop - 1
     while last in present:
         last -= 1
-    return f"missing {count:,} expert indices [{', '.join(map(str, first[:3]))}, ..., {last}]"
+    return f"missing {count:,} {what} [{', '.join(map(name, first[:3]))}, ..., {name(last)}]"
 
 
 def _index_or_problem(index_text: str, key: str, problems: list[str]) -> int | None:
@@ -489,7 +491,7 @@ def collect_grouped(
         raise CheckpointError([f"{grouped_key!r} has shape {tuple(t.shape)}; expected {full} or packed {packed}"])
     if not indexed:
         return None
-    missing = missing_indices(indexed, num)
+    missing = missing_indices(indexed, num, what="keys", name=lambda i: repr(f"{prefix}{name}{i}"))
     extra = sorted(i for i in indexed if i >= num)
     if missing or extra:
         found = [missing] if missing else []
