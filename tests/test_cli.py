@@ -266,6 +266,67 @@ def test_sigterm_removes_the_temporary_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
 
 
+def test_sigint_while_converting_removes_the_temporary_output(tmp_path):
+    proc, _ = _interrupted_convert(tmp_path, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == [
+        "moekit convert: stopped by interrupt; its temporary output was removed, nothing written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def _start_with_default_sigint(*args) -> subprocess.Popen:
+    """`python -m moekit ARGS` with SIGINT at its default disposition even where these tests run with
+    it ignored (a background job): an ignored SIGINT stays ignored across exec, and moekit keeps it so."""
+    start = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", start, sys.executable, "-m", "moekit", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+
+
+def test_import_moekit_does_not_import_torch():
+    """What lets the command take over Ctrl-C before anything heavy loads (and --version answer fast)."""
+    script = "import sys, moekit, moekit.cli; assert 'torch' not in sys.modules, 'torch'; print(moekit.__all__)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == repr(moekit.__all__)
+
+
+@pytest.mark.parametrize("after", [0.0, 0.15, 0.3, 0.6, 1.2])
+def test_sigint_at_any_time_is_one_line_and_status_130(tmp_path, after):
+    """Ctrl-C from the moment torch's library is loaded (its import has begun) until the conversion's
+    end: one line, exit status 130, nothing written; never a traceback, an abort from torch's C++
+    initialisation, or an exit by the signal itself. The later moments land while the command
+    imports, reads or writes, depending on the machine."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/PID/maps to see when torch's library is loaded")
+    src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
+    proc = _start_with_default_sigint("convert", src, tmp_path / "out.safetensors", "--to", "grouped")
+    deadline = time.monotonic() + 120
+    while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "convert ended before torch was loaded"
+        time.sleep(0.002)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        pytest.skip(f"the conversion ended in {after} s, before the signal (a fast machine)")
+    assert proc.returncode == 130, err
+    assert err.splitlines() in (
+        ["moekit: interrupted"],
+        ["moekit convert: stopped by interrupt; its temporary output was removed, nothing written"],
+    ), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
 def test_sigkill_leftover_is_removed_by_the_next_run(tmp_path):
     proc, (temp,) = _interrupted_convert(tmp_path, signal.SIGKILL)
     proc.communicate(timeout=300)
