@@ -232,8 +232,28 @@ def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path):
     text = shown.decode()
     # one bar redrawn in place: tensors done and bytes done
     assert "\r" in text and "[" + "#" * 30 + "]" in text
-    assert "2/2 tensors" in text and "KiB of" in text and "writing" in text
+    assert "2/2 tensors" in text and "KiB of" in text and "writing" in text and "s left" in text
     assert f"{3 * N}/{3 * N} tensors" in text and "verified" in text  # then the source's tensors, read back
+
+
+def test_progress_shows_the_time_left(monkeypatch, capsys):
+    """The estimate carries the pace so far on: by steps, or by the fraction of the work given."""
+    from moekit import _progress
+
+    now = [100.0]
+    monkeypatch.setattr(_progress.time, "perf_counter", lambda: now[0])
+    bar = _progress.Progress(4, quiet_when_piped=False, width=4)
+    now[0] += 3.0
+    bar.update(1, "steps")  # a quarter in 3 s: 9 s to go
+    now[0] += 27.0
+    bar.update(2, "steps", fraction=0.2)  # a fifth of the work in 30 s: 2 minutes to go
+    now[0] += 1.0
+    bar.update(4, "steps")
+    assert capsys.readouterr().err.splitlines() == [
+        "[#---] 1/4 steps   3.0s, about 9s left",
+        "[##--] 2/4 steps  30.0s, about 2m00s left",
+        "[####] 4/4 steps  31.0s",
+    ]
 
 
 def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:

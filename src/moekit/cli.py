@@ -107,7 +107,11 @@ def _run_convert(args: argparse.Namespace) -> int:
     def progress(phase: str, tensors: int, tensors_total: int, nbytes: int, bytes_total: int) -> None:
         if phase not in bars:
             bars[phase] = Progress(tensors_total, quiet_when_piped=True)
-        bars[phase].update(tensors, f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}")
+        bars[phase].update(
+            tensors,
+            f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}",
+            fraction=nbytes / bytes_total if bytes_total else None,
+        )
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:

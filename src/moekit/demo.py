@@ -161,6 +161,21 @@ def run_demo(
     existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out}: {existing} is not writable; choose a folder you can write to")
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        # The model's ops are small (a millisecond or less): intra-op threads gain little on them, and
+        # on a machine busy with other work their barriers wait for descheduled threads, many times
+        # longer than the work itself. One thread keeps the demo's pace whatever else the machine does.
+        torch.set_num_threads(1)
+    try:
+        return _train_save_reload(cfg, task, gen, dev, backend, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_save_reload(
+    cfg: DemoConfig, task: DialectTask, gen: torch.Generator, dev: torch.device, backend: str, out_dir: Path
+) -> dict:
     model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
