@@ -135,7 +135,8 @@ def test_argument_mistakes_are_one_line(tmp_path):
 def test_demo_mistakes_are_one_line(tmp_path):
     (tmp_path / "file").write_text("keep me")
     cases = [
-        (["--steps", "0"], "--steps must be a positive number of training steps, got 0"),
+        (["--steps", "0"], "--steps must be an int >= 1, got 0"),
+        (["--seed", str(2**64)], f"--seed must be an int from -2**63 to 2**63 - 2, got {2**64}"),
         (["--out", tmp_path / "file"], "is an existing file; expected a folder"),
         (["--device", "nonsense"], "is not a device"),
     ]

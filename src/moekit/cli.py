@@ -85,7 +85,7 @@ def _add_demo(subparsers) -> None:
 
         try:
             run_demo(steps=args.steps, device=args.device, backend=args.backend, out=args.out, seed=args.seed)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             return _refuse("demo", exc)
         except OSError as exc:
             return _refuse("demo", OSError(f"cannot write {exc.filename}: {exc.strerror}"))

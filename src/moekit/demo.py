@@ -31,6 +31,8 @@ except ImportError:
 from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
+from moekit.ops.grouped_linear import BACKENDS
+from moekit.validation import check_choice, check_int, check_positive_int
 
 
 @dataclass
@@ -143,11 +145,14 @@ def run_demo(
 ) -> dict:
     """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
 
-    Raises ValueError, before training or writing anything, for steps < 1, a device this torch cannot
-    use, a backend that cannot run on it, or an `out` that is an existing file (it must be a folder,
-    new or existing)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--steps must be a positive number of training steps, got {steps!r}")
+    Raises ValueError (TypeError for a value of the wrong type), before training or writing anything,
+    for steps < 1, a seed torch cannot take, a device this torch cannot use, a backend that cannot run
+    on it, or an `out` that is an existing file (it must be a folder, new or existing)."""
+    steps = check_positive_int("--steps", steps)
+    seed = check_int("--seed", seed)
+    if not -(2**63) <= seed < 2**63 - 1:  # torch's seed range; the evaluation data takes seed + 1
+        raise ValueError(f"--seed must be an int from -2**63 to 2**63 - 2, got {seed}")
+    backend = check_choice("--backend", backend, BACKENDS)
     dev = _demo_device(device)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
