@@ -857,3 +857,13 @@ def test_missing_indices_lists_a_few():
     assert missing_indices({0, 8, 9}, 10) == "missing 7 expert indices [1, 2, 3, ..., 7]"
     assert missing_indices((), 10**7, start=4) == "missing 9,999,996 expert indices [4, 5, 6, ..., 9999999]"
     assert missing_indices({1}, 3, what="keys", name=lambda i: f"w{i}") == "missing keys [w0, w2]"
+
+
+def test_a_temporary_name_with_an_impossible_process_id_is_left_alone(tmp_path):
+    """Only the leftovers of moekit runs whose process is gone are removed; a name whose process id no
+    process can have is not moekit's, and does not stop the conversion."""
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    odd = tmp_path / f".out.safetensors.moekit-convert-tmp-{10**20}"
+    odd.write_bytes(b"not ours")
+    result = convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
+    assert result.removed_temps == [] and odd.read_bytes() == b"not ours"

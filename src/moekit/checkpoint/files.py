@@ -306,7 +306,7 @@ def tensor_output(key: str, t: torch.Tensor) -> OutputTensor:
 
 # ---- temporary siblings and modes ------------------------------------------------------------
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.moekit-(?P<tool>[a-z]+)-tmp-(?P<pid>\d+)$")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.moekit-(?P<tool>[a-z]+)-tmp-(?P<pid>[1-9][0-9]*)$")
 
 
 def temp_sibling(dst: Path, tool: str) -> Path:
@@ -315,11 +315,12 @@ def temp_sibling(dst: Path, tool: str) -> Path:
 
 
 def _process_exists(pid: int) -> bool:
+    """Whether process `pid` runs; True (leave its file alone) where no process can have that id."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
