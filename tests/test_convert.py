@@ -867,3 +867,15 @@ def test_a_temporary_name_with_an_impossible_process_id_is_left_alone(tmp_path):
     odd.write_bytes(b"not ours")
     result = convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
     assert result.removed_temps == [] and odd.read_bytes() == b"not ours"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "\u0663", "1" * 5000, True, 2.0])
+def test_glu_interleave_argument_refused_in_one_line(tmp_path, value):
+    """A block size is ASCII digits of a positive int: not a digit of another script, not a number of
+    thousands of digits (which int() itself refuses with a traceback), not a bool."""
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped", value)
+    (message,) = info.value.problems
+    assert message.startswith("--glu-interleave must be 'none' ([gates; ups]) or a positive int") and len(message) < 300
+    assert _leftovers(tmp_path, "out.safetensors") == []

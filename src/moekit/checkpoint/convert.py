@@ -38,11 +38,13 @@ from moekit.checkpoint.files import (
 from moekit.checkpoint.layout import (
     HF_GROUPED_NAME,
     KEEP,
+    MAX_INDEX_DIGITS,
     PART_NAME,
     Analysis,
     ExpertGroup,
     analyze,
     reorder_glu_rows,
+    shown,
 )
 from moekit.checkpoint.metadata import file_metadata, group_record, join_key, other_extra_states
 
@@ -204,10 +206,10 @@ def parse_glu(value, flag: str = "--glu-interleave") -> int | None | str:
         return None
     if text == KEEP:
         return KEEP
-    if text.isdigit() and int(text) >= 1:
+    if text.isascii() and text.isdigit() and len(text) <= MAX_INDEX_DIGITS and int(text) >= 1:
         return int(text)
     raise CheckpointError(
-        [f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), got {value!r}"]
+        [f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), got {shown(str(value))}"]
     )
 
 
