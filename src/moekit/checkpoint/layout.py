@@ -26,7 +26,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -169,7 +169,12 @@ SHOWN_INDICES = 6  # a list of missing indices names at most this many
 
 
 def missing_indices(
-    present: Iterable[int], stop: int, start: int = 0, *, what: str = "expert indices", name=str
+    present: Iterable[int],
+    stop: int,
+    start: int = 0,
+    *,
+    what: str = "expert indices",
+    name: Callable[[int], str] = str,
 ) -> str | None:
     """'missing expert indices [2, 5]' (at most SHOWN_INDICES of them) or 'missing 9,999,999 expert
     indices [1, 2, 3, ..., 9999999]': the indices of start..stop-1 not in `present`, each written by
