@@ -11,10 +11,11 @@ loads, in two phases:
   exits at once. A KeyboardInterrupt raised there could land inside torch's C++ initialisation (which
   aborts the process) or inside an `exec` (after which the interpreter ends the process by SIGINT
   whatever status is returned);
-- while the command works, it raises `Interrupted`, a KeyboardInterrupt that the commands catch to
+- while the command works, it raises `_Interrupted`, a KeyboardInterrupt that the commands catch to
   remove their temporary output (a subclass: the interpreter only takes its own KeyboardInterrupt
   for an unhandled one).
-A SIGINT that the process was started ignoring (a background job, nohup) stays ignored.
+A SIGINT that the process was started ignoring (a background job, nohup) stays ignored, and one
+that other code handles outside Python is left to it.
 """
 
 from __future__ import annotations
@@ -225,12 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Interrupted(KeyboardInterrupt):
+class _Interrupted(KeyboardInterrupt):
     """Ctrl-C while a command works, raised where the process is (see the module's docstring)."""
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted()
+    raise _Interrupted()
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `moekit` command line `argv` (default: the process's arguments); returns the exit status.
     SIGINT is handled as the module's docstring says while it runs, and left as it was on return."""
     previous = signal.getsignal(signal.SIGINT)
-    handle = threading.current_thread() is threading.main_thread() and previous is not signal.SIG_IGN
+    handle = threading.current_thread() is threading.main_thread() and previous not in (signal.SIG_IGN, None)
     try:
         if handle:
             signal.signal(signal.SIGINT, _exit_at_once)
@@ -271,8 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> int:
     """The `moekit` console script and `python -m moekit`: `main`, then exit without being interrupted
     (torch's exit hooks run after the command is done; a Ctrl-C there would print a traceback)."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+    handle = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None)
+    if handle:
         signal.signal(signal.SIGINT, _exit_at_once)
     status = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if handle:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return status
