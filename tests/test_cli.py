@@ -173,6 +173,18 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.strip() == f"moekit {moekit.__version__}"
 
 
+def test_console_script_entry_point_runs():
+    """The callable pyproject.toml names for the `moekit` script, called as pip's wrapper calls it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    module, function = config["project"]["scripts"]["moekit"].split(":")
+    wrapper = f"import sys; from {module} import {function}; sys.exit({function}())"
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, "--version"], capture_output=True, text=True, env=ENV, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == f"moekit {moekit.__version__}", proc.stderr
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
