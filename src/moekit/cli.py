@@ -170,9 +170,9 @@ def _add_checkpoint_commands(subparsers) -> None:
         "(experts.{i}.gate_proj.weight, weight{i}) and grouped ones (experts.gate_up_proj, weight "
         "[N, out, in]), streaming, atomically, verified by an exact round trip. A single file converts "
         "to the file DST; a sharded checkpoint or a folder to the folder DST (same shard names, a new "
-        "index, the other files copied). Refuses, writing nothing, on malformed files, missing, "
-        "duplicated or misshapen experts, an ambiguous layout, an unknown gate/up row order, or a DST "
-        "that exists or cannot be written.",
+        "index, the other files copied). Refuses, writing nothing, on malformed files, missing or "
+        "misshapen experts, expert indices that are not canonical decimals (experts.01, weight+1), an "
+        "ambiguous layout, an unknown gate/up row order, or a DST that exists or cannot be written.",
     )
     p.add_argument("src", metavar="SRC", help="a .safetensors file, an *.safetensors.index.json, or a folder")
     p.add_argument(

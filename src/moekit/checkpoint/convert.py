@@ -284,8 +284,10 @@ def convert_checkpoint(
     glu_interleave: order of fused fc1 tensors written: None (`[gates; ups]`), a block size, or "keep" (the
     source's; `[gates; ups]` where the source had gate and up apart).
     src_glu_interleave: order of the source's fused fc1 tensors where the file does not record it.
-    Raises CheckpointError (nothing written) on malformed files, missing, duplicated or misshapen
-    experts, an ambiguous layout, or a destination that exists or cannot be written.
+    Raises CheckpointError (nothing written) on malformed files, missing or misshapen experts, expert
+    indices that are not canonical decimals, an ambiguous layout, a layout that cannot hold a group
+    (no experts, or more per-expert tensors than a header holds), or a destination that exists or
+    cannot be written.
     """
     if to not in ("grouped", "per-expert"):
         raise CheckpointError([f"--to must be 'grouped' or 'per-expert', got {to!r}"])
