@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -254,7 +255,7 @@ def test_progress_shows_the_time_left(monkeypatch, capsys):
     from moekit import _progress
 
     now = [100.0]
-    monkeypatch.setattr(_progress.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(_progress, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     bar = _progress.Progress(4, quiet_when_piped=False, width=4)
     now[0] += 3.0
     bar.update(1, "steps")  # a quarter in 3 s: 9 s to go
