@@ -139,6 +139,50 @@ def test_bad_grouped_keys_raise(layout):
         m.load_state_dict({**good, "weight0": torch.zeros(OUT, IN)})
 
 
+NON_CANONICAL_KEYS = {
+    "weight01": "has a leading zero ('1' names that expert)",
+    "weight00": "has a leading zero ('0' names that expert)",
+    "weight+1": "has a sign",
+    "weight-1": "has a sign",
+    "weight\u0661": "has digits other than 0-9",
+    "bias01": "has a leading zero ('1' names that expert)",
+    "weight" + "1" * 19: "has 19 digits (at most 18)",
+}
+
+
+@pytest.mark.parametrize("layout", ["single", "discrete"])
+@pytest.mark.parametrize("bad", NON_CANONICAL_KEYS)
+def test_non_canonical_expert_key_is_refused_naming_it(tmp_path, layout, bad):
+    """GroupedLinear(3, 8, 16) given weight0, weight01, weight2 (and biases): `weight01` is not taken
+    for expert 1. The one index rule, with the same message from load_state_dict, load_safetensors
+    and `moekit convert` / `inspect`."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from moekit.checkpoint import Checkpoint, analyze
+
+    sd = {
+        **{f"weight{i}": rand(16, 8, seed=i) for i in range(3)},
+        **{f"bias{i}": rand(16, seed=9 + i) for i in range(3)},
+    }
+    sd[bad] = sd.pop("bias1" if bad.startswith("bias") else "weight1")
+    index = bad.removeprefix("weight").removeprefix("bias")
+    expected = (
+        f"key {bad!r}: its expert index {index!r} {NON_CANONICAL_KEYS[bad]}; expected a canonical decimal index "
+        "(digits 0-9, no sign, no leading zero)"
+    )
+    m = moekit.GroupedLinear(3, 8, 16, single_grouped_weight=layout == "single", single_grouped_bias=layout == "single")
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError) as info:
+        m.load_state_dict(sd)
+    assert str(info.value) == expected
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))  # nothing loaded
+    path = tmp_path / "gl.safetensors"
+    safetensors_torch.save_file(sd, str(path))
+    with pytest.raises(ValueError) as info:
+        moekit.load_safetensors(m, path)
+    assert str(info.value) == expected
+    assert expected in analyze(Checkpoint(path), None).problems  # with the gap it leaves at expert 1
+
+
 def test_no_weight_at_all_is_reported_missing():
     m = _linear("single")
     with pytest.raises(RuntimeError, match="Missing key"):

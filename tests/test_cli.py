@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,8 @@ def test_argument_mistakes_are_one_line(tmp_path):
 def test_demo_mistakes_are_one_line(tmp_path):
     (tmp_path / "file").write_text("keep me")
     cases = [
-        (["--steps", "0"], "--steps must be a positive number of training steps, got 0"),
+        (["--steps", "0"], "--steps must be an int >= 1, got 0"),
+        (["--seed", str(2**64)], f"--seed must be an int from -2**63 to 2**63 - 2, got {2**64}"),
         (["--out", tmp_path / "file"], "is an existing file; expected a folder"),
         (["--device", "nonsense"], "is not a device"),
     ]
@@ -170,6 +172,18 @@ def test_demo_mistakes_are_one_line(tmp_path):
 def test_version():
     proc = _moekit("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"moekit {moekit.__version__}"
+
+
+def test_console_script_entry_point_runs():
+    """The callable pyproject.toml names for the `moekit` script, called as pip's wrapper calls it."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    module, function = config["project"]["scripts"]["moekit"].split(":")
+    wrapper = f"import sys; from {module} import {function}; sys.exit({function}())"
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, "--version"], capture_output=True, text=True, env=ENV, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == f"moekit {moekit.__version__}", proc.stderr
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -232,8 +246,28 @@ def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path):
     text = shown.decode()
     # one bar redrawn in place: tensors done and bytes done
     assert "\r" in text and "[" + "#" * 30 + "]" in text
-    assert "2/2 tensors" in text and "KiB of" in text and "writing" in text
+    assert "2/2 tensors" in text and "KiB of" in text and "writing" in text and "s left" in text
     assert f"{3 * N}/{3 * N} tensors" in text and "verified" in text  # then the source's tensors, read back
+
+
+def test_progress_shows_the_time_left(monkeypatch, capsys):
+    """The estimate carries the pace so far on: by steps, or by the fraction of the work given."""
+    from moekit import _progress
+
+    now = [100.0]
+    monkeypatch.setattr(_progress, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    bar = _progress.Progress(4, quiet_when_piped=False, width=4)
+    now[0] += 3.0
+    bar.update(1, "steps")  # a quarter in 3 s: 9 s to go
+    now[0] += 27.0
+    bar.update(2, "steps", fraction=0.2)  # a fifth of the work in 30 s: 2 minutes to go
+    now[0] += 1.0
+    bar.update(4, "steps")
+    assert capsys.readouterr().err.splitlines() == [
+        "[#---] 1/4 steps   3.0s, about 9s left",
+        "[##--] 2/4 steps  30.0s, about 2m00s left",
+        "[####] 4/4 steps  31.0s",
+    ]
 
 
 def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:
@@ -263,6 +297,67 @@ def test_sigterm_removes_the_temporary_output(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.splitlines() == ["moekit convert: stopped by SIGTERM; its temporary output was removed, nothing written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def test_sigint_while_converting_removes_the_temporary_output(tmp_path):
+    proc, _ = _interrupted_convert(tmp_path, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == [
+        "moekit convert: stopped by interrupt; its temporary output was removed, nothing written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def _start_with_default_sigint(*args) -> subprocess.Popen:
+    """`python -m moekit ARGS` with SIGINT at its default disposition even where these tests run with
+    it ignored (a background job): an ignored SIGINT stays ignored across exec, and moekit keeps it so."""
+    start = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", start, sys.executable, "-m", "moekit", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+
+
+def test_import_moekit_does_not_import_torch():
+    """What lets the command take over Ctrl-C before anything heavy loads (and --version answer fast)."""
+    script = "import sys, moekit, moekit.cli; assert 'torch' not in sys.modules, 'torch'; print(moekit.__all__)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == repr(moekit.__all__)
+
+
+@pytest.mark.parametrize("after", [0.0, 0.15, 0.3, 0.6, 1.2])
+def test_sigint_at_any_time_is_one_line_and_status_130(tmp_path, after):
+    """Ctrl-C from the moment torch's library is loaded (its import has begun) until the conversion's
+    end: one line, exit status 130, nothing written; never a traceback, an abort from torch's C++
+    initialisation, or an exit by the signal itself. The later moments land while the command
+    imports, reads or writes, depending on the machine."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/PID/maps to see when torch's library is loaded")
+    src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
+    proc = _start_with_default_sigint("convert", src, tmp_path / "out.safetensors", "--to", "grouped")
+    deadline = time.monotonic() + 120
+    while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "convert ended before torch was loaded"
+        time.sleep(0.002)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        pytest.skip(f"the conversion ended in {after} s, before the signal (a fast machine)")
+    assert proc.returncode == 130, err
+    assert err.splitlines() in (
+        ["moekit: interrupted"],
+        ["moekit convert: stopped by interrupt; its temporary output was removed, nothing written"],
+    ), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
 
 

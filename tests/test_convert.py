@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import tracemalloc
 
 import pytest
 import torch
@@ -277,10 +279,50 @@ def test_refuses_missing_last_experts_of_one_projection(tmp_path):
     _refuse(tmp_path, sd, r"down_proj.weight: missing expert indices \[3\]")
 
 
-def test_refuses_duplicated_expert_index(tmp_path):
+NON_CANONICAL = {
+    "leading-zero": ("01", "has a leading zero ('1' names that expert)"),
+    "zero-zero": ("00", "has a leading zero ('0' names that expert)"),
+    "plus": ("+1", "has a sign"),
+    "minus": ("-1", "has a sign"),
+    "arabic-indic-digit": ("\u0661", "has digits other than 0-9"),
+    "19-digits": ("1" * 19, "has 19 digits (at most 18)"),
+}
+
+
+@pytest.mark.parametrize("case", NON_CANONICAL)
+@pytest.mark.parametrize("naming", ["hf", "te"])
+def test_refuses_non_canonical_expert_index(tmp_path, case, naming, capsys):
+    """One name per expert: `experts.01` next to `experts.1` is not a duplicate to pick from, and
+    `weight+1` is not expert 1; convert and inspect refuse the key, naming it (as
+    GroupedLinear.load_state_dict does, test_checkpoint.py)."""
+    from moekit.cli import main
+
+    index, why = NON_CANONICAL[case]
+    if naming == "hf":
+        sd = _hf_per_expert()
+        key = f"model.layers.0.mlp.experts.{index}.gate_proj.weight"
+        sd[key] = torch.zeros(F, H, dtype=torch.bfloat16)
+    else:
+        sd = _te_per_expert()
+        key = f"decoder.layers.0.mlp.experts.linear_fc2.weight{index}"
+        sd[key] = torch.zeros(H, F)
+    expected = f"key {key!r}: its expert index {index!r} {why}; expected a canonical decimal index"
+    _refuse(tmp_path, sd, re.escape(expected), src_glu_interleave="none")
+    assert main(["inspect", str(tmp_path / "src.safetensors"), "--src-glu-interleave", "none"]) == 1
+    assert f"  - {expected}" in capsys.readouterr().out
+
+
+def test_refusal_naming_a_long_key_stays_short(tmp_path):
+    """A key is named with its middle elided: a 1 MB key gives a message of a few hundred characters."""
     sd = _hf_per_expert()
-    sd["model.layers.0.mlp.experts.01.gate_proj.weight"] = sd["model.layers.0.mlp.experts.1.gate_proj.weight"].clone()
-    _refuse(tmp_path, sd, "appears twice")
+    key = f"model.layers.0.mlp.experts.{'1' * 1_000_000}.gate_proj.weight"
+    sd[key] = torch.zeros(F, H, dtype=torch.bfloat16)
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
+    (message,) = info.value.problems
+    assert "has 1,000,000 digits (at most 18)" in message and f"({len(key):,} characters)" in message
+    assert len(message) < 400, message
 
 
 def test_refuses_tensor_duplicated_across_shards(tmp_path):
@@ -628,3 +670,212 @@ def test_converted_files_have_ordinary_permissions(tmp_path):
     for p in [tmp_path / "g.safetensors", *(tmp_path / "g_dir").iterdir()]:
         assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
     assert stat.S_IMODE((tmp_path / "g_dir").stat().st_mode) == 0o755
+
+
+# ---- zero-size experts ---------------------------------------------------------------------------
+
+
+ZERO_SIZE = {
+    # case: (per-expert tensors, convert's arguments, the grouped tensors expected)
+    "te-fc1-no-rows": (  # F = 0: fused gate/up rows, whose order is stated
+        {f"fc1.weight{i}": torch.zeros(0, 8) for i in range(2)},
+        {"src_glu_interleave": "none"},
+        {"fc1.weight": (2, 0, 8)},
+    ),
+    "te-fc1-no-rows-to-block-2": (
+        {
+            **{f"fc1.weight{i}": torch.zeros(0, 8) for i in range(2)},
+            **{f"fc1.bias{i}": torch.zeros(0) for i in range(2)},
+        },
+        {"src_glu_interleave": "none", "glu_interleave": 2},
+        {"fc1.weight": (2, 0, 8), "fc1.bias": (2, 0)},
+    ),
+    "te-linear-no-columns": ({f"proj.weight{i}": torch.zeros(4, 0) for i in range(3)}, {}, {"proj.weight": (3, 4, 0)}),
+    "hf-no-ffn": (
+        {
+            **{f"experts.{i}.gate_proj.weight": torch.zeros(0, 8) for i in range(2)},
+            **{f"experts.{i}.up_proj.weight": torch.zeros(0, 8) for i in range(2)},
+            **{f"experts.{i}.down_proj.weight": torch.zeros(8, 0) for i in range(2)},
+        },
+        {},
+        {"experts.gate_up_proj": (2, 0, 8), "experts.down_proj": (2, 8, 0)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_SIZE)
+def test_zero_size_experts_convert_exactly(tmp_path, case):
+    """Experts without elements are a valid edge: they convert to grouped tensors of the right shape,
+    and back (and straight to per-expert) to the source, tensor for tensor."""
+    sd, kwargs, expected = ZERO_SIZE[case]
+    sd = {**sd, "other.weight": torch.arange(6.0).reshape(2, 3)}
+    save_file(sd, str(tmp_path / "src.safetensors"))
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "g.safetensors", "grouped", **kwargs)
+    grouped = load_file(str(tmp_path / "g.safetensors"))
+    assert {key: tuple(t.shape) for key, t in grouped.items() if key != "other.weight"} == expected
+    assert torch.equal(grouped["other.weight"], sd["other.weight"])
+    back = "none" if "src_glu_interleave" in kwargs else "keep"
+    convert_checkpoint(tmp_path / "g.safetensors", tmp_path / "b.safetensors", "per-expert", back)
+    _assert_same(load_file(str(tmp_path / "b.safetensors")), sd)
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "p.safetensors", "per-expert", **kwargs)
+    _assert_same(load_file(str(tmp_path / "p.safetensors")), sd)
+
+
+def _te_grouped_file(path, weight: torch.Tensor, role: str = "linear"):
+    record = {"prefix": "proj", "naming": "te", "layout": "grouped", "role": role, "glu_interleave_size": None}
+    save_file({"proj.weight": weight}, str(path), metadata={META_GROUPS: json.dumps([record])})
+    return path
+
+
+@pytest.mark.parametrize("naming", ["te", "hf"])
+def test_grouped_group_of_no_experts(tmp_path, naming):
+    """N = 0 stays grouped exactly; the per-expert layout has no tensor to say the group exists, so
+    converting it there is refused in one line, nothing written."""
+    if naming == "te":
+        _te_grouped_file(tmp_path / "src.safetensors", torch.zeros(0, 4, 8))
+    else:
+        save_file(
+            {"experts.gate_up_proj": torch.zeros(0, 4, 8), "experts.down_proj": torch.zeros(0, 8, 2)},
+            str(tmp_path / "src.safetensors"),
+        )
+    src = tmp_path / "src.safetensors"
+    convert_checkpoint(src, tmp_path / "g.safetensors", "grouped", src_glu_interleave="none")
+    _assert_same(load_file(str(tmp_path / "g.safetensors")), load_file(str(src)))
+    where = "proj" if naming == "te" else "experts"
+    with pytest.raises(CheckpointError, match=rf"^{where}: holds 0 experts; the per-expert layout has no tensor"):
+        convert_checkpoint(src, tmp_path / "out.safetensors", "per-expert", src_glu_interleave="none")
+    assert _leftovers(tmp_path, "out.safetensors") == []
+
+
+def test_per_expert_output_past_the_header_limit_is_refused_before_planning(tmp_path):
+    """2,000,000 experts of no elements: a 200-byte file whose per-expert form would need a header
+    past safetensors' 100 MB; refused from the count, before a tensor of it is planned."""
+    _te_grouped_file(tmp_path / "src.safetensors", torch.zeros(2_000_000, 0, 8))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=r"^proj: 2,000,000 experts would be 2,000,000 per-expert tensors"):
+            convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "per-expert")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert _leftovers(tmp_path, "out.safetensors") == []
+
+
+def test_write_refuses_a_header_past_the_limit(tmp_path, monkeypatch):
+    """The exact check behind it: a header longer than safetensors reads is never written."""
+    import moekit.checkpoint.files as files
+
+    monkeypatch.setattr(files, "MAX_HEADER_BYTES", 200)
+    outputs = [files.tensor_output(f"tensor{i}", torch.zeros(1)) for i in range(10)]
+    with pytest.raises(CheckpointError, match=r"its header would take \d+ bytes \(10 tensors\), more than safetensors"):
+        files.write_safetensors(tmp_path / "x.safetensors", outputs, {})
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+# ---- refusals cost what the file holds, not what its keys claim -----------------------------------
+
+
+def _sparse_hf(path, last: int):
+    sd = {}
+    for i in (0, last):
+        sd[f"experts.{i}.gate_proj.weight"] = torch.zeros(2, 4)
+        sd[f"experts.{i}.up_proj.weight"] = torch.zeros(2, 4)
+        sd[f"experts.{i}.down_proj.weight"] = torch.zeros(4, 2)
+    save_file(sd, str(path))
+    return path
+
+
+# At most 10^7: were a refusal to cost in proportion to the index again, these would fail on
+# tracemalloc's peak (about 0.5 GB) rather than take the machine down.
+SPARSE = {
+    # the brief's 664-byte TE file with fc1.weight0 and fc1.weight10000000
+    "te": (
+        lambda p: save_file({"fc1.weight0": torch.zeros(2, 4), "fc1.weight10000000": torch.zeros(2, 4)}, str(p)) or p,
+        "fc1.weight{i}: missing 9,999,999 expert indices [1, 2, 3, ..., 9999999] (found 2 of 0..10000000)",
+        1,
+    ),
+    # an HF file with experts 0 and 9999999 (the brief's had 99999999)
+    "hf": (
+        lambda p: _sparse_hf(p, 9_999_999),
+        "experts.*.gate_proj.weight: missing 9,999,998 expert indices [1, 2, 3, ..., 9999998] (found 2 of 0..9999999)",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SPARSE)
+def test_sparse_expert_indices_are_refused_in_proportion_to_the_file(tmp_path, case, capsys):
+    """Refusing costs time and memory in proportion to the file (never to the largest index in a
+    key), and names a few of the missing indices, in one short line."""
+    from moekit.cli import main
+
+    make, expected, count = SPARSE[case]
+    src = make(tmp_path / "src.safetensors")
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            convert_checkpoint(src, tmp_path / "out.safetensors", "grouped", src_glu_interleave="none")
+        ckpt = Checkpoint(src)
+        problems = analyze(ckpt, None).problems
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the sets of all indices up to 10^8 took gigabytes
+    assert len(info.value.problems) == count and info.value.problems[0].startswith(expected)
+    assert problems == info.value.problems
+    assert all(len(p) < 200 for p in problems)
+    assert _leftovers(tmp_path, "out.safetensors") == []
+    assert main(["inspect", str(src), "--src-glu-interleave", "none"]) == 1
+    assert f"  - {expected}" in capsys.readouterr().out
+
+
+def test_config_json_expert_count_far_past_the_file_is_refused_cheaply(tmp_path):
+    save_file(_hf_per_expert(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": 10**7}))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as info:
+            convert_checkpoint(tmp_path / "model.safetensors", tmp_path / "out.safetensors", "grouped")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert f"says {10**7}: missing {10**7 - N:,} expert indices [{N}, {N + 1}, {N + 2}, ..., {10**7 - 1}]" in str(
+        info.value
+    )
+
+
+def test_missing_indices_lists_a_few():
+    from moekit.checkpoint.layout import missing_indices
+
+    assert missing_indices({0, 1, 2}, 3) is None
+    assert missing_indices({0, 2, 5}, 6) == "missing expert indices [1, 3, 4]"
+    assert missing_indices(set(), 6) == "missing expert indices [0, 1, 2, 3, 4, 5]"
+    assert missing_indices({0}, 8) == "missing 7 expert indices [1, 2, 3, ..., 7]"
+    assert missing_indices({0, 7, 8}, 9) == "missing expert indices [1, 2, 3, 4, 5, 6]"
+    assert missing_indices({0, 8, 9}, 10) == "missing 7 expert indices [1, 2, 3, ..., 7]"
+    assert missing_indices((), 10**7, start=4) == "missing 9,999,996 expert indices [4, 5, 6, ..., 9999999]"
+    assert missing_indices({1}, 3, what="keys", name=lambda i: f"w{i}") == "missing keys [w0, w2]"
+
+
+def test_a_temporary_name_with_an_impossible_process_id_is_left_alone(tmp_path):
+    """Only the leftovers of moekit runs whose process is gone are removed; a name whose process id no
+    process can have is not moekit's, and does not stop the conversion."""
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    odd = tmp_path / f".out.safetensors.moekit-convert-tmp-{10**20}"
+    odd.write_bytes(b"not ours")
+    result = convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped")
+    assert result.removed_temps == [] and odd.read_bytes() == b"not ours"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "\u0663", "1" * 5000, True, 2.0])
+def test_glu_interleave_argument_refused_in_one_line(tmp_path, value):
+    """A block size is ASCII digits of a positive int: not a digit of another script, not a number of
+    thousands of digits (which int() itself refuses with a traceback), not a bool."""
+    save_file(_hf_per_expert(), str(tmp_path / "src.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "out.safetensors", "grouped", value)
+    (message,) = info.value.problems
+    assert message.startswith("--glu-interleave must be 'none' ([gates; ups]) or a positive int") and len(message) < 300
+    assert _leftovers(tmp_path, "out.safetensors") == []

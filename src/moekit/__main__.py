@@ -1,5 +1,5 @@
 import sys
 
-from moekit.cli import main
+from moekit.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

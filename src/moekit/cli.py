@@ -3,17 +3,32 @@
 A user mistake (a bad argument, a file that cannot be converted, a destination that cannot be
 written) is one line on stderr, `moekit <command>: refused...: <what, and what is expected>`, and a
 non-zero exit status, never a traceback.
+
+Ctrl-C (SIGINT) is one line on stderr and exit status 130 wherever it lands. This module imports only
+the standard library (as does `import moekit`), so `main` takes over SIGINT before anything heavy
+loads, in two phases:
+- while it starts (parsing, importing torch and what the command needs; nothing is written yet), it
+  exits at once. A KeyboardInterrupt raised there could land inside torch's C++ initialisation (which
+  aborts the process) or inside an `exec` (after which the interpreter ends the process by SIGINT
+  whatever status is returned);
+- while the command works, it raises `_Interrupted`, a KeyboardInterrupt that the commands catch to
+  remove their temporary output (a subclass: the interpreter only takes its own KeyboardInterrupt
+  for an unhandled one).
+A SIGINT that the process was started ignoring (a background job, nohup) stays ignored, and one
+that other code handles outside Python is left to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
-from moekit.ops.grouped_linear import BACKENDS
-
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_REFUSED = 2
 EXIT_PROBLEMS = 1  # inspect found problems
 EXIT_FAILED = 3  # convert's verification failed
@@ -47,6 +62,8 @@ GLU_HELP = (
 
 
 def _add_demo(subparsers) -> None:
+    from moekit.ops.grouped_linear import BACKENDS
+
     p = subparsers.add_parser(
         "demo",
         help="train a small MoE LM on a synthetic task and round-trip its checkpoint",
@@ -69,16 +86,15 @@ def _add_demo(subparsers) -> None:
 
         try:
             run_demo(steps=args.steps, device=args.device, backend=args.backend, out=args.out, seed=args.seed)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             return _refuse("demo", exc)
         except OSError as exc:
             return _refuse("demo", OSError(f"cannot write {exc.filename}: {exc.strerror}"))
         except KeyboardInterrupt:
-            print("moekit demo: interrupted", file=sys.stderr)
-            return 128 + signal.SIGINT
+            return _interrupted("moekit demo: interrupted")
         return 0
 
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, imports=("moekit.demo",))
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -92,7 +108,11 @@ def _run_convert(args: argparse.Namespace) -> int:
     def progress(phase: str, tensors: int, tensors_total: int, nbytes: int, bytes_total: int) -> None:
         if phase not in bars:
             bars[phase] = Progress(tensors_total, quiet_when_piped=True)
-        bars[phase].update(tensors, f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}")
+        bars[phase].update(
+            tensors,
+            f"tensors, {human_bytes(nbytes)} of {human_bytes(bytes_total)} {phase}",
+            fraction=nbytes / bytes_total if bytes_total else None,
+        )
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -110,12 +130,11 @@ def _run_convert(args: argparse.Namespace) -> int:
         _refuse("convert", exc, "the output failed its verification (a moekit bug, please report it), nothing written")
         return EXIT_FAILED
     except (_Terminated, KeyboardInterrupt) as exc:
-        signal_name = "SIGTERM" if isinstance(exc, _Terminated) else "interrupt"
-        print(
-            f"moekit convert: stopped by {signal_name}; its temporary output was removed, nothing written",
-            file=sys.stderr,
-        )
-        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+        stopped = "moekit convert: stopped by {}; its temporary output was removed, nothing written"
+        if isinstance(exc, KeyboardInterrupt):
+            return _interrupted(stopped.format("interrupt"))
+        print(stopped.format("SIGTERM"), file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
     for p in result.removed_temps:
@@ -151,9 +170,9 @@ def _add_checkpoint_commands(subparsers) -> None:
         "(experts.{i}.gate_proj.weight, weight{i}) and grouped ones (experts.gate_up_proj, weight "
         "[N, out, in]), streaming, atomically, verified by an exact round trip. A single file converts "
         "to the file DST; a sharded checkpoint or a folder to the folder DST (same shard names, a new "
-        "index, the other files copied). Refuses, writing nothing, on malformed files, missing, "
-        "duplicated or misshapen experts, an ambiguous layout, an unknown gate/up row order, or a DST "
-        "that exists or cannot be written.",
+        "index, the other files copied). Refuses, writing nothing, on malformed files, missing or "
+        "misshapen experts, expert indices that are not canonical decimals (experts.01, weight+1), an "
+        "ambiguous layout, an unknown gate/up row order, or a DST that exists or cannot be written.",
     )
     p.add_argument("src", metavar="SRC", help="a .safetensors file, an *.safetensors.index.json, or a folder")
     p.add_argument(
@@ -174,7 +193,7 @@ def _add_checkpoint_commands(subparsers) -> None:
         metavar="SIZE",
         help=f"row order of the source's fused gate/up tensors where the file does not say: {GLU_HELP}",
     )
-    p.set_defaults(func=_run_convert)
+    p.set_defaults(func=_run_convert, imports=("moekit.checkpoint",))
     q = subparsers.add_parser(
         "inspect",
         help="print the expert-weight layout of a safetensors checkpoint",
@@ -186,10 +205,10 @@ def _add_checkpoint_commands(subparsers) -> None:
     q.add_argument(
         "--src-glu-interleave",
         default="keep",
-        metavar="K",
+        metavar="SIZE",
         help=f"row order of fused gate/up tensors where the file does not record it: {GLU_HELP}",
     )
-    q.set_defaults(func=_run_inspect)
+    q.set_defaults(func=_run_inspect, imports=("moekit.checkpoint",))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +226,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C while a command works, raised where the process is (see the module's docstring)."""
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise _Interrupted()
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    try:
+        os.write(2, b"moekit: interrupted\n")  # not sys.stderr: the handler may have interrupted a write to it
+    finally:
+        os._exit(EXIT_INTERRUPTED)
+
+
+def _interrupted(message: str) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not interrupt the message
+    print(message, file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run the `moekit` command line `argv` (default: the process's arguments); returns the exit status.
+    SIGINT is handled as the module's docstring says while it runs, and left as it was on return."""
+    previous = signal.getsignal(signal.SIGINT)
+    handle = threading.current_thread() is threading.main_thread() and previous not in (signal.SIG_IGN, None)
+    try:
+        if handle:
+            signal.signal(signal.SIGINT, _exit_at_once)
+        args = build_parser().parse_args(argv)  # imports torch (the demo's backends)
+        for module in args.imports:  # what the command needs, imported before its work starts
+            importlib.import_module(module)
+        if handle:
+            signal.signal(signal.SIGINT, _raise_interrupted)
+        return args.func(args)
+    except KeyboardInterrupt:  # landed between the commands' own handlers
+        return _interrupted("moekit: interrupted")
+    finally:
+        if handle:
+            signal.signal(signal.SIGINT, previous)
+
+
+def console_main() -> int:
+    """The `moekit` console script and `python -m moekit`: `main`, then exit without being interrupted
+    (torch's exit hooks run after the command is done; a Ctrl-C there would print a traceback)."""
+    handle = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None)
+    if handle:
+        signal.signal(signal.SIGINT, _exit_at_once)
+    status = main()
+    if handle:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status

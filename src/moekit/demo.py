@@ -22,9 +22,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+try:  # optional (`pip install 'moekit[plot]'`); imported with the module, before the demo's work starts
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError:
+    Figure = FigureCanvasAgg = None
+
 from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
+from moekit.ops.grouped_linear import BACKENDS
+from moekit.validation import check_choice, check_int, check_positive_int
 
 
 @dataclass
@@ -137,11 +145,14 @@ def run_demo(
 ) -> dict:
     """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
 
-    Raises ValueError, before training or writing anything, for steps < 1, a device this torch cannot
-    use, a backend that cannot run on it, or an `out` that is an existing file (it must be a folder,
-    new or existing)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--steps must be a positive number of training steps, got {steps!r}")
+    Raises ValueError (TypeError for a value of the wrong type), before training or writing anything,
+    for steps < 1, a seed torch cannot take, a device this torch cannot use, a backend that cannot run
+    on it, or an `out` that is an existing file (it must be a folder, new or existing)."""
+    steps = check_positive_int("--steps", steps)
+    seed = check_int("--seed", seed)
+    if not -(2**63) <= seed < 2**63 - 1:  # torch's seed range; the evaluation data takes seed + 1
+        raise ValueError(f"--seed must be an int from -2**63 to 2**63 - 2, got {seed}")
+    backend = check_choice("--backend", backend, BACKENDS)
     dev = _demo_device(device)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -155,6 +166,21 @@ def run_demo(
     existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out}: {existing} is not writable; choose a folder you can write to")
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        # The model's ops are small (a millisecond or less): intra-op threads gain little on them, and
+        # on a machine busy with other work their barriers wait for descheduled threads, many times
+        # longer than the work itself. One thread keeps the demo's pace whatever else the machine does.
+        torch.set_num_threads(1)
+    try:
+        return _train_save_reload(cfg, task, gen, dev, backend, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_save_reload(
+    cfg: DemoConfig, task: DialectTask, gen: torch.Generator, dev: torch.device, backend: str, out_dir: Path
+) -> dict:
     model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
@@ -254,15 +280,12 @@ def _demo_device(device: str) -> torch.device:
 
 
 def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if Figure is None:
         print("matplotlib is not installed, so no loss plot was drawn (pip install 'moekit[plot]')")
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))  # no pyplot: no global backend or figure state
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     ax.plot(range(1, len(losses) + 1), losses, label="train loss", lw=1.2)
     ax.axhline(floor, color="gray", ls="--", lw=1, label=f"best possible ({floor:.3f})")
     ax.set_xlabel("step")
@@ -272,5 +295,4 @@ def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

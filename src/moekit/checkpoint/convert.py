@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from collections import defaultdict
@@ -23,6 +24,8 @@ import torch
 
 from moekit.checkpoint.errors import CheckpointError
 from moekit.checkpoint.files import (
+    DTYPE_BITS,
+    MAX_HEADER_BYTES,
     Checkpoint,
     OutputTensor,
     check_destination,
@@ -35,11 +38,13 @@ from moekit.checkpoint.files import (
 from moekit.checkpoint.layout import (
     HF_GROUPED_NAME,
     KEEP,
+    MAX_INDEX_DIGITS,
     PART_NAME,
     Analysis,
     ExpertGroup,
     analyze,
     reorder_glu_rows,
+    shown,
 )
 from moekit.checkpoint.metadata import file_metadata, group_record, join_key, other_extra_states
 
@@ -62,7 +67,10 @@ class _Stats:
 
 
 def _rows(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
-    """bytes of a per-expert tensor -> uint8 (rows, bytes per row): reorders rows whatever the dtype."""
+    """bytes of a per-expert tensor -> uint8 (rows, bytes per row): reorders rows whatever the dtype.
+    A tensor without elements (0 rows, or rows of 0 columns) is a valid expert: (rows, 0)."""
+    if not data:
+        return torch.empty(shape[0], 0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(shape[0], -1)
 
 
@@ -116,7 +124,7 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
 
     def add(key, part, i=None, select=None, shape=None):
         shape = shape or g.parts[part]
-        nbytes = g.bytes_per_expert(part) * shape[0] // g.parts[part][0]
+        nbytes = math.prod(shape) * DTYPE_BITS[g.dtype] // 8
         if i is not None:
             outputs.append(OutputTensor(key, g.dtype, shape, nbytes, piece(part, i, select), first_key))
             return
@@ -198,10 +206,10 @@ def parse_glu(value, flag: str = "--glu-interleave") -> int | None | str:
         return None
     if text == KEEP:
         return KEEP
-    if text.isdigit() and int(text) >= 1:
+    if text.isascii() and text.isdigit() and len(text) <= MAX_INDEX_DIGITS and int(text) >= 1:
         return int(text)
     raise CheckpointError(
-        [f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), got {value!r}"]
+        [f"{flag} must be 'none' ([gates; ups]) or a positive int (interleave block size), got {shown(str(value))}"]
     )
 
 
@@ -229,8 +237,34 @@ def _targets(analysis: Analysis, to: str, glu_interleave) -> tuple[dict, list[st
         out_fused = dataclasses.replace(g, layout=to).fused_fc1
         if out_fused and glu is not None and g.ffn_size % glu:
             problems.append(f"{g.prefix or 'root'}: --glu-interleave {glu} does not divide F={g.ffn_size}")
+        if to == "per-expert" and g.layout == "grouped":
+            problems += _per_expert_problems(g)
         targets[g.prefix] = (to, g.naming, glu if out_fused else None)
     return targets, problems
+
+
+# The fewest header bytes one tensor takes besides its key: {"dtype":"U8","shape":[],"data_offsets":[0,0]},
+HEADER_BYTES_PER_TENSOR = 48
+
+
+def _per_expert_problems(g: ExpertGroup) -> list[str]:
+    """What the per-expert layout cannot hold of a grouped group: no experts (there would be no tensor
+    to say the group exists), or so many that the header would pass the safetensors limit (checked
+    before any of those tensors is planned: the count comes from a shape, not from the file's size)."""
+    where = g.prefix or "root"
+    if g.num_experts == 0:
+        return [
+            f"{where}: holds 0 experts; the per-expert layout has no tensor to record a group of none "
+            "(keep it grouped, or remove it)"
+        ]
+    per_expert = sum(2 if g.naming != "te" and part.startswith("fc1") else 1 for part in g.parts)
+    count = g.num_experts * per_expert
+    if count * (HEADER_BYTES_PER_TENSOR + len(g.prefix)) > MAX_HEADER_BYTES:
+        return [
+            f"{where}: {g.num_experts:,} experts would be {count:,} per-expert tensors, more than a safetensors "
+            f"header holds (at most {MAX_HEADER_BYTES:,} bytes); keep it grouped"
+        ]
+    return []
 
 
 def convert_checkpoint(
@@ -247,11 +281,13 @@ def convert_checkpoint(
     src: a `.safetensors` file, an `*.safetensors.index.json`, or a folder holding either. A single
     file converts to the file `dst`; a sharded checkpoint (or a folder) to the folder `dst` (same
     shard names, a new index, the folder's other files copied along).
-    glu_interleave: order of fused fc1 tensors written: None (`[gates; ups]`), k, or "keep" (the
+    glu_interleave: order of fused fc1 tensors written: None (`[gates; ups]`), a block size, or "keep" (the
     source's; `[gates; ups]` where the source had gate and up apart).
     src_glu_interleave: order of the source's fused fc1 tensors where the file does not record it.
-    Raises CheckpointError (nothing written) on malformed files, missing, duplicated or misshapen
-    experts, an ambiguous layout, or a destination that exists or cannot be written.
+    Raises CheckpointError (nothing written) on malformed files, missing or misshapen experts, expert
+    indices that are not canonical decimals, an ambiguous layout, a layout that cannot hold a group
+    (no experts, or more per-expert tensors than a header holds), or a destination that exists or
+    cannot be written.
     """
     if to not in ("grouped", "per-expert"):
         raise CheckpointError([f"--to must be 'grouped' or 'per-expert', got {to!r}"])
@@ -315,7 +351,7 @@ def _write_outputs(
         ):
             shutil.copy2(other, tmp / other.name)  # config.json and friends
     if ckpt.index_path is not None:
-        index_meta = {k: v for k, v in ckpt.index_metadata.items() if not str(k).startswith("moekit.")}
+        index_meta = {key: value for key, value in ckpt.index_metadata.items() if not str(key).startswith("moekit.")}
         index_meta["total_size"] = sum(o.nbytes for o in outputs)
         weight_map = {o.key: name for name, file_outputs in by_file.items() for o in file_outputs}
         index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
@@ -401,7 +437,7 @@ def format_inspection(ckpt: Checkpoint, analysis: Analysis) -> str:
         f"tensors: {len(ckpt.tensors)} ({len(ckpt.tensors) - len(analysis.other_keys)} in "
         f"{len(analysis.groups)} expert groups, {len(analysis.other_keys)} others), {human_bytes(total)}"
     )
-    recorded = sorted(k for k in ckpt.metadata if k.startswith("moekit."))
+    recorded = sorted(key for key in ckpt.metadata if key.startswith("moekit."))
     lines.append("moekit metadata: " + (", ".join(recorded) if recorded else "none"))
     lines.append("")
     lines += list(iter_rows(rows))

@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -269,6 +269,13 @@ def write_safetensors(
         offset += out.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data start to 8 bytes
+    if len(blob) > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            [
+                f"{path}: its header would take {len(blob):,} bytes ({len(outputs):,} tensors), more than "
+                f"safetensors reads (at most {MAX_HEADER_BYTES:,})"
+            ]
+        )
     with open(path, "xb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
@@ -299,7 +306,7 @@ def tensor_output(key: str, t: torch.Tensor) -> OutputTensor:
 
 # ---- temporary siblings and modes ------------------------------------------------------------
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.moekit-(?P<tool>[a-z]+)-tmp-(?P<pid>\d+)$")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.moekit-(?P<tool>[a-z]+)-tmp-(?P<pid>[1-9][0-9]*)$")
 
 
 def temp_sibling(dst: Path, tool: str) -> Path:
@@ -308,11 +315,12 @@ def temp_sibling(dst: Path, tool: str) -> Path:
 
 
 def _process_exists(pid: int) -> bool:
+    """Whether process `pid` runs; True (leave its file alone) where no process can have that id."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 
@@ -338,19 +346,6 @@ def remove_path(p: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
     elif p.exists() or p.is_symlink():
         p.unlink(missing_ok=True)
-
-
-def current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def give_default_mode(paths: Iterable[Path]) -> None:
-    """Ordinary permissions for files moekit wrote (0666 less the umask, 0644 under umask 022)."""
-    mode = 0o666 & ~current_umask()
-    for p in paths:
-        os.chmod(p, mode)
 
 
 def check_destination(dst: str | os.PathLike, *, directory: bool) -> Path:

@@ -15,7 +15,7 @@ Expert groups recognised by key names (a "prefix" is everything before the exper
   is the record's; without one, a prefix whose last part contains `fc1` is a GLU fc1.
 
 Fused fc1 tensors (HF `gate_up_proj`, TE fc1) hold gate and up rows either concatenated
-(`[gates; ups]`) or interleaved in blocks of k (`glu_interleave_size`). That order is not visible in
+(`[gates; ups]`) or interleaved in blocks of `glu_interleave_size` rows. That order is not visible in
 the tensors: it is read from the file's records, or given (`src_glu_interleave`), and a conversion
 refuses where it is neither.
 """
@@ -26,6 +26,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -36,13 +37,20 @@ from moekit.ops.glu import check_interleave, deinterleave_glu, interleave_glu
 
 KEEP = "keep"  # a GLU order argument that was not given
 
+# An expert index in a key: whatever looks like one (digits, signed or not) is matched, then held to
+# the one rule of `expert_index`, the same for `moekit convert` / `inspect` and for
+# GroupedLinear.load_state_dict (`collect_grouped`).
+INDEX_PATTERN = r"[+-]?\d+"
+MAX_INDEX_DIGITS = 18  # far more experts than any checkpoint holds; keeps every index a machine int
+_CANONICAL_INDEX = re.compile(rf"0|[1-9][0-9]{{0,{MAX_INDEX_DIGITS - 1}}}")
 _HF_PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$"
+    rf"^(?P<prefix>.*experts)\.(?P<index>{INDEX_PATTERN})\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$"
 )
 _HF_GROUPED = re.compile(r"^(?P<prefix>.*experts)\.(?P<name>gate_up_proj|down_proj)(?P<bias>_bias)?$")
-_TE_PER_EXPERT = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<kind>weight|bias)(?P<index>\d+)$")
+_TE_PER_EXPERT = re.compile(rf"^(?:(?P<prefix>.+)\.)?(?P<kind>weight|bias)(?P<index>{INDEX_PATTERN})$")
 _TE_GROUPED = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<kind>weight|bias)$")
-_LOOKS_PER_EXPERT = re.compile(r"experts\.\d+\.")
+_LOOKS_PER_EXPERT = re.compile(rf"experts\.{INDEX_PATTERN}\.")
 _PROJ_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 PART_NAME = {
     "hf": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
@@ -60,7 +68,8 @@ HF_GROUPED_NAME = {
 
 
 def reorder_glu_rows(t: torch.Tensor, src: int | None, dst: int | None, dim: int = 0) -> torch.Tensor:
-    """Fused fc1 rows along `dim` from gate/up order `src` to `dst` (None = `[gates; ups]`, k = blocks)."""
+    """Fused fc1 rows along `dim` from gate/up order `src` to `dst` (None = `[gates; ups]`, an int =
+    interleaved in blocks of that many rows)."""
     if src == dst:
         return t
     if src is not None:
@@ -124,25 +133,102 @@ class Analysis:
     problems: list[str]
 
 
-def _index_of(indices: dict[int, str], index_text: str, key: str, problems: list[str], what: str) -> None:
-    i = int(index_text)
-    if i in indices:
-        problems.append(f"{what}: expert index {i} appears twice ({indices[i]!r} and {key!r})")
+def shown(text: str, limit: int = 80) -> str:
+    """`text` quoted for a one-line message, its middle elided past `limit` characters (a key can be
+    as long as a 100 MB header)."""
+    if len(text) <= limit:
+        return repr(text)
+    half = (limit - 5) // 2
+    return f"{text[:half]!r}...{text[-half:]!r} ({len(text):,} characters)"
+
+
+def expert_index(text: str, key: str) -> int:
+    """The expert index `text` read from `key`, held to the one rule of every reader of expert keys: a
+    canonical decimal (ASCII digits, no sign, no leading zero, at most MAX_INDEX_DIGITS digits), so
+    that each expert has exactly one name. CheckpointError naming the key otherwise."""
+    if _CANONICAL_INDEX.fullmatch(text):
+        return int(text)
+    digits = text.lstrip("+-")
+    if text[:1] in "+-":
+        why = "has a sign"
+    elif not digits.isascii():
+        why = "has digits other than 0-9"
+    elif len(digits) > 1 and digits[0] == "0" and len(digits.lstrip("0")) <= MAX_INDEX_DIGITS:
+        why = f"has a leading zero ('{int(digits)}' names that expert)"
     else:
-        indices[i] = key
+        why = f"has {len(digits):,} digits (at most {MAX_INDEX_DIGITS})"
+    raise CheckpointError(
+        [
+            f"key {shown(key)}: its expert index {shown(text, 40)} {why}; expected a canonical decimal "
+            "index (digits 0-9, no sign, no leading zero)"
+        ]
+    )
+
+
+SHOWN_INDICES = 6  # a list of missing indices names at most this many
+
+
+def missing_indices(
+    present: Iterable[int],
+    stop: int,
+    start: int = 0,
+    *,
+    what: str = "expert indices",
+    name: Callable[[int], str] = str,
+) -> str | None:
+    """'missing expert indices [2, 5]' (at most SHOWN_INDICES of them) or 'missing 9,999,999 expert
+    indices [1, 2, 3, ..., 9999999]': the indices of start..stop-1 not in `present`, each written by
+    `name`, or None if none are missing. Time and memory in proportion to `present` (what a file
+    holds), never to `stop` (an index or a count read from a file)."""
+    present = set(present)
+    count = stop - start - sum(1 for i in present if start <= i < stop)
+    if count <= 0:
+        return None
+    first: list[int] = []
+    i = start
+    while len(first) < min(count, SHOWN_INDICES):  # at most len(present) + SHOWN_INDICES steps
+        if i not in present:
+            first.append(i)
+        i += 1
+    if count <= SHOWN_INDICES:
+        return f"missing {what} [{', '.join(map(name, first))}]"
+    last = stop - 1
+    while last in present:
+        last -= 1
+    return f"missing {count:,} {what} [{', '.join(map(name, first[:3]))}, ..., {name(last)}]"
+
+
+def _index_or_problem(index_text: str, key: str, problems: list[str]) -> int | None:
+    try:
+        return expert_index(index_text, key)
+    except CheckpointError as exc:
+        problems.extend(exc.problems)
+        return None
 
 
 def _check_indices(what: str, indices: dict[int, str], num: int, problems: list[str]) -> None:
-    missing = sorted(set(range(num)) - set(indices))
+    missing = missing_indices(indices, num)
     if missing:
-        problems.append(f"{what}: missing expert indices {missing} (found {len(indices)} of 0..{num - 1})")
+        problems.append(f"{what}: {missing} (found {len(indices)} of 0..{num - 1})")
 
 
 def _same(values: dict[str, tuple], what: str, problems: list[str]) -> tuple | None:
-    distinct = sorted(set(values.values()))
-    if len(distinct) == 1:
-        return distinct[0]
-    problems.append(f"{what} disagree: " + ", ".join(f"{k} {v}" for k, v in sorted(values.items())))
+    """The one value all keys have, or None with a problem naming each distinct value (a few of them)
+    with how many keys have it and one of those keys."""
+    by_value: dict[tuple, list[str]] = defaultdict(list)
+    for key, value in sorted(values.items()):
+        by_value[value].append(key)
+    if len(by_value) == 1:
+        return next(iter(by_value))
+    ranked = sorted(by_value.items(), key=lambda item: (-len(item[1]), item[0]))
+    described = [
+        f"{value} in {len(keys)} tensor{'s' if len(keys) > 1 else ''} (e.g. {shown(keys[0])})"
+        if len(keys) > 1
+        else f"{value} in {shown(keys[0])}"
+        for value, keys in ranked[:SHOWN_INDICES]
+    ]
+    more = f", and {len(ranked) - SHOWN_INDICES:,} other values" if len(ranked) > SHOWN_INDICES else ""
+    problems.append(f"{what} disagree: " + ", ".join(described) + more)
     return None
 
 
@@ -161,7 +247,7 @@ def analyze(ckpt: Checkpoint, src_glu_interleave: int | None | str = KEEP) -> An
     """Find the expert groups of a checkpoint and every problem that would make a conversion unsafe.
 
     `src_glu_interleave`: the fc1 gate/up order of fused source tensors that the file's records do
-    not state (None = `[gates; ups]`, k = interleaved); KEEP = not given.
+    not state (None = `[gates; ups]`, an int = interleaved in blocks of that many rows); KEEP = not given.
     """
     problems: list[str] = []
     try:
@@ -175,19 +261,22 @@ def analyze(ckpt: Checkpoint, src_glu_interleave: int | None | str = KEEP) -> An
     te_grouped: dict[str, dict[str, dict[int, str]]] = defaultdict(dict)
     claimed: set[str] = set()
     for key in sorted(ckpt.tensors):
+        # Canonical indices give one key per index, so an index never appears twice in a group.
         if m := _HF_PER_EXPERT.match(key):
-            hf_naming[m["prefix"]].add("mixtral" if m["proj"].startswith("w") else "hf")
-            _index_of(hf_per[m["prefix"]][(_PROJ_PART[m["proj"]], m["kind"])], m["index"], key, problems, m["prefix"])
+            if (i := _index_or_problem(m["index"], key, problems)) is not None:
+                hf_naming[m["prefix"]].add("mixtral" if m["proj"].startswith("w") else "hf")
+                hf_per[m["prefix"]][(_PROJ_PART[m["proj"]], m["kind"])][i] = key
         elif m := _HF_GROUPED.match(key):
             part = ("fc1_" if m["name"] == "gate_up_proj" else "fc2_") + ("bias" if m["bias"] else "weight")
             hf_grouped[m["prefix"]][part] = key
         elif m := _TE_PER_EXPERT.match(key):
-            _index_of(te_per[m["prefix"] or ""][m["kind"]], m["index"], key, problems, m["prefix"] or "root")
+            if (i := _index_or_problem(m["index"], key, problems)) is not None:
+                te_per[m["prefix"] or ""][m["kind"]][i] = key
         elif (m := _TE_GROUPED.match(key)) and records.get(m["prefix"] or "", {}).get("naming") == "te":
             te_grouped[m["prefix"] or ""][m["kind"]] = {0: key}
         else:
             if _LOOKS_PER_EXPERT.search(key):
-                problems.append(f"unrecognised per-expert tensor {key!r}; refusing rather than copying it as is")
+                problems.append(f"unrecognised per-expert tensor {shown(key)}; refusing rather than copying it as is")
             continue
         claimed.add(key)
 
@@ -232,14 +321,14 @@ def _check_expert_counts(ckpt: Checkpoint, groups: list[ExpertGroup], records: d
         if configured is not None and g.num_experts < configured[0]:
             problems.append(
                 f"{g.prefix}: holds experts 0..{g.num_experts - 1}, but {configured[1]} says "
-                f"{configured[0]}: missing expert indices {list(range(g.num_experts, configured[0]))}"
+                f"{configured[0]}: {missing_indices((), configured[0], start=g.num_experts)}"
             )
         elif isinstance(recorded, int) and g.num_experts < recorded:
             problems.append(f"{g.prefix}: holds experts 0..{g.num_experts - 1}, but the file records {recorded}")
         elif configured is None and g.num_experts < most:
             problems.append(
                 f"{g.prefix}: holds {g.num_experts} experts, other groups of this checkpoint hold {most}:"
-                f" missing expert indices {list(range(g.num_experts, most))}"
+                f" {missing_indices((), most, start=g.num_experts)}"
             )
 
 
@@ -385,15 +474,15 @@ def collect_grouped(
     """Read `name` (grouped, or packed (N*O, ...)) or `name{i}` (discrete) from a module's state dict
     and return one (N, *member_shape) tensor, or None if neither is present. Removes the keys read.
     `prefix` is the module's state-dict prefix (ends in "." or is "")."""
-    pattern = re.compile(re.escape(prefix + name) + r"(\d+)$")
-    indexed = {int(m.group(1)): key for key in state_dict if (m := pattern.match(key))}
+    pattern = re.compile(re.escape(prefix + name) + f"({INDEX_PATTERN})$")
+    indexed = {expert_index(m.group(1), key): key for key in state_dict if (m := pattern.match(key))}
     grouped_key = prefix + name
     has_grouped = grouped_key in state_dict and state_dict[grouped_key] is not None
     if has_grouped and indexed:
         raise CheckpointError(
             [
                 f"checkpoint has both {grouped_key!r} and per-expert keys "
-                f"{sorted(indexed.values())}; the layout is ambiguous"
+                f"({len(indexed)}, e.g. {shown(indexed[min(indexed)])}); the layout is ambiguous"
             ]
         )
     if has_grouped:
@@ -407,13 +496,18 @@ def collect_grouped(
         raise CheckpointError([f"{grouped_key!r} has shape {tuple(t.shape)}; expected {full} or packed {packed}"])
     if not indexed:
         return None
-    missing = [f"{prefix}{name}{i}" for i in range(num) if i not in indexed]
-    extra = [indexed[i] for i in sorted(indexed) if i >= num]
+    missing = missing_indices(indexed, num, what="keys", name=lambda i: repr(f"{prefix}{name}{i}"))
+    extra = sorted(i for i in indexed if i >= num)
     if missing or extra:
+        found = [missing] if missing else []
+        if extra:
+            found.append(
+                f"{len(extra):,} key{'s' if len(extra) > 1 else ''} beyond them, e.g. {shown(indexed[extra[0]])}"
+            )
         raise CheckpointError(
             [
-                f"checkpoint's per-expert {name} keys do not cover experts 0..{num - 1} exactly: "
-                f"missing {missing}, extra {extra}"
+                f"checkpoint's per-expert {prefix}{name}{{i}} keys do not cover experts 0..{num - 1} exactly: "
+                + "; ".join(found)
             ]
         )
     bad = [
@@ -422,7 +516,10 @@ def collect_grouped(
         if tuple(state_dict[indexed[i]].shape) != member_shape
     ]
     if bad:
-        raise CheckpointError([f"per-expert {name} tensors must have shape {member_shape}; got {bad}"])
+        more = f" and {len(bad) - SHOWN_INDICES:,} more" if len(bad) > SHOWN_INDICES else ""
+        raise CheckpointError(
+            [f"per-expert {name} tensors must have shape {member_shape}; got {bad[:SHOWN_INDICES]}{more}"]
+        )
     return torch.stack([state_dict.pop(indexed[i]) for i in range(num)])
 
 
@@ -436,27 +533,32 @@ def place_grouped(state_dict: dict, prefix: str, name: str, full: torch.Tensor, 
 
 
 def convert_glu_on_load(
-    tensors: list[torch.Tensor | None], recorded: bool, ckpt_k: int | None, module_k: int | None, ffn: int, where: str
+    tensors: list[torch.Tensor | None],
+    recorded: bool,
+    ckpt_block: int | None,
+    module_block: int | None,
+    ffn: int,
+    where: str,
 ) -> list[torch.Tensor | None]:
     """An fc1's grouped (N, 2F, ...) tensors from the checkpoint's GLU order to the module's.
 
     A checkpoint that does not record its order is taken as `[gates; ups]` (TransformerEngine's and
     Hugging Face's) by a module with order None, and refused by one with an interleave size."""
     if not recorded:
-        if module_k is None:
+        if module_block is None:
             return tensors
         raise CheckpointError(
             [
-                f"{where}: this module expects fc1 rows interleaved with glu_interleave_size={module_k}, but the "
+                f"{where}: this module expects fc1 rows interleaved with glu_interleave_size={module_block}, but the "
                 "checkpoint does not record its interleave size (no moekit extra state or file records). Load it "
                 "into a module with glu_interleave_size=None if it is [gates; ups], or convert it first "
                 "(moekit.interleave_glu / `moekit convert --src-glu-interleave`)."
             ]
         )
-    if ckpt_k == module_k:
+    if ckpt_block == module_block:
         return tensors
     try:
-        check_interleave(ffn, ckpt_k)
+        check_interleave(ffn, ckpt_block)
     except ValueError as exc:
-        raise CheckpointError([f"{where}: the checkpoint records glu_interleave_size={ckpt_k}: {exc}"]) from None
-    return [None if t is None else reorder_glu_rows(t, ckpt_k, module_k, dim=1) for t in tensors]
+        raise CheckpointError([f"{where}: the checkpoint records glu_interleave_size={ckpt_block}: {exc}"]) from None
+    return [None if t is None else reorder_glu_rows(t, ckpt_block, module_block, dim=1) for t in tensors]

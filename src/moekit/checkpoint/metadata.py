@@ -12,11 +12,11 @@ safetensors metadata under `moekit.expert_groups`: a JSON list of records, one p
 - `role`: "mlp" (a whole hf/mixtral expert MLP), "fc1" (a GLU fc1: rows are gate and up), "fc2" or
   "linear" (plain grouped linears);
 - `glu_interleave_size`: the gate/up row order of the group's fused fc1 tensors: null for
-  `[gates; ups]`, k for blocks of k (see `moekit.interleave_glu`). Meaningful where the fc1 rows are
+  `[gates; ups]`, an int for blocks of that many rows (see `moekit.interleave_glu`). Meaningful where the fc1 rows are
   fused (role "fc1", or role "mlp" in the grouped layout).
 
 A moekit `GroupedLinear` carries the same fact in its module state (`get_extra_state`):
-`{"format": "moekit.GroupedLinear/1", "glu": bool, "glu_interleave_size": k}`; `read_safetensors`
+`{"format": "moekit.GroupedLinear/1", "glu": bool, "glu_interleave_size": int or None}`; `read_safetensors`
 rebuilds it from the group records, and `save_safetensors` writes the records from it, so a file's
 GLU order is stated in exactly one place. Other modules' extra states travel as JSON under
 `moekit.extra_state`. Files written before the records existed (GroupedLinear extra states under
@@ -117,10 +117,11 @@ def _check_record(record, where: str) -> dict:
         problems.append(
             f"{where}: {META_GROUPS} record {prefix!r} has layout={record.get('layout')!r}; expected one of {LAYOUTS}"
         )
-    k = record.get("glu_interleave_size")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+    block = record.get("glu_interleave_size")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         problems.append(
-            f"{where}: {META_GROUPS} record {prefix!r} has glu_interleave_size={k!r}; expected null or a positive int"
+            f"{where}: {META_GROUPS} record {prefix!r} has glu_interleave_size={block!r}; "
+            "expected null or a positive int"
         )
     if problems:
         raise CheckpointError(problems)
@@ -170,7 +171,7 @@ def extra_states_from_records(records: dict[str, dict]) -> dict:
 
 def file_metadata(records: list[dict], other_extra: dict, inherited: dict | None = None) -> dict[str, str]:
     """The safetensors metadata of a file moekit writes: `inherited` non-moekit entries, then ours."""
-    meta = {k: v for k, v in (inherited or {}).items() if not k.startswith("moekit.")}
+    meta = {key: value for key, value in (inherited or {}).items() if not key.startswith("moekit.")}
     meta.setdefault("format", "pt")
     meta[META_FORMAT] = FORMAT_VERSION
     meta[META_GROUPS] = json.dumps(sorted(records, key=lambda r: r["prefix"]))
