@@ -641,3 +641,22 @@ def test_unsupported_experts_module_raises():
         layer.mlp.experts.__class__ = type("OtherMoeExperts", (layer.mlp.experts.__class__,), {})
     with pytest.raises(UnsupportedModelError, match="OtherMoeExperts"):
         apply_moekit(model)
+
+
+def test_finetune_example_trains_lora_on_moekit_experts(tmp_path):
+    """examples/finetune_transformers_moe.py with --lora: PEFT adapters on the experts of an
+    apply_moekit model train (the loss goes down) and save as a PEFT adapter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("peft")
+    example = Path(__file__).resolve().parent.parent / "examples" / "finetune_transformers_moe.py"
+    args = ["--steps", "8", "--batch", "4", "--seq", "16", "--lora", "4", "--lr", "1e-2", "--save", str(tmp_path)]
+    out = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "experts modules now run on moekit" in out.stdout
+    summary = next(line for line in out.stdout.splitlines() if " -> " in line)
+    first, last = (float(v) for v in summary.removeprefix("loss ").split(" -> "))
+    assert last < first, out.stdout
+    assert (tmp_path / "adapter_model.safetensors").is_file()
