@@ -237,8 +237,9 @@ class MoekitExperts(IntegratedExperts):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         implementation = self.config._experts_implementation
         if implementation != EXPERTS_IMPLEMENTATION:
+            name = model_experts_class(self).__name__
             raise RuntimeError(
-                f"{type(self).__name__} was converted to per-expert weights by apply_moekit(single_grouped_weight="
+                f"{name} was converted to per-expert weights by apply_moekit(single_grouped_weight="
                 f"False), which only moekit runs: experts_implementation={implementation!r} cannot take effect; "
                 f"set it back to {EXPERTS_IMPLEMENTATION!r}, or apply_moekit with the default "
                 "single_grouped_weight=True, which keeps the model's parameters for every implementation"
