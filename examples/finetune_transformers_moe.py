@@ -1,14 +1,17 @@
 """Fine-tune a small Hugging Face transformers MoE model with moekit experts.
 
 Builds a small Qwen3-MoE (or OLMoE / Mixtral / gpt-oss, `--model`) from a config (no download; pass
-`--from-pretrained PATH` to start from a local checkpoint instead), swaps its experts for moekit's
-with `apply_moekit`, and trains it with AdamW on a synthetic task (each sequence counts up by a
-step of its own modulo the vocabulary, so the next token is predictable from the previous two).
-The model's router, attention and everything else stay transformers' own; the optimizer is built
-after `apply_moekit`, though one built before would also work: the expert Parameters are the same
-objects. At the end the model is saved with `save_pretrained` in the usual transformers layout.
+`--from-pretrained PATH` to start from a local checkpoint instead), runs its experts on moekit with
+`apply_moekit`, and trains it with AdamW on a synthetic task (each sequence counts up by a step of
+its own modulo the vocabulary, so the next token is predictable from the previous two). The
+model's router, attention and everything else stay transformers' own, and so do its parameter
+names: an optimizer built before `apply_moekit` would work as well (the expert Parameters are the
+same objects), and so does PEFT: `--lora RANK` trains LoRA adapters on the experts' `gate_up_proj`
+and `down_proj` (PEFT's `target_parameters`) instead of the whole model. At the end the model is
+saved with `save_pretrained` in the usual transformers layout (with --lora: the adapter alone).
 
     python examples/finetune_transformers_moe.py --steps 60          # CPU, about a minute
+    python examples/finetune_transformers_moe.py --lora 8 --lr 1e-2  # LoRA on the experts (needs peft)
     python examples/finetune_transformers_moe.py --device cuda --dtype bfloat16 --steps 200
 """
 
@@ -80,6 +83,9 @@ def main() -> None:
         help="parameter and compute dtype (default %(default)s)",
     )
     parser.add_argument("--backend", default="auto", help="moekit GEMM backend: auto, torch, triton, loop")
+    parser.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank on the experts' weights with PEFT (default: full fine-tuning)"
+    )
     parser.add_argument("--save", type=Path, help="save the fine-tuned model here (save_pretrained)")
     args = parser.parse_args()
 
@@ -98,8 +104,21 @@ def main() -> None:
     apply_moekit(model, backend=args.backend)
     replaced = sum(isinstance(m, MoekitExperts) for m in model.modules())
     print(f"{type(model).__name__}: {replaced} experts modules now run on moekit")
+    if args.lora > 0:
+        import peft
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        # The experts' parameters keep their transformers names, so PEFT finds them as usual.
+        config = peft.LoraConfig(
+            r=args.lora,
+            lora_alpha=2 * args.lora,
+            target_modules=[],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+        model = peft.get_peft_model(model, config)
+        model.print_trainable_parameters()
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1)
     model.train()
     first = None
@@ -108,14 +127,15 @@ def main() -> None:
         loss = model(input_ids=ids, labels=ids).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         first = loss.item() if first is None else first
         if step % 10 == 0 or step == 1:
             print(f"step {step:4d}  loss {loss.item():.4f}")
     print(f"loss {first:.4f} -> {loss.item():.4f}")
     if args.save:
-        # state_dict() keeps transformers' names, so this is a regular transformers checkpoint.
+        # state_dict() keeps transformers' names, so this is a regular transformers checkpoint (or,
+        # with --lora, a regular PEFT adapter).
         model.save_pretrained(args.save)
         print(f"saved to {args.save}")
 

@@ -9,8 +9,11 @@ starts with `python tests/distributed_worker.py one_process_save WORKDIR` and en
   against one process on the full batch.
 - ckpt4: loads WORKDIR/w1 (written by one process), trains FSDP2 + EP on 4 ranks, saves WORKDIR/w4,
   checks that resumed training repeats the uninterrupted losses bit for bit.
-- ckpt2: loads WORKDIR/w4 on 2 ranks in other layouts / EP degrees, saves WORKDIR/w2 (EP=2), and a
-  transformers model through apply_moekit + FSDP2 to WORKDIR/hf2.
+- ckpt2: loads WORKDIR/w4 on 2 ranks in other layouts / EP degrees, saves WORKDIR/w2 (EP=2), and
+  transformers models through apply_moekit (per-expert weights; the model's own layout) + FSDP2 to
+  WORKDIR/hf2 and WORKDIR/hf2_gpt_oss.
+- ckpt_missing: checkpoint.load of paths without a checkpoint is refused on every rank, before any
+  collective.
 Expected full tensors travel between groups as WORKDIR/<name>.expected.pt files.
 
 Legend: T tokens, H hidden size, F ffn size, N experts, K top-k.
@@ -855,27 +858,65 @@ def tiny_hf_model(device, seed=5, kind="mixtral"):
     return model
 
 
+# The transformers models check_hf_save trains under FSDP2 and saves: (directory, kind, apply_moekit's
+# single_grouped_weight, apply_fsdp's expert_shard_dim). Mixtral converted to per-expert weights; gpt-oss
+# kept in its own (transposed) layout, its expert tensors cut through the experts (out features: dim 2
+# of a transposed weight).
+HF_SAVES = (("hf2", "mixtral", False, None), ("hf2_gpt_oss", "gpt_oss", True, 1))
+
+
 def check_hf_save(rank, world, device, workdir):
-    """A transformers model on moekit experts (apply_moekit) trained under FSDP2, saved with the
-    model's own expert tensor names."""
+    """Transformers models on moekit experts (apply_moekit, both layouts) trained under FSDP2 and
+    saved with the model's own expert tensor names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from moekit.distributed import apply_fsdp, checkpoint
-    from moekit.integrations.transformers import apply_moekit
+    from moekit.integrations.transformers import MoekitExperts, apply_moekit
 
-    model = apply_moekit(tiny_hf_model(device), single_grouped_weight=False, backend=EXPERTS_BACKEND)
-    apply_fsdp(model, init_device_mesh(device.type, (world,)), mp_policy=MixedPrecisionPolicy())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    path = os.path.join(workdir, "hf2")
-    checkpoint.save(path, model, opt)
-    expected = full_state(model)
-    if rank == 0:
-        torch.save(expected, path + ".expected.pt")
+    for name, kind, grouped, shard_dim in HF_SAVES:
+        model = apply_moekit(tiny_hf_model(device, kind=kind), single_grouped_weight=grouped, backend=EXPERTS_BACKEND)
+        mesh = init_device_mesh(device.type, (world,))
+        apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy(), expert_shard_dim=shard_dim)
+        experts = next(m for m in model.modules() if isinstance(m, MoekitExperts))
+        if grouped:  # the model's own parameters, cut along their out features
+            dims = {n: p.placements[0].dim for n, p in experts.named_parameters()}
+            assert dims == {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 2, "down_proj_bias": 1}, dims
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        assert torch.isfinite(loss), loss
+        loss.backward()
+        opt.step()
+        path = os.path.join(workdir, name)
+        checkpoint.save(path, model, opt)
+        expected = full_state(model)
+        if rank == 0:
+            torch.save(expected, path + ".expected.pt")
     print("OK ckpt transformers apply_moekit + fsdp2 saved", flush=True)
+
+
+def check_missing_checkpoint(rank, world, device, workdir):
+    """checkpoint.load of a path without a checkpoint: every rank refuses in one line, before any
+    collective (the barrier after it completes: no rank waits in one)."""
+    import moekit
+    from moekit.distributed import checkpoint
+
+    model = moekit.MoELayer(H, F, N, K, device=device)
+    empty = os.path.join(workdir, "empty")
+    os.makedirs(empty, exist_ok=True)
+    for path, what in (("/nonexistent/moekit-ckpt", "does not exist"), (empty, "holds no .metadata file")):
+        try:
+            checkpoint.load(path, model)
+        except FileNotFoundError as exc:
+            message = str(exc)
+            assert message == (
+                f"checkpoint path {path!r} {what}; expected a directory written by moekit.distributed.checkpoint.save"
+            ), message
+        else:
+            raise AssertionError(f"checkpoint.load({path!r}) loaded")
+    dist.barrier()
+    print("OK ckpt missing path refused on every rank", flush=True)
 
 
 def one_process_model(grouped: bool, device="cpu"):
@@ -895,22 +936,29 @@ def one_process_save(workdir):
 
 def one_process_check(workdir):
     """The chain's end: WORKDIR/w2 into one process (discrete layout), and the transformers model
-    saved under FSDP2 (WORKDIR/hf2) into the plain transformers model, without moekit."""
-    import torch.distributed.checkpoint as dcp
-
+    saved under FSDP2 (WORKDIR/hf2*) into the plain transformers model, without moekit."""
     from moekit.distributed import checkpoint
 
     model, opt = one_process_model(grouped=False)
     checkpoint.load(os.path.join(workdir, "w2"), model, opt)
     assert_same_state(full_state(model, opt), torch.load(os.path.join(workdir, "w2.expected.pt")), "2 -> 1")
     print("OK ckpt 2 -> 1 (discrete)", flush=True)
-    hf = tiny_hf_model("cpu", seed=99)
-    state = {"model": hf.state_dict()}
-    dcp.load(state, checkpoint_id=os.path.join(workdir, "hf2"))
-    expected = torch.load(os.path.join(workdir, "hf2.expected.pt"))
-    assert any(k.endswith("experts.gate_up_proj") for k in expected), sorted(expected)
-    for key, value in hf.state_dict().items():
-        assert torch.equal(value, expected[f"model.{key}"]), key
+    one_process_check_hf(workdir)
+
+
+def one_process_check_hf(workdir):
+    """The transformers models saved under FSDP2 (check_hf_save) into the plain transformers models,
+    without moekit, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, kind, _, _ in HF_SAVES:
+        hf = tiny_hf_model("cpu", seed=99, kind=kind)
+        state = {"model": hf.state_dict()}
+        dcp.load(state, checkpoint_id=os.path.join(workdir, name))
+        expected = torch.load(os.path.join(workdir, name + ".expected.pt"))
+        assert any(k.endswith("experts.gate_up_proj") for k in expected), sorted(expected)
+        for key, value in hf.state_dict().items():
+            assert torch.equal(value, expected[f"model.{key}"]), key
     print("OK ckpt transformers fsdp2 -> plain transformers model", flush=True)
 
 
@@ -929,6 +977,7 @@ GROUPS = {
     "capacity_graph": check_capacity_graph,
     "ckpt4": check_ckpt4,
     "ckpt2": check_ckpt2,
+    "ckpt_missing": check_missing_checkpoint,
 }
 
 

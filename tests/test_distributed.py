@@ -318,6 +318,20 @@ def test_transformers_checkpoint_both_ways(tmp_path, kind, grouped):
         assert torch.equal(back.state_dict()[key], value), key
 
 
+def test_load_of_missing_checkpoint_is_refused_on_every_rank(tmp_path):
+    """A path without a checkpoint: one line on each of 2 gloo ranks, before any collective."""
+    done = ok_lines(run_group("ckpt_missing", 2, tmp_path))
+    assert "OK ckpt missing path refused on every rank" in done, done
+
+
+def test_load_of_missing_checkpoint_is_refused(tmp_path):
+    model = moekit.MoELayer(dw.H, dw.F, dw.N, dw.K)
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint path '.*absent' does not exist; expected a directory"):
+        checkpoint.load(tmp_path / "absent", model)
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint path '.*' holds no .metadata file; expected"):
+        checkpoint.load(tmp_path, model)
+
+
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 

@@ -13,7 +13,7 @@ Imported explicitly (`import moekit.distributed`), as torch.distributed is.
 
 from moekit.distributed import checkpoint
 from moekit.distributed.expert_parallel import ExpertParallelMoE, all_to_all_rows
-from moekit.distributed.fsdp import BF16_COMPUTE, apply_fsdp, expert_shard_placement, experts_of
+from moekit.distributed.fsdp import BF16_COMPUTE, apply_fsdp, expert_shard_placement, experts_of, is_moe_module
 
 __all__ = [
     "BF16_COMPUTE",
@@ -23,4 +23,5 @@ __all__ = [
     "checkpoint",
     "expert_shard_placement",
     "experts_of",
+    "is_moe_module",
 ]

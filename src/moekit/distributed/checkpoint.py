@@ -9,10 +9,13 @@ What is stored, under the key `model` (and `optim` for an optimizer, torch's FQN
   tensors of all N experts, whether the module holds one grouped parameter or `weight0..weight{N-1}`,
   is sharded by FSDP2 along experts or through them, or holds N/EP experts per expert-parallel rank;
   and `P._extra_state` (the GLU interleave size of an fc1).
-- the experts of a transformers model run by `moekit.integrations.transformers.apply_moekit`
-  (`MoekitExperts` at path Q): the model's own names and layout (`Q.gate_up_proj`, `Q.down_proj`,
-  gpt-oss's biases, transposed where the model stores them so), so the checkpoint loads into the
-  model without moekit (`dcp.load({"model": model.state_dict()}, ...)`) and back.
+- the experts of another library's model run by one of moekit's integrations
+  (`moekit.integrations.experts.IntegratedExperts` at path Q, e.g. after transformers'
+  `apply_moekit`): the model's own names and layout (`Q.gate_up_proj`, `Q.down_proj`, gpt-oss's
+  biases, transposed where the model stores them so), so the checkpoint loads into the model
+  without moekit (`dcp.load({"model": model.state_dict()}, ...)`) and back. Kept in the model's
+  layout (apply_moekit's default) they are the model's own parameters, stored as they are;
+  converted to moekit's per-expert weights, they are translated back to the model's names.
 - everything else as `model.state_dict()` gives it.
 Optimizer state of an expert parameter follows its parameter (stacked, global, same key); a
 per-parameter scalar (Adam's `step`) is stored once for a grouped key.
@@ -39,16 +42,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from moekit.checkpoint.metadata import join_key
 from moekit.distributed.expert_parallel import ExpertParallelMoE
+from moekit.integrations.experts import IntegratedExperts
 from moekit.nn.grouped_linear import GroupedLinear
-
-# transformers experts tensor name -> (GroupedMLP linear, kind); as the integration maps them.
-_HF_NAMES = {
-    ("fc1", "weight"): "gate_up_proj",
-    ("fc2", "weight"): "down_proj",
-    ("fc1", "bias"): "gate_up_proj_bias",
-    ("fc2", "bias"): "down_proj_bias",
-}
 
 
 @dataclasses.dataclass
@@ -67,7 +64,9 @@ def _expert_entries(model: nn.Module) -> tuple[list[_ExpertEntry], dict[str, str
     """The expert entries of `model`, and the model.state_dict() keys they replace (key -> why)."""
     modules = dict(model.named_modules())
     ep_prefixes = {name: m for name, m in modules.items() if isinstance(m, ExpertParallelMoE)}
-    hf_prefixes = {name: m for name, m in modules.items() if type(m).__name__ == "MoekitExperts"}
+    # An integration's experts converted to moekit's layout are stored in their model's names and layout
+    # (kept in the model's layout, they are ordinary parameters of the model: nothing to translate).
+    hf_prefixes = _converted_integrated_experts(modules)
     entries, replaced = [], {}
     for path, linear in modules.items():
         if not isinstance(linear, GroupedLinear):
@@ -83,20 +82,24 @@ def _expert_entries(model: nn.Module) -> tuple[list[_ExpertEntry], dict[str, str
             transpose = False
             if hf_path is not None:
                 linear_name = path.rsplit(".", 1)[1]
-                key = _join(hf_path, _HF_NAMES[(linear_name, kind)])
-                transpose = kind == "weight" and hf_prefixes[hf_path].layout.transposed
+                experts = hf_prefixes[hf_path]
+                key = join_key(hf_path, experts.model_tensor_names[(linear_name, kind)])
+                transpose = kind == "weight" and experts.stores_transposed
                 replaced[key] = "experts"
             else:
                 key = f"{path}.{kind}"
             replaced.update({n: "experts" for n in names})
             entries.append(_ExpertEntry(key, names, [params] if grouped else list(params), grouped, transpose, ep))
     for hf_path in hf_prefixes:
-        replaced[_join(hf_path, "grouped_mlp.")] = "prefix"
+        replaced[join_key(hf_path, "grouped_mlp.")] = "prefix"
     return entries, replaced
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+def _converted_integrated_experts(modules: dict[str, nn.Module]) -> dict[str, IntegratedExperts]:
+    """The integrations' experts modules (by path) whose tensors live in a moekit GroupedMLP."""
+    return {
+        name: m for name, m in modules.items() if isinstance(m, IntegratedExperts) and m.converted_mlp() is not None
+    }
 
 
 def _inside(path: str, prefix: str) -> bool:
@@ -225,6 +228,18 @@ def save(
     dcp.save(state_dict(model, optimizer), checkpoint_id=path, process_group=process_group)
 
 
+def check_checkpoint_exists(path: str | os.PathLike) -> None:
+    """Refuse, in one line, a `path` that holds no DCP checkpoint (no `.metadata` file): checked on
+    each rank by itself, before any collective, so every rank raises rather than some waiting."""
+    metadata = os.path.join(os.fspath(path), ".metadata")
+    if not os.path.isfile(metadata):
+        what = "does not exist" if not os.path.exists(path) else "holds no .metadata file"
+        raise FileNotFoundError(
+            f"checkpoint path {os.fspath(path)!r} {what}; expected a directory written by "
+            "moekit.distributed.checkpoint.save"
+        )
+
+
 def _flatten(prefix: str, value, out: dict) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -265,8 +280,8 @@ def _check_interleave(model: nn.Module, path, process_group) -> None:
     """Refuse a checkpoint whose fc1 GLU interleave sizes differ from the model's."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     modules = dict(model.named_modules())
-    # A transformers model's experts are stored in the model's own row order (fixed by its type).
-    hf_paths = [name for name, m in modules.items() if type(m).__name__ == "MoekitExperts"]
+    # An integration's experts are stored in their model's own row order (fixed by its type).
+    hf_paths = list(_converted_integrated_experts(modules))
     linears = {
         name: m
         for name, m in modules.items()
@@ -302,8 +317,10 @@ def load(
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load a checkpoint written by `save` (any world size, EP degree, layout) into `model` (and
-    `optimizer`), in place; every rank calls it. Raises ValueError before changing any tensor when
-    the checkpoint does not fit."""
+    `optimizer`), in place; every rank calls it. Raises FileNotFoundError (on every rank, before
+    any collective) when `path` holds no DCP checkpoint, and ValueError before changing any tensor
+    when the checkpoint does not fit."""
+    check_checkpoint_exists(path)
     entries, replaced = _expert_entries(model)
     target = {"model": _model_state(model, entries, replaced, fresh=True)}
     # The GLU interleave sizes are compared (and a checkpoint without them judged) by _check_interleave.

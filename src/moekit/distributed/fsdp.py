@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from moekit.distributed.expert_parallel import ExpertParallelMoE
+from moekit.integrations.experts import IntegratedExperts
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.moe_layer import MoELayer
@@ -28,42 +29,61 @@ from moekit.nn.moe_layer import MoELayer
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def is_moe_module(module: nn.Module) -> bool:
+    """Whether `module` is one of moekit's MoE modules, each an FSDP2 unit of its own: MoELayer,
+    ExpertParallelMoE, or an integration's experts (`moekit.integrations.experts.IntegratedExperts`,
+    such as a transformers model's experts after `apply_moekit`)."""
+    return isinstance(module, (MoELayer, ExpertParallelMoE, IntegratedExperts))
+
+
 def experts_of(module: nn.Module) -> GroupedMLP | None:
     """The `GroupedMLP` holding the experts of a moekit MoE module (MoELayer, ExpertParallelMoE,
-    a transformers `MoekitExperts`), or None for any other module."""
+    an integration's experts converted to moekit's layout), or None for any other module (an
+    integration's experts kept in the model's own layout included: they hold no GroupedMLP)."""
     if isinstance(module, (MoELayer, ExpertParallelMoE)):
         return module.experts
-    if type(module).__name__ == "MoekitExperts" and isinstance(getattr(module, "grouped_mlp", None), GroupedMLP):
-        return module.grouped_mlp
+    if isinstance(module, IntegratedExperts):
+        return module.converted_mlp()
     return None
 
 
+def _expert_tensors(module: nn.Module) -> list[tuple[nn.Parameter, int, int, int]]:
+    """(parameter, number of experts, out features, dim of the out features) of every grouped expert
+    tensor in `module`: GroupedLinear's single grouped weight (N, O, I) and bias (N, O), and an
+    integration's expert tensors kept in the model's layout ((N, O, I), (N, I, O) or (N, O))."""
+    out = []
+    for sub in module.modules():
+        if isinstance(sub, GroupedLinear):
+            if sub.single_grouped_weight:
+                out.append((sub.weight, sub.num_gemms, sub.out_features, 1))
+            if sub.use_bias and sub.single_grouped_bias:
+                out.append((sub.bias, sub.num_gemms, sub.out_features, 1))
+        elif isinstance(sub, IntegratedExperts):
+            out.extend((p, p.shape[0], p.shape[out_dim], out_dim) for p, out_dim in sub.expert_parameters())
+    return out
+
+
 def expert_shard_placement(module: nn.Module, mesh_size: int, shard_dim: int | None = None):
-    """FSDP2 `shard_placement_fn` for the `GroupedLinear`s in `module`: a single grouped weight
-    (N, O, I) or bias (N, O) is cut along the experts (dim 0) when every rank gets the same whole
-    number of experts, else along O (dim 1, through every expert; FSDP2 needs O divisible by the
-    mesh size there, else dim 0 with uneven shards), torchtitan's rule; `shard_dim` forces one. The
-    discrete layout's (O, I) / (O,) members, and every other parameter, are cut along dim 0 (for
-    the members: through the expert)."""
+    """FSDP2 `shard_placement_fn` for the expert tensors in `module`: a grouped tensor (N, ...) (a
+    GroupedLinear's single grouped weight (N, O, I) or bias (N, O), or an integration's expert
+    tensor kept in its model's layout) is cut along the experts (dim 0) when every rank gets the
+    same whole number of experts, else along its out features O (through every expert; FSDP2 needs
+    O divisible by the mesh size there, else dim 0 with uneven shards), torchtitan's rule;
+    `shard_dim` forces one (0: experts, 1: out features, whichever dim holds them). The discrete
+    layout's (O, I) / (O,) members, and every other parameter, are cut along dim 0 (for the
+    members: through the expert)."""
     if shard_dim not in (None, 0, 1):
         raise ValueError(f"expert shard_dim must be None, 0 (experts) or 1 (out features), got {shard_dim!r}")
     dims = {}
-    for linear in module.modules():
-        if not isinstance(linear, GroupedLinear):
-            continue
-        out_divisible = linear.out_features % mesh_size == 0
+    for param, num_experts, out_features, out_dim in _expert_tensors(module):
+        out_divisible = out_features % mesh_size == 0
         if shard_dim == 1 and not out_divisible:
             raise ValueError(
-                f"expert shard_dim=1 cuts out_features={linear.out_features} into {mesh_size} shards; FSDP2 needs "
+                f"expert shard_dim=1 cuts out_features={out_features} into {mesh_size} shards; FSDP2 needs "
                 "them equal (a multiple of the mesh size): use shard_dim=0 or None"
             )
-        dim = (
-            shard_dim if shard_dim is not None else (0 if linear.num_gemms % mesh_size == 0 or not out_divisible else 1)
-        )
-        if linear.single_grouped_weight:
-            dims[id(linear.weight)] = dim
-        if linear.use_bias and linear.single_grouped_bias:
-            dims[id(linear.bias)] = dim
+        along_experts = num_experts % mesh_size == 0 or not out_divisible if shard_dim is None else shard_dim == 0
+        dims[id(param)] = 0 if along_experts else out_dim
 
     def placement(param: nn.Parameter) -> Shard:
         return Shard(dims.get(id(param), 0))
@@ -86,7 +106,8 @@ def apply_fsdp(
     (every rank, under expert parallelism too). Units, innermost first: the experts of every
     `ExpertParallelMoE`, on its mesh's "dp" dim (the mesh must be 2-D, (ep, dp); dp may be 1), with
     the gradient divided by EP x DP (every rank's loss counts once, as for the other parameters);
-    every MoE module (MoELayer, ExpertParallelMoE's router, transformers MoekitExperts) on `mesh`;
+    every MoE module (MoELayer, ExpertParallelMoE's router, an integration's experts such as a
+    transformers MoekitExperts) on `mesh`;
     then `blocks`, then the root.
     blocks: modules to wrap as units between the experts and the root (e.g. transformer blocks).
     mp_policy: default bf16 compute, fp32 parameters and reductions.
@@ -110,7 +131,7 @@ def apply_fsdp(
         output_dtype=mp_policy.output_dtype,
         cast_forward_inputs=False,
     )
-    for module in [m for m in model.modules() if experts_of(m) is not None]:
+    for module in [m for m in model.modules() if is_moe_module(m)]:
         if isinstance(module, ExpertParallelMoE):
             if module.mesh.ndim != 2:
                 raise ValueError(
