@@ -12,8 +12,8 @@ source, so the two never share binaries.
     python benchmarks/ab_builds.py --a src --b /tmp/variant/src --rounds 2 --out ab.json
     python benchmarks/ab_builds.py --a src --b src --smoke --out /tmp/ab.json   # CPU: the plumbing
 
-The JSON records the machine and versions (`runner.machine`), the commit (`--commit`, else
-`MOEKIT_BENCH_COMMIT`, else git) and, per cell, each build's per-round kernel times, their ratio
+The JSON records the machine and versions (`runner.machine`), build A's commit (`--commit`, else
+`MOEKIT_BENCH_COMMIT`, else git) as `git_commit`, build B's (`--commit-b`) as `b_commit`, and, per cell, each build's per-round kernel times, their ratio
 B / A (mean of rounds) per kernel, and whether all hashes agree.
 """
 
@@ -226,6 +226,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
+    parser.add_argument("--commit-b", default=None, help="the commit build B is (recorded as b_commit)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per probe process")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): hashes only")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -260,6 +261,7 @@ def main(argv=None) -> dict | None:
             **meta,
             "a": str(args.a),
             "b": str(args.b),
+            "b_commit": args.commit_b,
             "rounds": args.rounds,
             "steps": args.steps,
             "smoke": args.smoke,

@@ -287,8 +287,16 @@ def test_every_cited_result_is_committed_and_every_committed_result_is_cited():
 def test_each_result_measured_the_commit_its_name_says(name):
     payload = json.loads((RESULTS / name).read_text())
     recorded = payload["meta"]["git_commit"] if "meta" in payload else payload["versions"]["commit"]
-    named = name.removesuffix(".json").split("_")[-1]
-    assert re.fullmatch(r"[0-9a-f]{7}", named) and recorded.startswith(named), (recorded, named)
+    parts = name.removesuffix(".json").split("_")
+    if "a" in payload.get("meta", {}) and "b" in payload["meta"]:
+        # ab_builds.py: two builds, named `..._<A>_<B>`; `git_commit` is build A's, `b_commit` build B's.
+        named_a, named_b = parts[-2], parts[-1]
+        assert re.fullmatch(r"[0-9a-f]{7}", named_b), (name, "the name ends with build B's commit")
+        recorded_b = payload["meta"].get("b_commit")
+        assert recorded_b is None or recorded_b.startswith(named_b), (recorded_b, named_b)
+    else:
+        named_a = parts[-1]
+    assert re.fullmatch(r"[0-9a-f]{7}", named_a) and recorded.startswith(named_a), (recorded, named_a)
     assert not payload.get("partial"), "a partial run is not a result the README quotes"
 
 

@@ -641,3 +641,42 @@ def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
     assert torch.equal(dh, dh_ref) and torch.equal(act_p, act_ref)
     if probs:
         torch.testing.assert_close(dprobs, dprobs_ref, rtol=1e-4, atol=1e-4 * float(dprobs_ref.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights read through transposed views (transformers' gpt-oss keeps (N, H, 2F) and (N, F, H)):
+# the same bits as the contiguous weights, through TMA boxes or pointers, no copy.
+# ---------------------------------------------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "ptr"])
+@pytest.mark.parametrize("interleave", [None, 1, 4, 8], ids=["gate|up", "k1", "k4", "k8"])
+def test_interpreter_glu_kernels_take_transposed_weights(interleave, use_tma, nan_poison):
+    splits, M, N, H, F = [9, 0, 14], 27, 3, 24, 32
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(M, H, generator=gen) * 3
+    w1 = torch.randn(N, 2 * F, H, generator=gen) / H**0.5
+    w2 = torch.randn(N, H, F, generator=gen) / F**0.5
+    b1, probs = torch.randn(N, 2 * F, generator=gen), torch.rand(M, generator=gen)
+    dy = torch.randn(M, H, generator=gen)
+    offs = offs_of(splits, "cpu")
+    w1_t = w1.transpose(1, 2).contiguous().transpose(1, 2)  # (N, 2F, H) view of an (N, H, 2F) tensor
+    w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert w1_t.stride(1) == 1 and w2_t.stride(1) == 1
+    kw = dict(use_tma=use_tma)
+    h, act = rglu.glu_forward(x, w1, offs, b1, probs, interleave, "swiglu", **kw)
+    h_t, act_t = rglu.glu_forward(x, w1_t, offs, b1, probs, interleave, "swiglu", **kw)
+    assert torch.equal(h, h_t) and torch.equal(act, act_t)
+    dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs, probs, interleave, "swiglu", **kw)
+    dh_t, act_p_t, dprobs_t = rglu.glu_backward(dy, w2_t, h, offs, probs, interleave, "swiglu", **kw)
+    assert torch.equal(dh, dh_t) and torch.equal(act_p, act_p_t) and torch.equal(dprobs, dprobs_t)
+
+
+@cpu_only
+def test_interpreter_weights_of_other_strides_are_refused():
+    offs = offs_of([2, 2], "cpu")
+    w1 = torch.randn(8, 2, 16).permute(1, 2, 0)[:, ::2]  # (2, 8, 8): no unit stride in dims 1 and 2
+    assert w1.stride(1) != 1 and w1.stride(2) != 1
+    with pytest.raises(ValueError, match=r"fc1_weight must be a 3-D tensor with a unit stride in its last or middle"):
+        rglu.glu_forward(torch.randn(4, 8), w1, offs, None, None, None, "swiglu")

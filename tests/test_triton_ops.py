@@ -245,3 +245,30 @@ def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "grouped_gemm_dgrad", dgrad)
     y.backward(rand(rows, hidden, seed=17))
     assert alive_at_fc1_dgrad == [False], "h is still held when fc1's backward runs"
+
+
+@pytest.mark.parametrize("glu_interleave_size", [None, 1], ids=["gate|up", "k1"])
+def test_transposed_weight_views_give_the_contiguous_results(glu_interleave_size):
+    """transformers' gpt-oss keeps gate_up_proj (N, H, 2F) and down_proj (N, F, H); moekit takes their
+    transposed views as they are (no copy): the fused MLP and the layer give the contiguous weights'
+    output and gradients bit for bit."""
+    t = _mlp_inputs(20, 16, 24, 3, bias=True, probs=True)
+    stored1 = t["fc1_weight"].transpose(1, 2).contiguous()  # (N, H, 2F)
+    stored2 = t["fc2_weight"].transpose(1, 2).contiguous()  # (N, F, H)
+    dy = rand(20, 16, seed=41)
+    results = []
+    for transposed in (False, True):
+        w1 = stored1.clone().requires_grad_()
+        w2 = stored2.clone().requires_grad_()
+        v1, v2 = w1.transpose(1, 2), w2.transpose(1, 2)
+        if not transposed:
+            v1, v2 = v1.contiguous(), v2.contiguous()
+        leaves = {k: t[k].clone().requires_grad_() for k in ("x", "probs", "fc1_bias", "fc2_bias")}
+        y = moekit.grouped_mlp(
+            leaves["x"], v1, v2, [7, 0, 13], probs=leaves["probs"], fc1_bias=leaves["fc1_bias"],
+            fc2_bias=leaves["fc2_bias"], glu_interleave_size=glu_interleave_size, backend="triton",
+        )  # fmt: skip
+        y.backward(dy)
+        results.append([y.detach(), w1.grad, w2.grad, *(v.grad for v in leaves.values())])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -69,9 +69,11 @@ def _load_glu_w(
     H,
     stride_wg,
     stride_wr,
+    stride_wh,
     UP: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     GLU_BLOCK: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_RED: tl.constexpr,
@@ -79,13 +81,19 @@ def _load_glu_w(
     """(BLOCK_RED, BLOCK_C) of w1[g]^T: the gate rows (UP = 0) or up rows (UP = 1) of the tile's
     columns, reduction columns red0:red0+BLOCK_RED."""
     if USE_TMA:
-        # w_desc: the 5-D view (N, F/k, 2, k, H); c0 % k is 0 when k divides BLOCK_C.
-        b = w_desc.load([g, c0 // GLU_BLOCK, UP, c0 % GLU_BLOCK, red0]).reshape(BLOCK_C, BLOCK_RED).T
+        # c0 % k is 0 when k divides BLOCK_C.
+        if W_TRANSPOSED:  # w_desc: the 5-D view (N, H, F/k, 2, k) of the (N, H, 2F) tensor under w1
+            b = w_desc.load([g, red0, c0 // GLU_BLOCK, UP, c0 % GLU_BLOCK]).reshape(BLOCK_RED, BLOCK_C)
+        else:  # w_desc: the 5-D view (N, F/k, 2, k, H)
+            b = w_desc.load([g, c0 // GLU_BLOCK, UP, c0 % GLU_BLOCK, red0]).reshape(BLOCK_C, BLOCK_RED).T
     else:
         offs_red = red0 + tl.arange(0, BLOCK_RED)
         rows = gate_c + UP * GLU_BLOCK
         b = tl.load(
-            w_ptr + g.to(tl.int64) * stride_wg + rows.to(tl.int64)[None, :] * stride_wr + offs_red[:, None],
+            w_ptr
+            + g.to(tl.int64) * stride_wg
+            + rows.to(tl.int64)[None, :] * stride_wr
+            + offs_red.to(tl.int64)[:, None] * stride_wh,
             mask=(offs_red[:, None] < H) & mask_c[None, :] & (g < N),
             other=0.0,
         )
@@ -141,6 +149,7 @@ def glu_forward_kernel(
     stride_xm,
     stride_wg,
     stride_wr,
+    stride_wh,
     stride_hm,
     stride_actm,
     stride_bias_g,
@@ -151,6 +160,7 @@ def glu_forward_kernel(
     HAS_PROBS: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -165,7 +175,8 @@ def glu_forward_kernel(
 ):
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
 
-    x: (M, H) row stride stride_xm; w: (N, 2F, H) strides (stride_wg, stride_wr, 1); bias: (N, 2F);
+    x: (M, H) row stride stride_xm; w: (N, 2F, H) strides (stride_wg, stride_wr, stride_wh), one of
+    stride_wr (W_TRANSPOSED: a view of an (N, H, 2F) tensor) or stride_wh 1; bias: (N, 2F);
     probs: (M,) any float dtype. BOX_BLOCKS x BOX_ROWS = BLOCK_C: the weight box of one tile in the
     5-D view (BLOCK_C // k blocks of k rows when k divides BLOCK_C, else 1 x BLOCK_C, which needs
     BLOCK_C to divide k or k = F). EPI_TMA (needs BLOCK_C | k or k = F): h and act leave through
@@ -183,12 +194,20 @@ def glu_forward_kernel(
         x_desc = tl.make_tensor_descriptor(
             x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED]
         )
-        w_desc = tl.make_tensor_descriptor(
-            w_ptr,
-            shape=[N, F // GLU_BLOCK, 2, GLU_BLOCK, H],
-            strides=[stride_wg, 2 * GLU_BLOCK * stride_wr, GLU_BLOCK * stride_wr, stride_wr, 1],
-            block_shape=[1, BOX_BLOCKS, 1, BOX_ROWS, BLOCK_RED],
-        )
+        if W_TRANSPOSED:
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr,
+                shape=[N, H, F // GLU_BLOCK, 2, GLU_BLOCK],
+                strides=[stride_wg, stride_wh, 2 * GLU_BLOCK, GLU_BLOCK, 1],
+                block_shape=[1, BLOCK_RED, BOX_BLOCKS, 1, BOX_ROWS],
+            )
+        else:
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr,
+                shape=[N, F // GLU_BLOCK, 2, GLU_BLOCK, H],
+                strides=[stride_wg, 2 * GLU_BLOCK * stride_wr, GLU_BLOCK * stride_wr, stride_wr, 1],
+                block_shape=[1, BOX_BLOCKS, 1, BOX_ROWS, BLOCK_RED],
+            )
     else:
         x_desc = None
         w_desc = None
@@ -216,9 +235,11 @@ def glu_forward_kernel(
                 H,
                 stride_wg,
                 stride_wr,
+                stride_wh,
                 0,
                 USE_TMA,
                 UPCAST,
+                W_TRANSPOSED,
                 GLU_BLOCK,
                 BLOCK_C,
                 BLOCK_RED,
@@ -235,9 +256,11 @@ def glu_forward_kernel(
                 H,
                 stride_wg,
                 stride_wr,
+                stride_wh,
                 1,
                 USE_TMA,
                 UPCAST,
+                W_TRANSPOSED,
                 GLU_BLOCK,
                 BLOCK_C,
                 BLOCK_RED,
@@ -317,6 +340,7 @@ def glu_backward_kernel(
     HAS_PROBS: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -328,7 +352,8 @@ def glu_backward_kernel(
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward in the epilogue.
 
-    dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1);
+    dy: (M, H) row stride stride_dym; w: fc2's (N, H, F) strides (stride_wg, stride_wr, 1), or with
+    W_TRANSPOSED the (N, F, H) tensor under a transposed view of it, strides (stride_wg, stride_wr, 1);
     h: fc1's saved pre-activation (M, 2F). Writes dh (M, 2F) and act_p (M, F) in h's dtype and, with
     probs, dprobs (F tiles, M) fp32: tile c's partial of sum_j act[r, j] * dA[r, j] (reduced over the
     tiles by the host in a fixed order: no atomics). Padding rows get zeros.
@@ -342,9 +367,14 @@ def glu_backward_kernel(
         dy_desc = tl.make_tensor_descriptor(
             dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED]
         )
-        w_desc = tl.make_tensor_descriptor(
-            w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
-        )
+        if W_TRANSPOSED:
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr, shape=[N, F, H], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
+            )
+        else:
+            w_desc = tl.make_tensor_descriptor(
+                w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
+            )
     else:
         dy_desc = None
         w_desc = None
@@ -371,7 +401,21 @@ def glu_backward_kernel(
                 dy_desc, dy_ptr, red0, dy_row0, row_lo, row_hi, H, stride_dym, USE_TMA, UPCAST, BLOCK_M, BLOCK_RED
             )
             b = load_b(
-                w_desc, w_ptr, g, N, red0, c0, F, H, stride_wg, stride_wr, False, USE_TMA, UPCAST, BLOCK_C, BLOCK_RED
+                w_desc,
+                w_ptr,
+                g,
+                N,
+                red0,
+                c0,
+                F,
+                H,
+                stride_wg,
+                stride_wr,
+                W_TRANSPOSED,
+                USE_TMA,
+                UPCAST,
+                BLOCK_C,
+                BLOCK_RED,
             )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 

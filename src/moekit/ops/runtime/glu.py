@@ -55,6 +55,25 @@ def jit_pair(activation: str) -> dict:
     return {"ACT": getattr(jit_activations, activation), "ACT_GRAD": getattr(jit_activations, activation + "_grad")}
 
 
+def transposed_weight(w: torch.Tensor, what: str) -> bool:
+    """Whether a 3-D weight view is read through the tensor under it: False for a unit last stride, True
+    for a unit middle stride (a transposed view of an (N, in, out) tensor, as transformers' gpt-oss
+    experts keep theirs); anything else is refused."""
+    if w.dim() == 3 and w.stride(2) == 1:
+        return False
+    if w.dim() == 3 and w.stride(1) == 1:
+        return True
+    raise ValueError(
+        f"{what} must be a 3-D tensor with a unit stride in its last or middle dimension, got shape "
+        f"{tuple(w.shape)} strides {w.stride()}"
+    )
+
+
+def _stored(w: torch.Tensor) -> torch.Tensor:
+    """The weight as stored: itself, or the tensor under a transposed view."""
+    return w.transpose(1, 2) if transposed_weight(w, "the weight") else w
+
+
 def _epilogue_tma(cfg: GemmConfig, x: torch.Tensor, ffn: int, glu_block: int, tma: bool) -> bool:
     """Whether the forward's h and act leave through TMA: boxes of a tile's BLOCK_C consecutive gate (or
     up) columns need BLOCK_C | block or block = F, at least 16 bytes per box row, and 16-byte aligned rows
@@ -78,10 +97,16 @@ def _weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
     return 1, block_cols
 
 
-def _use_tma(forced: bool, ffn: int, glu_block: int, *operands: torch.Tensor) -> tuple[bool, Arch]:
-    """Operands through TMA: as the plain GEMM decides, and a weight box every width allows."""
-    tma, arch = use_tma(None if forced else False, operands[0].shape[1] > 0, *operands)
+def _use_tma(
+    forced: bool, ffn: int, glu_block: int, rows: torch.Tensor, weight: torch.Tensor, blocks_innermost: bool = False
+) -> tuple[bool, Arch]:
+    """Operands through TMA: as the plain GEMM decides (`weight` as stored), and a weight box every width
+    allows. blocks_innermost: the GLU blocks are the weight's innermost dimension (fc1 stored (N, H, 2F)),
+    whose box rows must then span 16 bytes."""
+    tma, arch = use_tma(None if forced else False, rows.shape[1] > 0, rows, weight)
     box_ok = all(glu_block == ffn or glu_block % w == 0 or w % glu_block == 0 for w in glu_widths(ffn, glu_block, arch))
+    if blocks_innermost and glu_block < ffn and (glu_block * weight.element_size()) % 16:
+        box_ok = False
     return tma and box_ok, arch
 
 
@@ -136,7 +161,7 @@ def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma
     bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
     nprog = grid_size(x_MH.device, bound, c.programs_per_sm)
     box_blocks, box_rows = _weight_box(glu_block, ffn, c.block_cols)
-    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(0), w1_N2FH.stride(1), two_f, ffn)
+    ints = (M, ffn, H, N, x_MH.stride(0), *w1_N2FH.stride(), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
     return LaunchPlan(
         _FORWARD,
@@ -149,6 +174,7 @@ def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma
             HAS_PROBS=probs_M is not None,
             USE_TMA=tma,
             UPCAST=INTERPRET,
+            W_TRANSPOSED=transposed_weight(w1_N2FH, "fc1_weight"),
             DOT_PRECISION=dot_precision(x_MH.dtype),
             BLOCK_M=c.block_rows,
             BLOCK_C=c.block_cols,
@@ -194,7 +220,8 @@ def _plan_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, a
     if M == 0 or ffn == 0:
         return Plan(None, ffn)
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    tma, arch = _use_tma(forced_tma, ffn, glu_block, x_MH, w1_N2FH)
+    transposed = transposed_weight(w1_N2FH, "fc1_weight")
+    tma, arch = _use_tma(forced_tma, ffn, glu_block, x_MH, _stored(w1_N2FH), blocks_innermost=transposed)
     if hopper_kernels_take(x_MH, w1_N2FH, ffn, glu_block, tma, cfg, WS_FORWARD):
         return Plan(_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation), ffn)
 
@@ -278,7 +305,8 @@ def _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, 
     N, _, ffn = w2_NHF.shape
     bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
     nprog = grid_size(dy_MH.device, bound, c.programs_per_sm)
-    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    w2 = _stored(w2_NHF)  # (N, H, F), or the (N, F, H) tensor under a transposed view
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2.stride(0), w2.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
     return LaunchPlan(
         _BACKWARD,
         (nprog,),
@@ -289,6 +317,7 @@ def _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, 
             HAS_PROBS=probs_M is not None,
             USE_TMA=tma,
             UPCAST=INTERPRET,
+            W_TRANSPOSED=transposed_weight(w2_NHF, "fc2_weight"),
             DOT_PRECISION=dot_precision(dy_MH.dtype),
             BLOCK_M=c.block_rows,
             BLOCK_C=c.block_cols,
@@ -328,7 +357,7 @@ def _plan_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, act
     if M == 0 or ffn == 0:
         return Plan(None, 0)
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    tma, arch = _use_tma(forced_tma, ffn, glu_block, dy_MH, w2_NHF)
+    tma, arch = _use_tma(forced_tma, ffn, glu_block, dy_MH, _stored(w2_NHF))
     # The Hopper backward also needs whole reduction steps per expert in w2's 2-D view (N * H, F).
     if H % WS_BACKWARD["BLOCK_RED"] == 0 and hopper_kernels_take(dy_MH, w2_NHF, ffn, glu_block, tma, cfg, WS_BACKWARD):
         launch = _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation)
