@@ -23,6 +23,8 @@ _EXPORTS = {
     "TopKRouter": "moekit.nn",
     "deinterleave_glu": "moekit.ops.glu",
     "glu": "moekit.ops.glu",
+    "group_dequantize": "moekit.ops.quantize",
+    "group_quantize": "moekit.ops.quantize",
     "grouped_linear": "moekit.ops.grouped_linear",
     "grouped_mlp": "moekit.ops.grouped_mlp",
     "interleave_glu": "moekit.ops.glu",

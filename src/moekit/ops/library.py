@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from moekit.ops.runtime import backends
-from moekit.ops.runtime.backends import backend_named, fused_mlp_of, without_padding, zero_padding_rows
+from moekit.ops.runtime.backends import backend_named, fused_mlp_of, quantizer_of, without_padding, zero_padding_rows
 from moekit.ops.splits import GroupOffsets
 
 
@@ -220,3 +220,33 @@ def _(src_SD, index, weight, use_triton):
 
 
 gather_sum_rows = _entry(_gather_sum_rows_op, _gather_sum_rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped quantization (backends with the GroupQuantizer capability: every backend)
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_quantize(backend: str, recipe: str, x: torch.Tensor, offs: torch.Tensor, slot_offs: torch.Tensor,
+                    noop: torch.Tensor | None, row_data: torch.Tensor | None, row_scale: torch.Tensor | None,
+                    col_data: torch.Tensor | None, col_scale: torch.Tensor | None) -> None:  # fmt: skip
+    """Quantize x into the given storage, in place (`moekit.ops.runtime.quantize_torch.group_quantize_into`).
+    The one op here that writes its arguments: `out=` must keep every data pointer, so the storage is
+    an input, declared mutated (torch.compile functionalizes it)."""
+    quantizer = quantizer_of(backend_named(backend))
+    if quantizer is None:
+        raise ValueError(f"backend {backend!r} cannot quantize")
+    quantizer.group_quantize_into(recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale)
+
+
+_group_quantize_op = torch.library.custom_op(
+    "moekit::group_quantize", _group_quantize, mutates_args=("row_data", "row_scale", "col_data", "col_scale")
+)
+
+
+@_group_quantize_op.register_fake
+def _(backend, recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale):
+    return None
+
+
+group_quantize_into = _entry(_group_quantize_op, _group_quantize)

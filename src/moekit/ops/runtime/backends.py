@@ -10,6 +10,9 @@ capability (fc1 + activation in one kernel, fc2's dgrad + the activation's backw
 the bias sums with the d probs term in one pass); the fused paths of `grouped_mlp` and `moe_experts`
 ask a backend for it (`fused_mlp_of`), never for a name. Rows move with `gather_sum_rows`: moekit's row
 kernel wherever the Triton kernels run (`use_triton_rows`), plain torch elsewhere, with the same values.
+Every backend can quantize grouped tensors (the `GroupQuantizer` capability, `select_quantizer`): the
+loop and torch backends in plain torch (`moekit.ops.runtime.quantize_torch`), the triton backend with
+moekit's kernels (`moekit.ops.runtime.quantize`), byte for byte the same.
 
     "loop"    per-group matmuls: the reference schedule, any device and dtype (reads device offsets on
               the host: a sync, which is why "auto" never picks it on CUDA when another can run)
@@ -29,6 +32,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from moekit.ops.runtime import quantize_torch
 from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.splits import GroupOffsets, compute_dtype
 from moekit.validation import check_bool
@@ -99,6 +103,29 @@ class FusedMLP(Protocol):
         self, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(d fc2 bias (N, H), <dy[r], b2[g]> (M,) fp32) from one pass over dy."""
+
+
+@runtime_checkable
+class GroupQuantizer(Protocol):
+    """Grouped FP8 quantization into existing storage (`moekit.ops.runtime.quantize_torch` for the
+    contract of `group_quantize_into`)."""
+
+    def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
+        """Why this backend cannot quantize x; None if it can."""
+
+    def group_quantize_into(
+        self,
+        recipe: str,
+        x: torch.Tensor,
+        offs: torch.Tensor,
+        slot_offs: torch.Tensor,
+        noop: torch.Tensor | None,
+        row_data: torch.Tensor | None,
+        row_scale: torch.Tensor | None,
+        col_data: torch.Tensor | None,
+        col_scale: torch.Tensor | None,
+    ) -> None:
+        """Quantize x (rows in groups `offs`, or an (N, R, C) weight) into the given storage."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +239,12 @@ class LoopBackend:
                 db[g] = src[lo:hi].sum(0)
         return db.to(dy_MO.dtype)
 
+    # The GroupQuantizer capability: plain torch, any device and floating dtype, no host read.
+    def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
+        return None
+
+    group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
+
 
 def torch_grouped_mm():
     """torch's grouped GEMM, or None where this torch has none."""
@@ -266,6 +299,12 @@ class TorchBackend:
     def dbias(self, dy_MO, offs, bias_scale_M):
         return _group_sum(dy_MO, offs, bias_scale_M)
 
+    # The GroupQuantizer capability: plain torch (grouped_mm has nothing to do with it), as the loop backend.
+    def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
+        return None
+
+    group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
+
 
 class TritonRuntime(NamedTuple):
     """moekit's Triton runtime modules."""
@@ -275,6 +314,7 @@ class TritonRuntime(NamedTuple):
     launch: ModuleType
     rows: ModuleType
     routing: ModuleType
+    quantize: ModuleType
 
 
 _RUNTIME: list[TritonRuntime | None] = []
@@ -285,11 +325,11 @@ def triton_runtime() -> TritonRuntime | None:
     runs without triton through the other backends."""
     if not _RUNTIME:
         try:
-            from moekit.ops.runtime import gemm, glu, launch, routing, rows
+            from moekit.ops.runtime import gemm, glu, launch, quantize, routing, rows
         except ImportError:
             _RUNTIME.append(None)
         else:
-            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing))
+            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing, quantize))
     return _RUNTIME[0]
 
 
@@ -326,6 +366,14 @@ class TritonBackend:
     @property
     def dbias_and_dot(self):
         return triton_runtime().gemm.group_row_sum_and_dot
+
+    # The GroupQuantizer capability: moekit's quantization kernels.
+    def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
+        return triton_unavailable_reason(x.device, x.dtype)
+
+    @property
+    def group_quantize_into(self):
+        return triton_runtime().quantize.group_quantize_into
 
 
 def gather_sum_rows(
@@ -402,6 +450,35 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor) -> GemmBa
         return impl
     for name in auto_order(x):  # the first that runs (asking the others would cost host time)
         if _BACKEND_OBJECTS[name].unavailable_reason(x, w_NOI) is None:
+            return _BACKEND_OBJECTS[name]
+    return _BACKEND_OBJECTS["loop"]
+
+
+def quantizer_of(backend: GemmBackend) -> GroupQuantizer | None:
+    """The backend's GroupQuantizer capability, or None where it has none."""
+    return backend if isinstance(backend, GroupQuantizer) else None
+
+
+def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
+    """The backend that quantizes x for `backend` ("auto": the first of `auto_order(x)` that can: moekit's
+    kernels on Hopper, plain torch elsewhere, as the GEMMs choose); ValueError saying why and what would
+    work where an explicit one cannot."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+    def reason(impl: GemmBackend) -> str | None:
+        quantizer = quantizer_of(impl)
+        return "it cannot quantize" if quantizer is None else quantizer.quantize_unavailable_reason(x)
+
+    if backend != "auto":
+        impl = _BACKEND_OBJECTS[backend]
+        why = reason(impl)
+        if why is not None:
+            usable = [n for n, b in _BACKEND_OBJECTS.items() if reason(b) is None]
+            raise ValueError(f"backend={backend!r} cannot quantize here: {why}. Usable here: {usable}")
+        return impl
+    for name in auto_order(x):
+        if reason(_BACKEND_OBJECTS[name]) is None:
             return _BACKEND_OBJECTS[name]
     return _BACKEND_OBJECTS["loop"]
 

@@ -154,6 +154,18 @@ def rows_tile(num_features: int) -> tuple[int, int]:
 ZERO_ROWS_TILE = (64, 128)
 
 
+# Grouped FP8 quantization (kernels.quantize). The tiles kernel's tile is the format's own block (32 x 32
+# for mxfp8, 128 x 128 for fp8_block): warps by tile side. The whole-row and whole-group kernels of
+# fp8_rowwise walk (BLOCK_R rows, BLOCK_K columns) chunks: (BLOCK_R, BLOCK_K, warps); tiny chunks under
+# the interpreter so that CPU tests cover several chunks of a row and of a group.
+QUANTIZE_TILE_WARPS: dict[int, int] = {32: 4, 128: 8}
+QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (16, 512, 4),
+    "sm80": (16, 512, 4),
+    "interpreter": (8, 64, 4),
+}
+
+
 @dataclass(frozen=True)
 class RoutingTiles:
     """The routing kernels' tile sizes: rows per sub-block (sub), chunks of up to max_chunk rows, about

@@ -1,0 +1,259 @@
+"""Triton kernels of grouped FP8 quantization (jit code only; host code in `moekit.ops.runtime.quantize`,
+the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
+
+Legend: M rows (N groups of them, then padding rows), K columns; a slot is one block of rows of one
+group (columnwise scales are kept per slot).
+
+    quantize_tiles_kernel       one program per (slot, column block): the rowwise 1 x TILE_K scales of
+                                its rows, the columnwise TILE_M x 1 scales of its columns, or one scale
+                                for the whole tile (a weight's 128 x 128 blocks); mxfp8 and fp8_block
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over K
+    quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
+                                passes over the group's rows
+
+Every kernel reads the group offsets on the device, so one launch covers every group and the host
+never reads them. Padding rows (past offs[N]) are read as zeros: their data is 0 and their scales 1.
+With a noop flag, a program whose flag reads 1.0 writes nothing.
+
+The scale rules (the same in `moekit.ops.runtime.quantize_torch`, bit for bit):
+- E8M0 (mxfp8): the smallest power of two >= amax / 448, from amax's bits (exact, no division); amax 0
+  -> 1 (byte 127); a non-finite amax (an inf or NaN in the block) -> NaN (byte 255). The data is
+  x * 2^-e, exact.
+- float32: scale = min(448 / amax, float32 max) correctly rounded, scale_inv = 1 / scale correctly
+  rounded (tl.math.div_rn: a plain fp32 division on the GPU is approximate); amax 0 -> 1; non-finite ->
+  NaN. The data is E4M3(x * scale).
+E4M3 encoding is integer arithmetic on the fp32 bits: round to nearest even, saturating to +-448, NaN to
+0x7f | sign: torch's float8_e4m3fn conversion exactly (Triton 3.6's interpreter converts to fp8 by other
+rules, and one encoding everywhere keeps every device's bytes equal).
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _abs_for_amax(x):
+    """|x| with NaN read as inf: a block holding a NaN gets a non-finite amax (tl.max drops NaN on some
+    targets)."""
+    return tl.where(x != x, float("inf"), tl.abs(x))
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """The float8 E4M3 byte of fp32 v: round to nearest even, saturate to +-448, NaN -> 0x7f | sign."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    # Normal results: round the mantissa to 3 bits (ties to even) and rebias 127 -> 7.
+    rounded = (mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    normal = tl.minimum(rounded - 960, 126)
+    # Subnormal results (|v| < 2^-6): k * 2^-9, k rounded to nearest even from the 24-bit mantissa.
+    mant = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - exp, 21), 31)
+    sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
+    sub = tl.where(exp < 117, 0, sub)
+    byte = tl.where(exp < 121, sub, normal)
+    byte = tl.where(mag > 0x7F800000, 0x7F, byte)
+    return (byte | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _e8m0_scales(amax):
+    """(E8M0 byte, 2^-e as fp32) of block maxima amax >= 0: the smallest power of two >= amax / 448."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    byte = exp - 8 + (mant > 0x600000).to(tl.int32)
+    byte = tl.minimum(tl.maximum(byte, 0), 254)
+    byte = tl.where(amax == 0.0, 127, byte)
+    byte = tl.where(exp == 255, 255, byte)
+    recip = ((254 - byte) << 23).to(tl.float32, bitcast=True)
+    recip = tl.where(byte == 255, float("nan"), recip)
+    return byte.to(tl.uint8), recip
+
+
+@triton.jit
+def _fp32_scales(amax):
+    """(scale, scale_inv) of block maxima amax >= 0: min(448 / amax, fp32 max) and its inverse, both
+    correctly rounded; amax 0 -> 1, non-finite -> NaN."""
+    zero = tl.zeros_like(amax)
+    scale = tl.minimum(tl.math.div_rn(zero + FP8_MAX, tl.where(amax == 0.0, 1.0, amax)), FLOAT32_MAX)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    scale = tl.where(amax == float("inf"), float("nan"), scale)
+    return scale, tl.math.div_rn(zero + 1.0, scale)
+
+
+@triton.jit
+def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr):
+    """The E4M3 bytes of x under the scales of `amax` (broadcast against x); stores the scales (E8M0
+    bytes or fp32 scale_inv) at scale_ptrs."""
+    if MX:
+        byte, recip = _e8m0_scales(amax)
+        tl.store(scale_ptrs, byte, mask=scale_mask)
+        return _e4m3_bits(x * recip)
+    else:
+        scale, scale_inv = _fp32_scales(amax)
+        tl.store(scale_ptrs, scale_inv, mask=scale_mask)
+        return _e4m3_bits(x * scale)
+
+
+@triton.jit
+def _runs(noop_ptr, HAS_NOOP: tl.constexpr):
+    """Whether this launch writes (it writes nothing where its noop flag reads 1.0)."""
+    if HAS_NOOP:
+        return tl.load(noop_ptr) != 1.0
+    else:
+        return True
+
+
+@triton.jit
+def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
+    """The group g with slot_offs[g] <= slot < slot_offs[g+1] (N for slots past the groups')."""
+    g = tl.arange(0, BLOCK_GROUPS)
+    starts = tl.load(slot_offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
+    return tl.sum((starts <= slot).to(tl.int32), axis=0)
+
+
+@triton.jit
+def quantize_tiles_kernel(
+    x_ptr,
+    offs_ptr,
+    slot_offs_ptr,
+    noop_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    stride_row_scale,
+    MX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    TILE: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HAS_NOOP: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """Program (slot, kb): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
+    the group's end (padding rows for g = N: zeros; no rows for an unused slot), columns [kb * TILE_K,
+    + TILE_K). ROWWISE: a 1 x TILE_K scale per row, row_scale[row, kb]; COLWISE: a TILE_M x 1 scale per
+    column, col_scale[slot, col]; TILE: one scale for the tile, row_scale[slot, kb] (data rowwise)."""
+    if _runs(noop_ptr, HAS_NOOP):
+        slot = tl.program_id(0)
+        kb = tl.program_id(1)
+        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        group_start = tl.load(offs_ptr + g)
+        group_end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
+        r = row0 + tl.arange(0, TILE_M)
+        rmask = r < group_end
+        c = kb * TILE_K + tl.arange(0, TILE_K)
+        cmask = c < cols
+        mask = rmask[:, None] & cmask[None, :]
+        # int64 addresses: rows * stride passes 2^31 elements at real sizes.
+        r64 = r.to(tl.int64)
+        elem = r64[:, None] * stride_x + c[None, :]
+        x = tl.load(x_ptr + elem, mask=mask & (g < num_groups), other=0.0).to(tl.float32)
+        a = _abs_for_amax(x)
+        if TILE:
+            amax = tl.max(tl.max(a, axis=1), axis=0)
+            q = _quantize_block(x, amax, row_scale_ptr + slot * stride_row_scale + kb, None, MX)
+            tl.store(row_data_ptr + elem, q, mask=mask)
+        if ROWWISE:
+            amax_r = tl.max(a, axis=1)
+            row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + kb
+            q = _quantize_block(x, amax_r[:, None], row_scales, rmask[:, None], MX)
+            tl.store(row_data_ptr + elem, q, mask=mask)
+        if COLWISE:
+            amax_c = tl.max(a, axis=0)
+            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c[None, :]
+            q = _quantize_block(x, amax_c[None, :], col_scales, cmask[None, :], MX)
+            tl.store(col_data_ptr + elem, q, mask=mask)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,
+    offs_ptr,
+    noop_ptr,
+    data_ptr,
+    scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    HAS_NOOP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_R rows a program, the
+    row maxima in a first pass over K, the data in a second."""
+    if _runs(noop_ptr, HAS_NOOP):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        valid_end = tl.load(offs_ptr + num_groups)
+        rmask = r < rows
+        live = rmask & (r < valid_end)
+        r64 = r.to(tl.int64)
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, cols, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            mask = live[:, None] & (c < cols)[None, :]
+            x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
+        scale, scale_inv = _fp32_scales(amax)
+        tl.store(scale_ptr + r64, scale_inv, mask=rmask)
+        for k0 in range(0, cols, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            cmask = (c < cols)[None, :]
+            elem = r64[:, None] * stride_x + c[None, :]
+            x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
+            tl.store(data_ptr + elem, _e4m3_bits(x * scale[:, None]), mask=rmask[:, None] & cmask)
+
+
+@triton.jit
+def quantize_group_cols_kernel(
+    x_ptr,
+    offs_ptr,
+    noop_ptr,
+    data_ptr,
+    scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    HAS_NOOP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One fp32 scale per column of each whole group (scale[g, col]): program (g, column block), the
+    column maxima in a first pass over the group's rows, the data in a second. g = N: the padding rows,
+    written as zeros (no scale)."""
+    if _runs(noop_ptr, HAS_NOOP):
+        g = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cmask = c < cols
+        start = tl.load(offs_ptr + g)
+        end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        live = g < num_groups
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):
+            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+            mask = (r < end)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask & live, other=0.0)
+            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=0))
+        scale, scale_inv = _fp32_scales(amax)
+        tl.store(scale_ptr + g.to(tl.int64) * cols + c, scale_inv, mask=cmask & live)
+        for r0 in range(start, end, BLOCK_R):
+            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+            mask = (r < end)[:, None] & cmask[None, :]
+            elem = r[:, None] * stride_x + c[None, :]
+            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            tl.store(data_ptr + elem, _e4m3_bits(x * scale[None, :]), mask=mask)

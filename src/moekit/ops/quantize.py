@@ -1,0 +1,537 @@
+"""Grouped FP8 quantization: `group_quantize` / `group_dequantize`, their plain-PyTorch reference
+(`group_quantize_reference`), and the quantized weights a layer keeps across calls
+(`QuantizedWeightCache`).
+
+Legend: N groups (experts), M rows (tokens x top-k, sorted by group), K columns (a linear's in
+features); an (N, R, C) weight's members are (R, C) (out, in).
+
+`group_quantize(x, m_splits, recipe)` quantizes x (M, K) whose rows are sorted into N groups
+(`m_splits` as `grouped_linear` takes them: a list, a CPU tensor or a device tensor that the host never
+reads), or an (N, R, C) weight with `m_splits=None`, into a quantized `moekit.GroupedTensor`, in one
+launch for every group. The formats (`moekit.grouped_tensor.RECIPES`):
+
+    recipe       rowwise blocks               columnwise blocks               scales
+    mxfp8        1 x 32 along K               32 x 1 along M, per group       E8M0 (a power of two)
+    fp8_block    1 x 128; weights 128 x 128   128 x 1 along M, per group      float32
+    fp8_rowwise  one per row (output channel) one per column of each group    float32
+
+A weight's members are its groups (columnwise blocks run along R, per member); fp8_block's weight tiles
+serve both orientations, so an fp8_block weight has no columnwise form. Columnwise blocks restart at
+every group's first row, so no block holds two groups' rows; a last partial block is a block.
+
+The rules (decided here where the formats leave a choice; `moekit.ops.kernels.quantize` is the same):
+- data = E4M3(x * s) rounded to nearest even, s the block's quantization multiplier; `scale_inv` (what
+  is stored, TransformerEngine's name) is the dequantization multiplier: x ~= data * scale_inv.
+- mxfp8: scale_inv = the smallest power of two >= amax / 448 (so nothing saturates), s = 1 / scale_inv
+  exactly; amax 0 -> 1.0 (byte 127).
+- fp8_block, fp8_rowwise: s = min(448 / amax, float32 max), scale_inv = 1 / s, each a correctly rounded
+  float32 division (TransformerEngine's order); amax 0 -> s = scale_inv = 1. |x * s| can pass 448 by a
+  rounding only, which rounds to 448: nothing saturates.
+- The arithmetic is float32 whatever x's dtype: float16 and bfloat16 widen exactly, float64 is rounded
+  to float32 first. Integer, boolean, complex and float8 inputs are refused.
+- A block holding an inf or a NaN gets a NaN scale (E8M0 byte 255) and NaN data: nothing non-finite is
+  quantized into finite values silently.
+- Rows past sum(m_splits) are padding: their data is 0 and their scales 1 (scale slots past the groups'
+  blocks, in the columnwise scales' upper bound of ceil(M / 32 or 128) + N slots, hold 1 too).
+- torch's float8_e4m3fn conversion rounds to nearest even and saturates to +-448 (inf included); the
+  kernels encode by integer arithmetic to exactly those bytes. With the rules above only inputs that
+  are not finite reach the saturation, as NaN.
+
+`out=` rewrites an existing GroupedTensor of the same recipe, shape, dtype, device and forms in place:
+every tensor it holds keeps its address (the first dims and offsets too), so a captured CUDA graph can
+re-quantize into it on replay. `noop_flag` (a float32 scalar tensor on x's device) equal to 1.0 leaves
+`out` byte for byte as it was, read on the device (the kernels read it; the torch path selects with
+torch.where): no host sync either way. Quantizing the whole group gives the same bytes as quantizing
+each member alone. Quantization is not differentiable: the quantized compute paths (`quantization=` of
+`grouped_linear`, `grouped_mlp`, `moe_experts` and the modules) differentiate straight through it.
+
+Backends (`backend=`, as the GEMMs'): "loop" and "torch" quantize in plain torch
+(`moekit.ops.runtime.quantize_torch`), "triton" with moekit's kernels (CUDA, or the CPU under
+TRITON_INTERPRET=1), "auto" the first of the GEMMs' order that can (moekit's kernels on Hopper, plain
+torch elsewhere); every one writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+
+from moekit.grouped_tensor import (
+    FP8_DTYPE,
+    FP8_MAX,
+    RECIPES,
+    GroupedTensor,
+    Recipe,
+    columnwise_defined,
+    columnwise_scale_shape,
+    recipe_named,
+    rowwise_scale_shape,
+)
+from moekit.ops import library
+from moekit.ops.runtime.backends import select_quantizer
+from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
+from moekit.validation import check_bool, check_choice, check_compute_dtype, check_tensor
+
+__all__ = [
+    "QUANTIZATIONS",
+    "RECIPES",
+    "QuantizedWeightCache",
+    "check_quantization",
+    "group_dequantize",
+    "group_quantize",
+    "group_quantize_reference",
+]
+
+# The values of the compute paths' `quantization=` argument.
+QUANTIZATIONS: tuple[str | None, ...] = (None, *RECIPES)
+
+
+def check_quantization(quantization: object) -> str | None:
+    """None or a recipe name; one line naming the choices otherwise."""
+    if quantization is None:
+        return None
+    return check_choice("quantization", quantization, tuple(RECIPES))
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout: groups, slots, storage
+# --------------------------------------------------------------------------------------------------
+
+
+def _num_groups(m_splits: MSplits | GroupOffsets) -> int:
+    if isinstance(m_splits, GroupOffsets):
+        return m_splits.num_groups
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1:
+            raise ValueError(f"m_splits must be 1-D with one entry per group, got shape {tuple(m_splits.shape)}")
+        return int(m_splits.shape[0])
+    if isinstance(m_splits, (list, tuple)):
+        return len(m_splits)
+    raise TypeError(
+        "m_splits must be a list/tuple of ints, a CPU integer tensor or an integer tensor on the input's "
+        f"device (or None for an (N, rows, cols) weight); got {type(m_splits).__name__}"
+    )
+
+
+def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOffsets:
+    """The groups of x's rows: m_splits for (M, K) rows, the members of an (N, R, C) weight for None."""
+    if m_splits is None:
+        if x.dim() != 3:
+            raise ValueError(
+                f"m_splits=None quantizes an (N, rows, cols) weight, but x has shape {tuple(x.shape)}; pass "
+                "m_splits for (rows, cols) inputs"
+            )
+        num, rows = x.shape[0], x.shape[1]
+        if num == 0:
+            raise ValueError("the weight has no members (N = 0); group_quantize needs at least one")
+        host = tuple(i * rows for i in range(num + 1))
+        offs = torch.arange(num + 1, dtype=torch.int64, device=x.device) * rows
+        return GroupOffsets(offs=offs, host=host, rows=num * rows)
+    if x.dim() != 2:
+        raise ValueError(
+            f"x must be 2-D (rows, cols) with m_splits, or an (N, rows, cols) weight with m_splits=None; got "
+            f"shape {tuple(x.shape)}"
+        )
+    num = _num_groups(m_splits)
+    if num == 0:
+        raise ValueError("m_splits has no groups; group_quantize needs at least one")
+    return resolve_splits(m_splits, num, x.shape[0], x.device)
+
+
+def _slot_offsets(info: Recipe, x: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+    """(N+1,) int64 on the device: each group's first columnwise scale slot (blocks of block_rows rows;
+    one slot per whole group), from the offsets on the device."""
+    num = offs.num_groups
+    block = info.block_rows
+    if x.dim() == 3 or block is None:
+        per = 1 if block is None else -(-x.shape[1] // block)
+        return torch.arange(num + 1, dtype=torch.int64, device=x.device) * per
+    if offs.host is not None:
+        counts = [hi - lo for lo, hi in pairwise(offs.host)]
+        firsts = [0]
+        for c in counts:
+            firsts.append(firsts[-1] + -(-c // block))
+        return torch.tensor(firsts, dtype=torch.int64).to(x.device, non_blocking=True)
+    blocks = torch.div(offs.offs[1:] - offs.offs[:-1] + (block - 1), block, rounding_mode="floor")
+    slots = torch.zeros(num + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(blocks, 0, out=slots[1:])
+    return slots
+
+
+def _host_dims(offs: GroupOffsets) -> tuple[int, ...] | None:
+    return None if offs.host is None else tuple(hi - lo for lo, hi in pairwise(offs.host))
+
+
+def _storage_specs(
+    info: Recipe, shape: tuple[int, ...], num: int, rowwise: bool, columnwise: bool
+) -> dict[str, tuple[tuple[int, ...], torch.dtype] | None]:
+    """(shape, dtype) of each storage tensor of a quantization of `shape` in `num` groups (None: not asked)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = dict.fromkeys(
+        ("row_data", "row_scale", "col_data", "col_scale")
+    )
+    if rowwise:
+        specs["row_data"] = (shape, FP8_DTYPE)
+        specs["row_scale"] = (rowwise_scale_shape(info, shape), info.scale_dtype)
+    if columnwise:
+        specs["col_data"] = (shape, FP8_DTYPE)
+        specs["col_scale"] = (columnwise_scale_shape(info, shape, num), info.scale_dtype)
+    return specs
+
+
+def _allocate(
+    info: Recipe, shape: tuple[int, ...], device: torch.device, num: int, rowwise: bool, columnwise: bool
+) -> dict[str, torch.Tensor | None]:
+    specs = _storage_specs(info, shape, num, rowwise, columnwise)
+    return {
+        name: None if spec is None else torch.empty(spec[0], dtype=spec[1], device=device)
+        for name, spec in specs.items()
+    }
+
+
+def _check_out(out: object, info: Recipe, x: torch.Tensor, num: int, rowwise: bool, columnwise: bool) -> GroupedTensor:
+    """`out` as group_quantize rewrites it; one line naming the first mismatch otherwise."""
+    if not isinstance(out, GroupedTensor) or not out.is_quantized:
+        raise TypeError(f"out must be a quantized GroupedTensor (from group_quantize), got {type(out).__name__}")
+    forms = lambda r, c: "+".join(f for f, on in (("rowwise", r), ("columnwise", c)) if on)  # noqa: E731
+    checks = (
+        ("recipe", out.recipe, info.name),
+        ("shape", tuple(out.shape), tuple(x.shape)),
+        ("dtype", out.dtype, x.dtype),
+        ("device", out.device, x.device),
+        ("number of groups", out.num_tensors, num),
+        (
+            "forms",
+            forms(out.rowwise_data is not None, out.columnwise_data is not None),
+            forms(rowwise, columnwise),
+        ),
+    )
+    for what, have, want in checks:
+        if have != want:
+            raise ValueError(f"out does not match this quantization: its {what} is {have}, asked {want}")
+    expected = _storage_specs(info, tuple(x.shape), num, rowwise, columnwise)
+    stored = {
+        "row_data": out.rowwise_data,
+        "row_scale": out.rowwise_scale_inv,
+        "col_data": out.columnwise_data,
+        "col_scale": out.columnwise_scale_inv,
+    }
+    for name, spec in expected.items():
+        have = stored[name]
+        if spec is None or have is None:
+            continue
+        if tuple(have.shape) != spec[0] or have.dtype != spec[1] or not have.is_contiguous():
+            raise ValueError(
+                f"out's {name} is {have.dtype} {tuple(have.shape)}; {info.name} needs a contiguous {spec[1]} {spec[0]}"
+            )
+    return out
+
+
+def _check_noop(noop_flag: object, x: torch.Tensor, out: GroupedTensor | None) -> torch.Tensor | None:
+    if noop_flag is None:
+        return None
+    check_tensor("noop_flag", noop_flag)
+    if noop_flag.dtype != torch.float32 or noop_flag.numel() != 1 or noop_flag.dim() > 1:
+        raise ValueError(
+            f"noop_flag must be a float32 scalar tensor (shape () or (1,)), got {noop_flag.dtype} of shape "
+            f"{tuple(noop_flag.shape)}"
+        )
+    if noop_flag.device != x.device:
+        raise ValueError(f"noop_flag is on {noop_flag.device} but x is on {x.device}; pass it on x's device")
+    if out is None:
+        raise ValueError("noop_flag leaves out= unchanged when it is 1.0; it needs out=")
+    return noop_flag
+
+
+def _update(dst: torch.Tensor, new: torch.Tensor, noop: torch.Tensor | None) -> None:
+    """dst = new in place (dst unchanged where noop reads 1.0); no host read."""
+    if noop is None:
+        dst.copy_(new)
+    else:
+        dst.copy_(torch.where(noop.reshape(()) == 1.0, dst, new))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def group_quantize(
+    x: torch.Tensor,
+    m_splits: MSplits | GroupOffsets | None,
+    recipe: str,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    out: GroupedTensor | None = None,
+    noop_flag: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> GroupedTensor:
+    """Quantize x into a GroupedTensor (module docstring for the formats and rules).
+
+    x: (M, K) rows sorted by group with `m_splits` (N,) rows per group (list, CPU tensor or device
+    tensor, never read by the host; rows past the sum are padding), or an (N, R, C) weight with
+    m_splits=None. recipe: "mxfp8", "fp8_block" or "fp8_rowwise". rowwise / columnwise: the forms to
+    compute (both from x itself). out: a GroupedTensor from an earlier call with the same recipe, shape,
+    dtype, device, number of groups and forms, rewritten in place (every address kept) and returned.
+    noop_flag: a float32 scalar on x's device; 1.0 leaves `out` unchanged (needs out). backend: "auto",
+    "loop", "torch" or "triton" (the same bytes). Not differentiable.
+    """
+    check_choice("recipe", recipe, tuple(RECIPES))
+    info = recipe_named(recipe)
+    check_tensor("x", x)
+    check_compute_dtype("x", x.dtype)
+    rowwise, columnwise = check_bool("rowwise", rowwise), check_bool("columnwise", columnwise)
+    if not (rowwise or columnwise):
+        raise ValueError("group_quantize needs rowwise=True or columnwise=True (or both); both are False")
+    offs = _layout(x, m_splits)
+    weight = x.dim() == 3
+    if columnwise and not columnwise_defined(info, weight):
+        raise ValueError(
+            f"{info.name} has no columnwise form for an (N, rows, cols) weight: its {info.weight_tile} x "
+            f"{info.weight_tile} blocks serve both orientations; ask rowwise only"
+        )
+    num = offs.num_groups
+    if out is not None:
+        out = _check_out(out, info, x, num, rowwise, columnwise)
+    noop = _check_noop(noop_flag, x, out)
+    impl = select_quantizer(backend, x)
+    slot_offs = _slot_offsets(info, x, offs)
+    if out is None:
+        storage = _allocate(info, tuple(x.shape), x.device, num, rowwise, columnwise)
+    else:
+        storage = {
+            "row_data": out.rowwise_data,
+            "row_scale": out.rowwise_scale_inv,
+            "col_data": out.columnwise_data,
+            "col_scale": out.columnwise_scale_inv,
+        }
+    x_in = x.detach()
+    x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
+    library.group_quantize_into(
+        impl.name,
+        info.name,
+        x_in,
+        offs.offs,
+        slot_offs,
+        noop,
+        storage["row_data"],
+        storage["row_scale"],
+        storage["col_data"],
+        storage["col_scale"],
+    )
+    first_dims = offs.offs[1:] - offs.offs[:-1]
+    col_offs = slot_offs if columnwise else None
+    if out is None:
+        return GroupedTensor.quantized(
+            info.name,
+            x.dtype,
+            x.shape,
+            first_dims,
+            offs.offs,
+            host_first_dims=_host_dims(offs),
+            rowwise_data=storage["row_data"],
+            rowwise_scale_inv=storage["row_scale"],
+            columnwise_data=storage["col_data"],
+            columnwise_scale_inv=storage["col_scale"],
+            columnwise_scale_offsets=col_offs,
+        )
+    # The bookkeeping in place too (every address kept), under the same noop flag.
+    _update(out.first_dims, first_dims, noop)
+    _update(out.offsets, offs.offs, noop)
+    if col_offs is not None:
+        _update(out.columnwise_scale_offsets, col_offs, noop)
+    new_host = _host_dims(offs)
+    if noop is not None and new_host != out._host_first_dims:
+        new_host = None  # which of the two holds is on the device
+    out._host_first_dims = new_host
+    if not torch.compiler.is_compiling():
+        # A kernel's writes do not count as in-place ops for autograd: say so, so that a backward that
+        # saved this storage before the rewrite refuses to run on it.
+        for t in out.storage():
+            if t is not None:
+                torch.autograd.graph.increment_version(t)
+    return out
+
+
+def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False) -> torch.Tensor:
+    """`gt.dequantize(columnwise)`: the quantized tensor back in its dtype and shape ((M, K) rows, or
+    the (N, R, C) weight), data * scale_inv of the rowwise (or columnwise) storage. No host reads."""
+    if not isinstance(gt, GroupedTensor) or not gt.is_quantized:
+        raise TypeError(f"gt must be a quantized GroupedTensor (from group_quantize), got {type(gt).__name__}")
+    return gt.dequantize(columnwise=check_bool("columnwise", columnwise))
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference: a loop over groups and blocks, reading m_splits on the host
+# --------------------------------------------------------------------------------------------------
+
+
+def _reference_scales(info: Recipe, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantization multiplier s (fp32), stored scale) of float32 block maxima (inf: a non-finite
+    block), written from the rules: mxfp8 through frexp (amax = m 2^e, m in [0.5, 1): amax / 448 =
+    (m / 0.875) 2^(e-9), so the smallest power of two >= it is 2^(e-9) for m <= 0.875, else 2^(e-8))."""
+    finite = torch.isfinite(amax)
+    if info.scale_dtype == torch.float32:
+        largest = torch.finfo(torch.float32).max
+        s = torch.where(amax > 0, (torch.full_like(amax, FP8_MAX) / amax).clamp(max=largest), 1.0)
+        s = torch.where(finite, s, float("nan"))
+        return s, 1.0 / s
+    mantissa, exponent = torch.frexp(amax.double())
+    k = torch.where(mantissa <= 0.875, exponent - 9, exponent - 8).clamp(-127, 127)
+    k = torch.where(amax > 0, k, 0)
+    s = torch.where(finite, torch.ldexp(torch.ones_like(amax, dtype=torch.float64), -k).float(), float("nan"))
+    byte = torch.where(finite, k + 127, 255).to(torch.uint8)
+    return s, byte.view(info.scale_dtype)
+
+
+def _reference_block(info: Recipe, block: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, stored scale) of a float32 block whose maxima run over `dims`."""
+    magnitude = torch.where(torch.isnan(block), float("inf"), block.abs())
+    amax = magnitude.amax(dim=dims, keepdim=True) if block.numel() else block.new_zeros([1] * block.dim())
+    s, stored = _reference_scales(info, amax)
+    return (block * s).to(FP8_DTYPE), stored
+
+
+def group_quantize_reference(
+    x: torch.Tensor, m_splits: MSplits | None, recipe: str, *, rowwise: bool = True, columnwise: bool = False
+) -> GroupedTensor:
+    """The reference of `group_quantize` (the same arguments but out / noop / backend; the same bytes):
+    a Python loop over groups and blocks, on the CPU, reading m_splits on the host."""
+    info = recipe_named(recipe)
+    x32 = x.detach().cpu().to(torch.float32)
+    weight = m_splits is None
+    shape = tuple(x.shape)
+    if weight:
+        counts = [shape[1]] * shape[0]
+        rows_view = x32.reshape(-1, shape[-1])
+    else:
+        counts = [int(c) for c in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        rows_view = x32
+    num, cols = len(counts), shape[-1]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    storage = _allocate(info, shape, torch.device("cpu"), num, rowwise, columnwise)
+    one = _reference_scales(info, torch.zeros(()))[1]
+    for t in (storage["row_scale"], storage["col_scale"]):
+        if t is not None:
+            t.copy_(one.expand(t.shape))  # padding rows and unused slots: scale 1
+    for t in (storage["row_data"], storage["col_data"]):
+        if t is not None:
+            t.view(torch.uint8).zero_()  # padding rows: data 0
+    row_data = storage["row_data"].view(-1, cols) if rowwise else None
+    col_data = storage["col_data"].view(-1, cols) if columnwise else None
+    block_k = info.block_cols or max(cols, 1)
+    if rowwise and weight and info.weight_tile is not None:
+        tile = info.weight_tile
+        for n in range(num):
+            for i in range(0, shape[1], tile):
+                for j in range(0, cols, tile):
+                    data, scale = _reference_block(info, x32[n, i : i + tile, j : j + tile], (0, 1))
+                    storage["row_data"][n, i : i + tile, j : j + tile] = data
+                    storage["row_scale"][n, i // tile, j // tile] = scale.reshape(())
+    elif rowwise:
+        row_scale = storage["row_scale"].view(-1, storage["row_scale"].shape[-1])
+        for r0, r1 in pairwise(bounds):
+            for j in range(0, cols, block_k):
+                data, scale = _reference_block(info, rows_view[r0:r1, j : j + block_k], (1,))
+                row_data[r0:r1, j : j + block_k] = data
+                row_scale[r0:r1, j // block_k] = scale.reshape(-1)
+    slot_offs = None
+    if columnwise:
+        col_scale = storage["col_scale"].view(-1, cols)
+        slot, firsts = 0, []
+        for r0, r1 in pairwise(bounds):
+            firsts.append(slot)
+            block_m = info.block_rows or max(r1 - r0, 1)
+            for i in range(r0, max(r1, r0 + 1) if info.block_rows is None else r1, block_m):
+                data, scale = _reference_block(info, rows_view[i : min(i + block_m, r1)], (0,))
+                col_data[i : min(i + block_m, r1)] = data
+                col_scale[slot] = scale.reshape(-1)
+                slot += 1
+        firsts.append(slot)
+        slot_offs = torch.tensor(firsts, dtype=torch.int64)
+    first_dims = torch.tensor(counts, dtype=torch.int64)
+    return GroupedTensor.quantized(
+        info.name,
+        x.dtype,
+        shape,
+        first_dims,
+        torch.tensor(bounds, dtype=torch.int64),
+        host_first_dims=counts,
+        rowwise_data=storage["row_data"],
+        rowwise_scale_inv=storage["row_scale"],
+        columnwise_data=storage["col_data"],
+        columnwise_scale_inv=storage["col_scale"],
+        columnwise_scale_offsets=slot_offs,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized weights kept across calls
+# --------------------------------------------------------------------------------------------------
+
+
+class QuantizedWeightCache:
+    """The quantized form of one grouped weight, kept across calls: quantized again only when the weight
+    changed, in place (`group_quantize(out=...)`: every address kept, so a captured graph sees the new
+    values), else returned as it is. So a module quantizes its weights once per optimizer step.
+
+    "Changed": another tensor object (a weakref to the weight, or to the tensor it is a view of), another
+    address, shape, stride, dtype or device, or a newer version counter (`Tensor._version`, bumped by every
+    in-place op: the optimizer's update, `load_state_dict`, `copy_`). All host values: no sync. Writes
+    through `.data` bypass the version counter (as they bypass autograd) and are not seen. `refreshes`
+    counts the quantizations made. Under torch.compile the weight is quantized at every call.
+    """
+
+    def __init__(self) -> None:
+        self.quantized: GroupedTensor | None = None
+        self.refreshes = 0
+        self._key: tuple | None = None
+        self._anchors: list[weakref.ref] = []
+
+    @staticmethod
+    def _anchor(w: torch.Tensor) -> torch.Tensor:
+        return w._base if w._base is not None else w
+
+    def _fresh(self, weights: Sequence[torch.Tensor], key: tuple) -> bool:
+        return (
+            self._key == key
+            and len(self._anchors) == len(weights)
+            and all(ref() is self._anchor(w) for ref, w in zip(self._anchors, weights, strict=True))
+        )
+
+    def get(
+        self, w_NOI: torch.Tensor, weights: Sequence[torch.Tensor], recipe: str, backend: str = "auto"
+    ) -> GroupedTensor:
+        """The quantization of w_NOI (N, O, I), the weight given as `weights` (one (N, O, I) tensor or N
+        (O, I) tensors: what the version and address checks look at), rowwise and, where the recipe has
+        it for weights, columnwise (the dgrad's form)."""
+        columnwise = columnwise_defined(recipe_named(recipe), True)
+        if torch.compiler.is_compiling():
+            return group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, backend=backend)
+        key = (
+            recipe,
+            backend,
+            tuple((w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device) for w in weights),
+        )
+        if self.quantized is not None and self._fresh(weights, key):
+            return self.quantized
+        cached = self.quantized
+        if (
+            cached is not None
+            and cached.recipe == recipe
+            and tuple(cached.shape) == tuple(w_NOI.shape)
+            and cached.dtype == w_NOI.dtype
+            and cached.device == w_NOI.device
+        ):
+            group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, out=cached, backend=backend)
+        else:
+            self.quantized = group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, backend=backend)
+        self._key = key
+        self._anchors = [weakref.ref(self._anchor(w)) for w in weights]
+        self.refreshes += 1
+        return self.quantized

@@ -1,0 +1,142 @@
+"""Host side of the grouped FP8 quantization kernels (`moekit.ops.kernels.quantize`): the Triton
+backend's `group_quantize_into`, planned and launched by the one recipe of `moekit.ops.runtime.launch`.
+
+Legend: M rows (N groups of them, then padding rows), K columns; an (N, R, C) weight's members are
+(R, C); a slot is one block of rows of one group.
+
+One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
+gives its rows' rowwise and its columns' columnwise scales), for fp8_rowwise one per form (a whole row
+and a whole group are different walks). The outputs' arguments and their layouts are
+`moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these kernels reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from moekit.grouped_tensor import Recipe, recipe_named
+from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
+from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILE_WARPS
+from moekit.ops.runtime.launch import (
+    Launcher,
+    LaunchPlan,
+    arch_of,
+    block_groups,
+    check_triton_device,
+    device_ctx,
+    plan_launch,
+    tensor_key,
+)
+
+_TILES = Launcher(quantize_tiles_kernel)
+_ROWS = Launcher(quantize_rows_kernel)
+_GROUP_COLS = Launcher(quantize_group_cols_kernel)
+
+
+class QuantizePlan(NamedTuple):
+    """The launches of one problem: tiles (mxfp8, fp8_block), or whole rows and whole groups
+    (fp8_rowwise); None where there is nothing to launch."""
+
+    tiles: LaunchPlan | None
+    rows: LaunchPlan | None
+    group_cols: LaunchPlan | None
+
+
+def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -> int:
+    """Programs along the rows of the tiles kernel: every member's blocks of a weight, or ceil(M /
+    tile_rows) + N, enough for any split of the M rows into N groups and the padding."""
+    if x.dim() == 3:
+        return x.shape[0] * triton.cdiv(x.shape[1], tile_rows)
+    return triton.cdiv(x.shape[0], tile_rows) + num_groups
+
+
+def _plan(
+    info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool]
+) -> QuantizePlan:
+    rowwise, columnwise, has_noop = forms
+    rows, cols = x2.shape
+    arch = arch_of(x2.device)
+    ints = (rows, cols, num_groups, x2.stride(0))
+    if info.block_cols is not None:  # mxfp8, fp8_block: one tile = one block of each form
+        tile = info.weight_tile is not None and x.dim() == 3
+        tile_m, tile_k = info.block_rows, info.block_cols
+        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, tile_k))
+        # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
+        stride_scale = triton.cdiv(cols, tile_k)
+        launch = LaunchPlan(
+            _TILES,
+            grid,
+            (*ints, stride_scale),
+            dict(
+                MX=info.scale_dtype != torch.float32,
+                ROWWISE=rowwise and not tile,
+                COLWISE=columnwise,
+                TILE=rowwise and tile,
+                TILE_M=tile_m,
+                TILE_K=tile_k,
+                HAS_NOOP=has_noop,
+                BLOCK_GROUPS=block_groups(num_groups),
+                num_warps=QUANTIZE_TILE_WARPS[tile_m],
+            ),
+        )
+        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
+    block_r, block_k, warps = QUANTIZE_CHUNKS[arch]
+    chunks = dict(HAS_NOOP=has_noop, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+    row_plan = col_plan = None
+    if rowwise and rows:
+        row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_r),), ints, chunks)
+    if columnwise and cols:
+        col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_k)), ints, chunks)
+    return QuantizePlan(None, row_plan, col_plan)
+
+
+def _u8(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as the bytes the kernels store (uint8); an absent one as a pointer never used."""
+    if t is None:
+        return fallback
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def group_quantize_into(
+    recipe: str,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor,
+    noop: torch.Tensor | None,
+    row_data: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    col_data: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+) -> None:
+    """`moekit.ops.runtime.quantize_torch.group_quantize_into` by moekit's kernels: the same arguments
+    (x (M, K) or an (N, R, C) weight with unit last stride and contiguous rows; outputs contiguous, in
+    the shapes `moekit.grouped_tensor` gives them), the same bytes. No host read of offs, slot_offs or
+    noop."""
+    info = recipe_named(recipe)
+    check_triton_device(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    num_groups = offs.shape[0] - 1
+    forms = (row_data is not None, col_data is not None, noop is not None)
+    key = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms)
+    key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop))
+    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, num_groups, forms))
+    noop_arg = noop if noop is not None else offs
+    with device_ctx(x.device):
+        if plan.tiles is not None:
+            plan.tiles(
+                x2,
+                offs,
+                slot_offs,
+                noop_arg,
+                _u8(row_data, x2),
+                _u8(row_scale, x2),
+                _u8(col_data, x2),
+                _u8(col_scale, x2),
+            )
+        if plan.rows is not None:
+            plan.rows(x2, offs, noop_arg, _u8(row_data, x2), row_scale)
+        if plan.group_cols is not None:
+            plan.group_cols(x2, offs, noop_arg, _u8(col_data, x2), col_scale)
