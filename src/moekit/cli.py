@@ -80,12 +80,27 @@ def _add_demo(subparsers) -> None:
         help="folder for the checkpoint, plot and summary, created if missing (default moekit-demo)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights (default 0)")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8_block", "fp8_rowwise", "mxfp8"),
+        help="the experts' linears on quantized operands: none (default), fp8_block, fp8_rowwise or mxfp8 "
+        "(moekit's reference path: quantize, dequantize, compute in the model's dtype)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from moekit.demo import run_demo
 
+        quantization = None if args.quantization == "none" else args.quantization
         try:
-            run_demo(steps=args.steps, device=args.device, backend=args.backend, out=args.out, seed=args.seed)
+            run_demo(
+                steps=args.steps,
+                device=args.device,
+                backend=args.backend,
+                out=args.out,
+                seed=args.seed,
+                quantization=quantization,
+            )
         except (TypeError, ValueError) as exc:
             return _refuse("demo", exc)
         except OSError as exc:

@@ -32,6 +32,7 @@ from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
 from moekit.ops.grouped_linear import BACKENDS
+from moekit.ops.quantize import QUANTIZATIONS
 from moekit.validation import check_choice, check_int, check_positive_int
 
 
@@ -79,7 +80,9 @@ class DialectTask:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DemoConfig, single_grouped_weight: bool, backend: str) -> None:
+    def __init__(
+        self, cfg: DemoConfig, single_grouped_weight: bool, backend: str, quantization: str | None = None
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden)
         self.attn = nn.MultiheadAttention(cfg.hidden, cfg.heads, batch_first=True)
@@ -92,6 +95,7 @@ class Block(nn.Module):
             aux_loss_coef=cfg.aux_loss_coef,
             single_grouped_weight=single_grouped_weight,
             backend=backend,
+            quantization=quantization,
         )
 
     def forward(self, x: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
@@ -101,11 +105,17 @@ class Block(nn.Module):
 
 
 class TinyMoELM(nn.Module):
-    def __init__(self, cfg: DemoConfig, single_grouped_weight: bool = True, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        single_grouped_weight: bool = True,
+        backend: str = "auto",
+        quantization: str | None = None,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.hidden) * 0.02)
-        self.blocks = nn.ModuleList(Block(cfg, single_grouped_weight, backend) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, single_grouped_weight, backend, quantization) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
@@ -141,18 +151,30 @@ def routing_table(model: TinyMoELM, task: DialectTask, tokens: torch.Tensor) -> 
 
 
 def run_demo(
-    steps: int = 400, device: str = "auto", backend: str = "auto", out: str = "moekit-demo", seed: int = 0
+    steps: int = 400,
+    device: str = "auto",
+    backend: str = "auto",
+    out: str = "moekit-demo",
+    seed: int = 0,
+    quantization: str | None = None,
 ) -> dict:
     """Train, save (single grouped layout), reload (discrete layout), compare; returns the summary.
 
+    quantization: None, or "fp8_block", "fp8_rowwise", "mxfp8": the MoE layers' expert linears on
+    quantized operands (`moekit.MoELayer`'s reference path: quantize, dequantize, compute in float32 on
+    the CPU); the reloaded model runs with the same quantization.
+
     Raises ValueError (TypeError for a value of the wrong type), before training or writing anything,
     for steps < 1, a seed torch cannot take, a device this torch cannot use, a backend that cannot run
-    on it, or an `out` that is an existing file (it must be a folder, new or existing)."""
+    on it, an unknown quantization, or an `out` that is an existing file (it must be a folder, new or
+    existing)."""
     steps = check_positive_int("--steps", steps)
     seed = check_int("--seed", seed)
     if not -(2**63) <= seed < 2**63 - 1:  # torch's seed range; the evaluation data takes seed + 1
         raise ValueError(f"--seed must be an int from -2**63 to 2**63 - 2, got {seed}")
     backend = check_choice("--backend", backend, BACKENDS)
+    if quantization is not None:
+        quantization = check_choice("--quantization", quantization, tuple(q for q in QUANTIZATIONS if q))
     dev = _demo_device(device)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -173,15 +195,21 @@ def run_demo(
         # longer than the work itself. One thread keeps the demo's pace whatever else the machine does.
         torch.set_num_threads(1)
     try:
-        return _train_save_reload(cfg, task, gen, dev, backend, out_dir)
+        return _train_save_reload(cfg, task, gen, dev, backend, out_dir, quantization)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_save_reload(
-    cfg: DemoConfig, task: DialectTask, gen: torch.Generator, dev: torch.device, backend: str, out_dir: Path
+    cfg: DemoConfig,
+    task: DialectTask,
+    gen: torch.Generator,
+    dev: torch.device,
+    backend: str,
+    out_dir: Path,
+    quantization: str | None = None,
 ) -> dict:
-    model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend).to(dev)
+    model = TinyMoELM(cfg, single_grouped_weight=True, backend=backend, quantization=quantization).to(dev)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     eval_tokens = task.batch(256, torch.Generator().manual_seed(cfg.seed + 1)).to(dev)
@@ -189,6 +217,7 @@ def _train_save_reload(
     print(
         f"moekit demo: {cfg.layers}-layer MoE LM, {cfg.experts} experts top-{cfg.top_k}, {n_params / 1e3:.0f}k "
         f"parameters, {cfg.dialects} dialects, device={dev}, backend={backend}"
+        + (f", quantization={quantization} (reference path)" if quantization else "")
     )
     print(f"best possible loss (only the random start is unpredictable): {task.loss_floor():.3f}")
 
@@ -216,7 +245,7 @@ def _train_save_reload(
     ckpt = out_dir / "model.safetensors"
     save_safetensors(model, ckpt)
 
-    reloaded = TinyMoELM(cfg, single_grouped_weight=False, backend=backend).to(dev)
+    reloaded = TinyMoELM(cfg, single_grouped_weight=False, backend=backend, quantization=quantization).to(dev)
     load_safetensors(reloaded, ckpt)
     reloaded.eval()
     with torch.no_grad():
@@ -234,6 +263,7 @@ def _train_save_reload(
         "steps": cfg.steps,
         "device": str(dev),
         "backend": backend,
+        "quantization": quantization,
         "train_seconds": round(train_s, 2),
         "tokens_per_second": round(tokens_seen / train_s, 1),
         "first_loss": losses[0],

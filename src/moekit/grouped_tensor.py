@@ -366,6 +366,16 @@ class GroupedTensor:
         """The first dims as Python ints (reads device first dims on the host: a sync)."""
         return self._host_dims("first_dims")
 
+    @property
+    def known_host_first_dims(self) -> tuple[int, ...] | None:
+        """The first dims as Python ints where the host knows them (no read), else None."""
+        return self._host_first_dims
+
+    def set_known_host_first_dims(self, dims: Sequence[int] | None) -> None:
+        """Record what the host knows of the first dims after they were rewritten in place on the device
+        (None: the device alone knows)."""
+        self._host_first_dims = tuple(int(d) for d in dims) if dims is not None else None
+
     # ---- members -----------------------------------------------------------------------------
 
     def stacked(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ parameters under their own names, shapes and state-dict layout:
    in transformers' `ExpertsInterface`, next to its own `"grouped_mm"`. The model keeps its modules
    and parameters; each experts forward runs through `moekit.moe_experts`, with the GEMM backend
    `config.moekit_backend` where the config has one, else "auto".
-2. `apply_moekit(model, backend=...)` checks, before changing anything, that every experts module of
+2. `apply_moekit(model, backend=..., quantization=...)` checks, before changing anything, that every experts module of
    the model is one moekit runs exactly (else `UnsupportedModelError`), turns each into a
    `MoekitExperts` (the same module object, its class becomes a subclass of its own class that
    keeps the class's name: nothing is copied, no parameter is renamed or replaced, `isinstance` with
@@ -66,6 +66,13 @@ Layer-by-layer mapping (transformers 5.x). In each decoder layer L with routed e
   activation "clamped_swiglu". No per-call copy: moekit's ops take the views. Routing in
   `mlp.router` (GptOssTopKRouter): linear with bias, top-k of the logits, softmax over those k.
 
+Quantized experts: `apply_moekit(model, quantization="fp8_block" | "fp8_rowwise" | "mxfp8")` (or
+`config.moekit_quantization` with `experts_implementation="moekit"`) runs the experts' linears on
+quantized operands, `moekit.moe_experts`'s reference path (quantize, dequantize, compute in the model's
+dtype; FP8 Hopper kernels are future work). The parameters, their names and the state dict stay as
+they are (master weights in the model's dtype); each experts module keeps its quantized weights and
+makes them again, in place, once per optimizer step.
+
 In both, `forward(hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))` is
 `moekit.moe_experts`: the T*K routed copies sorted by expert, the grouped MLP with the routing
 weights as `probs` (they scale the activation and the fc2 bias, as the model's
@@ -94,6 +101,7 @@ from moekit.nn.moe_layer import run_experts
 from moekit.ops.activations import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from moekit.ops.grouped_linear import BACKENDS
 from moekit.ops.moe_experts import moe_experts
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.validation import check_bool, check_choice
 
 EXPERTS_IMPLEMENTATION = "moekit"
@@ -227,6 +235,15 @@ class MoekitExperts(IntegratedExperts):
     }
     # moekit's GEMM backend for these experts ("auto", "loop", "torch", "triton").
     moekit_backend: str = "auto"
+    # moekit's quantized compute for these experts (None, "fp8_block", "fp8_rowwise", "mxfp8").
+    moekit_quantization: str | None = None
+
+    def moekit_weight_caches(self) -> tuple[QuantizedWeightCache, QuantizedWeightCache]:
+        """The (fc1, fc2) quantized weights these experts keep across calls (made on first use)."""
+        caches = self.__dict__.get("_moekit_weight_caches")
+        if caches is None:
+            caches = self.__dict__["_moekit_weight_caches"] = (QuantizedWeightCache(), QuantizedWeightCache())
+        return caches
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -271,7 +288,8 @@ class MoekitExperts(IntegratedExperts):
 
     def extra_repr(self) -> str:
         converted = ", per-expert weights in grouped_mlp" if self.converted_mlp() is not None else ""
-        return f"moekit_backend={self.moekit_backend!r}{converted}"
+        quant = f", moekit_quantization={self.moekit_quantization!r}" if self.moekit_quantization else ""
+        return f"moekit_backend={self.moekit_backend!r}{quant}{converted}"
 
 
 _MOEKIT_CLASSES: dict[type, type] = {}
@@ -308,7 +326,9 @@ def _install(linear: nn.Module, kind: str, param: torch.Tensor, *, transpose: bo
         setattr(linear, f"{kind}{i}", nn.Parameter(packed[i], requires_grad=param.requires_grad))
 
 
-def _convert_to_per_expert(experts: MoekitExperts, layout: ExpertsLayout, backend: str) -> None:
+def _convert_to_per_expert(
+    experts: MoekitExperts, layout: ExpertsLayout, backend: str, quantization: str | None
+) -> None:
     """Move the model's expert parameters into a per-expert `GroupedMLP` child (see apply_moekit)."""
     gate_up = experts.gate_up_proj
     num_experts = gate_up.shape[0]
@@ -325,6 +345,7 @@ def _convert_to_per_expert(experts: MoekitExperts, layout: ExpertsLayout, backen
         backend=backend,
         device="meta",
         dtype=gate_up.dtype,
+        quantization=quantization,
     )
     # The model's tensor names in its own registration order: state_dict() keeps that order.
     experts.model_tensor_order = tuple(n for n in experts._parameters if n in MoekitExperts.model_tensor_names.values())
@@ -389,7 +410,9 @@ def _find_experts(model: nn.Module) -> tuple[list[nn.Module], list[MoekitExperts
     return found, applied, unsupported
 
 
-def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weight: bool = True) -> nn.Module:
+def apply_moekit(
+    model: nn.Module, *, backend: str = "auto", single_grouped_weight: bool = True, quantization: str | None = None
+) -> nn.Module:
     """Run the experts of a transformers MoE model on moekit, in place; returns the model.
 
     Every supported experts module (see `SUPPORTED_EXPERTS` and the module docstring) becomes a
@@ -399,6 +422,9 @@ def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weig
     TP plans, `from_pretrained`'s loading and missing-key reports) work unchanged, and
     `model.set_experts_implementation(other)` afterwards takes effect.
     `backend` is moekit's GEMM backend ("auto", "loop", "torch", "triton").
+    `quantization` (None, "fp8_block", "fp8_rowwise", "mxfp8"): the experts' linears on quantized
+    operands, `moekit.moe_experts`'s reference path for now (FP8 Hopper kernels are future work); the
+    parameters and state dict are unchanged, the quantized weights are made once per optimizer step.
     `single_grouped_weight=False` converts the experts to TransformerEngine-style per-expert weights
     (`grouped_mlp.fc1.weight{i}`): that renames the parameters and so breaks PEFT
     `target_parameters`, transformers' TP plans, `from_pretrained` into the converted model,
@@ -417,14 +443,16 @@ def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weig
         raise TypeError(f"apply_moekit takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
     check_choice("backend", backend, BACKENDS)
     check_bool("single_grouped_weight", single_grouped_weight)
+    quantization = check_quantization(quantization)
     found, applied, unsupported = _find_experts(model)
     for experts in applied:
-        settings = (experts.moekit_backend, experts.converted_mlp() is None)
-        if settings != (backend, single_grouped_weight):
+        settings = (experts.moekit_backend, experts.converted_mlp() is None, experts.moekit_quantization)
+        if settings != (backend, single_grouped_weight, quantization):
             raise ValueError(
                 f"apply_moekit was already applied to this model with backend={settings[0]!r}, "
-                f"single_grouped_weight={settings[1]}; asked now for backend={backend!r}, "
-                f"single_grouped_weight={single_grouped_weight}. Apply it once, to a freshly loaded model."
+                f"single_grouped_weight={settings[1]}, quantization={settings[2]!r}; asked now for "
+                f"backend={backend!r}, single_grouped_weight={single_grouped_weight}, quantization={quantization!r}. "
+                "Apply it once, to a freshly loaded model."
             )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if unsupported or not (found or applied):
@@ -450,9 +478,10 @@ def apply_moekit(model: nn.Module, *, backend: str = "auto", single_grouped_weig
     for experts, layout in zip(found, layouts, strict=True):
         experts.__class__ = moekit_class(model_experts_class(experts))
         experts.moekit_backend = backend
+        experts.moekit_quantization = quantization
         experts.stores_transposed = layout.transposed
         if not single_grouped_weight:
-            _convert_to_per_expert(experts, layout, backend)
+            _convert_to_per_expert(experts, layout, backend, quantization)
     for experts in [*found, *applied]:
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
     return model
@@ -466,18 +495,23 @@ def moekit_experts_forward(
 
     hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K) -> (T, H). The GEMM backend is
     the module's `moekit_backend` after `apply_moekit`, else `config.moekit_backend` when the config
-    has one, else "auto". The tensors are read from the module at each call, so a parametrization
-    of them (PEFT's LoRA on `target_parameters`) trains through moekit.
+    has one, else "auto"; the quantization likewise (`moekit_quantization`, default None). The tensors
+    are read from the module at each call, so a parametrization of them (PEFT's LoRA on
+    `target_parameters`) trains through moekit.
     """
     layout = _layout_of_interface_experts(self)
 
     def as_moekit(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(-2, -1) if layout.transposed else t
 
+    caches = None
     if isinstance(self, MoekitExperts):
-        backend = self.moekit_backend
+        backend, quantization = self.moekit_backend, self.moekit_quantization
+        caches = self.moekit_weight_caches()
     else:
-        backend = getattr(getattr(self, "config", None), "moekit_backend", "auto")
+        config = getattr(self, "config", None)
+        backend = getattr(config, "moekit_backend", "auto")
+        quantization = check_quantization(getattr(config, "moekit_quantization", None))
     return moe_experts(
         hidden_states,
         top_k_index,
@@ -489,6 +523,8 @@ def moekit_experts_forward(
         activation=layout.activation,
         glu_interleave_size=layout.glu_interleave_size,
         backend=backend,
+        quantization=quantization,
+        weight_caches=caches,
     )
 
 

@@ -23,6 +23,7 @@ from moekit.checkpoint.metadata import EXTRA_STATE_SUFFIX, glu_order_of_extra_st
 from moekit.grouped_tensor import GroupedTensor
 from moekit.nn.shapes import check_last_dim, rows_as
 from moekit.ops.grouped_linear import BACKENDS, grouped_linear, packed_view
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.splits import MSplits
 from moekit.validation import check_bool, check_choice, check_compute_dtype, check_positive_int
 
@@ -31,6 +32,13 @@ class GroupedLinear(nn.Module):
     """N linear layers `in_features -> out_features`, one per group of rows.
 
     forward(inp (..., I), m_splits (N,)) -> (..., O); rows past sum(m_splits) give zeros.
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the products on quantized operands
+    (`moekit.grouped_linear`'s reference path for now: quantize, dequantize, compute in the module's
+    dtype; FP8 Hopper kernels are future work). The parameters stay in the module's dtype (master
+    weights; the state dict is the same with or without quantization); the quantized weight is kept in
+    `weight_cache` and made again, in place, only when the weight changed (the optimizer's step):
+    once per step.
     """
 
     def __init__(
@@ -45,6 +53,7 @@ class GroupedLinear(nn.Module):
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.num_gemms = check_positive_int("num_gemms", num_gemms)
@@ -54,6 +63,8 @@ class GroupedLinear(nn.Module):
         self.single_grouped_weight = check_bool("single_grouped_weight", single_grouped_weight)
         self.single_grouped_bias = check_bool("single_grouped_bias", single_grouped_bias)
         self.backend = check_choice("backend", backend, BACKENDS)
+        self.quantization = check_quantization(quantization)
+        self.weight_cache = QuantizedWeightCache()
         dtype = check_compute_dtype("dtype", dtype if dtype is not None else torch.get_default_dtype())
         # Set by GroupedMLP on its fc1: the output rows are GLU gate/up pairs in this order.
         self.is_glu = False
@@ -130,7 +141,15 @@ class GroupedLinear(nn.Module):
     def forward(self, inp: torch.Tensor, m_splits: MSplits) -> torch.Tensor:
         check_last_dim(inp, "in_features", self.in_features)
         x = inp.reshape(-1, self.in_features)
-        y = grouped_linear(x, self.weights(), m_splits, self.biases(), backend=self.backend)
+        y = grouped_linear(
+            x,
+            self.weights(),
+            m_splits,
+            self.biases(),
+            backend=self.backend,
+            quantization=self.quantization,
+            weight_cache=self.weight_cache,
+        )
         return rows_as(y, (*inp.shape[:-1], self.out_features))
 
     def extra_repr(self) -> str:
@@ -139,6 +158,7 @@ class GroupedLinear(nn.Module):
             f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
             f"single_grouped_bias={self.single_grouped_bias}, backend={self.backend!r}"
             + (f", glu_interleave_size={self.glu_interleave_size}" if self.is_glu else "")
+            + (f", quantization={self.quantization!r}" if self.quantization is not None else "")
         )
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from moekit.nn.grouped_linear import GroupedLinear
 from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave
 from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.splits import MSplits
 from moekit.validation import check_bool, check_int, check_positive_int
 
@@ -24,6 +25,11 @@ class GroupedMLP(nn.Module):
     forward(x (M, H) sorted by expert, m_splits (N,), probs (M,) optional) -> (M, H).
     `glu_interleave_size` is the order of fc1's output rows; it is recorded in fc1's state so that
     checkpoints with another order are converted on load.
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": both linears on quantized operands
+    (`moekit.grouped_mlp`'s reference path for now; FP8 Hopper kernels are future work). Parameters and
+    state dict stay in the module's dtype; fc1's and fc2's `weight_cache` hold the quantized weights,
+    made again (in place) once per optimizer step.
     """
 
     def __init__(
@@ -39,6 +45,7 @@ class GroupedMLP(nn.Module):
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts)
@@ -51,8 +58,9 @@ class GroupedMLP(nn.Module):
         self.activation = activation
         self.glu_interleave_size = glu_interleave_size
         self.backend = backend
+        self.quantization = check_quantization(quantization)
         layout = {"single_grouped_weight": single_grouped_weight, "single_grouped_bias": single_grouped_weight}
-        factory = {"backend": backend, "device": device, "dtype": dtype}
+        factory = {"backend": backend, "device": device, "dtype": dtype, "quantization": self.quantization}
         self.fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, bias=bias, **layout, **factory)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias=bias, **layout, **factory)
         self.fc1.is_glu = True
@@ -67,6 +75,7 @@ class GroupedMLP(nn.Module):
             "glu_interleave_size": self.glu_interleave_size,
             "single_grouped_weight": self.fc1.single_grouped_weight,
             "backend": self.backend,
+            "quantization": self.quantization,
         }
 
     def select_experts(self, first: int, count: int) -> GroupedMLP:
@@ -111,7 +120,14 @@ class GroupedMLP(nn.Module):
             activation=self.activation,
             glu_interleave_size=self.glu_interleave_size,
             backend=self.backend,
+            quantization=self.quantization,
+            weight_caches=self.weight_caches(),
         )
 
+    def weight_caches(self) -> tuple[QuantizedWeightCache, QuantizedWeightCache]:
+        """fc1's and fc2's quantized-weight caches (what the ops' `weight_caches=` take)."""
+        return self.fc1.weight_cache, self.fc2.weight_cache
+
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, glu_interleave_size={self.glu_interleave_size}"
+        quant = f", quantization={self.quantization!r}" if self.quantization is not None else ""
+        return f"activation={self.activation!r}, glu_interleave_size={self.glu_interleave_size}{quant}"

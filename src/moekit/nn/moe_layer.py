@@ -37,6 +37,8 @@ def run_experts(
         activation=experts.activation,
         glu_interleave_size=experts.glu_interleave_size,
         backend=experts.backend,
+        quantization=experts.quantization,
+        weight_caches=experts.weight_caches(),
     )
 
 
@@ -95,6 +97,10 @@ class MoELayer(nn.Module):
     The router's settings (`top_k`, `score_func`, `norm_topk_prob`, `aux_loss_coef`; the sizes
     `hidden_size`, `num_experts` read-only) read and write `self.router`'s. State dict keys: `router.weight`,
     `experts.fc1.*`, `experts.fc2.*`.
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands
+    (`GroupedMLP`'s; the reference path for now, FP8 Hopper kernels are future work); the router stays in
+    the layer's dtype.
     """
 
     hidden_size = _RouterSetting(writable=False)
@@ -121,6 +127,7 @@ class MoELayer(nn.Module):
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.router = TopKRouter(
@@ -144,6 +151,7 @@ class MoELayer(nn.Module):
             backend=backend,
             device=device,
             dtype=dtype,
+            quantization=quantization,
         )
         self.aux_loss: torch.Tensor | None = None
 

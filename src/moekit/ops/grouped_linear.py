@@ -7,6 +7,21 @@ products (forward, dgrad, wgrad) and the bias sums, each launched through its cu
 (`moekit.ops.library`). Weights arrive as one `(N, O, I)` tensor or as N `(O, I)` tensors; N separate
 tensors that are adjacent slices of one buffer (what `GroupedLinear` keeps) are viewed as `(N, O, I)`
 without a copy.
+
+Quantized compute (`quantization=` "fp8_block", "fp8_rowwise" or "mxfp8"; `moekit.ops.quantize` for the
+formats) is, for now, the reference path on every device: x, the weight and, in the backward, dy are
+quantized with `group_quantize`, dequantized, and the products run on the dequantized tensors in x's
+dtype with the backend's GEMMs. FP8 GEMM kernels (Hopper) are future work: this path computes what
+they will compute, not at their speed. Gradients pass straight through the quantizers, with the
+quantized operands each product takes in FP8 (as TransformerEngine's FP8 GEMMs):
+
+    forward  y  = Q(x) Q(w)^T (+ bias)       Q: rowwise blocks (along I)
+    dgrad    dx = Q(dy) Qc(w)                Qc(w): blocks along O (the weight's columnwise form;
+                                             fp8_block's 128 x 128 tiles serve as they are)
+    wgrad    dw = Qc(dy)^T Qc(x)             Qc: columnwise blocks along M, per group
+    dbias    from dy itself, in dy's dtype
+
+What is held for the backward is x's columnwise quantization (FP8 and its scales), not x.
 """
 
 from __future__ import annotations
@@ -16,8 +31,10 @@ from collections.abc import Sequence
 
 import torch
 
+from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
-from moekit.ops.runtime.backends import BACKENDS, bias_rows, select_backend
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization, group_quantize
+from moekit.ops.runtime.backends import BACKENDS, bias_rows, select_backend, select_quantizer
 from moekit.ops.splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
 from moekit.validation import check_float_tensor, check_same_device, check_tensor
 
@@ -203,6 +220,81 @@ class _GroupedLinearFn(torch.autograd.Function):
         return (None, None, None, d_scale, None, dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
+class _QuantizedLinearFn(torch.autograd.Function):
+    """The quantized grouped linear (module docstring), the reference path. Inputs after x as
+    `_GroupedLinearFn`'s; `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's
+    cache), saved as tensors so that autograd refuses a backward after it was rewritten in place."""
+
+    @staticmethod
+    def forward(ctx, backend, quantizer, recipe, offs, host_offs, bias_scale_M, weight_q, n_w, x_MI, *params):
+        weights, biases = params[:n_w], params[n_w:]
+        bias_NO = stacked(biases, 2, "bias")
+        go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
+        need_w = any(ctx.needs_input_grad[9 : 9 + n_w])
+        x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
+        y_MO = library.grouped_linear_forward(
+            backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
+        )
+        # x is held as its columnwise quantization only (the wgrad's operand).
+        x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
+        ctx.backend, ctx.quantizer, ctx.recipe, ctx.host_offs, ctx.n_w = backend, quantizer, recipe, host_offs, n_w
+        ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
+        ctx.x_template, ctx.w_template = x_held, weight_q
+        x_storage = x_held.storage() if x_held is not None else (None,) * 7
+        ctx.save_for_backward(offs, bias_scale_M, bias_NO, *x_storage, *weight_q.storage())
+        return y_MO
+
+    @staticmethod
+    def backward(ctx, dy_MO):
+        offs, bias_scale_M, bias_NO, *stored = ctx.saved_tensors
+        x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
+        weight_q = ctx.w_template.with_storage(stored[7:])
+        backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
+        need_x, need_scale = ctx.needs_input_grad[8], ctx.needs_input_grad[5]
+        need_w, need_b = any(ctx.needs_input_grad[9 : 9 + n_w]), any(ctx.needs_input_grad[9 + n_w :])
+        dy_MO = row_major(dy_MO)
+        go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
+        dx = dw = db = d_scale = None
+        dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
+        if need_x or need_w:
+            dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
+            if need_x:
+                w_dgrad = weight_q.dequantize(columnwise=weight_q.columnwise_data is not None)
+                dx = library.grouped_linear_dgrad(backend, dy_q.dequantize(), w_dgrad, offs, host_offs)
+            if need_w:
+                dy_c, x_c = dy_q.dequantize(columnwise=True), x_q.dequantize(columnwise=True)
+                dw = library.grouped_linear_wgrad(backend, dy_c, x_c, offs, host_offs)
+        if need_b:
+            db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
+        if bias_scale_M is not None and need_scale:
+            acc_t = compute_dtype(dy_MO, bias_scale_M)
+            d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            d_scale,
+            None,
+            None,
+            dx,
+            *unstacked(dw, ctx.w_dims, 3),
+            *unstacked(db, ctx.b_dims, 2),
+        )
+
+
+def quantized_weight(
+    weights: list[torch.Tensor], recipe: str, quantizer: str, cache: QuantizedWeightCache | None
+) -> GroupedTensor:
+    """The quantization of a grouped weight (one (N, O, I) tensor or N (O, I) tensors): from `cache`,
+    refreshed there when the weight changed, or made for this call."""
+    w_NOI = stacked(weights, 3, "weight")
+    if cache is None:
+        cache = QuantizedWeightCache()
+    return cache.get(w_NOI.detach(), weights, recipe, quantizer)
+
+
 # --------------------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------------------
@@ -216,6 +308,8 @@ def grouped_linear(
     *,
     backend: str = "auto",
     bias_scale: torch.Tensor | None = None,
+    quantization: str | None = None,
+    weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
     """Grouped linear over rows sorted by group.
 
@@ -223,6 +317,13 @@ def grouped_linear(
     device tensor); rows past sum(m_splits) are padding and give zeros. bias: (N, O), N tensors (O,), or
     None. bias_scale: optional (M,) per-row factor on the bias (router probabilities). Returns (M, O) in
     x's dtype. backend: "auto", "loop", "torch" or "triton" (`moekit.ops.runtime.backends`).
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the products on quantized operands,
+    gradients straight through (module docstring). For now the reference path on every device
+    (quantize, dequantize, the GEMMs in x's dtype); FP8 Hopper kernels are future work. weight_cache: a
+    `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
+    modules pass theirs: the weight is quantized once per optimizer step); without one, every call
+    quantizes the weight.
     """
     check_float_tensor("x", x)
     if x.dim() != 2:
@@ -240,6 +341,23 @@ def grouped_linear(
         check_same_device("bias_scale", bias_scale, "x", x)
         bias_scale = bias_scale.reshape(-1)
     host_offs = list(offs.host) if offs.host is not None else None
+    quantization = check_quantization(quantization)
+    if quantization is not None:
+        quantizer = select_quantizer(backend, x).name
+        weight_q = quantized_weight(weights, quantization, quantizer, weight_cache)
+        return _QuantizedLinearFn.apply(
+            impl.name,
+            quantizer,
+            quantization,
+            offs.offs,
+            host_offs,
+            bias_scale,
+            weight_q,
+            len(weights),
+            row_major(x),
+            *weights,
+            *biases,
+        )
     return _GroupedLinearFn.apply(
         impl.name, offs.offs, host_offs, bias_scale, len(weights), row_major(x), *weights, *biases
     )
@@ -253,9 +371,12 @@ def grouped_linear_reference(
     *,
     backend: str = "auto",
     bias_scale: torch.Tensor | None = None,
+    quantization: str | None = None,
+    weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
-    """float64 reference of `grouped_linear`, differentiable by autograd; returns float64."""
-    del backend
+    """float64 reference of `grouped_linear` (unquantized: the exact values quantized compute
+    approximates), differentiable by autograd; returns float64."""
+    del backend, quantization, weight_cache
     weights = [w.double() for w in tensor_list("weight", weight)]
     w_list = list(weights[0].unbind(0)) if len(weights) == 1 and weights[0].dim() == 3 else weights
     biases = [b.double() for b in tensor_list("bias", bias)]

@@ -49,6 +49,7 @@ from moekit.ops.grouped_linear import (
     tensor_list,
     unstacked,
 )
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import ExpertOrder
 from moekit.ops.runtime.backends import FusedMLP, backend_named, fused_mlp_of, select_backend
 from moekit.ops.splits import MSplits, resolve_splits
@@ -90,6 +91,8 @@ def grouped_mlp(
     activation: str = "swiglu",
     glu_interleave_size: int | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
+    weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """Expert MLP over rows sorted by expert.
 
@@ -97,6 +100,12 @@ def grouped_mlp(
     `glu_interleave_size`. fc2_weight: (N, H, F) or N x (H, F). probs: optional (M,). Biases: (N, out),
     N x (out,) or None. activation: a name of `moekit.ops.activations.ACTIVATIONS`. Returns (M, H) in x's
     dtype; padding rows (past sum(m_splits)) are zero.
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": both linears on quantized operands
+    (`grouped_linear`'s reference path: quantize, dequantize, compute in x's dtype; the activation
+    between them in x's dtype, quantized as fc2's input). FP8 Hopper kernels are future work: with
+    quantization the MLP runs composed, never the fused kernels. weight_caches: (fc1's, fc2's)
+    `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
     """
     check_float_tensor("x", x)
     if x.dim() != 2:
@@ -111,13 +120,17 @@ def grouped_mlp(
     probs = check_probs(probs, x.shape[0], x)
     fc1_impl = select_backend(backend, x, probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), probe_weight(w2s))
-    if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None:
+    quantization = check_quantization(quantization)
+    cache1, cache2 = weight_caches if weight_caches is not None else (None, None)
+    if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None and quantization is None:
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         return fused_mlp(spec, offs.offs, None, x.shape[0], row_major(x), probs, w1s, b1s, w2s, b2s)
-    h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend)
+    fc1 = dict(backend=backend, quantization=quantization, weight_cache=cache1)
+    h = grouped_linear(x, fc1_weight, offs, fc1_bias, **fc1)
     a = glu(h, activation=activation, probs=probs, glu_interleave_size=glu_interleave_size)
     scale = probs if probs is not None and b2s else None
-    return grouped_linear(a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale)
+    fc2 = dict(backend=backend, quantization=quantization, weight_cache=cache2)
+    return grouped_linear(a, fc2_weight, offs, fc2_bias, bias_scale=scale, **fc2)
 
 
 def grouped_mlp_reference(
@@ -132,8 +145,12 @@ def grouped_mlp_reference(
     activation: str = "swiglu",
     glu_interleave_size: int | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
+    weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
-    """float64 reference of `grouped_mlp`; returns float64."""
+    """float64 reference of `grouped_mlp` (unquantized: the exact values quantized compute approximates);
+    returns float64."""
+    del backend, quantization, weight_caches
     h = grouped_linear_reference(x, fc1_weight, m_splits, fc1_bias)
     a = glu_reference(h, activation=activation, probs=probs, glu_interleave_size=glu_interleave_size)
     return grouped_linear_reference(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)

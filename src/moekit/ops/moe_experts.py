@@ -40,6 +40,7 @@ from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave, glu_reference
 from moekit.ops.grouped_linear import Weight, probe_weight, row_major, tensor_list
 from moekit.ops.grouped_mlp import ExpertRoute, FusedSpec, check_mlp_params, fused_mlp, grouped_mlp
+from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import check_expert_ids, sort_by_expert
 from moekit.ops.rows import move_rows
 from moekit.ops.runtime.backends import fused_mlp_of, select_backend, use_triton_rows
@@ -145,6 +146,8 @@ def moe_experts(
     activation: str = "swiglu",
     glu_interleave_size: int | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
+    weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """The routed experts of an MoE layer: each token's K expert outputs, weighted and summed.
 
@@ -154,6 +157,11 @@ def moe_experts(
     grouped GEMMs' ("auto", "loop", "torch", "triton"). Returns (T, H) in x's dtype. Differentiable with
     respect to x, topk_weights, weights and biases; no host sync on the way (forward and backward), so
     CUDA-graph capturable.
+
+    quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands,
+    `grouped_mlp`'s reference path (quantize, dequantize, compute in x's dtype; the layer runs composed,
+    never its fused kernels). FP8 Hopper kernels are future work. weight_caches: (fc1's, fc2's)
+    `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
 
     Memory held for the backward: at most HELD_FRACTION_OF_PLAIN of the plain PyTorch layer's (module
     docstring). On the composed path the grouped MLP runs under saved-tensor hooks that drop its sorted
@@ -173,12 +181,14 @@ def moe_experts(
     check_interleave(ffn, glu_interleave_size)
     fc1_impl = select_backend(backend, x, probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), probe_weight(w2s))
+    quantization = check_quantization(quantization)
     use_triton = use_triton_rows(fc1_impl, x)
     compiling = torch.compiler.is_compiling()
     # The Triton counting sort wherever the row kernel runs (three launches instead of about nine); a
     # traced graph takes the torch ops, which torch.compile knows.
     order = sort_by_expert(topk_ids, num_experts, use_triton=use_triton and not compiling)
-    if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None and not compiling:
+    fused = fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None
+    if fused and not compiling and quantization is None:
         rows = order.token_of_row.shape[0]
         kept = rows
         if torch.is_grad_enabled():  # else nothing is held: h whole, one launch
@@ -200,6 +210,8 @@ def moe_experts(
         activation=activation,
         glu_interleave_size=glu_interleave_size,
         backend=backend,
+        quantization=quantization,
+        weight_caches=weight_caches,
     )
     if compiling:
         # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
@@ -233,10 +245,13 @@ def moe_experts_reference(
     activation: str = "swiglu",
     glu_interleave_size: int | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
+    weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
-    """float64 reference of `moe_experts`: a loop over experts, each on the copies routed to it, weighted
-    and added into the tokens' rows. Returns float64 (T, H), differentiable by autograd."""
-    del backend
+    """float64 reference of `moe_experts` (unquantized: the exact values quantized compute approximates): a
+    loop over experts, each on the copies routed to it, weighted and added into the tokens' rows. Returns
+    float64 (T, H), differentiable by autograd."""
+    del backend, quantization, weight_caches
     w1, w2 = _per_expert(fc1_weight, 3), _per_expert(fc2_weight, 3)
     b1, b2 = _per_expert(fc1_bias, 2), _per_expert(fc2_bias, 2)
     check_interleave(w1[0].shape[0] // 2, glu_interleave_size)

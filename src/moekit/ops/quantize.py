@@ -344,9 +344,9 @@ def group_quantize(
     if col_offs is not None:
         _update(out.columnwise_scale_offsets, col_offs, noop)
     new_host = _host_dims(offs)
-    if noop is not None and new_host != out._host_first_dims:
+    if noop is not None and new_host != out.known_host_first_dims:
         new_host = None  # which of the two holds is on the device
-    out._host_first_dims = new_host
+    out.set_known_host_first_dims(new_host)
     if not torch.compiler.is_compiling():
         # A kernel's writes do not count as in-place ops for autograd: say so, so that a backward that
         # saved this storage before the rewrite refuses to run on it.
@@ -378,7 +378,7 @@ def _reference_scales(info: Recipe, amax: torch.Tensor) -> tuple[torch.Tensor, t
         largest = torch.finfo(torch.float32).max
         s = torch.where(amax > 0, (torch.full_like(amax, FP8_MAX) / amax).clamp(max=largest), 1.0)
         s = torch.where(finite, s, float("nan"))
-        return s, 1.0 / s
+        return s, torch.ones_like(s) / s
     mantissa, exponent = torch.frexp(amax.double())
     k = torch.where(mantissa <= 0.875, exponent - 9, exponent - 8).clamp(-127, 127)
     k = torch.where(amax > 0, k, 0)
@@ -422,8 +422,8 @@ def group_quantize_reference(
     for t in (storage["row_data"], storage["col_data"]):
         if t is not None:
             t.view(torch.uint8).zero_()  # padding rows: data 0
-    row_data = storage["row_data"].view(-1, cols) if rowwise else None
-    col_data = storage["col_data"].view(-1, cols) if columnwise else None
+    row_data = storage["row_data"].view(-1, cols) if rowwise and cols else None
+    col_data = storage["col_data"].view(-1, cols) if columnwise and cols else None
     block_k = info.block_cols or max(cols, 1)
     if rowwise and weight and info.weight_tile is not None:
         tile = info.weight_tile
@@ -433,7 +433,7 @@ def group_quantize_reference(
                     data, scale = _reference_block(info, x32[n, i : i + tile, j : j + tile], (0, 1))
                     storage["row_data"][n, i : i + tile, j : j + tile] = data
                     storage["row_scale"][n, i // tile, j // tile] = scale.reshape(())
-    elif rowwise:
+    elif rowwise and cols:
         row_scale = storage["row_scale"].view(-1, storage["row_scale"].shape[-1])
         for r0, r1 in pairwise(bounds):
             for j in range(0, cols, block_k):
@@ -442,15 +442,16 @@ def group_quantize_reference(
                 row_scale[r0:r1, j // block_k] = scale.reshape(-1)
     slot_offs = None
     if columnwise:
-        col_scale = storage["col_scale"].view(-1, cols)
+        col_scale = storage["col_scale"].view(-1, cols) if cols else None
         slot, firsts = 0, []
         for r0, r1 in pairwise(bounds):
             firsts.append(slot)
             block_m = info.block_rows or max(r1 - r0, 1)
             for i in range(r0, max(r1, r0 + 1) if info.block_rows is None else r1, block_m):
-                data, scale = _reference_block(info, rows_view[i : min(i + block_m, r1)], (0,))
-                col_data[i : min(i + block_m, r1)] = data
-                col_scale[slot] = scale.reshape(-1)
+                if cols:
+                    data, scale = _reference_block(info, rows_view[i : min(i + block_m, r1)], (0,))
+                    col_data[i : min(i + block_m, r1)] = data
+                    col_scale[slot] = scale.reshape(-1)
                 slot += 1
         firsts.append(slot)
         slot_offs = torch.tensor(firsts, dtype=torch.int64)
@@ -492,6 +493,13 @@ class QuantizedWeightCache:
         self.refreshes = 0
         self._key: tuple | None = None
         self._anchors: list[weakref.ref] = []
+
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy, pickle) starts empty: the quantization is made again from its weight.
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     @staticmethod
     def _anchor(w: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.grouped_tensor import E8M0_DTYPE, FP8_DTYPE, FP8_MAX, Recipe, column_slots, recipe_named
+from moekit.grouped_tensor import E8M0_DTYPE, FP8_MAX, Recipe, column_slots, recipe_named
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -19,6 +19,18 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 def abs_for_amax(x32: torch.Tensor) -> torch.Tensor:
     """|x| with NaN read as inf (a block holding a NaN gets a non-finite amax)."""
     return torch.where(torch.isnan(x32), torch.full_like(x32, float("inf")), x32.abs())
+
+
+def block_amax(blocks: torch.Tensor, dims: int | tuple[int, ...]) -> torch.Tensor:
+    """The maxima of |blocks| over `dims` (kept), inf where a block holds a NaN (amax propagates NaN:
+    the check runs on the maxima, not on every element); zeros for blocks of no elements."""
+    if blocks.numel() == 0:
+        shape = list(blocks.shape)
+        for d in (dims,) if isinstance(dims, int) else dims:
+            shape[d] = 1
+        return blocks.new_zeros(shape)
+    amax = blocks.abs().amax(dim=dims, keepdim=True)
+    return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
 
 
 def e8m0_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,21 +55,12 @@ def fp32_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.ones_like(scale) / scale
 
 
-def quantize_block(recipe: Recipe, x32: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 data, stored scales) of x32 under the scales of `amax` (broadcast against x32): E8M0 for
-    mxfp8, fp32 scale_inv otherwise."""
+def scales_of(recipe: Recipe, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the quantization multiplier (fp32), the stored scale: fp32 scale_inv, or E8M0) of block maxima."""
     if recipe.scale_dtype == torch.float32:
-        scale, scale_inv = fp32_scales(amax)
-        return (x32 * scale).to(FP8_DTYPE), scale_inv
+        return fp32_scales(amax)
     byte, recip = e8m0_scales(amax)
-    return (x32 * recip).to(FP8_DTYPE), byte.view(E8M0_DTYPE)
-
-
-def stored_scales(recipe: Recipe, amax: torch.Tensor) -> torch.Tensor:
-    """The stored scales of block maxima amax (E8M0 or fp32 scale_inv)."""
-    if recipe.scale_dtype == torch.float32:
-        return fp32_scales(amax)[1]
-    return e8m0_scales(amax)[0].view(E8M0_DTYPE)
+    return recip, byte.view(E8M0_DTYPE)
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -68,17 +71,20 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
+# Each form below returns (x times its multiplier, in fp32: the data before the E4M3 rounding, which
+# the copy into the storage does; the stored scales).
+
+
 def _rowwise_blocks(recipe: Recipe, x32: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise 1 x block quantization of x32 (..., K) (block None: whole rows)."""
     cols = x32.shape[-1]
     if block is None:
-        amax = abs_for_amax(x32).amax(-1, keepdim=True) if cols else x32.new_zeros(*x32.shape[:-1], 1)
-        return quantize_block(recipe, x32, amax)
+        mult, stored = scales_of(recipe, block_amax(x32, -1))
+        return x32 * mult, stored
     padded = _pad_to(x32, x32.dim() - 1, block)
-    blocks = padded.view(*padded.shape[:-1], -1, block)
-    amax = abs_for_amax(blocks).amax(-1, keepdim=True) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1] + (1,))
-    data, scale = quantize_block(recipe, blocks, amax)
-    return data.view(padded.shape)[..., :cols], scale.squeeze(-1)
+    blocks = padded.view(*padded.shape[:-1], padded.shape[-1] // block, block)
+    mult, stored = scales_of(recipe, block_amax(blocks, -1))
+    return (blocks * mult).view(padded.shape)[..., :cols], stored.squeeze(-1)
 
 
 def _weight_tiles(recipe: Recipe, w32: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,25 +92,20 @@ def _weight_tiles(recipe: Recipe, w32: torch.Tensor, tile: int) -> tuple[torch.T
     n, r, c = w32.shape
     padded = _pad_to(_pad_to(w32, 1, tile), 2, tile)
     blocks = padded.view(n, padded.shape[1] // tile, tile, padded.shape[2] // tile, tile)
-    if blocks.numel():
-        amax = abs_for_amax(blocks).amax(dim=(2, 4), keepdim=True)
-    else:
-        amax = blocks.new_zeros(n, blocks.shape[1], 1, blocks.shape[3], 1)
-    data, scale = quantize_block(recipe, blocks, amax)
-    return data.view(padded.shape)[:, :r, :c], scale[:, :, 0, :, 0]
+    mult, stored = scales_of(recipe, block_amax(blocks, (2, 4)))
+    return (blocks * mult).view(padded.shape)[:, :r, :c], stored[:, :, 0, :, 0]
 
 
 def _weight_columns(recipe: Recipe, w32: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Columnwise block x 1 quantization of each member of an (N, R, C) weight (None: whole members)."""
     if block is None:
-        amax = abs_for_amax(w32).amax(1, keepdim=True) if w32.shape[1] else w32.new_zeros(w32.shape[0], 1, w32.shape[2])
-        return quantize_block(recipe, w32, amax)
+        mult, stored = scales_of(recipe, block_amax(w32, 1))
+        return w32 * mult, stored
     n, r, c = w32.shape
     padded = _pad_to(w32, 1, block)
-    blocks = padded.view(n, -1, block, c)
-    amax = abs_for_amax(blocks).amax(2, keepdim=True) if blocks.numel() else blocks.new_zeros(n, blocks.shape[1], 1, c)
-    data, scale = quantize_block(recipe, blocks, amax)
-    return data.view(padded.shape)[:, :r], scale.squeeze(2)
+    blocks = padded.view(n, padded.shape[1] // block, block, c)
+    mult, stored = scales_of(recipe, block_amax(blocks, 2))
+    return (blocks * mult).view(padded.shape)[:, :r], stored.squeeze(2)
 
 
 def _row_columns(
@@ -119,8 +120,8 @@ def _row_columns(
     amax = x32.new_zeros(total, cols)
     if rows and cols:
         amax.scatter_reduce_(0, slots[:, None].expand(rows, cols), abs_for_amax(x32), "amax", include_self=True)
-    data, _ = quantize_block(recipe, x32, amax.index_select(0, slots))
-    return data, stored_scales(recipe, amax)[:num_slots]
+    mult, stored = scales_of(recipe, amax)
+    return x32 * mult.index_select(0, slots), stored[:num_slots]
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -129,13 +130,15 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write(dst: torch.Tensor | None, new: torch.Tensor, skip: torch.Tensor | None) -> None:
-    """dst = new, or dst unchanged where the noop flag `skip` (a 0-d bool tensor) is set; no host read."""
+    """dst = new in dst's dtype (the copy rounds fp32 to E4M3: torch's conversion, round to nearest even,
+    saturating), or dst unchanged where the noop flag `skip` (a 0-d bool tensor) is set; no host read."""
     if dst is None:
         return
     if skip is None:
         dst.copy_(new)
     else:
-        _as_bits(dst).copy_(torch.where(skip, _as_bits(dst), _as_bits(new.contiguous())))
+        new = new.to(dst.dtype).contiguous()
+        _as_bits(dst).copy_(torch.where(skip, _as_bits(dst), _as_bits(new)))
 
 
 def group_quantize_into(
@@ -172,7 +175,7 @@ def group_quantize_into(
         return
     rows = x32.shape[0]
     live = torch.arange(rows, device=x.device) < offs[-1]
-    x32 = torch.where(live[:, None], x32, x32.new_zeros(()))  # padding rows quantize as zeros
+    x32 = torch.where(live[:, None], x32, x32.new_zeros(()))  # padding rows (whatever they hold) are zeros
     if row_data is not None:
         data, scale = _rowwise_blocks(info, x32, info.block_cols)
         _write(row_data, data, skip)

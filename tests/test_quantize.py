@@ -1,0 +1,499 @@
+"""group_quantize / group_dequantize: the formats byte for byte against the per-group reference
+(`moekit.ops.quantize.group_quantize_reference`), the Triton kernels byte for byte against the torch
+path under the interpreter, out= in place with every address kept, the noop flag, a group against its
+members alone, no host reads of device offsets, refusals in one line, and torch.compile.
+
+Legend: N groups, M rows, K columns; an (N, R, C) weight."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import moekit
+from helpers import rand, rel_err
+from moekit.grouped_tensor import RECIPES, GroupedTensor
+from moekit.ops.quantize import group_quantize_reference
+from moekit.ops.runtime.backends import triton_unavailable_reason
+from moekit.ops.splits import GroupOffsets
+
+RECIPE_NAMES = list(RECIPES)
+TRITON_OK = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+
+# (m_splits, rows, cols): members of 0 rows, sizes not multiples of 32 or 128, padding rows.
+LAYOUTS = [
+    pytest.param([40, 0, 97, 3], 140, 150, id="empty-middle-odd"),
+    pytest.param([0, 130, 1], 131, 70, id="empty-first-130"),
+    pytest.param([33, 64, 0], 100, 128, id="empty-last-padding"),
+    pytest.param([0, 0], 5, 33, id="nothing-routed"),
+    pytest.param([1], 1, 1, id="one-element"),
+    pytest.param([3, 2], 5, 0, id="no-columns"),
+]
+
+
+def as_bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def assert_same_bytes(got: GroupedTensor, want: GroupedTensor, what: str = "") -> None:
+    names = ("first_dims", "offsets", "rowwise_data", "rowwise_scale_inv", "columnwise_data")
+    names += ("columnwise_scale_inv", "columnwise_scale_offsets")
+    assert got.recipe == want.recipe and tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype
+    for name, a, b in zip(names, got.storage(), want.storage(), strict=True):
+        if b is None:
+            assert a is None, f"{what} {name}: stored but not asked"
+            continue
+        assert a is not None and a.dtype == b.dtype and a.shape == b.shape, f"{what} {name}: {a} vs {b}"
+        a, b = as_bits(a.cpu()), as_bits(b.cpu())
+        assert torch.equal(a, b), f"{what} {name}: {(a != b).sum()} bytes differ"
+
+
+def data_with_specials(rows: int, cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Unit-variance data with a wide row, a zero row, a tiny row (subnormal results) and an inf and a
+    NaN (their blocks get NaN scales)."""
+    x = rand(rows, cols, seed=seed)
+    if rows >= 30 and cols >= 8:
+        x[3] *= 1000.0
+        x[4] = 0.0
+        x[5] = 1e-30 * x[5]
+        x[20, 5] = float("inf")
+        x[25, 7] = float("nan")
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The E4M3 conversion the formats rely on
+# --------------------------------------------------------------------------------------------------
+
+
+def test_torch_e4m3_conversion_rounds_to_nearest_even_and_saturates():
+    """What the module docstring says of torch's float8_e4m3fn cast (and the kernels reproduce): ties to
+    even, +-448 for anything larger (inf included), NaN kept; float64 is cast through float32 (two
+    roundings), which is why group_quantize rounds float64 to float32 itself first."""
+    values = torch.tensor([1.0625, 1.1875, 3 * 2.0**-10, 2.0**-10, 448.0, 464.0, 1e4, float("inf"), -500.0])
+    want = [1.0, 1.25, 2.0**-8, 0.0, 448.0, 448.0, 448.0, 448.0, -448.0]
+    assert values.to(torch.float8_e4m3fn).float().tolist() == want
+    assert torch.isnan(torch.tensor([float("nan")]).to(torch.float8_e4m3fn).float()).all()
+    just_above_tie = torch.tensor([1.0625 + 2.0**-40], dtype=torch.float64)
+    assert just_above_tie.to(torch.float8_e4m3fn).item() == 1.0  # double rounding (through float32)
+    assert just_above_tie.float().to(torch.float8_e4m3fn).item() == 1.0
+
+
+def test_scale_rules():
+    """mxfp8: the smallest power of two >= amax / 448 (amax 0 -> byte 127); fp32 recipes: scale_inv =
+    1 / min(448 / amax, fp32 max), amax 0 -> 1; no element passes 448; non-finite blocks -> NaN."""
+    x = torch.zeros(6, 32)
+    x[0, 0], x[1, 0], x[2, 0], x[3, 0], x[4, 0] = 448.0, 449.0, 1.0, 1e-40, float("inf")
+    gt = moekit.group_quantize(x, [6], "mxfp8")
+    assert gt.rowwise_scale_inv.view(torch.uint8)[:, 0].tolist() == [127, 128, 119, 0, 255, 127]
+    assert gt.rowwise_data[:3, 0].float().tolist() == [448.0, 224.0, 256.0]  # 449 / 2 rounds to 224
+    block = moekit.group_quantize(x[:3], [3], "fp8_rowwise")
+    scale_inv = block.rowwise_scale_inv[:, 0]
+    assert scale_inv[0].item() == 1.0 and block.rowwise_data[:, 0].float().abs().max() == 448.0
+    # Correctly rounded divisions (a scalar / tensor in torch is a reciprocal times the scalar: not that).
+    amax = x[:3, 0]
+    assert torch.equal(scale_inv, torch.ones_like(amax) / (torch.full_like(amax, 448.0) / amax))
+    zeros = moekit.group_quantize(torch.zeros(2, 5), [2], "fp8_block", columnwise=True)
+    assert zeros.rowwise_scale_inv.eq(1).all() and zeros.columnwise_scale_inv.eq(1).all()
+    assert torch.isnan(gt.dequantize()[4]).all() and not torch.isnan(gt.dequantize()[:4]).any()
+
+
+# --------------------------------------------------------------------------------------------------
+# The formats against the reference
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize(("m_splits", "rows", "cols"), LAYOUTS)
+def test_formats_match_the_reference(recipe, m_splits, rows, cols):
+    x = data_with_specials(rows, cols, seed=rows + cols)
+    got = moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=True, backend="torch")
+    assert_same_bytes(got, group_quantize_reference(x, m_splits, recipe, rowwise=True, columnwise=True), recipe)
+    valid = sum(m_splits)
+    clean = rand(rows, cols, seed=rows + cols + 1)
+    quantized = moekit.group_quantize(clean, m_splits, recipe, rowwise=True, columnwise=True)
+    for columnwise in (False, True):
+        deq = quantized.dequantize(columnwise=columnwise)
+        assert deq.shape == x.shape and deq.dtype == x.dtype
+        assert deq[valid:].eq(0).all()  # padding rows: zeros
+        if valid and cols:
+            assert rel_err(deq[:valid], clean[:valid]) < 0.04
+    specials = got.dequantize()
+    if rows >= 30 and cols >= 8:  # a block with an inf or a NaN: NaN (scale and data); others finite
+        assert torch.isnan(specials[20]).any() and torch.isnan(specials[25]).any()
+        assert torch.isfinite(specials[:valid][torch.isfinite(x[:valid]).all(1)]).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("shape", [(3, 130, 70), (2, 1, 33), (1, 0, 5), (2, 256, 128)])
+def test_weight_formats_match_the_reference(recipe, shape):
+    w = rand(*shape, seed=sum(shape))
+    columnwise = recipe != "fp8_block"  # 128 x 128 tiles serve both orientations
+    got = moekit.group_quantize(w, None, recipe, columnwise=columnwise)
+    assert_same_bytes(got, group_quantize_reference(w, None, recipe, columnwise=columnwise), recipe)
+    assert got.dequantize().shape == shape
+    if w.numel():
+        assert rel_err(got.dequantize(), w) < 0.04
+        if columnwise:
+            assert rel_err(got.dequantize(columnwise=True), w) < 0.04
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_float64_input_quantizes_its_float32_rounding(recipe):
+    x = rand(70, 40, seed=3, dtype=torch.float64)
+    got = moekit.group_quantize(x, [30, 40], recipe, columnwise=True)
+    want = moekit.group_quantize(x.float(), [30, 40], recipe, columnwise=True)
+    for a, b in zip(got.storage()[2:], want.storage()[2:], strict=True):
+        assert torch.equal(as_bits(a), as_bits(b))
+    assert got.dtype == torch.float64 and got.dequantize().dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs(dtype):
+    x = data_with_specials(60, 70, seed=9, dtype=dtype)
+    for recipe in RECIPE_NAMES:
+        got = moekit.group_quantize(x, [20, 0, 35], recipe, columnwise=True)
+        assert_same_bytes(got, group_quantize_reference(x, [20, 0, 35], recipe, columnwise=True), recipe)
+        assert got.dequantize().dtype == dtype
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_a_group_equals_its_members_alone(recipe):
+    """Quantizing all groups at once gives each member the bytes it gets alone (blocks restart at every
+    group's first row)."""
+    m_splits = [40, 0, 97, 3, 33]
+    x = rand(sum(m_splits), 150, seed=5)
+    whole = moekit.group_quantize(x, m_splits, recipe, columnwise=True)
+    slots = whole.columnwise_scale_offsets.tolist()
+    lo = 0
+    for i, rows in enumerate(m_splits):
+        alone = moekit.group_quantize(x[lo : lo + rows], [rows], recipe, columnwise=True)
+        for a, b in (
+            (whole.rowwise_data[lo : lo + rows], alone.rowwise_data),
+            (whole.columnwise_data[lo : lo + rows], alone.columnwise_data),
+        ):
+            assert torch.equal(as_bits(a), as_bits(b)), f"member {i}"
+        assert torch.equal(as_bits(whole.rowwise_scale_inv[lo : lo + rows]), as_bits(alone.rowwise_scale_inv))
+        count = slots[i + 1] - slots[i]
+        assert count == alone.columnwise_scale_offsets[1].item()
+        assert torch.equal(
+            as_bits(whole.columnwise_scale_inv[slots[i] : slots[i + 1]]), as_bits(alone.columnwise_scale_inv[:count])
+        )
+        member = whole.split()[i]
+        assert torch.equal(member.dequantize(columnwise=True), alone.dequantize(columnwise=True))
+        lo += rows
+    w = rand(4, 130, 70, seed=6)
+    columnwise = recipe != "fp8_block"
+    weight = moekit.group_quantize(w, None, recipe, columnwise=columnwise)
+    for i in range(4):
+        alone = moekit.group_quantize(w[i : i + 1], None, recipe, columnwise=columnwise)
+        for a, b in zip(weight.storage()[2:], alone.storage()[2:], strict=True):
+            if b is not None and a.dim() == 3:
+                assert torch.equal(as_bits(a[i : i + 1]), as_bits(b)), f"weight member {i}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Device offsets: never read by the host
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Reading a tensor's values on the host (what a device tensor would sync for) raises inside."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor's values were read on the host")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
+            patch.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+def device_offsets(m_splits: list[int], rows: int) -> GroupOffsets:
+    """Offsets as device splits give them (no host copy), for the CPU."""
+    bounds = [0]
+    for c in m_splits:
+        bounds.append(bounds[-1] + c)
+    return GroupOffsets(offs=torch.tensor(bounds), host=None, rows=rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_device_offsets_are_never_read_by_the_host(recipe, backend):
+    m_splits, rows = [40, 0, 47, 3], 100
+    x = rand(rows, 70, seed=2)
+    want = moekit.group_quantize(x, m_splits, recipe, columnwise=True)
+    offs = device_offsets(m_splits, rows)
+    out = moekit.group_quantize(x * 2, offs, recipe, columnwise=True, backend=backend)
+    noop = torch.zeros((), dtype=torch.float32)
+    with no_host_reads():
+        got = moekit.group_quantize(x, offs, recipe, columnwise=True, backend=backend)
+        moekit.group_quantize(x, offs, recipe, columnwise=True, backend=backend, out=out, noop_flag=noop)
+        got.dequantize(columnwise=True)
+        got.dequantize()
+    assert got.known_host_first_dims is None
+    assert_same_bytes(got, want, recipe)
+    assert_same_bytes(out, want, recipe)
+
+
+# --------------------------------------------------------------------------------------------------
+# out= and the noop flag
+# --------------------------------------------------------------------------------------------------
+
+
+def addresses(gt: GroupedTensor) -> list[int | None]:
+    return [t.data_ptr() if t is not None else None for t in gt.storage()]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_out_rewrites_in_place(recipe, backend):
+    x1, x2 = rand(100, 70, seed=1), rand(100, 70, seed=2)
+    out = moekit.group_quantize(x1, [40, 60], recipe, columnwise=True, backend=backend)
+    before = addresses(out)
+    result = moekit.group_quantize(x2, torch.tensor([0, 97]), recipe, columnwise=True, out=out, backend=backend)
+    assert result is out and addresses(out) == before
+    assert out.first_dims.tolist() == [0, 97] and out.offsets.tolist() == [0, 0, 97]
+    assert_same_bytes(out, moekit.group_quantize(x2, [0, 97], recipe, columnwise=True), recipe)
+    w = rand(3, 130, 40, seed=3)
+    columnwise = recipe != "fp8_block"
+    w_out = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend=backend)
+    before = addresses(w_out)
+    moekit.group_quantize(w * 3, None, recipe, columnwise=columnwise, out=w_out, backend=backend)
+    assert addresses(w_out) == before
+    assert_same_bytes(w_out, moekit.group_quantize(w * 3, None, recipe, columnwise=columnwise), recipe)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_noop_flag(recipe, backend):
+    x1, x2 = rand(80, 40, seed=1), rand(80, 40, seed=2)
+    out = moekit.group_quantize(x1, [30, 50], recipe, columnwise=True, backend=backend)
+    kept = [as_bits(t).clone() for t in out.storage()]
+    before = addresses(out)
+    skip = torch.ones(1, dtype=torch.float32)
+    moekit.group_quantize(x2, [0, 77], recipe, columnwise=True, out=out, noop_flag=skip, backend=backend)
+    assert addresses(out) == before
+    for a, b in zip(out.storage(), kept, strict=True):
+        assert torch.equal(as_bits(a), b), "noop_flag 1.0 changed out"
+    assert out.known_host_first_dims is None  # which split holds is the device's to know
+    moekit.group_quantize(x2, [0, 77], recipe, columnwise=True, out=out, noop_flag=torch.tensor(0.0), backend=backend)
+    assert_same_bytes(out, moekit.group_quantize(x2, [0, 77], recipe, columnwise=True), recipe)
+
+
+class _SavesStorage(torch.autograd.Function):
+    """Identity on w that saves a quantized GroupedTensor's storage, as the quantized compute does."""
+
+    @staticmethod
+    def forward(ctx, w, *storage):
+        ctx.save_for_backward(*storage)
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018  (unpacking is where autograd checks the versions)
+        return (grad,) + (None,) * len(ctx.needs_input_grad[1:])
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_rewriting_storage_a_backward_saved_is_refused(recipe, backend):
+    """out= counts as an in-place write for autograd (also where a kernel wrote): a node that saved the
+    storage before refuses to run on the rewritten one."""
+    out = moekit.group_quantize(rand(10, 8, seed=1), [10], recipe, backend=backend)
+    w = torch.ones(3, requires_grad=True)
+    y = _SavesStorage.apply(w, *(t for t in out.storage() if t is not None)).sum()
+    moekit.group_quantize(rand(10, 8, seed=2), [10], recipe, out=out, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+# --------------------------------------------------------------------------------------------------
+# The Triton kernels under the interpreter: byte for byte the torch path
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_triton_kernels_match_the_torch_path(recipe, dtype):
+    for m_splits, rows, cols in (([40, 0, 37, 3], 90, 70), ([0, 33], 33, 130)):
+        x = data_with_specials(rows, cols, seed=rows, dtype=dtype)
+        for forms in ((True, False), (False, True), (True, True)):
+            got = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="triton")
+            want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")
+            assert_same_bytes(got, want, f"{recipe} {dtype} {forms}")
+    w = rand(2, 130, 40, seed=7, dtype=dtype)
+    columnwise = recipe != "fp8_block"
+    got = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="triton")
+    assert_same_bytes(got, moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch"), recipe)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals: one line each
+# --------------------------------------------------------------------------------------------------
+
+
+def _out(recipe="mxfp8", rows=10, cols=8, columnwise=False, dtype=torch.float32):
+    return moekit.group_quantize(torch.ones(rows, cols, dtype=dtype), [rows], recipe, columnwise=columnwise)
+
+
+x8 = torch.ones(10, 8)
+REFUSALS = [
+    (
+        lambda: moekit.group_quantize(x8, [10], "fp8"),
+        ValueError,
+        r"unknown recipe 'fp8'; expected one of \('mxfp8', 'fp8_block', 'fp8_rowwise'\)",
+    ),
+    (lambda: moekit.group_quantize(x8, [10], None), TypeError, r"recipe must be one of"),
+    (
+        lambda: moekit.group_quantize(x8.int(), [10], "mxfp8"),
+        TypeError,
+        r"x is torch.int32, not a floating dtype moekit computes in",
+    ),
+    (lambda: moekit.group_quantize(x8.bool(), [10], "mxfp8"), TypeError, r"x is torch.bool, not a floating dtype"),
+    (
+        lambda: moekit.group_quantize(x8.to(torch.float8_e4m3fn), [10], "mxfp8"),
+        TypeError,
+        r"x is torch.float8_e4m3fn, a float8 storage type",
+    ),
+    (lambda: moekit.group_quantize(x8.numpy(), [10], "mxfp8"), TypeError, r"x must be a torch.Tensor, got ndarray"),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", rowwise=False),
+        ValueError,
+        r"needs rowwise=True or columnwise=True",
+    ),
+    (lambda: moekit.group_quantize(x8, [10], "mxfp8", columnwise=1), TypeError, r"columnwise must be a bool"),
+    (
+        lambda: moekit.group_quantize(x8, [6, 6], "mxfp8"),
+        ValueError,
+        r"m_splits sums to 12 but the input has only 10 rows",
+    ),
+    (lambda: moekit.group_quantize(x8, [], "mxfp8"), ValueError, r"m_splits has no groups"),
+    (
+        lambda: moekit.group_quantize(x8, None, "mxfp8"),
+        ValueError,
+        r"m_splits=None quantizes an \(N, rows, cols\) weight, but x has shape \(10, 8\)",
+    ),
+    (
+        lambda: moekit.group_quantize(torch.ones(2, 3, 4), [2], "mxfp8"),
+        ValueError,
+        r"x must be 2-D \(rows, cols\) with m_splits",
+    ),
+    (lambda: moekit.group_quantize(torch.ones(0, 3, 4), None, "mxfp8"), ValueError, r"the weight has no members"),
+    (
+        lambda: moekit.group_quantize(torch.ones(2, 3, 4), None, "fp8_block", columnwise=True),
+        ValueError,
+        r"fp8_block has no columnwise form for an \(N, rows, cols\) weight",
+    ),
+    (lambda: moekit.group_quantize(x8, [10], "mxfp8", backend="fast"), ValueError, r"unknown backend 'fast'"),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=x8),
+        TypeError,
+        r"out must be a quantized GroupedTensor \(from group_quantize\), got Tensor",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out("fp8_block")),
+        ValueError,
+        r"out does not match this quantization: its recipe is fp8_block, asked mxfp8",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(rows=9)),
+        ValueError,
+        r"its shape is \(9, 8\), asked \(10, 8\)",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(dtype=torch.float16)),
+        ValueError,
+        r"its dtype is torch.float16, asked torch.float32",
+    ),
+    (lambda: moekit.group_quantize(x8, [5, 5], "mxfp8", out=_out()), ValueError, r"its number of groups is 1, asked 2"),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(columnwise=True)),
+        ValueError,
+        r"its forms is rowwise\+columnwise, asked rowwise",
+    ),
+    (lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(), noop_flag=torch.ones(())), None, None),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(), noop_flag=torch.ones((), dtype=torch.float64)),
+        ValueError,
+        r"noop_flag must be a float32 scalar tensor \(shape \(\) or \(1,\)\), got torch.float64",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(), noop_flag=torch.ones(2)),
+        ValueError,
+        r"noop_flag must be a float32 scalar tensor .* of shape \(2,\)",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(), noop_flag=1.0),
+        TypeError,
+        r"noop_flag must be a torch.Tensor",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", out=_out(), noop_flag=torch.ones((), device="meta")),
+        ValueError,
+        r"noop_flag is on meta but x is on cpu; pass it on x's device",
+    ),
+    (
+        lambda: moekit.group_quantize(x8, [10], "mxfp8", noop_flag=torch.ones(())),
+        ValueError,
+        r"noop_flag leaves out= unchanged when it is 1.0; it needs out=",
+    ),
+    (lambda: moekit.group_dequantize(x8), TypeError, r"gt must be a quantized GroupedTensor"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), REFUSALS, ids=[f"refusal-{i}" for i in range(len(REFUSALS))])
+def test_refusals_are_one_line(call, error, message):
+    if error is None:
+        call()  # accepted
+        return
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(TRITON_OK, reason="the Triton backend runs here")
+def test_triton_backend_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match=r"backend='triton' cannot quantize here: .*Usable here: \['loop', 'torch'\]"):
+        moekit.group_quantize(x8, [10], "mxfp8", backend="triton")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_compile_fullgraph_traces_group_quantize(recipe):
+    torch._dynamo.reset()
+    x = rand(70, 40, seed=1)
+    splits = torch.tensor([30, 0, 37])
+
+    def quantize_dequantize(x, splits):
+        gt = moekit.group_quantize(x, splits, recipe, columnwise=True)
+        return gt.dequantize(), gt.dequantize(columnwise=True), gt.rowwise_data, gt.columnwise_scale_inv
+
+    compiled = torch.compile(quantize_dequantize, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(x, splits), quantize_dequantize(x, splits), strict=True):
+        assert torch.equal(as_bits(got), as_bits(want))
+    out = moekit.group_quantize(rand(70, 40, seed=2), splits, recipe)
+
+    def rewrite(x, splits, flag):
+        moekit.group_quantize(x, splits, recipe, out=out, noop_flag=flag)
+        return out.dequantize()
+
+    compiled = torch.compile(rewrite, fullgraph=True, backend="aot_eager")
+    before = addresses(out)
+    skipped = compiled(x, splits, torch.ones(()))
+    assert torch.equal(skipped, moekit.group_quantize(rand(70, 40, seed=2), splits, recipe).dequantize())
+    done = compiled(x, splits, torch.zeros(()))
+    assert torch.equal(done, moekit.group_quantize(x, splits, recipe).dequantize())
+    assert addresses(out) == before
+    torch._dynamo.reset()
