@@ -20,6 +20,7 @@ _EXPORTS = {
     "GroupedMLP": "moekit.nn",
     "GroupedTensor": "moekit.grouped_tensor",
     "MoELayer": "moekit.nn",
+    "QuantizedWeightCache": "moekit.ops.quantize",
     "TopKRouter": "moekit.nn",
     "deinterleave_glu": "moekit.ops.glu",
     "glu": "moekit.ops.glu",

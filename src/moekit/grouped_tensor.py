@@ -198,6 +198,20 @@ class GroupedTensor:
     docstring; `columnwise_scale_offsets` (N+1,) gives each group's first columnwise scale slot.
     """
 
+    num_tensors: int
+    shape: tuple[int, ...]
+    data: torch.Tensor | None
+    member_shape: tuple[int, ...] | None
+    recipe: str | None
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+    columnwise_scale_offsets: torch.Tensor | None
+    _first_dims: torch.Tensor | None
+    _offsets: torch.Tensor | None
+    _host_first_dims: tuple[int, ...] | None
+
     def __init__(self, data: torch.Tensor, num_tensors: int, member_shape: Sequence[int]) -> None:
         """N members of one shape over `data`, a flat buffer of N * prod(member_shape) elements."""
         member_shape = tuple(int(d) for d in member_shape)
@@ -209,23 +223,23 @@ class GroupedTensor:
                 f"{num_tensors * math.prod(member_shape)}"
             )
         self._init_common(num_tensors, (num_tensors, *member_shape), data.dtype, data.device)
-        self.data: torch.Tensor | None = data
-        self.member_shape: tuple[int, ...] | None = member_shape
+        self.data = data
+        self.member_shape = member_shape
         self._host_first_dims = (member_shape[0],) * num_tensors if member_shape else None
 
     def _init_common(self, num_tensors: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.num_tensors = num_tensors
         self.shape = shape
         self._dtype, self._device = dtype, device
-        self._first_dims: torch.Tensor | None = None
-        self._offsets: torch.Tensor | None = None
-        self._host_first_dims: tuple[int, ...] | None = None
-        self.recipe: str | None = None
-        self.rowwise_data: torch.Tensor | None = None
-        self.rowwise_scale_inv: torch.Tensor | None = None
-        self.columnwise_data: torch.Tensor | None = None
-        self.columnwise_scale_inv: torch.Tensor | None = None
-        self.columnwise_scale_offsets: torch.Tensor | None = None
+        self._first_dims = None
+        self._offsets = None
+        self._host_first_dims = None
+        self.recipe = None
+        self.rowwise_data = None
+        self.rowwise_scale_inv = None
+        self.columnwise_data = None
+        self.columnwise_scale_inv = None
+        self.columnwise_scale_offsets = None
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -407,8 +421,14 @@ class GroupedTensor:
         """Views of every member (`split()`)."""
         return self.split()
 
+    def _recipe(self) -> Recipe:
+        if self.recipe is None:
+            raise ValueError("this GroupedTensor holds high-precision data, not a quantization")
+        return recipe_named(self.recipe)
+
     def _quantized_member(self, i: int, lo: int, hi: int) -> GroupedTensor:
-        info = recipe_named(self.recipe)
+        info = self._recipe()
+        slot_offs = self.columnwise_scale_offsets
         weight = len(self.shape) == 3
         sl = slice(i, i + 1) if weight else slice(lo, hi)
         rows = hi - lo
@@ -418,18 +438,18 @@ class GroupedTensor:
             row_scale = self.rowwise_scale_inv[sl]
         col_data = self.columnwise_data[sl] if self.columnwise_data is not None else None
         col_scale = col_offs = None
-        if self.columnwise_scale_inv is not None:
+        if self.columnwise_scale_inv is not None and slot_offs is not None:
             if weight:
                 col_scale = self.columnwise_scale_inv[sl]
-                col_offs = self.columnwise_scale_offsets.new_tensor([0, col_scale.shape[1]])
+                col_offs = slot_offs.new_tensor([0, col_scale.shape[1]])
             elif info.block_rows is None:
                 col_scale = self.columnwise_scale_inv[i : i + 1]
-                col_offs = self.columnwise_scale_offsets.new_tensor([0, 1])
+                col_offs = slot_offs.new_tensor([0, 1])
             else:
-                first = int(self.columnwise_scale_offsets[i])
+                first = int(slot_offs[i])
                 count = _cdiv(rows, info.block_rows)
                 col_scale = self.columnwise_scale_inv[first : first + count]
-                col_offs = self.columnwise_scale_offsets.new_tensor([0, count])
+                col_offs = slot_offs.new_tensor([0, count])
         shape = (1, *self.shape[1:]) if weight else (rows, *self.shape[1:])
         dims = self.first_dims[i : i + 1]
         return GroupedTensor.quantized(
@@ -449,7 +469,7 @@ class GroupedTensor:
     def __len__(self) -> int:
         return self.num_tensors
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> torch.Tensor | GroupedTensor:
         if not -self.num_tensors <= i < self.num_tensors:
             raise IndexError(f"member {i} out of range for {self.num_tensors} members")
         if self.data is not None and self.member_shape is not None:
@@ -463,21 +483,15 @@ class GroupedTensor:
         columnwise one with `columnwise=True` (a quantization's two forms differ in their blocks). High
         precision: the data itself, viewed in `shape`. No host reads."""
         check_bool("columnwise", columnwise)
-        if self.recipe is None:
+        if self.data is not None:
             return self.data.view(self.shape)
-        info = recipe_named(self.recipe)
+        info = self._recipe()
         if columnwise:
-            if self.columnwise_data is None:
+            data, scale, slots = self.columnwise_data, self.columnwise_scale_inv, self.columnwise_scale_offsets
+            if data is None or scale is None or slots is None:
                 raise ValueError("dequantize(columnwise=True): this GroupedTensor has no columnwise storage")
-            return dequantize_columnwise(
-                info,
-                self.columnwise_data,
-                self.columnwise_scale_inv,
-                self.offsets,
-                self.columnwise_scale_offsets,
-                self.dtype,
-            )
-        if self.rowwise_data is None:
+            return dequantize_columnwise(info, data, scale, self.offsets, slots, self.dtype)
+        if self.rowwise_data is None or self.rowwise_scale_inv is None:
             raise ValueError("dequantize(): this GroupedTensor has no rowwise storage; use columnwise=True")
         return dequantize_rowwise(info, self.rowwise_data, self.rowwise_scale_inv, self.dtype)
 
@@ -498,8 +512,10 @@ class GroupedTensor:
         """A quantized GroupedTensor like this one over `tensors` (`storage()`'s order): how an autograd
         node rebuilds what it saved."""
         first_dims, offsets, row_data, row_scale, col_data, col_scale, col_offs = tensors
+        if first_dims is None or offsets is None:
+            raise ValueError("with_storage needs the first dims and offsets")
         return GroupedTensor.quantized(
-            self.recipe,
+            self._recipe().name,
             self.dtype,
             self.shape,
             first_dims,

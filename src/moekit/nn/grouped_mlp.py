@@ -59,8 +59,16 @@ class GroupedMLP(nn.Module):
         self.glu_interleave_size = glu_interleave_size
         self.backend = backend
         self.quantization = check_quantization(quantization)
-        layout = {"single_grouped_weight": single_grouped_weight, "single_grouped_bias": single_grouped_weight}
-        factory = {"backend": backend, "device": device, "dtype": dtype, "quantization": self.quantization}
+        layout: dict[str, Any] = {
+            "single_grouped_weight": single_grouped_weight,
+            "single_grouped_bias": single_grouped_weight,
+        }
+        factory: dict[str, Any] = {
+            "backend": backend,
+            "device": device,
+            "dtype": dtype,
+            "quantization": self.quantization,
+        }
         self.fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, bias=bias, **layout, **factory)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias=bias, **layout, **factory)
         self.fc1.is_glu = True

@@ -248,7 +248,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     def backward(ctx, dy_MO):
         offs, bias_scale_M, bias_NO, *stored = ctx.saved_tensors
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
-        weight_q = ctx.w_template.with_storage(stored[7:])
+        weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
         need_x, need_scale = ctx.needs_input_grad[8], ctx.needs_input_grad[5]
         need_w, need_b = any(ctx.needs_input_grad[9 : 9 + n_w]), any(ctx.needs_input_grad[9 + n_w :])
@@ -261,12 +261,12 @@ class _QuantizedLinearFn(torch.autograd.Function):
             if need_x:
                 w_dgrad = weight_q.dequantize(columnwise=weight_q.columnwise_data is not None)
                 dx = library.grouped_linear_dgrad(backend, dy_q.dequantize(), w_dgrad, offs, host_offs)
-            if need_w:
+            if need_w and x_q is not None:
                 dy_c, x_c = dy_q.dequantize(columnwise=True), x_q.dequantize(columnwise=True)
                 dw = library.grouped_linear_wgrad(backend, dy_c, x_c, offs, host_offs)
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
-        if bias_scale_M is not None and need_scale:
+        if bias_scale_M is not None and need_scale and dy_bias_MO is not None:
             acc_t = compute_dtype(dy_MO, bias_scale_M)
             d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
         return (
@@ -290,6 +290,8 @@ def quantized_weight(
     """The quantization of a grouped weight (one (N, O, I) tensor or N (O, I) tensors): from `cache`,
     refreshed there when the weight changed, or made for this call."""
     w_NOI = stacked(weights, 3, "weight")
+    if w_NOI is None:
+        raise ValueError("weight must be a (N, out, in) tensor or a non-empty list of N (out, in) tensors")
     if cache is None:
         cache = QuantizedWeightCache()
     return cache.get(w_NOI.detach(), weights, recipe, quantizer)

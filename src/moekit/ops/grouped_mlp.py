@@ -125,12 +125,12 @@ def grouped_mlp(
     if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None and quantization is None:
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         return fused_mlp(spec, offs.offs, None, x.shape[0], row_major(x), probs, w1s, b1s, w2s, b2s)
-    fc1 = dict(backend=backend, quantization=quantization, weight_cache=cache1)
-    h = grouped_linear(x, fc1_weight, offs, fc1_bias, **fc1)
+    h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend, quantization=quantization, weight_cache=cache1)
     a = glu(h, activation=activation, probs=probs, glu_interleave_size=glu_interleave_size)
     scale = probs if probs is not None and b2s else None
-    fc2 = dict(backend=backend, quantization=quantization, weight_cache=cache2)
-    return grouped_linear(a, fc2_weight, offs, fc2_bias, bias_scale=scale, **fc2)
+    return grouped_linear(
+        a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale, quantization=quantization, weight_cache=cache2
+    )
 
 
 def grouped_mlp_reference(

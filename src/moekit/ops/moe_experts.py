@@ -32,6 +32,7 @@ no_grad nothing is held and h is never split.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -203,7 +204,7 @@ def moe_experts(
     # The weights in sorted order: a permutation, so this gather's backward (index_add_) writes each
     # weight's gradient exactly once: exact and deterministic.
     probs_M = topk_weights.reshape(-1).index_select(0, order.copy_of_row.view(-1))
-    mlp_kwargs = dict(
+    mlp_kwargs: dict[str, Any] = dict(
         probs=probs_M,
         fc1_bias=fc1_bias,
         fc2_bias=fc2_bias,

@@ -219,12 +219,13 @@ def _check_out(out: object, info: Recipe, x: torch.Tensor, num: int, rowwise: bo
         "col_scale": out.columnwise_scale_inv,
     }
     for name, spec in expected.items():
-        have = stored[name]
-        if spec is None or have is None:
+        tensor = stored[name]
+        if spec is None or tensor is None:
             continue
-        if tuple(have.shape) != spec[0] or have.dtype != spec[1] or not have.is_contiguous():
+        if tuple(tensor.shape) != spec[0] or tensor.dtype != spec[1] or not tensor.is_contiguous():
             raise ValueError(
-                f"out's {name} is {have.dtype} {tuple(have.shape)}; {info.name} needs a contiguous {spec[1]} {spec[0]}"
+                f"out's {name} is {tensor.dtype} {tuple(tensor.shape)}; {info.name} needs a contiguous {spec[1]} "
+                f"{spec[0]}"
             )
     return out
 
@@ -232,7 +233,7 @@ def _check_out(out: object, info: Recipe, x: torch.Tensor, num: int, rowwise: bo
 def _check_noop(noop_flag: object, x: torch.Tensor, out: GroupedTensor | None) -> torch.Tensor | None:
     if noop_flag is None:
         return None
-    check_tensor("noop_flag", noop_flag)
+    noop_flag = check_tensor("noop_flag", noop_flag)
     if noop_flag.dtype != torch.float32 or noop_flag.numel() != 1 or noop_flag.dim() > 1:
         raise ValueError(
             f"noop_flag must be a float32 scalar tensor (shape () or (1,)), got {noop_flag.dtype} of shape "
@@ -341,7 +342,7 @@ def group_quantize(
     # The bookkeeping in place too (every address kept), under the same noop flag.
     _update(out.first_dims, first_dims, noop)
     _update(out.offsets, offs.offs, noop)
-    if col_offs is not None:
+    if col_offs is not None and out.columnwise_scale_offsets is not None:
         _update(out.columnwise_scale_offsets, col_offs, noop)
     new_host = _host_dims(offs)
     if noop is not None and new_host != out.known_host_first_dims:
@@ -402,71 +403,78 @@ def group_quantize_reference(
     a Python loop over groups and blocks, on the CPU, reading m_splits on the host."""
     info = recipe_named(recipe)
     x32 = x.detach().cpu().to(torch.float32)
-    weight = m_splits is None
     shape = tuple(x.shape)
-    if weight:
+    weight = m_splits is None
+    if m_splits is None:
         counts = [shape[1]] * shape[0]
-        rows_view = x32.reshape(-1, shape[-1])
     else:
         counts = [int(c) for c in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
-        rows_view = x32
     num, cols = len(counts), shape[-1]
+    rows = sum(counts) if m_splits is None else shape[0]
+    rows_view = x32.reshape(rows, cols)
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
-    storage = _allocate(info, shape, torch.device("cpu"), num, rowwise, columnwise)
+    specs = _storage_specs(info, shape, num, rowwise, columnwise)
     one = _reference_scales(info, torch.zeros(()))[1]
-    for t in (storage["row_scale"], storage["col_scale"]):
-        if t is not None:
-            t.copy_(one.expand(t.shape))  # padding rows and unused slots: scale 1
-    for t in (storage["row_data"], storage["col_data"]):
-        if t is not None:
-            t.view(torch.uint8).zero_()  # padding rows: data 0
-    row_data = storage["row_data"].view(-1, cols) if rowwise and cols else None
-    col_data = storage["col_data"].view(-1, cols) if columnwise and cols else None
-    block_k = info.block_cols or max(cols, 1)
-    if rowwise and weight and info.weight_tile is not None:
-        tile = info.weight_tile
-        for n in range(num):
-            for i in range(0, shape[1], tile):
-                for j in range(0, cols, tile):
-                    data, scale = _reference_block(info, x32[n, i : i + tile, j : j + tile], (0, 1))
-                    storage["row_data"][n, i : i + tile, j : j + tile] = data
-                    storage["row_scale"][n, i // tile, j // tile] = scale.reshape(())
-    elif rowwise and cols:
-        row_scale = storage["row_scale"].view(-1, storage["row_scale"].shape[-1])
-        for r0, r1 in pairwise(bounds):
-            for j in range(0, cols, block_k):
-                data, scale = _reference_block(info, rows_view[r0:r1, j : j + block_k], (1,))
-                row_data[r0:r1, j : j + block_k] = data
-                row_scale[r0:r1, j // block_k] = scale.reshape(-1)
+
+    def filled(name: str) -> torch.Tensor | None:
+        """Storage as padding rows and unused slots leave it: data 0, scales 1."""
+        spec = specs[name]
+        if spec is None:
+            return None
+        t = torch.empty(spec[0], dtype=spec[1])
+        if name.endswith("data"):
+            t.view(torch.uint8).zero_()
+        else:
+            t.copy_(one.expand(t.shape))
+        return t
+
+    row_data, row_scale, col_data, col_scale = (filled(n) for n in ("row_data", "row_scale", "col_data", "col_scale"))
+    if row_data is not None and row_scale is not None and cols:
+        if weight and info.weight_tile is not None:
+            tile = info.weight_tile
+            for n in range(num):
+                for i in range(0, shape[1], tile):
+                    for j in range(0, cols, tile):
+                        data, scale = _reference_block(info, x32[n, i : i + tile, j : j + tile], (0, 1))
+                        row_data[n, i : i + tile, j : j + tile] = data
+                        row_scale[n, i // tile, j // tile] = scale.reshape(())
+        else:
+            block_k = info.block_cols or cols
+            data_rows, scale_rows = row_data.view(rows, cols), row_scale.view(rows, row_scale.shape[-1])
+            for r0, r1 in pairwise(bounds):
+                for j in range(0, cols, block_k):
+                    data, scale = _reference_block(info, rows_view[r0:r1, j : j + block_k], (1,))
+                    data_rows[r0:r1, j : j + block_k] = data
+                    scale_rows[r0:r1, j // block_k] = scale.reshape(-1)
     slot_offs = None
-    if columnwise:
-        col_scale = storage["col_scale"].view(-1, cols) if cols else None
+    if col_data is not None and col_scale is not None:
+        data_rows, scale_slots = col_data.view(rows, cols), col_scale.view(col_scale.numel() // max(cols, 1), cols)
         slot, firsts = 0, []
         for r0, r1 in pairwise(bounds):
             firsts.append(slot)
+            # One slot per block of block_rows rows; per whole group (even an empty one) without it.
             block_m = info.block_rows or max(r1 - r0, 1)
             for i in range(r0, max(r1, r0 + 1) if info.block_rows is None else r1, block_m):
                 if cols:
                     data, scale = _reference_block(info, rows_view[i : min(i + block_m, r1)], (0,))
-                    col_data[i : min(i + block_m, r1)] = data
-                    col_scale[slot] = scale.reshape(-1)
+                    data_rows[i : min(i + block_m, r1)] = data
+                    scale_slots[slot] = scale.reshape(-1)
                 slot += 1
         firsts.append(slot)
         slot_offs = torch.tensor(firsts, dtype=torch.int64)
-    first_dims = torch.tensor(counts, dtype=torch.int64)
     return GroupedTensor.quantized(
         info.name,
         x.dtype,
         shape,
-        first_dims,
+        torch.tensor(counts, dtype=torch.int64),
         torch.tensor(bounds, dtype=torch.int64),
         host_first_dims=counts,
-        rowwise_data=storage["row_data"],
-        rowwise_scale_inv=storage["row_scale"],
-        columnwise_data=storage["col_data"],
-        columnwise_scale_inv=storage["col_scale"],
+        rowwise_data=row_data,
+        rowwise_scale_inv=row_scale,
+        columnwise_data=col_data,
+        columnwise_scale_inv=col_scale,
         columnwise_scale_offsets=slot_offs,
     )
 
@@ -499,7 +507,7 @@ class QuantizedWeightCache:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.quantized, self.refreshes, self._key, self._anchors = None, 0, None, []
 
     @staticmethod
     def _anchor(w: torch.Tensor) -> torch.Tensor:
@@ -538,8 +546,10 @@ class QuantizedWeightCache:
         ):
             group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, out=cached, backend=backend)
         else:
-            self.quantized = group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, backend=backend)
+            cached = self.quantized = group_quantize(
+                w_NOI, None, recipe, rowwise=True, columnwise=columnwise, backend=backend
+            )
         self._key = key
         self._anchors = [weakref.ref(self._anchor(w)) for w in weights]
         self.refreshes += 1
-        return self.quantized
+        return cached

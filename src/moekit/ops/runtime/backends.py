@@ -27,6 +27,7 @@ This module needs no triton: the Triton backend imports moekit's runtime when fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -372,8 +373,11 @@ class TritonBackend:
         return triton_unavailable_reason(x.device, x.dtype)
 
     @property
-    def group_quantize_into(self):
-        return triton_runtime().quantize.group_quantize_into
+    def group_quantize_into(self) -> Callable[..., None]:
+        runtime = triton_runtime()
+        if runtime is None:
+            raise ValueError("triton cannot be imported (pip install triton)")
+        return runtime.quantize.group_quantize_into
 
 
 def gather_sum_rows(

@@ -60,7 +60,7 @@ def _plan(
     rows, cols = x2.shape
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
-    if info.block_cols is not None:  # mxfp8, fp8_block: one tile = one block of each form
+    if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
         grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, tile_k))
@@ -120,7 +120,7 @@ def group_quantize_into(
     x2 = x.reshape(-1, x.shape[-1])
     num_groups = offs.shape[0] - 1
     forms = (row_data is not None, col_data is not None, noop is not None)
-    key = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms)
+    key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms)
     key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop))
     plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, num_groups, forms))
     noop_arg = noop if noop is not None else offs
@@ -137,6 +137,6 @@ def group_quantize_into(
                 _u8(col_scale, x2),
             )
         if plan.rows is not None:
-            plan.rows(x2, offs, noop_arg, _u8(row_data, x2), row_scale)
+            plan.rows(x2, offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
         if plan.group_cols is not None:
-            plan.group_cols(x2, offs, noop_arg, _u8(col_data, x2), col_scale)
+            plan.group_cols(x2, offs, noop_arg, _u8(col_data, x2), _u8(col_scale, x2))

@@ -181,6 +181,8 @@ def group_quantize_into(
         _write(row_data, data, skip)
         _write(row_scale, scale, skip)
     if col_data is not None:
+        if col_scale is None:
+            raise ValueError("columnwise data needs its scales")
         data, scale = _row_columns(info, x32, offs, slot_offs, col_scale.shape[0])
         _write(col_data, data, skip)
         _write(col_scale, scale, skip)
