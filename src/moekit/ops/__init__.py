@@ -1,15 +1,17 @@
 """moekit's ops, in layers that import only downward:
 
     kernels/     jit code only (Triton and Gluon): the tile schedule, the grouped GEMM, the fused MLP
-                 (Triton, and warp-specialised Gluon for Hopper), the row kernel, the routing sort, and
-                 the activations' jit act/grad pairs
+                 (Triton, and warp-specialised Gluon for Hopper), the row kernel, the routing sort, the
+                 grouped FP8 quantization (quantize), and the activations' jit act/grad pairs
     runtime/     device facts, every configuration table (configs.py), the one plan-and-launch recipe
-                 (launch.py), the host side of each kernel family, and the backends behind one Protocol
-                 with the capabilities the fused paths ask for (backends.py)
+                 (launch.py), the host side of each kernel family (quantize.py for quantization, and its
+                 plain-torch twin quantize_torch.py), and the backends behind one Protocol with the
+                 capabilities the fused paths and quantization ask for (backends.py)
     library.py   every launch as a torch.library custom op with a fake implementation
     the ops      activations (the registry), glu, grouped_linear, grouped_mlp, moe_experts, rows
-                 (move_rows, permute, unpermute), routing (sort_by_expert), splits; each public op with
-                 its float64 reference beside it
+                 (move_rows, permute, unpermute), routing (sort_by_expert), splits, quantize
+                 (group_quantize, group_dequantize, the quantized weights layers keep); each public op
+                 with its reference beside it (float64; quantize's: the same bytes, group by group)
 
 Shape legend of the whole package. Internal tensor names may carry their shape as a suffix (`x_MI`,
 `w_NOI`, `row_map_TK`); each letter has this one meaning everywhere:
