@@ -332,6 +332,16 @@ def test_load_of_missing_checkpoint_is_refused(tmp_path):
         checkpoint.load(tmp_path, model)
 
 
+def test_train_distributed_refuses_a_missing_resume_path_in_one_line(tmp_path):
+    """examples/train_distributed.py: a wrong --resume is a usage error before any rank starts work."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_distributed.py"
+    absent = tmp_path / "absent"
+    done = subprocess.run([sys.executable, str(script), "--resume", str(absent)], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    expected = f"--resume: checkpoint path '{absent}' does not exist; expected a directory written by moekit"
+    assert expected in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
