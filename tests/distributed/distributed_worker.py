@@ -662,9 +662,9 @@ def check_capacity_graph(rank, world, device, workdir):
         torch.cuda.set_sync_debug_mode("default")
     print("OK capacity no host sync (cuda sync debug mode error)", flush=True)
 
-    from test_gpu import _capture
+    from helpers import capture_cuda_graph
 
-    graph, y_static = _capture(step, leaves)
+    graph, y_static = capture_cuda_graph(step, leaves)
     static = {
         "out": y_static,
         "dropped": model.dropped_copies,
