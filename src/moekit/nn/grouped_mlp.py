@@ -51,8 +51,11 @@ class GroupedMLP(nn.Module):
         self.activation = activation
         self.glu_interleave_size = glu_interleave_size
         self.backend = backend
-        layout = {"single_grouped_weight": single_grouped_weight, "single_grouped_bias": single_grouped_weight}
-        factory = {"backend": backend, "device": device, "dtype": dtype}
+        layout: dict[str, Any] = {
+            "single_grouped_weight": single_grouped_weight,
+            "single_grouped_bias": single_grouped_weight,
+        }
+        factory: dict[str, Any] = {"backend": backend, "device": device, "dtype": dtype}
         self.fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, bias=bias, **layout, **factory)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias=bias, **layout, **factory)
         self.fc1.is_glu = True
@@ -88,7 +91,7 @@ class GroupedMLP(nn.Module):
             with torch.no_grad():
                 for src, dst in ((self.fc1, part.fc1), (self.fc2, part.fc2)):
                     for src_params, dst_params in ((src.weights(), dst.weights()), (src.biases(), dst.biases())):
-                        if src_params is None:
+                        if src_params is None or dst_params is None:  # (both or neither: one config)
                             continue
                         src_all = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
                         chosen = src_all[first : first + count]

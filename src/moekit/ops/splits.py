@@ -49,7 +49,7 @@ class GroupOffsets:
         return torch.searchsorted(self.offs[1:], rows, right=True)
 
 
-def resolve_splits(m_splits: MSplits, num_groups: int, rows: int, device: torch.device) -> GroupOffsets:
+def resolve_splits(m_splits: MSplits | GroupOffsets, num_groups: int, rows: int, device: torch.device) -> GroupOffsets:
     """Validate `m_splits` and turn it into `GroupOffsets` on `device`.
 
     Raises ValueError/TypeError naming what was wrong and what is expected.
