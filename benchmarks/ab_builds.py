@@ -13,8 +13,9 @@ source, so the two never share binaries.
     python benchmarks/ab_builds.py --a src --b src --smoke --out /tmp/ab.json   # CPU: the plumbing
 
 The JSON records the machine and versions (`runner.machine`), build A's commit (`--commit`, else
-`MOEKIT_BENCH_COMMIT`, else git) as `git_commit`, build B's (`--commit-b`) as `b_commit`, and, per cell, each build's per-round kernel times, their ratio
-B / A (mean of rounds) per kernel, and whether all hashes agree.
+`MOEKIT_BENCH_COMMIT`, else git) as `git_commit`, build B's (`--commit-b`) as `b_commit`, and, per
+cell, each build's per-round kernel times, their ratio B / A (mean of rounds) per kernel, and
+whether all hashes agree.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ SHAPES = {
 }
 
 
-def _variants(layer, mesh, solo_mesh):
+def _variants(layer, mesh, solo_mesh, tokens):
     from moekit.distributed import ExpertParallelMoE
 
     return {
@@ -56,7 +56,11 @@ def _variants(layer, mesh, solo_mesh):
         "one_gpu_ep_path": ExpertParallelMoE(layer, solo_mesh),
         "ep_dropless": ExpertParallelMoE(layer, mesh),
         "ep_dropless_overlap2": ExpertParallelMoE(layer, mesh, num_chunks=2),
-        "ep_capacity1.25": ExpertParallelMoE(layer, mesh, mode="capacity", capacity_factor=1.25),
+        # capacity_tokens: C fixed by the per-rank batch, so nothing is read by the host (no
+        # all-reduce of the token counts) and the step replays from a CUDA graph.
+        "ep_capacity1.25": ExpertParallelMoE(
+            layer, mesh, mode="capacity", capacity_factor=1.25, capacity_tokens=tokens
+        ),
     }
 
 
@@ -166,7 +170,7 @@ def run(rank, world, port, args, queue):
         tokens, experts, top_k, hidden, ffn = SHAPES[name]
         torch.manual_seed(0)
         layer = moekit.MoELayer(hidden, ffn, experts, top_k, device=device, dtype=dtype)
-        modules = _variants(layer, mesh, solo_mesh)
+        modules = _variants(layer, mesh, solo_mesh, tokens)
         g = torch.Generator(device=device).manual_seed(1 + rank)
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g).requires_grad_()
         d_y = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)

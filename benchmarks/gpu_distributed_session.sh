@@ -3,7 +3,7 @@
 # $OUT set (the folder for its logs and results). Every step is bounded; the bounds add up to 450 s:
 #   1. machine and versions; 2. bench_expert_parallel.py (EP=2 vs one GPU, all-to-all share,
 #   overlap, capacity eager and replayed from a CUDA graph, dropless) per shape; 3. the distributed
-#   checks of tests/distributed_worker.py over NCCL: "capacity_graph" (capacity mode on the GPU
+#   checks of tests/distributed/distributed_worker.py over NCCL: "capacity_graph" (capacity mode on the GPU
 #   kernels: no host sync, CUDA-graph replays with new routing equal eager), "train" (DDP, FSDP2, EP
 #   on 2 GPUs) and the checkpoint chain (one process -> 4 ranks on CPU/gloo, as a GPU host has 2
 #   GPUs -> 2 GPUs over NCCL -> one process).
@@ -51,7 +51,7 @@ torch.cuda.device_count())'
 
 if [ "$SMOKE" = 1 ]; then
     step 120 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --smoke --out "$OUT/ep_bench_tiny.json"
-    step 120 "$LOG" $PY tests/distributed_worker.py ep 2 "$(port)" gloo "$WORK"
+    step 120 "$LOG" $PY tests/distributed/distributed_worker.py ep 2 "$(port)" gloo "$WORK"
     echo "== $(date -u +%T) done (smoke), status $status" | tee -a "$LOG"
     exit $status
 fi
@@ -62,12 +62,12 @@ step 70 "$OUT/ep_bench.log" $PY benchmarks/bench_expert_parallel.py --shapes gpt
     --out "$OUT/ep_bench_gpt-oss-20b.json"
 
 # Capacity mode on moekit's GPU kernels (bf16, Triton): host syncs and CUDA-graph capture.
-step 120 "$LOG" $PY tests/distributed_worker.py capacity_graph 2 "$(port)" nccl "$WORK"
+step 120 "$LOG" $PY tests/distributed/distributed_worker.py capacity_graph 2 "$(port)" nccl "$WORK"
 # fp32 checks with the loop backend: no Triton compilation inside this session's time.
-step 60 "$LOG" $PY tests/distributed_worker.py train 2 "$(port)" nccl "$WORK" loop
-step 15 "$LOG" $PY tests/distributed_worker.py one_process_save "$WORK"
-step 40 "$LOG" $PY tests/distributed_worker.py ckpt4 4 "$(port)" gloo "$WORK" auto
-step 40 "$LOG" $PY tests/distributed_worker.py ckpt2 2 "$(port)" nccl "$WORK" loop
-step 15 "$LOG" $PY tests/distributed_worker.py one_process_check "$WORK"
+step 60 "$LOG" $PY tests/distributed/distributed_worker.py train 2 "$(port)" nccl "$WORK" loop
+step 15 "$LOG" $PY tests/distributed/distributed_worker.py one_process_save "$WORK"
+step 40 "$LOG" $PY tests/distributed/distributed_worker.py ckpt4 4 "$(port)" gloo "$WORK" auto
+step 40 "$LOG" $PY tests/distributed/distributed_worker.py ckpt2 2 "$(port)" nccl "$WORK" loop
+step 15 "$LOG" $PY tests/distributed/distributed_worker.py one_process_check "$WORK"
 echo "== $(date -u +%T) done, status $status" | tee -a "$LOG"
 exit $status

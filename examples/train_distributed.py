@@ -102,6 +102,14 @@ def main():
         help="DCP checkpoint directory to start from (written by --save at any world size or --ep)",
     )
     args = parser.parse_args()
+    if args.resume:
+        # Refused here, in one line on every rank, before the process group and the model exist.
+        from moekit.distributed.checkpoint import check_checkpoint_exists
+
+        try:
+            check_checkpoint_exists(args.resume)
+        except FileNotFoundError as e:
+            parser.error(f"--resume: {e}")
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":

@@ -270,3 +270,93 @@ def assert_no_nan(t: torch.Tensor, what: str) -> None:
 def rand(*shape, dtype=torch.float32, scale=1.0, seed=0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU tests (pytest -m gpu): what the modules' GPU tests share. Legend: M routed rows, N experts,
+# H hidden size, F ffn size.
+# --------------------------------------------------------------------------------------------------
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+# "auto" on Hopper is triton (measured at least as fast in every product).
+GPU_BACKENDS = ("torch", "triton", "auto")
+GPU_M, GPU_N, GPU_H, GPU_F = 4096, 8, 1024, 1536
+
+GPU_SPLITS = [
+    pytest.param([512] * 8, id="balanced"),
+    # 3545 of 4096 rows routed: empty experts first, in the middle and last, and padding rows.
+    pytest.param([0, 700, 512, 0, 900, 333, 1100, 0], id="empty-first-middle-last+padding"),
+]
+
+
+def capture_cuda_graph(step, leaves):
+    """Capture step() (a forward+backward) in a CUDA graph; returns (graph, step's output). Warms up
+    on a side stream first (lazy init, autotuning), as torch.cuda.graphs asks; grads are set to None
+    so the captured backward allocates them from the graph's pool and writes them on every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    return graph, y_static
+
+
+def require_backend(backend: str, in_features: int, out_features: int, device=None, dtype=BF16) -> None:
+    """Skip (with select_backend's reason) when the backend cannot run these operands."""
+    from moekit.ops.runtime.backends import select_backend
+
+    device = device or CUDA
+    try:
+        select_backend(
+            backend,
+            torch.empty(0, in_features, device=device, dtype=dtype),
+            torch.empty(1, out_features, in_features, device=device, dtype=dtype),
+        )
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+def on_device(fn, device):
+    """Wrap `fn` so that it receives its tensor arguments on `device` and returns its result on the
+    CPU, both moves differentiable: check_against_reference makes its leaves and the upstream
+    gradient on the CPU (as do the plain-torch helpers above), while the op under test and the
+    float64 reference run on the GPU."""
+
+    def wrapped(**tensors):
+        return fn(**{k: v.to(device) for k, v in tensors.items()}).cpu()
+
+    return wrapped
+
+
+def assert_padding_and_empty_experts(res: dict, m_splits: list[int], weight_keys: tuple[str, ...]) -> None:
+    for name, t in res.items():
+        assert_no_nan(t, name)
+    used = sum(m_splits)
+    assert torch.count_nonzero(res["out"][used:]) == 0, "padding rows of the output are not zero"
+    assert torch.count_nonzero(res["x"][used:]) == 0, "padding rows of d x are not zero"
+    for key in weight_keys:
+        for g, count in enumerate(m_splits):
+            if count == 0:
+                assert torch.count_nonzero(res[key][g]) == 0, f"d {key}[{g}] of an expert without rows is not zero"
+
+
+def assert_no_host_sync(step) -> None:
+    """Run `step` once to warm up (lazy init, autotuning, which may sync), then once more with the
+    CUDA sync debugger set to raise on any host synchronization."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -15,12 +15,18 @@ Hugging Face model under Inductor, about 30 s, matched eager within the floor wh
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import moekit
 from helpers import rel_err, tolerance_floor
 from moekit.ops.runtime.backends import backend_named
+
+# The small Hugging Face models of tests/integrations/test_transformers.py (`from test_transformers import _model`).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "integrations"))
 
 TRITON_OK = backend_named("triton").unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
 BACKENDS = [
@@ -154,7 +160,7 @@ def test_moe_layer_inductor(backend):
 
 def _hf_model(backend, name="qwen3_moe"):
     pytest.importorskip("transformers")
-    from test_integration_transformers import _model
+    from test_transformers import _model
 
     from moekit.integrations.transformers import apply_moekit
 
@@ -191,7 +197,7 @@ def test_apply_moekit_gpt_oss_fullgraph():
 def test_experts_implementation_moekit_fullgraph():
     """The registered `experts_implementation="moekit"` path (no module swap) traces as well."""
     pytest.importorskip("transformers")
-    from test_integration_transformers import _model
+    from test_transformers import _model
 
     import moekit.integrations.transformers  # noqa: F401  (registers the implementation)
 

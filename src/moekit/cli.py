@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_REFUSED = 2
@@ -35,7 +36,7 @@ EXIT_FAILED = 3  # convert's verification failed
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage before the message; one line says what is wrong and where to look.
         self.exit(EXIT_REFUSED, f"{self.prog}: refused: {message} (see {self.prog} --help)\n")
 
@@ -51,7 +52,7 @@ class _Terminated(BaseException):
     """SIGTERM, raised where the process is, so that temporary output is removed on the way out."""
 
 
-def _raise_terminated(signum, frame):
+def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
@@ -61,7 +62,7 @@ GLU_HELP = (
 )
 
 
-def _add_demo(subparsers) -> None:
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     from moekit.ops.grouped_linear import BACKENDS
 
     p = subparsers.add_parser(
@@ -177,7 +178,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if analysis.problems else 0
 
 
-def _add_checkpoint_commands(subparsers) -> None:
+def _add_checkpoint_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "convert",
         help="convert expert weights between per-expert and grouped layouts",

@@ -25,8 +25,10 @@ from torch import nn
 try:  # optional (`pip install 'moekit[plot]'`); imported with the module, before the demo's work starts
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    _HAS_MATPLOTLIB = True
 except ImportError:
-    Figure = FigureCanvasAgg = None
+    _HAS_MATPLOTLIB = False
 
 from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
@@ -138,6 +140,7 @@ def routing_table(model: TinyMoELM, task: DialectTask, tokens: torch.Tensor) -> 
     """(dialects, experts): share of each dialect's routed copies in the first MoE layer."""
     cfg = task.cfg
     block = model.blocks[0]
+    assert isinstance(block, Block)  # (an nn.ModuleList item is typed Module)
     x = model.embed(tokens) + model.pos[: tokens.shape[1]]
     mask = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).triu(1)
     h = block.norm1(x)
@@ -310,7 +313,7 @@ def _demo_device(device: str) -> torch.device:
 
 
 def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
-    if Figure is None:
+    if not _HAS_MATPLOTLIB:
         print("matplotlib is not installed, so no loss plot was drawn (pip install 'moekit[plot]')")
         return None
     fig = Figure(figsize=(7, 4))  # no pyplot: no global backend or figure state

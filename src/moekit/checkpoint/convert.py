@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from moekit.checkpoint.layout import (
     PART_NAME,
     Analysis,
     ExpertGroup,
+    GluOrder,
     analyze,
     reorder_glu_rows,
     shown,
@@ -80,7 +81,7 @@ class _Reader:
     def __init__(self, ckpt: Checkpoint, stats: _Stats):
         self.ckpt, self.stats = ckpt, stats
 
-    def _read(self, key, offset=0, nbytes=None) -> bytes:
+    def _read(self, key: str, offset: int = 0, nbytes: int | None = None) -> bytes:
         data = self.ckpt.read(key, offset, nbytes)
         self.stats.note(len(data))
         return data
@@ -98,7 +99,15 @@ class _Reader:
                 return _rows(self._read(g.sources[("down", kind)][i]), shape)
             half = (shape[0] // 2, *shape[1:])
             return torch.cat([_rows(self._read(g.sources[(which, kind)][i]), half) for which in ("gate", "up")])
-        return reorder_glu_rows(rows, g.glu_interleave_size, None) if g.is_fc1(part) and g.fused_fc1 else rows
+        return reorder_glu_rows(rows, _known_order(g), None) if g.is_fc1(part) and g.fused_fc1 else rows
+
+
+def _known_order(g: ExpertGroup) -> int | None:
+    """The gate/up order of g's fused source fc1 tensors, which is known by now (`refusals` refuse a group
+    whose order is not)."""
+    order = g.glu_interleave_size
+    assert order != KEEP, f"{g.prefix}: the gate/up order of fused fc1 tensors is not known"
+    return order
 
 
 def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: int | None) -> list[OutputTensor]:
@@ -106,11 +115,11 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
     outputs = []
     first_key = sorted(g.keys)[0]
 
-    def piece(part, i, select=None):
+    def piece(part: str, i: int, select: slice | None = None) -> Callable[[], Iterator[bytes]]:
         """One expert's tensor: canonical rows, then either the gate or up half (`select`), or
         the whole tensor with fused fc1 rows put in the target order."""
 
-        def produce():
+        def produce() -> Iterator[bytes]:
             rows = reader.canonical(g, part, i)
             if select is not None:
                 rows = rows[select]
@@ -122,14 +131,16 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
 
         return produce
 
-    def add(key, part, i=None, select=None, shape=None):
+    def add(
+        key: str, part: str, i: int | None = None, select: slice | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
         shape = shape or g.parts[part]
         nbytes = math.prod(shape) * DTYPE_BITS[g.dtype] // 8
         if i is not None:
             outputs.append(OutputTensor(key, g.dtype, shape, nbytes, piece(part, i, select), first_key))
             return
 
-        def stacked():
+        def stacked() -> Iterator[bytes]:
             for e in range(g.num_experts):
                 yield from piece(part, e)()
 
@@ -157,7 +168,7 @@ def _plan_group(g: ExpertGroup, reader: _Reader, layout: str, naming: str, glu: 
 def _copy_output(ckpt: Checkpoint, key: str, stats: _Stats) -> OutputTensor:
     t = ckpt.tensors[key]
 
-    def produce():
+    def produce() -> Iterator[bytes]:
         for offset in range(0, t.nbytes, COPY_PIECE_BYTES):
             data = ckpt.read(key, offset, min(COPY_PIECE_BYTES, t.nbytes - offset))
             stats.note(len(data))
@@ -197,10 +208,10 @@ class ConvertResult:
     removed_temps: list[Path]  # temporary outputs of killed earlier runs, found and removed
 
 
-def parse_glu(value, flag: str = "--glu-interleave") -> int | None | str:
+def parse_glu(value: int | str | None, flag: str = "--glu-interleave") -> GluOrder:
     """A GLU order argument: KEEP, None (`[gates; ups]`, also 'none'), or a positive int."""
-    if value in (KEEP, None) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value  # (KEEP is returned below)
     text = str(value).strip().lower()
     if text in ("none", "concat", "concatenated"):
         return None
@@ -228,9 +239,12 @@ def refusals(ckpt: Checkpoint, analysis: Analysis) -> list[str]:
     return problems
 
 
-def _targets(analysis: Analysis, to: str, glu_interleave) -> tuple[dict, list[str]]:
+def _targets(
+    analysis: Analysis, to: str, glu_interleave: GluOrder
+) -> tuple[dict[str, tuple[str, str, int | None]], list[str]]:
     """prefix -> (layout, naming, fused fc1 order) of the output, and the problems of that request."""
-    problems, targets = [], {}
+    problems: list[str] = []
+    targets: dict[str, tuple[str, str, int | None]] = {}
     for g in analysis.groups:
         glu = g.glu_interleave_size if glu_interleave == KEEP else glu_interleave
         glu = None if glu == KEEP else glu
@@ -331,7 +345,12 @@ def convert_checkpoint(
 
 
 def _write_outputs(
-    ckpt: Checkpoint, outputs: list[OutputTensor], metadata: dict, tmp: Path, to_folder: bool, on_tensor
+    ckpt: Checkpoint,
+    outputs: list[OutputTensor],
+    metadata: dict,
+    tmp: Path,
+    to_folder: bool,
+    on_tensor: Callable[[int], None],
 ) -> list[Path]:
     if not to_folder:
         write_safetensors(tmp, sorted(outputs, key=lambda o: o.key), metadata, on_tensor)
@@ -370,7 +389,7 @@ def _verify_round_trip(
         problems.append("the output's expert groups differ from the source's")
     if problems:
         raise VerificationError("the output's expert groups do not match the source's: " + "; ".join(problems))
-    targets = {p: (g.layout, g.naming, g.glu_interleave_size if g.fused_fc1 else None) for p, g in by_prefix.items()}
+    targets = {p: (g.layout, g.naming, _known_order(g) if g.fused_fc1 else None) for p, g in by_prefix.items()}
     back = {o.key: o for o in _plan(out, out_analysis, targets, stats)}
     if back.keys() != src.tensors.keys():
         missing, extra = sorted(set(src.tensors) - set(back))[:5], sorted(set(back) - set(src.tensors))[:5]
@@ -392,7 +411,7 @@ def _verify_round_trip(
             progress("verified", count, len(src.tensors), done, total)
 
 
-def iter_rows(rows: list[tuple[str, ...]]) -> Iterator[str]:
+def iter_rows(rows: Sequence[tuple[str, ...]]) -> Iterator[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         yield "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()

@@ -24,6 +24,7 @@ import shutil
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ class TensorEntry:
     nbytes: int
 
 
-def _no_duplicates(pairs):
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen = {}
     for key, value in pairs:
         if key in seen:
@@ -110,7 +111,7 @@ def _no_duplicates(pairs):
     return seen
 
 
-def _entry_problem(key: str, entry) -> str | None:
+def _entry_problem(key: str, entry: object) -> str | None:
     """Why one header entry is not a tensor entry the safetensors library accepts, or None."""
     if not isinstance(entry, dict):
         return f"header entry {key!r} is a {type(entry).__name__}; expected an object with dtype, shape, data_offsets"
@@ -327,7 +328,7 @@ def _process_exists(pid: int) -> bool:
 
 def remove_stale_temps(dst: Path) -> list[Path]:
     """Remove temporary siblings of `dst` left by moekit runs whose process is gone; return them."""
-    removed = []
+    removed: list[Path] = []
     try:
         siblings = list(dst.parent.iterdir())
     except OSError:

@@ -27,6 +27,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import Final, Literal, TypeVar
 
 import torch
 
@@ -35,7 +36,9 @@ from moekit.checkpoint.files import DTYPE_BITS, Checkpoint
 from moekit.checkpoint.metadata import join_key, read_records
 from moekit.ops.glu import check_interleave, deinterleave_glu, interleave_glu
 
-KEEP = "keep"  # a GLU order argument that was not given
+KEEP: Final = "keep"  # a GLU order argument that was not given
+# A GLU row order: None (`[gates; ups]`), a block size, or KEEP (not given / not known).
+GluOrder = int | None | Literal["keep"]
 
 # An expert index in a key: whatever looks like one (digits, signed or not) is matched, then held to
 # the one rule of `expert_index`, the same for `moekit convert` / `inspect` and for
@@ -101,7 +104,7 @@ class ExpertGroup:
     dtype: str
     parts: dict[str, tuple[int, ...]]
     sources: dict
-    glu_interleave_size: int | None | str = None  # of fused fc1 tensors; KEEP while not known
+    glu_interleave_size: GluOrder = None  # of fused fc1 tensors; KEEP while not known
 
     @property
     def keys(self) -> list[str]:
@@ -212,10 +215,13 @@ def _check_indices(what: str, indices: dict[int, str], num: int, problems: list[
         problems.append(f"{what}: {missing} (found {len(indices)} of 0..{num - 1})")
 
 
-def _same(values: dict[str, tuple], what: str, problems: list[str]) -> tuple | None:
+_V = TypeVar("_V", bound=tuple)
+
+
+def _same(values: dict[str, _V], what: str, problems: list[str]) -> _V | None:
     """The one value all keys have, or None with a problem naming each distinct value (a few of them)
     with how many keys have it and one of those keys."""
-    by_value: dict[tuple, list[str]] = defaultdict(list)
+    by_value: dict[_V, list[str]] = defaultdict(list)
     for key, value in sorted(values.items()):
         by_value[value].append(key)
     if len(by_value) == 1:
@@ -232,7 +238,7 @@ def _same(values: dict[str, tuple], what: str, problems: list[str]) -> tuple | N
     return None
 
 
-def _dtype(ckpt: Checkpoint, keys, prefix: str, problems: list[str]) -> str | None:
+def _dtype(ckpt: Checkpoint, keys: Iterable[str], prefix: str, problems: list[str]) -> str | None:
     dtype = _same({key: (ckpt.tensors[key].dtype,) for key in keys}, f"{prefix or 'root'}: dtypes", problems)
     if dtype is not None and DTYPE_BITS[dtype[0]] % 8:
         problems.append(
@@ -243,7 +249,7 @@ def _dtype(ckpt: Checkpoint, keys, prefix: str, problems: list[str]) -> str | No
     return dtype[0] if dtype else None
 
 
-def analyze(ckpt: Checkpoint, src_glu_interleave: int | None | str = KEEP) -> Analysis:
+def analyze(ckpt: Checkpoint, src_glu_interleave: GluOrder = KEEP) -> Analysis:
     """Find the expert groups of a checkpoint and every problem that would make a conversion unsafe.
 
     `src_glu_interleave`: the fc1 gate/up order of fused source tensors that the file's records do
@@ -332,7 +338,9 @@ def _check_expert_counts(ckpt: Checkpoint, groups: list[ExpertGroup], records: d
             )
 
 
-def _hf_per_expert_group(ckpt, prefix, naming, by_part, problems) -> ExpertGroup | None:
+def _hf_per_expert_group(
+    ckpt: Checkpoint, prefix: str, naming: str, by_part: dict[tuple[str, str], dict[int, str]], problems: list[str]
+) -> ExpertGroup | None:
     n_before = len(problems)
     num = 1 + max(max(indices) for indices in by_part.values())
     has_bias = any(kind == "bias" for _, kind in by_part)
@@ -342,7 +350,7 @@ def _hf_per_expert_group(ckpt, prefix, naming, by_part, problems) -> ExpertGroup
     keys = [key for indices in by_part.values() for key in indices.values()]
     dtype = _dtype(ckpt, keys, prefix, problems)
 
-    def shape_of(part, kind):
+    def shape_of(part: str, kind: str) -> tuple[int, ...] | None:
         return _same(
             {key: ckpt.tensors[key].shape for key in by_part.get((part, kind), {}).values()},
             f"{prefix}: shapes of {PART_NAME[naming][part]}.{kind}",
@@ -359,16 +367,18 @@ def _hf_per_expert_group(ckpt, prefix, naming, by_part, problems) -> ExpertGroup
             got = shape_of(part, "bias")
             if got is not None and got != want:
                 problems.append(f"{prefix}: {PART_NAME[naming][part]}.bias has shape {got}, expected {want}")
-    if len(problems) > n_before:
+    if len(problems) > n_before or dtype is None or gate is None:  # (None: a problem was listed)
         return None
     ffn, hidden = gate
-    parts = {"fc1_weight": (2 * ffn, hidden), "fc2_weight": (hidden, ffn)}
+    parts: dict[str, tuple[int, ...]] = {"fc1_weight": (2 * ffn, hidden), "fc2_weight": (hidden, ffn)}
     if has_bias:
         parts.update({"fc1_bias": (2 * ffn,), "fc2_bias": (hidden,)})
     return ExpertGroup(prefix, naming, "per-expert", "mlp", num, dtype, parts, dict(by_part))
 
 
-def _hf_grouped_group(ckpt, prefix, found, record, problems) -> ExpertGroup | None:
+def _hf_grouped_group(
+    ckpt: Checkpoint, prefix: str, found: dict[str, str], record: dict | None, problems: list[str]
+) -> ExpertGroup | None:
     n_before = len(problems)
     for part in ("fc1_weight", "fc2_weight"):
         if part not in found:
@@ -393,20 +403,27 @@ def _hf_grouped_group(ckpt, prefix, found, record, problems) -> ExpertGroup | No
     if gate_up[1:] != (2 * ffn, hidden):
         problems.append(f"{prefix}: gate_up_proj {gate_up} does not match down_proj {down} ([N, 2F, H] vs [N, H, F])")
         return None
-    parts = {"fc1_weight": (2 * ffn, hidden), "fc2_weight": (hidden, ffn)}
+    parts: dict[str, tuple[int, ...]] = {"fc1_weight": (2 * ffn, hidden), "fc2_weight": (hidden, ffn)}
     if "fc1_bias" in t:
         for part, want in (("fc1_bias", (num, 2 * ffn)), ("fc2_bias", (num, hidden))):
             if t[part].shape != want:
                 problems.append(f"{prefix}: {HF_GROUPED_NAME[part]} has shape {t[part].shape}, expected {want}")
         parts.update({"fc1_bias": (2 * ffn,), "fc2_bias": (hidden,)})
     dtype = _dtype(ckpt, found.values(), prefix, problems)
-    if len(problems) > n_before:
+    if len(problems) > n_before or dtype is None:  # (None: a problem was listed)
         return None
     naming = (record or {}).get("naming", "hf")
     return ExpertGroup(prefix, naming if naming in PART_NAME else "hf", "grouped", "mlp", num, dtype, parts, found)
 
 
-def _te_group(ckpt, prefix, layout, by_kind, record, problems) -> ExpertGroup | None:
+def _te_group(
+    ckpt: Checkpoint,
+    prefix: str,
+    layout: str,
+    by_kind: dict[str, dict[int, str]],
+    record: dict | None,
+    problems: list[str],
+) -> ExpertGroup | None:
     n_before = len(problems)
     where = prefix or "root"
     if record is not None and record.get("role") in ("fc1", "fc2", "linear"):
@@ -434,26 +451,29 @@ def _te_group(ckpt, prefix, layout, by_kind, record, problems) -> ExpertGroup | 
         shapes = {kind: shape[1:] for kind, shape in full.items()}
         if any(not shape or shape[0] != num for shape in full.values()):
             problems.append(f"{where}: weight {full['weight']} and bias {full.get('bias')} disagree on N")
-    if len(problems) > n_before:
-        return None
     weight = shapes["weight"]
+    if len(problems) > n_before or weight is None:  # (None: a problem was listed)
+        return None
     if len(weight) != 2:
         problems.append(f"{where}: weight has per-expert shape {weight}, expected [out, in]")
     elif "bias" in shapes and shapes["bias"] != (weight[0],):
         problems.append(f"{where}: bias has per-expert shape {shapes['bias']}, expected ({weight[0]},)")
     elif role == "fc1" and weight[0] % 2:
         problems.append(f"{where}: a GLU fc1 needs an even number of output rows (2F), got {weight[0]}")
-    if len(problems) > n_before:
+    if len(problems) > n_before or dtype is None:
         return None
-    return ExpertGroup(prefix, "te", layout, role, num, dtype, dict(shapes), dict(by_kind))
+    parts = {kind: shape for kind, shape in shapes.items() if shape is not None}  # all: no problem was listed
+    return ExpertGroup(prefix, "te", layout, role, num, dtype, parts, dict(by_kind))
 
 
-def _settle_glu_order(group: ExpertGroup, record: dict | None, given, problems: list[str]) -> None:
+def _settle_glu_order(group: ExpertGroup, record: dict | None, given: GluOrder, problems: list[str]) -> None:
     """Set the fc1 gate/up order of the group's fused source tensors, or leave it KEEP (unknown)."""
     if not group.fused_fc1:
         group.glu_interleave_size = None
         return
-    recorded = record.get("glu_interleave_size") if record is not None and "glu_interleave_size" in record else KEEP
+    recorded: GluOrder = (
+        record.get("glu_interleave_size") if record is not None and "glu_interleave_size" in record else KEEP
+    )
     if recorded != KEEP and given != KEEP and recorded != given:
         problems.append(
             f"{group.prefix or 'root'}: the file records glu_interleave_size={recorded}, "

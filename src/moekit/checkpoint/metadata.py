@@ -26,6 +26,7 @@ GLU order is stated in exactly one place. Other modules' extra states travel as 
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
 from moekit.checkpoint.errors import CheckpointError
 
@@ -35,6 +36,8 @@ META_GROUPS = "moekit.expert_groups"
 META_EXTRA_STATE = "moekit.extra_state"
 EXTRA_STATE_FORMAT = "moekit.GroupedLinear/1"
 EXTRA_STATE_SUFFIX = "_extra_state"
+
+_T = TypeVar("_T")
 
 NAMINGS = ("te", "hf", "mixtral")
 LAYOUTS = ("per-expert", "grouped")
@@ -51,7 +54,7 @@ def linear_extra_state(is_glu: bool, glu_interleave_size: int | None) -> dict:
     return {"format": EXTRA_STATE_FORMAT, "glu": bool(is_glu), "glu_interleave_size": glu_interleave_size}
 
 
-def glu_order_of_extra_state(extra) -> tuple[bool, int | None]:
+def glu_order_of_extra_state(extra: object) -> tuple[bool, int | None]:
     """(recorded, order): the GLU row order a GroupedLinear extra state records, if it records one."""
     if isinstance(extra, dict) and extra.get("format") == EXTRA_STATE_FORMAT and extra.get("glu"):
         return True, extra.get("glu_interleave_size")
@@ -59,7 +62,7 @@ def glu_order_of_extra_state(extra) -> tuple[bool, int | None]:
 
 
 def group_record(
-    prefix: str, naming: str, layout: str, role: str, num_experts: int, glu_interleave_size: int | None
+    prefix: str, naming: str, layout: str, role: str, num_experts: int | None, glu_interleave_size: int | None
 ) -> dict:
     return {
         "prefix": prefix,
@@ -103,7 +106,7 @@ def records_from_state(state: dict, shapes: dict[str, tuple[int, ...]]) -> tuple
     return records, others
 
 
-def _check_record(record, where: str) -> dict:
+def _check_record(record: object, where: str) -> dict:
     problems = []
     if not isinstance(record, dict) or not isinstance(record.get("prefix"), str):
         raise CheckpointError([f"{where}: {META_GROUPS} holds {record!r}; expected records with a 'prefix'"])
@@ -128,7 +131,7 @@ def _check_record(record, where: str) -> dict:
     return record
 
 
-def _json(metadata: dict, key: str, where: str, kind: type):
+def _json(metadata: dict, key: str, where: str, kind: type[_T]) -> _T:
     try:
         value = json.loads(metadata[key])
     except (TypeError, json.JSONDecodeError) as exc:

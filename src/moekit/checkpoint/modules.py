@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from moekit.checkpoint.metadata import (
     read_records,
     records_from_state,
 )
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys  # what Module.load_state_dict returns
 
 
 def save_safetensors(module_or_state: nn.Module | dict, path: str | os.PathLike) -> None:
@@ -88,7 +92,7 @@ def read_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu"
     return state
 
 
-def load_safetensors(module: nn.Module, path: str | os.PathLike, *, strict: bool = True):
+def load_safetensors(module: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> _IncompatibleKeys:
     """Load a safetensors checkpoint into `module` (layouts and interleave sizes are converted)."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     return module.load_state_dict(read_safetensors(path, device=device), strict=strict)

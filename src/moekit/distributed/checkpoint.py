@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from moekit.checkpoint.metadata import join_key
 from moekit.distributed.expert_parallel import ExpertParallelMoE
@@ -89,7 +91,8 @@ def _expert_entries(model: nn.Module) -> tuple[list[_ExpertEntry], dict[str, str
             else:
                 key = f"{path}.{kind}"
             replaced.update({n: "experts" for n in names})
-            entries.append(_ExpertEntry(key, names, [params] if grouped else list(params), grouped, transpose, ep))
+            members = [params] if isinstance(params, torch.Tensor) else list(params)
+            entries.append(_ExpertEntry(key, names, members, grouped, transpose, ep))
     for hf_path in hf_prefixes:
         replaced[join_key(hf_path, "grouped_mlp.")] = "prefix"
     return entries, replaced
@@ -106,7 +109,9 @@ def _inside(path: str, prefix: str) -> bool:
     return prefix == "" or path.startswith(prefix + ".")
 
 
-def _local_and_placement(tensors: list[torch.Tensor], grouped: bool):
+def _local_and_placement(
+    tensors: list[torch.Tensor], grouped: bool
+) -> tuple[torch.Tensor, Shard | None, DeviceMesh | None, tuple[int, ...]]:
     """(local (n, ...) tensor, FSDP placement on the dp mesh or None, that mesh or None, global shape)."""
     first = tensors[0]
     if isinstance(first, DTensor):
@@ -116,7 +121,7 @@ def _local_and_placement(tensors: list[torch.Tensor], grouped: bool):
                 "supported; shard them with FSDP2 on a 1-D mesh (moekit.distributed.apply_fsdp)"
             )
         dim = first.placements[0].dim + (0 if grouped else 1)
-        locals_ = [t.to_local() for t in tensors]
+        locals_ = [cast(DTensor, t).to_local() for t in tensors]  # FSDP2 shards every member alike
         mesh, placement = first.device_mesh, Shard(dim)
     else:
         locals_, mesh, placement = [t.detach() for t in tensors], None, None
@@ -129,7 +134,7 @@ def _stored_tensor(entry: _ExpertEntry, tensors: list[torch.Tensor], *, fresh: b
     """The global tensor DCP stores for `entry`, built on this rank's shard of `tensors` (the
     parameters or one optimizer state of them). fresh=True gives a new buffer (to load into)."""
     local, placement, dp_mesh, global_shape = _local_and_placement(tensors, entry.grouped)
-    placements = [] if placement is None else [placement]
+    placements: list[Placement] = [] if placement is None else [placement]
     mesh = dp_mesh
     if entry.ep is not None:
         ep = entry.ep
@@ -174,16 +179,20 @@ def _is_replaced(key: str, replaced: dict[str, str]) -> bool:
     return any(why == "prefix" and key.startswith(k) for k, why in replaced.items())
 
 
-def _model_state(model: nn.Module, entries, replaced, *, fresh: bool) -> dict:
+def _model_state(
+    model: nn.Module, entries: list[_ExpertEntry], replaced: dict[str, str], *, fresh: bool
+) -> dict[str, Any]:
     state = {k: v for k, v in model.state_dict().items() if not _is_replaced(k, replaced)}
     for entry in entries:
         state[entry.key] = _stored_tensor(entry, entry.params, fresh=fresh)
     return state
 
 
-def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, entries, *, fresh: bool):
+def _optim_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, entries: list[_ExpertEntry], *, fresh: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(stored optimizer state, torch's FQN-keyed optimizer state dict it came from)."""
-    osd = get_optimizer_state_dict(model, optimizer)
+    osd: dict[str, Any] = get_optimizer_state_dict(model, optimizer)  # (its values' types vary by key)
     state = dict(osd["state"])
     to_key = {}
     for entry in entries:
@@ -240,7 +249,7 @@ def check_checkpoint_exists(path: str | os.PathLike) -> None:
         )
 
 
-def _flatten(prefix: str, value, out: dict) -> None:
+def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
@@ -248,10 +257,10 @@ def _flatten(prefix: str, value, out: dict) -> None:
         out[prefix] = value
 
 
-def _check_fits(target: dict, path) -> None:
+def _check_fits(target: dict[str, Any], path: str | os.PathLike) -> None:
     """Refuse a checkpoint that does not fit `target`'s tensors: missing keys, other global shapes."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    flat: dict = {}
+    flat: dict[str, object] = {}
     _flatten("", target, flat)
     missing, shapes = [], []
     for key, value in flat.items():
@@ -276,7 +285,7 @@ def _check_fits(target: dict, path) -> None:
         )
 
 
-def _check_interleave(model: nn.Module, path, process_group) -> None:
+def _check_interleave(model: nn.Module, path: str | os.PathLike, process_group: dist.ProcessGroup | None) -> None:
     """Refuse a checkpoint whose fc1 GLU interleave sizes differ from the model's."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     modules = dict(model.named_modules())
@@ -336,7 +345,7 @@ def load(
     dcp.load(target, checkpoint_id=path, process_group=process_group)
     for entry in entries:
         _write_back(entry, target["model"][entry.key], entry.params)
-    if optimizer is None:
+    if optimizer is None or osd is None:  # (osd is read with the optimizer)
         return
     loaded = target["optim"]
     state = dict(osd["state"])

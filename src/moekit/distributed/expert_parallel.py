@@ -52,6 +52,7 @@ Modes:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,13 @@ class _AllToAll(torch.autograd.Function):
     """`all_to_all_single` of rows, differentiable: the backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        output_splits: list[int] | None,
+        input_splits: list[int] | None,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         rows = x.shape[0] if output_splits is None else sum(output_splits)
         out = x.new_empty((rows, *x.shape[1:]))
@@ -85,7 +92,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         rows = d_out.shape[0] if ctx.input_splits is None else sum(ctx.input_splits)
         d_x = d_out.new_empty((rows, *d_out.shape[1:]))
         dist.all_to_all_single(d_x, d_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
@@ -104,9 +111,9 @@ class _Pending:
     that must outlive it, forward and backward."""
 
     def __init__(self) -> None:
-        self.work = None
-        self.keep_alive = None
-        self.d_input = None
+        self.work: dist.Work | None = None
+        self.keep_alive: torch.Tensor | None = None
+        self.d_input: torch.Tensor | None = None
 
 
 class _AllToAllStart(torch.autograd.Function):
@@ -118,7 +125,14 @@ class _AllToAllStart(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, pending):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        pending: _Pending,
+    ) -> torch.Tensor:
         ctx.pending = pending
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         x = x.contiguous()
@@ -127,7 +141,7 @@ class _AllToAllStart(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         pending = ctx.pending
         pending.work.wait()
         d_input = pending.d_input
@@ -137,14 +151,22 @@ class _AllToAllStart(torch.autograd.Function):
 
 class _AllToAllWait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, output_splits, input_splits, group, pending):
+    def forward(
+        ctx: Any,
+        out: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        pending: _Pending,
+    ) -> torch.Tensor:
+        assert pending.work is not None  # started by _AllToAllStart
         pending.work.wait()
         pending.work = pending.keep_alive = None
         ctx.output_splits, ctx.input_splits, ctx.group, ctx.pending = output_splits, input_splits, group, pending
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         pending = ctx.pending
         d_out = d_out.contiguous()
         pending.d_input = d_out.new_empty((sum(ctx.input_splits), *d_out.shape[1:]))
@@ -156,7 +178,9 @@ class _AllToAllWait(torch.autograd.Function):
         return d_out, None, None, None, None
 
 
-def _start(x, output_splits, input_splits, group):
+def _start(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> tuple[torch.Tensor, tuple[list[int], list[int], dist.ProcessGroup, _Pending]]:
     pending = _Pending()
     return _AllToAllStart.apply(x, output_splits, input_splits, group, pending), (
         output_splits,
@@ -166,7 +190,7 @@ def _start(x, output_splits, input_splits, group):
     )
 
 
-def _wait(out, started):
+def _wait(out: torch.Tensor, started: tuple[list[int], list[int], dist.ProcessGroup, _Pending]) -> torch.Tensor:
     return _AllToAllWait.apply(out, *started)
 
 
@@ -178,7 +202,7 @@ class _HostRead:
         if t.device.type == "cuda":
             self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.host.copy_(t, non_blocking=True)
-            self.ready = torch.cuda.Event()
+            self.ready: torch.cuda.Event | None = torch.cuda.Event()
             self.ready.record()
         else:
             self.host, self.ready = t, None
@@ -248,7 +272,7 @@ class ExpertParallelMoE(nn.Module):
         self.mesh = mesh
         self.ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
         self.ep_group = self.ep_mesh.get_group()
-        self.ep_size = self.ep_mesh.size()
+        self.ep_size: int = self.ep_mesh.size()
         self.ep_rank = self.ep_mesh.get_local_rank()
         if layer.num_experts % self.ep_size:
             raise ValueError(

@@ -11,13 +11,13 @@ Legend: N experts (of a module, local ones under expert parallelism), O/I a line
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from moekit.distributed.expert_parallel import ExpertParallelMoE
@@ -63,7 +63,9 @@ def _expert_tensors(module: nn.Module) -> list[tuple[nn.Parameter, int, int, int
     return out
 
 
-def expert_shard_placement(module: nn.Module, mesh_size: int, shard_dim: int | None = None):
+def expert_shard_placement(
+    module: nn.Module, mesh_size: int, shard_dim: int | None = None
+) -> Callable[[nn.Parameter], Shard]:
     """FSDP2 `shard_placement_fn` for the expert tensors in `module`: a grouped tensor (N, ...) (a
     GroupedLinear's single grouped weight (N, O, I) or bias (N, O), or an integration's expert
     tensor kept in its model's layout) is cut along the experts (dim 0) when every rank gets the
@@ -116,8 +118,8 @@ def apply_fsdp(
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError("mesh must be a 1-D DeviceMesh over the data-parallel ranks of the dense parameters")
 
-    def shard(module: nn.Module, unit_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
-        fully_shard(
+    def shard(module: nn.Module, unit_mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> FSDPModule:
+        return fully_shard(
             module,
             mesh=unit_mesh,
             reshard_after_forward=reshard_after_forward,
@@ -138,8 +140,7 @@ def apply_fsdp(
                     "apply_fsdp needs the ExpertParallelMoE's mesh to be 2-D with dims ('ep', 'dp'), so that its "
                     "experts have a data-parallel dim to be sharded over (dp may be 1)"
                 )
-            experts = experts_of(module)
-            shard(experts, module.mesh["dp"], experts_policy)
+            experts = shard(module.experts, module.mesh["dp"], experts_policy)
             experts.set_gradient_divide_factor(float(module.mesh.size()))
             if module.mesh["dp"].size() > 1 and dist.get_backend(module.mesh["dp"].get_group()) == "gloo":
                 # FSDP2 scales by a custom factor with ReduceOp.PREMUL_SUM, which gloo lacks: sum, then divide.

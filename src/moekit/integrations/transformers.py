@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,8 +157,7 @@ def _activation_of(experts: nn.Module) -> str:
     `hidden_act` through HIDDEN_ACT_ACTIVATIONS, with `act_fn` checked to be that activation."""
     name = model_experts_class(experts).__name__
     hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
-    activation = HIDDEN_ACT_ACTIVATIONS.get(hidden_act) if isinstance(hidden_act, str) else None
-    if activation is None:
+    if not isinstance(hidden_act, str) or hidden_act not in HIDDEN_ACT_ACTIVATIONS:
         raise UnsupportedModelError(
             f"{name} uses activation {hidden_act!r} (config.hidden_act); moekit runs GLU experts with "
             f"hidden_act one of {sorted(HIDDEN_ACT_ACTIVATIONS)}"
@@ -167,10 +167,11 @@ def _activation_of(experts: nn.Module) -> str:
     act_fn = getattr(experts, "act_fn", None)
     if type(act_fn) is not expected:
         raise UnsupportedModelError(
-            f"{name}.act_fn is {type(act_fn).__name__}, not {expected.__name__} of its config's hidden_act "
+            # transformers' ACT2CLS is inferred dict[str, object]: its values are classes or (class, kwargs).
+            f"{name}.act_fn is {type(act_fn).__name__}, not {expected.__name__} of its config's hidden_act "  # type: ignore[union-attr]
             f"{hidden_act!r}; moekit runs only the activations of hidden_act {sorted(HIDDEN_ACT_ACTIVATIONS)}"
         )
-    return activation
+    return HIDDEN_ACT_ACTIVATIONS[hidden_act]
 
 
 def _check_gpt_oss_constants(experts: nn.Module) -> None:
@@ -237,6 +238,11 @@ class MoekitExperts(IntegratedExperts):
     moekit_backend: str = "auto"
     # moekit's quantized compute for these experts (None, "fp8_block", "fp8_rowwise", "mxfp8").
     moekit_quantization: str | None = None
+    # Set by the model's own experts class: its config, and (until converted) its fused fc1 weight.
+    config: Any
+    gate_up_proj: torch.Tensor
+    # Set where converted to per-expert weights: the model's tensor names in its registration order.
+    model_tensor_order: tuple[str, ...]
 
     def moekit_weight_caches(self) -> tuple[QuantizedWeightCache, QuantizedWeightCache]:
         """The (fc1, fc2) quantized weights these experts keep across calls (made on first use)."""
@@ -270,7 +276,7 @@ class MoekitExperts(IntegratedExperts):
         if mlp is None:
             params = {name: self._parameters.get(name) for name in self.model_tensor_names.values()}
             return {name: (p.grad if grads else p) for name, p in params.items() if p is not None}
-        out = {}
+        out: dict[str, torch.Tensor | None] = {}
         for (linear_name, kind), model_name in self.model_tensor_names.items():
             linear = getattr(mlp, linear_name)
             params = linear.weights() if kind == "weight" else linear.biases()
@@ -334,6 +340,7 @@ def _convert_to_per_expert(
     num_experts = gate_up.shape[0]
     # gate_up_proj is [N, H, 2F] when transposed, [N, 2F, H] otherwise.
     hidden, two_ffn = gate_up.shape[1:] if layout.transposed else gate_up.shape[1:][::-1]
+    assert layout.activation is not None  # resolved by _layout_of_supported
     mlp = GroupedMLP(
         num_experts,
         hidden,
@@ -353,32 +360,36 @@ def _convert_to_per_expert(
         if kind == "bias" and not layout.has_bias:
             continue
         param = experts._parameters.pop(model_name)
+        assert param is not None  # the model registers every tensor of its layout
         _install(getattr(mlp, linear_name), kind, param, transpose=layout.transposed and kind == "weight")
     experts.grouped_mlp = mlp
     experts.register_state_dict_post_hook(_save_in_model_layout)
     experts.register_load_state_dict_pre_hook(_load_from_model_layout)
 
 
-def _save_in_model_layout(module: MoekitExperts, state_dict: dict, prefix: str, local_metadata) -> None:
+def _save_in_model_layout(
+    module: MoekitExperts, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
     own = prefix + "grouped_mlp."
     for key in [k for k in state_dict if k.startswith(own)]:
         del state_dict[key]
     tensors = module.model_layout_tensors()
     for name in module.model_tensor_order:
         t = tensors[name]
+        assert t is not None  # (None only for a missing gradient)
         # A transposed view would not serialise (safetensors wants contiguous tensors).
         state_dict[prefix + name] = t.detach().contiguous() if not t.is_contiguous() else t.detach()
 
 
 def _load_from_model_layout(
     module: MoekitExperts,
-    state_dict: dict,
+    state_dict: dict[str, Any],
     prefix: str,
-    local_metadata,
-    strict,
-    missing_keys,
-    unexpected_keys,
-    error_msgs,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
     mlp = module.converted_mlp()
     for (linear_name, kind), model_name in module.model_tensor_names.items():
@@ -475,14 +486,16 @@ def apply_moekit(
             "fully_shard or any parametrization"
         )
     layouts = [_layout_of_supported(experts) for experts in found]
-    for experts, layout in zip(found, layouts, strict=True):
-        experts.__class__ = moekit_class(model_experts_class(experts))
-        experts.moekit_backend = backend
-        experts.moekit_quantization = quantization
-        experts.stores_transposed = layout.transposed
+    for module, layout in zip(found, layouts, strict=True):
+        module.__class__ = moekit_class(model_experts_class(module))
+        assert isinstance(module, MoekitExperts)  # (the same object, of its moekit class now)
+        module.moekit_backend = backend
+        module.moekit_quantization = quantization
+        module.stores_transposed = layout.transposed
         if not single_grouped_weight:
-            _convert_to_per_expert(experts, layout, backend, quantization)
-    for experts in [*found, *applied]:
+            _convert_to_per_expert(module, layout, backend, quantization)
+        applied.append(module)
+    for experts in applied:
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
     return model
 
@@ -500,6 +513,7 @@ def moekit_experts_forward(
     `target_parameters`) trains through moekit.
     """
     layout = _layout_of_interface_experts(self)
+    assert layout.activation is not None  # resolved by _layout_of_interface_experts
 
     def as_moekit(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(-2, -1) if layout.transposed else t
@@ -512,14 +526,16 @@ def moekit_experts_forward(
         config = getattr(self, "config", None)
         backend = getattr(config, "moekit_backend", "auto")
         quantization = check_quantization(getattr(config, "moekit_quantization", None))
+    # The model's expert tensors: torch types any module attribute it does not declare (nn.Module.__getattr__)
+    # as Tensor | Module.
     return moe_experts(
         hidden_states,
         top_k_index,
         top_k_weights,
-        as_moekit(self.gate_up_proj),
-        as_moekit(self.down_proj),
-        fc1_bias=self.gate_up_proj_bias if layout.has_bias else None,
-        fc2_bias=self.down_proj_bias if layout.has_bias else None,
+        as_moekit(self.gate_up_proj),  # type: ignore[arg-type]  # a Tensor (see above)
+        as_moekit(self.down_proj),  # type: ignore[arg-type]  # a Tensor
+        fc1_bias=self.gate_up_proj_bias if layout.has_bias else None,  # type: ignore[arg-type]  # a Tensor
+        fc2_bias=self.down_proj_bias if layout.has_bias else None,  # type: ignore[arg-type]  # a Tensor
         activation=layout.activation,
         glu_interleave_size=layout.glu_interleave_size,
         backend=backend,

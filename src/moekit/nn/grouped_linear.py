@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +72,7 @@ class GroupedLinear(nn.Module):
         self.is_glu = False
         self.glu_interleave_size: int | None = None
 
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         weight_store = GroupedTensor.empty(self.num_gemms, (self.out_features, self.in_features), **factory)
         if self.single_grouped_weight:
             self.weight = nn.Parameter(weight_store.stacked())
@@ -112,7 +114,7 @@ class GroupedLinear(nn.Module):
         for b in _as_list(self.biases()):
             b.zero_()
 
-    def _apply(self, fn, *args, **kwargs):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> GroupedLinear:
         module = super()._apply(fn, *args, **kwargs)
         # .to()/.cuda()/.half() convert each parameter on its own; repack the discrete ones so the
         # forward keeps viewing them as one (N, O, I) tensor instead of stacking per call.
@@ -127,7 +129,7 @@ class GroupedLinear(nn.Module):
                 for p, member in zip(params, store.tensors(), strict=True):
                     p.data = member
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupedLinear:
         # copy.deepcopy clones every Parameter on its own (Parameter.__deepcopy__), which splits the
         # discrete experts' shared buffer (EMA copies, reference models); copy as usual, then repack.
         new = self.__class__.__new__(self.__class__)
@@ -166,14 +168,21 @@ class GroupedLinear(nn.Module):
     def get_extra_state(self) -> dict:
         return linear_extra_state(self.is_glu, self.glu_interleave_size)
 
-    def set_extra_state(self, state) -> None:
+    def set_extra_state(self, state: Any) -> None:
         # _load_from_state_dict has already converted the weights to this module's interleave
         # size and replaced the entry with this module's own state; nothing to adopt here.
         return None
 
     def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         # Either layout (and a packed weight) is accepted; fc1 rows move to this module's GLU order.
         extra_key = prefix + EXTRA_STATE_SUFFIX
         weight = collect_grouped(state_dict, prefix, "weight", self.num_gemms, (self.out_features, self.in_features))
@@ -201,7 +210,7 @@ class GroupedLinear(nn.Module):
         )
 
 
-def _as_list(t):
+def _as_list(t: torch.Tensor | Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
     if t is None:
         return []
     return [t] if isinstance(t, torch.Tensor) else list(t)

@@ -105,7 +105,7 @@ class GroupedMLP(nn.Module):
             with torch.no_grad():
                 for src, dst in ((self.fc1, part.fc1), (self.fc2, part.fc2)):
                     for src_params, dst_params in ((src.weights(), dst.weights()), (src.biases(), dst.biases())):
-                        if src_params is None:
+                        if src_params is None or dst_params is None:  # (both or neither: one config)
                             continue
                         src_all = src_params if isinstance(src_params, torch.Tensor) else torch.stack(src_params)
                         chosen = src_all[first : first + count]

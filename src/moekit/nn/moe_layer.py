@@ -9,7 +9,7 @@ The layer's input contract (`layer_input`) and output (`layer_output`) are share
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Generic, TypeVar, overload
 
 import torch
 from torch import nn
@@ -64,7 +64,10 @@ def layer_output(y_TH: torch.Tensor, shape: torch.Size, aux_loss: torch.Tensor |
     return y if aux_loss is None else inject_aux_loss(y, aux_loss)
 
 
-class _RouterSetting:
+_T = TypeVar("_T")
+
+
+class _RouterSetting(Generic[_T]):
     """A MoELayer attribute that is its router's: read (and, unless a size, set) there, so that each
     setting has one copy."""
 
@@ -74,10 +77,14 @@ class _RouterSetting:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, layer: None, owner: type | None = None) -> _RouterSetting[_T]: ...
+    @overload
+    def __get__(self, layer: MoELayer, owner: type | None = None) -> _T: ...
+    def __get__(self, layer: MoELayer | None, owner: type | None = None) -> _RouterSetting[_T] | _T:
         return self if layer is None else getattr(layer.router, self.name)
 
-    def __set__(self, layer: Any, value: Any) -> None:
+    def __set__(self, layer: MoELayer, value: _T) -> None:
         if not self.writable:
             raise AttributeError(f"MoELayer's {self.name} is fixed at construction")
         setattr(layer.router, self.name, value)
@@ -103,12 +110,12 @@ class MoELayer(nn.Module):
     the layer's dtype.
     """
 
-    hidden_size = _RouterSetting(writable=False)
-    num_experts = _RouterSetting(writable=False)
-    top_k = _RouterSetting()
-    score_func = _RouterSetting()
-    norm_topk_prob = _RouterSetting()
-    aux_loss_coef = _RouterSetting()
+    hidden_size: _RouterSetting[int] = _RouterSetting(writable=False)
+    num_experts: _RouterSetting[int] = _RouterSetting(writable=False)
+    top_k: _RouterSetting[int] = _RouterSetting()
+    score_func: _RouterSetting[str] = _RouterSetting()
+    norm_topk_prob: _RouterSetting[bool] = _RouterSetting()
+    aux_loss_coef: _RouterSetting[float] = _RouterSetting()
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ and the loss computed from them, so both layers share one formula.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,14 +45,14 @@ class _AuxLossInjector(torch.autograd.Function):
     """Identity on `output`; its backward also starts `aux_loss`'s backward with gradient 1."""
 
     @staticmethod
-    def forward(ctx, output, aux_loss):
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
         # A tensor of its own sharing output's storage and version counter, not a view of it:
         # FSDP2 warns about modules that return views (in-place ops on them lose its hooks).
         return output.detach()
 
     @staticmethod
-    def backward(ctx, d_output):
+    def backward(ctx: Any, d_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (aux_loss,) = ctx.saved_tensors
         return d_output, torch.ones_like(aux_loss)
 

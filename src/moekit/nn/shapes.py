@@ -4,6 +4,8 @@ view (FSDP2 warns about modules that return views: an in-place op on one would l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -21,12 +23,12 @@ class _RowsAs(torch.autograd.Function):
     reshapes the gradient back."""
 
     @staticmethod
-    def forward(ctx, y, shape):
+    def forward(ctx: Any, y: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         ctx.rows_shape = y.shape
         return y.reshape(shape).detach()
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor, None]:
         return d_out.reshape(ctx.rows_shape), None
 
 

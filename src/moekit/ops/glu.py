@@ -12,6 +12,8 @@ GEMM + activation epilogue needs); block 1 is gpt-oss's alternating layout. Both
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moekit.ops.activations import activation_named
@@ -68,7 +70,9 @@ class _GluFn(torch.autograd.Function):
     """Saves only h (and probs); the backward recomputes the activation in fp32."""
 
     @staticmethod
-    def forward(ctx, h_M2F, probs_M, glu_interleave_size, activation):
+    def forward(
+        ctx: Any, h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_interleave_size: int | None, activation: str
+    ) -> torch.Tensor:
         act = activation_named(activation)
         gate, up = split_gate_up(h_M2F, glu_interleave_size)
         acc_t = compute_dtype(h_M2F, probs_M)
@@ -80,7 +84,7 @@ class _GluFn(torch.autograd.Function):
         return out.to(h_M2F.dtype)
 
     @staticmethod
-    def backward(ctx, d_out_MF):
+    def backward(ctx: Any, d_out_MF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
         h_M2F, probs_M = ctx.saved_tensors
         act = activation_named(ctx.activation)
         gate, up = split_gate_up(h_M2F, ctx.glu_interleave_size)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -187,7 +188,16 @@ class _GroupedLinearFn(torch.autograd.Function):
     tensors (also when N = 1)."""
 
     @staticmethod
-    def forward(ctx, backend, offs, host_offs, bias_scale_M, n_w, x_MI, *params):
+    def forward(
+        ctx: Any,
+        backend: str,
+        offs: torch.Tensor,
+        host_offs: list[int] | None,
+        bias_scale_M: torch.Tensor | None,
+        n_w: int,
+        x_MI: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         weights, biases = params[:n_w], params[n_w:]
         w_NOI, bias_NO = stacked(weights, 3, "weight"), stacked(biases, 2, "bias")
         y_MO = library.grouped_linear_forward(backend, x_MI, w_NOI, offs, host_offs, bias_NO, bias_scale_M)
@@ -197,7 +207,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return y_MO
 
     @staticmethod
-    def backward(ctx, dy_MO):
+    def backward(ctx: Any, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_MI, offs, bias_scale_M, bias_NO, *weights = ctx.saved_tensors
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
         need_x, need_scale = ctx.needs_input_grad[5], ctx.needs_input_grad[3]
@@ -214,6 +224,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and need_scale:
+            assert dy_bias_MO is not None  # a bias_scale comes with a bias
             acc_t = compute_dtype(dy_MO, bias_scale_M)
             go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
             d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
@@ -226,7 +237,19 @@ class _QuantizedLinearFn(torch.autograd.Function):
     cache), saved as tensors so that autograd refuses a backward after it was rewritten in place."""
 
     @staticmethod
-    def forward(ctx, backend, quantizer, recipe, offs, host_offs, bias_scale_M, weight_q, n_w, x_MI, *params):
+    def forward(
+        ctx: Any,
+        backend: str,
+        quantizer: str,
+        recipe: str,
+        offs: torch.Tensor,
+        host_offs: list[int] | None,
+        bias_scale_M: torch.Tensor | None,
+        weight_q: GroupedTensor,
+        n_w: int,
+        x_MI: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         weights, biases = params[:n_w], params[n_w:]
         bias_NO = stacked(biases, 2, "bias")
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
@@ -245,7 +268,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         return y_MO
 
     @staticmethod
-    def backward(ctx, dy_MO):
+    def backward(ctx: Any, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         offs, bias_scale_M, bias_NO, *stored = ctx.saved_tensors
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])

@@ -32,6 +32,7 @@ tensor, and where holding h whole would break the layer's memory contract it hol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -52,7 +53,7 @@ from moekit.ops.grouped_linear import (
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import ExpertOrder
 from moekit.ops.runtime.backends import FusedMLP, backend_named, fused_mlp_of, select_backend
-from moekit.ops.splits import MSplits, resolve_splits
+from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
 from moekit.validation import check_float_tensor
 
 
@@ -83,7 +84,7 @@ def grouped_mlp(
     x: torch.Tensor,
     fc1_weight: Weight,
     fc2_weight: Weight,
-    m_splits: MSplits,
+    m_splits: MSplits | GroupOffsets,
     *,
     probs: torch.Tensor | None = None,
     fc1_bias: Weight | None = None,
@@ -201,20 +202,21 @@ class ExpertRoute:
 
     def sorted_weights(self, weights_TK: torch.Tensor) -> torch.Tensor:
         """(M,): the router weight of each sorted row."""
+        assert self.copy_of_row is not None, "a route rebuilt for the backward has no copy_of_row"
         return weights_TK.reshape(-1).index_select(0, self.copy_of_row.view(-1))
 
     def weight_grads(self, d_probs_M: torch.Tensor) -> torch.Tensor:
         """(T, K): each copy's weight gradient, read once at its row (a permutation: no scatter)."""
         return d_probs_M.index_select(0, self.row_map.view(-1)).view(self.row_map.shape)
 
-    def saved(self) -> tuple[torch.Tensor, ...]:
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the backward needs of the route, for a node's save_for_backward (freed with the graph)."""
         return self.token_of_row, self.row_map
 
     @staticmethod
     def from_saved(tensors: tuple[torch.Tensor, ...], use_triton: bool | None) -> ExpertRoute | None:
         """The route of `saved()`'s tensors (use_triton None: no route)."""
-        return None if use_triton is None else ExpertRoute(*tensors, None, use_triton)
+        return None if use_triton is None else ExpertRoute(tensors[0], tensors[1], None, use_triton)
 
 
 # Positions of the nodes' inputs (their needs_input_grad).
@@ -278,13 +280,24 @@ class _Fc1Node(torch.autograd.Function):
     activation's derivative, and d probs); a second path through act would count it twice."""
 
     @staticmethod
-    def forward(ctx, spec, offs, route, kept, x, probs, *params):
+    def forward(
+        ctx: Any,
+        spec: FusedSpec,
+        offs: torch.Tensor,
+        route: ExpertRoute | None,
+        kept: int,
+        x: torch.Tensor,
+        probs: torch.Tensor | None,
+        *params: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
         if route is None:
             x_MH, probs_M = x, probs
         else:
+            assert probs is not None  # a route's probs: the router weights (T, K)
             x_MH, probs_M = route.to_rows(x), route.sorted_weights(probs)
         w1, b1 = stacked(w1s, 3, "fc1 weight"), stacked(b1s, 2, "fc1 bias")
+        assert w1 is not None  # check_mlp_params: fc1 has weights
         rows = x_MH.shape[0]
         glu_block, activation = spec.glu_interleave_size, spec.activation
         if kept == rows:
@@ -295,6 +308,7 @@ class _Fc1Node(torch.autograd.Function):
             # The rows [0, kept) and [kept, M) in one launch each, act into one (M, F) tensor: the same bits
             # as one launch (a row's h and act depend on its x, probs and expert only). The tail's h is
             # dropped. `out` is not part of the custom op: this node runs in eager only.
+            assert probs_M is not None  # h is split for a route only (moe_experts), which has router weights
             fused, ffn = _fused(spec), w1.shape[1] // 2
             offs_head, offs_tail = _split_offsets(offs, kept, rows)
             h_head, act = x_MH.new_empty(kept, 2 * ffn), x_MH.new_empty(rows, ffn)
@@ -316,7 +330,13 @@ class _Fc1Node(torch.autograd.Function):
         return h, act, probs_M, h_head
 
     @staticmethod
-    def backward(ctx, dh_M2F, _d_act, d_probs_M, _d_h_head):
+    def backward(
+        ctx: Any,
+        dh_M2F: torch.Tensor | None,
+        _d_act: torch.Tensor | None,
+        d_probs_M: torch.Tensor | None,
+        _d_h_head: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
         x, offs, *rest = ctx.saved_tensors
         route = ExpertRoute.from_saved(tuple(rest[: ctx.route_len]), ctx.use_triton)
         w1s = rest[ctx.route_len :]
@@ -356,7 +376,18 @@ class _Fc2Node(torch.autograd.Function):
     and biases."""
 
     @staticmethod
-    def forward(ctx, spec, offs, route, h, act, probs_M, h_head, fc1, *params):
+    def forward(
+        ctx: Any,
+        spec: FusedSpec,
+        offs: torch.Tensor,
+        route: ExpertRoute | None,
+        h: torch.Tensor,
+        act: torch.Tensor,
+        probs_M: torch.Tensor | None,
+        h_head: torch.Tensor | None,
+        fc1: _Fc1Operands | None,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         w2s, b2s = params[: spec.n_w2], params[spec.n_w2 :]
         w2, b2 = stacked(w2s, 3, "fc2 weight"), stacked(b2s, 2, "fc2 bias")
         scale = probs_M if b2 is not None else None
@@ -371,13 +402,14 @@ class _Fc2Node(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec, need = ctx.spec, ctx.needs_input_grad
         h_held, offs, probs_M, b2, *rest = ctx.saved_tensors
         route = ExpertRoute.from_saved(tuple(rest[: ctx.route_len]), ctx.use_triton)
         rest = rest[ctx.route_len :]
         w2s = tuple(rest[: spec.n_w2])
         w2 = stacked(w2s, 3, "fc2 weight")
+        assert w2 is not None  # check_mlp_params: fc2 has weights
         dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
         if not ctx.recomputes:
             dh, act_p, dprobs = library.glu_backward(
@@ -395,10 +427,12 @@ class _Fc2Node(torch.autograd.Function):
             # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
             # r]> (y = ... + b2 * p).
             db2, bias_dot = library.dbias_and_dot(spec.backend, dy_MH, offs, b2, probs_M)
+            assert dprobs is not None  # the fused backward gives d probs where there are probs
             dprobs = dprobs + bias_dot
         elif any(need[_FC2_PARAMS + spec.n_w2 :]):
             db2 = library.grouped_linear_dbias(spec.backend, dy_MH, offs, None, probs_M)
         if probs_M is not None and need_probs:
+            assert dprobs is not None  # the fused backward gives d probs where there are probs
             d_probs = dprobs.to(probs_M.dtype)
         return (
             None,
@@ -414,7 +448,16 @@ class _Fc2Node(torch.autograd.Function):
         )
 
 
-def _glu_backward_recomputing(spec: FusedSpec, dy_MH, w2, h_head, offs, probs_M, route, fc1: _Fc1Operands):
+def _glu_backward_recomputing(
+    spec: FusedSpec,
+    dy_MH: torch.Tensor,
+    w2: torch.Tensor,
+    h_head: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    route: ExpertRoute | None,
+    fc1: _Fc1Operands,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused backward of all M rows (dh (M, 2F), act_p (M, F), d probs (M,) fp32) where only the first
     kept = len(h_head) rows' h was held: the others' h is computed again first (x's rows gathered again,
     fc1 + activation as node 1 ran them, the same bits), then one launch per part. The parts' d probs
@@ -422,6 +465,8 @@ def _glu_backward_recomputing(spec: FusedSpec, dy_MH, w2, h_head, offs, probs_M,
     fused = _fused(spec)
     rows, kept = dy_MH.shape[0], h_head.shape[0]
     w1, b1 = stacked(fc1.w1s, 3, "fc1 weight"), stacked(fc1.b1s, 2, "fc1 bias")
+    # h is held in part for a route only (moe_experts), which has router weights; fc1 has weights.
+    assert route is not None and probs_M is not None and w1 is not None
     ffn = w2.shape[2]
     offs_head, offs_tail = _split_offsets(offs, kept, rows)
     dh_M2F, act_p_MF = dy_MH.new_empty(rows, 2 * ffn), dy_MH.new_empty(rows, ffn)
@@ -445,4 +490,5 @@ def _glu_backward_recomputing(spec: FusedSpec, dy_MH, w2, h_head, offs, probs_M,
         for lo, hi, h_part, offs_part in ((0, kept, h_head, offs_head), (kept, rows, h_tail, offs_tail))
         if hi > lo
     ]
-    return dh_M2F, act_p_MF, torch.cat(partials, dim=1).sum(0)
+    # With probs every launch gives its d probs partials (never None).
+    return dh_M2F, act_p_MF, torch.cat(cast(list[torch.Tensor], partials), dim=1).sum(0)

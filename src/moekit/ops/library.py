@@ -24,30 +24,40 @@ implementation here returns fresh tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from moekit.ops.runtime import backends
-from moekit.ops.runtime.backends import backend_named, fused_mlp_of, quantizer_of, without_padding, zero_padding_rows
+from moekit.ops.runtime.backends import (
+    FusedMLP,
+    backend_named,
+    fused_mlp_of,
+    quantizer_of,
+    without_padding,
+    zero_padding_rows,
+)
 from moekit.ops.splits import GroupOffsets
+
+_R = TypeVar("_R")
 
 
 def _offsets(offs: torch.Tensor, host_offs: list[int] | None, rows: int) -> GroupOffsets:
     return GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=rows)
 
 
-def _fused(backend: str):
+def _fused(backend: str) -> FusedMLP:
     fused = fused_mlp_of(backend_named(backend))
     if fused is None:
         raise ValueError(f"backend {backend!r} has no fused MLP kernels")
     return fused
 
 
-def _entry(op, impl: Callable) -> Callable:
+def _entry(op: Callable[..., Any], impl: Callable[..., _R]) -> Callable[..., _R]:
     """The entry point of a custom op: the registered op while torch.compile traces, the implementation
-    itself in eager."""
+    itself in eager. It takes `impl`'s arguments, positionally."""
 
-    def entry(*args):
+    def entry(*args: Any) -> _R:
         return (op if torch.compiler.is_compiling() else impl)(*args)
 
     entry.__doc__ = impl.__doc__
@@ -103,27 +113,45 @@ _padding_zeroed_op = torch.library.custom_op("moekit::padding_zeroed", _padding_
 
 
 @_linear_forward_op.register_fake
-def _(backend, x_MI, w_NOI, offs, host_offs, bias_NO, bias_scale_M):
+def _(
+    backend: str,
+    x_MI: torch.Tensor,
+    w_NOI: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+) -> torch.Tensor:
     return x_MI.new_empty(x_MI.shape[0], w_NOI.shape[1])
 
 
 @_linear_dgrad_op.register_fake
-def _(backend, dy_MO, w_NOI, offs, host_offs):
+def _(
+    backend: str, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None
+) -> torch.Tensor:
     return dy_MO.new_empty(dy_MO.shape[0], w_NOI.shape[2])
 
 
 @_linear_wgrad_op.register_fake
-def _(backend, dy_MO, x_MI, offs, host_offs):
+def _(
+    backend: str, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None
+) -> torch.Tensor:
     return dy_MO.new_empty(offs.shape[0] - 1, dy_MO.shape[1], x_MI.shape[1])
 
 
 @_linear_dbias_op.register_fake
-def _(backend, dy_MO, offs, host_offs, bias_scale_M):
+def _(
+    backend: str,
+    dy_MO: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_scale_M: torch.Tensor | None,
+) -> torch.Tensor:
     return dy_MO.new_empty(offs.shape[0] - 1, dy_MO.shape[1])
 
 
 @_padding_zeroed_op.register_fake
-def _(t_MX, offs, host_offs):
+def _(t_MX: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None) -> torch.Tensor:
     return torch.empty_like(t_MX, memory_format=torch.contiguous_format)
 
 
@@ -169,20 +197,40 @@ _dbias_and_dot_op = torch.library.custom_op("moekit::dbias_and_dot", _dbias_and_
 
 
 @_glu_forward_op.register_fake
-def _(backend, x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation):
+def _(
+    backend: str,
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     two_f = w1_N2FH.shape[1]
     return x_MH.new_empty(x_MH.shape[0], two_f), x_MH.new_empty(x_MH.shape[0], two_f // 2)
 
 
 @_glu_backward_op.register_fake
-def _(backend, dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation):
+def _(
+    backend: str,
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, ffn = dy_MH.shape[0], w2_NHF.shape[2]
     dprobs = dy_MH.new_empty(rows if probs_M is not None else 0, dtype=torch.float32)
     return dy_MH.new_empty(rows, 2 * ffn), dy_MH.new_empty(rows, ffn), dprobs
 
 
 @_dbias_and_dot_op.register_fake
-def _(backend, dy_MH, offs, b2_NH, probs_M):
+def _(
+    backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return dy_MH.new_empty(offs.shape[0] - 1, dy_MH.shape[1]), dy_MH.new_empty(dy_MH.shape[0], dtype=torch.float32)
 
 
@@ -191,7 +239,16 @@ dbias_and_dot = _entry(_dbias_and_dot_op, _dbias_and_dot)
 _glu_backward_entry = _entry(_glu_backward_op, _glu_backward)
 
 
-def glu_backward(backend, dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation):
+def glu_backward(
+    backend: str,
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dh (M, 2F), act_p (M, F), d probs (M,) fp32 or None)."""
     dh, act_p, dprobs = _glu_backward_entry(
         backend, dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
@@ -215,7 +272,7 @@ _gather_sum_rows_op = torch.library.custom_op("moekit::gather_sum_rows", _gather
 
 
 @_gather_sum_rows_op.register_fake
-def _(src_SD, index, weight, use_triton):
+def _(src_SD: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
     return src_SD.new_empty(index.shape[0], src_SD.shape[1])
 
 
@@ -245,7 +302,18 @@ _group_quantize_op = torch.library.custom_op(
 
 
 @_group_quantize_op.register_fake
-def _(backend, recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale):
+def _(
+    backend: str,
+    recipe: str,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor,
+    noop: torch.Tensor | None,
+    row_data: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    col_data: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+) -> None:
     return None
 
 

@@ -32,6 +32,7 @@ no_grad nothing is held and h is never split.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,18 +98,22 @@ class _RegatherRows:
             return library.gather_sum_rows(self.x_TH.detach(), self.token_of_row_M1, None, self.use_triton)
 
 
-def _regathering_hooks(x_TH, x_sorted_MH, token_of_row_M1, use_triton):
+def _regathering_hooks(
+    x_TH: torch.Tensor, x_sorted_MH: torch.Tensor, token_of_row_M1: torch.Tensor, use_triton: bool
+) -> tuple[
+    Callable[[torch.Tensor], _RegatherRows | torch.Tensor], Callable[[_RegatherRows | torch.Tensor], torch.Tensor]
+]:
     """(pack, unpack) for saved_tensors_hooks. The hooks live as long as the autograd graph, so they refer
     to x_sorted only by its identity (a reference would keep it alive)."""
     identity = storage_identity(x_sorted_MH)
     regather = _RegatherRows(x_TH, token_of_row_M1, use_triton)
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> _RegatherRows | torch.Tensor:
         # The shape first: most saved tensors (weights, offsets, h) differ there, and the full identity
         # (storage address) costs a few microseconds of host time per saved tensor.
         return regather if t.shape == identity[4] and storage_identity(t) == identity else t
 
-    def unpack(packed):
+    def unpack(packed: _RegatherRows | torch.Tensor) -> torch.Tensor:
         return packed.unpack() if isinstance(packed, _RegatherRows) else packed
 
     return pack, unpack

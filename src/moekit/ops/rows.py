@@ -14,6 +14,8 @@ expert parallelism's dispatch and `permute`/`unpermute` all move rows with it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moekit.ops import library
@@ -32,13 +34,21 @@ class _MoveRowsFn(torch.autograd.Function):
     <d out[r], src[index_fwd[r, j]]>, in fp32."""
 
     @staticmethod
-    def forward(ctx, src, index_fwd, weight_fwd, index_bwd, weight_bwd, use_triton):
+    def forward(
+        ctx: Any,
+        src: torch.Tensor,
+        index_fwd: torch.Tensor,
+        weight_fwd: torch.Tensor | None,
+        index_bwd: torch.Tensor,
+        weight_bwd: torch.Tensor | None,
+        use_triton: bool,
+    ) -> torch.Tensor:
         ctx.save_for_backward(src if weight_fwd is not None else None, index_fwd, weight_fwd, index_bwd, weight_bwd)
         ctx.use_triton = use_triton
         return library.gather_sum_rows(src, index_fwd, weight_fwd, use_triton)
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None, None, None, None]:
         src, index_fwd, weight_fwd, index_bwd, weight_bwd = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the backward itself is differentiable
             d_src = _MoveRowsFn.apply(d_out, index_bwd, weight_bwd, index_fwd, weight_fwd, ctx.use_triton)
@@ -151,13 +161,16 @@ def _check_permutation(row_map: torch.Tensor, rows: int) -> None:
         )
 
 
-def permute_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+def permute_reference(
+    x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 reference of `permute` (a Python loop over experts)."""
     check_tensor("x", x)
     x64 = x.double()
     top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1).tolist()
-    rows, counts = [], []
+    rows: list[torch.Tensor] = []
+    counts: list[int] = []
     row_map = torch.empty(len(flat), dtype=torch.int64)
     for e in range(num_experts):
         members = [j for j, v in enumerate(flat) if v == e]
@@ -169,7 +182,9 @@ def permute_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     return x_sorted, torch.tensor(counts), row_map.view(expert_ids.shape)
 
 
-def unpermute_reference(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None):
+def unpermute_reference(
+    y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """float64 reference of `unpermute`."""
     y_TKH = y_sorted.double()[row_map.cpu()]
     if weights is not None:

@@ -274,7 +274,7 @@ def glu_forward_kernel(
         real = g < N  # padding rows: exact zeros whatever x, bias or probs hold
         if HAS_PROBS:
             # Loaded first, so its latency passes during h's stores (after them it was exposed;
-            # before the main loop it slowed the loop down: notes v7).
+            # before the main loop it slowed the loop down: notes/grouped_mlp.md).
             p = tl.load(probs_ptr + offs_m, mask=mask_m & real, other=0.0).to(tl.float32)
         acc_g = tl.where(real, acc_g, 0.0)
         acc_u = tl.where(real, acc_u, 0.0)
@@ -385,7 +385,7 @@ def glu_backward_kernel(
         )
         dy_row0 = tl.where(g < N, row0, M)
         # The tile's probs are loaded before the main loop, whose time hides the load's latency
-        # (in the epilogue it was exposed: 0.4-3.8% of this kernel, notes v7). The row offsets are
+        # (in the epilogue it was exposed: notes/grouped_mlp.md). The row offsets are
         # made again for the d probs store below rather than kept live through the loop.
         if HAS_PROBS:
             offs_pm = row0 + tl.arange(0, BLOCK_M)
@@ -420,11 +420,11 @@ def glu_backward_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
         # Epilogue: the activation's backward in four column quarters (the fp32 temporaries of a
-        # whole tile, or of a half, do not fit in the registers: spills, and slower, notes v5).
+        # whole tile, or of a half, do not fit in the registers: spills, and slower).
         # A quarter's h is loaded by pointer before the previous quarter's math, so that its
         # latency overlaps that math; dh and act_p leave by masked pointer stores, which nothing
         # waits on. TMA boxes each way made every quarter wait for its load and for its stores to
-        # drain: 5-15% slower on the H200 (notes v6). d probs is summed over the tile's quarters
+        # drain: slower (notes/grouped_mlp.md). d probs is summed over the tile's quarters
         # in registers, one partial row per tile.
         d_act = tl.where(g < N, acc, 0.0)
         d_act0, d_act1 = split_halves(d_act, BLOCK_M, BLOCK_C)

@@ -353,7 +353,7 @@ def wgrad_kernel(
         zero-fills), and x's descriptor ends at offs[N]: the rows past the group are zero dy rows
         times x rows of later groups, exact zeros as long as those are finite (an inf in x makes
         the loss NaN anyway), or zeros times zeros in the padding. One descriptor per group
-        instead of two (measured: +2-6% on skewed splits), built once per run of a program's
+        instead of two (faster on skewed splits: notes/grouped_gemm.md), built once per run of a program's
         consecutive tiles of the group; groups with a whole number of steps need none.
       nested loop: per-tile dy and x descriptors that both end at the group's end.
 

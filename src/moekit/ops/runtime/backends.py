@@ -173,7 +173,9 @@ def _group_sum(dy_MO: torch.Tensor, offs: GroupOffsets, scale_M: torch.Tensor | 
     return (onehot_NM @ src).to(dy_MO.dtype)
 
 
-def _add_group_bias(y_MO, bias_NO, offs: GroupOffsets, bias_scale_M):
+def _add_group_bias(
+    y_MO: torch.Tensor, bias_NO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor | None
+) -> torch.Tensor:
     """y += bias[group(row)] (* scale[row]), math in fp32, one rounding."""
     acc_t = compute_dtype(y_MO, bias_scale_M)
     bias_MO = bias_rows(bias_NO, offs, acc_t)
@@ -196,7 +198,14 @@ class LoopBackend:
     def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
         return None
 
-    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
+    def forward(
+        self,
+        x_MI: torch.Tensor,
+        w_NOI: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
         bounds = offs.host_offsets()
         y_MO = x_MI.new_zeros(x_MI.shape[0], w_NOI.shape[1])
         for g in range(w_NOI.shape[0]):
@@ -211,7 +220,7 @@ class LoopBackend:
             y_MO[lo:hi] = acc.to(y_MO.dtype)
         return y_MO
 
-    def dgrad(self, dy_MO, w_NOI, offs):
+    def dgrad(self, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
         bounds = offs.host_offsets()
         dx_MI = dy_MO.new_zeros(dy_MO.shape[0], w_NOI.shape[2])
         for g in range(w_NOI.shape[0]):
@@ -220,7 +229,7 @@ class LoopBackend:
                 dx_MI[lo:hi] = dy_MO[lo:hi] @ w_NOI[g]
         return dx_MI
 
-    def wgrad(self, dy_MO, x_MI, offs):
+    def wgrad(self, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
         bounds = offs.host_offsets()
         dw_NOI = dy_MO.new_zeros(offs.num_groups, dy_MO.shape[1], x_MI.shape[1])
         for g in range(offs.num_groups):
@@ -229,7 +238,7 @@ class LoopBackend:
                 dw_NOI[g] = dy_MO[lo:hi].t() @ x_MI[lo:hi]
         return dw_NOI
 
-    def dbias(self, dy_MO, offs, bias_scale_M):
+    def dbias(self, dy_MO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor | None) -> torch.Tensor:
         bounds = offs.host_offsets()
         acc_t = compute_dtype(dy_MO, bias_scale_M)
         src = dy_MO.to(acc_t) if bias_scale_M is None else dy_MO.to(acc_t) * bias_scale_M[:, None].to(acc_t)
@@ -247,10 +256,18 @@ class LoopBackend:
     group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
 
 
-def torch_grouped_mm():
+def torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
     """torch's grouped GEMM, or None where this torch has none."""
     fn = getattr(torch.nn.functional, "grouped_mm", None)
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm() -> Callable[..., torch.Tensor]:
+    """torch's grouped GEMM, where the torch backend runs (its `unavailable_reason` found one)."""
+    fn = torch_grouped_mm()
+    if fn is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no grouped_mm")
+    return fn
 
 
 class TorchBackend:
@@ -282,22 +299,29 @@ class TorchBackend:
             )
         return None
 
-    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
+    def forward(
+        self,
+        x_MI: torch.Tensor,
+        w_NOI: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
         ends = offs.offs[1:].to(torch.int32)
-        y_MO = torch_grouped_mm()(x_MI, w_NOI.transpose(-2, -1), offs=ends)
+        y_MO = _grouped_mm()(x_MI, w_NOI.transpose(-2, -1), offs=ends)
         if bias_NO is not None:
             y_MO = _add_group_bias(y_MO, bias_NO, offs, bias_scale_M)
         return zero_padding_rows(y_MO, offs)
 
-    def dgrad(self, dy_MO, w_NOI, offs):
+    def dgrad(self, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
         ends = offs.offs[1:].to(torch.int32)
-        return zero_padding_rows(torch_grouped_mm()(dy_MO, w_NOI, offs=ends), offs)
+        return zero_padding_rows(_grouped_mm()(dy_MO, w_NOI, offs=ends), offs)
 
-    def wgrad(self, dy_MO, x_MI, offs):
+    def wgrad(self, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
         ends = offs.offs[1:].to(torch.int32)
-        return torch_grouped_mm()(dy_MO.t(), x_MI, offs=ends)
+        return _grouped_mm()(dy_MO.t(), x_MI, offs=ends)
 
-    def dbias(self, dy_MO, offs, bias_scale_M):
+    def dbias(self, dy_MO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor | None) -> torch.Tensor:
         return _group_sum(dy_MO, offs, bias_scale_M)
 
     # The GroupQuantizer capability: plain torch (grouped_mm has nothing to do with it), as the loop backend.
@@ -334,6 +358,14 @@ def triton_runtime() -> TritonRuntime | None:
     return _RUNTIME[0]
 
 
+def _runtime() -> TritonRuntime:
+    """moekit's Triton runtime, where the caller found moekit's kernels able to run (so triton imports)."""
+    runtime = triton_runtime()
+    if runtime is None:
+        raise RuntimeError("triton cannot be imported (pip install triton)")
+    return runtime
+
+
 class TritonBackend:
     """moekit's own Triton kernels: every GEMM product, and the FusedMLP capability."""
 
@@ -342,31 +374,38 @@ class TritonBackend:
     def unavailable_reason(self, x: torch.Tensor, w_NOI: torch.Tensor) -> str | None:
         return triton_unavailable_reason(x.device, x.dtype)
 
-    def forward(self, x_MI, w_NOI, offs, bias_NO, bias_scale_M):
-        return triton_runtime().gemm.grouped_gemm_forward(x_MI, w_NOI, offs.offs, bias_NO, bias_scale_M)
+    def forward(
+        self,
+        x_MI: torch.Tensor,
+        w_NOI: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return _runtime().gemm.grouped_gemm_forward(x_MI, w_NOI, offs.offs, bias_NO, bias_scale_M)
 
-    def dgrad(self, dy_MO, w_NOI, offs):
-        return triton_runtime().gemm.grouped_gemm_dgrad(dy_MO, w_NOI, offs.offs)
+    def dgrad(self, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+        return _runtime().gemm.grouped_gemm_dgrad(dy_MO, w_NOI, offs.offs)
 
-    def wgrad(self, dy_MO, x_MI, offs):
-        return triton_runtime().gemm.grouped_gemm_wgrad(dy_MO, x_MI, offs.offs)
+    def wgrad(self, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
+        return _runtime().gemm.grouped_gemm_wgrad(dy_MO, x_MI, offs.offs)
 
-    def dbias(self, dy_MO, offs, bias_scale_M):
-        return triton_runtime().gemm.group_row_sum(dy_MO, offs.offs, bias_scale_M)
+    def dbias(self, dy_MO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor | None) -> torch.Tensor:
+        return _runtime().gemm.group_row_sum(dy_MO, offs.offs, bias_scale_M)
 
     # The FusedMLP capability: the runtime's functions themselves, so that a call goes straight to the
     # launcher (no frame of this module on a kernel's path).
     @property
-    def glu_forward(self):
-        return triton_runtime().glu.glu_forward
+    def glu_forward(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return _runtime().glu.glu_forward
 
     @property
-    def glu_backward_partials(self):
-        return triton_runtime().glu.glu_backward_partials
+    def glu_backward_partials(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        return _runtime().glu.glu_backward_partials
 
     @property
-    def dbias_and_dot(self):
-        return triton_runtime().gemm.group_row_sum_and_dot
+    def dbias_and_dot(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return _runtime().gemm.group_row_sum_and_dot
 
     # The GroupQuantizer capability: moekit's quantization kernels.
     def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
@@ -389,7 +428,7 @@ def gather_sum_rows(
     gather and a fixed-order sum over j: the same values (a gather is exact, the sums run in one order)."""
     src_SD, index = src_SD.contiguous(), index.contiguous()
     if use_triton and src_SD.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return triton_runtime().rows.gather_sum_rows(src_SD, index, weight)
+        return _runtime().rows.gather_sum_rows(src_SD, index, weight)
     num_out, per_out = index.shape
     gathered = src_SD.index_select(0, index.reshape(-1))
     if per_out == 1 and weight is None:

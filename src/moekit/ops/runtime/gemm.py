@@ -22,6 +22,8 @@ order of the same kernel, never copied.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 
@@ -79,7 +81,16 @@ def _weight_operand(a: torch.Tensor, w: torch.Tensor, trans_b: bool) -> tuple[to
     )
 
 
-def _mm_launch(a, b, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: GemmConfig, tma: bool) -> LaunchPlan:
+def _mm_launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_cols: int,
+    bias: torch.Tensor | None,
+    has_scale: bool,
+    trans_b: bool,
+    cfg: GemmConfig,
+    tma: bool,
+) -> LaunchPlan:
     """grouped_mm_kernel for a (M, red) row-major input, a fresh (M, out_cols) output and b (N, b_rows,
     b_cols) (b_rows = out_cols when trans_b); tensors: (a, b, out, bias or out, scale or out, offs)."""
     M, red = a.shape
@@ -88,7 +99,7 @@ def _mm_launch(a, b, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: G
     nprog = grid_size(a.device, bound)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = bool(cfg.epi_tma and tma and (out_cols * a.element_size()) % 16 == 0)
-    ints = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), b.stride(0), b.stride(1), out_cols)
+    ints: tuple[int, ...] = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), b.stride(0), b.stride(1), out_cols)
     ints += (bias.stride(0) if bias is not None else 0,)
     return LaunchPlan(
         _GROUPED_MM,
@@ -115,7 +126,16 @@ def _mm_launch(a, b, out_cols: int, bias, has_scale: bool, trans_b: bool, cfg: G
     )
 
 
-def _plan_mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, forced_tma: bool | None) -> Plan:
+def _plan_mm(
+    op: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
+) -> Plan:
     check_triton_device(a)
     b, trans_b = _weight_operand(a, w, op == "fwd")
     contiguous = a.stride(1) != 1
@@ -144,7 +164,16 @@ def _plan_mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, forced_tm
     return Plan(_mm_launch(a, b, cols, bias, scale is not None, trans_b, cfg, tma), cols, contiguous)
 
 
-def _mm(op: str, a, w, offs, bias, scale, cfg: GemmConfig | None, forced_tma: bool | None) -> torch.Tensor:
+def _mm(
+    op: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
+) -> torch.Tensor:
     """forward (op "fwd": out (M, O)) and dgrad (op "dgrad": out (M, I))."""
     key = (op, tensor_key(a), tensor_key(w), tensor_key(offs), tensor_key(bias), tensor_key(scale), cfg, forced_tma)
     plan = plan_launch(
@@ -213,7 +242,7 @@ def grouped_gemm_dgrad(
     return _mm("dgrad", dy_MO, w_NOI, offs, None, None, cfg, use_tma)
 
 
-def _wgrad_launch(dy, x, num_groups: int, cfg: GemmConfig, tma: bool) -> LaunchPlan:
+def _wgrad_launch(dy: torch.Tensor, x: torch.Tensor, num_groups: int, cfg: GemmConfig, tma: bool) -> LaunchPlan:
     """wgrad_kernel for row-major dy (M, O), x (M, I) and a fresh dw (N, O, I); tensors: (dy, x, dw, offs)."""
     M, O = dy.shape
     I = x.shape[1]
@@ -242,7 +271,9 @@ def _wgrad_launch(dy, x, num_groups: int, cfg: GemmConfig, tma: bool) -> LaunchP
     )
 
 
-def _plan_wgrad(dy_MO, x_MI, offs, cfg: GemmConfig | None, forced_tma: bool | None) -> Plan:
+def _plan_wgrad(
+    dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor, cfg: GemmConfig | None, forced_tma: bool | None
+) -> Plan:
     check_triton_device(dy_MO)
     if dy_MO.dim() != 2 or x_MI.dim() != 2 or dy_MO.shape[0] != x_MI.shape[0]:
         raise ValueError(f"dy {tuple(dy_MO.shape)} and x {tuple(x_MI.shape)} must be (M, O) and (M, I)")
@@ -321,7 +352,17 @@ def group_row_sum_and_dot(
     return _row_sums(src_MC, offs, row_scale_M, vec_NC)
 
 
-def _row_sums(src_MC, offs, row_scale_M, vec_NC):
+@overload
+def _row_sums(
+    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def _row_sums(
+    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: None
+) -> tuple[torch.Tensor, None]: ...
+def _row_sums(
+    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_triton_device(src_MC)
     if src_MC.dim() != 2:
         raise ValueError(f"expected a 2-D (rows, columns) tensor, got shape {tuple(src_MC.shape)}")

@@ -152,7 +152,17 @@ def _checked_out(
 # --------------------------------------------------------------------------------------------------
 
 
-def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma, c: GemmConfig, aligned_out):
+def _forward_launch(
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    tma: bool,
+    c: GemmConfig,
+    aligned_out: bool,
+) -> LaunchPlan:
     """glu_forward_kernel; tensors: (x, w1, h, act, bias or h, probs or h, offs). aligned_out: whether h
     and act start 16-byte aligned (TMA stores need it)."""
     M, H = x_MH.shape
@@ -161,7 +171,7 @@ def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma
     bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
     nprog = grid_size(x_MH.device, bound, c.programs_per_sm)
     box_blocks, box_rows = _weight_box(glu_block, ffn, c.block_cols)
-    ints = (M, ffn, H, N, x_MH.stride(0), *w1_N2FH.stride(), two_f, ffn)
+    ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), *w1_N2FH.stride(), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
     return LaunchPlan(
         _FORWARD,
@@ -192,14 +202,21 @@ def _forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma
     )
 
 
-def _forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation):
+def _forward_ws_launch(
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+) -> LaunchPlan:
     """glu_forward_ws_kernel; tensors as `_forward_launch`'s."""
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
     bound = (triton.cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, WS_FORWARD["BLOCK_C"])
     nprog = grid_size(x_MH.device, bound)
-    ints = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn)
+    ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
     constexprs = dict(
         **jit_pair(activation),
@@ -213,7 +230,18 @@ def _forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation):
     return LaunchPlan(_FORWARD_WS, (nprog,), ints, constexprs)
 
 
-def _plan_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, forced_tma, cfg, aligned):
+def _plan_forward(
+    x_MH: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    forced_tma: bool,
+    cfg: GemmConfig | None,
+    aligned: bool,
+) -> Plan:
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
@@ -233,7 +261,7 @@ def _plan_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, a
 
     if cfg is None:
         with device_ctx(x_MH.device):
-            problem = ("glu_fwd", x_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
+            problem: tuple = ("glu_fwd", x_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
             problem += (bias_N2F is not None, probs_M is not None, activation)
             candidates = glu_candidates("fwd", x_MH.dtype, ffn, glu_block, tma, arch)
             cfg = pick_config(problem, candidates, trial, x_MH.device)
@@ -270,7 +298,7 @@ def glu_forward(
     else:
         h, act = _checked_out(out, x_MH, ((M, 2 * ffn), (M, ffn)))
         out_keys = (tensor_key(h), tensor_key(act))
-    key = (tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
+    key: tuple = (tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
     key += (glu_interleave_size, activation, use_tma, cfg, out_keys)
     aligned = h.data_ptr() % 16 == 0 and act.data_ptr() % 16 == 0
     plan = plan_launch(
@@ -299,7 +327,16 @@ def glu_forward(
 # --------------------------------------------------------------------------------------------------
 
 
-def _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, c: GemmConfig):
+def _backward_launch(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    tma: bool,
+    c: GemmConfig,
+) -> LaunchPlan:
     """glu_backward_kernel; tensors: (dy, w2, h, dh, act_p, probs or dh, partials or dh, offs)."""
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
@@ -332,7 +369,14 @@ def _backward_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation, tma, 
     )
 
 
-def _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation):
+def _backward_ws_launch(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+) -> LaunchPlan:
     """glu_backward_ws_kernel; tensors as `_backward_launch`'s."""
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
@@ -350,7 +394,17 @@ def _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation):
     return LaunchPlan(_BACKWARD_WS, (nprog,), ints, constexprs)
 
 
-def _plan_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation, forced_tma, cfg):
+def _plan_backward(
+    dy_MH: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    forced_tma: bool,
+    cfg: GemmConfig | None,
+) -> Plan:
     """The backward's plan; its `cols` are the rows of the d probs partials."""
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
@@ -372,7 +426,7 @@ def _plan_backward(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, act
 
     if cfg is None:
         with device_ctx(dy_MH.device):
-            problem = ("glu_bwd", dy_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
+            problem: tuple = ("glu_bwd", dy_MH.dtype, ffn, H, N, glu_block, next_power_of_2(M), tma)
             problem += (probs_M is not None, activation)
             candidates = glu_candidates("bwd", dy_MH.dtype, ffn, glu_block, tma, arch)
             cfg = pick_config(problem, candidates, trial, dy_MH.device)
@@ -410,7 +464,7 @@ def glu_backward_partials(
     else:
         dh, act = _checked_out(out, dy_MH, ((M, 2 * ffn), (M, ffn)))
         out_keys = (tensor_key(dh), tensor_key(act))
-    key = (tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs), tensor_key(probs_M))
+    key: tuple = (tensor_key(dy_MH), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs), tensor_key(probs_M))
     key += (glu_interleave_size, activation, use_tma, cfg, out_keys)
     plan = plan_launch(
         "glu_bwd",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -51,7 +51,7 @@ _INT32_MIN, _INT32_LIMIT, _UINT64_FROM = -(1 << 31), 1 << 31, 1 << 63
 _DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
-def _arg_key(arg) -> object:
+def _arg_key(arg: object) -> object:
     """What Triton specializes a runtime argument on (see the module docstring)."""
     if type(arg) is int:
         return (arg == 1, arg % 16 == 0, _INT32_MIN <= arg < _INT32_LIMIT, arg >= _UINT64_FROM)
@@ -63,17 +63,17 @@ def _arg_key(arg) -> object:
 class Launcher:
     """A `@triton.jit` kernel launched through its compiled binary once Triton has built it."""
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel: Any) -> None:  # a JITFunction or InterpretedFunction (triton is untyped)
         self.kernel = kernel
         self.direct = not isinstance(kernel, InterpretedFunction) and triton.__version__.startswith(
             _DIRECT_LAUNCH_VERSIONS
         )
-        self._binaries: dict[tuple, tuple] = {}
+        self._binaries: dict[tuple, tuple[Any, tuple]] = {}
 
-    def __getitem__(self, grid: tuple[int, ...]):
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return functools.partial(self.launch, grid)
 
-    def launch(self, grid: tuple[int, ...], *args, **kwargs) -> None:
+    def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """`kernel[grid](*args, **kwargs)`."""
         _ensure_allocator()
         if not self.direct or _hooks_installed():
@@ -86,7 +86,7 @@ class Launcher:
         else:
             _run_binary(*entry, grid, args)
 
-    def first_launch(self, grid, args, kwargs) -> tuple:
+    def first_launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple]:
         """Launch through Triton (compiling if needed); return (its binary, the parameters after
         `args` as Triton bound them: the binary's launcher takes every parameter in order,
         constexprs included, and skips those)."""
@@ -95,7 +95,7 @@ class Launcher:
         return binary, tuple(bound.values())[len(args) :]
 
 
-def _run_binary(binary, tail: tuple, grid: tuple[int, ...], args: tuple) -> None:
+def _run_binary(binary: Any, tail: tuple, grid: tuple[int, ...], args: tuple) -> None:
     """Launch a compiled kernel on the current stream, as Triton does once it has the binary (no
     launch hooks: they take Triton's path)."""
     stream = driver.active.get_current_stream(driver.active.get_current_device())
@@ -134,7 +134,7 @@ class LaunchPlan:
 
     def __init__(self, launcher: Launcher, grid: tuple[int, ...], ints: tuple[int, ...], constexprs: dict) -> None:
         self.launcher, self.grid, self.ints, self.constexprs = launcher, grid, ints, constexprs
-        self._entry = None
+        self._entry: tuple[Any, tuple] | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         launcher = self.launcher
@@ -148,6 +148,9 @@ class LaunchPlan:
             _run_binary(*self._entry, self.grid, args)
 
 
+P = TypeVar("P")
+
+
 class PlanCache(dict):
     """Launch plans by problem key; emptied when it grows past `limit` (shapes that keep changing)."""
 
@@ -155,7 +158,7 @@ class PlanCache(dict):
         super().__init__()
         self.limit = limit
 
-    def put(self, key, plan):
+    def put(self, key: tuple, plan: P) -> P:
         if len(self) >= self.limit:
             self.clear()
         self[key] = plan
@@ -215,7 +218,7 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def device_ctx(device: torch.device):
+def device_ctx(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Launches go to the tensors' device: switch to it unless it is already current (entering
     torch.cuda.device costs two device exchanges per launch)."""
     if (
@@ -296,8 +299,6 @@ class Plan(NamedTuple):
     contiguous: bool = False
     zero: bool = False
 
-
-P = TypeVar("P")
 
 _PLANS = PlanCache()
 _TUNED: dict[tuple, GemmConfig] = {}

@@ -11,20 +11,20 @@ import triton
 
 from moekit.ops.kernels.rows import gather_sum_rows_kernel, zero_rows_from_kernel
 from moekit.ops.runtime.configs import ZERO_ROWS_TILE, rows_tile
-from moekit.ops.runtime.launch import Launcher, LaunchPlan, Plan, device_ctx, plan_launch, tensor_key
+from moekit.ops.runtime.launch import Launcher, LaunchPlan, device_ctx, plan_launch, tensor_key
 
 _GATHER_SUM = Launcher(gather_sum_rows_kernel)
 _ZERO_ROWS = Launcher(zero_rows_from_kernel)
 
 
-def _plan_gather_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> Plan:
+def _plan_gather_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> LaunchPlan:
     num_out, per_out = index.shape
     num_features = src.shape[1]
     block_r, block_d = rows_tile(num_features)
     grid = (triton.cdiv(num_out, block_r), triton.cdiv(num_features, block_d))
     ints = (num_out, num_features, per_out, src.stride(0), num_features)
     constexprs = dict(HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
-    return Plan(LaunchPlan(_GATHER_SUM, grid, ints, constexprs))
+    return LaunchPlan(_GATHER_SUM, grid, ints, constexprs)
 
 
 def gather_sum_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +41,7 @@ def gather_sum_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
     key = (tensor_key(src), tensor_key(index), tensor_key(weight))
     plan = plan_launch("gather_sum_rows", key, lambda: _plan_gather_sum(src, index, weight))
     with device_ctx(src.device):
-        plan.launch(src, index, weight if weight is not None else src, out)
+        plan(src, index, weight if weight is not None else src, out)
     return out
 
 

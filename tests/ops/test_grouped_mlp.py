@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -12,15 +13,27 @@ from hypothesis import strategies as st
 import moekit
 from helpers import (
     BACKENDS,
+    BF16,
+    CUDA,
+    GPU_BACKENDS,
+    GPU_F,
+    GPU_H,
+    GPU_M,
+    GPU_N,
+    GPU_SPLITS,
     HYPOTHESIS,
     LOWP_DTYPES,
     SPLIT_CASES,
     SPLIT_KINDS,
+    assert_no_host_sync,
     assert_no_nan,
+    assert_padding_and_empty_experts,
     check_against_reference,
     nan_like,
+    on_device,
     rand,
     rel_err,
+    require_backend,
     splits_as,
     torch_grouped_mlp,
 )
@@ -381,3 +394,120 @@ def test_device_offsets_path(backend, nan_poison):
         assert_no_nan(a, "result")
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(outs[0][0][8:], torch.zeros(2, H))
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): bf16 results and gradients against float64 at real-ish sizes (buffers
+# that moekit allocates from Python start as NaN: nan_poison); the fused triton path (fc1 + activation
+# epilogue, fc2 dgrad + activation backward): every activation and GLU layout in bf16, bit-identical
+# gradients, no host sync, graph replay
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m_splits", GPU_SPLITS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_grouped_mlp_bf16_matches_float64(backend, m_splits, nan_poison, device=CUDA):
+    require_backend(backend, GPU_H, 2 * GPU_F, device)
+    require_backend(backend, GPU_F, GPU_H, device)
+    splits_dev = torch.tensor(m_splits, device=device)
+    inputs = {
+        "x": rand(GPU_M, GPU_H, seed=11),
+        "fc1_weight": rand(GPU_N, 2 * GPU_F, GPU_H, scale=GPU_H**-0.5, seed=12),
+        "fc2_weight": rand(GPU_N, GPU_H, GPU_F, scale=GPU_F**-0.5, seed=13),
+        "fc1_bias": rand(GPU_N, 2 * GPU_F, scale=0.1, seed=14),
+        "fc2_bias": rand(GPU_N, GPU_H, scale=0.1, seed=15),
+        "probs": rand(GPU_M, seed=16).sigmoid(),
+    }
+    res = check_against_reference(
+        on_device(functools.partial(moekit.grouped_mlp, m_splits=splits_dev, backend=backend), device),
+        functools.partial(torch_grouped_mlp, m_splits=m_splits),
+        on_device(functools.partial(grouped_mlp_reference, m_splits=m_splits), device),
+        inputs,
+        BF16,
+    )
+    assert_padding_and_empty_experts(res, m_splits, weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("interleave", [None, 1, 4, 256], ids=["gate|up", "k1", "k4", "k256"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_grouped_mlp_triton_fused_layouts_bf16(activation, interleave, nan_poison):
+    require_backend("triton", GPU_H, 2 * GPU_F)
+    m_splits = [0, 700, 512, 0, 900, 333, 1100, 0]
+    splits_dev = torch.tensor(m_splits, device=CUDA)
+    inputs = {
+        "x": rand(GPU_M, GPU_H, seed=21, scale=3.0),  # many pre-activations past clamped_swiglu's limit
+        "fc1_weight": rand(GPU_N, 2 * GPU_F, GPU_H, scale=GPU_H**-0.5, seed=22),
+        "fc2_weight": rand(GPU_N, GPU_H, GPU_F, scale=GPU_F**-0.5, seed=23),
+        "fc1_bias": rand(GPU_N, 2 * GPU_F, scale=0.1, seed=24),
+        "fc2_bias": rand(GPU_N, GPU_H, scale=0.1, seed=25),
+        "probs": rand(GPU_M, seed=26).sigmoid(),
+    }
+    kw = {"activation": activation, "glu_interleave_size": interleave}
+    res = check_against_reference(
+        on_device(functools.partial(moekit.grouped_mlp, m_splits=splits_dev, backend="triton", **kw), CUDA),
+        functools.partial(torch_grouped_mlp, m_splits=m_splits, **kw),
+        on_device(functools.partial(grouped_mlp_reference, m_splits=m_splits, **kw), CUDA),
+        inputs,
+        BF16,
+    )
+    assert_padding_and_empty_experts(res, m_splits, weight_keys=("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"))
+    assert torch.count_nonzero(res["probs"][sum(m_splits) :]) == 0, "padding rows of d probs are not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_mlp_triton_graph_replay_no_sync_bit_identical():
+    require_backend("triton", GPU_H, 2 * GPU_F)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    leaves = {
+        "x": torch.randn(GPU_M, GPU_H, device=CUDA, dtype=BF16, generator=gen),
+        "fc1_weight": (torch.randn(GPU_N, 2 * GPU_F, GPU_H, device=CUDA, generator=gen) * GPU_H**-0.5).to(BF16),
+        "fc2_weight": (torch.randn(GPU_N, GPU_H, GPU_F, device=CUDA, generator=gen) * GPU_F**-0.5).to(BF16),
+        "probs": torch.rand(GPU_M, device=CUDA, generator=gen),
+    }
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    dy = torch.randn(GPU_M, GPU_H, device=CUDA, dtype=BF16, generator=gen)
+    static_splits = torch.tensor([512] * GPU_N, device=CUDA)
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        y = moekit.grouped_mlp(
+            leaves["x"],
+            leaves["fc1_weight"],
+            leaves["fc2_weight"],
+            static_splits,
+            probs=leaves["probs"],
+            backend="triton",
+        )
+        y.backward(dy)
+        return {"out": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        first, second = step(), step()
+    torch.cuda.current_stream().wait_stream(side)
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not differ, f"results differ between two identical steps: {differ}"
+    assert_no_host_sync(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for case, splits in {
+        "skewed+padding": [0, 1000, 24, 0, 500, 300, 0, 24] + [0] * (GPU_N - 8),
+        "all-on-one": [0, 0, 0, GPU_M, 0, 0, 0, 0],
+    }.items():
+        static_splits.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: t.clone() for k, t in static.items()}
+        eager = step()
+        for k in replayed:
+            assert torch.equal(replayed[k], eager[k]), f"{case}: replayed {k} differs from eager"
+        assert torch.count_nonzero(replayed["out"][sum(splits) :]) == 0

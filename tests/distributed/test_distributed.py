@@ -1,4 +1,4 @@
-"""moekit.distributed on CPU with gloo, in spawned process groups (tests/distributed_worker.py).
+"""moekit.distributed on CPU with gloo, in spawned process groups (tests/distributed/distributed_worker.py).
 
 Spawning is what costs (each rank imports torch and moekit), so each group runs many checks:
 - train, world sizes 2 and 4: DDP and FSDP2 (fp32; bf16 compute with fp32 masters and reductions)
@@ -330,6 +330,16 @@ def test_load_of_missing_checkpoint_is_refused(tmp_path):
         checkpoint.load(tmp_path / "absent", model)
     with pytest.raises(FileNotFoundError, match=r"^checkpoint path '.*' holds no .metadata file; expected"):
         checkpoint.load(tmp_path, model)
+
+
+def test_train_distributed_refuses_a_missing_resume_path_in_one_line(tmp_path):
+    """examples/train_distributed.py: a wrong --resume is a usage error before any rank starts work."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_distributed.py"
+    absent = tmp_path / "absent"
+    done = subprocess.run([sys.executable, str(script), "--resume", str(absent)], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    expected = f"--resume: checkpoint path '{absent}' does not exist; expected a directory written by moekit"
+    assert expected in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 def _params(model):

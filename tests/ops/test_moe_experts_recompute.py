@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_moe_experts import _require_triton, check, make_inputs
 
-from helpers import rand
+from helpers import assert_no_host_sync, rand
 from moekit.ops import moe_experts as moe_experts_module
 from moekit.ops.activations import ACTIVATIONS
 from moekit.ops.grouped_mlp import ExpertRoute, FusedSpec, fused_mlp
@@ -323,8 +323,6 @@ def test_split_anywhere_is_bit_identical_on_gpu(activation, glu_interleave_size,
 def test_held_memory_on_gpu(monkeypatch):
     """F = 4H: what the allocator holds after the forward (the output excluded) is within the bar,
     where h whole would not be; no host sync on the way; the same bits as holding h whole."""
-    from test_gpu import _assert_no_host_sync
-
     hidden, ffn = 256, 1024
     rows = GPU_T * GPU_K
     inputs = make_inputs(GPU_T, GPU_N, GPU_K, hidden=hidden, ffn=ffn, bias=True, seed=32)
@@ -347,7 +345,7 @@ def test_held_memory_on_gpu(monkeypatch):
     held()  # warm-up: plans, compilation
     split = held()
     assert split <= bar, f"holds {split} bytes, over {bar:.0f} (0.4 x plain)"
-    _assert_no_host_sync(lambda: moe_experts_module.moe_experts(**leaves, backend="triton").backward(dy))
+    assert_no_host_sync(lambda: moe_experts_module.moe_experts(**leaves, backend="triton").backward(dy))
     with monkeypatch.context() as m:
         _hold(m, lambda rows: rows)
         assert held() > bar

@@ -1,8 +1,8 @@
 """Checks of moekit.distributed in spawned process groups (gloo on CPU, NCCL on GPUs).
 
-Run: python tests/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR [EXPERTS_BACKEND]. Every
+Run: python tests/distributed/distributed_worker.py GROUP WORLD PORT BACKEND WORKDIR [EXPERTS_BACKEND]. Every
 rank runs the group's checks and prints "OK <check>" for each; any failure exits non-zero. The checkpoint chain
-starts with `python tests/distributed_worker.py one_process_save WORKDIR` and ends with
+starts with `python tests/distributed/distributed_worker.py one_process_save WORKDIR` and ends with
 `... one_process_check WORKDIR` (one process, no process group). Groups:
 - train: data parallel (DDP, FSDP2 fp32 and bf16 compute; GroupedLinear, GroupedMLP, MoELayer; both
   layouts) and expert parallel (dropless, capacity; alone and with FSDP2 on an (ep, dp) mesh)
@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/, where helpers.py is (pytest puts it on sys.path; a worker run by path needs it too).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers import rel_err, tolerance_floor  # noqa: E402
 
@@ -661,9 +662,9 @@ def check_capacity_graph(rank, world, device, workdir):
         torch.cuda.set_sync_debug_mode("default")
     print("OK capacity no host sync (cuda sync debug mode error)", flush=True)
 
-    from test_gpu import _capture
+    from helpers import capture_cuda_graph
 
-    graph, y_static = _capture(step, leaves)
+    graph, y_static = capture_cuda_graph(step, leaves)
     static = {
         "out": y_static,
         "dropped": model.dropped_copies,

@@ -44,9 +44,3 @@ def test_gradcheck_swiglu():
 def test_gradcheck_unpermute():
     row_map = torch.tensor([[0, 2], [1, 3]])
     assert gradcheck(lambda y, w: moekit.unpermute(y, row_map, w), (_t(4, 3, seed=8), _t(2, 2, seed=9, positive=True)))
-
-
-def test_moe_layer_routes_float64_in_float64():
-    layer = moekit.MoELayer(8, 4, 4, 2, dtype=torch.float64)
-    weights, _, scores = layer.route(torch.randn(3, 8, dtype=torch.float64))
-    assert weights.dtype == torch.float64 and scores.dtype == torch.float64

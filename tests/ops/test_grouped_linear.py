@@ -13,15 +13,28 @@ from hypothesis import strategies as st
 import moekit
 from helpers import (
     BACKENDS,
+    BF16,
+    CUDA,
+    GPU_BACKENDS,
+    GPU_F,
+    GPU_H,
+    GPU_M,
+    GPU_N,
+    GPU_SPLITS,
     HYPOTHESIS,
     LOWP_DTYPES,
     SPLIT_CASES,
     SPLIT_KINDS,
+    assert_no_host_sync,
     assert_no_nan,
+    assert_padding_and_empty_experts,
+    capture_cuda_graph,
     check_against_reference,
     nan_like,
+    on_device,
     rand,
     rel_err,
+    require_backend,
     splits_as,
     torch_grouped_linear,
 )
@@ -535,3 +548,108 @@ def test_torch_backend_device_splits_zero_padding_on_cuda(rows, used):
     t = torch.full((rows, 512), float("nan"), device=dev, dtype=torch.bfloat16)
     assert zero_rows_from(t, torch.tensor([used], device=dev)) is t
     assert torch.isnan(t[:used]).all() and torch.equal(t[used:], torch.zeros_like(t[used:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): bf16 results and gradients against float64 at real-ish sizes, the
+# tolerance rule of conftest (buffers that moekit allocates from Python start as NaN: nan_poison, so
+# rows a kernel leaves unwritten fail); no host sync with device m_splits; CUDA graph: capture once,
+# replay with other device m_splits
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m_splits", GPU_SPLITS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_grouped_linear_bf16_matches_float64(backend, m_splits, nan_poison, device=CUDA):
+    require_backend(backend, GPU_H, 2 * GPU_F, device)
+    splits_dev = torch.tensor(m_splits, device=device)
+    inputs = {
+        "x": rand(GPU_M, GPU_H, seed=1),
+        "weight": rand(GPU_N, 2 * GPU_F, GPU_H, scale=GPU_H**-0.5, seed=2),
+        "bias": rand(GPU_N, 2 * GPU_F, seed=3),
+    }
+    # torch's own bf16 computation (helpers' per-group loop) runs on the CPU: same rounding of
+    # each product (fp32 accumulation, one bf16 rounding), so the same error scale.
+    res = check_against_reference(
+        on_device(lambda x, weight, bias: moekit.grouped_linear(x, weight, splits_dev, bias, backend=backend), device),
+        lambda x, weight, bias: torch_grouped_linear(x, weight, m_splits, bias),
+        on_device(lambda x, weight, bias: grouped_linear_reference(x, weight, m_splits, bias), device),
+        inputs,
+        BF16,
+    )
+    assert_padding_and_empty_experts(res, m_splits, weight_keys=("weight", "bias"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_grouped_linear_with_device_splits_has_no_host_sync(backend):
+    require_backend(backend, GPU_H, GPU_F)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(GPU_M, GPU_H, device=CUDA, dtype=BF16, generator=gen).requires_grad_()
+    w = (torch.randn(GPU_N, GPU_F, GPU_H, device=CUDA, generator=gen) * GPU_H**-0.5).to(BF16).requires_grad_()
+    b = torch.randn(GPU_N, GPU_F, device=CUDA, dtype=BF16, generator=gen).requires_grad_()
+    scale = torch.rand(GPU_M, device=CUDA, generator=gen).requires_grad_()
+    splits = torch.tensor([0, 700, 512, 0, 900, 333, 1100, 0], device=CUDA)
+    dy = torch.randn(GPU_M, GPU_F, device=CUDA, dtype=BF16, generator=gen)
+
+    def step():
+        moekit.grouped_linear(x, w, splits, b, backend=backend, bias_scale=scale).backward(dy)
+
+    assert_no_host_sync(step)
+
+
+GRAPH_ROWS, GRAPH_I, GRAPH_O = 2048, 512, 768
+GRAPH_SPLITS = {
+    "captured": [256] * 8,
+    "skewed+padding": [0, 1000, 24, 0, 500, 300, 0, 24],
+    "all-on-one": [0, 0, 0, 2048, 0, 0, 0, 0],
+    "nothing-routed": [0] * 8,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_replay_with_new_splits_matches_eager(backend):
+    require_backend(backend, GRAPH_I, GRAPH_O)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(GRAPH_ROWS, GRAPH_I, device=CUDA, dtype=BF16, generator=gen).requires_grad_()
+    w = (torch.randn(GPU_N, GRAPH_O, GRAPH_I, device=CUDA, generator=gen) * GRAPH_I**-0.5).to(BF16).requires_grad_()
+    b = torch.randn(GPU_N, GRAPH_O, device=CUDA, dtype=BF16, generator=gen).requires_grad_()
+    dy = torch.randn(GRAPH_ROWS, GRAPH_O, device=CUDA, dtype=BF16, generator=gen)
+    static_splits = torch.tensor(GRAPH_SPLITS["captured"], device=CUDA)
+    leaves = (x, w, b)
+
+    def step():
+        y = moekit.grouped_linear(x, w, static_splits, b, backend=backend)
+        y.backward(dy)
+        return y
+
+    graph, y_static = capture_cuda_graph(step, leaves)
+    static = {"out": y_static, "x": x.grad, "weight": w.grad, "bias": b.grad}
+
+    for case, splits in GRAPH_SPLITS.items():
+        static_splits.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: t.clone() for k, t in static.items()}
+        eager = _eager_grouped_linear(x, w, b, dy, splits, backend)
+        for k in replayed:
+            assert_no_nan(replayed[k], f"{case}: replayed {k}")
+            err = rel_err(replayed[k], eager[k])
+            assert err < 1e-2, f"{case}: replayed {k} differs from eager (relative error {err:.2e})"
+        used = sum(splits)
+        assert torch.count_nonzero(replayed["out"][used:]) == 0, f"{case}: padding rows of the output not zero"
+        for g, count in enumerate(splits):
+            if count == 0:
+                assert torch.count_nonzero(replayed["weight"][g]) == 0, f"{case}: d weight[{g}] not zero"
+
+
+def _eager_grouped_linear(x, w, b, dy, splits, backend) -> dict[str, torch.Tensor]:
+    xe, we, be = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = moekit.grouped_linear(xe, we, torch.tensor(splits, device=CUDA), be, backend=backend)
+    y.backward(dy)
+    return {"out": y.detach(), "x": xe.grad, "weight": we.grad, "bias": be.grad}

@@ -7,6 +7,7 @@ Legend: T tokens, K experts per token, N experts, H hidden size, F ffn size.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -14,7 +15,22 @@ import pytest
 import torch
 
 import moekit
-from helpers import BACKENDS, LOWP_DTYPES, assert_no_nan, check_against_reference, rand, torch_glu
+from helpers import (
+    BACKENDS,
+    BF16,
+    CUDA,
+    GPU_BACKENDS,
+    LOWP_DTYPES,
+    assert_no_host_sync,
+    assert_no_nan,
+    capture_cuda_graph,
+    check_against_reference,
+    on_device,
+    rand,
+    rel_err,
+    require_backend,
+    torch_glu,
+)
 from moekit.ops import moe_experts as moe_experts_module
 from moekit.ops.activations import ACTIVATIONS
 from moekit.ops.runtime.backends import select_backend
@@ -468,3 +484,147 @@ def test_bad_inputs_raise_clear_errors(change, exc, match):
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         moekit.moe_experts(**make_inputs(6, 4, 2, seed=18), **{"backend": "torch", **kwargs})
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): bf16 against float64, no host sync, bit-identical results, CUDA graph
+# replay with new routing, what the op holds for the backward
+# --------------------------------------------------------------------------------------------------
+
+
+# Tokens, experts, top-k, hidden, ffn: a real size for the layer's row movement and GEMMs.
+MOE_T, MOE_N, MOE_K, MOE_H, MOE_F = 2048, 8, 2, 1024, 768
+MOE_POOLS = [pytest.param(None, id="all-experts"), pytest.param([1, 2, 3, 5, 6], id="empty-first-middle-last")]
+
+
+def _moe_inputs(pool=None, seed=0, bias=False) -> dict:
+    inputs = make_inputs(MOE_T, MOE_N, MOE_K, hidden=MOE_H, ffn=MOE_F, experts=pool, seed=seed, bias=bias)
+    return {k: v.to(CUDA) for k, v in inputs.items()}
+
+
+def _moe_leaves(inputs: dict) -> dict:
+    return {k: (v.to(BF16).requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pool", MOE_POOLS)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_bf16_matches_float64(backend, pool, nan_poison):
+    require_backend(backend, MOE_H, 2 * MOE_F)
+    inputs = make_inputs(MOE_T, MOE_N, MOE_K, hidden=MOE_H, ffn=MOE_F, experts=pool, bias=True, seed=3)
+    inputs["topk_weights"] = inputs["topk_weights"].to(BF16)
+    ours = on_device(functools.partial(moekit.moe_experts, backend=backend), CUDA)
+    res = check_against_reference(
+        ours,
+        on_device(torch_moe_experts, CUDA),
+        on_device(moekit.reference.moe_experts_reference, CUDA),
+        inputs,
+        BF16,
+        differentiable=[k for k in inputs if k != "topk_ids"],
+    )
+    for name, t in res.items():
+        assert_no_nan(t, name)
+    for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
+        for name in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
+            assert torch.count_nonzero(res[name][e]) == 0, f"expert {e} has no tokens but d {name}[{e}] != 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_forward_backward_has_no_host_sync(backend):
+    require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True))
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def step():
+        moekit.moe_experts(**leaves, backend=backend).backward(dy)
+
+    assert_no_host_sync(step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_backward_is_bit_identical(backend):
+    require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True, seed=1))
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def run():
+        for t in leaves.values():
+            if t.is_floating_point():
+                t.grad = None
+        y = moekit.moe_experts(**leaves, backend=backend)
+        y.backward(dy)
+        return {"out": y.detach(), **{k: t.grad.clone() for k, t in leaves.items() if t.is_floating_point()}}
+
+    run()  # warm-up: autotuning runs here
+    first, second = run(), run()
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not differ, f"moe_experts results differ between two identical runs: {differ}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_experts_cuda_graph_replay_with_new_routing_matches_eager(backend):
+    """One capture of forward+backward; replays with other routings (an empty expert, all copies on
+    two experts) give what eager gives for those routings, bit for bit."""
+    require_backend(backend, MOE_H, 2 * MOE_F)
+    leaves = _moe_leaves(_moe_inputs(bias=True, seed=2))
+    floats = [t for t in leaves.values() if t.is_floating_point()]
+    static_ids = leaves["topk_ids"]
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16)
+
+    def step():
+        y = moekit.moe_experts(**leaves, backend=backend)
+        y.backward(dy)
+        return y
+
+    graph, y_static = capture_cuda_graph(step, floats)
+    static = {"out": y_static, **{k: t.grad for k, t in leaves.items() if t.is_floating_point()}}
+
+    routings = {"empty-expert-0-and-5": [1, 2, 3, 4, 6, 7], "two-experts": [3, 6], "all-experts": None}
+    for case, pool in routings.items():
+        new_ids = _moe_inputs(pool=pool, seed=10)["topk_ids"]
+        static_ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: t.clone() for k, t in static.items()}
+        eager_leaves = {
+            k: (t.detach().clone().requires_grad_(True) if t.is_floating_point() else new_ids.clone())
+            for k, t in leaves.items()
+        }
+        y = moekit.moe_experts(**eager_leaves, backend=backend)
+        y.backward(dy)
+        eager = {"out": y.detach(), **{k: t.grad for k, t in eager_leaves.items() if t.is_floating_point()}}
+        for k in replayed:
+            assert_no_nan(replayed[k], f"{case}: replayed {k}")
+            assert torch.equal(replayed[k], eager[k]), (
+                f"{case}: replayed {k} differs from eager (relative error {rel_err(replayed[k], eager[k]):.2e})"
+            )
+        for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
+            assert torch.count_nonzero(replayed["fc1_weight"][e]) == 0, f"{case}: d fc1_weight[{e}] not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moe_experts_holds_less_than_the_sorted_copy_of_x():
+    """Memory held between forward and backward: no (M, H) copy of x (what a plain gather keeps)."""
+    leaves = _moe_leaves(_moe_inputs(seed=4))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = moekit.moe_experts(**leaves, backend="auto")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    rows = MOE_T * MOE_K
+    # What the grouped MLP may keep: fc1's output (M, 2F), the activation (M, F), the probs and
+    # index vectors; an (M, H) x_sorted on top would add rows * H * 2 bytes.
+    allowance = rows * 3 * MOE_F * 2 + rows * 64
+    assert held <= allowance, (
+        f"moe_experts holds {held / 2**20:.1f} MiB for the backward; at most {allowance / 2**20:.1f} MiB expected "
+        f"without a sorted copy of x ({rows * MOE_H * 2 / 2**20:.1f} MiB)"
+    )
+    y.sum().backward()

@@ -9,12 +9,21 @@ from torch.func import functional_call
 import moekit
 from helpers import (
     BACKENDS,
+    BF16,
+    CUDA,
+    GPU_BACKENDS,
+    GPU_F,
+    GPU_H,
+    GPU_M,
+    GPU_N,
     LOWP_DTYPES,
+    assert_no_host_sync,
     assert_no_nan,
     assert_within_tolerance,
     check_against_reference,
     rand,
     rel_err,
+    require_backend,
     torch_glu,
 )
 
@@ -435,3 +444,53 @@ def test_reference_is_an_attribute_of_the_package():
     code = "import moekit; print(moekit.reference.grouped_mlp_reference.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "grouped_mlp_reference", out.stderr
+
+
+def test_moe_layer_routes_float64_in_float64():
+    layer = moekit.MoELayer(8, 4, 4, 2, dtype=torch.float64)
+    weights, _, scores = layer.route(torch.randn(3, 8, dtype=torch.float64))
+    assert weights.dtype == torch.float64 and scores.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): no host sync in forward + backward, bit-identical gradients
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_layer_forward_backward_has_no_host_sync(backend):
+    require_backend(backend, GPU_H, 2 * GPU_F)
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(GPU_H, GPU_F, GPU_N, top_k=2, aux_loss_coef=0.01, backend=backend, device=CUDA, dtype=BF16)
+    x = torch.randn(GPU_M // 2, GPU_H, device=CUDA, dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        layer(x).backward(dy)
+
+    assert_no_host_sync(step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_moe_layer_backward_is_bit_identical(backend):
+    require_backend(backend, GPU_H, 2 * GPU_F)
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(GPU_H, GPU_F, GPU_N, top_k=2, backend=backend, device=CUDA, dtype=BF16)
+    x = torch.randn(GPU_M // 2, GPU_H, device=CUDA, dtype=BF16, requires_grad=True)
+    dy = torch.randn_like(x)
+    leaves = {"x": x, **dict(layer.named_parameters())}
+
+    def grads():
+        for t in leaves.values():
+            t.grad = None
+        layer(x).backward(dy)
+        return {k: t.grad.clone() for k, t in leaves.items()}
+
+    grads()  # warm-up: autotuning runs here
+    first, second = grads(), grads()
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    assert not differ, f"gradients differ between two identical backward passes: {differ}"

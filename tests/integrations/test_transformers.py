@@ -651,7 +651,7 @@ def test_finetune_example_trains_lora_on_moekit_experts(tmp_path):
     from pathlib import Path
 
     pytest.importorskip("peft")
-    example = Path(__file__).resolve().parent.parent / "examples" / "finetune_transformers_moe.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "finetune_transformers_moe.py"
     args = ["--steps", "8", "--batch", "4", "--seq", "16", "--lora", "4", "--lr", "1e-2", "--save", str(tmp_path)]
     out = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,6 +1,6 @@
 """The raw Triton grouped GEMM kernels (moekit.ops.grouped_gemm's launchers, called directly with
 fixed configurations and operand paths) against float64 references. The public ops on the triton
-backend are tested in test_triton_ops.py.
+backend are tested in test_triton_backend.py.
 
 legend: M routed rows, N groups (experts), I in_features, O out_features.
 

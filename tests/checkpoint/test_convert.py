@@ -294,7 +294,7 @@ NON_CANONICAL = {
 def test_refuses_non_canonical_expert_index(tmp_path, case, naming, capsys):
     """One name per expert: `experts.01` next to `experts.1` is not a duplicate to pick from, and
     `weight+1` is not expert 1; convert and inspect refuse the key, naming it (as
-    GroupedLinear.load_state_dict does, test_checkpoint.py)."""
+    GroupedLinear.load_state_dict does, test_save_load.py)."""
     from moekit.cli import main
 
     index, why = NON_CANONICAL[case]
