@@ -459,11 +459,14 @@ def apply_moekit(
     for experts in applied:
         settings = (experts.moekit_backend, experts.converted_mlp() is None, experts.moekit_quantization)
         if settings != (backend, single_grouped_weight, quantization):
+            # The quantization is named where one of the two has one.
+            quantized = settings[2] is not None or quantization is not None
+            had = f", quantization={settings[2]!r}" if quantized else ""
+            asked = f", quantization={quantization!r}" if quantized else ""
             raise ValueError(
                 f"apply_moekit was already applied to this model with backend={settings[0]!r}, "
-                f"single_grouped_weight={settings[1]}, quantization={settings[2]!r}; asked now for "
-                f"backend={backend!r}, single_grouped_weight={single_grouped_weight}, quantization={quantization!r}. "
-                "Apply it once, to a freshly loaded model."
+                f"single_grouped_weight={settings[1]}{had}; asked now for backend={backend!r}, "
+                f"single_grouped_weight={single_grouped_weight}{asked}. Apply it once, to a freshly loaded model."
             )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if unsupported or not (found or applied):
