@@ -2,7 +2,7 @@
 high-precision or quantized (FP8 with block scales).
 
 Legend: N members (groups, experts), M rows of all members together (the sum of their first dims, plus
-padding rows past it), K the columns of a 2-D member (its last dim); a weight's members are (R, C).
+padding rows past it), X the columns of a 2-D member (its last dim); a weight's members are (O, I).
 
 Two kinds of storage:
 
@@ -43,13 +43,13 @@ FP8_MAX = 448.0
 
 @dataclass(frozen=True)
 class Recipe:
-    """A quantization format. Blocks of a 2-D (M, K) tensor of rows sorted by group:
+    """A quantization format. Blocks of a 2-D (M, X) tensor of rows sorted by group:
 
-    block_cols   rowwise blocks are 1 x block_cols along K (None: the whole row)
+    block_cols   rowwise blocks are 1 x block_cols along X (None: the whole row)
     block_rows   columnwise blocks are block_rows x 1 along M, restarting at every group's first row so
                  that no block holds two groups' rows (None: the whole group); a last partial block
                  is a block
-    weight_tile  an (N, R, C) weight's rowwise blocks are weight_tile x weight_tile squares of each
+    weight_tile  an (N, O, I) weight's rowwise blocks are weight_tile x weight_tile squares of each
                  member (None: the weight's members follow the 2-D rules, each member a group)
     scale_dtype  float8 E8M0 (a power of two) or float32
     """
@@ -85,9 +85,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def rowwise_scale_shape(recipe: Recipe, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of `rowwise_scale_inv` for a quantized tensor of `shape` ((M, K), or (N, R, C) for a weight):
-    one scale per row and column block ((M, ceil(K / block_cols)), (M, 1) for whole rows), per member's
-    row and column block for a weight ((N, R, ...)), or per weight tile ((N, ceil(R / t), ceil(C / t)))."""
+    """Shape of `rowwise_scale_inv` for a quantized tensor of `shape` ((M, X), or (N, O, I) for a weight):
+    one scale per row and column block ((M, ceil(X / block_cols)), (M, 1) for whole rows), per member's
+    row and column block for a weight ((N, O, ...)), or per weight tile ((N, ceil(O / t), ceil(I / t)))."""
     *lead, cols = shape
     if len(shape) == 3 and recipe.weight_tile is not None:
         tile = recipe.weight_tile
@@ -98,11 +98,11 @@ def rowwise_scale_shape(recipe: Recipe, shape: tuple[int, ...]) -> tuple[int, ..
 def columnwise_scale_shape(recipe: Recipe, shape: tuple[int, ...], num_groups: int) -> tuple[int, ...]:
     """Shape of `columnwise_scale_inv`: one scale per column of each block of block_rows rows of a group.
 
-    (M, K) rows in N groups: the groups' blocks one after another, group g's from slot
+    (M, X) rows in N groups: the groups' blocks one after another, group g's from slot
     `columnwise_scale_offsets[g]`, then the padding rows' blocks (scale 1), then unused slots (scale 1):
     ceil(M / block_rows) + N slots hold every split of M rows into N groups, so the shape follows from
-    the shapes alone (device splits are never read); (N, K) for whole groups. An (N, R, C) weight
-    (each member a group): (N, ceil(R / block_rows), C), or (N, 1, C) for whole members."""
+    the shapes alone (device splits are never read); (N, X) for whole groups. An (N, O, I) weight
+    (each member a group): (N, ceil(O / block_rows), I), or (N, 1, I) for whole members."""
     if len(shape) == 3:
         per_member = 1 if recipe.block_rows is None else _cdiv(shape[1], recipe.block_rows)
         return (shape[0], per_member, shape[2])
@@ -169,7 +169,7 @@ def dequantize_columnwise(
 ) -> torch.Tensor:
     """data * the columnwise scale of each element's block, in `dtype` (as `dequantize_rowwise`)."""
     acc = _acc_dtype(dtype)
-    if data.dim() == 3:  # a weight: each member one group, its blocks along R
+    if data.dim() == 3:  # a weight: each member one group, its blocks along O
         scale = _expand(scale_inv.to(acc), 1, recipe.block_rows, data.shape[1])
         return (data.to(acc) * scale).to(dtype)
     rows = data.shape[0]
@@ -314,8 +314,8 @@ class GroupedTensor:
         columnwise_scale_offsets: torch.Tensor | None = None,
     ) -> GroupedTensor:
         """A quantized GroupedTensor over existing storage (what `moekit.group_quantize` returns; no
-        checks of the values: the storage must follow `recipe`'s format). shape: (M, K) rows, or an (N,
-        R, C) weight. first_dims (N,) and offsets (N+1,): int64 on the storage's device."""
+        checks of the values: the storage must follow `recipe`'s format). shape: (M, X) rows, or an (N,
+        O, I) weight. first_dims (N,) and offsets (N+1,): int64 on the storage's device."""
         info = recipe_named(recipe)
         shape = tuple(int(d) for d in shape)
         num_tensors = int(first_dims.shape[0])

@@ -2,20 +2,20 @@
 (`group_quantize_reference`), and the quantized weights a layer keeps across calls
 (`QuantizedWeightCache`).
 
-Legend: N groups (experts), M rows (tokens x top-k, sorted by group), K columns (a linear's in
-features); an (N, R, C) weight's members are (R, C) (out, in).
+Legend: N groups (experts), M rows (tokens x top-k, sorted by group), X columns (a linear's in
+features); an (N, O, I) weight's members are (O, I) (out, in).
 
-`group_quantize(x, m_splits, recipe)` quantizes x (M, K) whose rows are sorted into N groups
+`group_quantize(x, m_splits, recipe)` quantizes x (M, X) whose rows are sorted into N groups
 (`m_splits` as `grouped_linear` takes them: a list, a CPU tensor or a device tensor that the host never
-reads), or an (N, R, C) weight with `m_splits=None`, into a quantized `moekit.GroupedTensor`, in one
+reads), or an (N, O, I) weight with `m_splits=None`, into a quantized `moekit.GroupedTensor`, in one
 launch for every group. The formats (`moekit.grouped_tensor.RECIPES`):
 
     recipe       rowwise blocks               columnwise blocks               scales
-    mxfp8        1 x 32 along K               32 x 1 along M, per group       E8M0 (a power of two)
+    mxfp8        1 x 32 along X               32 x 1 along M, per group       E8M0 (a power of two)
     fp8_block    1 x 128; weights 128 x 128   128 x 1 along M, per group      float32
     fp8_rowwise  one per row (output channel) one per column of each group    float32
 
-A weight's members are its groups (columnwise blocks run along R, per member); fp8_block's weight tiles
+A weight's members are its groups (columnwise blocks run along O, per member); fp8_block's weight tiles
 serve both orientations, so an fp8_block weight has no columnwise form. Columnwise blocks restart at
 every group's first row, so no block holds two groups' rows; a last partial block is a block.
 
@@ -117,7 +117,7 @@ def _num_groups(m_splits: MSplits | GroupOffsets) -> int:
 
 
 def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOffsets:
-    """The groups of x's rows: m_splits for (M, K) rows, the members of an (N, R, C) weight for None."""
+    """The groups of x's rows: m_splits for (M, X) rows, the members of an (N, O, I) weight for None."""
     if m_splits is None:
         if x.dim() != 3:
             raise ValueError(
@@ -272,8 +272,8 @@ def group_quantize(
 ) -> GroupedTensor:
     """Quantize x into a GroupedTensor (module docstring for the formats and rules).
 
-    x: (M, K) rows sorted by group with `m_splits` (N,) rows per group (list, CPU tensor or device
-    tensor, never read by the host; rows past the sum are padding), or an (N, R, C) weight with
+    x: (M, X) rows sorted by group with `m_splits` (N,) rows per group (list, CPU tensor or device
+    tensor, never read by the host; rows past the sum are padding), or an (N, O, I) weight with
     m_splits=None. recipe: "mxfp8", "fp8_block" or "fp8_rowwise". rowwise / columnwise: the forms to
     compute (both from x itself). out: a GroupedTensor from an earlier call with the same recipe, shape,
     dtype, device, number of groups and forms, rewritten in place (every address kept) and returned.
@@ -358,8 +358,8 @@ def group_quantize(
 
 
 def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False) -> torch.Tensor:
-    """`gt.dequantize(columnwise)`: the quantized tensor back in its dtype and shape ((M, K) rows, or
-    the (N, R, C) weight), data * scale_inv of the rowwise (or columnwise) storage. No host reads."""
+    """`gt.dequantize(columnwise)`: the quantized tensor back in its dtype and shape ((M, X) rows, or
+    the (N, O, I) weight), data * scale_inv of the rowwise (or columnwise) storage. No host reads."""
     if not isinstance(gt, GroupedTensor) or not gt.is_quantized:
         raise TypeError(f"gt must be a quantized GroupedTensor (from group_quantize), got {type(gt).__name__}")
     return gt.dequantize(columnwise=check_bool("columnwise", columnwise))

@@ -1,13 +1,13 @@
 """Triton kernels of grouped FP8 quantization (jit code only; host code in `moekit.ops.runtime.quantize`,
 the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 
-Legend: M rows (N groups of them, then padding rows), K columns; a slot is one block of rows of one
+Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
     quantize_tiles_kernel       one program per (slot, column block): the rowwise 1 x TILE_K scales of
                                 its rows, the columnwise TILE_M x 1 scales of its columns, or one scale
                                 for the whole tile (a weight's 128 x 128 blocks); mxfp8 and fp8_block
-    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over K
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
 
@@ -195,7 +195,7 @@ def quantize_rows_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_R rows a program, the
-    row maxima in a first pass over K, the data in a second."""
+    row maxima in a first pass over X, the data in a second."""
     if _runs(noop_ptr, HAS_NOOP):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         valid_end = tl.load(offs_ptr + num_groups)

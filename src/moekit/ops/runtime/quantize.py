@@ -1,8 +1,8 @@
 """Host side of the grouped FP8 quantization kernels (`moekit.ops.kernels.quantize`): the Triton
 backend's `group_quantize_into`, planned and launched by the one recipe of `moekit.ops.runtime.launch`.
 
-Legend: M rows (N groups of them, then padding rows), K columns; an (N, R, C) weight's members are
-(R, C); a slot is one block of rows of one group.
+Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) weight's members are
+(O, I); a slot is one block of rows of one group.
 
 One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
 gives its rows' rowwise and its columns' columnwise scales), for fp8_rowwise one per form (a whole row
@@ -112,7 +112,7 @@ def group_quantize_into(
     col_scale: torch.Tensor | None,
 ) -> None:
     """`moekit.ops.runtime.quantize_torch.group_quantize_into` by moekit's kernels: the same arguments
-    (x (M, K) or an (N, R, C) weight with unit last stride and contiguous rows; outputs contiguous, in
+    (x (M, X) or an (N, O, I) weight with unit last stride and contiguous rows; outputs contiguous, in
     the shapes `moekit.grouped_tensor` gives them), the same bytes. No host read of offs, slot_offs or
     noop."""
     info = recipe_named(recipe)

@@ -3,8 +3,8 @@ any device, with the group offsets on the device and never read by the host. Bit
 Triton kernels write (`moekit.ops.kernels.quantize`, whose docstring states the scale rules); the
 formats are `moekit.grouped_tensor.RECIPES`.
 
-Legend: M rows (N groups of them, then padding rows), K columns; an (N, R, C) weight's members are
-(R, C). Plain torch: importing this module needs no triton.
+Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) weight's members are
+(O, I). Plain torch: importing this module needs no triton.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 
 def _rowwise_blocks(recipe: Recipe, x32: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise 1 x block quantization of x32 (..., K) (block None: whole rows)."""
+    """Rowwise 1 x block quantization of x32 (..., X) (block None: whole rows)."""
     cols = x32.shape[-1]
     if block is None:
         mult, stored = scales_of(recipe, block_amax(x32, -1))
@@ -88,7 +88,7 @@ def _rowwise_blocks(recipe: Recipe, x32: torch.Tensor, block: int | None) -> tup
 
 
 def _weight_tiles(recipe: Recipe, w32: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Square tile x tile blocks of each member of an (N, R, C) weight."""
+    """Square tile x tile blocks of each member of an (N, O, I) weight."""
     n, r, c = w32.shape
     padded = _pad_to(_pad_to(w32, 1, tile), 2, tile)
     blocks = padded.view(n, padded.shape[1] // tile, tile, padded.shape[2] // tile, tile)
@@ -97,7 +97,7 @@ def _weight_tiles(recipe: Recipe, w32: torch.Tensor, tile: int) -> tuple[torch.T
 
 
 def _weight_columns(recipe: Recipe, w32: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columnwise block x 1 quantization of each member of an (N, R, C) weight (None: whole members)."""
+    """Columnwise block x 1 quantization of each member of an (N, O, I) weight (None: whole members)."""
     if block is None:
         mult, stored = scales_of(recipe, block_amax(w32, 1))
         return w32 * mult, stored
@@ -111,7 +111,7 @@ def _weight_columns(recipe: Recipe, w32: torch.Tensor, block: int | None) -> tup
 def _row_columns(
     recipe: Recipe, x32: torch.Tensor, offs: torch.Tensor, slot_offs: torch.Tensor, num_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columnwise quantization of rows x32 (M, K) in groups `offs`: per column of each block of
+    """Columnwise quantization of rows x32 (M, X) in groups `offs`: per column of each block of
     block_rows rows of a group (slots from `slot_offs`), or of each whole group (slot = group; the
     padding rows' slot N is dropped). Maxima by scatter_reduce (order-free, so deterministic)."""
     rows, cols = x32.shape
@@ -153,8 +153,8 @@ def group_quantize_into(
     col_scale: torch.Tensor | None,
 ) -> None:
     """Quantize x into the given storage (allocated by `moekit.ops.quantize.group_quantize` in the shapes
-    of `moekit.grouped_tensor`). x: (M, K) rows whose groups are `offs` (N+1,), rows past offs[N] padding
-    (data 0, scale 1), columnwise scale slots from `slot_offs` (N+1,); or an (N, R, C) weight. noop: a
+    of `moekit.grouped_tensor`). x: (M, X) rows whose groups are `offs` (N+1,), rows past offs[N] padding
+    (data 0, scale 1), columnwise scale slots from `slot_offs` (N+1,); or an (N, O, I) weight. noop: a
     float32 scalar; 1.0 leaves every output unchanged. Every argument on x's device; nothing is read
     by the host."""
     info = recipe_named(recipe)
