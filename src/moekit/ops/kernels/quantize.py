@@ -191,27 +191,27 @@ def quantize_rows_kernel(
     num_groups,
     stride_x,
     HAS_NOOP: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
-    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_R rows a program, the
+    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program, the
     row maxima in a first pass over X, the data in a second."""
     if _runs(noop_ptr, HAS_NOOP):
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         valid_end = tl.load(offs_ptr + num_groups)
         rmask = r < rows
         live = rmask & (r < valid_end)
         r64 = r.to(tl.int64)
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for k0 in range(0, cols, BLOCK_K):
-            c = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        for k0 in range(0, cols, BLOCK_COLS):
+            c = k0 + tl.arange(0, BLOCK_COLS)
             mask = live[:, None] & (c < cols)[None, :]
             x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
         scale, scale_inv = _fp32_scales(amax)
         tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-        for k0 in range(0, cols, BLOCK_K):
-            c = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, cols, BLOCK_COLS):
+            c = k0 + tl.arange(0, BLOCK_COLS)
             cmask = (c < cols)[None, :]
             elem = r64[:, None] * stride_x + c[None, :]
             x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
@@ -230,29 +230,29 @@ def quantize_group_cols_kernel(
     num_groups,
     stride_x,
     HAS_NOOP: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     """One fp32 scale per column of each whole group (scale[g, col]): program (g, column block), the
     column maxima in a first pass over the group's rows, the data in a second. g = N: the padding rows,
     written as zeros (no scale)."""
     if _runs(noop_ptr, HAS_NOOP):
         g = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         cmask = c < cols
         start = tl.load(offs_ptr + g)
         end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
         live = g < num_groups
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_ROWS):
+            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
             mask = (r < end)[:, None] & cmask[None, :]
             x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask & live, other=0.0)
             amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=0))
         scale, scale_inv = _fp32_scales(amax)
         tl.store(scale_ptr + g.to(tl.int64) * cols + c, scale_inv, mask=cmask & live)
-        for r0 in range(start, end, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        for r0 in range(start, end, BLOCK_ROWS):
+            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
             mask = (r < end)[:, None] & cmask[None, :]
             elem = r[:, None] * stride_x + c[None, :]
             x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)

@@ -143,7 +143,7 @@ WS_BACKWARD = dict(
 
 
 def rows_tile(num_features: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_D) of the row kernel: about 4096 elements a program (8 KiB of bf16 per block of
+    """(BLOCK_ROWS, BLOCK_D) of the row kernel: about 4096 elements a program (8 KiB of bf16 per block of
     source rows, enough bytes in flight to stream at HBM speed); narrow rows (the (M, 1) router weights)
     get many rows a program."""
     block_d = min(1 << max(num_features - 1, 0).bit_length(), 1024)
@@ -156,7 +156,7 @@ ZERO_ROWS_TILE = (64, 128)
 
 # Grouped FP8 quantization (kernels.quantize). The tiles kernel's tile is the format's own block (32 x 32
 # for mxfp8, 128 x 128 for fp8_block): warps by tile side. The whole-row and whole-group kernels of
-# fp8_rowwise walk (BLOCK_R rows, BLOCK_K columns) chunks: (BLOCK_R, BLOCK_K, warps); tiny chunks under
+# fp8_rowwise walk (BLOCK_ROWS rows, BLOCK_COLS columns) chunks: (BLOCK_ROWS, BLOCK_COLS, warps); tiny chunks under
 # the interpreter so that CPU tests cover several chunks of a row and of a group.
 QUANTIZE_TILE_WARPS: dict[int, int] = {32: 4, 128: 8}
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {

@@ -83,13 +83,13 @@ def _plan(
             ),
         )
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
-    block_r, block_k, warps = QUANTIZE_CHUNKS[arch]
-    chunks = dict(HAS_NOOP=has_noop, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+    block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
+    chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps)
     row_plan = col_plan = None
     if rowwise and rows:
-        row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_r),), ints, chunks)
+        row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     if columnwise and cols:
-        col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_k)), ints, chunks)
+        col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_cols)), ints, chunks)
     return QuantizePlan(None, row_plan, col_plan)
 
 
