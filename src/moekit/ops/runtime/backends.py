@@ -126,7 +126,7 @@ class GroupQuantizer(Protocol):
         col_data: torch.Tensor | None,
         col_scale: torch.Tensor | None,
     ) -> None:
-        """Quantize x (rows in groups `offs`, or an (N, R, C) weight) into the given storage."""
+        """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage."""
 
 
 # --------------------------------------------------------------------------------------------------
