@@ -16,6 +16,7 @@ that name and `<name>_grad` in `moekit.ops.kernels.activations`, passed to the k
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -47,6 +48,19 @@ _FORWARD = Launcher(glu_forward_kernel)
 _BACKWARD = Launcher(glu_backward_kernel)
 _FORWARD_WS = Launcher(glu_forward_ws_kernel)
 _BACKWARD_WS = Launcher(glu_backward_ws_kernel)
+
+
+def _tile_schedule(c: GemmConfig, N: int, nprog: int) -> dict[str, Any]:
+    """The tile and schedule constexprs both Triton GLU kernels take from their config."""
+    return dict(
+        BLOCK_M=c.block_rows,
+        BLOCK_C=c.block_cols,
+        BLOCK_RED=c.block_red,
+        GROUP_M=c.group_rows,
+        BLOCK_GROUPS=block_groups(N + 2),
+        NUM_PROGRAMS=nprog,
+        FLATTEN=c.flatten,
+    )
 
 
 @functools.cache
@@ -186,13 +200,7 @@ def _forward_launch(
             UPCAST=INTERPRET,
             W_TRANSPOSED=transposed_weight(w1_N2FH, "fc1_weight"),
             DOT_PRECISION=dot_precision(x_MH.dtype),
-            BLOCK_M=c.block_rows,
-            BLOCK_C=c.block_cols,
-            BLOCK_RED=c.block_red,
-            GROUP_M=c.group_rows,
-            BLOCK_GROUPS=block_groups(N + 2),
-            NUM_PROGRAMS=nprog,
-            FLATTEN=c.flatten,
+            **_tile_schedule(c, N, nprog),
             BOX_BLOCKS=box_blocks,
             BOX_ROWS=box_rows,
             EPI_TMA=_epilogue_tma(c, x_MH, ffn, glu_block, tma and aligned_out),
@@ -356,13 +364,7 @@ def _backward_launch(
             UPCAST=INTERPRET,
             W_TRANSPOSED=transposed_weight(w2_NHF, "fc2_weight"),
             DOT_PRECISION=dot_precision(dy_MH.dtype),
-            BLOCK_M=c.block_rows,
-            BLOCK_C=c.block_cols,
-            BLOCK_RED=c.block_red,
-            GROUP_M=c.group_rows,
-            BLOCK_GROUPS=block_groups(N + 2),
-            NUM_PROGRAMS=nprog,
-            FLATTEN=c.flatten,
+            **_tile_schedule(c, N, nprog),
             num_stages=c.stages,
             num_warps=c.warps,
         ),
