@@ -530,3 +530,91 @@ def test_demo_trains_with_fp8_block_as_without(tmp_path):
     assert abs(ratio - 1) <= 0.02, (
         f"fp8_block eval loss {quantized['eval_loss_single_grouped']} vs {plain['eval_loss_single_grouped']}"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu)
+# --------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_moe_layer_graph_replayed_after_optimizer_steps_equals_eager(recipe):
+    """MoELayer forward+backward with quantization captured once in a CUDA graph, replayed after each
+    optimizer.step(): output and every gradient bit for bit a twin module's eager step (the weights
+    are quantized anew inside every replay, so the steps' new weights are seen)."""
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    layer = moekit.MoELayer(512, 384, 8, top_k=2, quantization=recipe, device=dev, dtype=dt)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(1000, 512, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = list(layer.parameters())
+
+    def step():
+        y = layer(x)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in [x, *params]:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in [x, *params]:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        x_twin = x.detach().clone().requires_grad_(True)
+        twin_opt.zero_grad(set_to_none=True)
+        y = twin(x_twin)
+        y.backward(dy)
+        assert torch.equal(y_static, y), f"step {i}: output differs (rel. error {rel_err(y_static, y):.2e})"
+        assert torch.equal(x.grad, x_twin.grad), f"step {i}: d x differs"
+        for (name, p), q in zip(layer.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {i}: d {name} differs"
+        opt.step()  # in place: the grads stay the graph's tensors
+        twin_opt.step()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_moe_experts_within_the_fp8_bound_on_the_gpu(recipe):
+    """bf16 on the GPU at a realistic width (expert 7 gets no rows): the quantized experts within the FP8
+    bound of float64, output and every gradient."""
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden, ffn, experts = 2048, 1024, 768, 8
+    ids = torch.stack([torch.randperm(experts - 1, generator=g)[:2] for _ in range(tokens)])
+    inputs = mlp_inputs(hidden, ffn, [1] * experts, 0)
+    inputs = dict(
+        x=rand(tokens, hidden, seed=7, dtype=torch.float64),
+        weights=torch.rand(tokens, 2, generator=g, dtype=torch.float64).softmax(-1),
+        w1=inputs["w1"],
+        w2=inputs["w2"],
+    )
+
+    def ours(x, weights, w1, w2):
+        args = (x.cuda(), ids.cuda(), weights.cuda(), w1.cuda(), w2.cuda())
+        return moekit.moe_experts(*args, quantization=recipe).cpu()
+
+    errors = errors_against_float64(
+        ours,
+        lambda x, weights, w1, w2: reference.moe_experts_reference(x, ids, weights, w1, w2),
+        inputs,
+        {"x", "weights", "w1", "w2"},
+        dtype=torch.bfloat16,
+    )
+    assert_within_bound(errors, f"moe_experts {recipe} on the GPU")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import rand, rel_err
+from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
 from moekit.ops.quantize import group_quantize_reference
 from moekit.ops.runtime.backends import triton_unavailable_reason
@@ -497,3 +497,89 @@ def test_compile_fullgraph_traces_group_quantize(recipe):
     assert torch.equal(done, moekit.group_quantize(x, splits, recipe).dequantize())
     assert addresses(out) == before
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (pytest -m gpu): the kernels byte for byte the CPU path, no host sync, out= and the noop
+# flag inside a captured CUDA graph replayed many times
+# --------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# 3545 of 4096 rows routed: empty experts first, in the middle and last, and padding rows.
+CUDA_SPLITS = [0, 700, 512, 0, 900, 333, 1100, 0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
+    for m_splits, rows, cols in ((CUDA_SPLITS, 4096, 1000), ([40, 0, 37, 3], 90, 70), ([0, 33], 33, 130)):
+        x = data_with_specials(rows, cols, seed=rows, dtype=dtype)
+        want = moekit.group_quantize(x, m_splits, recipe, columnwise=True, backend="torch")
+        offs = torch.tensor(m_splits, device="cuda")
+        got = moekit.group_quantize(x.cuda(), offs, recipe, columnwise=True, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {dtype} {m_splits}")
+        for columnwise in (False, True):
+            a, b = got.dequantize(columnwise=columnwise).cpu(), want.dequantize(columnwise=columnwise)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"dequantize(columnwise={columnwise})"
+    w = rand(8, 520, 300, seed=4).to(dtype)
+    columnwise = recipe != "fp8_block"
+    want = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
+    got = moekit.group_quantize(w.cuda(), None, recipe, columnwise=columnwise, backend="triton")
+    assert_same_bytes(got, want, f"{recipe} {dtype} weight")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_group_quantize_has_no_host_sync(recipe):
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor(CUDA_SPLITS, device="cuda")
+    out = moekit.group_quantize(x, offs, recipe, columnwise=True, backend="triton")
+    noop = torch.zeros((), device="cuda")
+
+    def step():
+        moekit.group_quantize(x, offs, recipe, columnwise=True, backend="triton").dequantize(columnwise=True)
+        moekit.group_quantize(x, offs, recipe, columnwise=True, backend="triton", out=out, noop_flag=noop)
+
+    assert_no_host_sync(step)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_out_and_noop_flag_under_cuda_graph_replay(recipe):
+    """One captured group_quantize(out=, noop_flag=) replayed 12 times with new inputs, new split sizes
+    and the flag alternating: after each replay `out` holds exactly the eager quantization of that
+    replay's inputs (flag 0) or the previous bytes (flag 1), at the same addresses."""
+    rows, cols = 2048, 520
+    x_static = torch.zeros(rows, cols, device="cuda", dtype=torch.bfloat16)
+    splits_static = torch.tensor([rows // 4] * 4, device="cuda")
+    flag = torch.zeros((), device="cuda")
+    out = moekit.group_quantize(x_static, splits_static, recipe, columnwise=True, backend="triton")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moekit.group_quantize(x_static, splits_static, recipe, columnwise=True, out=out, noop_flag=flag)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moekit.group_quantize(x_static, splits_static, recipe, columnwise=True, out=out, noop_flag=flag)
+    before = addresses(out)
+    gen = torch.Generator().manual_seed(7)
+    expected = None
+    for i in range(12):
+        x = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+        cuts = torch.sort(torch.randint(0, rows - 100, (3,), generator=gen)).values.tolist()
+        m_splits = [cuts[0], cuts[1] - cuts[0], cuts[2] - cuts[1], rows - 100 - cuts[2]]  # 100 padding rows
+        skip = i % 3 == 2
+        x_static.copy_(x)
+        splits_static.copy_(torch.tensor(m_splits))
+        flag.fill_(1.0 if skip else 0.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert addresses(out) == before
+        if not skip:
+            expected = moekit.group_quantize(x, m_splits, recipe, columnwise=True, backend="torch")
+        assert_same_bytes(out, expected, f"{recipe} replay {i} ({'noop' if skip else 'quantize'})")

@@ -493,7 +493,11 @@ class QuantizedWeightCache:
     address, shape, stride, dtype or device, or a newer version counter (`Tensor._version`, bumped by every
     in-place op: the optimizer's update, `load_state_dict`, `copy_`). All host values: no sync. Writes
     through `.data` bypass the version counter (as they bypass autograd) and are not seen. `refreshes`
-    counts the quantizations made. Under torch.compile the weight is quantized at every call.
+    counts the quantizations made. Under torch.compile the weight is quantized at every call. While a
+    CUDA stream is being captured the quantization is always captured too (in place, into the kept
+    storage): a graph replays its kernels without asking the host, so a check made at capture time
+    would hold the weights of that moment forever; captured, every replay quantizes the weight's values
+    of that replay (after `optimizer.step()` included).
     """
 
     def __init__(self) -> None:
@@ -534,7 +538,8 @@ class QuantizedWeightCache:
             backend,
             tuple((w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device) for w in weights),
         )
-        if self.quantized is not None and self._fresh(weights, key):
+        capturing = w_NOI.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.quantized is not None and self._fresh(weights, key) and not capturing:
             return self.quantized
         cached = self.quantized
         if (
