@@ -356,9 +356,7 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
         r["reference_s"] = round(reference_s, 3)
         r["shape_seconds"] = round(time.monotonic() - start, 1)
         print_layer_record(r)
-    del leaves, grads, ref, dy, timed
-    runner.release_memory(device)
-    return records
+    return records  # the caller releases the memory of this shape's tensors
 
 
 def print_layer_record(r: dict) -> None:
@@ -454,7 +452,6 @@ def bench_quantize_cell(
         r.update(bytes_read=x.nbytes, bytes_written=written, first_call_s=round(first_call_s, 3), quantizer=quantizer)
     recs["alloc"].update(status="ok", same_bytes_as_alloc=True)
     timed = [(recs["alloc"], quantize)]
-    out = graph = graph_out = None
     try:
         out = quantize()
         quantize(out=out)
@@ -493,8 +490,7 @@ def bench_quantize_cell(
         if r.get("ms"):
             r["gb_per_s"] = (r["bytes_read"] + r["bytes_written"]) / r["ms"] / 1e6
             r["fraction_of_hbm"] = r["gb_per_s"] / hbm["gb_per_s"] if hbm and hbm.get("gb_per_s") else None
-    del expected, out, graph, graph_out, timed
-    return records
+    return records  # the caller releases the graph and the outputs
 
 
 def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[dict]:
@@ -606,7 +602,8 @@ def summary_markdown(payload: dict) -> str:
         )
     lines += [
         "",
-        "group_quantize: GB/s (fraction of the HBM copy bandwidth; bar >= 0.8); same = the bytes of the allocating call:",
+        "group_quantize: GB/s (fraction of the HBM copy bandwidth; bar >= 0.8);"
+        " same = the bytes of the allocating call:",
         "",
         "| shape | operand | recipe | forms | alloc | out= | CUDA graph | same (out/graph) |",
         "|---|---|---|---|---|---|---|---|",
@@ -737,6 +734,7 @@ def main(argv=None) -> dict:
         columns = build_columns(args.column_list, args.device)
         for shape in args.shape_list:
             payload["layer"] += bench_layer_shape(args, shape, columns, budget)
+            runner.release_memory(args.device)
             runner.write_json(path, payload)
     payload["skipped_cells"] = sum(
         1 for r in payload["quantize"] + payload["layer"] if (r.get("reason") or "").startswith("not run:")
