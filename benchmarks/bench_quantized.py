@@ -19,7 +19,8 @@ quantize   moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=.
            torch.cuda.CUDAGraph and replayed; CUDA only). Bytes moved = x's bytes read + the fp8 data and
            the scales written (the storage the call fills); GB/s and its fraction of the copy bandwidth
            (the issue's bar: >= 0.8). `same_bytes_as_alloc`: out= and the replayed graph wrote exactly
-           the bytes of the allocating call (the graph's output is zeroed before capture).
+           the bytes of the allocating call (their outputs are zeroed before the call and the
+           capture).
 layer      the routed experts given their routing, forward+backward, at four shapes (T, E, K, H, F):
            DeepSeek-V3 EP8, Mixtral 8x7B, Qwen3-30B-A3B, gpt-oss-20b (bench_moe_layer.SHAPES), routing
            balanced: ids = (arange(T*K) % E).reshape(T, K) (every expert gets M/E rows, a multiple of 16
@@ -295,6 +296,14 @@ def layer_record(shape: LayerShape, column: Column, flops: int) -> dict:
 
 def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Budget) -> list[dict]:
     device = args.device
+    M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
+    flops = 3 * (2 * M * H * 2 * Fs + 2 * M * Fs * H)
+    if budget.exhausted():  # not even the inputs and the reference
+        records = [layer_record(shape, column, flops) for column in columns]
+        for r, column in zip(records, columns, strict=True):
+            r.update(status="skipped", reason=column.reason or budget.reason())
+            print_layer_record(r)
+        return records
     start = time.monotonic()
     leaves, ids, dy = layer_inputs(shape, device, args.dtype)
     grads = list(leaves.values())
@@ -302,8 +311,6 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
     ref = reference_output(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
     _sync(device)
     reference_s = time.monotonic() - t0
-    M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
-    flops = 3 * (2 * M * H * 2 * Fs + 2 * M * Fs * H)
     records, timed = [], []
     for column in columns:
         rec = layer_record(shape, column, flops)
@@ -382,6 +389,11 @@ def _written(gt) -> list[torch.Tensor]:
     return [t for t in tensors if t is not None]
 
 
+def zero_bytes(gt) -> None:
+    for t in _written(gt):
+        t.view(torch.uint8).zero_()
+
+
 def same_bytes(a, b) -> bool:
     wa, wb = _written(a), _written(b)
     return len(wa) == len(wb) and all(
@@ -454,6 +466,7 @@ def bench_quantize_cell(
     timed = [(recs["alloc"], quantize)]
     try:
         out = quantize()
+        zero_bytes(out)  # what the in-place call writes, not what the allocating call left
         quantize(out=out)
         recs["out"].update(status="ok", same_bytes_as_alloc=same_bytes(out, expected))
         timed.append((recs["out"], lambda: quantize(out=out)))
@@ -470,8 +483,7 @@ def bench_quantize_cell(
                 for _ in range(2):
                     quantize(out=graph_out)
             torch.cuda.current_stream(device).wait_stream(side)
-            for t in _written(graph_out):
-                t.view(torch.uint8).zero_()  # what the replay writes, not what the warm-up left
+            zero_bytes(graph_out)  # what the replay writes, not what the warm-up left
             graph = torch.cuda.CUDAGraph()
             _sync(device)
             t0 = time.monotonic()
