@@ -4,9 +4,11 @@ machine and versions, JSON.
 Legend: M routed rows, N experts, H hidden size, F expert ffn size.
 
 The benchmark scripts (see benchmarks/README.md) use: `machine()` (GPU, versions, commit: every
-JSON's meta), `measure_roof` (the dense matmul roof timed in the same process), `time_ms`,
-`time_rounds` (interleaved rounds), `memory_of` (peak and held memory), `rel_errors` /
-`check_summary` (errors against a float32 reference), `write_json`.
+JSON's meta), `measure_roof` (the dense matmul roof timed in the same process), `measure_fp8_roof`
+(the same with torch._scaled_mm on float8 e4m3), `measure_copy_bandwidth` (HBM: a device-to-device
+copy), `time_ms`, `time_steps` (a fixed number of calls, CUDA events around each), `time_rounds`
+(interleaved rounds), `memory_of` (peak and held memory), `rel_errors` / `check_summary` (errors
+against a float32 reference), `write_json`.
 """
 
 from __future__ import annotations
@@ -192,6 +194,69 @@ def measure_roof(cfg: BenchConfig) -> dict:
     a @ b  # cuBLAS heuristics and handle creation outside the timing
     ms = time_ms(lambda: a @ b, cfg)
     return {"size": size, "dtype": str(dtype).removeprefix("torch."), "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
+
+
+def time_steps(
+    fn: Callable[[], object], steps: int, device: torch.device, grad_to_none: Sequence[torch.Tensor] | None = None
+) -> list[float]:
+    """Milliseconds of each of `steps` calls of `fn`, for steps too long for `time_ms`'s repetitions
+    (a training step of a large layer). CUDA: an event recorded before and after each call, one
+    synchronization at the end (no L2 flush, no CUDA graph); the gradients of `grad_to_none` are cleared
+    before each call, outside the timed span. Elsewhere: wall clock around each call."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            for t in grad_to_none or ():
+                t.grad = None
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    torch.cuda.synchronize(device)
+    for start, end in events:
+        for t in grad_to_none or ():
+            t.grad = None
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def measure_fp8_roof(cfg: BenchConfig, scaling: str = "rowwise") -> dict:
+    """The dense FP8 matmul roof: torch._scaled_mm of two 8192^2 float8 e4m3 operands (256^2 on the
+    CPU), output bf16, with `scaling` "rowwise" (float32 (M, 1) and (1, N) scales) or "tensorwise"
+    (one float32 scale each)."""
+    size = 8192 if cfg.device.type == "cuda" else 256
+    gen = torch.Generator(device=cfg.device).manual_seed(0)
+    a = torch.randn(size, size, device=cfg.device, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=cfg.device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+    if scaling == "rowwise":
+        scale_a = torch.ones(size, 1, device=cfg.device)
+        scale_b = torch.ones(1, size, device=cfg.device)
+    elif scaling == "tensorwise":
+        scale_a = scale_b = torch.ones((), device=cfg.device)
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; expected 'rowwise' or 'tensorwise'")
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+    mm()  # cuBLASLt heuristics outside the timing
+    ms = time_ms(mm, cfg)
+    return {"size": size, "dtype": "float8_e4m3fn", "scaling": scaling, "ms": ms, "tflops": 2 * size**3 / ms / 1e9}
+
+
+def measure_copy_bandwidth(cfg: BenchConfig, nbytes: int | None = None) -> dict:
+    """The memory bandwidth of this process: a device-to-device copy of `nbytes` (default 4 GiB on
+    CUDA, 64 MiB elsewhere), GB/s counting the bytes read and written (2 x nbytes per copy)."""
+    nbytes = nbytes or (4 * 2**30 if cfg.device.type == "cuda" else 64 * 2**20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=cfg.device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = time_ms(lambda: dst.copy_(src), cfg)
+    return {"bytes_copied": nbytes, "ms": ms, "gb_per_s": 2 * nbytes / ms / 1e6}
 
 
 def check_host_sync(fn: Callable[[], object], device: torch.device) -> bool | None:
@@ -407,6 +472,7 @@ def machine(device: torch.device | None = None) -> dict:
         "moekit": moekit.__version__,
         "transformers": _version("transformers"),
         "liger_kernel": _version("liger-kernel"),
+        "torchao": _version("torchao"),
         "git_commit": commit_env or _git("rev-parse", "HEAD"),
         "git_commit_from": "MOEKIT_BENCH_COMMIT" if commit_env else ("git" if status is not None else None),
         # Untracked files count: a kernel not yet committed changes what was measured.

@@ -81,6 +81,68 @@ def test_bench_routing_smoke_checks_both_paths(tmp_path):
     assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
 
 
+def _run_quantized(out: Path, *extra: str) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
+    command = [sys.executable, str(BENCHMARKS / "bench_quantized.py"), "--smoke", "--out", str(out), *extra]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"quantized.json", "quantized.md"}
+    payload = json.loads((out / "quantized.json").read_text())
+    assert "partial" not in payload and payload["meta"]["smoke"]
+    assert payload["meta"]["git_commit"] == "abc1234-test" and "torchao" in payload["meta"]
+    return payload
+
+
+def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
+    """bench_quantized.py --smoke: the roofs, every group_quantize cell (alloc and out= the same bytes;
+    the CUDA graph skipped with its reason) and every layer column on CPU (bf16 within bf16's error of
+    the float64 reference, FP8 within FP8's; torchao skipped with its reason, its layer code run with a
+    bf16 stand-in)."""
+    payload = _run_quantized(tmp_path)
+    assert {name for name, r in payload["roofs"].items() if r["status"] == "ok"} == {
+        "bf16_mm",
+        "fp8_mm_rowwise",
+        "fp8_mm_tensorwise",
+        "hbm_copy",
+    }
+    quantize = payload["quantize"]
+    assert len(quantize) == 2 * 3 * 2 * 2 * 3  # shapes x recipes x operands x forms x modes
+    for r in quantize:
+        if r["recipe"] == "fp8_block" and r["operand"] == "weight" and r["columnwise"]:
+            assert r["status"] == "unsupported", r
+        elif r["mode"] == "graph":
+            assert r["status"] == "skipped" and "CUDA" in r["reason"], r
+        else:
+            assert r["status"] == "ok" and r["same_bytes_as_alloc"] is True and r["gb_per_s"] > 0, r
+            assert r["bytes_written"] > 0 and r["fraction_of_hbm"] > 0, r
+    layer = payload["layer"]
+    assert [r["column"] for r in layer] == [
+        "plain_bf16",
+        "moekit_bf16",
+        "moekit_fp8_block",
+        "moekit_fp8_rowwise",
+        "torchao_fp8",
+    ] * 2
+    for r in layer:
+        if r["column"] == "torchao_fp8":
+            assert r["status"] == "skipped" and "torchao" in r["reason"], r
+            assert r["stand_in_rel_err_fro"] < 0.02, r
+            continue
+        assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0 and r["x_plain_bf16"] > 0, r
+        assert len(r["ms_rounds"]) == 2 and r["first_call_s"] is not None, r
+        bound = 0.02 if r["column"].endswith("bf16") else 0.15
+        assert 0 < r["rel_err_fro"] < bound, r
+    summary = (tmp_path / "quantized.md").read_text()
+    assert "| smoke | moekit_fp8_rowwise |" in summary and "| hbm_copy |" in summary
+
+
+def test_bench_quantized_budget_skips_cells_with_the_reason(tmp_path):
+    payload = _run_quantized(tmp_path, "--budget-s", "0", "--shapes", "smoke", "--recipes", "mxfp8")
+    started = [r for r in payload["quantize"] + payload["layer"] if r["status"] not in ("skipped", "unsupported")]
+    assert not started and payload["skipped_cells"] == len(payload["quantize"]) + len(payload["layer"]) - 1
+    assert all(r["reason"].startswith("not run:") for r in payload["layer"] if r["column"] != "torchao_fp8")
+
+
 def _records(cells: dict, impl_values: dict) -> list[dict]:
     """Records of bench_mlp_vs_plain's form: cells {(shape, dist): moekit x_plain}."""
     out = []

@@ -1,0 +1,765 @@
+"""Benchmark of moekit's quantized experts: the MoE layer's forward+backward in bf16 and FP8 against the
+plain PyTorch layer and torchao's FP8 grouped mm, `group_quantize`'s bandwidth, and the roofs they are
+read against, all in one process.
+
+Legend: T tokens, E experts, K experts per token, M = T*K routed rows, H hidden size, F ffn size.
+
+Three parts (`--parts`), in this order:
+
+roofs      the dense bf16 matmul 8192^3 (torch.mm, runner.measure_roof), the dense FP8 matmul 8192^3
+           (torch._scaled_mm on e4m3 operands, rowwise and tensorwise float32 scales, bf16 out) and the
+           HBM bandwidth (a 4 GiB device-to-device copy, GB/s counting read + write), each timed with
+           triton's do_bench (median, L2 flushed). Always measured: the bandwidth fractions need it.
+quantize   moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=...) for each recipe
+           (fp8_block, fp8_rowwise, mxfp8) on the activations x (M, H) bf16 of each layer shape (m_splits
+           a device tensor of balanced counts) and on a (E, 2F, H) weight (m_splits=None), rowwise only
+           and rowwise+columnwise (fp8_block weights have no columnwise form: "unsupported"). Three
+           modes per cell, timed in interleaved rounds: `alloc` (a new GroupedTensor per call), `out`
+           (out= an earlier result, rewritten in place) and `graph` (the out= call captured once in a
+           torch.cuda.CUDAGraph and replayed; CUDA only). Bytes moved = x's bytes read + the fp8 data and
+           the scales written (the storage the call fills); GB/s and its fraction of the copy bandwidth
+           (the issue's bar: >= 0.8). `same_bytes_as_alloc`: out= and the replayed graph wrote exactly
+           the bytes of the allocating call (their outputs are zeroed before the call and the
+           capture).
+layer      the routed experts given their routing, forward+backward, at four shapes (T, E, K, H, F):
+           DeepSeek-V3 EP8, Mixtral 8x7B, Qwen3-30B-A3B, gpt-oss-20b (bench_moe_layer.SHAPES), routing
+           balanced: ids = (arange(T*K) % E).reshape(T, K) (every expert gets M/E rows, a multiple of 16
+           as torchao needs), weights a softmax over K of random logits. x, w1 (E, 2F, H) gate|up, w2
+           (E, H, F) and the weights require grad; SwiGLU. Columns:
+             plain_bf16          bench_moe_layer.plain_layer (torch._grouped_mm, F.silu(g) * u)
+             moekit_bf16         moekit.moe_experts(...), backend "auto"
+             moekit_fp8_block    the same with quantization="fp8_block"
+             moekit_fp8_rowwise  the same with quantization="fp8_rowwise"
+             torchao_fp8         the plain layer on torchao's differentiable FP8 rowwise grouped mm
+                                 (_to_fp8_rowwise_then_scaled_grouped_mm), the routing weights applied
+                                 to fc2's input; CUDA only, imported only here (absent: "skipped")
+           moekit runs whatever path the installed moekit has for a quantization; moekit does not
+           report which ran, so the records keep what backend="auto" selects for the GEMMs and the
+           quantizer (`moekit_backends`). Per column: the median time of one forward+backward (CUDA
+           events around each of --steps steps per round, --rounds interleaved rounds whose order
+           rotates, the median of the rounds' medians; gradients cleared between steps, outside the
+           timing), TFLOP/s counting 3 x the forward's 2*M*H*2F + 2*M*F*H, the first call's wall time
+           (compilation, autotuning; timed apart), peak memory of one step above what was allocated
+           before it (`peak_extra_bytes`, weights' gradients included) and the memory the forward keeps
+           for the backward (`held_bytes`: allocated after the forward minus before, the output
+           excluded; runner.memory_of), and the output's relative Frobenius error against a float64
+           reference computed once per shape, one expert at a time (bf16 ~0.005, FP8 ~0.06).
+
+`--budget-s` (default 330) starts no new cell (a column of a shape, a quantize cell) after that many
+seconds: the cells not started are recorded as "skipped" with the reason, and the run ends with
+whatever was started (a default run on an H200 takes about 4-6 minutes, Triton compilation
+included). The JSON is rewritten after every shape (`"partial": true` until the end), and a
+markdown summary is printed and written next to it.
+
+    python benchmarks/bench_quantized.py --out $OUT                 # H200: OUT/quantized.{json,md}
+    python benchmarks/bench_quantized.py --out $OUT --parts layer --shapes qwen3-30b-a3b
+    python benchmarks/bench_quantized.py --smoke --out /tmp/q       # tiny shapes, CPU, a few seconds
+
+--smoke runs every path the CPU has (plain torch quantizers, moekit's torch backend, _scaled_mm on
+the CPU, wall-clock timing); the CUDA-only parts (CUDA events, graphs, torchao's kernels) are
+recorded as skipped with the reason, and torchao's layer code runs with torch._grouped_mm standing
+in for its FP8 mm (`stand_in_rel_err_fro`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import bench_moe_layer
+import runner
+import torch
+import torch.nn.functional as F
+from bench_moe_layer import LayerShape, plain_layer
+
+import moekit
+
+NAME = "quantized"
+PARTS = ("quantize", "layer")
+COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
+QUANTIZED_COLUMNS = {"moekit_fp8_block": "fp8_block", "moekit_fp8_rowwise": "fp8_rowwise"}
+RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
+OPERANDS = ("activations", "weight")
+MODES = ("alloc", "out", "graph")
+SHAPE_NAMES = ("deepseek-v3-ep8", "mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b")
+SHAPES = tuple(s for name in SHAPE_NAMES for s in bench_moe_layer.SHAPES if s.name == name)
+# M/E rows per expert, a multiple of 16 (torchao's grouped mm) in both.
+SMOKE_SHAPES = (LayerShape("smoke", 64, 4, 2, 32, 48), LayerShape("smoke-top1", 48, 3, 1, 64, 32))
+DEFAULT_BUDGET_S = 330.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Time budget
+# --------------------------------------------------------------------------------------------------
+
+
+class Budget:
+    """Seconds since the start, and whether a new cell may still start."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def exhausted(self) -> bool:
+        return self.seconds is not None and self.elapsed() > self.seconds
+
+    def reason(self) -> str:
+        return f"not run: {self.elapsed():.0f} s into the run, past --budget-s {self.seconds:g}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_of_steps(steps: int, device: torch.device, grads=None) -> Callable[[Callable[[], object]], float]:
+    return lambda fn: statistics.median(runner.time_steps(fn, steps, device, grads))
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer's columns: (x, w1, w2, topk_ids, topk_weights) -> (T, H)
+# --------------------------------------------------------------------------------------------------
+
+
+def weights_before_fc2_layer(mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The plain layer around a grouped mm `mm(a (rows, in), b (E, in, out), offs (E,) int32 group ends)`,
+    with the routing weights scaling fc2's input (torchao's recipe for its FP8 grouped mm)."""
+
+    def layer(x, w1, w2, topk_ids, topk_weights):
+        T, K = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+        token = order // K
+        h = mm(x[token], w1.transpose(-2, -1), offs)
+        gate, up = h.chunk(2, -1)
+        a = F.silu(gate) * up * topk_weights.reshape(-1)[order, None].to(h.dtype)
+        y = mm(a, w2.transpose(-2, -1), offs)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    return layer
+
+
+def _bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def moekit_column(quantization: str | None):
+    def run(x, w1, w2, topk_ids, topk_weights):
+        return moekit.moe_experts(x, topk_ids, topk_weights, w1, w2, quantization=quantization)
+
+    return run
+
+
+def torchao_column(device: torch.device):
+    """torchao's FP8 rowwise layer, or None and why it cannot run here."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except Exception as exc:  # absent, or built for another torch
+        return None, f"torchao not importable ({runner.error_reason(exc)}); pip install 'moekit[bench]'"
+    if device.type != "cuda":
+        return None, (
+            f"torchao {runner._version('torchao')} imports, but its FP8 grouped mm (Triton kernels, "
+            "torch._scaled_grouped_mm) runs on CUDA only"
+        )
+
+    def fp8_mm(a, b, offs):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(
+            a, b, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+        )
+
+    return weights_before_fc2_layer(fp8_mm), None
+
+
+def moekit_backends(x: torch.Tensor, w1: torch.Tensor, quantization: str | None) -> dict | None:
+    """What backend="auto" selects here for the GEMMs and (quantized) the quantizer."""
+    try:
+        from moekit.ops.runtime.backends import select_backend, select_quantizer
+
+        return {
+            "gemm": select_backend("auto", x, w1).name,
+            "quantizer": select_quantizer("auto", x).name if quantization else None,
+        }
+    except Exception as exc:  # internal API: its absence must not cost the measurement
+        return {"unknown": runner.error_reason(exc)}
+
+
+def quantizer_name(x: torch.Tensor) -> str | None:
+    """The quantizer group_quantize's backend="auto" selects for x."""
+    try:
+        from moekit.ops.runtime.backends import select_quantizer
+
+        return select_quantizer("auto", x).name
+    except Exception as exc:  # internal API: its absence must not cost the measurement
+        return f"unknown ({runner.error_reason(exc)})"
+
+
+@dataclass
+class Column:
+    name: str
+    fn: Callable | None
+    reason: str | None = None
+    info: dict = field(default_factory=dict)
+    # Runs in the column's place where it cannot (its code around a bf16 mm), for the error only.
+    stand_in: Callable | None = None
+
+
+def build_columns(names: list[str], device: torch.device) -> list[Column]:
+    columns = []
+    for name in names:
+        if name == "plain_bf16":
+            columns.append(Column(name, plain_layer, info={"impl": "bench_moe_layer.plain_layer"}))
+        elif name == "moekit_bf16":
+            columns.append(Column(name, moekit_column(None), info={"quantization": None}))
+        elif name in QUANTIZED_COLUMNS:
+            q = QUANTIZED_COLUMNS[name]
+            columns.append(Column(name, moekit_column(q), info={"quantization": q}))
+        elif name == "torchao_fp8":
+            fn, reason = torchao_column(device)
+            stand_in = weights_before_fc2_layer(_bf16_grouped_mm) if device.type != "cuda" else None
+            info = {"impl": "torchao _to_fp8_rowwise_then_scaled_grouped_mm", "torchao": runner._version("torchao")}
+            columns.append(Column(name, fn, reason, info, stand_in))
+    return columns
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer part
+# --------------------------------------------------------------------------------------------------
+
+
+def balanced_ids(shape: LayerShape, device: torch.device) -> torch.Tensor:
+    return (torch.arange(shape.tokens * shape.top_k, device=device) % shape.experts).reshape(shape.tokens, shape.top_k)
+
+
+def layer_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype):
+    """Leaves {x, w1, w2, wts} requiring grad, the balanced ids and the output gradient dy."""
+    base = bench_moe_layer.make_inputs(shape, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    wts = torch.randn(shape.tokens, shape.top_k, device=device, generator=gen).softmax(-1).to(dtype)
+    dy = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    leaves = {"x": base["x"], "w1": base["w1"], "w2": base["w2"], "wts": wts}
+    for t in leaves.values():
+        t.requires_grad_(True)
+    return leaves, balanced_ids(shape, device), dy
+
+
+@torch.no_grad()
+def reference_output(x, w1, w2, topk_ids, topk_weights) -> torch.Tensor:
+    """The layer's output in float64, one expert at a time (only its rows and weights in float64)."""
+    x64 = x.detach().double()
+    out = torch.zeros_like(x64)
+    for e in range(w1.shape[0]):
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gate, up = (x64[tokens] @ w1[e].detach().double().t()).chunk(2, -1)
+        y = (F.silu(gate) * up) @ w2[e].detach().double().t()
+        out.index_add_(0, tokens, y * topk_weights.detach()[tokens, slots].double()[:, None])
+    return out
+
+
+def rel_fro(y: torch.Tensor, ref: torch.Tensor) -> float | None:
+    err = ((y.detach().double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    return runner._finite_or_none(err)
+
+
+def layer_record(shape: LayerShape, column: Column, flops: int) -> dict:
+    return {
+        "bench": NAME,
+        "part": "layer",
+        "shape": shape.name,
+        **asdict(shape),
+        "routing": "balanced",
+        "column": column.name,
+        **column.info,
+        "flops": flops,
+        "status": None,
+        "reason": None,
+        "ms": None,
+        "ms_rounds": [],
+        "tflops": None,
+        "x_plain_bf16": None,
+        "first_call_s": None,
+        "rel_err_fro": None,
+        "held_bytes": None,
+        "peak_bytes": None,
+        "peak_extra_bytes": None,
+    }
+
+
+def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Budget) -> list[dict]:
+    device = args.device
+    M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
+    flops = 3 * (2 * M * H * 2 * Fs + 2 * M * Fs * H)
+    if budget.exhausted():  # not even the inputs and the reference
+        records = [layer_record(shape, column, flops) for column in columns]
+        for r, column in zip(records, columns, strict=True):
+            r.update(status="skipped", reason=column.reason or budget.reason())
+            print_layer_record(r)
+        return records
+    start = time.monotonic()
+    leaves, ids, dy = layer_inputs(shape, device, args.dtype)
+    grads = list(leaves.values())
+    t0 = time.monotonic()
+    ref = reference_output(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
+    _sync(device)
+    reference_s = time.monotonic() - t0
+    records, timed = [], []
+    for column in columns:
+        rec = layer_record(shape, column, flops)
+        records.append(rec)
+        if "quantization" in column.info:  # a moekit column
+            rec["moekit_backends"] = moekit_backends(leaves["x"], leaves["w1"], column.info["quantization"])
+        if column.stand_in is not None:
+            with torch.no_grad():
+                y = column.stand_in(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
+            rec["stand_in"] = "the column's layer code with torch._grouped_mm (bf16) in place of its mm"
+            rec["stand_in_rel_err_fro"] = rel_fro(y, ref)
+            del y
+        if column.fn is None:
+            rec.update(status="skipped", reason=column.reason)
+            continue
+        if budget.exhausted():
+            rec.update(status="skipped", reason=budget.reason())
+            continue
+
+        def fwd(fn=column.fn):
+            return fn(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
+
+        def step(fwd=fwd):
+            fwd().backward(dy)
+
+        try:
+            for t in grads:
+                t.grad = None
+            _sync(device)
+            t0 = time.monotonic()
+            y = fwd()
+            y.backward(dy)
+            _sync(device)
+            rec["first_call_s"] = round(time.monotonic() - t0, 3)
+            rec["rel_err_fro"] = rel_fro(y, ref)
+            del y
+            rec.update(runner.memory_of(fwd, dy, grads, device))
+            rec["status"] = "ok"
+            timed.append((rec, step))
+        except Exception as exc:  # one broken column must not lose the others
+            rec.update(status="error", reason=runner.error_reason(exc))
+        for t in grads:
+            t.grad = None
+        runner.release_memory(device)
+    runner.time_rounds(timed, args.rounds, _median_of_steps(args.steps, device, grads))
+    base = next((r for r in records if r["column"] == "plain_bf16" and r.get("tflops")), None)
+    for r in records:
+        if base and r.get("tflops"):
+            r["x_plain_bf16"] = r["tflops"] / base["tflops"]
+        r["reference_s"] = round(reference_s, 3)
+        r["shape_seconds"] = round(time.monotonic() - start, 1)
+        print_layer_record(r)
+    return records  # the caller releases the memory of this shape's tensors
+
+
+def print_layer_record(r: dict) -> None:
+    t = f"{r['ms']:9.3f} ms {r['tflops']:6.1f} TF" if r.get("ms") else " " * 22
+    ratio = f" x{r['x_plain_bf16']:.2f}" if r.get("x_plain_bf16") else "      "
+    err = f" err {r['rel_err_fro']:.2e}" if r.get("rel_err_fro") is not None else ""
+    mem = ""
+    if r.get("held_bytes") is not None:
+        mem = f" held {r['held_bytes'] / 2**30:6.2f} GiB peak+ {r['peak_extra_bytes'] / 2**30:6.2f} GiB"
+    first = f" first {r['first_call_s']:.1f} s" if r.get("first_call_s") is not None else ""
+    note = f"  [{r['status']}: {r['reason'][:140]}]" if r.get("reason") else ""
+    print(f"  {r['shape']:<16} {r['column']:<19} {t}{ratio}{err}{mem}{first}{note}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The quantize part
+# --------------------------------------------------------------------------------------------------
+
+
+def _written(gt) -> list[torch.Tensor]:
+    """The fp8 data and scales a quantization wrote (the forms asked for)."""
+    tensors = (gt.rowwise_data, gt.rowwise_scale_inv, gt.columnwise_data, gt.columnwise_scale_inv)
+    return [t for t in tensors if t is not None]
+
+
+def zero_bytes(gt) -> None:
+    for t in _written(gt):
+        t.view(torch.uint8).zero_()
+
+
+def same_bytes(a, b) -> bool:
+    wa, wb = _written(a), _written(b)
+    return len(wa) == len(wb) and all(
+        x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(wa, wb, strict=True)
+    )
+
+
+def columnwise_supported(recipe: str, operand: str) -> bool:
+    from moekit.grouped_tensor import columnwise_defined, recipe_named
+
+    return columnwise_defined(recipe_named(recipe), operand == "weight")
+
+
+def bench_quantize_cell(
+    args, shape: LayerShape, operand: str, x: torch.Tensor, splits, recipe: str, columnwise: bool, hbm, budget: Budget
+) -> list[dict]:
+    device = args.device
+    recs = {
+        mode: {
+            "bench": NAME,
+            "part": "quantize",
+            "shape": shape.name,
+            "operand": operand,
+            "x_shape": list(x.shape),
+            "recipe": recipe,
+            "rowwise": True,
+            "columnwise": columnwise,
+            "mode": mode,
+            "status": None,
+            "reason": None,
+            "ms": None,
+            "ms_rounds": [],
+            "gb_per_s": None,
+            "fraction_of_hbm": None,
+            "same_bytes_as_alloc": None,
+        }
+        for mode in MODES
+    }
+    records = list(recs.values())
+
+    def mark(modes, status, reason):
+        for m in modes:
+            recs[m].update(status=status, reason=reason)
+
+    if columnwise and not columnwise_supported(recipe, operand):
+        mark(MODES, "unsupported", f"{recipe} has no columnwise form for an (E, rows, cols) weight")
+        return records
+    if budget.exhausted():
+        mark(MODES, "skipped", budget.reason())
+        return records
+
+    def quantize(out=None):
+        return moekit.group_quantize(x, splits, recipe, rowwise=True, columnwise=columnwise, out=out)
+
+    try:
+        _sync(device)
+        t0 = time.monotonic()
+        expected = quantize()
+        _sync(device)
+        first_call_s = time.monotonic() - t0
+    except Exception as exc:
+        mark(MODES, "error", runner.error_reason(exc))
+        return records
+    written = sum(t.nbytes for t in _written(expected))
+    quantizer = quantizer_name(x)
+    for r in records:
+        r.update(bytes_read=x.nbytes, bytes_written=written, first_call_s=round(first_call_s, 3), quantizer=quantizer)
+    recs["alloc"].update(status="ok", same_bytes_as_alloc=True)
+    timed = [(recs["alloc"], quantize)]
+    try:
+        out = quantize()
+        zero_bytes(out)  # what the in-place call writes, not what the allocating call left
+        quantize(out=out)
+        recs["out"].update(status="ok", same_bytes_as_alloc=same_bytes(out, expected))
+        timed.append((recs["out"], lambda: quantize(out=out)))
+    except Exception as exc:
+        mark(["out"], "error", runner.error_reason(exc))
+    if device.type != "cuda":
+        mark(["graph"], "skipped", "CUDA graphs need a CUDA device")
+    else:
+        try:
+            graph_out = quantize()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up on a side stream, as capture wants
+                for _ in range(2):
+                    quantize(out=graph_out)
+            torch.cuda.current_stream(device).wait_stream(side)
+            zero_bytes(graph_out)  # what the replay writes, not what the warm-up left
+            graph = torch.cuda.CUDAGraph()
+            _sync(device)
+            t0 = time.monotonic()
+            with torch.cuda.graph(graph):
+                quantize(out=graph_out)
+            _sync(device)
+            recs["graph"]["capture_s"] = round(time.monotonic() - t0, 3)
+            graph.replay()
+            _sync(device)
+            recs["graph"].update(status="ok", same_bytes_as_alloc=same_bytes(graph_out, expected))
+            timed.append((recs["graph"], graph.replay))
+        except Exception as exc:
+            mark(["graph"], "error", runner.error_reason(exc))
+    runner.time_rounds(timed, args.rounds, _median_of_steps(args.quant_steps, device))
+    for r in records:
+        if r.get("ms"):
+            r["gb_per_s"] = (r["bytes_read"] + r["bytes_written"]) / r["ms"] / 1e6
+            r["fraction_of_hbm"] = r["gb_per_s"] / hbm["gb_per_s"] if hbm and hbm.get("gb_per_s") else None
+    return records  # the caller releases the graph and the outputs
+
+
+def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[dict]:
+    device, dtype = args.device, args.dtype
+    M = shape.tokens * shape.top_k
+    gen = torch.Generator(device=device).manual_seed(2)
+    splits = torch.tensor(runner.balanced_splits(M, shape.experts), device=device)
+    operands = {
+        "activations": (torch.randn(M, shape.hidden, device=device, dtype=dtype, generator=gen), splits),
+        "weight": (
+            (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, device=device, generator=gen) * 0.02).to(dtype),
+            None,
+        ),
+    }
+    records = []
+    for operand in args.operand_list:
+        x, m_splits = operands[operand]
+        for recipe in args.recipe_list:
+            for columnwise in (False, True):
+                cell = bench_quantize_cell(args, shape, operand, x, m_splits, recipe, columnwise, hbm, budget)
+                for r in cell:
+                    print_quantize_record(r)
+                records += cell
+                runner.release_memory(device)
+    del operands
+    runner.release_memory(device)
+    return records
+
+
+def print_quantize_record(r: dict) -> None:
+    forms = "row+col" if r["columnwise"] else "row"
+    t = f"{r['ms']:8.3f} ms {r['gb_per_s']:7.1f} GB/s" if r.get("ms") else " " * 24
+    frac = f" {r['fraction_of_hbm']:.2f} HBM" if r.get("fraction_of_hbm") else ""
+    same = "" if r.get("same_bytes_as_alloc") is None else f" same={r['same_bytes_as_alloc']}"
+    note = f"  [{r['status']}: {r['reason'][:120]}]" if r.get("reason") else ""
+    print(f"  {r['shape']:<16} {r['operand']:<11} {r['recipe']:<11} {forms:<7} {r['mode']:<5} {t}{frac}{same}{note}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Roofs
+# --------------------------------------------------------------------------------------------------
+
+
+def measure_roofs(cfg: runner.BenchConfig) -> dict:
+    roofs = {}
+    for name, measure in (
+        ("bf16_mm", lambda: runner.measure_roof(cfg)),
+        ("fp8_mm_rowwise", lambda: runner.measure_fp8_roof(cfg, "rowwise")),
+        ("fp8_mm_tensorwise", lambda: runner.measure_fp8_roof(cfg, "tensorwise")),
+        ("hbm_copy", lambda: runner.measure_copy_bandwidth(cfg)),
+    ):
+        try:
+            roofs[name] = {"status": "ok", **measure()}
+        except Exception as exc:  # e.g. _scaled_mm not on this device
+            roofs[name] = {"status": "error", "reason": runner.error_reason(exc)}
+        runner.release_memory(cfg.device)
+        print(f"  roof {name}: {roofs[name]}", flush=True)
+    return roofs
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------------
+
+
+def _f(v, spec: str) -> str:
+    return format(v, spec) if v is not None else "-"
+
+
+def summary_markdown(payload: dict) -> str:
+    meta, roofs = payload["meta"], payload.get("roofs", {})
+    gpu = meta["gpu"]["name"] if meta.get("gpu") else meta["device"]
+    lines = [
+        f"# bench_quantized on {gpu}",
+        "",
+        f"torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, torchao {meta['torchao']}, "
+        f"commit {meta['git_commit']}, {meta['date']}" + (" (partial)" if payload.get("partial") else ""),
+        "",
+        "| roof | value |",
+        "|---|---|",
+    ]
+    for name, unit, key in (
+        ("bf16_mm", "TFLOP/s", "tflops"),
+        ("fp8_mm_rowwise", "TFLOP/s", "tflops"),
+        ("fp8_mm_tensorwise", "TFLOP/s", "tflops"),
+        ("hbm_copy", "GB/s", "gb_per_s"),
+    ):
+        r = roofs.get(name, {})
+        value = f"{r[key]:.1f} {unit}" if r.get(key) else f"{r.get('status', 'not run')}: {r.get('reason') or ''}"
+        lines.append(f"| {name} | {value} |")
+    lines += [
+        "",
+        "Layer forward+backward (balanced routing):",
+        "",
+        "| shape | column | ms | TFLOP/s | x plain_bf16 | rel. error | peak+ GiB | held GiB | first call s | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def gib(v):
+        return _f(v / 2**30 if v is not None else None, ".2f")
+
+    for r in payload.get("layer", []):
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:90]}"
+        lines.append(
+            f"| {r['shape']} | {r['column']} | {_f(r.get('ms'), '.2f')} | {_f(r.get('tflops'), '.1f')} | "
+            f"{_f(r.get('x_plain_bf16'), '.2f')} | {_f(r.get('rel_err_fro'), '.2e')} | "
+            f"{gib(r.get('peak_extra_bytes'))} | {gib(r.get('held_bytes'))} | {_f(r.get('first_call_s'), '.1f')} | "
+            f"{status} |"
+        )
+    lines += [
+        "",
+        "group_quantize: GB/s (fraction of the HBM copy bandwidth; bar >= 0.8);"
+        " same = the bytes of the allocating call:",
+        "",
+        "| shape | operand | recipe | forms | alloc | out= | CUDA graph | same (out/graph) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple, dict] = {}
+    for r in payload.get("quantize", []):
+        cells.setdefault((r["shape"], r["operand"], r["recipe"], r["columnwise"]), {})[r["mode"]] = r
+
+    def bw(r):
+        if r.get("gb_per_s"):
+            return f"{r['gb_per_s']:.0f} ({_f(r.get('fraction_of_hbm'), '.2f')})"
+        return f"{r['status']}: {(r['reason'] or '')[:60]}" if r.get("reason") else (r.get("status") or "-")
+
+    for (shape, operand, recipe, columnwise), modes in cells.items():
+        same = "/".join(str(modes[m].get("same_bytes_as_alloc")) for m in ("out", "graph"))
+        lines.append(
+            f"| {shape} | {operand} | {recipe} | {'row+col' if columnwise else 'row'} | "
+            f"{bw(modes['alloc'])} | {bw(modes['out'])} | {bw(modes['graph'])} | {same} |"
+        )
+    skipped = payload.get("skipped_cells", 0)
+    if skipped:
+        lines += ["", f"{skipped} cells not run: past --budget-s (see the records' reasons)."]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT, help="directory of quantized.{json,md}")
+    parser.add_argument("--shapes", default=None, help=f"comma list of shape names (default: {','.join(SHAPE_NAMES)})")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma list of quantize, layer (roofs always run)")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of the layer's columns")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma list of group_quantize's recipes")
+    parser.add_argument("--operands", default=",".join(OPERANDS), help="group_quantize on activations, weight")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, smoke 2)")
+    parser.add_argument("--steps", type=int, default=None, help="layer steps timed per round (default 5, smoke 2)")
+    parser.add_argument(
+        "--quant-steps", type=int, default=None, help="group_quantize calls timed per round (default 20, smoke 2)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        "--max-seconds",
+        dest="budget_s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="start no new cell after this many seconds (the rest recorded as skipped); <0: no limit",
+    )
+    parser.add_argument("--commit", default=None, help="the git commit measured (for a tree without .git)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
+    args = parser.parse_args(argv)
+    args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.device.type == "cpu" and not args.smoke:
+        raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
+    args.dtype = torch.bfloat16
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shape_list = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    args.part_list = runner.select_by_name(PARTS, args.parts, "parts", PARTS)
+    args.column_list = runner.select_by_name(COLUMNS, args.columns, "columns", COLUMNS)
+    args.recipe_list = runner.select_by_name(RECIPES, args.recipes, "recipes", RECIPES)
+    args.operand_list = runner.select_by_name(OPERANDS, args.operands, "operands", OPERANDS)
+    args.rounds = args.rounds or (2 if args.smoke else 3)
+    args.steps = args.steps or (2 if args.smoke else 5)
+    args.quant_steps = args.quant_steps or (2 if args.smoke else 20)
+    if args.budget_s is not None and args.budget_s < 0:
+        args.budget_s = None
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    budget = Budget(args.budget_s)
+    cfg = runner.BenchConfig(
+        device=args.device,
+        dtype=args.dtype,
+        warmup_ms=20.0,
+        rep_ms=60.0,
+        smoke=args.smoke,
+        quick=False,
+        rounds=args.rounds,
+        shapes=[],
+        dists=["balanced"],
+        backends=["auto"],
+        out=args.out,
+        plot=False,
+    )
+    meta = runner.machine(args.device)
+    if args.commit:  # before the first partial JSON: a copied tree's git (if any) may not be the repo's
+        meta.update(git_commit=args.commit, git_commit_from="--commit", git_dirty=None, git_dirty_paths=[])
+    cuda = args.device.type == "cuda"
+    meta.update(
+        dtype=str(args.dtype).removeprefix("torch."),
+        smoke=args.smoke,
+        rounds=args.rounds,
+        steps=args.steps,
+        quant_steps=args.quant_steps,
+        budget_s=args.budget_s,
+        parts=args.part_list,
+        shapes=[asdict(s) for s in args.shape_list],
+        columns=args.column_list,
+        recipes=args.recipe_list,
+        routing="balanced: ids = (arange(T*K) % E).reshape(T, K)",
+        timer_layer=(
+            "CUDA events around each step, median of steps per round, median of rounds"
+            if cuda
+            else "wall clock per step (smoke)"
+        ),
+        timer_roofs="triton.testing.do_bench median, L2 flushed" if cuda else "wall clock median of 3 (smoke)",
+        not_on_this_device=[]
+        if cuda
+        else ["CUDA events (wall clock instead)", "CUDA graphs", "torchao's FP8 grouped mm", "memory"],
+    )
+    payload = {"meta": meta, "roofs": {}, "quantize": [], "layer": [], "partial": True}
+    path = args.out / f"{NAME}.json"
+    print(f"roofs ({args.device}):", flush=True)
+    payload["roofs"] = measure_roofs(cfg)
+    runner.write_json(path, payload)
+    if "quantize" in args.part_list:
+        print("group_quantize:", flush=True)
+        for shape in args.shape_list:
+            payload["quantize"] += bench_quantize_shape(args, shape, payload["roofs"].get("hbm_copy"), budget)
+            runner.write_json(path, payload)
+    if "layer" in args.part_list:
+        print("layer forward+backward:", flush=True)
+        columns = build_columns(args.column_list, args.device)
+        for shape in args.shape_list:
+            payload["layer"] += bench_layer_shape(args, shape, columns, budget)
+            runner.release_memory(args.device)
+            runner.write_json(path, payload)
+    payload["skipped_cells"] = sum(
+        1 for r in payload["quantize"] + payload["layer"] if (r.get("reason") or "").startswith("not run:")
+    )
+    payload["seconds"] = round(budget.elapsed(), 1)
+    del payload["partial"]
+    runner.write_json(path, payload)
+    summary = summary_markdown(payload)
+    print("\n" + summary, flush=True)
+    (args.out / f"{NAME}.md").write_text(summary)
+    print(f"wrote {args.out / f'{NAME}.md'}", flush=True)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
