@@ -84,7 +84,9 @@ def _fp32_scales(amax):
     scale = tl.minimum(tl.math.div_rn(zero + FP8_MAX, tl.where(amax == 0.0, 1.0, amax)), FLOAT32_MAX)
     scale = tl.where(amax == 0.0, 1.0, scale)
     scale = tl.where(amax == float("inf"), float("nan"), scale)
-    return scale, tl.math.div_rn(zero + 1.0, scale)
+    # The NaN itself, not 1 / NaN: the GPU's division returns its own NaN bits (0x7fffffff), and the
+    # stored bytes are the torch path's (0x7fc00000) on every device.
+    return scale, tl.where(scale != scale, scale, tl.math.div_rn(zero + 1.0, scale))
 
 
 @triton.jit
