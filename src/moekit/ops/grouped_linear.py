@@ -35,7 +35,14 @@ import torch
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization, group_quantize
-from moekit.ops.runtime.backends import BACKENDS, bias_rows, select_backend, select_quantizer
+from moekit.ops.runtime.backends import (
+    BACKENDS,
+    GemmBackend,
+    bias_rows,
+    quantized_gemm_of,
+    select_backend,
+    select_quantizer,
+)
 from moekit.ops.splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
 from moekit.validation import check_float_tensor, check_same_device, check_tensor
 
@@ -232,9 +239,13 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
-    """The quantized grouped linear (module docstring), the reference path. Inputs after x as
-    `_GroupedLinearFn`'s; `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's
-    cache), saved as tensors so that autograd refuses a backward after it was rewritten in place."""
+    """The quantized grouped linear (module docstring). Inputs after x as `_GroupedLinearFn`'s;
+    `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's cache), saved as tensors
+    so that autograd refuses a backward after it was rewritten in place. `fp8`: the forward and the dgrad
+    run on the backend's FP8 kernels (its QuantizedGemm capability); otherwise the reference path."""
+
+    # Positions of forward's inputs (needs_input_grad); the parameters follow x.
+    _SCALE, _X = 6, 9
 
     @staticmethod
     def forward(
@@ -242,6 +253,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         backend: str,
         quantizer: str,
         recipe: str,
+        fp8: bool,
         offs: torch.Tensor,
         host_offs: list[int] | None,
         bias_scale_M: torch.Tensor | None,
@@ -253,14 +265,31 @@ class _QuantizedLinearFn(torch.autograd.Function):
         weights, biases = params[:n_w], params[n_w:]
         bias_NO = stacked(biases, 2, "bias")
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
-        need_w = any(ctx.needs_input_grad[9 : 9 + n_w])
+        first_w = _QuantizedLinearFn._X + 1
+        need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
-        y_MO = library.grouped_linear_forward(
-            backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
-        )
+        if fp8:
+            y_MO = library.quantized_linear_forward(
+                backend,
+                recipe,
+                x_q.rowwise_data,
+                x_q.rowwise_scale_inv,
+                weight_q.rowwise_data,
+                weight_q.rowwise_scale_inv,
+                offs,
+                host_offs,
+                bias_NO,
+                bias_scale_M,
+                x_MI.dtype,
+            )
+        else:
+            y_MO = library.grouped_linear_forward(
+                backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
+            )
         # x is held as its columnwise quantization only (the wgrad's operand).
         x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
-        ctx.backend, ctx.quantizer, ctx.recipe, ctx.host_offs, ctx.n_w = backend, quantizer, recipe, host_offs, n_w
+        ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8 = backend, quantizer, recipe, fp8
+        ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.x_template, ctx.w_template = x_held, weight_q
         x_storage = x_held.storage() if x_held is not None else (None,) * 7
@@ -273,16 +302,37 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
-        need_x, need_scale = ctx.needs_input_grad[8], ctx.needs_input_grad[5]
-        need_w, need_b = any(ctx.needs_input_grad[9 : 9 + n_w]), any(ctx.needs_input_grad[9 + n_w :])
+        first_w = _QuantizedLinearFn._X + 1
+        need_x, need_scale = (
+            ctx.needs_input_grad[_QuantizedLinearFn._X],
+            ctx.needs_input_grad[_QuantizedLinearFn._SCALE],
+        )
+        need_w, need_b = any(ctx.needs_input_grad[first_w : first_w + n_w]), any(ctx.needs_input_grad[first_w + n_w :])
         dy_MO = row_major(dy_MO)
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
         if need_x or need_w:
             dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
-            if need_x:
-                w_dgrad = weight_q.dequantize(columnwise=weight_q.columnwise_data is not None)
+            # The dgrad reduces over O: the weight's columnwise form where it has one (fp8_rowwise: a
+            # scale per input channel), else its rowwise data (fp8_block's tiles serve both ways).
+            w_col = weight_q.columnwise_data is not None
+            if need_x and ctx.fp8:
+                w_data = weight_q.columnwise_data if w_col else weight_q.rowwise_data
+                w_scale = weight_q.columnwise_scale_inv if w_col else weight_q.rowwise_scale_inv
+                dx = library.quantized_linear_dgrad(
+                    backend,
+                    ctx.recipe,
+                    dy_q.rowwise_data,
+                    dy_q.rowwise_scale_inv,
+                    w_data,
+                    w_scale,
+                    offs,
+                    host_offs,
+                    dy_MO.dtype,
+                )
+            elif need_x:
+                w_dgrad = weight_q.dequantize(columnwise=w_col)
                 dx = library.grouped_linear_dgrad(backend, dy_q.dequantize(), w_dgrad, offs, host_offs)
             if need_w and x_q is not None:
                 dy_c, x_c = dy_q.dequantize(columnwise=True), x_q.dequantize(columnwise=True)
@@ -298,6 +348,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             d_scale,
             None,
             None,
@@ -305,6 +356,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
             *unstacked(dw, ctx.w_dims, 3),
             *unstacked(db, ctx.b_dims, 2),
         )
+
+
+def fp8_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
+    """Whether a quantized grouped linear on `impl` runs its forward and dgrad on FP8 kernels: where the
+    backend has the QuantizedGemm capability and it can take this recipe, device and dtype (moekit's
+    Triton kernels: fp8_block and fp8_rowwise on FP8 tensor cores, compute capability >= 8.9, or the
+    CPU interpreter); the reference path otherwise."""
+    fp8 = quantized_gemm_of(impl)
+    return fp8 is not None and fp8.quantized_gemm_unavailable_reason(recipe, x) is None
 
 
 def quantized_weight(
@@ -374,6 +434,7 @@ def grouped_linear(
             impl.name,
             quantizer,
             quantization,
+            fp8_compute(impl, quantization, x),
             offs.offs,
             host_offs,
             bias_scale,
