@@ -9,11 +9,22 @@ tensors that are adjacent slices of one buffer (what `GroupedLinear` keeps) are 
 without a copy.
 
 Quantized compute (`quantization=` "fp8_block", "fp8_rowwise" or "mxfp8"; `moekit.ops.quantize` for the
-formats) is, for now, the reference path on every device: x, the weight and, in the backward, dy are
-quantized with `group_quantize`, dequantized, and the products run on the dequantized tensors in x's
-dtype with the backend's GEMMs. FP8 GEMM kernels (Hopper) are future work: this path computes what
-they will compute, not at their speed. Gradients pass straight through the quantizers, with the
-quantized operands each product takes in FP8 (as TransformerEngine's FP8 GEMMs):
+formats): x, the weight and, in the backward, dy are quantized with `group_quantize`, and each product
+takes the quantized operands below. Gradients pass straight through the quantizers (as
+TransformerEngine's FP8 GEMMs). Which path computes the products:
+
+- FP8 compute, where the backend has the QuantizedGemm capability and it can run the recipe
+  (`moekit.ops.runtime.backends.quantized_gemm_of`; today the "triton" backend, and "auto" where it
+  picks triton, i.e. on Hopper): the forward and the dgrad multiply the FP8 data on the tensor cores
+  with fp32 accumulation (fp8_block's 1 x 128 / 128 x 128 block scales applied per 128-wide reduction
+  step, fp8_rowwise's row and channel scales in the epilogue; `moekit.ops.runtime.quantized_gemm`).
+  That is fp8_block and fp8_rowwise on CUDA devices of compute capability 8.9 or newer (and on the
+  CPU under TRITON_INTERPRET=1, for tests). The wgrad stays on the reference path.
+- the reference path everywhere else (the "torch" and "loop" backends, mxfp8, whose 1 x 32 blocks have
+  no Hopper FP8 path, and older GPUs), and for every recipe's wgrad: the quantized operands are
+  dequantized and the products run in x's dtype with the backend's GEMMs. It computes the same
+  products, at the unquantized path's speed or slower, with the sums in another order (and, in
+  bfloat16, one rounding of each dequantized operand).
 
     forward  y  = Q(x) Q(w)^T (+ bias)       Q: rowwise blocks (along I)
     dgrad    dx = Q(dy) Qc(w)                Qc(w): blocks along O (the weight's columnwise form;
@@ -404,8 +415,11 @@ def grouped_linear(
     x's dtype. backend: "auto", "loop", "torch" or "triton" (`moekit.ops.runtime.backends`).
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the products on quantized operands,
-    gradients straight through (module docstring). For now the reference path on every device
-    (quantize, dequantize, the GEMMs in x's dtype); FP8 Hopper kernels are future work. weight_cache: a
+    gradients straight through (module docstring). The forward and the dgrad run on FP8 kernels where
+    the backend has them and can run the recipe (the "triton" backend: fp8_block and fp8_rowwise on
+    compute capability >= 8.9, e.g. Hopper; `fp8_compute`), on the reference path otherwise (quantize,
+    dequantize, the GEMMs in x's dtype: the "torch" and "loop" backends, mxfp8, older GPUs); the wgrad
+    always on the reference path. weight_cache: a
     `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
     modules pass theirs: the weight is quantized once per optimizer step); without one, every call
     quantizes the weight.
