@@ -373,3 +373,26 @@ def test_gpu_grouped_linear_fp8_within_bound_and_without_host_sync(recipe, monke
     y.backward(upstream)
     for name, ours, ref in (("y", y, y64), ("dx", x.grad, x64.grad), ("dw", w.grad, w64.grad)):
         assert rel_err(ours, ref) <= BOUND, f"{name}: {rel_err(ours, ref):.3e} > {BOUND}"
+
+
+@cpu_only
+def test_compile_fullgraph_matches_eager():
+    """The FP8 products are custom ops (`moekit::quantized_linear_forward` / `_dgrad`): torch.compile
+    traces them as opaque nodes and computes exactly what eager does."""
+    torch._dynamo.reset()
+    x, w, b = rand(20, 48, seed=31), rand(2, 24, 48, seed=32), rand(2, 24, seed=33)
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = fn(*leaves)
+        y.backward(rand(*y.shape, seed=34))
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    def linear(x, w, b):
+        return moekit.grouped_linear(x, w, [8, 12], b, quantization="fp8_block", backend="triton")
+
+    eager = step(linear)
+    compiled = step(torch.compile(linear, fullgraph=True, backend="aot_eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)
+    torch._dynamo.reset()

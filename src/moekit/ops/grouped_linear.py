@@ -249,14 +249,16 @@ class _GroupedLinearFn(torch.autograd.Function):
         return (None, None, None, d_scale, None, dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
+# Positions of _QuantizedLinearFn.forward's bias_scale and x (needs_input_grad); the parameters follow x.
+# Module constants: dynamo cannot read an autograd.Function's class attributes.
+_Q_SCALE, _Q_X = 6, 9
+
+
 class _QuantizedLinearFn(torch.autograd.Function):
     """The quantized grouped linear (module docstring). Inputs after x as `_GroupedLinearFn`'s;
     `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's cache), saved as tensors
     so that autograd refuses a backward after it was rewritten in place. `fp8`: the forward and the dgrad
     run on the backend's FP8 kernels (its QuantizedGemm capability); otherwise the reference path."""
-
-    # Positions of forward's inputs (needs_input_grad); the parameters follow x.
-    _SCALE, _X = 6, 9
 
     @staticmethod
     def forward(
@@ -276,7 +278,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         weights, biases = params[:n_w], params[n_w:]
         bias_NO = stacked(biases, 2, "bias")
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
-        first_w = _QuantizedLinearFn._X + 1
+        first_w = _Q_X + 1
         need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
         if fp8:
@@ -313,10 +315,10 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
-        first_w = _QuantizedLinearFn._X + 1
+        first_w = _Q_X + 1
         need_x, need_scale = (
-            ctx.needs_input_grad[_QuantizedLinearFn._X],
-            ctx.needs_input_grad[_QuantizedLinearFn._SCALE],
+            ctx.needs_input_grad[_Q_X],
+            ctx.needs_input_grad[_Q_SCALE],
         )
         need_w, need_b = any(ctx.needs_input_grad[first_w : first_w + n_w]), any(ctx.needs_input_grad[first_w + n_w :])
         dy_MO = row_major(dy_MO)
