@@ -296,6 +296,54 @@ GPU_SHAPES = [
 ]
 
 
+def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype) -> None:
+    """The FP8 kernel on `device` with device splits against the float64 product of the dequantized
+    operands; on CUDA with no host sync (after a warm-up call)."""
+    info, N = RECIPES[recipe], len(splits)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = torch.randn(M, I if op == "fwd" else O, device=device, generator=gen).to(out_dtype)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(out_dtype)
+    m_splits = torch.tensor(splits, device=device)  # device splits: nothing read on the host
+    rows_q = moekit.group_quantize(rows, m_splits, recipe, backend="triton")
+    columnwise = op == "dgrad" and recipe == "fp8_rowwise"
+    w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="triton")
+    a, a_s = rows_q.rowwise_data, rows_q.rowwise_scale_inv
+    if columnwise:
+        w_data, w_scale = w_q.columnwise_data, w_q.columnwise_scale_inv
+        offs_w = torch.arange(N + 1, device=device) * O
+        w64 = dequantize_columnwise(info, w_data, w_scale, offs_w, offs_w, torch.float64)
+    else:
+        w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
+        w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
+    offs = offs_of(splits).to(device)
+    fn = qg.quantized_gemm_forward if op == "fwd" else qg.quantized_gemm_dgrad
+    result = {}
+
+    def step():
+        result["out"] = fn(recipe, a, a_s, w_data, w_scale, offs, out_dtype=out_dtype)
+
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    else:
+        step()
+    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
+    ref = torch.zeros(M, O if op == "fwd" else I, dtype=torch.float64, device=device)
+    bounds = offs_of(splits).tolist()
+    for g in range(N):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
+    check_kernel_result(result["out"], ref, splits, I if op == "fwd" else O, f"{recipe} {op} on {device}")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_gpu_test_body_on_cpu(recipe):
+    """The GPU test's own code, at a small shape under the interpreter (so that it is known to run)."""
+    for op in ("fwd", "dgrad"):
+        kernel_on_device(torch.device("cpu"), recipe, op, 50, 144, 80, [0, 20, 1, 0, 25], torch.float32)
+
+
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
@@ -306,40 +354,43 @@ def test_gpu_kernel_against_dequantized_float64(recipe, op, M, I, O, splits):
     reason = qg.fp8_gemm_unavailable_reason(recipe, cuda, torch.bfloat16)
     if reason is not None:
         pytest.skip(reason)
-    info, N = RECIPES[recipe], len(splits)
-    gen = torch.Generator(device=cuda).manual_seed(0)
-    rows = torch.randn(M, I if op == "fwd" else O, device=cuda, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(N, O, I, device=cuda, generator=gen) / I**0.5).to(torch.bfloat16)
-    m_splits = torch.tensor(splits, device=cuda)  # device splits: nothing read on the host
-    rows_q = moekit.group_quantize(rows, m_splits, recipe, backend="triton")
-    columnwise = op == "dgrad" and recipe == "fp8_rowwise"
-    w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="triton")
-    a, a_s = rows_q.rowwise_data, rows_q.rowwise_scale_inv
-    if columnwise:
-        w_data, w_scale = w_q.columnwise_data, w_q.columnwise_scale_inv
-        offs_w = torch.arange(N + 1, device=cuda) * O
-        w64 = dequantize_columnwise(info, w_data, w_scale, offs_w, offs_w, torch.float64)
-    else:
-        w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
-        w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
-    offs = offs_of(splits).to(cuda)
-    fn = qg.quantized_gemm_forward if op == "fwd" else qg.quantized_gemm_dgrad
-    result = {}
+    kernel_on_device(cuda, recipe, op, M, I, O, splits, torch.bfloat16)
+
+
+def linear_on_device(device, recipe, splits, M, I, O, dtype, monkeypatch) -> None:
+    """grouped_linear on the FP8 kernels (asserted) with device splits, within the FP8 bound of float64;
+    on CUDA with no host sync in the forward and the backward (after a warm-up step)."""
+    calls = _spy(monkeypatch)
+    N = len(splits)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(M, I, device=device, generator=gen).to(dtype).requires_grad_(True)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(dtype).requires_grad_(True)
+    upstream = torch.randn(M, O, device=device, generator=gen).to(dtype)
+    m_splits = torch.tensor(splits, device=device)
 
     def step():
-        result["out"] = fn(recipe, a, a_s, w_data, w_scale, offs, out_dtype=torch.bfloat16)
+        x.grad = w.grad = None
+        y = moekit.grouped_linear(x, w, m_splits, quantization=recipe, backend="triton")
+        y.backward(upstream)
+        return y
 
-    assert_no_host_sync(step)
-    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
-    ref = torch.zeros(M, O if op == "fwd" else I, dtype=torch.float64, device=cuda)
-    bounds = offs_of(splits).tolist()
-    for g in range(N):
-        lo, hi = bounds[g], bounds[g + 1]
-        if hi > lo:
-            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
-    check_kernel_result(
-        result["out"], ref, splits, I if op == "fwd" else O, f"{recipe} {op} on {torch.cuda.get_device_name()}"
-    )
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    y = step()
+    assert "quantized_linear_forward" in calls and "quantized_linear_dgrad" in calls
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y64 = grouped_linear_reference(x64, w64, m_splits.cpu())
+    y64.backward(upstream.double())
+    for name, ours, ref in (("y", y, y64), ("dx", x.grad, x64.grad), ("dw", w.grad, w64.grad)):
+        assert rel_err(ours, ref) <= BOUND, f"{name}: {rel_err(ours, ref):.3e} > {BOUND}"
+    used = sum(splits)
+    assert torch.count_nonzero(y[used:]) == 0 and torch.count_nonzero(x.grad[used:]) == 0
+
+
+@cpu_only
+def test_gpu_linear_test_body_on_cpu(monkeypatch):
+    """The GPU test's own code, at a small shape under the interpreter."""
+    linear_on_device(torch.device("cpu"), "fp8_block", [0, 30, 1, 0, 25], 60, 144, 80, torch.float32, monkeypatch)
 
 
 @gpu
@@ -350,29 +401,8 @@ def test_gpu_grouped_linear_fp8_within_bound_and_without_host_sync(recipe, monke
     reason = qg.fp8_gemm_unavailable_reason(recipe, cuda, torch.bfloat16)
     if reason is not None:
         pytest.skip(reason)
-    calls = _spy(monkeypatch)
-    splits, I, O = [0, 700, 512, 1300, 900, 333, 3, 48], 2048, 1536
-    M, N = 4096, len(splits)
-    gen = torch.Generator(device=cuda).manual_seed(1)
-    x = torch.randn(M, I, device=cuda, generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(N, O, I, device=cuda, generator=gen) / I**0.5).to(torch.bfloat16).requires_grad_(True)
-    upstream = torch.randn(M, O, device=cuda, generator=gen).to(torch.bfloat16)
-    m_splits = torch.tensor(splits, device=cuda)
-
-    def step():
-        x.grad = w.grad = None
-        moekit.grouped_linear(x, w, m_splits, quantization=recipe, backend="triton").backward(upstream)
-
-    assert_no_host_sync(step)
-    assert "quantized_linear_forward" in calls and "quantized_linear_dgrad" in calls
-    y = moekit.grouped_linear(x, w, m_splits, quantization=recipe, backend="triton")
-    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    y64 = grouped_linear_reference(x64, w64, m_splits.cpu())
-    y64.backward(upstream.double())
-    x.grad = w.grad = None
-    y.backward(upstream)
-    for name, ours, ref in (("y", y, y64), ("dx", x.grad, x64.grad), ("dw", w.grad, w64.grad)):
-        assert rel_err(ours, ref) <= BOUND, f"{name}: {rel_err(ours, ref):.3e} > {BOUND}"
+    splits = [0, 700, 512, 1300, 900, 333, 3, 48]  # 3796 of 4096 rows: padding, empty experts
+    linear_on_device(cuda, recipe, splits, 4096, 2048, 1536, torch.bfloat16, monkeypatch)
 
 
 @cpu_only
