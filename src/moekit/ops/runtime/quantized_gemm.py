@@ -36,7 +36,7 @@ import triton
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
 from moekit.ops.runtime.configs import FP8_BLOCK_RED, GemmConfig, fp8_gemm_candidates
-from moekit.ops.runtime.device import capability
+from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.runtime.gemm import check_offs
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -45,7 +45,6 @@ from moekit.ops.runtime.launch import (
     Plan,
     block_groups,
     device_ctx,
-    device_index,
     empty,
     grid_size,
     next_power_of_2,
@@ -76,7 +75,7 @@ def fp8_gemm_unavailable_reason(recipe: str, device: torch.device, dtype: torch.
     if reason is not None:
         return reason
     if device.type == "cuda" and not INTERPRET:
-        major, minor = capability(device_index(device))
+        major, minor = cuda_capability(device)
         if (major, minor) < (8, 9):
             return f"FP8 tensor cores need compute capability 8.9 or newer, the device has {major}.{minor}"
     return None
