@@ -68,8 +68,9 @@ Layer-by-layer mapping (transformers 5.x). In each decoder layer L with routed e
 
 Quantized experts: `apply_moekit(model, quantization="fp8_block" | "fp8_rowwise" | "mxfp8")` (or
 `config.moekit_quantization` with `experts_implementation="moekit"`) runs the experts' linears on
-quantized operands, `moekit.moe_experts`'s reference path (quantize, dequantize, compute in the model's
-dtype; FP8 Hopper kernels are future work). The parameters, their names and the state dict stay as
+quantized operands, as `moekit.moe_experts` computes them (FP8 kernels for the forward and the dgrad
+where the backend has them, else the reference path: quantize, dequantize, compute in the model's
+dtype). The parameters, their names and the state dict stay as
 they are (master weights in the model's dtype); each experts module keeps its quantized weights and
 makes them again, in place, once per optimizer step.
 
@@ -434,7 +435,7 @@ def apply_moekit(
     `model.set_experts_implementation(other)` afterwards takes effect.
     `backend` is moekit's GEMM backend ("auto", "loop", "torch", "triton").
     `quantization` (None, "fp8_block", "fp8_rowwise", "mxfp8"): the experts' linears on quantized
-    operands, `moekit.moe_experts`'s reference path for now (FP8 Hopper kernels are future work); the
+    operands, as `moekit.moe_experts` computes them (FP8 kernels or the reference path); the
     parameters and state dict are unchanged, the quantized weights are made once per optimizer step.
     `single_grouped_weight=False` converts the experts to TransformerEngine-style per-expert weights
     (`grouped_mlp.fc1.weight{i}`): that renames the parameters and so breaks PEFT

@@ -36,11 +36,11 @@ class GroupedLinear(nn.Module):
     forward(inp (..., I), m_splits (N,)) -> (..., O); rows past sum(m_splits) give zeros.
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the products on quantized operands
-    (`moekit.grouped_linear`'s reference path for now: quantize, dequantize, compute in the module's
-    dtype; FP8 Hopper kernels are future work). The parameters stay in the module's dtype (master
-    weights; the state dict is the same with or without quantization); the quantized weight is kept in
-    `weight_cache` and made again, in place, only when the weight changed (the optimizer's step):
-    once per step.
+    (`moekit.grouped_linear`'s: forward and dgrad on FP8 kernels where the backend has them, else the
+    reference path: quantize, dequantize, compute in the module's dtype). The parameters stay in the
+    module's dtype (master weights; the state dict is the same with or without quantization); the
+    quantized weight is kept in `weight_cache` and made again, in place, only when the weight changed
+    (the optimizer's step): once per step.
     """
 
     def __init__(

@@ -27,7 +27,7 @@ class GroupedMLP(nn.Module):
     checkpoints with another order are converted on load.
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": both linears on quantized operands
-    (`moekit.grouped_mlp`'s reference path for now; FP8 Hopper kernels are future work). Parameters and
+    (`moekit.grouped_mlp`'s: FP8 kernels or the reference path, as `moekit.grouped_linear` says). Parameters and
     state dict stay in the module's dtype; fc1's and fc2's `weight_cache` hold the quantized weights,
     made again (in place) once per optimizer step.
     """

@@ -106,7 +106,7 @@ class MoELayer(nn.Module):
     `experts.fc1.*`, `experts.fc2.*`.
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands
-    (`GroupedMLP`'s; the reference path for now, FP8 Hopper kernels are future work); the router stays in
+    (`GroupedMLP`'s: FP8 kernels or the reference path, as `moekit.grouped_linear` says); the router stays in
     the layer's dtype.
     """
 

@@ -9,11 +9,22 @@ tensors that are adjacent slices of one buffer (what `GroupedLinear` keeps) are 
 without a copy.
 
 Quantized compute (`quantization=` "fp8_block", "fp8_rowwise" or "mxfp8"; `moekit.ops.quantize` for the
-formats) is, for now, the reference path on every device: x, the weight and, in the backward, dy are
-quantized with `group_quantize`, dequantized, and the products run on the dequantized tensors in x's
-dtype with the backend's GEMMs. FP8 GEMM kernels (Hopper) are future work: this path computes what
-they will compute, not at their speed. Gradients pass straight through the quantizers, with the
-quantized operands each product takes in FP8 (as TransformerEngine's FP8 GEMMs):
+formats): x, the weight and, in the backward, dy are quantized with `group_quantize`, and each product
+takes the quantized operands below. Gradients pass straight through the quantizers (as
+TransformerEngine's FP8 GEMMs). Which path computes the products:
+
+- FP8 compute, where the backend has the QuantizedGemm capability and it can run the recipe
+  (`moekit.ops.runtime.backends.quantized_gemm_of`; today the "triton" backend, and "auto" where it
+  picks triton, i.e. on Hopper): the forward and the dgrad multiply the FP8 data on the tensor cores
+  with fp32 accumulation (fp8_block's 1 x 128 / 128 x 128 block scales applied per 128-wide reduction
+  step, fp8_rowwise's row and channel scales in the epilogue; `moekit.ops.runtime.quantized_gemm`).
+  That is fp8_block and fp8_rowwise on CUDA devices of compute capability 8.9 or newer (and on the
+  CPU under TRITON_INTERPRET=1, for tests). The wgrad stays on the reference path.
+- the reference path everywhere else (the "torch" and "loop" backends, mxfp8, whose 1 x 32 blocks have
+  no Hopper FP8 path, and older GPUs), and for every recipe's wgrad: the quantized operands are
+  dequantized and the products run in x's dtype with the backend's GEMMs. It computes the same
+  products, at the unquantized path's speed or slower, with the sums in another order (and, in
+  bfloat16, one rounding of each dequantized operand).
 
     forward  y  = Q(x) Q(w)^T (+ bias)       Q: rowwise blocks (along I)
     dgrad    dx = Q(dy) Qc(w)                Qc(w): blocks along O (the weight's columnwise form;
@@ -35,7 +46,14 @@ import torch
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization, group_quantize
-from moekit.ops.runtime.backends import BACKENDS, bias_rows, select_backend, select_quantizer
+from moekit.ops.runtime.backends import (
+    BACKENDS,
+    GemmBackend,
+    bias_rows,
+    quantized_gemm_of,
+    select_backend,
+    select_quantizer,
+)
 from moekit.ops.splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
 from moekit.validation import check_float_tensor, check_same_device, check_tensor
 
@@ -231,10 +249,16 @@ class _GroupedLinearFn(torch.autograd.Function):
         return (None, None, None, d_scale, None, dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
+# Positions of _QuantizedLinearFn.forward's bias_scale and x (needs_input_grad); the parameters follow x.
+# Module constants: dynamo cannot read an autograd.Function's class attributes.
+_Q_SCALE, _Q_X = 6, 9
+
+
 class _QuantizedLinearFn(torch.autograd.Function):
-    """The quantized grouped linear (module docstring), the reference path. Inputs after x as
-    `_GroupedLinearFn`'s; `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's
-    cache), saved as tensors so that autograd refuses a backward after it was rewritten in place."""
+    """The quantized grouped linear (module docstring). Inputs after x as `_GroupedLinearFn`'s;
+    `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's cache), saved as tensors
+    so that autograd refuses a backward after it was rewritten in place. `fp8`: the forward and the dgrad
+    run on the backend's FP8 kernels (its QuantizedGemm capability); otherwise the reference path."""
 
     @staticmethod
     def forward(
@@ -242,6 +266,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         backend: str,
         quantizer: str,
         recipe: str,
+        fp8: bool,
         offs: torch.Tensor,
         host_offs: list[int] | None,
         bias_scale_M: torch.Tensor | None,
@@ -253,14 +278,31 @@ class _QuantizedLinearFn(torch.autograd.Function):
         weights, biases = params[:n_w], params[n_w:]
         bias_NO = stacked(biases, 2, "bias")
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
-        need_w = any(ctx.needs_input_grad[9 : 9 + n_w])
+        first_w = _Q_X + 1
+        need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
-        y_MO = library.grouped_linear_forward(
-            backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
-        )
+        if fp8:
+            y_MO = library.quantized_linear_forward(
+                backend,
+                recipe,
+                x_q.rowwise_data,
+                x_q.rowwise_scale_inv,
+                weight_q.rowwise_data,
+                weight_q.rowwise_scale_inv,
+                offs,
+                host_offs,
+                bias_NO,
+                bias_scale_M,
+                x_MI.dtype,
+            )
+        else:
+            y_MO = library.grouped_linear_forward(
+                backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
+            )
         # x is held as its columnwise quantization only (the wgrad's operand).
         x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
-        ctx.backend, ctx.quantizer, ctx.recipe, ctx.host_offs, ctx.n_w = backend, quantizer, recipe, host_offs, n_w
+        ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8 = backend, quantizer, recipe, fp8
+        ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.x_template, ctx.w_template = x_held, weight_q
         x_storage = x_held.storage() if x_held is not None else (None,) * 7
@@ -273,16 +315,37 @@ class _QuantizedLinearFn(torch.autograd.Function):
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
-        need_x, need_scale = ctx.needs_input_grad[8], ctx.needs_input_grad[5]
-        need_w, need_b = any(ctx.needs_input_grad[9 : 9 + n_w]), any(ctx.needs_input_grad[9 + n_w :])
+        first_w = _Q_X + 1
+        need_x, need_scale = (
+            ctx.needs_input_grad[_Q_X],
+            ctx.needs_input_grad[_Q_SCALE],
+        )
+        need_w, need_b = any(ctx.needs_input_grad[first_w : first_w + n_w]), any(ctx.needs_input_grad[first_w + n_w :])
         dy_MO = row_major(dy_MO)
         go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
         if need_x or need_w:
             dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
-            if need_x:
-                w_dgrad = weight_q.dequantize(columnwise=weight_q.columnwise_data is not None)
+            # The dgrad reduces over O: the weight's columnwise form where it has one (fp8_rowwise: a
+            # scale per input channel), else its rowwise data (fp8_block's tiles serve both ways).
+            w_col = weight_q.columnwise_data is not None
+            if need_x and ctx.fp8:
+                w_data = weight_q.columnwise_data if w_col else weight_q.rowwise_data
+                w_scale = weight_q.columnwise_scale_inv if w_col else weight_q.rowwise_scale_inv
+                dx = library.quantized_linear_dgrad(
+                    backend,
+                    ctx.recipe,
+                    dy_q.rowwise_data,
+                    dy_q.rowwise_scale_inv,
+                    w_data,
+                    w_scale,
+                    offs,
+                    host_offs,
+                    dy_MO.dtype,
+                )
+            elif need_x:
+                w_dgrad = weight_q.dequantize(columnwise=w_col)
                 dx = library.grouped_linear_dgrad(backend, dy_q.dequantize(), w_dgrad, offs, host_offs)
             if need_w and x_q is not None:
                 dy_c, x_c = dy_q.dequantize(columnwise=True), x_q.dequantize(columnwise=True)
@@ -298,6 +361,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             d_scale,
             None,
             None,
@@ -305,6 +369,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
             *unstacked(dw, ctx.w_dims, 3),
             *unstacked(db, ctx.b_dims, 2),
         )
+
+
+def fp8_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
+    """Whether a quantized grouped linear on `impl` runs its forward and dgrad on FP8 kernels: where the
+    backend has the QuantizedGemm capability and it can take this recipe, device and dtype (moekit's
+    Triton kernels: fp8_block and fp8_rowwise on FP8 tensor cores, compute capability >= 8.9, or the
+    CPU interpreter); the reference path otherwise."""
+    fp8 = quantized_gemm_of(impl)
+    return fp8 is not None and fp8.quantized_gemm_unavailable_reason(recipe, x) is None
 
 
 def quantized_weight(
@@ -344,8 +417,11 @@ def grouped_linear(
     x's dtype. backend: "auto", "loop", "torch" or "triton" (`moekit.ops.runtime.backends`).
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the products on quantized operands,
-    gradients straight through (module docstring). For now the reference path on every device
-    (quantize, dequantize, the GEMMs in x's dtype); FP8 Hopper kernels are future work. weight_cache: a
+    gradients straight through (module docstring). The forward and the dgrad run on FP8 kernels where
+    the backend has them and can run the recipe (the "triton" backend: fp8_block and fp8_rowwise on
+    compute capability >= 8.9, e.g. Hopper; `fp8_compute`), on the reference path otherwise (quantize,
+    dequantize, the GEMMs in x's dtype: the "torch" and "loop" backends, mxfp8, older GPUs); the wgrad
+    always on the reference path. weight_cache: a
     `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
     modules pass theirs: the weight is quantized once per optimizer step); without one, every call
     quantizes the weight.
@@ -374,6 +450,7 @@ def grouped_linear(
             impl.name,
             quantizer,
             quantization,
+            fp8_compute(impl, quantization, x),
             offs.offs,
             host_offs,
             bias_scale,

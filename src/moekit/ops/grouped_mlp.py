@@ -103,9 +103,10 @@ def grouped_mlp(
     dtype; padding rows (past sum(m_splits)) are zero.
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": both linears on quantized operands
-    (`grouped_linear`'s reference path: quantize, dequantize, compute in x's dtype; the activation
-    between them in x's dtype, quantized as fc2's input). FP8 Hopper kernels are future work: with
-    quantization the MLP runs composed, never the fused kernels. weight_caches: (fc1's, fc2's)
+    (`grouped_linear`'s: forward and dgrad on FP8 kernels where the backend has them, e.g. "triton" on
+    Hopper for fp8_block and fp8_rowwise, else the reference path: quantize, dequantize, compute in x's
+    dtype; the activation between them in x's dtype, quantized as fc2's input). With quantization the
+    MLP runs composed, never the fused kernels. weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
     """
     check_float_tensor("x", x)

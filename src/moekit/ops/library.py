@@ -31,8 +31,10 @@ import torch
 from moekit.ops.runtime import backends
 from moekit.ops.runtime.backends import (
     FusedMLP,
+    QuantizedGemm,
     backend_named,
     fused_mlp_of,
+    quantized_gemm_of,
     quantizer_of,
     without_padding,
     zero_padding_rows,
@@ -51,6 +53,13 @@ def _fused(backend: str) -> FusedMLP:
     if fused is None:
         raise ValueError(f"backend {backend!r} has no fused MLP kernels")
     return fused
+
+
+def _quantized(backend: str) -> QuantizedGemm:
+    quantized = quantized_gemm_of(backend_named(backend))
+    if quantized is None:
+        raise ValueError(f"backend {backend!r} has no FP8 GEMM kernels")
+    return quantized
 
 
 def _entry(op: Callable[..., Any], impl: Callable[..., _R]) -> Callable[..., _R]:
@@ -160,6 +169,71 @@ grouped_linear_dgrad = _entry(_linear_dgrad_op, _linear_dgrad)
 grouped_linear_wgrad = _entry(_linear_wgrad_op, _linear_wgrad)
 grouped_linear_dbias = _entry(_linear_dbias_op, _linear_dbias)
 without_padding_rows = _entry(_padding_zeroed_op, _padding_zeroed)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 products of a quantized grouped linear (backends with the QuantizedGemm capability)
+# --------------------------------------------------------------------------------------------------
+
+
+def _quantized_forward(backend: str, recipe: str, x_data: torch.Tensor, x_scale: torch.Tensor,
+                       w_data: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                       host_offs: list[int] | None, bias_NO: torch.Tensor | None,
+                       bias_scale_M: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(M, O) in out_dtype = x_q (M, I) through w_q (N, O, I), FP8 data with their scales (+ bias (N, O)
+    (* bias_scale (M,)))."""
+    go = _offsets(offs, host_offs, x_data.shape[0])
+    return _quantized(backend).quantized_forward(
+        recipe, x_data, x_scale, w_data, w_scale, go, bias_NO, bias_scale_M, out_dtype
+    )
+
+
+def _quantized_dgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale: torch.Tensor,
+                     w_data: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                     host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(M, I) in out_dtype = dy_q (M, O) through w_q (N, O, I), FP8 data with their scales."""
+    go = _offsets(offs, host_offs, dy_data.shape[0])
+    return _quantized(backend).quantized_dgrad(recipe, dy_data, dy_scale, w_data, w_scale, go, out_dtype)
+
+
+_quantized_forward_op = torch.library.custom_op("moekit::quantized_linear_forward", _quantized_forward, mutates_args=())
+_quantized_dgrad_op = torch.library.custom_op("moekit::quantized_linear_dgrad", _quantized_dgrad, mutates_args=())
+
+
+@_quantized_forward_op.register_fake
+def _(
+    backend: str,
+    recipe: str,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return x_data.new_empty(x_data.shape[0], w_data.shape[1], dtype=out_dtype)
+
+
+@_quantized_dgrad_op.register_fake
+def _(
+    backend: str,
+    recipe: str,
+    dy_data: torch.Tensor,
+    dy_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return dy_data.new_empty(dy_data.shape[0], w_data.shape[2], dtype=out_dtype)
+
+
+quantized_linear_forward = _entry(_quantized_forward_op, _quantized_forward)
+quantized_linear_dgrad = _entry(_quantized_dgrad_op, _quantized_dgrad)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -165,8 +165,8 @@ def moe_experts(
     CUDA-graph capturable.
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands,
-    `grouped_mlp`'s reference path (quantize, dequantize, compute in x's dtype; the layer runs composed,
-    never its fused kernels). FP8 Hopper kernels are future work. weight_caches: (fc1's, fc2's)
+    as `grouped_mlp` computes them (`grouped_linear`'s FP8 kernels where the backend has them, else its
+    reference path; the layer runs composed, never its fused kernels). weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
 
     Memory held for the backward: at most HELD_FRACTION_OF_PLAIN of the plain PyTorch layer's (module

@@ -26,7 +26,7 @@ from moekit.ops.kernels.schedule import group_rows, load_a, load_b, split_halves
 
 
 @triton.jit
-def _fwd_epilogue(
+def fwd_epilogue(
     acc,
     c_ptr,
     c_desc,
@@ -189,7 +189,7 @@ def grouped_mm_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
         acc = tl.where(g < N, acc, 0.0)
-        _fwd_epilogue(
+        fwd_epilogue(
             acc,
             c_ptr,
             c_desc,

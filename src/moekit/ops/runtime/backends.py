@@ -129,6 +129,43 @@ class GroupQuantizer(Protocol):
         """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage."""
 
 
+@runtime_checkable
+class QuantizedGemm(Protocol):
+    """FP8 compute of a quantized grouped linear's forward and dgrad (`moekit.ops.runtime.quantized_gemm`
+    for the operands' formats and the contracts): products of the FP8 data with their scales,
+    accumulated in fp32, instead of the reference path's dequantize-then-GEMM."""
+
+    def quantized_gemm_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
+        """Why this backend cannot compute `recipe`'s products for input x (its dtype is the output's);
+        None if it can."""
+
+    def quantized_forward(
+        self,
+        recipe: str,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """y (M, O) = x_q @ w_q[g]^T (+ bias[g] (* bias_scale)) in out_dtype, padding rows zero."""
+
+    def quantized_dgrad(
+        self,
+        recipe: str,
+        dy_data: torch.Tensor,
+        dy_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: GroupOffsets,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """dx (M, I) = dy_q @ w_q[g] in out_dtype, padding rows zero."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Group bookkeeping of the torch paths
 # --------------------------------------------------------------------------------------------------
@@ -340,6 +377,7 @@ class TritonRuntime(NamedTuple):
     rows: ModuleType
     routing: ModuleType
     quantize: ModuleType
+    quantized_gemm: ModuleType
 
 
 _RUNTIME: list[TritonRuntime | None] = []
@@ -350,11 +388,11 @@ def triton_runtime() -> TritonRuntime | None:
     runs without triton through the other backends."""
     if not _RUNTIME:
         try:
-            from moekit.ops.runtime import gemm, glu, launch, quantize, routing, rows
+            from moekit.ops.runtime import gemm, glu, launch, quantize, quantized_gemm, routing, rows
         except ImportError:
             _RUNTIME.append(None)
         else:
-            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing, quantize))
+            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing, quantize, quantized_gemm))
     return _RUNTIME[0]
 
 
@@ -367,7 +405,8 @@ def _runtime() -> TritonRuntime:
 
 
 class TritonBackend:
-    """moekit's own Triton kernels: every GEMM product, and the FusedMLP capability."""
+    """moekit's own Triton kernels: every GEMM product, and the FusedMLP, GroupQuantizer and QuantizedGemm
+    capabilities."""
 
     name = "triton"
 
@@ -417,6 +456,44 @@ class TritonBackend:
         if runtime is None:
             raise ValueError("triton cannot be imported (pip install triton)")
         return runtime.quantize.group_quantize_into
+
+    # The QuantizedGemm capability: moekit's FP8 kernels (fp8_block, fp8_rowwise; FP8 tensor cores or
+    # the interpreter).
+    def quantized_gemm_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
+        runtime = triton_runtime()
+        if runtime is None:
+            return "triton cannot be imported (pip install triton)"
+        return runtime.quantized_gemm.fp8_gemm_unavailable_reason(recipe, x.device, x.dtype)
+
+    def quantized_forward(
+        self,
+        recipe: str,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: GroupOffsets,
+        bias_NO: torch.Tensor | None,
+        bias_scale_M: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return _runtime().quantized_gemm.quantized_gemm_forward(
+            recipe, x_data, x_scale, w_data, w_scale, offs.offs, bias_NO, bias_scale_M, out_dtype=out_dtype
+        )
+
+    def quantized_dgrad(
+        self,
+        recipe: str,
+        dy_data: torch.Tensor,
+        dy_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: GroupOffsets,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return _runtime().quantized_gemm.quantized_gemm_dgrad(
+            recipe, dy_data, dy_scale, w_data, w_scale, offs.offs, out_dtype=out_dtype
+        )
 
 
 def gather_sum_rows(
@@ -524,6 +601,12 @@ def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
         if reason(_BACKEND_OBJECTS[name]) is None:
             return _BACKEND_OBJECTS[name]
     return _BACKEND_OBJECTS["loop"]
+
+
+def quantized_gemm_of(backend: GemmBackend) -> QuantizedGemm | None:
+    """The backend's QuantizedGemm capability (FP8 compute of the quantized paths), or None where it has
+    none (the loop and torch backends: their quantized products take the reference path)."""
+    return backend if isinstance(backend, QuantizedGemm) else None
 
 
 def fused_mlp_of(backend: GemmBackend) -> FusedMLP | None:

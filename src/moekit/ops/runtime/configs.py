@@ -76,6 +76,40 @@ def gemm_candidates(op: str, dtype: torch.dtype, use_tma: bool, arch: Arch, cols
     return (GemmConfig(128, 128, 32, 8, 3, 8, False), GemmConfig(128, 64, 32, 8, 4, 4, False))
 
 
+# --------------------------------------------------------------------------------------------------
+# FP8 grouped GEMM (kernels.grouped_gemm_fp8): forward / dgrad ("fwd", "dgrad")
+# --------------------------------------------------------------------------------------------------
+
+# The reduction step of the FP8 kernel: fp8_block's scale block (its scales change every 128 reduction
+# columns, and a step must not straddle two), and 128 bytes of FP8 per row of a TMA box, a whole
+# 128-byte shared-memory swizzle row, for fp8_rowwise too.
+FP8_BLOCK_RED = 128
+
+
+@functools.cache
+def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: int) -> tuple[GemmConfig, ...]:
+    """Candidates of the FP8 grouped GEMM for one problem class; the first is the default.
+
+    128 x 128 tiles for fp8_block (the promotion holds two fp32 tiles live, the accumulator and the
+    step's product: 128 x 256 would be 256 registers a thread of 8 warps) and for the dgrad (its
+    weight operand is not K-major: the transposing copy costs registers too); fp8_rowwise's forward
+    may take 128 x 256 (one fp32 tile, as the bf16 kernel's). Stages: 4 of 32 KiB (128 x 128 tiles) or
+    3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in Hopper's 227 KiB."""
+    red = FP8_BLOCK_RED
+    if arch == "interpreter":
+        return (GemmConfig(32, 32, red, 4, 1, 4, False, True),)
+    if arch == "sm90" and use_tma:
+        narrow = (
+            GemmConfig(128, 128, red, 8, 4, 8, False, True),
+            GemmConfig(128, 128, red, 8, 4, 8, True, True),
+        )
+        if recipe == "fp8_block" or op == "dgrad" or cols <= 128:
+            return narrow
+        return (GemmConfig(128, 256, red, 8, 3, 8, False, True), *narrow)
+    # Pointer path (Ada's FP8 tensor cores, operands TMA cannot take): within ~100 KB of shared memory.
+    return (GemmConfig(128, 64, red, 8, 3, 4, False), GemmConfig(64, 64, red, 8, 3, 4, False))
+
+
 # Per-group row sums (kernels.grouped_gemm.group_row_sum_kernel): (row slices per group, columns per program).
 ROW_SUM_TILES: dict[Arch, tuple[int, int]] = {"sm90": (8, 128), "sm80": (8, 128), "interpreter": (2, 32)}
 

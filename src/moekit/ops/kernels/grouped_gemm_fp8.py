@@ -1,0 +1,187 @@
+"""Triton kernel of the FP8 grouped GEMM, forward and dgrad (jit code only; host code in
+`moekit.ops.runtime.quantized_gemm`, the formats in `moekit.ops.quantize`).
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features. One output tile is
+(BLOCK_M rows, BLOCK_C columns), its reduction runs in steps of BLOCK_RED; COLS and RED are the
+output width and the reduction length (O and I for the forward, I and O for the dgrad).
+
+    forward  y[r]  = x_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r]))   x_q (M, I), w_q (N, O, I) -> y (M, O)
+    dgrad    dx[r] = dy_q[r] @ w_q[g]                                   dy_q (M, O), w_q (N, O, I) -> dx (M, I)
+
+Operands are float8 E4M3 with float32 dequantization multipliers (`scale_inv`); products are
+accumulated in fp32 and the result leaves in the output's dtype:
+- BLOCK_SCALES (fp8_block): A has one scale per row per 128 reduction columns, B one per 128 x 128
+  tile of w[g]. Scales change along the reduction, so they are applied in the main loop, one
+  reduction step = one scale block (BLOCK_RED == SCALE_BLOCK): acc += dot(a, b) * sa[:, None] *
+  sb[None, :], DeepSeek-V3's promotion of the FP8 products into an fp32 accumulator.
+- otherwise (fp8_rowwise): A has one scale per row, B one per output column (the forward: one per
+  output channel of w; the dgrad: the weight's columnwise form, one per input channel). Both are
+  constant along the reduction: the FP8 products accumulate unscaled and the scales are applied
+  once, in the epilogue.
+
+The schedule, the operand loads and the epilogue are the bf16 kernel's (`moekit.ops.kernels.schedule`,
+`moekit.ops.kernels.grouped_gemm.fwd_epilogue`): a persistent program walks the groups' tiles from
+the device offsets (no host read of them), then the padding rows offs[N]:M, written as zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekit.ops.kernels.grouped_gemm import fwd_epilogue
+from moekit.ops.kernels.schedule import load_a, load_b, tile_coords, tile_schedule
+
+
+@triton.jit
+def grouped_mm_fp8_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    B_ROWS,
+    B_COLS,
+    stride_am,
+    stride_bg,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    TRANS_B: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    EPI_TMA: tl.constexpr,
+):
+    """c (M, COLS) = dequant(a) (M, RED) @ op(dequant(w[g])) per group, padding rows zero.
+
+    a: (M, RED) float8, row stride stride_am, unit column stride; a_scale: fp32, row r's scale of
+       reduction block j at a_scale_ptr + r * stride_asm + j (BLOCK_SCALES; j = 0 otherwise).
+    b: (N, B_ROWS, B_COLS) float8 weight data, strides (stride_bg, stride_br, 1); w[g] is (COLS, RED)
+       if TRANS_B (forward) else (RED, COLS) (dgrad). b_scale: fp32; the scale of w[g]'s element
+       (reduction index k, output column c) is at b_scale_ptr + g * stride_bsg + (k // SCALE_BLOCK)
+       * stride_bs_red + (c // SCALE_BLOCK) * stride_bs_col with BLOCK_SCALES, else at b_scale_ptr +
+       g * stride_bsg + c * stride_bs_col (one per output column).
+    c: (M, COLS) in the output dtype, row stride stride_cm; bias (N, COLS) and its per-row scale as
+       the bf16 kernel's.
+    """
+    tl.static_assert(not BLOCK_SCALES or BLOCK_RED == SCALE_BLOCK, "a reduction step is one scale block")
+    pid = tl.program_id(0)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    red_steps = tl.cdiv(RED, BLOCK_RED)
+
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED]
+        )
+        if TRANS_B:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
+            )
+    else:
+        a_desc = None
+        b_desc = None
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        # As the bf16 kernel: one reduction trip count for every tile; padding tiles (g == N) point
+        # their TMA boxes past the end of a and read zeros.
+        a_row0 = tl.where(g < N, row0, M)
+        if EPI_TMA:
+            c_desc = tl.make_tensor_descriptor(
+                c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2]
+            )
+        else:
+            c_desc = None
+        # Scales of the tile's own rows and columns only: rows of other groups and columns past
+        # COLS (never stored) read 0, and padding tiles read nothing.
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & (g < N)
+        mask_sb = (offs_c < COLS) & (g < N)
+        sa_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
+        if BLOCK_SCALES:
+            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + (offs_c // SCALE_BLOCK) * stride_bs_col
+        else:
+            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + offs_c * stride_bs_col
+        acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for step in range(red_steps):
+            red0 = step * BLOCK_RED
+            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+            b = load_b(
+                b_desc,
+                b_ptr,
+                g,
+                N,
+                red0,
+                c0,
+                COLS,
+                RED,
+                stride_bg,
+                stride_br,
+                TRANS_B,
+                USE_TMA,
+                False,
+                BLOCK_C,
+                BLOCK_RED,
+            )
+            if BLOCK_SCALES:
+                sa = tl.load(sa_ptrs + step, mask=mask_sa, other=0.0)
+                sb = tl.load(sb_ptrs + step * stride_bs_red, mask=mask_sb, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            else:
+                acc = tl.dot(a, b, acc)
+        if not BLOCK_SCALES:
+            sa = tl.load(sa_ptrs, mask=mask_sa, other=0.0)
+            sb = tl.load(sb_ptrs, mask=mask_sb, other=0.0)
+            acc = acc * (sa[:, None] * sb[None, :])
+        # Padding rows are written as exact zeros whatever they hold (NaN * 0 is NaN).
+        acc = tl.where(g < N, acc, 0.0)
+        fwd_epilogue(
+            acc,
+            c_ptr,
+            c_desc,
+            bias_ptr,
+            scale_ptr,
+            g,
+            N,
+            row0,
+            c0,
+            row_lo,
+            row_hi,
+            COLS,
+            stride_cm,
+            stride_bias_g,
+            HAS_BIAS,
+            HAS_SCALE,
+            EPI_TMA,
+            BLOCK_M,
+            BLOCK_C,
+        )

@@ -1,0 +1,349 @@
+# ruff: noqa: E741  (I and O are the legend's in/out feature sizes)
+"""Host side of the FP8 grouped GEMM kernel (`moekit.ops.kernels.grouped_gemm_fp8`): the forward and
+the dgrad of a quantized grouped linear, planned and launched by the one recipe of
+`moekit.ops.runtime.launch`.
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features.
+
+    forward  y[r]  = x_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r]))   -> y (M, O)
+    dgrad    dx[r] = dy_q[r] @ w_q[g]                                   -> dx (M, I)
+
+The operands are the storage of quantized `moekit.GroupedTensor`s (`moekit.group_quantize`; the
+formats in `moekit.ops.quantize`), float8 E4M3 data and float32 `scale_inv`:
+
+    recipe       rows operand (x_q, dy_q)          weight, forward               weight, dgrad
+    fp8_block    rowwise (M, X), scales            rowwise (N, O, I), scales     the same rowwise tiles
+                 (M, ceil(X / 128))                (N, ceil(O / 128), ceil(I / 128))
+    fp8_rowwise  rowwise (M, X), scales (M, 1)     rowwise (N, O, I), scales     columnwise (N, O, I),
+                                                   (N, O, 1): per output chan.   scales (N, 1, I): per
+                                                                                 input channel
+
+(X: the reduction, I for the forward and O for the dgrad.) The dgrad of fp8_rowwise needs the weight's
+columnwise form: its reduction runs over O, and a rowwise scale per output channel would change along
+it. Products accumulate in fp32; the output is in `out_dtype` (the unquantized input's dtype).
+mxfp8 (1 x 32 blocks, E8M0 scales) has no kernel here: Hopper's FP8 tensor cores have no block-32
+scaling, so its products stay on the reference path.
+
+Rows of group g are `offs[g]:offs[g+1]` (device int64, never read on the host: no sync, CUDA-graph
+capturable); rows past offs[N] are padding, written as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from moekit.grouped_tensor import FP8_DTYPE
+from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
+from moekit.ops.runtime.configs import FP8_BLOCK_RED, GemmConfig, fp8_gemm_candidates
+from moekit.ops.runtime.device import cuda_capability
+from moekit.ops.runtime.gemm import check_offs
+from moekit.ops.runtime.launch import (
+    INTERPRET,
+    Launcher,
+    LaunchPlan,
+    Plan,
+    block_groups,
+    device_ctx,
+    empty,
+    grid_size,
+    next_power_of_2,
+    pick_config,
+    plan_launch,
+    tensor_key,
+    unavailable_reason,
+    use_tma,
+)
+
+_GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
+
+# The recipes this kernel computes, and the side of their scale blocks (None: whole rows / columns).
+FP8_GEMM_RECIPES: dict[str, int | None] = {"fp8_block": 128, "fp8_rowwise": None}
+
+
+def fp8_gemm_unavailable_reason(recipe: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the FP8 grouped GEMM cannot run `recipe` with outputs of `dtype` on `device`; None if it can:
+    fp8_block or fp8_rowwise, moekit's Triton kernels able to run (`launch.unavailable_reason`), and on
+    CUDA FP8 tensor cores (compute capability 8.9 or newer; Hopper, sm_90, is the target) or the CPU
+    under TRITON_INTERPRET=1."""
+    if recipe not in FP8_GEMM_RECIPES:
+        return (
+            f"moekit's FP8 GEMM computes {tuple(FP8_GEMM_RECIPES)}, not {recipe!r} (mxfp8's 1 x 32 blocks have no "
+            "Hopper FP8 tensor-core path)"
+        )
+    reason = unavailable_reason(device, dtype)
+    if reason is not None:
+        return reason
+    if device.type == "cuda" and not INTERPRET:
+        major, minor = cuda_capability(device)
+        if (major, minor) < (8, 9):
+            return f"FP8 tensor cores need compute capability 8.9 or newer, the device has {major}.{minor}"
+    return None
+
+
+def _check(
+    op: str,
+    recipe: str,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[int, int]:
+    """One line naming the first operand the kernel cannot take; (reduction, output columns) otherwise."""
+    reason = fp8_gemm_unavailable_reason(recipe, a.device, out_dtype)
+    if reason is not None:
+        raise ValueError(f"recipe={recipe!r}, out_dtype={out_dtype}: {reason}")
+    rows_name = "x_data" if op == "fwd" else "dy_data"
+    for name, t in ((rows_name, a), ("w_data", w)):
+        if not isinstance(t, torch.Tensor) or t.dtype != FP8_DTYPE:
+            raise TypeError(
+                f"{name} must be a {FP8_DTYPE} tensor (group_quantize's data), got {getattr(t, 'dtype', t)}"
+            )
+        if t.device != a.device:
+            raise ValueError(f"{name} is on {t.device}, {rows_name} on {a.device}")
+    for name, t in (("x_scale" if op == "fwd" else "dy_scale", a_scale), ("w_scale", w_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(
+                f"{name} must be a float32 tensor (group_quantize's scale_inv), got {getattr(t, 'dtype', t)}"
+            )
+        if t.device != a.device:
+            raise ValueError(f"{name} is on {t.device}, {rows_name} on {a.device}")
+    if a.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{rows_name} must be (M, X) and w_data (N, O, I); got {tuple(a.shape)} and {tuple(w.shape)}")
+    N, O, I = w.shape
+    red, cols = (I, O) if op == "fwd" else (O, I)
+    if a.shape[1] != red:
+        raise ValueError(f"{rows_name} has {a.shape[1]} columns; a weight of shape {tuple(w.shape)} needs {red}")
+    block = FP8_GEMM_RECIPES[recipe]
+    if block is None:
+        want_a = (a.shape[0], 1)
+        want_w = (N, O, 1) if op == "fwd" else (N, 1, I)
+    else:
+        want_a = (a.shape[0], triton.cdiv(red, block))
+        want_w = (N, triton.cdiv(O, block), triton.cdiv(I, block))
+    what = "rowwise" if op == "fwd" or block is not None else "columnwise"
+    if tuple(a_scale.shape) != want_a:
+        raise ValueError(f"{recipe}'s rowwise scales of {tuple(a.shape)} rows are {want_a}, got {tuple(a_scale.shape)}")
+    if tuple(w_scale.shape) != want_w:
+        raise ValueError(
+            f"{recipe}'s {what} weight scales of {tuple(w.shape)} are {want_w}, got {tuple(w_scale.shape)}"
+            + ("" if what == "rowwise" else " (the dgrad takes the weight's columnwise form)")
+        )
+    return red, cols
+
+
+def _launch(
+    op: str,
+    recipe: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out_cols: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    has_scale: bool,
+    cfg: GemmConfig,
+    tma: bool,
+) -> LaunchPlan:
+    """grouped_mm_fp8_kernel for row-major FP8 a (M, red), w (N, O, I), contiguous scales and a fresh
+    (M, out_cols) output; tensors: (a, a_scale, w, w_scale, out, bias or out, bias_scale or out, offs)."""
+    M, red = a.shape
+    N, O, I = w.shape
+    block = FP8_GEMM_RECIPES[recipe]
+    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
+    nprog = grid_size(a.device, bound)
+    out_size = torch.finfo(out_dtype).bits // 8
+    epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
+    fwd = op == "fwd"
+    # Scale strides (contiguous scales): rows operand per row; weight per member, then along the
+    # reduction and the output columns (module docstring's shapes).
+    stride_asm = 1 if block is None else triton.cdiv(red, block)
+    if block is None:
+        stride_bsg, stride_bs_red, stride_bs_col = (O, 0, 1) if fwd else (I, 0, 1)
+    else:
+        o_blocks, i_blocks = triton.cdiv(O, block), triton.cdiv(I, block)
+        stride_bsg = o_blocks * i_blocks
+        stride_bs_red, stride_bs_col = (1, i_blocks) if fwd else (i_blocks, 1)
+    ints: tuple[int, ...] = (M, out_cols, red, N, O, I, a.stride(0), w.stride(0), w.stride(1), out_cols)
+    ints += (bias.stride(0) if bias is not None else 0, stride_asm, stride_bsg, stride_bs_red, stride_bs_col)
+    return LaunchPlan(
+        _GROUPED_MM_FP8,
+        (nprog,),
+        ints,
+        dict(
+            TRANS_B=fwd,
+            BLOCK_SCALES=block is not None,
+            SCALE_BLOCK=block if block is not None else 1,
+            HAS_BIAS=bias is not None,
+            HAS_SCALE=has_scale,
+            USE_TMA=tma,
+            BLOCK_M=cfg.block_rows,
+            BLOCK_C=cfg.block_cols,
+            BLOCK_RED=cfg.block_red,
+            GROUP_M=cfg.group_rows,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            FLATTEN=cfg.flatten,
+            EPI_TMA=epi_tma,
+            num_stages=cfg.stages,
+            num_warps=cfg.warps,
+        ),
+    )
+
+
+def _plan(
+    op: str,
+    recipe: str,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    bias_scale: torch.Tensor | None,
+    red: int,
+    cols: int,
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
+) -> Plan:
+    N = w.shape[0]
+    offs = check_offs(offs, N, a.device)
+    M = a.shape[0]
+    if M == 0 or cols == 0 or N == 0:
+        return Plan(None, cols, zero=N == 0)
+    has_scale = bias_scale is not None
+    if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and cfg.block_red != FP8_BLOCK_RED:
+        raise ValueError(f"cfg.block_red must be {FP8_BLOCK_RED} for {recipe} (one reduction step per scale block)")
+    tma, arch = use_tma(forced_tma, red > 0, a, w)
+    with device_ctx(a.device):
+        if cfg is None:
+
+            def trial(c: GemmConfig) -> None:
+                out = empty((M, cols), a.device, out_dtype)
+                _launch(op, recipe, a, w, cols, out_dtype, bias, has_scale, c, tma)(
+                    a,
+                    a_scale,
+                    w,
+                    w_scale,
+                    out,
+                    bias if bias is not None else out,
+                    bias_scale if bias_scale is not None else out,
+                    offs,
+                )
+
+            problem = ("fp8", op, recipe, out_dtype, cols, red, N, next_power_of_2(M), tma, bias is not None, has_scale)
+            cfg = pick_config(problem, fp8_gemm_candidates(op, recipe, tma, arch, cols), trial, a.device)
+    return Plan(_launch(op, recipe, a, w, cols, out_dtype, bias, has_scale, cfg, tma), cols)
+
+
+def _mm(
+    op: str,
+    recipe: str,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    bias_scale: torch.Tensor | None,
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
+) -> torch.Tensor:
+    red, cols = _check(op, recipe, a, a_scale, w, w_scale, out_dtype)
+    # Unit stride along the reduction for the rows, a row-major weight, dense scales: what
+    # group_quantize writes (a copy otherwise).
+    a = a if a.stride(1) == 1 else a.contiguous()
+    w = w if w.is_contiguous() else w.contiguous()
+    a_scale, w_scale = a_scale.contiguous(), w_scale.contiguous()
+    key: tuple = (op, recipe, tensor_key(a), tensor_key(w), tensor_key(offs), out_dtype, tensor_key(bias))
+    key += (tensor_key(a_scale), tensor_key(w_scale), tensor_key(bias_scale), cfg, forced_tma)
+    plan = plan_launch(
+        "grouped_mm_fp8",
+        key,
+        lambda: _plan(
+            op, recipe, a, a_scale, w, w_scale, offs, out_dtype, bias, bias_scale, red, cols, cfg, forced_tma
+        ),
+    )
+    out = empty((a.shape[0], cols), a.device, out_dtype)
+    if plan.launch is None:
+        return out.zero_() if plan.zero else out
+    with device_ctx(a.device):
+        plan.launch(
+            a,
+            a_scale,
+            w,
+            w_scale,
+            out,
+            bias if bias is not None else out,
+            bias_scale if bias_scale is not None else out,
+            offs,
+        )
+    return out
+
+
+def quantized_gemm_forward(
+    recipe: str,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    bias_NO: torch.Tensor | None = None,
+    bias_scale_M: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig | None = None,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """FP8 grouped forward: y (M, O) in out_dtype, y[r] = x_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r])),
+    products of the FP8 data accumulated in fp32 with the scales of the module docstring's table.
+
+    x_data (M, I) / x_scale: x's rowwise quantization; w_data (N, O, I) / w_scale: the weight's rowwise
+    quantization. offs: (N+1,) int64 device tensor, offs[0] = 0, non-decreasing, offs[N] <= M. bias_NO:
+    optional (N, O) in out_dtype; bias_scale_M: optional (M,) per-row factor of the bias. Rows r >=
+    offs[N] are written as 0. cfg / use_tma: a fixed kernel configuration and operand path (tests and
+    tuning); None = chosen here. Returns a fresh (M, O) tensor.
+    """
+    if bias_NO is None and bias_scale_M is not None:
+        raise ValueError("bias_scale given without bias: it scales the bias")
+    if bias_NO is not None:
+        N, O = w_data.shape[0], w_data.shape[1]
+        if tuple(bias_NO.shape) != (N, O) or bias_NO.dtype != out_dtype or bias_NO.device != x_data.device:
+            raise ValueError(
+                f"bias must be ({N}, {O}) {out_dtype} on {x_data.device}, got {tuple(bias_NO.shape)} "
+                f"{bias_NO.dtype} on {bias_NO.device}"
+            )
+        if bias_NO.stride(-1) != 1:
+            bias_NO = bias_NO.contiguous()
+    if bias_scale_M is not None:
+        if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x_data.shape[0]:
+            raise ValueError(f"bias_scale must have shape ({x_data.shape[0]},), got {tuple(bias_scale_M.shape)}")
+        if bias_scale_M.device != x_data.device:
+            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x_data.device}")
+        bias_scale_M = bias_scale_M.contiguous()
+    return _mm("fwd", recipe, x_data, x_scale, w_data, w_scale, offs, out_dtype, bias_NO, bias_scale_M, cfg, use_tma)
+
+
+def quantized_gemm_dgrad(
+    recipe: str,
+    dy_data: torch.Tensor,
+    dy_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig | None = None,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """FP8 grouped dgrad: dx (M, I) in out_dtype, dx[r] = dy_q[r] @ w_q[g]; rows r >= offs[N] are 0.
+
+    dy_data (M, O) / dy_scale: dy's rowwise quantization; w_data (N, O, I) / w_scale: the weight's
+    rowwise tiles (fp8_block) or its columnwise form (fp8_rowwise: one scale per input channel).
+    Other arguments as `quantized_gemm_forward`'s. The weight is read (O, I) row-major, reduced over
+    O: not K-major, so on Hopper Triton transposes its tiles on the way to the tensor cores
+    (notes/quantized_gemm.md).
+    """
+    return _mm("dgrad", recipe, dy_data, dy_scale, w_data, w_scale, offs, out_dtype, None, None, cfg, use_tma)

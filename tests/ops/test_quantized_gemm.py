@@ -1,0 +1,428 @@
+"""The FP8 grouped GEMM (`moekit.ops.runtime.quantized_gemm`, forward and dgrad) and the quantized
+grouped linear on it.
+
+Kernel tests: the kernels against float64 products of the DEQUANTIZED operands (data * scale_inv in
+float64, exact), which isolates the kernel from the quantization. FP8 x FP8 products are exact in
+fp32, so the kernel's only errors are its fp32 sums (and the scale products) in its own order and the
+one rounding to the output's dtype: the rule is tests/conftest.py's floor,
+
+    rel_err(out, ref64) <= u(out dtype) + 16 * sqrt(L) * u(float32),   L the reduction length,
+
+and exact zeros where the reference is zero (padding rows, groups without rows). End to end:
+grouped_linear(quantization=..., backend="triton") against the reference path (backend="torch", the same
+quantized operands dequantized; only the order of the sums differs, so the same floor, doubled for the
+two sides' errors) and against float64 within the FP8 bound of tests/test_quantized_compute.py.
+
+Under the interpreter (CPU; the root conftest sets TRITON_INTERPRET=1 before triton is imported) in
+float32 and float16 (the 3.6 interpreter computes bf16 tl.dot wrongly; its fp8 tl.dot is exact).
+GPU tests (`-m gpu`) run the real kernels at realistic shapes in bfloat16, with no host sync.
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features."""
+
+# ruff: noqa: E741  (I and O are the legend's feature sizes)
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from helpers import assert_no_host_sync, rand, rel_err, tolerance_floor
+from moekit.grouped_tensor import RECIPES, dequantize_columnwise, dequantize_rowwise
+from moekit.ops import library
+from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
+from moekit.ops.splits import device_offsets
+from moekit.reference import grouped_linear_reference
+
+qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
+from moekit.ops.runtime.configs import GemmConfig  # noqa: E402
+
+ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
+gpu = pytest.mark.gpu
+FP8_RECIPES = ["fp8_block", "fp8_rowwise"]
+BOUND = 0.08  # tests/test_quantized_compute.py's FP8 bound against float64
+
+# (m_splits, M, I, O): sizes not multiples of 128 (or of 16: pointer loads), groups without rows,
+# padding rows, one row, no rows.
+LAYOUTS = {
+    "odd-empty-middle-padding": ([10, 0, 25], 40, 200, 72),
+    "tma-empty-first-padding": ([0, 30, 34], 70, 256, 96),
+    "over-128-rows-and-cols": ([130, 3], 140, 144, 160),
+    "one-row": ([0, 1], 1, 130, 33),
+    "no-rows": ([0, 0], 0, 64, 48),
+    "all-padding": ([0, 0, 0], 5, 64, 48),
+}
+
+
+def offs_of(splits: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(splits, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def quantized_operands(op: str, recipe: str, splits: list[int], M: int, I: int, O: int, seed: int = 0):
+    """(rows data, rows scale, weight data, weight scale, dequantized rows (float64), dequantized weight as
+    the product reads it (float64)) for op "fwd" (x (M, I)) or "dgrad" (dy (M, O))."""
+    info = RECIPES[recipe]
+    rows = rand(M, I if op == "fwd" else O, seed=seed)
+    w = rand(len(splits), O, I, seed=seed + 1)
+    rows_q = moekit.group_quantize(rows, splits, recipe, backend="triton")
+    columnwise = op == "dgrad" and recipe == "fp8_rowwise"
+    w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="triton")
+    rows64 = dequantize_rowwise(info, rows_q.rowwise_data, rows_q.rowwise_scale_inv, torch.float64)
+    if columnwise:
+        w_data, w_scale = w_q.columnwise_data, w_q.columnwise_scale_inv
+        offs_w = torch.arange(len(splits) + 1) * O
+        w64 = dequantize_columnwise(info, w_data, w_scale, offs_w, offs_w, torch.float64)
+    else:
+        w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
+        w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
+    return rows_q.rowwise_data, rows_q.rowwise_scale_inv, w_data, w_scale, rows64, w64
+
+
+def reference64(op: str, rows64, w64, splits, bias=None, bias_scale=None) -> torch.Tensor:
+    offs = offs_of(splits).tolist()
+    cols = w64.shape[1] if op == "fwd" else w64.shape[2]
+    out = torch.zeros(rows64.shape[0], cols, dtype=torch.float64)
+    for g in range(len(splits)):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            out[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
+            if bias is not None:
+                b = bias[g].double()[None]
+                out[lo:hi] += b * bias_scale[lo:hi, None].double() if bias_scale is not None else b
+    return out
+
+
+def check_kernel_result(out, ref, splits, red: int, what: str) -> None:
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an unwritten element?)"
+    used = sum(splits)
+    assert torch.count_nonzero(out[used:]) == 0, f"{what}: padding rows are not exactly zero"
+    err, floor = rel_err(out, ref), tolerance_floor(out.dtype, red)
+    assert err <= floor, f"{what}: relative error {err:.3e} against the dequantized float64 product > {floor:.2e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels, under the interpreter
+# --------------------------------------------------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_kernel_against_dequantized_float64(recipe, op, layout, nan_poison):
+    splits, M, I, O = LAYOUTS[layout]
+    a, a_s, w, w_s, a64, w64 = quantized_operands(op, recipe, splits, M, I, O)
+    offs = offs_of(splits)
+    if op == "fwd":
+        out = qg.quantized_gemm_forward(recipe, a, a_s, w, w_s, offs, out_dtype=torch.float32)
+    else:
+        out = qg.quantized_gemm_dgrad(recipe, a, a_s, w, w_s, offs, out_dtype=torch.float32)
+    assert out.shape == (M, O if op == "fwd" else I) and out.dtype == torch.float32
+    check_kernel_result(out, reference64(op, a64, w64, splits), splits, I if op == "fwd" else O, f"{recipe} {op}")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("with_scale", [False, True], ids=["bias", "bias-and-row-scale"])
+def test_kernel_forward_with_bias(recipe, with_scale, nan_poison):
+    splits, M, I, O = [7, 0, 20], 30, 136, 40
+    a, a_s, w, w_s, a64, w64 = quantized_operands("fwd", recipe, splits, M, I, O, seed=3)
+    bias = rand(len(splits), O, seed=7)
+    scale = torch.rand(M, generator=torch.Generator().manual_seed(8)) if with_scale else None
+    out = qg.quantized_gemm_forward(recipe, a, a_s, w, w_s, offs_of(splits), bias, scale, out_dtype=torch.float32)
+    check_kernel_result(out, reference64("fwd", a64, w64, splits, bias, scale), splits, I, f"{recipe} bias")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize(
+    "cfg, use_tma",
+    [
+        pytest.param(GemmConfig(32, 64, 128, 2, 1, 4, False, False), True, id="tma-loads-pointer-stores"),
+        pytest.param(GemmConfig(16, 32, 128, 1, 1, 4, True, True), True, id="flatten-tma-stores"),
+        pytest.param(GemmConfig(32, 32, 128, 4, 1, 4, False, False), False, id="pointer-loads"),
+    ],
+)
+def test_kernel_paths_and_float16_output(recipe, cfg, use_tma, nan_poison):
+    """The operand paths and tile shapes (TMA or pointer loads, TMA or pointer stores, the fused tile
+    loop) on one layout, with a float16 output."""
+    splits, M, I, O = [0, 45, 19], 70, 256, 96
+    for op in ("fwd", "dgrad"):
+        a, a_s, w, w_s, a64, w64 = quantized_operands(op, recipe, splits, M, I, O, seed=5)
+        fn = qg.quantized_gemm_forward if op == "fwd" else qg.quantized_gemm_dgrad
+        out = fn(recipe, a, a_s, w, w_s, offs_of(splits), out_dtype=torch.float16, cfg=cfg, use_tma=use_tma)
+        assert out.dtype == torch.float16
+        check_kernel_result(out, reference64(op, a64, w64, splits), splits, I if op == "fwd" else O, f"{op} {cfg}")
+
+
+@cpu_only
+def test_kernel_refuses_in_one_line():
+    splits, M, I, O = [3, 2], 5, 64, 48
+    a, a_s, w, w_s, _, _ = quantized_operands("fwd", "fp8_rowwise", splits, M, I, O)
+    offs = offs_of(splits)
+    f32 = torch.float32
+
+    def fwd(recipe="fp8_rowwise", a=a, a_s=a_s, w=w, w_s=w_s, out_dtype=f32, cfg=None):
+        return qg.quantized_gemm_forward(recipe, a, a_s, w, w_s, offs, out_dtype=out_dtype, cfg=cfg)
+
+    block = quantized_operands("fwd", "fp8_block", splits, M, I, O)
+    cases = [
+        (ValueError, "mxfp8", lambda: fwd("mxfp8")),
+        (TypeError, "x_data", lambda: fwd(a=a.float())),
+        (TypeError, "w_scale", lambda: fwd(w_s=w_s.double())),
+        (ValueError, "out_dtype", lambda: fwd(out_dtype=torch.int32)),
+        # fp8_rowwise's dgrad takes the weight's columnwise scales (N, 1, I), not its rowwise ones.
+        (
+            ValueError,
+            "columnwise",
+            lambda: qg.quantized_gemm_dgrad("fp8_rowwise", a[:, :O], a_s, w, w_s, offs, out_dtype=f32),
+        ),
+        (ValueError, "block_red", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 32, 64, 4, 1, 4, False))),
+    ]
+    for exc, word, call in cases:
+        with pytest.raises(exc, match=word) as info:
+            call()
+        assert "\n" not in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_linear: which path runs, and its results
+# --------------------------------------------------------------------------------------------------
+
+
+def test_capability_is_asked_for():
+    """Only a backend with the QuantizedGemm capability computes in FP8 (the Triton backend); the loop
+    and torch backends have none and run the reference path."""
+    assert quantized_gemm_of(backend_named("triton")) is not None
+    assert quantized_gemm_of(backend_named("torch")) is None
+    assert quantized_gemm_of(backend_named("loop")) is None
+
+
+def _spy(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("quantized_linear_forward", "quantized_linear_dgrad"):
+        inner = getattr(library, name)
+        monkeypatch.setattr(library, name, lambda *a, _n=name, _f=inner: calls.append(_n) or _f(*a))
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_backends_without_the_capability_run_the_reference_path(backend, monkeypatch):
+    calls = _spy(monkeypatch)
+    x, w = rand(12, 32, seed=1).requires_grad_(True), rand(2, 16, 32, seed=2)
+    moekit.grouped_linear(x, w, [5, 7], quantization="fp8_block", backend=backend).sum().backward()
+    assert calls == []
+
+
+@cpu_only
+def test_triton_backend_runs_fp8_where_it_can_and_the_reference_path_elsewhere(monkeypatch):
+    calls = _spy(monkeypatch)
+    x, w = rand(12, 32, seed=1).requires_grad_(True), rand(2, 16, 32, seed=2)
+    for recipe in FP8_RECIPES:
+        moekit.grouped_linear(x, w, [5, 7], quantization=recipe, backend="triton").sum().backward()
+    assert calls == ["quantized_linear_forward", "quantized_linear_dgrad"] * 2
+    calls.clear()
+    # mxfp8 (no Hopper block-32 path) and a capability that says it cannot run: the reference path.
+    moekit.grouped_linear(x, w, [5, 7], quantization="mxfp8", backend="triton").sum().backward()
+    monkeypatch.setattr(qg, "fp8_gemm_unavailable_reason", lambda *a: "no FP8 tensor cores here")
+    moekit.grouped_linear(x, w, [5, 7], quantization="fp8_block", backend="triton").sum().backward()
+    assert calls == []
+
+
+# (m_splits, padding rows, I, O)
+E2E = {
+    "odd-empty-middle-padding": ([9, 0, 30], 4, 200, 72),
+    "tma-empty-first": ([0, 26, 14], 0, 160, 48),
+}
+
+
+@cpu_only
+@pytest.mark.parametrize("case", list(E2E))
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_grouped_linear_fp8_matches_reference_path_and_float64(recipe, case):
+    splits, padding, I, O = E2E[case]
+    M, N = sum(splits) + padding, len(splits)
+    x, w = rand(M, I, seed=11), rand(N, O, I, seed=12) / I**0.5
+    b, s = rand(N, O, seed=13), torch.rand(M, generator=torch.Generator().manual_seed(14))
+    upstream = rand(M, O, seed=15)
+    device_splits = torch.tensor(splits)  # a tensor: the offsets as a device would hold them
+    results = {}
+    for backend in ("triton", "torch"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = moekit.grouped_linear(
+            leaves[0], leaves[1], device_splits, leaves[2], bias_scale=s, quantization=recipe, backend=backend
+        )
+        y.backward(upstream)
+        results[backend] = (y.detach(), *(t.grad for t in leaves))
+    leaves64 = [t.double().requires_grad_(True) for t in (x, w, b)]
+    y64 = grouped_linear_reference(leaves64[0], leaves64[1], splits, leaves64[2], bias_scale=s.double())
+    y64.backward(upstream.double())
+    exact = (y64.detach(), *(t.grad for t in leaves64))
+    used = sum(splits)
+    for name, ours, ref, ref64, red in zip(
+        ("y", "dx", "dw", "db"), results["triton"], results["torch"], exact, (I, O, M, M), strict=True
+    ):
+        assert not torch.isnan(ours).any(), name
+        floor = 2 * tolerance_floor(torch.float32, red)
+        assert rel_err(ours, ref) <= floor, f"{name}: {rel_err(ours, ref):.3e} off the reference path (> {floor:.1e})"
+        assert rel_err(ours, ref64) <= BOUND, f"{name}: {rel_err(ours, ref64):.3e} off float64 (> {BOUND})"
+    y, dx = results["triton"][:2]
+    assert torch.count_nonzero(y[used:]) == 0 and torch.count_nonzero(dx[used:]) == 0
+    empty = [g for g, c in enumerate(splits) if c == 0]
+    assert all(torch.count_nonzero(results["triton"][2][g]) == 0 for g in empty)
+
+
+@cpu_only
+def test_grouped_linear_fp8_device_offsets():
+    """Offsets the host was not given (GroupOffsets built on the device): the same results."""
+    splits = [6, 0, 9]
+    x, w = rand(17, 48, seed=21), rand(3, 40, 48, seed=22)
+    offs = device_offsets(torch.tensor(splits), 3, 17, torch.device("cpu"))
+    for recipe in FP8_RECIPES:
+        y_dev = moekit.grouped_linear(x, w, offs, quantization=recipe, backend="triton")
+        y_host = moekit.grouped_linear(x, w, splits, quantization=recipe, backend="triton")
+        assert torch.equal(y_dev, y_host)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (-m gpu): the real kernels at realistic shapes, no host sync
+# --------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # M, I, O, splits (8 experts: skewed, an empty one, padding rows)
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], id="M4096-I2048-O1536-skewed-empty-padding"),
+    pytest.param(4096, 1536, 2048, [512] * 8, id="M4096-I1536-O2048-balanced"),
+    pytest.param(1000, 200, 136, [0, 400, 1, 0, 500, 33, 0, 50], id="odd-sizes-pointer-path"),
+]
+
+
+def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype) -> None:
+    """The FP8 kernel on `device` with device splits against the float64 product of the dequantized
+    operands; on CUDA with no host sync (after a warm-up call)."""
+    info, N = RECIPES[recipe], len(splits)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = torch.randn(M, I if op == "fwd" else O, device=device, generator=gen).to(out_dtype)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(out_dtype)
+    m_splits = torch.tensor(splits, device=device)  # device splits: nothing read on the host
+    rows_q = moekit.group_quantize(rows, m_splits, recipe, backend="triton")
+    columnwise = op == "dgrad" and recipe == "fp8_rowwise"
+    w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="triton")
+    a, a_s = rows_q.rowwise_data, rows_q.rowwise_scale_inv
+    if columnwise:
+        w_data, w_scale = w_q.columnwise_data, w_q.columnwise_scale_inv
+        offs_w = torch.arange(N + 1, device=device) * O
+        w64 = dequantize_columnwise(info, w_data, w_scale, offs_w, offs_w, torch.float64)
+    else:
+        w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
+        w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
+    offs = offs_of(splits).to(device)
+    fn = qg.quantized_gemm_forward if op == "fwd" else qg.quantized_gemm_dgrad
+    result = {}
+
+    def step():
+        result["out"] = fn(recipe, a, a_s, w_data, w_scale, offs, out_dtype=out_dtype)
+
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    else:
+        step()
+    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
+    ref = torch.zeros(M, O if op == "fwd" else I, dtype=torch.float64, device=device)
+    bounds = offs_of(splits).tolist()
+    for g in range(N):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
+    check_kernel_result(result["out"], ref, splits, I if op == "fwd" else O, f"{recipe} {op} on {device}")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_gpu_test_body_on_cpu(recipe):
+    """The GPU test's own code, at a small shape under the interpreter (so that it is known to run)."""
+    for op in ("fwd", "dgrad"):
+        kernel_on_device(torch.device("cpu"), recipe, op, 50, 144, 80, [0, 20, 1, 0, 25], torch.float32)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+@pytest.mark.parametrize("M, I, O, splits", GPU_SHAPES)
+def test_gpu_kernel_against_dequantized_float64(recipe, op, M, I, O, splits):
+    cuda = torch.device("cuda")
+    reason = qg.fp8_gemm_unavailable_reason(recipe, cuda, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    kernel_on_device(cuda, recipe, op, M, I, O, splits, torch.bfloat16)
+
+
+def linear_on_device(device, recipe, splits, M, I, O, dtype, monkeypatch) -> None:
+    """grouped_linear on the FP8 kernels (asserted) with device splits, within the FP8 bound of float64;
+    on CUDA with no host sync in the forward and the backward (after a warm-up step)."""
+    calls = _spy(monkeypatch)
+    N = len(splits)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(M, I, device=device, generator=gen).to(dtype).requires_grad_(True)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(dtype).requires_grad_(True)
+    upstream = torch.randn(M, O, device=device, generator=gen).to(dtype)
+    m_splits = torch.tensor(splits, device=device)
+
+    def step():
+        x.grad = w.grad = None
+        y = moekit.grouped_linear(x, w, m_splits, quantization=recipe, backend="triton")
+        y.backward(upstream)
+        return y
+
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    y = step()
+    assert "quantized_linear_forward" in calls and "quantized_linear_dgrad" in calls
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y64 = grouped_linear_reference(x64, w64, m_splits.cpu())
+    y64.backward(upstream.double())
+    for name, ours, ref in (("y", y, y64), ("dx", x.grad, x64.grad), ("dw", w.grad, w64.grad)):
+        assert rel_err(ours, ref) <= BOUND, f"{name}: {rel_err(ours, ref):.3e} > {BOUND}"
+    used = sum(splits)
+    assert torch.count_nonzero(y[used:]) == 0 and torch.count_nonzero(x.grad[used:]) == 0
+
+
+@cpu_only
+def test_gpu_linear_test_body_on_cpu(monkeypatch):
+    """The GPU test's own code, at a small shape under the interpreter."""
+    linear_on_device(torch.device("cpu"), "fp8_block", [0, 30, 1, 0, 25], 60, 144, 80, torch.float32, monkeypatch)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_gpu_grouped_linear_fp8_within_bound_and_without_host_sync(recipe, monkeypatch):
+    cuda = torch.device("cuda")
+    reason = qg.fp8_gemm_unavailable_reason(recipe, cuda, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    splits = [0, 700, 512, 1300, 900, 333, 3, 48]  # 3796 of 4096 rows: padding, empty experts
+    linear_on_device(cuda, recipe, splits, 4096, 2048, 1536, torch.bfloat16, monkeypatch)
+
+
+@cpu_only
+def test_compile_fullgraph_matches_eager():
+    """The FP8 products are custom ops (`moekit::quantized_linear_forward` / `_dgrad`): torch.compile
+    traces them as opaque nodes and computes exactly what eager does."""
+    torch._dynamo.reset()
+    x, w, b = rand(20, 48, seed=31), rand(2, 24, 48, seed=32), rand(2, 24, seed=33)
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = fn(*leaves)
+        y.backward(rand(*y.shape, seed=34))
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    def linear(x, w, b):
+        return moekit.grouped_linear(x, w, [8, 12], b, quantization="fp8_block", backend="triton")
+
+    eager = step(linear)
+    compiled = step(torch.compile(linear, fullgraph=True, backend="aot_eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)
+    torch._dynamo.reset()
