@@ -324,6 +324,35 @@ def test_weight_cache_tells_tensors_apart():
     assert copied.quantized is None and copied.refreshes == 0
 
 
+def test_weight_cache_without_version_tracking_quantizes_every_call():
+    """A write that keeps the version counter (as FSDP2's all-gather does) is invisible to a tracking
+    cache and seen by one with track_versions=False, which quantizes at every call, in place; a copy
+    keeps the setting."""
+    x, w = rand(20, 16, seed=1), rand(2, 8, 16, seed=2)
+    tracking, untracked = QuantizedWeightCache(), QuantizedWeightCache(track_versions=False)
+    for cache in (tracking, untracked):
+        moekit.grouped_linear(x, w, [10, 10], quantization="fp8_block", weight_cache=cache)
+    addresses = _cache_addresses(untracked)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w.mul_(3)
+    fresh = moekit.grouped_linear(x, w, [10, 10], quantization="fp8_block")
+    stale = moekit.grouped_linear(x, w, [10, 10], quantization="fp8_block", weight_cache=tracking)
+    seen = moekit.grouped_linear(x, w, [10, 10], quantization="fp8_block", weight_cache=untracked)
+    assert not torch.equal(stale, fresh) and torch.equal(seen, fresh)
+    assert (tracking.refreshes, untracked.refreshes) == (1, 2) and _cache_addresses(untracked) == addresses
+    assert copy.deepcopy(untracked).track_versions is False
+
+
+def test_quantized_weight_caches_finds_the_caches_apply_fsdp_turns_off():
+    """(apply_fsdp itself: tests/distributed, the fsdp2-quantized check.)"""
+    from moekit.distributed.fsdp import quantized_weight_caches
+
+    layer = moekit.MoELayer(16, 12, 4, 2, quantization="fp8_block")
+    caches = quantized_weight_caches(layer)
+    assert len(caches) == 2 and all(c.track_versions for c in caches)
+    assert caches == list(layer.experts.weight_caches())
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_after_the_weights_were_quantized_again_is_refused(recipe):
     torch.manual_seed(0)

@@ -185,6 +185,42 @@ def check_data_parallel(rank, world, device):
                         )
                     print(f"OK dp {wrapper} {kind} grouped={grouped} shard_dim={shard_dim}", flush=True)
     check_bf16_compute(rank, world, device, mesh)
+    check_fsdp_quantized(rank, world, device, mesh)
+
+
+def check_fsdp_quantized(rank, world, device, mesh):
+    """FSDP2 with quantized experts: after every optimizer step the next forward computes with the
+    quantization of the updated weights (FSDP2 all-gathers them anew; a quantization kept from the
+    step before would be stale), so its output equals, bit for bit, that of a one-process twin
+    loaded with the full updated weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import moekit
+    from moekit.distributed import apply_fsdp
+
+    for recipe in ("fp8_block", "fp8_rowwise"):
+        for grouped in (True, False):
+            torch.manual_seed(0)
+            model = moekit.MoELayer(
+                H, F, N, K, bias=True, single_grouped_weight=grouped, quantization=recipe, device=device
+            )
+            twin = copy.deepcopy(model)
+            apply_fsdp(model, mesh, mp_policy=MixedPrecisionPolicy())  # fp32: the twin's arithmetic
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            for step in range(3):
+                x = batch("moe", rank, device, step=step)
+                y = model(x)
+                with torch.no_grad():
+                    twin.load_state_dict({k: full(v) for k, v in model.state_dict().items()})
+                    want = twin(x)
+                assert torch.equal(y.detach(), want), (
+                    f"fsdp2 {recipe} grouped={grouped} step {step}: output is not the updated weights' "
+                    f"(rel. error {rel_err(y.detach(), want):.2e})"
+                )
+                loss_of(y).backward()
+                opt.step()
+                opt.zero_grad()
+            print(f"OK dp fsdp2-quantized {recipe} grouped={grouped}", flush=True)
 
 
 def check_bf16_compute(rank, world, device, mesh):

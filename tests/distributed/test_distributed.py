@@ -69,6 +69,7 @@ def test_data_and_expert_parallel(tmp_path, world):
     }
     expected |= {f"OK dp fsdp2 {k} grouped=True shard_dim=1" for k in ("linear", "mlp", "moe")}
     expected |= {f"OK dp fsdp2-bf16 {k} grouped={g}" for k in ("mlp", "moe") for g in (True, False)}
+    expected |= {f"OK dp fsdp2-quantized {r} grouped={g}" for r in ("fp8_block", "fp8_rowwise") for g in (True, False)}
     expected |= {
         f"OK ep={ep} dropless grouped={g} chunks={c}"
         for ep in {2, world}

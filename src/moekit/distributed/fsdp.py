@@ -25,6 +25,7 @@ from moekit.integrations.experts import IntegratedExperts
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.moe_layer import MoELayer
+from moekit.ops.quantize import QuantizedWeightCache
 
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -114,6 +115,9 @@ def apply_fsdp(
     blocks: modules to wrap as units between the experts and the root (e.g. transformer blocks).
     mp_policy: default bf16 compute, fp32 parameters and reductions.
     expert_shard_dim: see `expert_shard_placement`.
+    Quantized experts: every quantized-weight cache in the model stops trusting version counters
+    (`QuantizedWeightCache.track_versions`): FSDP2 rewrites the unsharded weights for every forward
+    without bumping them, so the weights are quantized at every forward.
     """
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError("mesh must be a 1-D DeviceMesh over the data-parallel ranks of the dense parameters")
@@ -149,4 +153,18 @@ def apply_fsdp(
             shard(module, mesh, mp_policy)
     for block in (*blocks, model):
         shard(block, mesh, mp_policy)
+    for cache in quantized_weight_caches(model):
+        # FSDP2 all-gathers the weights anew for every forward without bumping their versions.
+        cache.track_versions = False
     return model
+
+
+def quantized_weight_caches(model: nn.Module) -> list[QuantizedWeightCache]:
+    """Every quantized-weight cache of moekit's modules in `model` (GroupedLinear's, an integration's)."""
+    caches: list[QuantizedWeightCache] = []
+    for module in model.modules():
+        if isinstance(module, GroupedLinear):
+            caches.append(module.weight_cache)
+        elif isinstance(module, IntegratedExperts):
+            caches.extend(module.moekit_weight_caches())
+    return caches

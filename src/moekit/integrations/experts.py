@@ -16,6 +16,7 @@ from typing import ClassVar
 from torch import nn
 
 from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.ops.quantize import QuantizedWeightCache
 
 
 class IntegratedExperts(nn.Module):
@@ -43,6 +44,12 @@ class IntegratedExperts(nn.Module):
         own parameters under its own names."""
         mlp = self._modules.get("grouped_mlp")
         return mlp if isinstance(mlp, GroupedMLP) else None
+
+    def moekit_weight_caches(self) -> tuple[QuantizedWeightCache, ...]:
+        """The quantized-weight caches these experts keep across calls on the model's own parameters
+        (none here; an integration with quantized compute returns its own). A converted module's are its
+        GroupedMLP's."""
+        return ()
 
     def expert_parameters(self) -> list[tuple[nn.Parameter, int]]:
         """The expert parameters this module holds under the model's names (each (N, ...)), each with

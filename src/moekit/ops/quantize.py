@@ -498,9 +498,16 @@ class QuantizedWeightCache:
     storage): a graph replays its kernels without asking the host, so a check made at capture time
     would hold the weights of that moment forever; captured, every replay quantizes the weight's values
     of that replay (after `optimizer.step()` included).
+
+    track_versions=False quantizes at every call (in place, as above): for weights rewritten behind
+    the version counter. FSDP2 is one: it all-gathers the unsharded weights anew for every forward and
+    keeps their version counters unchanged, so an optimizer step on the shards is invisible here.
+    `moekit.distributed.apply_fsdp` turns tracking off on every cache of the model it shards; with
+    `fully_shard` directly, set it off yourself.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, track_versions: bool = True) -> None:
+        self.track_versions = track_versions
         self.quantized: GroupedTensor | None = None
         self.refreshes = 0
         self._key: tuple | None = None
@@ -508,9 +515,10 @@ class QuantizedWeightCache:
 
     def __getstate__(self) -> dict:
         # A copy (copy.deepcopy, pickle) starts empty: the quantization is made again from its weight.
-        return {}
+        return {"track_versions": self.track_versions}
 
     def __setstate__(self, state: dict) -> None:
+        self.track_versions = state.get("track_versions", True)
         self.quantized, self.refreshes, self._key, self._anchors = None, 0, None, []
 
     @staticmethod
@@ -539,7 +547,8 @@ class QuantizedWeightCache:
             tuple((w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device) for w in weights),
         )
         capturing = w_NOI.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.quantized is not None and self._fresh(weights, key) and not capturing:
+        trusted = self.track_versions and not capturing
+        if self.quantized is not None and self._fresh(weights, key) and trusted:
             return self.quantized
         cached = self.quantized
         if (
