@@ -20,13 +20,16 @@ import triton
 from moekit.grouped_tensor import Recipe, recipe_named
 from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
 from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILE_WARPS
+from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
+    INTERPRET,
     Launcher,
     LaunchPlan,
     arch_of,
     block_groups,
     check_triton_device,
     device_ctx,
+    device_index,
     plan_launch,
     tensor_key,
 )
@@ -53,6 +56,13 @@ def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -
     return triton.cdiv(x.shape[0], tile_rows) + num_groups
 
 
+def _hw_e4m3(device: torch.device) -> bool:
+    """Whether the kernels encode E4M3 by the hardware's conversion (CUDA sm_89+, whose cvt.rn.satfinite
+    rounds and saturates by the same rule; the NaN sign is set apart) rather than by integer arithmetic
+    (the interpreter, whose fp8 cast follows other rules, and older GPUs without the instruction)."""
+    return not INTERPRET and device.type == "cuda" and capability(device_index(device)) >= (8, 9)
+
+
 def _plan(
     info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool]
 ) -> QuantizePlan:
@@ -60,6 +70,7 @@ def _plan(
     rows, cols = x2.shape
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
+    hw_e4m3 = _hw_e4m3(x2.device)
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
@@ -79,12 +90,13 @@ def _plan(
                 TILE_K=tile_k,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
+                HW_E4M3=hw_e4m3,
                 num_warps=QUANTIZE_TILE_WARPS[tile_m],
             ),
         )
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
     block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
-    chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps)
+    chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
     row_plan = col_plan = None
     if rowwise and rows:
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
