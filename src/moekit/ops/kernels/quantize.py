@@ -4,9 +4,9 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, column block): the rowwise 1 x TILE_K scales of
-                                its rows, the columnwise TILE_M x 1 scales of its columns, or one scale
-                                for the whole tile (a weight's 128 x 128 blocks); mxfp8 and fp8_block
+    quantize_tiles_kernel       one program per (slot, BLOCKS_K column blocks): the rowwise 1 x TILE_K
+                                scales of its rows, the columnwise TILE_M x 1 scales of its columns, or
+                                one scale per block (a weight's 128 x 128 blocks); mxfp8 and fp8_block
     quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
@@ -156,14 +156,18 @@ def quantize_tiles_kernel(
     TILE: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
+    BLOCKS_K: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
     """Program (slot, kb): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), columns [kb * TILE_K,
-    + TILE_K). ROWWISE: a 1 x TILE_K scale per row, row_scale[row, kb]; COLWISE: a TILE_M x 1 scale per
-    column, col_scale[slot, col]; TILE: one scale for the tile, row_scale[slot, kb] (data rowwise)."""
+    the group's end (padding rows for g = N: zeros; no rows for an unused slot), column blocks cb in
+    [kb * BLOCKS_K, + BLOCKS_K), block cb the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a program,
+    so that one moves enough bytes when the format's block is small (mxfp8's 32 x 32). ROWWISE: a
+    1 x TILE_K scale per row and block, row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column,
+    col_scale[slot, col]; TILE: one scale per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise).
+    The tile is held as (TILE_M, BLOCKS_K, TILE_K): each block's maxima are reductions over axes."""
     if _runs(noop_ptr, HAS_NOOP):
         slot = tl.program_id(0)
         kb = tl.program_id(1)
@@ -173,27 +177,30 @@ def quantize_tiles_kernel(
         row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
         r = row0 + tl.arange(0, TILE_M)
         rmask = r < group_end
-        c = kb * TILE_K + tl.arange(0, TILE_K)
+        cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
+        cbmask = cb < stride_row_scale
+        c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
         cmask = c < cols
-        mask = rmask[:, None] & cmask[None, :]
+        mask = rmask[:, None, None] & cmask
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        elem = r64[:, None] * stride_x + c[None, :]
+        elem = r64[:, None, None] * stride_x + c
         x = tl.load(x_ptr + elem, mask=mask & (g < num_groups), other=0.0).to(tl.float32)
         a = _abs_for_amax(x)
         if TILE:
-            amax = tl.max(tl.max(a, axis=1), axis=0)
-            q = _quantize_block(x, amax, row_scale_ptr + slot * stride_row_scale + kb, None, MX, HW_E4M3)
+            amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
+            tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
+            q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
             tl.store(row_data_ptr + elem, q, mask=mask)
         if ROWWISE:
-            amax_r = tl.max(a, axis=1)
-            row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + kb
-            q = _quantize_block(x, amax_r[:, None], row_scales, rmask[:, None], MX, HW_E4M3)
+            amax_r = tl.max(a, axis=2)[:, :, None]
+            row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
+            q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
             tl.store(row_data_ptr + elem, q, mask=mask)
         if COLWISE:
-            amax_c = tl.max(a, axis=0)
-            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c[None, :]
-            q = _quantize_block(x, amax_c[None, :], col_scales, cmask[None, :], MX, HW_E4M3)
+            amax_c = tl.max(a, axis=0)[None, :, :]
+            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
+            q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
             tl.store(col_data_ptr + elem, q, mask=mask)
 
 

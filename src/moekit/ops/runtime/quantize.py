@@ -19,7 +19,7 @@ import triton
 
 from moekit.grouped_tensor import Recipe, recipe_named
 from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
-from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILE_WARPS
+from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILES
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -74,9 +74,10 @@ def _plan(
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, tile_k))
+        blocks_k, warps = QUANTIZE_TILES[arch][tile_k]
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
+        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(stride_scale, blocks_k))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -88,10 +89,11 @@ def _plan(
                 TILE=rowwise and tile,
                 TILE_M=tile_m,
                 TILE_K=tile_k,
+                BLOCKS_K=blocks_k,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
                 HW_E4M3=hw_e4m3,
-                num_warps=QUANTIZE_TILE_WARPS[tile_m],
+                num_warps=warps,
             ),
         )
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
