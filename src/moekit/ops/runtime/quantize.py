@@ -19,7 +19,7 @@ import triton
 
 from moekit.grouped_tensor import Recipe, recipe_named
 from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
-from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILES
+from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -97,12 +97,14 @@ def _plan(
             ),
         )
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
-    block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
-    chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
     row_plan = col_plan = None
     if rowwise and rows:
+        block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
+        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     if columnwise and cols:
+        block_rows, block_cols, warps = QUANTIZE_GROUP_COLS_CHUNKS[arch]
+        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
         col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_cols)), ints, chunks)
     return QuantizePlan(None, row_plan, col_plan)
 
