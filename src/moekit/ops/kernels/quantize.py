@@ -4,9 +4,9 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, column block): the rowwise 1 x TILE_K scales of
-                                its rows, the columnwise TILE_M x 1 scales of its columns, or one scale
-                                for the whole tile (a weight's 128 x 128 blocks); mxfp8 and fp8_block
+    quantize_tiles_kernel       one program per (slot, BLOCKS_K column blocks): the rowwise 1 x TILE_K
+                                scales of its rows, the columnwise TILE_M x 1 scales of its columns, or
+                                one scale per block (a weight's 128 x 128 blocks); mxfp8 and fp8_block
     quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
@@ -22,9 +22,11 @@ The scale rules (the same in `moekit.ops.runtime.quantize_torch`, bit for bit):
 - float32: scale = min(448 / amax, float32 max) correctly rounded, scale_inv = 1 / scale correctly
   rounded (tl.math.div_rn: a plain fp32 division on the GPU is approximate); amax 0 -> 1; non-finite ->
   NaN. The data is E4M3(x * scale).
-E4M3 encoding is integer arithmetic on the fp32 bits: round to nearest even, saturating to +-448, NaN to
-0x7f | sign: torch's float8_e4m3fn conversion exactly (Triton 3.6's interpreter converts to fp8 by other
-rules, and one encoding everywhere keeps every device's bytes equal).
+E4M3 encoding: round to nearest even, saturating to +-448, NaN to 0x7f | sign: torch's float8_e4m3fn
+conversion exactly. On CUDA sm_89+ (constexpr HW_E4M3, set by the host) by the hardware's conversion
+(cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart; elsewhere by integer
+arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by other rules). Both give every
+device the same bytes.
 """
 
 import triton
@@ -62,6 +64,19 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def _e4m3(v, HW_E4M3: tl.constexpr):
+    """`_e4m3_bits`'s byte of fp32 v. HW_E4M3 (CUDA sm_89+): by the hardware's conversion (cvt.rn.satfinite
+    to e4m3: round to nearest even, saturate to +-448, inf included), one instruction per two elements
+    instead of the integer sequence; its NaN loses the sign, so NaNs are set to 0x7f | sign here."""
+    if HW_E4M3:
+        byte = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        nan = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F
+        return tl.where(v != v, nan.to(tl.uint8), byte)
+    else:
+        return _e4m3_bits(v)
+
+
+@triton.jit
 def _e8m0_scales(amax):
     """(E8M0 byte, 2^-e as fp32) of block maxima amax >= 0: the smallest power of two >= amax / 448."""
     bits = amax.to(tl.int32, bitcast=True)
@@ -90,17 +105,17 @@ def _fp32_scales(amax):
 
 
 @triton.jit
-def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr):
+def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr, HW_E4M3: tl.constexpr):
     """The E4M3 bytes of x under the scales of `amax` (broadcast against x); stores the scales (E8M0
     bytes or fp32 scale_inv) at scale_ptrs."""
     if MX:
         byte, recip = _e8m0_scales(amax)
         tl.store(scale_ptrs, byte, mask=scale_mask)
-        return _e4m3_bits(x * recip)
+        return _e4m3(x * recip, HW_E4M3)
     else:
         scale, scale_inv = _fp32_scales(amax)
         tl.store(scale_ptrs, scale_inv, mask=scale_mask)
-        return _e4m3_bits(x * scale)
+        return _e4m3(x * scale, HW_E4M3)
 
 
 @triton.jit
@@ -141,13 +156,18 @@ def quantize_tiles_kernel(
     TILE: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
+    BLOCKS_K: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """Program (slot, kb): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), columns [kb * TILE_K,
-    + TILE_K). ROWWISE: a 1 x TILE_K scale per row, row_scale[row, kb]; COLWISE: a TILE_M x 1 scale per
-    column, col_scale[slot, col]; TILE: one scale for the tile, row_scale[slot, kb] (data rowwise)."""
+    the group's end (padding rows for g = N: zeros; no rows for an unused slot), column blocks cb in
+    [kb * BLOCKS_K, + BLOCKS_K), block cb the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a program,
+    so that one moves enough bytes when the format's block is small (mxfp8's 32 x 32). ROWWISE: a
+    1 x TILE_K scale per row and block, row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column,
+    col_scale[slot, col]; TILE: one scale per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise).
+    The tile is held as (TILE_M, BLOCKS_K, TILE_K): each block's maxima are reductions over axes."""
     if _runs(noop_ptr, HAS_NOOP):
         slot = tl.program_id(0)
         kb = tl.program_id(1)
@@ -157,27 +177,30 @@ def quantize_tiles_kernel(
         row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
         r = row0 + tl.arange(0, TILE_M)
         rmask = r < group_end
-        c = kb * TILE_K + tl.arange(0, TILE_K)
+        cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
+        cbmask = cb < stride_row_scale
+        c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
         cmask = c < cols
-        mask = rmask[:, None] & cmask[None, :]
+        mask = rmask[:, None, None] & cmask
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        elem = r64[:, None] * stride_x + c[None, :]
+        elem = r64[:, None, None] * stride_x + c
         x = tl.load(x_ptr + elem, mask=mask & (g < num_groups), other=0.0).to(tl.float32)
         a = _abs_for_amax(x)
         if TILE:
-            amax = tl.max(tl.max(a, axis=1), axis=0)
-            q = _quantize_block(x, amax, row_scale_ptr + slot * stride_row_scale + kb, None, MX)
+            amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
+            tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
+            q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
             tl.store(row_data_ptr + elem, q, mask=mask)
         if ROWWISE:
-            amax_r = tl.max(a, axis=1)
-            row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + kb
-            q = _quantize_block(x, amax_r[:, None], row_scales, rmask[:, None], MX)
+            amax_r = tl.max(a, axis=2)[:, :, None]
+            row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
+            q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
             tl.store(row_data_ptr + elem, q, mask=mask)
         if COLWISE:
-            amax_c = tl.max(a, axis=0)
-            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c[None, :]
-            q = _quantize_block(x, amax_c[None, :], col_scales, cmask[None, :], MX)
+            amax_c = tl.max(a, axis=0)[None, :, :]
+            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
+            q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
             tl.store(col_data_ptr + elem, q, mask=mask)
 
 
@@ -195,6 +218,7 @@ def quantize_rows_kernel(
     HAS_NOOP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program, the
     row maxima in a first pass over X, the data in a second."""
@@ -217,7 +241,7 @@ def quantize_rows_kernel(
             cmask = (c < cols)[None, :]
             elem = r64[:, None] * stride_x + c[None, :]
             x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
-            tl.store(data_ptr + elem, _e4m3_bits(x * scale[:, None]), mask=rmask[:, None] & cmask)
+            tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
 
 
 @triton.jit
@@ -234,6 +258,7 @@ def quantize_group_cols_kernel(
     HAS_NOOP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """One fp32 scale per column of each whole group (scale[g, col]): program (g, column block), the
     column maxima in a first pass over the group's rows, the data in a second. g = N: the padding rows,
@@ -258,4 +283,4 @@ def quantize_group_cols_kernel(
             mask = (r < end)[:, None] & cmask[None, :]
             elem = r[:, None] * stride_x + c[None, :]
             x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-            tl.store(data_ptr + elem, _e4m3_bits(x * scale[None, :]), mask=mask)
+            tl.store(data_ptr + elem, _e4m3(x * scale[None, :], HW_E4M3), mask=mask)

@@ -188,14 +188,29 @@ def rows_tile(num_features: int) -> tuple[int, int]:
 ZERO_ROWS_TILE = (64, 128)
 
 
-# Grouped FP8 quantization (kernels.quantize). The tiles kernel's tile is the format's own block (32 x 32
-# for mxfp8, 128 x 128 for fp8_block): warps by tile side. The whole-row and whole-group kernels of
-# fp8_rowwise walk (BLOCK_ROWS rows, BLOCK_COLS columns) chunks: (BLOCK_ROWS, BLOCK_COLS, warps); tiny chunks under
-# the interpreter so that CPU tests cover several chunks of a row and of a group.
-QUANTIZE_TILE_WARPS: dict[int, int] = {32: 4, 128: 8}
+# Grouped FP8 quantization (kernels.quantize). The tiles kernel's block is the format's own (32 x 32 for
+# mxfp8, 128 x 128 for fp8_block); a program takes BLOCKS_K blocks side by side, so that each moves at
+# least 16 KB of bf16 (one 32 x 32 block is 2 KB, too little to hide the memory latency): by block side,
+# (BLOCKS_K, warps); two blocks under the interpreter so that CPU tests cover blocks of several programs.
+# The whole-row and whole-group kernels of fp8_rowwise walk (BLOCK_ROWS rows, BLOCK_COLS columns) chunks:
+# (BLOCK_ROWS, BLOCK_COLS, warps), QUANTIZE_CHUNKS for rows, QUANTIZE_GROUP_COLS_CHUNKS for groups; tiny
+# chunks under the interpreter so that CPU tests cover several chunks of a row and of a group. The
+# whole-group kernel has only (N + 1) x ceil(X / BLOCK_COLS) programs, each walking its group's rows in
+# sequence: narrow column strips of tall chunks, so that a few groups still give every SM several
+# programs (512 columns and 8 groups at X = 7168 would be under one program an SM).
+QUANTIZE_TILES: dict[Arch, dict[int, tuple[int, int]]] = {
+    "sm90": {32: (8, 4), 128: (1, 8)},
+    "sm80": {32: (8, 4), 128: (1, 8)},
+    "interpreter": {32: (2, 4), 128: (1, 8)},
+}
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
     "sm80": (16, 512, 4),
+    "interpreter": (8, 64, 4),
+}
+QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (64, 128, 4),
+    "sm80": (64, 128, 4),
     "interpreter": (8, 64, 4),
 }
 

@@ -19,14 +19,17 @@ import triton
 
 from moekit.grouped_tensor import Recipe, recipe_named
 from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
-from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_TILE_WARPS
+from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
+from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
+    INTERPRET,
     Launcher,
     LaunchPlan,
     arch_of,
     block_groups,
     check_triton_device,
     device_ctx,
+    device_index,
     plan_launch,
     tensor_key,
 )
@@ -53,6 +56,13 @@ def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -
     return triton.cdiv(x.shape[0], tile_rows) + num_groups
 
 
+def _hw_e4m3(device: torch.device) -> bool:
+    """Whether the kernels encode E4M3 by the hardware's conversion (CUDA sm_89+, whose cvt.rn.satfinite
+    rounds and saturates by the same rule; the NaN sign is set apart) rather than by integer arithmetic
+    (the interpreter, whose fp8 cast follows other rules, and older GPUs without the instruction)."""
+    return not INTERPRET and device.type == "cuda" and capability(device_index(device)) >= (8, 9)
+
+
 def _plan(
     info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool]
 ) -> QuantizePlan:
@@ -60,12 +70,14 @@ def _plan(
     rows, cols = x2.shape
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
+    hw_e4m3 = _hw_e4m3(x2.device)
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, tile_k))
+        blocks_k, warps = QUANTIZE_TILES[arch][tile_k]
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
+        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(stride_scale, blocks_k))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -77,18 +89,22 @@ def _plan(
                 TILE=rowwise and tile,
                 TILE_M=tile_m,
                 TILE_K=tile_k,
+                BLOCKS_K=blocks_k,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
-                num_warps=QUANTIZE_TILE_WARPS[tile_m],
+                HW_E4M3=hw_e4m3,
+                num_warps=warps,
             ),
         )
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
-    block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
-    chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps)
     row_plan = col_plan = None
     if rowwise and rows:
+        block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
+        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     if columnwise and cols:
+        block_rows, block_cols, warps = QUANTIZE_GROUP_COLS_CHUNKS[arch]
+        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
         col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_cols)), ints, chunks)
     return QuantizePlan(None, row_plan, col_plan)
 
