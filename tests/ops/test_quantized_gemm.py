@@ -29,6 +29,7 @@ import moekit
 from helpers import assert_no_host_sync, rand, rel_err, tolerance_floor
 from moekit.grouped_tensor import RECIPES, dequantize_columnwise, dequantize_rowwise
 from moekit.ops import library
+from moekit.ops.quantize import QuantizedWeightCache, transposed_weight
 from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
 from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference
@@ -60,7 +61,8 @@ def offs_of(splits: list[int]) -> torch.Tensor:
 
 def quantized_operands(op: str, recipe: str, splits: list[int], M: int, I: int, O: int, seed: int = 0):
     """(rows data, rows scale, weight data, weight scale, dequantized rows (float64), dequantized weight as
-    the product reads it (float64)) for op "fwd" (x (M, I)) or "dgrad" (dy (M, O))."""
+    the product reads it (float64)) for op "fwd" (x (M, I)) or "dgrad" (dy (M, O); the weight operand
+    is its TransposedWeight (N, I, O), w64 the (N, O, I) weight it holds)."""
     info = RECIPES[recipe]
     rows = rand(M, I if op == "fwd" else O, seed=seed)
     w = rand(len(splits), O, I, seed=seed + 1)
@@ -75,6 +77,8 @@ def quantized_operands(op: str, recipe: str, splits: list[int], M: int, I: int, 
     else:
         w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
         w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
+    if op == "dgrad":
+        w_data, w_scale = transposed_weight(w_q)
     return rows_q.rowwise_data, rows_q.rowwise_scale_inv, w_data, w_scale, rows64, w64
 
 
@@ -171,11 +175,12 @@ def test_kernel_refuses_in_one_line():
         (TypeError, "x_data", lambda: fwd(a=a.float())),
         (TypeError, "w_scale", lambda: fwd(w_s=w_s.double())),
         (ValueError, "out_dtype", lambda: fwd(out_dtype=torch.int32)),
-        # fp8_rowwise's dgrad takes the weight's columnwise scales (N, 1, I), not its rowwise ones.
+        # The dgrad takes the weight transposed with a scale per row of it: (N, cols, 1), not (N, 1, cols)
+        # (the columnwise form's layout, untransposed).
         (
             ValueError,
-            "columnwise",
-            lambda: qg.quantized_gemm_dgrad("fp8_rowwise", a[:, :O], a_s, w, w_s, offs, out_dtype=f32),
+            "TransposedWeight",
+            lambda: qg.quantized_gemm_dgrad("fp8_rowwise", a, a_s, w, w_s.reshape(2, 1, O), offs, out_dtype=f32),
         ),
         (ValueError, "block_red", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 32, 64, 4, 1, 4, False))),
     ]
@@ -183,6 +188,51 @@ def test_kernel_refuses_in_one_line():
         with pytest.raises(exc, match=word) as info:
             call()
         assert "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_transposed_weight_is_the_quantization_of_the_transpose(recipe):
+    """fp8_block: a 128 x 128 tile's transpose has the same amax, so transposing the tiles and their
+    scales gives the bytes of quantizing w^T itself. fp8_rowwise: the columnwise form (a scale per input
+    channel) transposed is the rowwise quantization of w^T (a scale per row of w^T)."""
+    w = rand(3, 200, 136, seed=41) * torch.tensor([1.0, 1e-3, 30.0])[:, None, None]
+    columnwise = recipe == "fp8_rowwise"
+    w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="torch")
+    wt = transposed_weight(w_q)
+    direct = moekit.group_quantize(w.transpose(1, 2).contiguous(), None, recipe, backend="torch")
+    assert wt.data.shape == (3, 136, 200) and wt.data.is_contiguous() and wt.scale_inv.is_contiguous()
+    assert torch.equal(wt.data.view(torch.uint8), direct.rowwise_data.view(torch.uint8))
+    assert torch.equal(wt.scale_inv, direct.rowwise_scale_inv)
+    with pytest.raises(ValueError, match="mxfp8"):
+        transposed_weight(moekit.group_quantize(w, None, "mxfp8", backend="torch"))
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_cache_refreshes_the_transposed_copy_in_place(recipe):
+    """After an optimizer-style in-place update the cache's transposed copy is rewritten in place (every
+    address kept, as a captured CUDA graph needs) and equals one made fresh; unchanged, it is reused."""
+    w = rand(2, 72, 160, seed=43)
+    cache = QuantizedWeightCache()
+    w_q, wt = cache.get_transposed(w, [w], recipe, "torch")
+    ptrs = (wt.data.data_ptr(), wt.scale_inv.data_ptr())
+    before = wt.data.view(torch.uint8).clone()
+    assert cache.get_transposed(w, [w], recipe, "torch")[1] is wt and cache.refreshes == 1
+    with torch.no_grad():
+        w.mul_(-2.5).add_(0.01)  # what optimizer.step() does: in place, version bumped
+    w_q2, wt2 = cache.get_transposed(w, [w], recipe, "torch")
+    assert cache.refreshes == 2 and w_q2 is w_q
+    assert (wt2.data.data_ptr(), wt2.scale_inv.data_ptr()) == ptrs
+    assert not torch.equal(wt2.data.view(torch.uint8), before)
+    fresh = transposed_weight(w_q2)
+    assert torch.equal(wt2.data.view(torch.uint8), fresh.data.view(torch.uint8))
+    assert torch.equal(wt2.scale_inv, fresh.scale_inv)
+    # A plain get() refreshes the kept copy too: it never goes stale.
+    with torch.no_grad():
+        w.add_(1.0)
+    cache.get(w, [w], recipe, "torch")
+    assert torch.equal(
+        cache.transposed.data.view(torch.uint8), transposed_weight(cache.quantized).data.view(torch.uint8)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,6 +365,8 @@ def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype) -> None:
     else:
         w_data, w_scale = w_q.rowwise_data, w_q.rowwise_scale_inv
         w64 = dequantize_rowwise(info, w_data, w_scale, torch.float64)
+    if op == "dgrad":
+        w_data, w_scale = transposed_weight(w_q)
     offs = offs_of(splits).to(device)
     fn = qg.quantized_gemm_forward if op == "fwd" else qg.quantized_gemm_dgrad
     result = {}

@@ -45,7 +45,7 @@ import torch
 
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
-from moekit.ops.quantize import QuantizedWeightCache, check_quantization, group_quantize
+from moekit.ops.quantize import QuantizedWeightCache, TransposedWeight, check_quantization, group_quantize
 from moekit.ops.runtime.backends import (
     BACKENDS,
     GemmBackend,
@@ -251,14 +251,16 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 # Positions of _QuantizedLinearFn.forward's bias_scale and x (needs_input_grad); the parameters follow x.
 # Module constants: dynamo cannot read an autograd.Function's class attributes.
-_Q_SCALE, _Q_X = 6, 9
+_Q_SCALE, _Q_X = 6, 11
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
     """The quantized grouped linear (module docstring). Inputs after x as `_GroupedLinearFn`'s;
     `weight_q` is the weight's quantization (a `GroupedTensor`, from the caller's cache), saved as tensors
     so that autograd refuses a backward after it was rewritten in place. `fp8`: the forward and the dgrad
-    run on the backend's FP8 kernels (its QuantizedGemm capability); otherwise the reference path."""
+    run on the backend's FP8 kernels (its QuantizedGemm capability), the dgrad on the weight's transposed
+    copy `wt_data` / `wt_scale` (`moekit.ops.quantize.TransposedWeight`, kept beside weight_q and saved
+    likewise); otherwise the reference path (wt_* None)."""
 
     @staticmethod
     def forward(
@@ -271,6 +273,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         host_offs: list[int] | None,
         bias_scale_M: torch.Tensor | None,
         weight_q: GroupedTensor,
+        wt_data: torch.Tensor | None,
+        wt_scale: torch.Tensor | None,
         n_w: int,
         x_MI: torch.Tensor,
         *params: torch.Tensor,
@@ -306,12 +310,12 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.x_template, ctx.w_template = x_held, weight_q
         x_storage = x_held.storage() if x_held is not None else (None,) * 7
-        ctx.save_for_backward(offs, bias_scale_M, bias_NO, *x_storage, *weight_q.storage())
+        ctx.save_for_backward(offs, bias_scale_M, bias_NO, wt_data, wt_scale, *x_storage, *weight_q.storage())
         return y_MO
 
     @staticmethod
     def backward(ctx: Any, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        offs, bias_scale_M, bias_NO, *stored = ctx.saved_tensors
+        offs, bias_scale_M, bias_NO, wt_data, wt_scale, *stored = ctx.saved_tensors
         x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
@@ -328,18 +332,18 @@ class _QuantizedLinearFn(torch.autograd.Function):
         if need_x or need_w:
             dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
             # The dgrad reduces over O: the weight's columnwise form where it has one (fp8_rowwise: a
-            # scale per input channel), else its rowwise data (fp8_block's tiles serve both ways).
+            # scale per input channel), else its rowwise data (fp8_block's tiles serve both ways); the FP8
+            # kernels take it transposed (wt_*: K-major).
             w_col = weight_q.columnwise_data is not None
             if need_x and ctx.fp8:
-                w_data = weight_q.columnwise_data if w_col else weight_q.rowwise_data
-                w_scale = weight_q.columnwise_scale_inv if w_col else weight_q.rowwise_scale_inv
+                assert wt_data is not None and wt_scale is not None  # given with fp8
                 dx = library.quantized_linear_dgrad(
                     backend,
                     ctx.recipe,
                     dy_q.rowwise_data,
                     dy_q.rowwise_scale_inv,
-                    w_data,
-                    w_scale,
+                    wt_data,
+                    wt_scale,
                     offs,
                     host_offs,
                     dy_MO.dtype,
@@ -365,6 +369,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
             d_scale,
             None,
             None,
+            None,
+            None,
             dx,
             *unstacked(dw, ctx.w_dims, 3),
             *unstacked(db, ctx.b_dims, 2),
@@ -381,16 +387,19 @@ def fp8_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
 
 
 def quantized_weight(
-    weights: list[torch.Tensor], recipe: str, quantizer: str, cache: QuantizedWeightCache | None
-) -> GroupedTensor:
-    """The quantization of a grouped weight (one (N, O, I) tensor or N (O, I) tensors): from `cache`,
-    refreshed there when the weight changed, or made for this call."""
+    weights: list[torch.Tensor], recipe: str, quantizer: str, cache: QuantizedWeightCache | None, transposed: bool
+) -> tuple[GroupedTensor, TransposedWeight | None]:
+    """The quantization of a grouped weight (one (N, O, I) tensor or N (O, I) tensors) and, if
+    `transposed` (the FP8 dgrad's operand), its `TransposedWeight`: from `cache`, refreshed there when
+    the weight changed, or made for this call."""
     w_NOI = stacked(weights, 3, "weight")
     if w_NOI is None:
         raise ValueError("weight must be a (N, out, in) tensor or a non-empty list of N (out, in) tensors")
     if cache is None:
         cache = QuantizedWeightCache()
-    return cache.get(w_NOI.detach(), weights, recipe, quantizer)
+    if transposed:
+        return cache.get_transposed(w_NOI.detach(), weights, recipe, quantizer)
+    return cache.get(w_NOI.detach(), weights, recipe, quantizer), None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,16 +454,21 @@ def grouped_linear(
     quantization = check_quantization(quantization)
     if quantization is not None:
         quantizer = select_quantizer(backend, x).name
-        weight_q = quantized_weight(weights, quantization, quantizer, weight_cache)
+        fp8 = fp8_compute(impl, quantization, x)
+        # The transposed copy serves the FP8 dgrad only: made where x's gradient may be asked for.
+        dgrad = fp8 and torch.is_grad_enabled() and x.requires_grad
+        weight_q, weight_t = quantized_weight(weights, quantization, quantizer, weight_cache, dgrad)
         return _QuantizedLinearFn.apply(
             impl.name,
             quantizer,
             quantization,
-            fp8_compute(impl, quantization, x),
+            fp8,
             offs.offs,
             host_offs,
             bias_scale,
             weight_q,
+            weight_t.data if weight_t is not None else None,
+            weight_t.scale_inv if weight_t is not None else None,
             len(weights),
             row_major(x),
             *weights,

@@ -191,7 +191,8 @@ def _quantized_forward(backend: str, recipe: str, x_data: torch.Tensor, x_scale:
 def _quantized_dgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale: torch.Tensor,
                      w_data: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
                      host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """(M, I) in out_dtype = dy_q (M, O) through w_q (N, O, I), FP8 data with their scales."""
+    """(M, I) in out_dtype = dy_q (M, O) through w_q (N, O, I), given transposed: w_data (N, I, O) and
+    its scales (`moekit.ops.quantize.TransposedWeight`), FP8 data with their scales."""
     go = _offsets(offs, host_offs, dy_data.shape[0])
     return _quantized(backend).quantized_dgrad(recipe, dy_data, dy_scale, w_data, w_scale, go, out_dtype)
 
@@ -229,7 +230,7 @@ def _(
     host_offs: list[int] | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return dy_data.new_empty(dy_data.shape[0], w_data.shape[2], dtype=out_dtype)
+    return dy_data.new_empty(dy_data.shape[0], w_data.shape[1], dtype=out_dtype)
 
 
 quantized_linear_forward = _entry(_quantized_forward_op, _quantized_forward)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 
@@ -79,10 +80,13 @@ __all__ = [
     "QUANTIZATIONS",
     "RECIPES",
     "QuantizedWeightCache",
+    "TRANSPOSED_RECIPES",
+    "TransposedWeight",
     "check_quantization",
     "group_dequantize",
     "group_quantize",
     "group_quantize_reference",
+    "transposed_weight",
 ]
 
 # The values of the compute paths' `quantization=` argument.
@@ -484,6 +488,60 @@ def group_quantize_reference(
 # --------------------------------------------------------------------------------------------------
 
 
+# Recipes whose quantized weight has a transposed FP8 copy (`transposed_weight`): those with FP8 dgrad
+# kernels (`moekit.ops.runtime.quantized_gemm`).
+TRANSPOSED_RECIPES = ("fp8_block", "fp8_rowwise")
+
+
+class TransposedWeight(NamedTuple):
+    """An (N, O, I) weight's quantization transposed to (N, I, O): the dgrad's weight operand.
+
+    The dgrad dx[r] = dy_q[r] @ w_q[g] reduces over O; on this copy it is dx[r] = dy_q[r] @ (w_q^T)[g]^T,
+    the forward's problem with a reduction-major ("K-major") weight, which is what FP8 tensor cores
+    (Hopper's wgmma) take from shared memory; reading w_q (O, I) itself would transpose every tile in
+    the kernel. A GroupedTensor keeps its data in its input's own layout, so the copy lives beside it.
+
+    data: (N, I, O) float8, contiguous. scale_inv: float32, contiguous; fp8_block: (N, ceil(I / 128),
+    ceil(O / 128)), the 128 x 128 tiles' scales transposed (a tile's transpose has the same amax and so
+    the same scale: the copy is byte for byte the quantization of w^T); fp8_rowwise: (N, I, 1), the
+    columnwise form's per-input-channel scales (one per output column of the dgrad)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _transposed_source(w_q: GroupedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (N, O, I) data and scales that `transposed_weight` transposes."""
+    if w_q.recipe not in TRANSPOSED_RECIPES:
+        raise ValueError(f"a transposed weight is made for {TRANSPOSED_RECIPES}, not {w_q.recipe!r}")
+    rowwise = w_q.recipe == "fp8_block"
+    data = w_q.rowwise_data if rowwise else w_q.columnwise_data
+    scale = w_q.rowwise_scale_inv if rowwise else w_q.columnwise_scale_inv
+    if data is None or scale is None or data.dim() != 3:
+        form = "rowwise" if rowwise else "columnwise"
+        raise ValueError(f"{w_q.recipe}'s transposed weight is made from an (N, O, I) weight's {form} form")
+    return data, scale
+
+
+def transposed_weight(w_q: GroupedTensor, out: TransposedWeight | None = None) -> TransposedWeight:
+    """w_q's `TransposedWeight` (fp8_block: from its rowwise tiles; fp8_rowwise: from its columnwise
+    form), fresh, or written in place into `out` (every address kept: a captured CUDA graph replays it)
+    from an earlier call on a weight of the same recipe, shape and device. One read and one write of
+    the FP8 weight."""
+    data, scale = _transposed_source(w_q)
+    data_t, scale_t = data.transpose(1, 2), scale.transpose(1, 2)
+    if out is None:
+        return TransposedWeight(data_t.contiguous(), scale_t.contiguous())
+    if out.data.shape != data_t.shape or out.scale_inv.shape != scale_t.shape or out.data.device != data.device:
+        raise ValueError(
+            f"out holds a transposed weight of {tuple(out.data.shape)} on {out.data.device}; this one is "
+            f"{tuple(data_t.shape)} on {data.device}"
+        )
+    out.data.copy_(data_t)
+    out.scale_inv.copy_(scale_t)
+    return out
+
+
 class QuantizedWeightCache:
     """The quantized form of one grouped weight, kept across calls: quantized again only when the weight
     changed, in place (`group_quantize(out=...)`: every address kept, so a captured graph sees the new
@@ -504,11 +562,16 @@ class QuantizedWeightCache:
     keeps their version counters unchanged, so an optimizer step on the shards is invisible here.
     `moekit.distributed.apply_fsdp` turns tracking off on every cache of the model it shards; with
     `fully_shard` directly, set it off yourself.
+
+    `get_transposed` also keeps the quantization's `TransposedWeight` (the FP8 dgrad's operand), made
+    on the first such call and from then on refreshed with the quantization, in place, under the same
+    rule: one more read and write of the FP8 weight per refresh.
     """
 
     def __init__(self, track_versions: bool = True) -> None:
         self.track_versions = track_versions
         self.quantized: GroupedTensor | None = None
+        self.transposed: TransposedWeight | None = None
         self.refreshes = 0
         self._key: tuple | None = None
         self._anchors: list[weakref.ref] = []
@@ -520,6 +583,7 @@ class QuantizedWeightCache:
     def __setstate__(self, state: dict) -> None:
         self.track_versions = state.get("track_versions", True)
         self.quantized, self.refreshes, self._key, self._anchors = None, 0, None, []
+        self.transposed = None
 
     @staticmethod
     def _anchor(w: torch.Tensor) -> torch.Tensor:
@@ -566,4 +630,34 @@ class QuantizedWeightCache:
         self._key = key
         self._anchors = [weakref.ref(self._anchor(w)) for w in weights]
         self.refreshes += 1
+        self._refresh_transposed(cached)
         return cached
+
+    def _refresh_transposed(self, cached: GroupedTensor) -> None:
+        """Bring the kept transposed copy (if any) up to `cached`: in place where it fits, anew where the
+        weight's recipe, shape or device changed, dropped where the recipe has none."""
+        t = self.transposed
+        if t is None:
+            return
+        if cached.recipe not in TRANSPOSED_RECIPES:
+            self.transposed = None
+            return
+        data, scale = _transposed_source(cached)
+        fits = (
+            t.data.shape == data.transpose(1, 2).shape
+            and t.scale_inv.shape == scale.transpose(1, 2).shape
+            and t.data.device == data.device
+        )
+        self.transposed = transposed_weight(cached, out=t if fits else None)
+
+    def get_transposed(
+        self, w_NOI: torch.Tensor, weights: Sequence[torch.Tensor], recipe: str, backend: str = "auto"
+    ) -> tuple[GroupedTensor, TransposedWeight]:
+        """`get`'s quantization and its `TransposedWeight` (recipes of TRANSPOSED_RECIPES), both kept and
+        refreshed together (class docstring)."""
+        w_q = self.get(w_NOI, weights, recipe, backend)
+        if torch.compiler.is_compiling():
+            return w_q, transposed_weight(w_q)
+        if self.transposed is None:
+            self.transposed = transposed_weight(w_q)
+        return w_q, self.transposed

@@ -163,7 +163,8 @@ class QuantizedGemm(Protocol):
         offs: GroupOffsets,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """dx (M, I) = dy_q @ w_q[g] in out_dtype, padding rows zero."""
+        """dx (M, I) = dy_q @ w_q[g] in out_dtype, padding rows zero; w_data / w_scale are the weight
+        transposed, (N, I, O) (`moekit.ops.quantize.TransposedWeight`)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,9 +91,9 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
     """Candidates of the FP8 grouped GEMM for one problem class; the first is the default.
 
     128 x 128 tiles for fp8_block (the promotion holds two fp32 tiles live, the accumulator and the
-    step's product: 128 x 256 would be 256 registers a thread of 8 warps) and for the dgrad (its
-    weight operand is not K-major: the transposing copy costs registers too); fp8_rowwise's forward
-    may take 128 x 256 (one fp32 tile, as the bf16 kernel's). Stages: 4 of 32 KiB (128 x 128 tiles) or
+    step's product: 128 x 256 would be 256 registers a thread of 8 warps); fp8_rowwise may take
+    128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight transposed,
+    the forward's K-major orientation (`op` names the problem class only). Stages: 4 of 32 KiB (128 x 128 tiles) or
     3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in Hopper's 227 KiB."""
     red = FP8_BLOCK_RED
     if arch == "interpreter":
@@ -103,7 +103,7 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
             GemmConfig(128, 128, red, 8, 4, 8, False, True),
             GemmConfig(128, 128, red, 8, 4, 8, True, True),
         )
-        if recipe == "fp8_block" or op == "dgrad" or cols <= 128:
+        if recipe == "fp8_block" or cols <= 128:
             return narrow
         return (GemmConfig(128, 256, red, 8, 3, 8, False, True), *narrow)
     # Pointer path (Ada's FP8 tensor cores, operands TMA cannot take): within ~100 KB of shared memory.

@@ -6,23 +6,28 @@ the dgrad of a quantized grouped linear, planned and launched by the one recipe 
 Legend: M routed rows, N groups (experts), I in_features, O out_features.
 
     forward  y[r]  = x_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r]))   -> y (M, O)
-    dgrad    dx[r] = dy_q[r] @ w_q[g]                                   -> dx (M, I)
+    dgrad    dx[r] = dy_q[r] @ w_q[g] = dy_q[r] @ (w_q^T)[g]^T           -> dx (M, I)
 
 The operands are the storage of quantized `moekit.GroupedTensor`s (`moekit.group_quantize`; the
 formats in `moekit.ops.quantize`), float8 E4M3 data and float32 `scale_inv`:
 
-    recipe       rows operand (x_q, dy_q)          weight, forward               weight, dgrad
-    fp8_block    rowwise (M, X), scales            rowwise (N, O, I), scales     the same rowwise tiles
-                 (M, ceil(X / 128))                (N, ceil(O / 128), ceil(I / 128))
-    fp8_rowwise  rowwise (M, X), scales (M, 1)     rowwise (N, O, I), scales     columnwise (N, O, I),
-                                                   (N, O, 1): per output chan.   scales (N, 1, I): per
-                                                                                 input channel
+    recipe       rows operand (x_q, dy_q)          weight, forward               weight, dgrad: w_q^T
+    fp8_block    rowwise (M, X), scales            rowwise (N, O, I), scales     (N, I, O), scales
+                 (M, ceil(X / 128))                (N, ceil(O / 128), ceil(I / 128))   (N, ceil(I / 128), ceil(O / 128))
+    fp8_rowwise  rowwise (M, X), scales (M, 1)     rowwise (N, O, I), scales     columnwise form transposed:
+                                                   (N, O, 1): per output chan.   (N, I, O), scales (N, I, 1)
 
-(X: the reduction, I for the forward and O for the dgrad.) The dgrad of fp8_rowwise needs the weight's
-columnwise form: its reduction runs over O, and a rowwise scale per output channel would change along
-it. Products accumulate in fp32; the output is in `out_dtype` (the unquantized input's dtype).
-mxfp8 (1 x 32 blocks, E8M0 scales) has no kernel here: Hopper's FP8 tensor cores have no block-32
-scaling, so its products stay on the reference path.
+(X: the reduction, I for the forward and O for the dgrad.) The dgrad takes the weight transposed
+(`moekit.ops.quantize.TransposedWeight`, kept by `QuantizedWeightCache` beside the quantization) so
+that both GEMMs are the same forward-shaped problem, out[r] = a[r] @ b[g]^T with b (N, COLS, RED)
+row-major: B is K-major, which FP8 wgmma requires of a shared-memory operand on Hopper (an (O, I)
+weight reduced over O would be transposed tile by tile through registers in the kernel). fp8_block's
+128 x 128 tiles transpose with their scales; fp8_rowwise's dgrad needs the weight's columnwise form
+(its reduction runs over O, and a rowwise scale per output channel would change along it), whose
+per-input-channel scales become per-output-column scales of the dgrad. Products accumulate in fp32;
+the output is in `out_dtype` (the unquantized input's dtype). mxfp8 (1 x 32 blocks, E8M0 scales) has
+no kernel here: Hopper's FP8 tensor cores have no block-32 scaling, so its products stay on the
+reference path.
 
 Rows of group g are `offs[g]:offs[g+1]` (device int64, never read on the host: no sync, CUDA-graph
 capturable); rows past offs[N] are padding, written as zeros.
@@ -90,45 +95,48 @@ def _check(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> tuple[int, int]:
-    """One line naming the first operand the kernel cannot take; (reduction, output columns) otherwise."""
+    """One line naming the first operand the kernel cannot take; (reduction, output columns) otherwise.
+    The weight is (N, COLS, RED) for both ops: w_q (N, O, I) for the forward, w_q^T (N, I, O) for the
+    dgrad."""
     reason = fp8_gemm_unavailable_reason(recipe, a.device, out_dtype)
     if reason is not None:
         raise ValueError(f"recipe={recipe!r}, out_dtype={out_dtype}: {reason}")
     rows_name = "x_data" if op == "fwd" else "dy_data"
-    for name, t in ((rows_name, a), ("w_data", w)):
+    w_name = "w_data" if op == "fwd" else "wt_data"
+    for name, t in ((rows_name, a), (w_name, w)):
         if not isinstance(t, torch.Tensor) or t.dtype != FP8_DTYPE:
             raise TypeError(
                 f"{name} must be a {FP8_DTYPE} tensor (group_quantize's data), got {getattr(t, 'dtype', t)}"
             )
         if t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, {rows_name} on {a.device}")
-    for name, t in (("x_scale" if op == "fwd" else "dy_scale", a_scale), ("w_scale", w_scale)):
+    for name, t in (("x_scale" if op == "fwd" else "dy_scale", a_scale), (w_name.replace("data", "scale"), w_scale)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise TypeError(
                 f"{name} must be a float32 tensor (group_quantize's scale_inv), got {getattr(t, 'dtype', t)}"
             )
         if t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, {rows_name} on {a.device}")
+    w_dims = "(N, O, I)" if op == "fwd" else "(N, I, O), the weight transposed"
     if a.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"{rows_name} must be (M, X) and w_data (N, O, I); got {tuple(a.shape)} and {tuple(w.shape)}")
-    N, O, I = w.shape
-    red, cols = (I, O) if op == "fwd" else (O, I)
+        raise ValueError(f"{rows_name} must be (M, X) and {w_name} {w_dims}; got {tuple(a.shape)} and {tuple(w.shape)}")
+    N, cols, red = w.shape
     if a.shape[1] != red:
         raise ValueError(f"{rows_name} has {a.shape[1]} columns; a weight of shape {tuple(w.shape)} needs {red}")
     block = FP8_GEMM_RECIPES[recipe]
     if block is None:
         want_a = (a.shape[0], 1)
-        want_w = (N, O, 1) if op == "fwd" else (N, 1, I)
+        want_w = (N, cols, 1)
     else:
         want_a = (a.shape[0], triton.cdiv(red, block))
-        want_w = (N, triton.cdiv(O, block), triton.cdiv(I, block))
-    what = "rowwise" if op == "fwd" or block is not None else "columnwise"
+        want_w = (N, triton.cdiv(cols, block), triton.cdiv(red, block))
+    what = "rowwise" if op == "fwd" else "transposed"
     if tuple(a_scale.shape) != want_a:
         raise ValueError(f"{recipe}'s rowwise scales of {tuple(a.shape)} rows are {want_a}, got {tuple(a_scale.shape)}")
     if tuple(w_scale.shape) != want_w:
         raise ValueError(
             f"{recipe}'s {what} weight scales of {tuple(w.shape)} are {want_w}, got {tuple(w_scale.shape)}"
-            + ("" if what == "rowwise" else " (the dgrad takes the weight's columnwise form)")
+            + ("" if op == "fwd" else " (the dgrad takes moekit.ops.quantize.TransposedWeight's data and scales)")
         )
     return red, cols
 
@@ -145,33 +153,33 @@ def _launch(
     cfg: GemmConfig,
     tma: bool,
 ) -> LaunchPlan:
-    """grouped_mm_fp8_kernel for row-major FP8 a (M, red), w (N, O, I), contiguous scales and a fresh
-    (M, out_cols) output; tensors: (a, a_scale, w, w_scale, out, bias or out, bias_scale or out, offs)."""
+    """grouped_mm_fp8_kernel for row-major FP8 a (M, red), w (N, out_cols, red) (K-major: the kernel's
+    TRANS_B orientation, for both ops), contiguous scales and a fresh (M, out_cols) output; tensors:
+    (a, a_scale, w, w_scale, out, bias or out, bias_scale or out, offs)."""
     M, red = a.shape
-    N, O, I = w.shape
+    N, w_rows, w_cols = w.shape
     block = FP8_GEMM_RECIPES[recipe]
     bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
     nprog = grid_size(a.device, bound)
     out_size = torch.finfo(out_dtype).bits // 8
     epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
-    fwd = op == "fwd"
+    del op  # both ops are the same problem (module docstring)
     # Scale strides (contiguous scales): rows operand per row; weight per member, then along the
     # reduction and the output columns (module docstring's shapes).
     stride_asm = 1 if block is None else triton.cdiv(red, block)
     if block is None:
-        stride_bsg, stride_bs_red, stride_bs_col = (O, 0, 1) if fwd else (I, 0, 1)
+        stride_bsg, stride_bs_red, stride_bs_col = w_rows, 0, 1
     else:
-        o_blocks, i_blocks = triton.cdiv(O, block), triton.cdiv(I, block)
-        stride_bsg = o_blocks * i_blocks
-        stride_bs_red, stride_bs_col = (1, i_blocks) if fwd else (i_blocks, 1)
-    ints: tuple[int, ...] = (M, out_cols, red, N, O, I, a.stride(0), w.stride(0), w.stride(1), out_cols)
+        col_blocks, red_blocks = triton.cdiv(out_cols, block), triton.cdiv(red, block)
+        stride_bsg, stride_bs_red, stride_bs_col = col_blocks * red_blocks, 1, red_blocks
+    ints: tuple[int, ...] = (M, out_cols, red, N, w_rows, w_cols, a.stride(0), w.stride(0), w.stride(1), out_cols)
     ints += (bias.stride(0) if bias is not None else 0, stride_asm, stride_bsg, stride_bs_red, stride_bs_col)
     return LaunchPlan(
         _GROUPED_MM_FP8,
         (nprog,),
         ints,
         dict(
-            TRANS_B=fwd,
+            TRANS_B=True,
             BLOCK_SCALES=block is not None,
             SCALE_BLOCK=block if block is not None else 1,
             HAS_BIAS=bias is not None,
@@ -330,8 +338,8 @@ def quantized_gemm_dgrad(
     recipe: str,
     dy_data: torch.Tensor,
     dy_scale: torch.Tensor,
-    w_data: torch.Tensor,
-    w_scale: torch.Tensor,
+    wt_data: torch.Tensor,
+    wt_scale: torch.Tensor,
     offs: torch.Tensor,
     *,
     out_dtype: torch.dtype,
@@ -340,10 +348,10 @@ def quantized_gemm_dgrad(
 ) -> torch.Tensor:
     """FP8 grouped dgrad: dx (M, I) in out_dtype, dx[r] = dy_q[r] @ w_q[g]; rows r >= offs[N] are 0.
 
-    dy_data (M, O) / dy_scale: dy's rowwise quantization; w_data (N, O, I) / w_scale: the weight's
-    rowwise tiles (fp8_block) or its columnwise form (fp8_rowwise: one scale per input channel).
-    Other arguments as `quantized_gemm_forward`'s. The weight is read (O, I) row-major, reduced over
-    O: not K-major, so on Hopper Triton transposes its tiles on the way to the tensor cores
-    (notes/quantized_gemm.md).
+    dy_data (M, O) / dy_scale: dy's rowwise quantization; wt_data (N, I, O) / wt_scale: the weight
+    transposed (`moekit.ops.quantize.transposed_weight`: fp8_block's tiles with scales (N, ceil(I/128),
+    ceil(O/128)); fp8_rowwise's columnwise form with scales (N, I, 1)). So the dgrad is the forward's
+    problem, dx[r] = dy_q[r] @ (w_q^T)[g]^T, on the same kernel path with a K-major B (module
+    docstring). Other arguments as `quantized_gemm_forward`'s.
     """
-    return _mm("dgrad", recipe, dy_data, dy_scale, w_data, w_scale, offs, out_dtype, None, None, cfg, use_tma)
+    return _mm("dgrad", recipe, dy_data, dy_scale, wt_data, wt_scale, offs, out_dtype, None, None, cfg, use_tma)
