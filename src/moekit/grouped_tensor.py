@@ -481,7 +481,8 @@ class GroupedTensor:
     def dequantize(self, columnwise: bool = False) -> torch.Tensor:
         """The tensor in `dtype` and `shape`: data * scale_inv of the rowwise storage, or of the
         columnwise one with `columnwise=True` (a quantization's two forms differ in their blocks). High
-        precision: the data itself, viewed in `shape`. No host reads."""
+        precision: the data itself, viewed in `shape`. No host reads. Plain torch, the reference
+        (`moekit.group_dequantize` computes the same values with moekit's one-pass kernel where it runs)."""
         check_bool("columnwise", columnwise)
         if self.data is not None:
             return self.data.view(self.shape)

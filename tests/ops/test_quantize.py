@@ -237,6 +237,8 @@ def test_device_offsets_are_never_read_by_the_host(recipe, backend):
         moekit.group_quantize(x, offs, recipe, columnwise=True, backend=backend, out=out, noop_flag=noop)
         got.dequantize(columnwise=True)
         got.dequantize()
+        moekit.group_dequantize(got, columnwise=True, backend=backend)
+        moekit.group_dequantize(got, backend=backend)
     assert got.known_host_first_dims is None
     assert_same_bytes(got, want, recipe)
     assert_same_bytes(out, want, recipe)
@@ -333,6 +335,49 @@ def test_triton_kernels_match_the_torch_path(recipe, dtype):
     columnwise = recipe != "fp8_block"
     got = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="triton")
     assert_same_bytes(got, moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch"), recipe)
+
+
+def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Equal dtype, shape and values, NaN where NaN (a NaN's payload bits are the device's arithmetic)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape} vs {want.shape}"
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{what}: values differ")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_triton_dequantize_matches_the_torch_path(recipe, dtype):
+    """The one-pass kernel writes the torch path's values (the product in fp32, one rounding) for both
+    forms of rows (empty groups, odd sizes, padding rows, inf/NaN blocks) and of weights."""
+    for m_splits, rows, cols in [p.values for p in LAYOUTS]:
+        x = data_with_specials(rows, cols, seed=rows + cols, dtype=dtype)
+        gt = moekit.group_quantize(x, m_splits, recipe, columnwise=True, backend="torch")
+        for columnwise in (False, True):
+            got = moekit.group_dequantize(gt, columnwise=columnwise, backend="triton")
+            assert_same_values(got, gt.dequantize(columnwise=columnwise), f"{recipe} {m_splits} {columnwise=}")
+            assert_same_values(got, moekit.group_dequantize(gt, columnwise=columnwise, backend="torch"))
+    for shape in [(3, 130, 70), (2, 1, 33), (1, 0, 5), (2, 256, 128)]:
+        w = rand(*shape, seed=sum(shape)) * 100
+        if shape[1] > 4:
+            w[1, 3, 2] = float("nan")
+        w = w.to(dtype)
+        columnwise = recipe != "fp8_block"
+        gw = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
+        for form in (False, True) if columnwise else (False,):
+            got = moekit.group_dequantize(gw, columnwise=form, backend="triton")
+            assert_same_values(got, gw.dequantize(columnwise=form), f"{recipe} weight {shape} {form=}")
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_float64_dequantizes_on_the_torch_path(recipe):
+    """A float64 quantization's product is float64 (exact): "auto" takes the torch path, "triton" refuses."""
+    gt = moekit.group_quantize(rand(40, 70, seed=3).double(), [30, 10], recipe, columnwise=True)
+    for columnwise in (False, True):
+        got = moekit.group_dequantize(gt, columnwise=columnwise)
+        assert got.dtype == torch.float64
+        assert torch.equal(got, gt.dequantize(columnwise=columnwise))
+    with pytest.raises(ValueError, match="float64"):
+        moekit.group_dequantize(gt, backend="triton")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,6 +544,24 @@ def test_compile_fullgraph_traces_group_quantize(recipe):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_compile_fullgraph_traces_group_dequantize(recipe, backend):
+    torch._dynamo.reset()
+    splits = torch.tensor([30, 0, 37])
+    gt = moekit.group_quantize(rand(70, 40, seed=1), splits, recipe, columnwise=True)
+
+    def dequantize(gt):
+        return moekit.group_dequantize(gt, backend=backend), moekit.group_dequantize(
+            gt, columnwise=True, backend=backend
+        )
+
+    compiled = torch.compile(dequantize, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(gt), (gt.dequantize(), gt.dequantize(columnwise=True)), strict=True):
+        assert_same_values(got, want, recipe)
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------------
 # On the GPU (pytest -m gpu): the kernels byte for byte the CPU path, no host sync, out= and the noop
 # flag inside a captured CUDA graph replayed many times
@@ -542,6 +605,8 @@ def test_cuda_group_quantize_has_no_host_sync(recipe):
 
     def step():
         moekit.group_quantize(x, offs, recipe, columnwise=True, backend="triton").dequantize(columnwise=True)
+        moekit.group_dequantize(out, columnwise=True, backend="triton")
+        moekit.group_dequantize(out, backend="triton")
         moekit.group_quantize(x, offs, recipe, columnwise=True, backend="triton", out=out, noop_flag=noop)
 
     assert_no_host_sync(step)
@@ -584,3 +649,38 @@ def test_out_and_noop_flag_under_cuda_graph_replay(recipe):
         if not skip:
             expected = moekit.group_quantize(x, m_splits, recipe, columnwise=True, backend="torch")
         assert_same_bytes(out, expected, f"{recipe} replay {i} ({'noop' if skip else 'quantize'})")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_dequantize_matches_the_cpu_path(recipe, dtype):
+    """The one-pass kernel at a realistic size (8192 rows of 7168 in 8 groups with empty ones and padding
+    rows; 4 experts of 2048 x 7168) writes the CPU torch path's values, and replays in a CUDA graph."""
+    m_splits = [0, 1400, 1024, 0, 1800, 666, 2200, 0]  # 7090 of 8192 rows routed
+    x = data_with_specials(8192, 7168, seed=5, dtype=dtype)
+    want = moekit.group_quantize(x, m_splits, recipe, columnwise=True, backend="torch")
+    got = moekit.group_quantize(x.cuda(), torch.tensor(m_splits, device="cuda"), recipe, columnwise=True)
+    assert_same_bytes(got, want, recipe)
+    for columnwise in (False, True):
+        out = moekit.group_dequantize(got, columnwise=columnwise, backend="triton")
+        assert_same_values(out.cpu(), want.dequantize(columnwise=columnwise), f"{recipe} {columnwise=}")
+    w = rand(4, 2048, 7168, seed=6).to(dtype)
+    columnwise = recipe != "fp8_block"
+    want_w = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
+    got_w = moekit.group_quantize(w.cuda(), None, recipe, columnwise=columnwise, backend="triton")
+    for form in (False, True) if columnwise else (False,):
+        out = moekit.group_dequantize(got_w, columnwise=form, backend="triton")
+        assert_same_values(out.cpu(), want_w.dequantize(columnwise=form), f"{recipe} weight {form=}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moekit.group_dequantize(got, columnwise=True, backend="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moekit.group_dequantize(got, columnwise=True, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_values(captured.cpu(), want.dequantize(columnwise=True), f"{recipe} graph replay")

@@ -45,7 +45,13 @@ import torch
 
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
-from moekit.ops.quantize import QuantizedWeightCache, TransposedWeight, check_quantization, group_quantize
+from moekit.ops.quantize import (
+    QuantizedWeightCache,
+    TransposedWeight,
+    check_quantization,
+    dequantize_with,
+    group_quantize,
+)
 from moekit.ops.runtime.backends import (
     BACKENDS,
     GemmBackend,
@@ -301,7 +307,13 @@ class _QuantizedLinearFn(torch.autograd.Function):
             )
         else:
             y_MO = library.grouped_linear_forward(
-                backend, x_q.dequantize(), weight_q.dequantize(), offs, host_offs, bias_NO, bias_scale_M
+                backend,
+                dequantize_with(quantizer, x_q),
+                dequantize_with(quantizer, weight_q),
+                offs,
+                host_offs,
+                bias_NO,
+                bias_scale_M,
             )
         # x is held as its columnwise quantization only (the wgrad's operand).
         x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
@@ -349,10 +361,13 @@ class _QuantizedLinearFn(torch.autograd.Function):
                     dy_MO.dtype,
                 )
             elif need_x:
-                w_dgrad = weight_q.dequantize(columnwise=w_col)
-                dx = library.grouped_linear_dgrad(backend, dy_q.dequantize(), w_dgrad, offs, host_offs)
+                w_dgrad = dequantize_with(ctx.quantizer, weight_q, columnwise=w_col)
+                dy_r = dequantize_with(ctx.quantizer, dy_q)
+                dx = library.grouped_linear_dgrad(backend, dy_r, w_dgrad, offs, host_offs)
             if need_w and x_q is not None:
-                dy_c, x_c = dy_q.dequantize(columnwise=True), x_q.dequantize(columnwise=True)
+                # The wgrad's operands by the quantizer's dequantize (one pass each on the Triton backend).
+                dy_c = dequantize_with(ctx.quantizer, dy_q, columnwise=True)
+                x_c = dequantize_with(ctx.quantizer, x_q, columnwise=True)
                 dw = library.grouped_linear_wgrad(backend, dy_c, x_c, offs, host_offs)
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)

@@ -355,7 +355,7 @@ gather_sum_rows = _entry(_gather_sum_rows_op, _gather_sum_rows)
 
 
 # --------------------------------------------------------------------------------------------------
-# Grouped quantization (backends with the GroupQuantizer capability: every backend)
+# Grouped quantization and dequantization (backends with the GroupQuantizer capability: every backend)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -393,3 +393,34 @@ def _(
 
 
 group_quantize_into = _entry(_group_quantize_op, _group_quantize)
+
+
+def _group_dequantize(backend: str, recipe: str, data: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                      slot_offs: torch.Tensor | None, columnwise: bool,
+                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One form of a quantized tensor back in `dtype`, a fresh tensor of data's shape
+    (`moekit.ops.runtime.quantize_torch.group_dequantize`)."""
+    quantizer = quantizer_of(backend_named(backend))
+    if quantizer is None:
+        raise ValueError(f"backend {backend!r} cannot dequantize")
+    return quantizer.group_dequantize(recipe, data, scale, offs, slot_offs, columnwise, dtype)
+
+
+_group_dequantize_op = torch.library.custom_op("moekit::group_dequantize", _group_dequantize, mutates_args=())
+
+
+@_group_dequantize_op.register_fake
+def _(
+    backend: str,
+    recipe: str,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor | None,
+    columnwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+group_dequantize = _entry(_group_dequantize_op, _group_dequantize)

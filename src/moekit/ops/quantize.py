@@ -83,6 +83,7 @@ __all__ = [
     "TRANSPOSED_RECIPES",
     "TransposedWeight",
     "check_quantization",
+    "dequantize_with",
     "group_dequantize",
     "group_quantize",
     "group_quantize_reference",
@@ -361,12 +362,35 @@ def group_quantize(
     return out
 
 
-def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False) -> torch.Tensor:
-    """`gt.dequantize(columnwise)`: the quantized tensor back in its dtype and shape ((M, X) rows, or
-    the (N, O, I) weight), data * scale_inv of the rowwise (or columnwise) storage. No host reads."""
+def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False, backend: str = "auto") -> torch.Tensor:
+    """The quantized tensor back in its dtype and shape ((M, X) rows, or the (N, O, I) weight), data *
+    scale_inv of the rowwise (or columnwise) storage: `gt.dequantize(columnwise)`'s bytes (the product in
+    float32, one rounding; float64 in float64). backend: who computes it, chosen as `group_quantize`
+    chooses ("auto": moekit's one-pass kernel where it runs, plain torch elsewhere; "triton" refuses a
+    float64 gt, whose product the kernel does not compute). No host reads."""
     if not isinstance(gt, GroupedTensor) or not gt.is_quantized:
         raise TypeError(f"gt must be a quantized GroupedTensor (from group_quantize), got {type(gt).__name__}")
-    return gt.dequantize(columnwise=check_bool("columnwise", columnwise))
+    columnwise = check_bool("columnwise", columnwise)
+    # What the backends are asked about: a tensor of the result's dtype on gt's device (no storage).
+    impl = select_quantizer(backend, torch.empty(0, dtype=gt.dtype, device=gt.device))
+    return dequantize_with(impl.name, gt, columnwise)
+
+
+def dequantize_with(backend: str, gt: GroupedTensor, columnwise: bool = False) -> torch.Tensor:
+    """`group_dequantize` by a backend already resolved (its name; a quantizer that can run for gt's
+    dtype and device, as `select_quantizer` returns): how the quantized compute dequantizes with the
+    backend that quantized its operands."""
+    if columnwise:
+        data, scale, slots = gt.columnwise_data, gt.columnwise_scale_inv, gt.columnwise_scale_offsets
+        if data is None or scale is None or slots is None:
+            raise ValueError("dequantize(columnwise=True): this GroupedTensor has no columnwise storage")
+    else:
+        data, scale, slots = gt.rowwise_data, gt.rowwise_scale_inv, None
+        if data is None or scale is None:
+            raise ValueError("dequantize(): this GroupedTensor has no rowwise storage; use columnwise=True")
+    if gt.recipe is None:
+        raise TypeError("gt must be a quantized GroupedTensor (from group_quantize), not high-precision data")
+    return library.group_dequantize(backend, gt.recipe, data, scale, gt.offsets, slots, columnwise, gt.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ group (columnwise scales are kept per slot).
     quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
+    dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
+                                fp32 rounded once to the output's dtype (the torch path's bytes)
 
 Every kernel reads the group offsets on the device, so one launch covers every group and the host
 never reads them. Padding rows (past offs[N]) are read as zeros: their data is 0 and their scales 1.
@@ -284,3 +286,116 @@ def quantize_group_cols_kernel(
             elem = r[:, None] * stride_x + c[None, :]
             x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
             tl.store(data_ptr + elem, _e4m3(x * scale[None, :], HW_E4M3), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dequantization: data * scale in fp32, one rounding to the output's dtype
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """The fp32 value of float8 E4M3 bytes (uint8), exactly (torch's float8_e4m3fn -> float32): integer
+    arithmetic on the bits, the same on every device (the interpreter's fp8 casts follow other rules)."""
+    b = byte.to(tl.int32)
+    sign = (b >> 7) & 1
+    exp = (b >> 3) & 0xF
+    mant = b & 0x7
+    normal = ((sign << 31) | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * 0.001953125  # mant * 2^-9, exact
+    sub = tl.where(sign == 1, -sub, sub)
+    value = tl.where(exp == 0, sub, normal)
+    return tl.where((exp == 15) & (mant == 7), float("nan"), value)
+
+
+@triton.jit
+def _e8m0_value(byte):
+    """The fp32 value of E8M0 bytes (uint8): 2^(byte - 127) (byte 0: 2^-127, an fp32 subnormal), byte
+    255 NaN; torch's float8_e8m0fnu -> float32."""
+    b = byte.to(tl.int32)
+    value = tl.where(b == 0, 0x400000, b << 23).to(tl.float32, bitcast=True)
+    return tl.where(b == 255, float("nan"), value)
+
+
+@triton.jit
+def _bf16_rne(v):
+    """fp32 v rounded to the nearest bfloat16 (ties to even), still fp32 (its low 16 bits zero), so that
+    any conversion to bfloat16 after it is exact: the interpreter's conversion truncates, the GPU's
+    rounds to nearest even (the same result). NaN kept."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def dequantize_kernel(
+    data_ptr,
+    scale_ptr,
+    offs_ptr,
+    slot_offs_ptr,
+    out_ptr,
+    rows,
+    cols,
+    num_groups,
+    member_rows,
+    member_slots,
+    scale_cols,
+    max_slot,
+    MX: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+):
+    """Program (row block, column block) of the (M, X) data (an (N, O, I) weight as (N * O, I)): out =
+    data * scale, the product in fp32, one rounding to out's dtype. The scale of element (r, c) is
+    scale[srow(r), c // BLOCK_C] (column 0 for BLOCK_C 0: whole rows), scale_cols a row, where SCALE_ROWS
+    picks srow:
+      0  r itself (rowwise scales of rows, or of a weight's rows)
+      1  a weight's blocks along O: member n = r // member_rows, n * member_slots + (r % member_rows) //
+         BLOCK_R (0 for BLOCK_R 0: whole members); a weight's rowwise tiles and its columnwise blocks
+      2  columnwise slots of rows in groups: g the group of r (N for padding rows), slot_offs[g] + (r -
+         offs[g]) // BLOCK_R (g itself for BLOCK_R 0: whole groups), capped at max_slot
+    (`moekit.grouped_tensor.dequantize_rowwise` / `dequantize_columnwise`, whose bytes this writes).
+    BF16_RNE (the host sets it for a bfloat16 out under the interpreter): round to bfloat16 by `_bf16_rne`."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    rmask = r < rows
+    cmask = c < cols
+    r64 = r.to(tl.int64)
+    if SCALE_ROWS == 0:
+        srow = r64
+    elif SCALE_ROWS == 1:
+        member = r64 // member_rows
+        srow = member * member_slots
+        if BLOCK_R > 0:
+            srow += (r64 - member * member_rows) // BLOCK_R
+    else:
+        g = tl.arange(0, BLOCK_GROUPS)
+        ends = tl.load(offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
+        group = tl.sum((ends[None, :] <= r64[:, None]).to(tl.int32), axis=1)
+        if BLOCK_R > 0:
+            start = tl.load(offs_ptr + group, mask=rmask, other=0)
+            srow = tl.load(slot_offs_ptr + group, mask=rmask, other=0) + (r64 - start) // BLOCK_R
+        else:
+            srow = group.to(tl.int64)
+        srow = tl.minimum(srow, max_slot)
+    if BLOCK_C > 0:
+        scol = c // BLOCK_C
+    else:
+        scol = c * 0
+    mask = rmask[:, None] & cmask[None, :]
+    scale_at = scale_ptr + srow[:, None] * scale_cols + scol[None, :]
+    if MX:
+        scale = _e8m0_value(tl.load(scale_at, mask=mask, other=127))
+    else:
+        scale = tl.load(scale_at, mask=mask, other=1.0)
+    elem = r64[:, None] * cols + c[None, :]
+    x = _e4m3_value(tl.load(data_ptr + elem, mask=mask, other=0))
+    y = x * scale
+    if BF16_RNE:
+        y = _bf16_rne(y)
+    tl.store(out_ptr + elem, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -108,8 +108,8 @@ class FusedMLP(Protocol):
 
 @runtime_checkable
 class GroupQuantizer(Protocol):
-    """Grouped FP8 quantization into existing storage (`moekit.ops.runtime.quantize_torch` for the
-    contract of `group_quantize_into`)."""
+    """Grouped FP8 quantization into existing storage, and back (`moekit.ops.runtime.quantize_torch` for
+    the contracts of `group_quantize_into` and `group_dequantize`)."""
 
     def quantize_unavailable_reason(self, x: torch.Tensor) -> str | None:
         """Why this backend cannot quantize x; None if it can."""
@@ -127,6 +127,20 @@ class GroupQuantizer(Protocol):
         col_scale: torch.Tensor | None,
     ) -> None:
         """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage."""
+
+    def group_dequantize(
+        self,
+        recipe: str,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        offs: torch.Tensor,
+        slot_offs: torch.Tensor | None,
+        columnwise: bool,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """One form of a quantized tensor back in `dtype` (`quantize_torch.group_dequantize`: the
+        contract; every backend the same bytes). `quantize_unavailable_reason` of a tensor of `dtype` on
+        data's device says whether this backend can."""
 
 
 @runtime_checkable
@@ -292,6 +306,7 @@ class LoopBackend:
         return None
 
     group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
+    group_dequantize = staticmethod(quantize_torch.group_dequantize)
 
 
 def torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
@@ -367,6 +382,7 @@ class TorchBackend:
         return None
 
     group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
+    group_dequantize = staticmethod(quantize_torch.group_dequantize)
 
 
 class TritonRuntime(NamedTuple):
@@ -457,6 +473,13 @@ class TritonBackend:
         if runtime is None:
             raise ValueError("triton cannot be imported (pip install triton)")
         return runtime.quantize.group_quantize_into
+
+    @property
+    def group_dequantize(self) -> Callable[..., torch.Tensor]:
+        runtime = triton_runtime()
+        if runtime is None:
+            raise ValueError("triton cannot be imported (pip install triton)")
+        return runtime.quantize.group_dequantize
 
     # The QuantizedGemm capability: moekit's FP8 kernels (fp8_block, fp8_rowwise; FP8 tensor cores or
     # the interpreter).

@@ -213,6 +213,14 @@ QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm80": (64, 128, 4),
     "interpreter": (8, 64, 4),
 }
+# The dequantize kernel's tiles (BLOCK_M rows, BLOCK_X columns, warps): an elementwise pass, 32 x 256
+# moves 8 KB of FP8 in and 16 KB of bf16 out a program; small tiles under the interpreter so that CPU
+# tests cover several tiles of a block and blocks across tiles.
+DEQUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (32, 256, 4),
+    "sm80": (32, 256, 4),
+    "interpreter": (8, 16, 4),
+}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ One launch covers every group: for mxfp8 and fp8_block one launch whatever the f
 gives its rows' rowwise and its columns' columnwise scales), for fp8_rowwise one per form (a whole row
 and a whole group are different walks). The outputs' arguments and their layouts are
 `moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these kernels reproduce.
+
+`group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
+path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ import torch
 import triton
 
 from moekit.grouped_tensor import Recipe, recipe_named
-from moekit.ops.kernels.quantize import quantize_group_cols_kernel, quantize_rows_kernel, quantize_tiles_kernel
-from moekit.ops.runtime.configs import QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
+from moekit.ops.kernels.quantize import (
+    dequantize_kernel,
+    quantize_group_cols_kernel,
+    quantize_rows_kernel,
+    quantize_tiles_kernel,
+)
+from moekit.ops.runtime.configs import DEQUANTIZE_TILES, QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -30,13 +38,16 @@ from moekit.ops.runtime.launch import (
     check_triton_device,
     device_ctx,
     device_index,
+    empty,
     plan_launch,
     tensor_key,
+    unavailable_reason,
 )
 
 _TILES = Launcher(quantize_tiles_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _GROUP_COLS = Launcher(quantize_group_cols_kernel)
+_DEQUANTIZE = Launcher(dequantize_kernel)
 
 
 class QuantizePlan(NamedTuple):
@@ -156,3 +167,77 @@ def group_quantize_into(
             plan.rows(x2, offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
         if plan.group_cols is not None:
             plan.group_cols(x2, offs, noop_arg, _u8(col_data, x2), _u8(col_scale, x2))
+
+
+def _dequantize_plan(
+    info: Recipe, data: torch.Tensor, scale: torch.Tensor, num_groups: int, columnwise: bool, dtype: torch.dtype
+) -> LaunchPlan | None:
+    """The one launch of `group_dequantize`: which scale row and column each element reads (the kernel's
+    SCALE_ROWS, BLOCK_R, BLOCK_C) follows the form, the recipe and whether data is a weight."""
+    weight = data.dim() == 3
+    rows, cols = data.numel() // max(data.shape[-1], 1), data.shape[-1]
+    member_rows = data.shape[1] if weight else 1
+    scale_cols = scale.shape[-1]
+    block_rows = 0
+    if columnwise:
+        block_cols = 1  # a scale per column
+        block_rows = info.block_rows or 0
+        scale_rows = 1 if weight else 2
+        member_slots = scale.shape[1] if weight else 1
+    elif weight and info.weight_tile is not None:
+        scale_rows, block_rows, block_cols = 1, info.weight_tile, info.weight_tile
+        member_slots = scale.shape[1]
+    else:
+        scale_rows, block_cols, member_slots = 0, info.block_cols or 0, 1
+    block_m, block_x, warps = DEQUANTIZE_TILES[arch_of(data.device)]
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_x))
+    if not (grid[0] and grid[1]):
+        return None
+    max_slot = max(scale.numel() // max(scale_cols, 1) - 1, 0)
+    return LaunchPlan(
+        _DEQUANTIZE,
+        grid,
+        (rows, cols, num_groups, member_rows, member_slots, scale_cols, max_slot),
+        dict(
+            MX=info.scale_dtype != torch.float32,
+            SCALE_ROWS=scale_rows,
+            BLOCK_R=block_rows,
+            BLOCK_C=block_cols,
+            BLOCK_M=block_m,
+            BLOCK_X=block_x,
+            BLOCK_GROUPS=block_groups(num_groups),
+            # The interpreter converts fp32 to bfloat16 by truncation; the GPU rounds to nearest even.
+            BF16_RNE=INTERPRET and dtype == torch.bfloat16,
+            num_warps=warps,
+        ),
+    )
+
+
+def group_dequantize(
+    recipe: str,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor | None,
+    columnwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`moekit.ops.runtime.quantize_torch.group_dequantize` by moekit's kernel: the same arguments (data
+    and scale contiguous, in the shapes `moekit.grouped_tensor` gives them), the same bytes, one pass and
+    no temporaries. dtype float32, bfloat16 or float16 (float64: the torch path, whose product is float64;
+    `moekit.ops.runtime.launch.unavailable_reason` refuses it here). No host read of offs or slot_offs."""
+    info = recipe_named(recipe)
+    reason = unavailable_reason(data.device, dtype)  # of the result: data is float8
+    if reason is not None:
+        raise ValueError(reason)
+    num_groups = offs.shape[0] - 1
+    slots = slot_offs if slot_offs is not None else offs
+    key = (info.name, tensor_key(data), tensor_key(scale), tensor_key(offs), tensor_key(slots), columnwise, dtype)
+    plan = plan_launch(
+        "group_dequantize", key, lambda: _dequantize_plan(info, data, scale, num_groups, columnwise, dtype)
+    )
+    out = empty(tuple(data.shape), data.device, dtype)
+    if plan is not None:
+        with device_ctx(data.device):
+            plan(_u8(data, data), _u8(scale, scale), offs, slots, out)
+    return out

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from moekit.grouped_tensor import E8M0_DTYPE, FP8_MAX, Recipe, column_slots, recipe_named
+from moekit.grouped_tensor import (
+    E8M0_DTYPE,
+    FP8_MAX,
+    Recipe,
+    column_slots,
+    dequantize_columnwise,
+    dequantize_rowwise,
+    recipe_named,
+)
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -186,3 +194,27 @@ def group_quantize_into(
         data, scale = _row_columns(info, x32, offs, slot_offs, col_scale.shape[0])
         _write(col_data, data, skip)
         _write(col_scale, scale, skip)
+
+
+def group_dequantize(
+    recipe: str,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor | None,
+    columnwise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """data * scale of one form of a quantized tensor, in `dtype`: `moekit.grouped_tensor`'s
+    `dequantize_rowwise` / `dequantize_columnwise` (the product in float32, float64 for a float64
+    dtype, one rounding), i.e. `GroupedTensor.dequantize`. data: (M, X) rows whose groups are `offs`
+    (N+1,), or an (N, O, I) weight; slot_offs (N+1,): the columnwise scales' first slot of each group
+    (columnwise rows only). A fresh tensor; no host reads."""
+    info = recipe_named(recipe)
+    if not columnwise:
+        return dequantize_rowwise(info, data, scale, dtype)
+    if slot_offs is None:
+        if data.dim() != 3:
+            raise ValueError("columnwise dequantization of rows needs the scale slot offsets")
+        slot_offs = offs  # a weight's blocks follow from its shape
+    return dequantize_columnwise(info, data, scale, offs, slot_offs, dtype)
