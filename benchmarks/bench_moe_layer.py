@@ -16,6 +16,25 @@ Routing: "balanced" draws each token's K distinct experts uniformly; "skewed" dr
 probabilities from Dirichlet(1) expert shares (seed runner.SKEW_SEED), as the MLP benchmark's
 skewed splits. Weights: a softmax over K of random logits, in the tokens' dtype.
 
+Router included (`--router`): the cell draws a router weight (N, H) instead of the routing, and every
+column routes inside its timed call with SonicMoE's rule (`softmax_topk`: logits = x @ router_w.T in
+x's dtype, the top-K logits, a softmax over those K in fp32 = softmax over all N experts, top-K,
+renormalised; the weights cast to x's dtype for moekit, plain and Liger). The router weight is then a
+leaf whose gradient is compared too, and the FLOPs count the router GEMM (2*T*H*N forward). "skewed"
+under --router: the tokens share an offset along which the logits gain log(Dirichlet(1) shares) per
+expert (SonicMoE's router has no bias), so the counts differ from the experts-only skew (see each
+record's expert_counts_min_max). Ties among bf16 logits may route a few tokens to different experts
+in SonicMoE's kernel and torch.topk: a small error vs plain, not the O(1) of a wrong weight layout.
+
+SonicMoE (Dao-AILab/sonic-moe, `moe_TC_softmax_topk_layer`: router + experts, SwiGLU, no bias) is a
+column under --router when importable on CUDA (the bundle of benchmarks/README.md; not on the package
+index): same x, router weight and experts as the others, its fc1 converted once, outside the timing,
+to its gate/up interleave-1 layout (`moekit.interleave_glu(w1, 1, dim=1)`, its gradient converted back
+for the comparison). Every column's first forward+backward (compilation, autotuning; SonicMoE's JIT,
+10-110 s per shape) is timed apart as `first_call_s`. Without --router, or where it cannot import, the
+column is recorded "unavailable" with the reason. `--impls` selects columns (plain, the reference,
+always runs).
+
 Liger-Kernel (`pip install 'moekit[bench]'`) is timed when importable. Its autotuner benchmarks
 32 configs per kernel and shape; `--liger-autotune` turns that on, by default it runs its one
 pinned config (LIGER_FUSED_MOE_AUTOTUNE=0, Liger's own setting), which the JSON records.
@@ -23,6 +42,7 @@ pinned config (LIGER_FUSED_MOE_AUTOTUNE=0, Liger's own setting), which the JSON 
     python benchmarks/bench_moe_layer.py --out $OUT --commit <git commit>
     python benchmarks/bench_moe_layer.py --quick --shapes qwen3-30b-a3b,mixtral-8x7b
     python benchmarks/bench_moe_layer.py --smoke --backend torch   # tiny shapes, CPU is fine
+    python benchmarks/bench_moe_layer.py --router --shapes sonicmoe --dists balanced   # + SonicMoE
 
 Writes OUT/moe_layer.json (rewritten after every cell, so a run cut short keeps its cells) and
 OUT/moe_layer.png. The commit recorded is --commit's, else MOEKIT_BENCH_COMMIT's, else git's.
@@ -45,9 +65,8 @@ import torch.nn.functional as F
 import moekit
 
 NAME = "moe_layer"
-IMPLS = ("moekit", "plain", "liger")
+IMPLS = ("moekit", "plain", "liger", "sonicmoe")
 OPS = ("forward", "forward+backward")
-GRAD_NAMES = ("x", "topk_weights", "fc1_weight", "fc2_weight")
 
 
 @dataclass(frozen=True)
@@ -125,6 +144,55 @@ def liger_layer():
     return run, None
 
 
+def softmax_topk(x, router_w, top_k):
+    """SonicMoE's routing rule (its TC_Softmax_Topk_Router_Function after F.linear(x, router_w)): the
+    top-k logits and a softmax over them in fp32, which is the softmax over all experts, top-k and
+    renormalised. Weights returned in x's dtype (the experts-only columns take them so)."""
+    top, ids = F.linear(x, router_w).topk(top_k, dim=-1)
+    return ids, top.softmax(-1, dtype=torch.float32).to(x.dtype)
+
+
+def with_router(fn, ids_dtype=torch.int64):
+    """An experts-only column with the router in front: (x, fc1, fc2, router_w, top_k) -> (T, H)."""
+
+    def run(x, w1, w2, router_w, top_k):
+        ids, weights = softmax_topk(x, router_w, top_k)
+        return fn(x, w1, w2, ids.to(ids_dtype), weights)
+
+    return run
+
+
+def sonicmoe_layer():
+    """SonicMoE's router + experts call, or the reason it cannot run here. Takes fc1 in its layout:
+    (N, 2F, H) with gate/up interleaved by 1 (moekit.interleave_glu(w1, 1, dim=1)); fc2 (N, H, F) as
+    moekit's. Both are passed as w.permute(1, 2, 0), as SonicMoE's own benchmark and MoE module do."""
+    try:
+        from sonicmoe.enums import ActivationType
+        from sonicmoe.functional import moe_TC_softmax_topk_layer
+    except Exception as exc:  # ImportError, or CuTeDSL / quack failing to load
+        return None, (
+            f"sonicmoe not importable ({runner.error_reason(exc)}); "
+            "see benchmarks/README.md (SonicMoE bundle, PYTHONPATH)"
+        )
+
+    def run(x, w1_interleaved, w2, router_w, top_k):
+        out, _router_logits, _expert_frequency = moe_TC_softmax_topk_layer(
+            x,
+            router_w,
+            w1_interleaved.permute(1, 2, 0),
+            None,
+            w2.permute(1, 2, 0),
+            None,
+            top_k,
+            torch.cuda.current_stream().cuda_stream,
+            ActivationType.SWIGLU,
+            False,  # is_inference_mode_enabled: a training forward, as the other columns
+        )
+        return out
+
+    return run, None
+
+
 # --------------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------------
@@ -140,6 +208,22 @@ def make_routing(shape: LayerShape, dist: str, device, dtype, seed: int = 0):
     ids = torch.multinomial(probs, shape.top_k, replacement=False, generator=gen)
     logits = torch.randn(shape.tokens, shape.top_k, device=device, generator=gen)
     return ids, logits.softmax(-1).to(dtype)
+
+
+def make_router(shape: LayerShape, dist: str, device, dtype, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router weight (N, H), and the offset (H,) added to every token: zero for "balanced"; for
+    "skewed" the least-norm m with router_w @ m = log(Dirichlet(1) shares), so the logits gain a
+    per-expert bias (SonicMoE's router has none)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    N, H = shape.experts, shape.hidden
+    router_w = (torch.randn(N, H, device=device, generator=gen) * H**-0.5).to(dtype)
+    if dist == "balanced":
+        return router_w, torch.zeros(H, device=device, dtype=dtype)
+    shares = np.random.default_rng(runner.SKEW_SEED).dirichlet(np.ones(N))
+    bias = torch.from_numpy(np.log(shares))
+    w = router_w.cpu().double()
+    offset = w.T @ torch.linalg.solve(w @ w.T, bias)
+    return router_w, offset.to(device=device, dtype=dtype)
 
 
 def make_inputs(shape: LayerShape, device, dtype, seed: int = 0) -> dict:
@@ -167,7 +251,7 @@ def outputs_and_grads(fn_fwd, dy, leaves: dict) -> dict:
         t.grad = None
     y = fn_fwd()
     y.backward(dy)
-    res = {"out": y.detach().float(), **{k: leaves[k].grad.float() for k in GRAD_NAMES}}
+    res = {"out": y.detach().float(), **{k: t.grad.float() for k, t in leaves.items()}}
     for t in leaves.values():
         t.grad = None
     return res
@@ -182,29 +266,43 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
     device, dtype = args.device, args.dtype
     start = time.monotonic()
     base = make_inputs(shape, device, dtype)
-    ids, weights = make_routing(shape, dist, device, dtype)
-    ids32 = ids.to(torch.int32)  # Liger takes int32 ids; converted once, outside the timing
     dy = torch.randn(
         shape.tokens, shape.hidden, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(1)
     )
-    leaves = {
-        "x": base["x"].requires_grad_(True),
-        "topk_weights": weights.requires_grad_(True),
-        "fc1_weight": base["w1"].requires_grad_(True),
-        "fc2_weight": base["w2"].requires_grad_(True),
-    }
-    grads = list(leaves.values())
-    counts = torch.bincount(ids.reshape(-1), minlength=shape.experts)
     M = shape.tokens * shape.top_k
     flops_fwd = 2 * M * shape.hidden * 2 * shape.ffn + 2 * M * shape.ffn * shape.hidden
+    if args.router:
+        router_w, offset = make_router(shape, dist, device, dtype)
+        x = (base["x"] + offset).requires_grad_(True)
+        leaves = {"x": x, "router_weight": router_w.requires_grad_(True)}
+        with torch.no_grad():
+            ids, _ = softmax_topk(x, router_w, shape.top_k)  # the routing every column computes (the counts)
+        flops_fwd += 2 * shape.tokens * shape.hidden * shape.experts
+    else:
+        ids, weights = make_routing(shape, dist, device, dtype)
+        ids32 = ids.to(torch.int32)  # Liger takes int32 ids; converted once, outside the timing
+        leaves = {"x": base["x"].requires_grad_(True), "topk_weights": weights.requires_grad_(True)}
+    leaves.update(fc1_weight=base["w1"].requires_grad_(True), fc2_weight=base["w2"].requires_grad_(True))
+    w1_interleaved = None
+    if "sonicmoe" in impls and not reasons.get("sonicmoe"):
+        # SonicMoE's fc1 layout (gate/up interleaved by 1), converted once outside the timing.
+        w1_interleaved = moekit.interleave_glu(base["w1"].detach(), 1, dim=1).requires_grad_(True)
+    grads = list(leaves.values()) + ([w1_interleaved] if w1_interleaved is not None else [])
+    counts = torch.bincount(ids.reshape(-1), minlength=shape.experts)
     records, timed = [], []
     ref = None
     # plain first: its output and gradients are what the others are compared with.
     for impl, fn in sorted(impls.items(), key=lambda item: item[0] != "plain"):
-        call_ids = ids32 if impl == "liger" else ids
+        impl_leaves = dict(leaves, fc1_weight=w1_interleaved) if impl == "sonicmoe" else leaves
+        if args.router:
 
-        def fwd(fn=fn, call_ids=call_ids):
-            return fn(leaves["x"], leaves["fc1_weight"], leaves["fc2_weight"], call_ids, leaves["topk_weights"])
+            def fwd(fn=fn, lv=impl_leaves):
+                return fn(lv["x"], lv["fc1_weight"], lv["fc2_weight"], lv["router_weight"], shape.top_k)
+        else:
+            call_ids = ids32 if impl == "liger" else ids
+
+            def fwd(fn=fn, call_ids=call_ids, lv=impl_leaves):
+                return fn(lv["x"], lv["fc1_weight"], lv["fc2_weight"], call_ids, lv["topk_weights"])
 
         def fwd_bwd(fwd=fwd):
             fwd().backward(dy)
@@ -217,6 +315,7 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
                 "dist": dist,
                 "op": op,
                 "impl": impl,
+                "router": args.router,
                 "flops": flops_fwd * (1 if op == "forward" else 3),
                 "status": None,
                 "reason": None,
@@ -232,7 +331,13 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
                 r["status"], r["reason"] = "unavailable", reasons[impl]
             continue
         try:
-            got = outputs_and_grads(fwd, dy, leaves)  # first call: compilation, autotuning
+            _sync(device)
+            t0 = time.perf_counter()
+            got = outputs_and_grads(fwd, dy, impl_leaves)  # first call: compilation, autotuning, JIT
+            _sync(device)
+            first_call_s = round(time.perf_counter() - t0, 3)
+            if impl == "sonicmoe":  # its fc1 gradient back to moekit's gate|up layout for the comparison
+                got["fc1_weight"] = moekit.deinterleave_glu(got["fc1_weight"], 1, dim=1)
             if impl == "plain":
                 ref = got
             errors = {k: rel_err(got[k], ref[k]) for k in got} if ref is not None else None
@@ -240,9 +345,9 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
             # starts from the same allocation (a second set of fp32 gradients would not).
             del got
             sync = runner.check_host_sync(fwd_bwd, device)
-            mem = runner.memory_of(fwd, dy, grads, device)
+            mem = runner.memory_of(fwd, dy, list(impl_leaves.values()), device)
             for r in recs.values():
-                r.update(status="ok", errors_vs_plain=errors, host_sync=sync, **mem)
+                r.update(status="ok", errors_vs_plain=errors, host_sync=sync, first_call_s=first_call_s, **mem)
             timed += [(recs["forward"], fwd), (recs["forward+backward"], fwd_bwd)]
         except Exception as exc:  # one broken cell must not lose the rest of the run
             for r in recs.values():
@@ -329,8 +434,8 @@ def print_table(records: list[dict], roofs: list[dict]) -> None:
     header = (
         f"{'shape':<16} {'dist':<8} {'op':<16} "
         + " ".join(f"{i + ' TF':>10}" for i in IMPLS)
-        + f" {'moekit/plain':>12} {'liger/plain':>11}"
-        f" {'held GiB m/p/l':>18} {'peak+ m/p/l':>18} {'max err':>8}"
+        + f" {'moekit/plain':>12} {'liger/plain':>11} {'sonic/plain':>11}"
+        f" {'held GiB m/p/l/s':>22} {'peak+ m/p/l/s':>22} {'max err':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -349,9 +454,9 @@ def print_table(records: list[dict], roofs: list[dict]) -> None:
         worst = max((e if e is not None else float("inf")) for e in errs) if errs else None
         print(
             f"{cell[0]:<16} {cell[1]:<8} {cell[2]:<16} {tf} {f(rs[0].get('x_plain'), '12.2f')} "
-            f"{f(rs[2].get('x_plain'), '11.2f')} "
-            f"{'/'.join(f(g / 2**30 if g is not None else None, '.2f') for g in gib):>18} "
-            f"{'/'.join(f(p / 2**30 if p is not None else None, '.2f') for p in peak):>18} {f(worst, '8.1e')}"
+            f"{f(rs[2].get('x_plain'), '11.2f')} {f(rs[3].get('x_plain'), '11.2f')} "
+            f"{'/'.join(f(g / 2**30 if g is not None else None, '.2f') for g in gib):>22} "
+            f"{'/'.join(f(p / 2**30 if p is not None else None, '.2f') for p in peak):>22} {f(worst, '8.1e')}"
         )
 
 
@@ -378,7 +483,8 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
             ax.axhline(
                 roof["tflops"], color="k", linestyle="--", linewidth=0.8, label="dense 8192^3" if j == 0 else None
             )
-        ax.set_title(f"MoE layer (routed experts), {op}", fontsize=10)
+        what = "router + routed experts" if any(r.get("router") for r in records) else "routed experts"
+        ax.set_title(f"MoE layer ({what}), {op}", fontsize=10)
         ax.set_ylabel("TFLOP/s")
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels([f"{s}\n{d}" for s, d in cells], fontsize=7)
@@ -411,6 +517,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 1)")
     parser.add_argument("--liger-autotune", action="store_true", help="let Liger autotune (slow: 32 configs)")
     parser.add_argument(
+        "--router",
+        action="store_true",
+        help="router included: every column routes in its timed call with SonicMoE's softmax top-k rule "
+        "(needed for the sonicmoe column)",
+    )
+    parser.add_argument(
+        "--impls", default=",".join(IMPLS), help=f"comma list of columns (default all: {','.join(IMPLS)})"
+    )
+    parser.add_argument(
         "--max-seconds",
         type=float,
         default=None,
@@ -437,6 +552,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool]) if args.shapes else list(default)
         )
     args.dist_list = runner.select_by_name(runner.DISTS, args.dists, "dists", runner.DISTS)
+    args.impl_list = runner.select_by_name(IMPLS, args.impls, "impls", IMPLS)
+    if "plain" not in args.impl_list:
+        args.impl_list = ["plain", *args.impl_list]  # the reference of every error and ratio
     args.rounds = args.rounds or (1 if args.quick or args.smoke else 3)
     args.warmup_ms, args.rep_ms = (10.0, 30.0) if args.quick or args.smoke else (20.0, 60.0)
     return args
@@ -447,11 +565,22 @@ def main(argv=None) -> dict:
     if not args.liger_autotune:
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is imported
     impls = {"moekit": moekit_layer(args.backend), "plain": plain_layer}
-    liger, liger_reason = liger_layer()
-    impls["liger"] = liger
-    reasons = {"liger": liger_reason}
-    if args.device.type != "cuda" and liger is not None:
-        reasons["liger"] = "Liger's kernels run on CUDA only"
+    reasons = {}
+    if "liger" in args.impl_list:
+        impls["liger"], reasons["liger"] = liger_layer()
+        if args.device.type != "cuda" and impls["liger"] is not None:
+            reasons["liger"] = "Liger's kernels run on CUDA only"
+    if args.router:
+        impls = {name: with_router(fn, torch.int32 if name == "liger" else torch.int64) for name, fn in impls.items()}
+    if "sonicmoe" in args.impl_list:
+        if not args.router:
+            impls["sonicmoe"] = None
+            reasons["sonicmoe"] = "SonicMoE routes inside its call (softmax top-k router): run with --router"
+        else:
+            impls["sonicmoe"], reasons["sonicmoe"] = sonicmoe_layer()
+            if args.device.type != "cuda" and impls["sonicmoe"] is not None:
+                reasons["sonicmoe"] = "SonicMoE's kernels run on CUDA (Hopper or later) only"
+    impls = {name: fn for name, fn in impls.items() if name in args.impl_list}
     cfg = runner.BenchConfig(
         device=args.device,
         dtype=args.dtype,
@@ -488,6 +617,14 @@ def main(argv=None) -> dict:
         moekit_backend=args.backend,
         liger=_liger_version(),
         liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
+        router=args.router,
+        routing_rule=(
+            "router included in every column: softmax over the top-K of x @ router_w.T (SonicMoE's rule)"
+            if args.router
+            else "routing given (ids, weights), router not timed"
+        ),
+        impls=list(impls),
+        sonicmoe=_sonicmoe_info() if "sonicmoe" in impls else None,
         shapes=[asdict(s) for s in args.shape_list],
     )
     print_table(records, roofs)
@@ -503,6 +640,23 @@ def main(argv=None) -> dict:
         )
         plot(records, roofs, args.out / f"{NAME}.png", title)
     return payload
+
+
+def _sonicmoe_info() -> dict | None:
+    """Where sonicmoe was imported from and the CuTeDSL version beside it (the bundle has no
+    package metadata of its own; its commit is in the bundle's README_lead.txt)."""
+    import sys
+
+    module = sys.modules.get("sonicmoe")
+    if module is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        cutlass_dsl = version("nvidia-cutlass-dsl")
+    except Exception:
+        cutlass_dsl = None
+    return {"path": os.path.dirname(module.__file__), "nvidia_cutlass_dsl": cutlass_dsl}
 
 
 def _liger_version() -> str | None:
