@@ -465,3 +465,83 @@ def test_readme_hugging_face_numbers_read_their_json():
             assert f"({v['x_grouped_mm']:.2f}x)" in paragraph, name
     peaks = [variants[n]["peak_extra_bytes"] / 2**30 for n in ("moekit_apply", "transformers_grouped_mm")]
     assert "peak above the start {:.2f} GiB against {:.2f}".format(*peaks) in paragraph
+
+
+def _run_layer(out: Path, *extra: str) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
+    command = [sys.executable, str(BENCHMARKS / "bench_moe_layer.py"), "--smoke", "--backend", "torch"]
+    command += ["--no-plot", "--shapes", "smoke", "--out", str(out), *extra]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "moe_layer.json").read_text())
+
+
+def test_bench_moe_layer_reports_sonicmoe_skipped_with_its_reason(tmp_path):
+    """On CPU (no bundle) the sonicmoe column is recorded, never dropped: "unavailable" with the
+    reason; with --router every other column routes itself and its router gradient is compared."""
+    payload = _run_layer(tmp_path / "router", "--router", "--dists", "balanced")
+    assert payload["meta"]["router"] and "SonicMoE's rule" in payload["meta"]["routing_rule"]
+    by = {(r["impl"], r["op"]): r for r in payload["records"]}
+    assert {i for i, _ in by} == {"moekit", "plain", "liger", "sonicmoe"}
+    for op in ("forward", "forward+backward"):
+        sonic = by[("sonicmoe", op)]
+        assert sonic["status"] == "unavailable" and sonic["ms"] is None
+        assert sonic["reason"].startswith("sonicmoe not importable") or "CUDA" in sonic["reason"]
+        mine = by[("moekit", op)]
+        assert mine["status"] == "ok" and mine["router"] and mine["first_call_s"] >= 0
+        assert set(mine["errors_vs_plain"]) == {"out", "x", "router_weight", "fc1_weight", "fc2_weight"}
+        assert max(mine["errors_vs_plain"].values()) < 1e-4
+    payload = _run_layer(tmp_path / "given", "--dists", "balanced", "--impls", "sonicmoe")
+    assert {r["impl"] for r in payload["records"]} == {"plain", "sonicmoe"}  # plain: always, the reference
+    assert all(
+        r["status"] == "unavailable" and "--router" in r["reason"]
+        for r in payload["records"]
+        if r["impl"] == "sonicmoe"
+    )
+
+
+def test_sonicmoe_column_passes_its_layouts(monkeypatch):
+    """The sonicmoe column's call, against a stand-in `sonicmoe` computing what SonicMoE's own
+    reference (its benchmarks/moe-cute.py) computes from the same arguments: fc1 (2F, H, E) with gate
+    rows 0::2 and up rows 1::2, fc2 (H, F, E), softmax over the top-k logits. The column's interleave-1
+    conversion then gives plain's output; the standard layout would not."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    import moekit
+
+    def moe_TC_softmax_topk_layer(x, router_w, w1, b1, w2, b2, K, stream_id, activation, inference=False):
+        assert b1 is None and b2 is None and activation == "swiglu" and not inference
+        logits = F.linear(x, router_w)
+        top, ids = logits.topk(K, dim=-1)
+        scores = top.softmax(-1, dtype=torch.float32)
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(K):
+                e = int(ids[t, k])
+                h = w1[:, :, e] @ x[t]
+                out[t] += scores[t, k] * (w2[:, :, e] @ (F.silu(h[0::2]) * h[1::2]))
+        return out, logits, None
+
+    enums = types.ModuleType("sonicmoe.enums")
+    enums.ActivationType = types.SimpleNamespace(SWIGLU="swiglu")
+    functional = types.ModuleType("sonicmoe.functional")
+    functional.moe_TC_softmax_topk_layer = moe_TC_softmax_topk_layer
+    for name, module in (("sonicmoe", types.ModuleType("sonicmoe")), ("sonicmoe.enums", enums)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "sonicmoe.functional", functional)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling runner.py
+    bench = _load("bench_moe_layer")
+    run, reason = bench.sonicmoe_layer()
+    assert reason is None
+    shape = bench.LayerShape("t", 12, 5, 2, 16, 8)
+    inputs = bench.make_inputs(shape, torch.device("cpu"), torch.float32)
+    router_w, _ = bench.make_router(shape, "balanced", torch.device("cpu"), torch.float32)
+    x, w1, w2 = inputs["x"], inputs["w1"], inputs["w2"]
+    want = bench.with_router(bench.plain_layer)(x, w1, w2, router_w, shape.top_k)
+    got = run(x, moekit.interleave_glu(w1, 1, dim=1), w2, router_w, shape.top_k)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (run(x, w1, w2, router_w, shape.top_k) - want).abs().max() > 1e-2  # a layout mistake shows
