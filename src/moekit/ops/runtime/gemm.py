@@ -81,6 +81,32 @@ def _weight_operand(a: torch.Tensor, w: torch.Tensor, trans_b: bool) -> tuple[to
     )
 
 
+def mm_schedule(M: int, N: int, out_cols: int, out_size: int, cfg: GemmConfig, tma: bool, device: torch.device) -> dict:
+    """The schedule and tiling constexprs (with the launch's num_stages / num_warps) of a persistent
+    row-tiled grouped GEMM kernel (`grouped_mm_kernel`, `grouped_mm_fp8_kernel`: the same parameter
+    names) for M rows, N groups and a fresh contiguous (M, out_cols) output of out_size-byte elements
+    under `cfg`, with (tma) or without TMA operand loads. NUM_PROGRAMS is the launch's grid size: one
+    program per multiprocessor at most, fewer when the tile bound (each group's row tiles, plus a
+    partial tile per group and the padding pseudo-group) is smaller."""
+    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
+    nprog = grid_size(device, bound)
+    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
+    epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
+    return dict(
+        USE_TMA=tma,
+        BLOCK_M=cfg.block_rows,
+        BLOCK_C=cfg.block_cols,
+        BLOCK_RED=cfg.block_red,
+        GROUP_M=cfg.group_rows,
+        BLOCK_GROUPS=block_groups(N + 2),
+        NUM_PROGRAMS=nprog,
+        FLATTEN=cfg.flatten,
+        EPI_TMA=epi_tma,
+        num_stages=cfg.stages,
+        num_warps=cfg.warps,
+    )
+
+
 def _mm_launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -95,33 +121,20 @@ def _mm_launch(
     b_cols) (b_rows = out_cols when trans_b); tensors: (a, b, out, bias or out, scale or out, offs)."""
     M, red = a.shape
     N, b_rows, b_cols = b.shape
-    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
-    nprog = grid_size(a.device, bound)
-    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
-    epi_tma = bool(cfg.epi_tma and tma and (out_cols * a.element_size()) % 16 == 0)
+    schedule = mm_schedule(M, N, out_cols, a.element_size(), cfg, tma, a.device)
     ints: tuple[int, ...] = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), b.stride(0), b.stride(1), out_cols)
     ints += (bias.stride(0) if bias is not None else 0,)
     return LaunchPlan(
         _GROUPED_MM,
-        (nprog,),
+        (schedule["NUM_PROGRAMS"],),
         ints,
         dict(
             TRANS_B=trans_b,
             HAS_BIAS=bias is not None,
             HAS_SCALE=has_scale,
-            USE_TMA=tma,
             UPCAST=INTERPRET,
             DOT_PRECISION=dot_precision(a.dtype),
-            BLOCK_M=cfg.block_rows,
-            BLOCK_C=cfg.block_cols,
-            BLOCK_RED=cfg.block_red,
-            GROUP_M=cfg.group_rows,
-            BLOCK_GROUPS=block_groups(N + 2),
-            NUM_PROGRAMS=nprog,
-            FLATTEN=cfg.flatten,
-            EPI_TMA=epi_tma,
-            num_stages=cfg.stages,
-            num_warps=cfg.warps,
+            **schedule,
         ),
     )
 
