@@ -42,7 +42,7 @@ from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
 from moekit.ops.runtime.configs import FP8_BLOCK_RED, GemmConfig, fp8_gemm_candidates
 from moekit.ops.runtime.device import cuda_capability
-from moekit.ops.runtime.gemm import check_offs, mm_schedule
+from moekit.ops.runtime.gemm import check_bias, check_offs, mm_schedule
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -307,23 +307,7 @@ def quantized_gemm_forward(
     offs[N] are written as 0. cfg / use_tma: a fixed kernel configuration and operand path (tests and
     tuning); None = chosen here. Returns a fresh (M, O) tensor.
     """
-    if bias_NO is None and bias_scale_M is not None:
-        raise ValueError("bias_scale given without bias: it scales the bias")
-    if bias_NO is not None:
-        N, O = w_data.shape[0], w_data.shape[1]
-        if tuple(bias_NO.shape) != (N, O) or bias_NO.dtype != out_dtype or bias_NO.device != x_data.device:
-            raise ValueError(
-                f"bias must be ({N}, {O}) {out_dtype} on {x_data.device}, got {tuple(bias_NO.shape)} "
-                f"{bias_NO.dtype} on {bias_NO.device}"
-            )
-        if bias_NO.stride(-1) != 1:
-            bias_NO = bias_NO.contiguous()
-    if bias_scale_M is not None:
-        if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x_data.shape[0]:
-            raise ValueError(f"bias_scale must have shape ({x_data.shape[0]},), got {tuple(bias_scale_M.shape)}")
-        if bias_scale_M.device != x_data.device:
-            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x_data.device}")
-        bias_scale_M = bias_scale_M.contiguous()
+    bias_NO, bias_scale_M = check_bias(bias_NO, bias_scale_M, x_data, w_data.shape[0], w_data.shape[1], out_dtype)
     return _mm("fwd", recipe, x_data, x_scale, w_data, w_scale, offs, out_dtype, bias_NO, bias_scale_M, cfg, use_tma)
 
 
