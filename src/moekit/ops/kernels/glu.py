@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekit.ops.kernels.schedule import load_a, load_b, split_halves, tile_coords, tile_schedule
+from moekit.ops.kernels.schedule import load_a, load_b, operand_descs, split_halves, tile_coords, tile_schedule
 
 
 @triton.jit
@@ -363,21 +363,24 @@ def glu_backward_kernel(
         offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     red_steps = tl.cdiv(H, BLOCK_RED)
-    if USE_TMA:
-        dy_desc = tl.make_tensor_descriptor(
-            dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED]
-        )
-        if W_TRANSPOSED:
-            w_desc = tl.make_tensor_descriptor(
-                w_ptr, shape=[N, F, H], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
-            )
-        else:
-            w_desc = tl.make_tensor_descriptor(
-                w_ptr, shape=[N, H, F], strides=[stride_wg, stride_wr, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
-            )
-    else:
-        dy_desc = None
-        w_desc = None
+    # w is (N, F, H) with W_TRANSPOSED, else (N, H, F).
+    dy_desc, w_desc = operand_descs(
+        dy_ptr,
+        w_ptr,
+        M,
+        H,
+        N,
+        F if W_TRANSPOSED else H,
+        H if W_TRANSPOSED else F,
+        stride_dym,
+        stride_wg,
+        stride_wr,
+        W_TRANSPOSED,
+        USE_TMA,
+        BLOCK_M,
+        BLOCK_C,
+        BLOCK_RED,
+    )
     QUARTER: tl.constexpr = BLOCK_C // 4
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         g, row_lo, row_hi, row0, c0, pid_c = tile_coords(

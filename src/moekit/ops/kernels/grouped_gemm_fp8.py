@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moekit.ops.kernels.grouped_gemm import fwd_epilogue
-from moekit.ops.kernels.schedule import load_a, load_b, tile_coords, tile_schedule
+from moekit.ops.kernels.schedule import gemm_tile, load_a, load_b, operand_descs, tile_schedule
 
 
 @triton.jit
@@ -92,34 +92,40 @@ def grouped_mm_fp8_kernel(
     )
     red_steps = tl.cdiv(RED, BLOCK_RED)
 
-    if USE_TMA:
-        a_desc = tl.make_tensor_descriptor(
-            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED]
-        )
-        if TRANS_B:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
-            )
-        else:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
-            )
-    else:
-        a_desc = None
-        b_desc = None
+    a_desc, b_desc = operand_descs(
+        a_ptr,
+        b_ptr,
+        M,
+        RED,
+        N,
+        B_ROWS,
+        B_COLS,
+        stride_am,
+        stride_bg,
+        stride_br,
+        TRANS_B,
+        USE_TMA,
+        BLOCK_M,
+        BLOCK_C,
+        BLOCK_RED,
+    )
     for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
-            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        g, row_lo, row_hi, row0, c0, a_row0, c_desc = gemm_tile(
+            tile_id,
+            num_pid_c,
+            row_start,
+            row_end,
+            tile_end,
+            M,
+            N,
+            c_ptr,
+            COLS,
+            stride_cm,
+            EPI_TMA,
+            BLOCK_M,
+            BLOCK_C,
+            GROUP_M,
         )
-        # As the bf16 kernel: one reduction trip count for every tile; padding tiles (g == N) point
-        # their TMA boxes past the end of a and read zeros.
-        a_row0 = tl.where(g < N, row0, M)
-        if EPI_TMA:
-            c_desc = tl.make_tensor_descriptor(
-                c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2]
-            )
-        else:
-            c_desc = None
         # Scales of the tile's own rows and columns only: rows of other groups and columns past
         # COLS (never stored) read 0, and padding tiles read nothing.
         offs_m = row0 + tl.arange(0, BLOCK_M)

@@ -106,6 +106,86 @@ def tile_coords(
 
 
 @triton.jit
+def operand_descs(
+    a_ptr,
+    b_ptr,
+    M,
+    RED,
+    N,
+    B_ROWS,
+    B_COLS,
+    stride_am,
+    stride_bg,
+    stride_br,
+    TRANS_B: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+):
+    """(a_desc, b_desc): TMA descriptors of a row-tiled GEMM's operands for `load_a` / `load_b`;
+    without USE_TMA, (a_ptr, b_ptr) as placeholders the loads never use as descriptors. a (M, RED),
+    row stride stride_am, unit column stride, boxes (BLOCK_M, BLOCK_RED); b (N, B_ROWS, B_COLS),
+    strides (stride_bg, stride_br, 1), boxes of one group's (BLOCK_C, BLOCK_RED) if TRANS_B (w[g]
+    stored (COLS, RED)) else (BLOCK_RED, BLOCK_C). Made once per program, before its tile loop."""
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED]
+        )
+        if TRANS_B:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_C, BLOCK_RED]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, B_ROWS, B_COLS], strides=[stride_bg, stride_br, 1], block_shape=[1, BLOCK_RED, BLOCK_C]
+            )
+    else:
+        # Placeholders (the loads read the pointers without USE_TMA): Triton 3.6 cannot return None
+        # inside a tuple.
+        a_desc = a_ptr
+        b_desc = b_ptr
+    return a_desc, b_desc
+
+
+@triton.jit
+def gemm_tile(
+    tile_id,
+    num_pid_c,
+    row_start,
+    row_end,
+    tile_end,
+    M,
+    N,
+    c_ptr,
+    COLS,
+    stride_cm,
+    EPI_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """`tile_coords` of a GEMM tile whose epilogue stores c (M, COLS) (row stride stride_cm) half a
+    tile at a time (`split_halves`). Returns (g, row_lo, row_hi, row0, c0, a_row0, c_desc): a_row0 is
+    the first row of the tile's A boxes, M for a padding tile (g == N), so its TMA boxes lie past
+    the end of a and read zeros and no memory: every tile then runs the same reduction trip count
+    (which lets Triton fuse the tile loop and the reduction loop into one software pipeline).
+    c_desc (EPI_TMA; else c_ptr, a placeholder the epilogue never uses as a descriptor) ends at the
+    group's last row, so a store never crosses into the next group's rows."""
+    g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
+        tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+    )
+    a_row0 = tl.where(g < N, row0, M)
+    if EPI_TMA:
+        c_desc = tl.make_tensor_descriptor(
+            c_ptr, shape=[row_hi, COLS], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_C // 2]
+        )
+    else:
+        c_desc = c_ptr  # placeholder, unused without EPI_TMA (Triton 3.6 cannot return None in a tuple)
+    return g, row_lo, row_hi, row0, c0, a_row0, c_desc
+
+
+@triton.jit
 def load_a(
     a_desc,
     a_ptr,

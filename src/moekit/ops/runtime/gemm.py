@@ -81,6 +81,63 @@ def _weight_operand(a: torch.Tensor, w: torch.Tensor, trans_b: bool) -> tuple[to
     )
 
 
+def check_bias(
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+    x: torch.Tensor,
+    N: int,
+    O: int,
+    dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A grouped forward's optional bias (N, O) (of `dtype` unless None) and its optional per-row
+    factor (M,) for the rows x (M, X), checked (ValueError) and made as the kernels read them: a
+    unit-stride bias row and a contiguous factor (copies otherwise). A factor needs a bias."""
+    if bias_NO is None and bias_scale_M is not None:
+        raise ValueError("bias_scale given without bias: it scales the bias")
+    if bias_NO is not None:
+        if tuple(bias_NO.shape) != (N, O):
+            raise ValueError(f"bias must have shape ({N}, {O}), got {tuple(bias_NO.shape)}")
+        if dtype is not None and bias_NO.dtype != dtype:
+            raise ValueError(f"bias must be {dtype} (the output's dtype), got {bias_NO.dtype}")
+        if bias_NO.device != x.device:
+            raise ValueError(f"bias is on {bias_NO.device}, x on {x.device}")
+        if bias_NO.stride(-1) != 1:
+            bias_NO = bias_NO.contiguous()
+    if bias_scale_M is not None:
+        if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x.shape[0]:
+            raise ValueError(f"bias_scale must have shape ({x.shape[0]},), got {tuple(bias_scale_M.shape)}")
+        if bias_scale_M.device != x.device:
+            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x.device}")
+        bias_scale_M = bias_scale_M.contiguous()
+    return bias_NO, bias_scale_M
+
+
+def mm_schedule(M: int, N: int, out_cols: int, out_size: int, cfg: GemmConfig, tma: bool, device: torch.device) -> dict:
+    """The schedule and tiling constexprs (with the launch's num_stages / num_warps) of a persistent
+    row-tiled grouped GEMM kernel (`grouped_mm_kernel`, `grouped_mm_fp8_kernel`: the same parameter
+    names) for M rows, N groups and a fresh contiguous (M, out_cols) output of out_size-byte elements
+    under `cfg`, with (tma) or without TMA operand loads. NUM_PROGRAMS is the launch's grid size: one
+    program per multiprocessor at most, fewer when the tile bound (each group's row tiles, plus a
+    partial tile per group and the padding pseudo-group) is smaller."""
+    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
+    nprog = grid_size(device, bound)
+    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
+    epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
+    return dict(
+        USE_TMA=tma,
+        BLOCK_M=cfg.block_rows,
+        BLOCK_C=cfg.block_cols,
+        BLOCK_RED=cfg.block_red,
+        GROUP_M=cfg.group_rows,
+        BLOCK_GROUPS=block_groups(N + 2),
+        NUM_PROGRAMS=nprog,
+        FLATTEN=cfg.flatten,
+        EPI_TMA=epi_tma,
+        num_stages=cfg.stages,
+        num_warps=cfg.warps,
+    )
+
+
 def _mm_launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -95,33 +152,20 @@ def _mm_launch(
     b_cols) (b_rows = out_cols when trans_b); tensors: (a, b, out, bias or out, scale or out, offs)."""
     M, red = a.shape
     N, b_rows, b_cols = b.shape
-    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
-    nprog = grid_size(a.device, bound)
-    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
-    epi_tma = bool(cfg.epi_tma and tma and (out_cols * a.element_size()) % 16 == 0)
+    schedule = mm_schedule(M, N, out_cols, a.element_size(), cfg, tma, a.device)
     ints: tuple[int, ...] = (M, out_cols, red, N, b_rows, b_cols, a.stride(0), b.stride(0), b.stride(1), out_cols)
     ints += (bias.stride(0) if bias is not None else 0,)
     return LaunchPlan(
         _GROUPED_MM,
-        (nprog,),
+        (schedule["NUM_PROGRAMS"],),
         ints,
         dict(
             TRANS_B=trans_b,
             HAS_BIAS=bias is not None,
             HAS_SCALE=has_scale,
-            USE_TMA=tma,
             UPCAST=INTERPRET,
             DOT_PRECISION=dot_precision(a.dtype),
-            BLOCK_M=cfg.block_rows,
-            BLOCK_C=cfg.block_cols,
-            BLOCK_RED=cfg.block_red,
-            GROUP_M=cfg.group_rows,
-            BLOCK_GROUPS=block_groups(N + 2),
-            NUM_PROGRAMS=nprog,
-            FLATTEN=cfg.flatten,
-            EPI_TMA=epi_tma,
-            num_stages=cfg.stages,
-            num_warps=cfg.warps,
+            **schedule,
         ),
     )
 
@@ -210,22 +254,7 @@ def grouped_gemm_forward(
     chosen here. Returns a fresh (M, O) tensor of x's dtype; accumulation and epilogue math in fp32.
     M and every feature size must stay below 2**31 (TMA coordinates are int32).
     """
-    if bias_NO is None and bias_scale_M is not None:
-        raise ValueError("bias_scale given without bias: it scales the bias")
-    if bias_NO is not None:
-        N, O, _ = w_NOI.shape
-        if tuple(bias_NO.shape) != (N, O):
-            raise ValueError(f"bias must have shape ({N}, {O}), got {tuple(bias_NO.shape)}")
-        if bias_NO.device != x_MI.device:
-            raise ValueError(f"bias is on {bias_NO.device}, x on {x_MI.device}")
-        if bias_NO.stride(-1) != 1:
-            bias_NO = bias_NO.contiguous()
-    if bias_scale_M is not None:
-        if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x_MI.shape[0]:
-            raise ValueError(f"bias_scale must have shape ({x_MI.shape[0]},), got {tuple(bias_scale_M.shape)}")
-        if bias_scale_M.device != x_MI.device:
-            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x_MI.device}")
-        bias_scale_M = bias_scale_M.contiguous()
+    bias_NO, bias_scale_M = check_bias(bias_NO, bias_scale_M, x_MI, w_NOI.shape[0], w_NOI.shape[1], None)
     return _mm("fwd", x_MI, w_NOI, offs, bias_NO, bias_scale_M, cfg, use_tma)
 
 

@@ -42,16 +42,14 @@ from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
 from moekit.ops.runtime.configs import FP8_BLOCK_RED, GemmConfig, fp8_gemm_candidates
 from moekit.ops.runtime.device import cuda_capability
-from moekit.ops.runtime.gemm import check_offs
+from moekit.ops.runtime.gemm import check_bias, check_offs, mm_schedule
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
     LaunchPlan,
     Plan,
-    block_groups,
     device_ctx,
     empty,
-    grid_size,
     next_power_of_2,
     pick_config,
     plan_launch,
@@ -159,10 +157,7 @@ def _launch(
     M, red = a.shape
     N, w_rows, w_cols = w.shape
     block = FP8_GEMM_RECIPES[recipe]
-    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
-    nprog = grid_size(a.device, bound)
-    out_size = torch.finfo(out_dtype).bits // 8
-    epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
+    schedule = mm_schedule(M, N, out_cols, torch.finfo(out_dtype).bits // 8, cfg, tma, a.device)
     del op  # both ops are the same problem (module docstring)
     # Scale strides (contiguous scales): rows operand per row; weight per member, then along the
     # reduction and the output columns (module docstring's shapes).
@@ -176,7 +171,7 @@ def _launch(
     ints += (bias.stride(0) if bias is not None else 0, stride_asm, stride_bsg, stride_bs_red, stride_bs_col)
     return LaunchPlan(
         _GROUPED_MM_FP8,
-        (nprog,),
+        (schedule["NUM_PROGRAMS"],),
         ints,
         dict(
             TRANS_B=True,
@@ -184,18 +179,32 @@ def _launch(
             SCALE_BLOCK=block if block is not None else 1,
             HAS_BIAS=bias is not None,
             HAS_SCALE=has_scale,
-            USE_TMA=tma,
-            BLOCK_M=cfg.block_rows,
-            BLOCK_C=cfg.block_cols,
-            BLOCK_RED=cfg.block_red,
-            GROUP_M=cfg.group_rows,
-            BLOCK_GROUPS=block_groups(N + 2),
-            NUM_PROGRAMS=nprog,
-            FLATTEN=cfg.flatten,
-            EPI_TMA=epi_tma,
-            num_stages=cfg.stages,
-            num_warps=cfg.warps,
+            **schedule,
         ),
+    )
+
+
+def _tensors(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_scale: torch.Tensor | None,
+    offs: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The tensor arguments of a `_launch` plan, in the kernel's order; an absent bias or bias scale
+    is passed as `out` (a valid pointer the kernel never reads: HAS_BIAS / HAS_SCALE are off)."""
+    return (
+        a,
+        a_scale,
+        w,
+        w_scale,
+        out,
+        bias if bias is not None else out,
+        bias_scale if bias_scale is not None else out,
+        offs,
     )
 
 
@@ -230,14 +239,7 @@ def _plan(
             def trial(c: GemmConfig) -> None:
                 out = empty((M, cols), a.device, out_dtype)
                 _launch(op, recipe, a, w, cols, out_dtype, bias, has_scale, c, tma)(
-                    a,
-                    a_scale,
-                    w,
-                    w_scale,
-                    out,
-                    bias if bias is not None else out,
-                    bias_scale if bias_scale is not None else out,
-                    offs,
+                    *_tensors(a, a_scale, w, w_scale, out, bias, bias_scale, offs)
                 )
 
             problem = ("fp8", op, recipe, out_dtype, cols, red, N, next_power_of_2(M), tma, bias is not None, has_scale)
@@ -278,16 +280,7 @@ def _mm(
     if plan.launch is None:
         return out.zero_() if plan.zero else out
     with device_ctx(a.device):
-        plan.launch(
-            a,
-            a_scale,
-            w,
-            w_scale,
-            out,
-            bias if bias is not None else out,
-            bias_scale if bias_scale is not None else out,
-            offs,
-        )
+        plan.launch(*_tensors(a, a_scale, w, w_scale, out, bias, bias_scale, offs))
     return out
 
 
@@ -314,23 +307,7 @@ def quantized_gemm_forward(
     offs[N] are written as 0. cfg / use_tma: a fixed kernel configuration and operand path (tests and
     tuning); None = chosen here. Returns a fresh (M, O) tensor.
     """
-    if bias_NO is None and bias_scale_M is not None:
-        raise ValueError("bias_scale given without bias: it scales the bias")
-    if bias_NO is not None:
-        N, O = w_data.shape[0], w_data.shape[1]
-        if tuple(bias_NO.shape) != (N, O) or bias_NO.dtype != out_dtype or bias_NO.device != x_data.device:
-            raise ValueError(
-                f"bias must be ({N}, {O}) {out_dtype} on {x_data.device}, got {tuple(bias_NO.shape)} "
-                f"{bias_NO.dtype} on {bias_NO.device}"
-            )
-        if bias_NO.stride(-1) != 1:
-            bias_NO = bias_NO.contiguous()
-    if bias_scale_M is not None:
-        if bias_scale_M.dim() != 1 or bias_scale_M.shape[0] != x_data.shape[0]:
-            raise ValueError(f"bias_scale must have shape ({x_data.shape[0]},), got {tuple(bias_scale_M.shape)}")
-        if bias_scale_M.device != x_data.device:
-            raise ValueError(f"bias_scale is on {bias_scale_M.device}, x on {x_data.device}")
-        bias_scale_M = bias_scale_M.contiguous()
+    bias_NO, bias_scale_M = check_bias(bias_NO, bias_scale_M, x_data, w_data.shape[0], w_data.shape[1], out_dtype)
     return _mm("fwd", recipe, x_data, x_scale, w_data, w_scale, offs, out_dtype, bias_NO, bias_scale_M, cfg, use_tma)
 
 
