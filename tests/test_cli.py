@@ -271,25 +271,36 @@ def test_progress_shows_the_time_left(monkeypatch, capsys):
 
 
 def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:
-    """Start a convert of a 96 MB checkpoint, and send `sig` while its temporary output exists."""
+    """Start a convert of a 96 MB checkpoint, and send `sig` while its temporary output exists.
+
+    The process is stopped (SIGSTOP) first and the temporary output looked for while it cannot move:
+    where the write had already finished in the moment between seeing the file and stopping it (a fast
+    disk), the signal would not land mid-write, so that attempt is let finish, cleaned up and made
+    again (at most 5 times)."""
     src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
     dst = tmp_path / "out.safetensors"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
-    temp = f".out.safetensors.moekit-convert-tmp-{proc.pid}"
-    deadline = time.monotonic() + 120
-    while not (tmp_path / temp).exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "convert ended before it could be interrupted"
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGSTOP)  # hold it mid-write, so that the signal lands there
-    proc.send_signal(sig)
-    proc.send_signal(signal.SIGCONT)
-    return proc, [temp]
+    for _ in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        temp = f".out.safetensors.moekit-convert-tmp-{proc.pid}"
+        deadline = time.monotonic() + 120
+        while not (tmp_path / temp).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "convert ended before it could be interrupted"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)  # hold it mid-write, so that the signal lands there
+        if (tmp_path / temp).exists():
+            proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)
+            return proc, [temp]
+        proc.send_signal(signal.SIGCONT)
+        proc.communicate(timeout=300)
+        dst.unlink(missing_ok=True)
+    raise AssertionError("the convert finished its write before it could be stopped, 5 times")
 
 
 def test_sigterm_removes_the_temporary_output(tmp_path):
