@@ -280,13 +280,7 @@ def _interrupted_convert(tmp_path, sig) -> tuple[subprocess.Popen, list]:
     src = _hf_file(tmp_path / "src.safetensors", extra_bytes=96 << 20)
     dst = tmp_path / "out.safetensors"
     for _ in range(5):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moekit", "convert", str(src), str(dst), "--to", "grouped"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ENV,
-        )
+        proc = _start_with_default_sigint("convert", src, dst, "--to", "grouped")  # exec: the pid is kept
         temp = f".out.safetensors.moekit-convert-tmp-{proc.pid}"
         deadline = time.monotonic() + 120
         while not (tmp_path / temp).exists():
