@@ -526,6 +526,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--impls", default=",".join(IMPLS), help=f"comma list of columns (default all: {','.join(IMPLS)})"
     )
     parser.add_argument(
+        "--sonicmoe-commit",
+        default=None,
+        help="the git commit of the SonicMoE source imported (recorded in the JSON; its bundle has no metadata)",
+    )
+    parser.add_argument(
         "--max-seconds",
         type=float,
         default=None,
@@ -624,7 +629,7 @@ def main(argv=None) -> dict:
             else "routing given (ids, weights), router not timed"
         ),
         impls=list(impls),
-        sonicmoe=_sonicmoe_info() if "sonicmoe" in impls else None,
+        sonicmoe=_sonicmoe_info(args.sonicmoe_commit) if "sonicmoe" in impls else None,
         shapes=[asdict(s) for s in args.shape_list],
     )
     print_table(records, roofs)
@@ -638,13 +643,16 @@ def main(argv=None) -> dict:
             f"moe_experts ({args.backend}) vs plain_layer vs Liger {env['liger']}, {env['dtype']} on {gpu}, "
             f"torch {env['torch']}, triton {env['triton']}, {(env['git_commit'] or '?')[:10]}, {env['date']}"
         )
-        plot(records, roofs, args.out / f"{NAME}.png", title)
+        try:
+            plot(records, roofs, args.out / f"{NAME}.png", title)
+        except Exception as exc:  # a broken matplotlib must not lose the run: the JSON is written
+            print(f"plot not drawn ({runner.error_reason(exc)}); the JSON holds every number")
     return payload
 
 
-def _sonicmoe_info() -> dict | None:
-    """Where sonicmoe was imported from and the CuTeDSL version beside it (the bundle has no
-    package metadata of its own; its commit is in the bundle's README_lead.txt)."""
+def _sonicmoe_info(commit: str | None) -> dict | None:
+    """Where sonicmoe was imported from, the commit of its source (--sonicmoe-commit: the bundle has
+    no package metadata of its own) and the CuTeDSL version beside it."""
     import sys
 
     module = sys.modules.get("sonicmoe")
@@ -656,7 +664,7 @@ def _sonicmoe_info() -> dict | None:
         cutlass_dsl = version("nvidia-cutlass-dsl")
     except Exception:
         cutlass_dsl = None
-    return {"path": os.path.dirname(module.__file__), "nvidia_cutlass_dsl": cutlass_dsl}
+    return {"path": os.path.dirname(module.__file__), "commit": commit, "nvidia_cutlass_dsl": cutlass_dsl}
 
 
 def _liger_version() -> str | None:
