@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from moekit.ops import library
 from moekit.ops.activations import activation_named
+from moekit.ops.runtime.backends import GATED_DTYPES, gated_uses_triton
 from moekit.ops.splits import compute_dtype
 from moekit.validation import check_float_tensor, check_int, check_same_device, check_tensor
 
@@ -67,36 +69,52 @@ def join_gate_up(gate: torch.Tensor, up: torch.Tensor, glu_interleave_size: int 
 
 
 class _GluFn(torch.autograd.Function):
-    """Saves only h (and probs); the backward recomputes the activation in fp32."""
+    """Saves only h (and probs); the backward recomputes the activation in fp32. With use_triton both
+    directions run moekit's kernel (one pass each, `moekit.ops.kernels.gated`), else plain torch ops."""
 
     @staticmethod
     def forward(
-        ctx: Any, h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_interleave_size: int | None, activation: str
+        ctx: Any,
+        h_M2F: torch.Tensor,
+        probs_M: torch.Tensor | None,
+        glu_interleave_size: int | None,
+        activation: str,
+        use_triton: bool,
     ) -> torch.Tensor:
+        ctx.save_for_backward(h_M2F, probs_M)
+        ctx.glu_interleave_size, ctx.activation, ctx.use_triton = glu_interleave_size, activation, use_triton
+        if use_triton:
+            glu_block = check_interleave(h_M2F.shape[1] // 2, glu_interleave_size)
+            return library.gated_forward(h_M2F, probs_M, glu_block, activation)
         act = activation_named(activation)
         gate, up = split_gate_up(h_M2F, glu_interleave_size)
         acc_t = compute_dtype(h_M2F, probs_M)
         out = act.forward(gate.to(acc_t), up.to(acc_t))
         if probs_M is not None:
             out = out * probs_M.to(acc_t)[:, None]
-        ctx.save_for_backward(h_M2F, probs_M)
-        ctx.glu_interleave_size, ctx.activation = glu_interleave_size, activation
         return out.to(h_M2F.dtype)
 
     @staticmethod
-    def backward(ctx: Any, d_out_MF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, d_out_MF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         h_M2F, probs_M = ctx.saved_tensors
+        need_d_probs = probs_M is not None and ctx.needs_input_grad[1]
+        if ctx.use_triton:
+            glu_block = check_interleave(h_M2F.shape[1] // 2, ctx.glu_interleave_size)
+            d_out_MF = d_out_MF if d_out_MF.stride(-1) == 1 else d_out_MF.contiguous()
+            dh, d_probs32 = library.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, ctx.activation, need_d_probs)
+            d_probs = d_probs32.to(probs_M.dtype) if need_d_probs and probs_M is not None else None
+            return dh, d_probs, None, None, None
         act = activation_named(ctx.activation)
         gate, up = split_gate_up(h_M2F, ctx.glu_interleave_size)
         acc_t = compute_dtype(h_M2F, probs_M)
         gate, up, d_out = gate.to(acc_t), up.to(acc_t), d_out_MF.to(acc_t)
         d_probs = None
         if probs_M is not None:
-            if ctx.needs_input_grad[1]:
+            if need_d_probs:
                 d_probs = (act.forward(gate, up) * d_out).sum(-1).to(probs_M.dtype)
             d_out = d_out * probs_M.to(acc_t)[:, None]
         d_gate, d_up = act.backward(gate, up, d_out)
-        return join_gate_up(d_gate, d_up, ctx.glu_interleave_size).to(h_M2F.dtype), d_probs, None, None
+        return join_gate_up(d_gate, d_up, ctx.glu_interleave_size).to(h_M2F.dtype), d_probs, None, None, None
 
 
 def _check_h(h: torch.Tensor) -> None:
@@ -111,18 +129,39 @@ def glu(
     activation: str = "swiglu",
     probs: torch.Tensor | None = None,
     glu_interleave_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Gated activation of fc1's output: out = act(gate) * up (* probs per row).
 
     h: (M, 2F) gates and ups, standard or interleaved order (module doc). activation: a name of
     `moekit.ops.activations.ACTIVATIONS`. probs: optional (M,) router probabilities that scale each
     output row. Returns (M, F) in h's dtype; math in fp32 (float64 for float64 h) with one rounding.
+    backend: "auto" runs moekit's kernel on CUDA where it runs (fp32, bf16, fp16), "triton" wherever it
+    runs (the CPU under TRITON_INTERPRET=1), "torch" / "loop" plain torch ops; the same values up to
+    the order of fp32 operations.
     """
     activation_named(activation)
     _check_h(h)
     probs = check_probs(probs, h.shape[0], h)
     check_interleave(h.shape[1] // 2, glu_interleave_size)
-    return _GluFn.apply(h, probs, glu_interleave_size, activation)
+    return apply_glu(h, probs, glu_interleave_size, activation, gated_uses_triton(backend, h))
+
+
+def apply_glu(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    use_triton: bool,
+) -> torch.Tensor:
+    """`glu` on checked arguments (h (M, 2F), probs (M,) or None), on moekit's kernel where use_triton
+    (the composed MLP passes its layer's choice)."""
+    # The kernel's dtypes (a float64 probs keeps the torch ops' float64 math); unit-stride operands.
+    use_triton = use_triton and h_M2F.dtype in GATED_DTYPES and (probs_M is None or probs_M.dtype in GATED_DTYPES)
+    if use_triton:
+        h_M2F = h_M2F if h_M2F.stride(-1) == 1 else h_M2F.contiguous()
+        probs_M = probs_M.contiguous() if probs_M is not None else None
+    return _GluFn.apply(h_M2F, probs_M, glu_interleave_size, activation, use_triton)
 
 
 def swiglu(

@@ -38,7 +38,7 @@ import torch
 
 from moekit.ops import library
 from moekit.ops.activations import activation_named
-from moekit.ops.glu import check_interleave, check_probs, glu, glu_reference
+from moekit.ops.glu import apply_glu, check_interleave, check_probs, glu_reference
 from moekit.ops.grouped_linear import (
     Weight,
     check_linear_params,
@@ -52,7 +52,7 @@ from moekit.ops.grouped_linear import (
 )
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import ExpertOrder
-from moekit.ops.runtime.backends import FusedMLP, backend_named, fused_mlp_of, select_backend
+from moekit.ops.runtime.backends import FusedMLP, backend_named, fused_mlp_of, select_backend, use_triton_rows
 from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
 from moekit.validation import check_float_tensor
 
@@ -128,7 +128,7 @@ def grouped_mlp(
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         return fused_mlp(spec, offs.offs, None, x.shape[0], row_major(x), probs, w1s, b1s, w2s, b2s)
     h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend, quantization=quantization, weight_cache=cache1)
-    a = glu(h, activation=activation, probs=probs, glu_interleave_size=glu_interleave_size)
+    a = apply_glu(h, probs, glu_interleave_size, activation, use_triton_rows(fc1_impl, x))
     scale = probs if probs is not None and b2s else None
     return grouped_linear(
         a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale, quantization=quantization, weight_cache=cache2

@@ -332,6 +332,49 @@ def glu_backward(
 
 
 # --------------------------------------------------------------------------------------------------
+# The gated activation on its own (moekit's kernel; `backends.gated_uses_triton` says where)
+# --------------------------------------------------------------------------------------------------
+
+
+def _gated_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int,
+                   activation: str) -> torch.Tensor:  # fmt: skip
+    """(M, F): ACT(gate(h), up(h)) (* probs) (`moekit.ops.runtime.gated.gated_forward`)."""
+    return backends.gated_forward(h_M2F, probs_M, glu_block, activation)
+
+
+_gated_forward_op = torch.library.custom_op("moekit::gated_forward", _gated_forward, mutates_args=())
+
+
+@_gated_forward_op.register_fake
+def _(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str) -> torch.Tensor:
+    return h_M2F.new_empty(h_M2F.shape[0], h_M2F.shape[1] // 2)
+
+
+gated_forward = _entry(_gated_forward_op, _gated_forward)
+
+
+def _gated_backward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, d_out_MF: torch.Tensor, glu_block: int,
+                    activation: str, need_d_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dh (M, 2F), d probs: (M,) fp32 where probs and need_d_probs, else (0,))
+    (`moekit.ops.runtime.gated.gated_backward`; a custom op returns no None)."""
+    dh, d_probs = backends.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs)
+    return dh, d_probs if d_probs is not None else h_M2F.new_empty(0, dtype=torch.float32)
+
+
+_gated_backward_op = torch.library.custom_op("moekit::gated_backward", _gated_backward, mutates_args=())
+
+
+@_gated_backward_op.register_fake
+def _(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, d_out_MF: torch.Tensor, glu_block: int, activation: str,
+      need_d_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    rows = h_M2F.shape[0] if need_d_probs and probs_M is not None else 0
+    return torch.empty_like(h_M2F), h_M2F.new_empty(rows, dtype=torch.float32)
+
+
+gated_backward = _entry(_gated_backward_op, _gated_backward)
+
+
+# --------------------------------------------------------------------------------------------------
 # Row movement
 # --------------------------------------------------------------------------------------------------
 

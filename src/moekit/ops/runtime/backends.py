@@ -388,6 +388,7 @@ class TorchBackend:
 class TritonRuntime(NamedTuple):
     """moekit's Triton runtime modules."""
 
+    gated: ModuleType
     gemm: ModuleType
     glu: ModuleType
     launch: ModuleType
@@ -405,11 +406,11 @@ def triton_runtime() -> TritonRuntime | None:
     runs without triton through the other backends."""
     if not _RUNTIME:
         try:
-            from moekit.ops.runtime import gemm, glu, launch, quantize, quantized_gemm, routing, rows
+            from moekit.ops.runtime import gated, gemm, glu, launch, quantize, quantized_gemm, routing, rows
         except ImportError:
             _RUNTIME.append(None)
         else:
-            _RUNTIME.append(TritonRuntime(gemm, glu, launch, rows, routing, quantize, quantized_gemm))
+            _RUNTIME.append(TritonRuntime(gated, gemm, glu, launch, rows, routing, quantize, quantized_gemm))
     return _RUNTIME[0]
 
 
@@ -539,6 +540,40 @@ def gather_sum_rows(
     if weight is not None:
         gathered = gathered * weight.to(acc_t)[:, :, None]
     return gathered.sum(1).to(src_SD.dtype)
+
+
+GATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def gated_uses_triton(backend: str, h: torch.Tensor) -> bool:
+    """Whether the gated activation on its own (`moekit.ops.glu.glu`) runs moekit's kernel for `backend`:
+    "triton" wherever moekit's kernels run (ValueError saying why elsewhere), "auto" on CUDA where they
+    run, "torch" and "loop" never (plain torch, the same math in another order)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend in ("torch", "loop"):
+        return False
+    why = triton_unavailable_reason(h.device, h.dtype)
+    if backend == "triton" and why is not None:
+        raise ValueError(f"backend='triton' cannot run the activation here: {why}")
+    return why is None and (backend == "triton" or h.device.type == "cuda") and h.dtype in GATED_DTYPES
+
+
+def gated_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str) -> torch.Tensor:
+    """moekit's gated-activation kernel (`moekit.ops.runtime.gated.gated_forward`)."""
+    return _runtime().gated.gated_forward(h_M2F, probs_M, glu_block, activation)
+
+
+def gated_backward(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    need_d_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """moekit's gated-activation backward kernel (`moekit.ops.runtime.gated.gated_backward`)."""
+    return _runtime().gated.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs)
 
 
 def set_autotune(enabled: bool) -> None:

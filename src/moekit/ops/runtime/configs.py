@@ -248,3 +248,17 @@ ROUTING_TILES: dict[Arch, RoutingTiles] = {
     # Tiny tiles, so that CPU tests cover several sub-blocks, chunks, bucket tiles and scan blocks quickly.
     "interpreter": RoutingTiles(16, 64, 4, 128, 64, 2, 4),
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# The gated activation on its own (kernels.gated): (BLOCK_ROWS, BLOCK_C, warps)
+# --------------------------------------------------------------------------------------------------
+
+# About 4096 activation columns a program (gate and up: 16 KB of bf16 read per tile, enough bytes in
+# flight to stream at HBM speed); the backward walks a row's F columns in BLOCK_C steps. Tiny tiles
+# under the interpreter, so that CPU tests cover several row tiles and several column steps of a row.
+GATED_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (16, 256, 4),
+    "sm80": (16, 256, 4),
+    "interpreter": (4, 8, 4),
+}

@@ -1,0 +1,105 @@
+"""The gated activation on its own, over rows of fc1's output (jit code only; host code in
+`moekit.ops.runtime.gated`): the composed MLP's activation where fc1 is not fused with it (the quantized
+paths, whose fc1 is an FP8 GEMM).
+
+Legend: M rows, F ffn size (the activation's output features).
+
+    gated_forward_kernel    out[r, c] = ACT(gate(h)[r, c], up(h)[r, c]) (* probs[r])
+    gated_backward_kernel   dh = ACT_GRAD(gate, up, d_out (* probs)) in h's order, and with NEED_DPROBS
+                            d probs[r] = sum over c of ACT(gate, up)[r, c] * d_out[r, c]
+
+Gate and up of activation column c sit at h's columns (c // GLU_BLOCK) * 2 * GLU_BLOCK + c % GLU_BLOCK
+and GLU_BLOCK further (GLU_BLOCK = F: the `[gate | up]` order; `moekit.ops.glu`). Both compute in fp32
+from h as stored, one rounding at the store, the activation's jit pair (`moekit.ops.kernels.activations`)
+as every fused kernel calls it.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up_columns(offs_c, GLU_BLOCK: tl.constexpr):
+    gate = (offs_c // GLU_BLOCK) * (2 * GLU_BLOCK) + offs_c % GLU_BLOCK
+    return gate, gate + GLU_BLOCK
+
+
+@triton.jit
+def gated_forward_kernel(
+    h_ptr,
+    probs_ptr,
+    out_ptr,
+    rows,
+    ffn,
+    stride_h,
+    stride_out,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One (BLOCK_ROWS, BLOCK_C) tile of out (rows, F) per program, its only writer."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # rows x stride pass 2^31
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_r = offs_r < rows
+    mask = mask_r[:, None] & (offs_c < ffn)[None, :]
+    gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
+    h_rows = h_ptr + offs_r[:, None] * stride_h
+    g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = ACT(g, u)
+    if HAS_PROBS:
+        out = out * tl.load(probs_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_r[:, None] * stride_out + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated_backward_kernel(
+    h_ptr,
+    probs_ptr,
+    d_out_ptr,
+    dh_ptr,
+    d_probs_ptr,
+    rows,
+    ffn,
+    stride_h,
+    stride_d_out,
+    stride_dh,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    NEED_DPROBS: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """BLOCK_ROWS whole rows per program: it walks the F columns in BLOCK_C steps, so each row's d probs
+    is one program's fp32 sum in a fixed order (no atomics, the same bits run to run)."""
+    pid_r = tl.program_id(0)
+    offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    mask_r = offs_r < rows
+    h_rows = h_ptr + offs_r[:, None] * stride_h
+    dh_rows = dh_ptr + offs_r[:, None] * stride_dh
+    d_out_rows = d_out_ptr + offs_r[:, None] * stride_d_out
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    d_probs = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for c0 in range(0, ffn, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        mask = mask_r[:, None] & (offs_c < ffn)[None, :]
+        gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
+        g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_out_rows + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_PROBS:
+            if NEED_DPROBS:
+                d_probs += tl.sum(ACT(g, u) * d, axis=1)
+            d = d * p[:, None]
+        d_g, d_u = ACT_GRAD(g, u, d)
+        tl.store(dh_rows + gate_c[None, :], d_g.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_rows + up_c[None, :], d_u.to(dh_ptr.dtype.element_ty), mask=mask)
+    if NEED_DPROBS:
+        tl.store(d_probs_ptr + offs_r, d_probs, mask=mask_r)
