@@ -27,10 +27,26 @@ The forward runs three partitions of one program at once:
 
 The tile schedule (`moekit.ops.kernels.schedule`) and the activation pair (ACT, ACT_GRAD from
 `moekit.ops.kernels.activations`) are the Triton kernels' own jit functions, called from Gluon, so
-both kernels give the same bits. Weight rows are read through a 2-D view (N * 2F, H) of w1 (one
-expert after the other): the gate rows of a tile's columns are one run of BLOCK_C rows, which needs
-BLOCK_C | k or k = F (then the rows of the last, partial tile past F are up rows or the next
-expert's, feeding only columns past F, which are never stored).
+both kernels give the same bits.
+
+GLU layouts (k = glu_interleave_size, k = F for `[gate | up]`) and weight orientations. The weights
+are read through a 2-D view of the tensor as stored, one expert after the other: (N * 2F, H) of w1
+(N, 2F, H), or with W_TRANSPOSED (N * H, 2F) of the (N, H, 2F) tensor under a transposed w1 view
+(transformers' gpt-oss), whose boxes land MN-major in shared memory, which wgmma takes as they are;
+likewise (N * H, F) of w2 or (N * F, H) under its transposed view (K-major boxes, permuted). A
+forward tile's two accumulators each take one run of BLOCK_C consecutive fc1 rows (a 2-D box, the
+main loop is the same for every layout):
+    split   (k = F or BLOCK_C | k) the gate rows of the tile's columns and their up rows
+    PAIRED  (k | BLOCK_C, k < F)   the tile's 2 BLOCK_C gate and up rows in fc1's own order, starting
+                                   at row 2 c0: h comes out in its stored order, and the epilogue
+                                   pairs each gate with its up: for k < 16 a thread reads 2 x 8
+                                   consecutive columns of h, whole blocks, and splits them in its
+                                   registers; for 16 <= k a chunk's gates and ups are two slices
+Rows of the last, partial tile past F feed only columns past F, which are never stored (up rows,
+the next expert's, or zeros past the last). The backward's w2 boxes do not depend on k; its h and
+dh chunks of 16 activation columns lie in one block (k = F or 16 | k) or, for k | 8, are 32
+consecutive columns of h split (and dh joined) in registers. Blocks that neither divide nor are
+divided by the tile (k = 3, 24, 192, ...) run the Triton kernels (`runtime.glu.hopper_layout_ok`).
 
 The backward has two partitions: the load warp, and 8 warps that run a 128 x 256 main loop (two
 accumulators over one dy box and two w2 boxes, the plain GEMM's tile: 128 x 128 tiles read a third
@@ -457,8 +473,10 @@ def glu_forward_ws_kernel(
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
 
     x: (M, H) row stride stride_xm; w: (N, 2F, H), experts contiguous (stride 2F * stride_wr), rows
-    stride_wr, unit last stride; bias: (N, 2F); probs: (M,) any float dtype. Needs BLOCK_C | k or
-    k = F, TMA-aligned x and w (16-byte rows and base). num_warps = 8 (the mma partition).
+    stride_wr, unit last stride, or with W_TRANSPOSED the (N, H, 2F) tensor under a transposed view
+    of it (experts H * stride_wr apart, rows stride_wr, needs BLOCK_RED | H); bias: (N, 2F); probs:
+    (M,) any float dtype. Needs k = F or BLOCK_C | k (split), or k | BLOCK_C with PAIRED;
+    TMA-aligned x and w (16-byte rows and base). num_warps = 8 (the mma partition).
     """
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
@@ -1022,9 +1040,10 @@ def glu_backward_ws_kernel(
     and act_p (M, F) in h's dtype (the same bits), with probs the d probs partials
     (cdiv(F, 2 BLOCK_C), M) fp32 (another summation order than glu_backward_kernel's). A tile is
     BLOCK_M rows by 2 BLOCK_C activation columns. dy: (M, H) row stride stride_dym; w: fc2's
-    (N, H, F), experts contiguous (stride H * stride_wr), unit last stride; needs BLOCK_RED | H
-    (the 2-D view (N * H, F) of w2 must not reach into the next expert) and k = F or BLOCK_C | k.
-    num_warps = 8 (the mma partition)."""
+    (N, H, F), experts contiguous (stride H * stride_wr), unit last stride, needs BLOCK_RED | H (the
+    2-D view (N * H, F) of w2 must not reach into the next expert); or with W_TRANSPOSED the
+    (N, F, H) tensor under a transposed view of it (experts F * stride_wr apart). Needs k = F,
+    BLOCK_C | k, EPI_COLS | k below BLOCK_C, or k | 8. num_warps = 8 (the mma partition)."""
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     # The weight boxes: (BLOCK_C, BLOCK_RED) of fc2's transposed storage, else (BLOCK_RED, BLOCK_C).

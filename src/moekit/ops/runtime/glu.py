@@ -329,9 +329,10 @@ def glu_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
 
-    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64; bias_N2F
-    (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write into instead of fresh tensors (rows of
-    larger row-major buffers; `moe_experts` writes the rows of one launch into part of a buffer).
+    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with a unit last or middle stride (`transposed_weight`);
+    offs (N+1,) device int64; bias_N2F (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write
+    into instead of fresh tensors (rows of larger row-major buffers; `moe_experts` writes the rows of
+    one launch into part of a buffer).
     use_tma=False forces the pointer path (tests); cfg a fixed Triton kernel configuration (tests,
     tuning), else the table's. The activation is computed from h as stored (rounded to the output
     dtype), so the backward, which recomputes it from the saved h, sees the forward's values.
@@ -491,11 +492,12 @@ def glu_backward_partials(
     """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), d probs partials (F tiles,
     M) fp32 ((0, M) where no kernel runs; None without probs)).
 
-    dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h. act_p =
-    ACT(h) (* probs) is fc2's wgrad operand; the partials hold, per column tile, sum_j act[r, j] * dA[r, j]
-    (the activation part of d probs). A caller that runs the rows in several launches concatenates their
-    partials and sums them once: on the GPU a sum's association depends on its shape, so only the sum of
-    the whole (F tiles, M) gives the bits of one launch. out, use_tma, cfg as glu_forward's.
+    dy_MH (M, H) row-major; w2_NHF (N, H, F) with a unit last or middle stride; h_M2F the forward's
+    saved h. act_p = ACT(h) (* probs) is fc2's wgrad operand; the partials hold, per column tile,
+    sum_j act[r, j] * dA[r, j] (the activation part of d probs). A caller that runs the rows in several
+    launches concatenates their partials and sums them once: on the GPU a sum's association depends on
+    its shape, so only the sum of the whole (F tiles, M) gives the bits of one launch. out, use_tma, cfg
+    as glu_forward's.
     """
     M = dy_MH.shape[0]
     ffn = w2_NHF.shape[2]
