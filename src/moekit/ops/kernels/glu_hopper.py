@@ -749,7 +749,7 @@ def _bwd_load_h(
     pair_layout: gl.constexpr,
 ):
     """(gate, up) of h for activation columns c:c+EPI_COLS of the tile's rows, in h's dtype and
-    `layout`; zeros where mask_rows is false and past F. `_bwd_glu_cols` says where they are."""
+    `layout`; zeros where mask_rows is false and past F. `_bwd_pairs` and `_bwd_shift` say where."""
     rows = h_ptr + row0.to(gl.int64) * stride_hm
     if _bwd_pairs(GLU_BLOCK, EPI_COLS):
         pair_c = 2 * c + gl.arange(0, 2 * EPI_COLS, layout=gl.SliceLayout(0, pair_layout))
