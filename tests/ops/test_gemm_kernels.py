@@ -22,7 +22,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 gg = pytest.importorskip("moekit.ops.runtime.gemm")
+from helpers import torch_glu  # noqa: E402
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
+from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 
@@ -508,14 +510,14 @@ from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws
 from moekit.ops.runtime.configs import WS_BACKWARD, WS_FORWARD
 from moekit.ops.runtime.glu import jit_pair
 
-kind, activation, glu_block, bias, probs = json.loads(sys.argv[1])
+kind, activation, glu_block, bias, probs, transposed, paired = json.loads(sys.argv[1])
 kernel, config = (glu_forward_ws_kernel, WS_FORWARD) if kind == "forward" else (glu_backward_ws_kernel, WS_BACKWARD)
 options = {"num_warps": config["num_warps"], "maxnreg": config["maxnreg"]}
 const = {k: v for k, v in config.items() if k not in options}
 const.update(**jit_pair(activation), GLU_BLOCK=glu_block, HAS_PROBS=probs,
-             BLOCK_GROUPS=256, NUM_PROGRAMS=132)
+             BLOCK_GROUPS=256, NUM_PROGRAMS=132, W_TRANSPOSED=transposed)
 if kind == "forward":
-    const.update(HAS_BIAS=bias)
+    const.update(HAS_BIAS=bias, PAIRED=paired)
 pointer = {"probs_ptr": "*fp32", "dprobs_ptr": "*fp32", "offs_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else pointer.get(n, "*bf16") if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
@@ -528,15 +530,22 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 
 
 @pytest.mark.parametrize(
-    "kind,activation,glu_block,bias,probs,warps",
+    "kind,activation,glu_block,bias,probs,transposed,paired,warps",
     [
-        ("forward", "swiglu", 14336, False, True, 16),
-        ("forward", "clamped_swiglu", 128, True, False, 16),
-        ("backward", "swiglu", 14336, False, True, 12),
-        ("backward", "clamped_swiglu", 128, False, False, 12),
-        ("forward", "geglu", 2048, True, True, 16),
-        ("backward", "geglu_tanh", 2048, False, True, 12),
-        ("backward", "reglu", 256, False, False, 12),
+        ("forward", "swiglu", 14336, False, True, False, False, 16),
+        ("forward", "clamped_swiglu", 128, True, False, False, False, 16),
+        ("backward", "swiglu", 14336, False, True, False, False, 12),
+        ("backward", "clamped_swiglu", 128, False, False, False, False, 12),
+        ("forward", "geglu", 2048, True, True, False, False, 16),
+        ("backward", "geglu_tanh", 2048, False, True, False, False, 12),
+        ("backward", "reglu", 256, False, False, False, False, 12),
+        ("forward", "clamped_swiglu", 1, True, True, True, True, 16),
+        ("forward", "swiglu", 4, False, True, False, True, 16),
+        ("forward", "swiglu", 32, True, False, True, True, 16),
+        ("forward", "swiglu", 2880, True, True, True, False, 16),
+        ("backward", "clamped_swiglu", 1, False, True, True, False, 12),
+        ("backward", "swiglu", 8, False, False, False, False, 12),
+        ("backward", "swiglu", 16, False, True, True, False, 12),
     ],
     ids=[
         "fwd-swiglu-gate|up-probs",
@@ -546,21 +555,35 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
         "fwd-geglu-bias-probs",
         "bwd-geglu_tanh-probs",
         "bwd-reglu-k256",
+        "fwd-clamped-k1-transposed-bias-probs",
+        "fwd-swiglu-k4-probs",
+        "fwd-swiglu-k32-transposed-bias",
+        "fwd-swiglu-gate|up-transposed",
+        "bwd-clamped-k1-transposed-probs",
+        "bwd-swiglu-k8",
+        "bwd-swiglu-k16-transposed-probs",
     ],
 )
-def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, probs, warps):
+def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, probs, transposed, paired, warps):
     """The library's configurations compile for sm_90 with wgmma and register reallocation, inside
     Hopper's 227 KB of shared memory per block: the forward into 16 warps (8 mma, 4 epilogue, the
     load warp rounded up to a warp group), the backward into 12 (8 for the main loop and the
-    epilogue, the load warp's group). In its own process: Gluon's standard functions cannot be
-    compiled where TRITON_INTERPRET=1 has turned them into interpreted ones."""
+    epilogue, the load warp's group); also for the interleaved layouts (fc1's rows in pairs, h and
+    dh split in registers, whose reorders must stay in every thread's registers) and transposed
+    weights. In its own process: Gluon's standard functions cannot be compiled where
+    TRITON_INTERPRET=1 has turned them into interpreted ones."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps([kind, activation, glu_block, bias, probs])],
+        [
+            sys.executable,
+            "-c",
+            _COMPILE_FOR_SM90,
+            json.dumps([kind, activation, glu_block, bias, probs, transposed, paired]),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -613,7 +636,7 @@ def test_gpu_hopper_forward_matches_triton_kernel(case, dtype, nan_outputs):
     p = torch.rand(M, generator=gen).cuda() if probs else None
     offs = offs_of(splits, "cuda")
     glu_block = F if k is None else k
-    assert rglu.hopper_kernels_take(x, w1, F, glu_block, True, None, configs.WS_FORWARD)
+    assert rglu.hopper_kernels_take("fwd", x, w1, F, glu_block, True, None)
     h, act = rglu.glu_forward(x, w1, offs, b1, p, k, activation)
     cfg = configs.glu_candidates("fwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_forward_kernel
     h_ref, act_ref = rglu.glu_forward(x, w1, offs, b1, p, k, activation, cfg=cfg)
@@ -634,13 +657,148 @@ def test_gpu_hopper_backward_matches_triton_kernel(case, dtype, nan_outputs):
     p = torch.rand(M, generator=gen).cuda() if probs else None
     offs = offs_of(splits, "cuda")
     glu_block = F if k is None else k
-    assert H % 64 == 0 and rglu.hopper_kernels_take(dy, w2, F, glu_block, True, None, configs.WS_BACKWARD)
+    assert rglu.hopper_kernels_take("bwd", dy, w2, F, glu_block, True, None)
     dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs, p, k, activation)
     cfg = configs.glu_candidates("bwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_backward_kernel
     dh_ref, act_ref, dprobs_ref = rglu.glu_backward(dy, w2, h, offs, p, k, activation, cfg=cfg)
     assert torch.equal(dh, dh_ref) and torch.equal(act_p, act_ref)
     if probs:
         torch.testing.assert_close(dprobs, dprobs_ref, rtol=1e-4, atol=1e-4 * float(dprobs_ref.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every GLU layout on the Hopper kernels: glu_interleave_size 1 ... 128 and [gate | up], fc1's and
+# fc2's weights stored as (N, out, in) or under transposed views of (N, in, out) tensors.
+# ---------------------------------------------------------------------------------------------
+
+
+def transposed_view(w):
+    """w's values as a transposed view of an (N, in, out) tensor (transformers' gpt-oss storage)."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"])
+def test_hopper_layout_ok_takes_every_power_of_two_interleave(kind, transposed):
+    """The Hopper kernels take [gate | up], 128 | k and every k | 128, either weight orientation; the
+    forward no block that neither divides nor is divided by its 128-column tile, the backward none
+    whose 16-column chunks cross a block; H must give whole reduction steps only where it is the
+    stored middle dimension; the experts must lie one after the other."""
+    N, H, F = 3, 192, 384
+    w = torch.randn(N, 2 * F, H) if kind == "fwd" else torch.randn(N, H, F)
+    w = transposed_view(w) if transposed else w
+    for k in (1, 2, 4, 8, 16, 32, 64, 128, F):
+        assert rglu.hopper_layout_ok(kind, w, F, k, H), k
+    for k in (3, 24, 192):
+        assert not rglu.hopper_layout_ok(kind, w, F, k, H), k
+    assert rglu.hopper_layout_ok(kind, w, F, 48, H) == (kind == "bwd")
+    odd_h = torch.randn(N, 2 * F, 200) if kind == "fwd" else torch.randn(N, 200, F)
+    odd_h = transposed_view(odd_h) if transposed else odd_h
+    assert rglu.hopper_layout_ok(kind, odd_h, F, 1, 200) == (transposed == (kind == "bwd"))
+    spread = (torch.randn(N, 2 * F + 8, H)[:, : 2 * F]) if kind == "fwd" else torch.randn(N, H + 8, F)[:, :H]
+    spread = transposed_view(spread) if transposed else spread
+    assert rglu.hopper_layout_ok(kind, spread, F, 1, H) == transposed  # a transposed copy is contiguous
+
+
+# M (padding rows past the splits' sum), splits (odd counts, an empty expert), H (whole 64-column steps), F
+LAYOUT_SHAPES = {"F384": (800, [100, 0, 233, 444], 192, 384), "F320": (300, [1, 0, 276], 128, 320)}
+LAYOUT_CASES = [("F384", k) for k in (1, 2, 4, 8, 16, 32, 64, 128, None)] + [("F320", k) for k in (1, 8, 64, None)]
+
+
+def layout_cases(test):
+    """A GPU test on an sm_90 device over LAYOUT_CASES x weight orientation, bf16. Bias and probs
+    alternate over the cases (both in each orientation), and so do swiglu and clamped_swiglu."""
+    for mark in reversed(
+        [
+            gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                reason="needs an sm_90 GPU",
+            ),
+            pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"]),
+            pytest.mark.parametrize(
+                "shape,interleave", LAYOUT_CASES, ids=[f"{s}-k{k or 'F'}" for s, k in LAYOUT_CASES]
+            ),
+        ]
+    ):
+        test = mark(test)
+    return test
+
+
+def layout_case(shape, interleave):
+    """(M, splits, H, F, with bias and probs, activation, seed) of a LAYOUT_CASES entry."""
+    i = LAYOUT_CASES.index((shape, interleave))
+    return (*LAYOUT_SHAPES[shape], i % 2 == 0, "clamped_swiglu" if i % 3 == 0 else "swiglu", 21 + i)
+
+
+@layout_cases
+def test_gpu_hopper_forward_every_layout(shape, interleave, transposed, nan_outputs):
+    """glu_forward_ws_kernel takes the layout and gives glu_forward_kernel's bits, within the rule of
+    the float64 reference, with exact zeros on padding rows."""
+    M, splits, H, F, extras, activation, seed = layout_case(shape, interleave)
+    dtype, used, N = torch.bfloat16, sum(splits), len(splits)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, H, generator=gen) * 3).to("cuda", dtype)
+    w1 = (torch.randn(N, 2 * F, H, generator=gen) / H**0.5).to("cuda", dtype)
+    w1 = transposed_view(w1) if transposed else w1
+    b1 = torch.randn(N, 2 * F, generator=gen).to("cuda", dtype) if extras else None
+    p = torch.rand(M, generator=gen).cuda() if extras else None
+    offs = offs_of(splits, "cuda")
+    glu_block = F if interleave is None else interleave
+    assert rglu.hopper_kernels_take("fwd", x, w1, F, glu_block, True, None)
+    h, act = rglu.glu_forward(x, w1, offs, b1, p, interleave, activation)
+    cfg = configs.glu_candidates("fwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_forward_kernel
+    h_tri, act_tri = rglu.glu_forward(x, w1, offs, b1, p, interleave, activation, cfg=cfg)
+    assert torch.equal(h, h_tri) and torch.equal(act, act_tri)
+    assert not h[used:].any() and not act[used:].any(), "padding rows must be exact zeros"
+    h_lowp = ref_forward(x[:used], w1, splits, b1, dtype=dtype)
+    assert_close(h[:used], ref_forward(x[:used], w1, splits, b1), h_lowp, dtype)
+    # act from the stored h (what the kernels compute it from)
+    p_used = p[:used] if extras else None
+    act64 = glu_reference(h[:used], probs=p_used, glu_interleave_size=interleave, activation=activation)
+    act_lowp = torch_glu(h[:used], probs=p_used, glu_interleave_size=interleave, activation=activation)
+    assert_close(act[:used], act64, act_lowp.to(dtype), dtype)
+
+
+@layout_cases
+def test_gpu_hopper_backward_every_layout(shape, interleave, transposed, nan_outputs):
+    """glu_backward_ws_kernel takes the layout and gives glu_backward_kernel's dh and act_p bits (d
+    probs: another fp32 summation order), within the rule of the float64 reference, zeros on padding
+    rows."""
+    M, splits, H, F, probs, activation, seed = layout_case(shape, interleave)
+    probs = not probs  # the forward's cases without probs have them here
+    dtype, used, N = torch.bfloat16, sum(splits), len(splits)
+    gen = torch.Generator().manual_seed(seed)
+    h = (torch.randn(M, 2 * F, generator=gen) * 2).to("cuda", dtype)
+    h[used:] = 0.0  # the forward's padding rows
+    dy = torch.randn(M, H, generator=gen).to("cuda", dtype)
+    w2 = (torch.randn(N, H, F, generator=gen) / F**0.5).to("cuda", dtype)
+    w2 = transposed_view(w2) if transposed else w2
+    p = torch.rand(M, generator=gen).cuda() if probs else None
+    offs = offs_of(splits, "cuda")
+    glu_block = F if interleave is None else interleave
+    assert rglu.hopper_kernels_take("bwd", dy, w2, F, glu_block, True, None)
+    dh, act_p, dprobs = rglu.glu_backward(dy, w2, h, offs, p, interleave, activation)
+    cfg = configs.glu_candidates("bwd", dtype, F, glu_block, True, "sm90")[0]  # a given cfg: glu_backward_kernel
+    dh_tri, act_tri, dprobs_tri = rglu.glu_backward(dy, w2, h, offs, p, interleave, activation, cfg=cfg)
+    assert torch.equal(dh, dh_tri) and torch.equal(act_p, act_tri)
+    assert not dh[used:].any() and not act_p[used:].any(), "padding rows must be exact zeros"
+    h64 = h[:used].double().requires_grad_()
+    p64 = p[:used].double().requires_grad_() if probs else None
+    act64 = glu_reference(h64, probs=p64, glu_interleave_size=interleave, activation=activation)
+    act64.backward(ref_dgrad(dy[:used], w2, splits))
+    h_lowp = h[:used].clone().requires_grad_()
+    p_lowp = p[:used].to(dtype).requires_grad_() if probs else None
+    act_lowp = torch_glu(h_lowp, probs=p_lowp, glu_interleave_size=interleave, activation=activation)
+    act_lowp.backward(ref_dgrad(dy[:used], w2, splits, dtype=dtype))
+    assert_close(dh[:used], h64.grad, h_lowp.grad, dtype)
+    assert_close(act_p[:used], act64.detach(), act_lowp.detach(), dtype)
+    if probs:
+        torch.testing.assert_close(dprobs, dprobs_tri, rtol=1e-4, atol=1e-4 * float(dprobs_tri.abs().max()))
+        assert not dprobs[used:].any()
+        assert_close(dprobs[:used], p64.grad, p_lowp.grad, dtype)
+    else:
+        assert dprobs is None and dprobs_tri is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,35 +113,69 @@ def _weight_box(glu_block: int, ffn: int, block_cols: int) -> tuple[int, int]:
 
 def _use_tma(
     forced: bool, ffn: int, glu_block: int, rows: torch.Tensor, weight: torch.Tensor, blocks_innermost: bool = False
-) -> tuple[bool, Arch]:
-    """Operands through TMA: as the plain GEMM decides (`weight` as stored), and a weight box every width
-    allows. blocks_innermost: the GLU blocks are the weight's innermost dimension (fc1 stored (N, H, 2F)),
-    whose box rows must then span 16 bytes."""
+) -> tuple[bool, bool, Arch]:
+    """(operands through TMA as the plain GEMM decides, `weight` as stored; that and a Triton kernel's
+    weight box every width allows; the configuration table). blocks_innermost: the GLU blocks are the
+    weight's innermost dimension (fc1 stored (N, H, 2F)), whose box rows must then span 16 bytes."""
     tma, arch = use_tma(None if forced else False, rows.shape[1] > 0, rows, weight)
     box_ok = all(glu_block == ffn or glu_block % w == 0 or w % glu_block == 0 for w in glu_widths(ffn, glu_block, arch))
     if blocks_innermost and glu_block < ffn and (glu_block * weight.element_size()) % 16:
         box_ok = False
-    return tma and box_ok, arch
+    return tma, tma and box_ok, arch
+
+
+def hopper_layout_ok(kind: str, weight: torch.Tensor, ffn: int, glu_block: int, hidden: int) -> bool:
+    """Whether the Hopper kernel `kind` ("fwd": weight w1 (N, 2F, H); "bwd": w2 (N, H, F)) takes this
+    weight and GLU block k (F for `[gate | up]`), either orientation (`transposed_weight`).
+
+    The weight as stored must hold its experts one after the other with a unit last stride (the
+    kernels read its 2-D view), and where H is the stored middle dimension (w1 stored (N, H, 2F), w2
+    (N, H, F)) BLOCK_RED | H, so that a box never reaches into the next expert. GLU blocks: the
+    forward's tile of 128 activation columns needs the gate rows and the up rows as two runs of 128
+    rows of fc1 (k = F or 128 | k) or its 2 x 128 gate and up rows as one run (k | 128); the
+    backward's h and dh chunks of 16 columns need one GLU block per chunk (k = F, 128 | k, or
+    16 | k below 128) or whole blocks inside a thread's 8 columns (k | 8). Other k (a block that
+    neither divides nor is divided by the tile) run the Triton kernels."""
+    config = WS_FORWARD if kind == "fwd" else WS_BACKWARD
+    transposed = transposed_weight(weight, "the weight")
+    stored = _stored(weight)
+    block_c, epi = config["BLOCK_C"], config["EPI_COLS"]
+    if kind == "fwd":
+        blocks_ok = glu_block == ffn or glu_block % block_c == 0 or block_c % glu_block == 0
+    else:
+        narrow = glu_block < block_c and (glu_block % epi == 0 or 8 % glu_block == 0)
+        blocks_ok = glu_block == ffn or glu_block % block_c == 0 or narrow
+    h_middle = transposed == (kind == "fwd")
+    return (
+        blocks_ok
+        and stored.stride(2) == 1
+        and stored.stride(0) == stored.shape[1] * stored.stride(1)
+        and (not h_middle or hidden % config["BLOCK_RED"] == 0)
+        and config["BLOCK_M"] * 2 * ffn < 2**31
+    )
 
 
 def hopper_kernels_take(
-    rows: torch.Tensor, weight: torch.Tensor, ffn: int, glu_block: int, tma: bool, cfg: GemmConfig | None, config: dict
+    kind: str,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    ffn: int,
+    glu_block: int,
+    tma: bool,
+    cfg: GemmConfig | None,
 ) -> bool:
-    """Whether a warp-specialised Hopper kernel (`config`: WS_FORWARD or WS_BACKWARD; rows: x or dy
-    (M, H); weight: w1 (N, 2F, H) or w2 (N, H, F)) runs: an sm_90 device, 16-bit row operands through
-    TMA, no fixed cfg (a given cfg names a Triton kernel's configuration), block = F or BLOCK_C | block,
-    the weight's experts one after the other with a unit last stride (its 2-D view), and a tile's element
-    offsets in int32. Everything else runs the Triton kernel, which computes the same bits."""
+    """Whether the warp-specialised Hopper kernel `kind` ("fwd" or "bwd"; rows: x or dy (M, H); weight:
+    w1 (N, 2F, H) or w2 (N, H, F), either orientation) runs: an sm_90 device, 16-bit row operands and
+    the stored weight through TMA (`tma`), no fixed cfg (a given cfg names a Triton kernel's
+    configuration), and a layout `hopper_layout_ok` takes: every `glu_interleave_size` that divides 128
+    or that 128 divides, `[gate | up]`, both weight orientations. Everything else runs the Triton
+    kernel, which computes the same bits."""
     if cfg is not None or not tma or INTERPRET or rows.device.type != "cuda":
         return False
     if capability(device_index(rows.device)) != (9, 0):
         return False
-    return (
-        rows.dtype in (torch.bfloat16, torch.float16)
-        and (glu_block == ffn or glu_block % config["BLOCK_C"] == 0)
-        and weight.stride(2) == 1
-        and weight.stride(0) == weight.shape[1] * weight.stride(1)
-        and config["BLOCK_M"] * 2 * ffn < 2**31
+    return rows.dtype in (torch.bfloat16, torch.float16) and hopper_layout_ok(
+        kind, weight, ffn, glu_block, rows.shape[1]
     )
 
 
@@ -218,17 +252,21 @@ def _forward_ws_launch(
     glu_block: int,
     activation: str,
 ) -> LaunchPlan:
-    """glu_forward_ws_kernel; tensors as `_forward_launch`'s."""
+    """glu_forward_ws_kernel; tensors as `_forward_launch`'s. PAIRED (k | BLOCK_C, k < F): a tile's
+    two accumulators are its 2 BLOCK_C gate and up rows of fc1 in their own order."""
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
     bound = (triton.cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, WS_FORWARD["BLOCK_C"])
     nprog = grid_size(x_MH.device, bound)
-    ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), w1_N2FH.stride(1), two_f, ffn)
+    w1 = _stored(w1_N2FH)  # (N, 2F, H), or the (N, H, 2F) tensor under a transposed view
+    ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), w1.stride(1), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
     constexprs = dict(
         **jit_pair(activation),
         GLU_BLOCK=glu_block,
+        W_TRANSPOSED=transposed_weight(w1_N2FH, "fc1_weight"),
+        PAIRED=glu_block != ffn and glu_block < WS_FORWARD["BLOCK_C"],
         HAS_BIAS=bias_N2F is not None,
         HAS_PROBS=probs_M is not None,
         BLOCK_GROUPS=block_groups(N + 2),
@@ -257,8 +295,8 @@ def _plan_forward(
         return Plan(None, ffn)
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
     transposed = transposed_weight(w1_N2FH, "fc1_weight")
-    tma, arch = _use_tma(forced_tma, ffn, glu_block, x_MH, _stored(w1_N2FH), blocks_innermost=transposed)
-    if hopper_kernels_take(x_MH, w1_N2FH, ffn, glu_block, tma, cfg, WS_FORWARD):
+    hopper_tma, tma, arch = _use_tma(forced_tma, ffn, glu_block, x_MH, _stored(w1_N2FH), blocks_innermost=transposed)
+    if hopper_kernels_take("fwd", x_MH, w1_N2FH, ffn, glu_block, hopper_tma, cfg):
         return Plan(_forward_ws_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation), ffn)
 
     def trial(c: GemmConfig) -> None:
@@ -291,9 +329,10 @@ def glu_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1 + activation in one kernel: (h (M, 2F), act (M, F)), both in x's dtype; padding rows 0.
 
-    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with unit last stride; offs (N+1,) device int64; bias_N2F
-    (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write into instead of fresh tensors (rows of
-    larger row-major buffers; `moe_experts` writes the rows of one launch into part of a buffer).
+    x_MH (M, H) row-major; w1_N2FH (N, 2F, H) with a unit last or middle stride (`transposed_weight`);
+    offs (N+1,) device int64; bias_N2F (N, 2F) or None; probs_M (M,) or None. out: (h, act) to write
+    into instead of fresh tensors (rows of larger row-major buffers; `moe_experts` writes the rows of
+    one launch into part of a buffer).
     use_tma=False forces the pointer path (tests); cfg a fixed Triton kernel configuration (tests,
     tuning), else the table's. The activation is computed from h as stored (rounded to the output
     dtype), so the backward, which recomputes it from the saved h, sees the forward's values.
@@ -384,10 +423,12 @@ def _backward_ws_launch(
     N, _, ffn = w2_NHF.shape
     bound = (triton.cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
     nprog = grid_size(dy_MH.device, bound)
-    ints = (M, ffn, H, N, dy_MH.stride(0), w2_NHF.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
+    w2 = _stored(w2_NHF)  # (N, H, F), or the (N, F, H) tensor under a transposed view
+    ints = (M, ffn, H, N, dy_MH.stride(0), w2.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
     constexprs = dict(
         **jit_pair(activation),
         GLU_BLOCK=glu_block,
+        W_TRANSPOSED=transposed_weight(w2_NHF, "fc2_weight"),
         HAS_PROBS=probs_M is not None,
         BLOCK_GROUPS=block_groups(N + 2),
         NUM_PROGRAMS=nprog,
@@ -413,9 +454,8 @@ def _plan_backward(
     if M == 0 or ffn == 0:
         return Plan(None, 0)
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    tma, arch = _use_tma(forced_tma, ffn, glu_block, dy_MH, _stored(w2_NHF))
-    # The Hopper backward also needs whole reduction steps per expert in w2's 2-D view (N * H, F).
-    if H % WS_BACKWARD["BLOCK_RED"] == 0 and hopper_kernels_take(dy_MH, w2_NHF, ffn, glu_block, tma, cfg, WS_BACKWARD):
+    hopper_tma, tma, arch = _use_tma(forced_tma, ffn, glu_block, dy_MH, _stored(w2_NHF))
+    if hopper_kernels_take("bwd", dy_MH, w2_NHF, ffn, glu_block, hopper_tma, cfg):
         launch = _backward_ws_launch(dy_MH, w2_NHF, h_M2F, probs_M, glu_block, activation)
         return Plan(launch, triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]))
 
@@ -452,11 +492,12 @@ def glu_backward_partials(
     """fc2's dgrad with the activation's backward: (dh (M, 2F), act_p (M, F), d probs partials (F tiles,
     M) fp32 ((0, M) where no kernel runs; None without probs)).
 
-    dy_MH (M, H) row-major; w2_NHF (N, H, F) with unit last stride; h_M2F the forward's saved h. act_p =
-    ACT(h) (* probs) is fc2's wgrad operand; the partials hold, per column tile, sum_j act[r, j] * dA[r, j]
-    (the activation part of d probs). A caller that runs the rows in several launches concatenates their
-    partials and sums them once: on the GPU a sum's association depends on its shape, so only the sum of
-    the whole (F tiles, M) gives the bits of one launch. out, use_tma, cfg as glu_forward's.
+    dy_MH (M, H) row-major; w2_NHF (N, H, F) with a unit last or middle stride; h_M2F the forward's
+    saved h. act_p = ACT(h) (* probs) is fc2's wgrad operand; the partials hold, per column tile,
+    sum_j act[r, j] * dA[r, j] (the activation part of d probs). A caller that runs the rows in several
+    launches concatenates their partials and sums them once: on the GPU a sum's association depends on
+    its shape, so only the sum of the whole (F tiles, M) gives the bits of one launch. out, use_tma, cfg
+    as glu_forward's.
     """
     M = dy_MH.shape[0]
     ffn = w2_NHF.shape[2]
