@@ -21,7 +21,7 @@ import moekit
 from helpers import rand, rel_err
 from moekit import reference
 from moekit.ops.quantize import QuantizedWeightCache
-from moekit.ops.runtime.backends import triton_unavailable_reason
+from moekit.ops.runtime.backends import quantized_gemm_of, select_backend, triton_unavailable_reason
 
 RECIPES = ["fp8_block", "fp8_rowwise", "mxfp8"]
 BOUND = 0.08
@@ -539,19 +539,19 @@ def test_apply_moekit_with_quantization(name, recipe):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_demo_trains_with_fp8_block_as_without(tmp_path):
-    """`moekit demo --quantization fp8_block` ends within 2% of the unquantized run's evaluation loss,
-    both trained the demo's default 400 steps."""
+def _demo_fp8_block_against_plain(tmp_path, device: str) -> None:
     from moekit.cli import main
     from moekit.demo import run_demo
 
     steps = "400"
     assert (
-        main(["demo", "--steps", steps, "--device", "cpu", "--quantization", "fp8_block", "--out", str(tmp_path / "q")])
+        main(
+            ["demo", "--steps", steps, "--device", device, "--quantization", "fp8_block", "--out", str(tmp_path / "q")]
+        )
         == 0
     )
     quantized = json.loads((tmp_path / "q" / "summary.json").read_text())
-    plain = run_demo(steps=int(steps), device="cpu", out=str(tmp_path / "plain"))
+    plain = run_demo(steps=int(steps), device=device, out=str(tmp_path / "plain"))
     assert quantized["quantization"] == "fp8_block" and plain["quantization"] is None
     assert quantized["eval_loss_single_grouped"] == quantized["eval_loss_reloaded_discrete"]
     ratio = quantized["eval_loss_single_grouped"] / plain["eval_loss_single_grouped"]
@@ -560,11 +560,30 @@ def test_demo_trains_with_fp8_block_as_without(tmp_path):
     )
 
 
+def test_demo_trains_with_fp8_block_as_without(tmp_path):
+    """`moekit demo --quantization fp8_block` ends within 2% of the unquantized run's evaluation loss,
+    both trained the demo's default 400 steps (CPU: the reference path)."""
+    _demo_fp8_block_against_plain(tmp_path, "cpu")
+
+
 # --------------------------------------------------------------------------------------------------
 # On the GPU (pytest -m gpu)
 # --------------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_demo_trains_with_fp8_block_as_without_on_the_gpu(tmp_path):
+    """The same 400-step comparison on the GPU, where the demo's float32 layers run moekit's FP8 kernels
+    (forward and dgrad): the backend "auto" picks has the QuantizedGemm capability and takes fp8_block
+    with float32 outputs on this device."""
+    dev = torch.device("cuda")
+    impl = select_backend("auto", torch.empty(1, 8, device=dev), torch.empty(1, 8, 8, device=dev))
+    fp8 = quantized_gemm_of(impl)
+    assert fp8 is not None and fp8.quantized_gemm_unavailable_reason("fp8_block", torch.empty(1, device=dev)) is None
+    _demo_fp8_block_against_plain(tmp_path, "cuda")
 
 
 @pytest.mark.gpu

@@ -22,20 +22,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-try:  # optional (`pip install 'moekit[plot]'`); imported with the module, before the demo's work starts
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    _HAS_MATPLOTLIB = True
-except ImportError:
-    _HAS_MATPLOTLIB = False
-
 from moekit._progress import Progress
 from moekit.checkpoint import load_safetensors, save_safetensors
 from moekit.nn.moe_layer import MoELayer
 from moekit.ops.grouped_linear import BACKENDS
 from moekit.ops.quantize import QUANTIZATIONS
 from moekit.validation import check_choice, check_int, check_positive_int
+
+# Optional (`pip install 'moekit[plot]'`); imported with the module, before the demo's work starts. A
+# matplotlib that is installed but fails to import (a broken build raises SystemError from its C
+# extension) costs the plot, said in one line, never the training run.
+_NO_MATPLOTLIB: str | None
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    _NO_MATPLOTLIB = None
+except ImportError:
+    _NO_MATPLOTLIB = "matplotlib is not installed, so no loss plot was drawn (pip install 'moekit[plot]')"
+except Exception as exc:
+    _NO_MATPLOTLIB = f"matplotlib failed to import ({type(exc).__name__}: {exc}), so no loss plot was drawn"
 
 
 @dataclass
@@ -313,8 +319,8 @@ def _demo_device(device: str) -> torch.device:
 
 
 def _plot_losses(losses: list[float], floor: float, path: Path) -> Path | None:
-    if not _HAS_MATPLOTLIB:
-        print("matplotlib is not installed, so no loss plot was drawn (pip install 'moekit[plot]')")
+    if _NO_MATPLOTLIB is not None:
+        print(_NO_MATPLOTLIB)
         return None
     fig = Figure(figsize=(7, 4))  # no pyplot: no global backend or figure state
     FigureCanvasAgg(fig)
