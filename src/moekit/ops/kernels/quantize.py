@@ -399,3 +399,65 @@ def dequantize_kernel(
     if BF16_RNE:
         y = _bf16_rne(y)
     tl.store(out_ptr + elem, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# The transposed FP8 weight: (N, O, I) bytes and scales -> (N, I, O)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def transpose_weight_kernel(
+    data_ptr,
+    scale_ptr,
+    data_t_ptr,
+    scale_t_ptr,
+    rows,
+    cols,
+    row_words,
+    scale_rows,
+    scale_cols,
+    TILE_SCALES: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Program (column tile, row tile, member n) of an (N, O, I) FP8 weight (O = rows, I = cols):
+    data_t[n, i, o] = data[n, o, i] over its BLOCK_O x BLOCK_I tile, read along I and written along O,
+    and the scales (N, scale_rows, scale_cols) -> (N, scale_cols, scale_rows): TILE_SCALES, one scale
+    per BLOCK_O x BLOCK_I tile (fp8_block: the tile is the 128 x 128 block, its scale moves with it);
+    else scale_rows is 1 (fp8_rowwise's per-column scales, whose bytes keep their order) and the
+    programs of the first row tile copy their columns' scales. Bytes only: no arithmetic on values.
+
+    WORDS (O a multiple of 4, row_words = O / 4; data_t_ptr then addresses int32 words): the tile is
+    read as four (BLOCK_O / 4, BLOCK_I) loads of the rows o = 4q + k, k = 0..3, which lay out alike, so
+    a thread packs its 4 bytes of (q, i) in registers into the word data_t[n, i, 4q : 4q + 4] (byte k
+    at o = 4q + k, little-endian) and the transpose through shared memory moves words, not bytes.
+    Otherwise bytes."""
+    ib = tl.program_id(0)
+    ob = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+    member = n * rows * cols
+    if WORDS:
+        q = ob * (BLOCK_O // 4) + tl.arange(0, BLOCK_O // 4)
+        mask = (q < row_words)[:, None] & (i < cols)[None, :]
+        row0 = data_ptr + member + (q * 4)[:, None] * cols + i[None, :]
+        words = tl.load(row0, mask=mask, other=0).to(tl.int32)
+        for k in tl.static_range(1, 4):
+            words |= tl.load(row0 + k * cols, mask=mask, other=0).to(tl.int32) << (8 * k)
+        mask_t = (i < cols)[:, None] & (q < row_words)[None, :]
+        words_at = n * row_words * cols + i[:, None] * row_words + q[None, :]
+        tl.store(data_t_ptr + words_at, tl.trans(words), mask=mask_t)
+    else:
+        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        mask = (o < rows)[:, None] & (i < cols)[None, :]
+        tile = tl.load(data_ptr + member + o[:, None] * cols + i[None, :], mask=mask)
+        mask_t = (i < cols)[:, None] & (o < rows)[None, :]
+        tl.store(data_t_ptr + member + i[:, None] * rows + o[None, :], tl.trans(tile), mask=mask_t)
+    if TILE_SCALES:
+        s = tl.load(scale_ptr + (n * scale_rows + ob) * scale_cols + ib)
+        tl.store(scale_t_ptr + (n * scale_cols + ib) * scale_rows + ob, s)
+    elif ob == 0:
+        scale_at = n * scale_cols + i
+        tl.store(scale_t_ptr + scale_at, tl.load(scale_ptr + scale_at, mask=i < cols), mask=i < cols)

@@ -222,6 +222,16 @@ DEQUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
     "interpreter": (8, 16, 4),
 }
 
+# The transposed FP8 weight's tiles (BLOCK_O, BLOCK_I, warps): fp8_block's tiles are its 128 x 128
+# blocks (the warps from here); 128 x 128 bytes a program, each side read or written 16 bytes a thread
+# at a time, the transpose through shared memory. Small under the interpreter so that CPU tests cross
+# several tiles.
+TRANSPOSE_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (128, 128, 4),
+    "sm80": (128, 128, 4),
+    "interpreter": (16, 32, 4),
+}
+
 
 @dataclass(frozen=True)
 class RoutingTiles:

@@ -11,6 +11,9 @@ and a whole group are different walks). The outputs' arguments and their layouts
 
 `group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
 path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
+
+`transpose_weight_into`: the FP8 dgrad's transposed weight (`moekit.ops.quantize.TransposedWeight`),
+one launch, tiles read along I and written along O, the scales moved in the same programs.
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ from moekit.ops.kernels.quantize import (
     quantize_group_cols_kernel,
     quantize_rows_kernel,
     quantize_tiles_kernel,
+    transpose_weight_kernel,
 )
-from moekit.ops.runtime.configs import DEQUANTIZE_TILES, QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
+from moekit.ops.runtime.configs import (
+    DEQUANTIZE_TILES,
+    QUANTIZE_CHUNKS,
+    QUANTIZE_GROUP_COLS_CHUNKS,
+    QUANTIZE_TILES,
+    TRANSPOSE_TILES,
+)
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -48,6 +58,7 @@ _TILES = Launcher(quantize_tiles_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _GROUP_COLS = Launcher(quantize_group_cols_kernel)
 _DEQUANTIZE = Launcher(dequantize_kernel)
+_TRANSPOSE = Launcher(transpose_weight_kernel)
 
 
 class QuantizePlan(NamedTuple):
@@ -241,3 +252,47 @@ def group_dequantize(
         with device_ctx(data.device):
             plan(_u8(data, data), _u8(scale, scale), offs, slots, out)
     return out
+
+
+def _transpose_plan(info: Recipe, data: torch.Tensor, scale: torch.Tensor) -> LaunchPlan | None:
+    """The one launch of `transpose_weight_into`: a tile a program, the weight tile's size for
+    fp8_block (its scale moves with it), TRANSPOSE_TILES' otherwise."""
+    num, rows, cols = data.shape
+    tile_scales = info.weight_tile is not None
+    if tile_scales:
+        block_o = block_i = info.weight_tile
+        warps = TRANSPOSE_TILES[arch_of(data.device)][2]
+    else:
+        block_o, block_i, warps = TRANSPOSE_TILES[arch_of(data.device)]
+    grid = (triton.cdiv(cols, block_i), triton.cdiv(rows, block_o), num)
+    if not (grid[0] and grid[1] and grid[2]):
+        return None
+    return LaunchPlan(
+        _TRANSPOSE,
+        grid,
+        (rows, cols, rows // 4, scale.shape[1], scale.shape[2]),
+        dict(TILE_SCALES=tile_scales, WORDS=rows % 4 == 0, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=warps),
+    )
+
+
+def transpose_weight_into(
+    recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+) -> None:
+    """`moekit.ops.runtime.quantize_torch.transpose_weight_into` by moekit's kernel: the same arguments
+    (all contiguous: data (N, O, I) float8 with its scales (N, SO, SI), fp8_block's per 128 x 128 tile
+    or fp8_rowwise's per column (SO = 1); outputs (N, I, O) and (N, SI, SO)), the same bytes, one launch
+    (one read and one write of the FP8 weight), no host reads."""
+    info = recipe_named(recipe)
+    reason = unavailable_reason(data.device, torch.float32)  # the device's: data is float8, moved as bytes
+    if reason is not None:
+        raise ValueError(reason)
+    if not all(t.is_contiguous() for t in (data, scale, data_t, scale_t)):
+        raise ValueError("transpose_weight_into takes contiguous data, scales and outputs")
+    if info.weight_tile is None and scale.shape[1] != 1:
+        raise ValueError(f"a {info.name} weight's transposed scales are per column: (N, 1, I), got {tuple(scale.shape)}")
+    key = (info.name, *(tensor_key(t) for t in (data, scale, data_t, scale_t)))
+    plan = plan_launch("transpose_weight", key, lambda: _transpose_plan(info, data, scale))
+    if plan is not None:
+        with device_ctx(data.device):
+            words = data.shape[1] % 4 == 0  # the kernel writes whole int32 words of 4 rows (WORDS)
+            plan(_u8(data, data), scale, data_t.view(torch.int32) if words else _u8(data_t, data_t), scale_t)
