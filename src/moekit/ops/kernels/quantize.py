@@ -4,9 +4,10 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, BLOCKS_K column blocks): the rowwise 1 x TILE_K
-                                scales of its rows, the columnwise TILE_M x 1 scales of its columns, or
-                                one scale per block (a weight's 128 x 128 blocks); mxfp8 and fp8_block
+    quantize_tiles_kernel       one program per (slot, STEPS x BLOCKS_K column blocks), a pipelined loop
+                                over its steps: the rowwise 1 x TILE_K scales of its rows, the columnwise
+                                TILE_M x 1 scales of its columns, or one scale per block (a weight's
+                                128 x 128 blocks); mxfp8 and fp8_block
     quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
@@ -159,51 +160,61 @@ def quantize_tiles_kernel(
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCKS_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Program (slot, kb): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), column blocks cb in
-    [kb * BLOCKS_K, + BLOCKS_K), block cb the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a program,
-    so that one moves enough bytes when the format's block is small (mxfp8's 32 x 32). ROWWISE: a
-    1 x TILE_K scale per row and block, row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column,
-    col_scale[slot, col]; TILE: one scale per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise).
-    The tile is held as (TILE_M, BLOCKS_K, TILE_K): each block's maxima are reductions over axes."""
+    """Program (slot, kc): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
+    the group's end (padding rows for g = N: zeros; no rows for an unused slot), and STEPS column steps
+    kb in [kc * STEPS, + STEPS), step kb the column blocks cb in [kb * BLOCKS_K, + BLOCKS_K), block cb
+    the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a step, so that a step moves enough bytes when
+    the format's block is small (mxfp8's 32 x 32). ROWWISE: a 1 x TILE_K scale per row and block,
+    row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column, col_scale[slot, col]; TILE: one scale
+    per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise). A step's tile is held as (TILE_M,
+    BLOCKS_K, TILE_K): each block's maxima are reductions over axes.
+
+    The slot's rows are found once (device offsets), so the steps' loads depend on the loop index
+    alone: the loop is software-pipelined (STAGES: the tiles of later steps are loaded into shared
+    memory while a step computes), which keeps HBM busy with one or two programs an SM."""
     if _runs(noop_ptr, HAS_NOOP):
         slot = tl.program_id(0)
-        kb = tl.program_id(1)
         g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        live_group = g < num_groups
         group_start = tl.load(offs_ptr + g)
-        group_end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
         row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
         r = row0 + tl.arange(0, TILE_M)
         rmask = r < group_end
-        cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
-        cbmask = cb < stride_row_scale
-        c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
-        cmask = c < cols
-        mask = rmask[:, None, None] & cmask
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        elem = r64[:, None, None] * stride_x + c
-        x = tl.load(x_ptr + elem, mask=mask & (g < num_groups), other=0.0).to(tl.float32)
-        a = _abs_for_amax(x)
-        if TILE:
-            amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
-            tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
-            q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
-            tl.store(row_data_ptr + elem, q, mask=mask)
-        if ROWWISE:
-            amax_r = tl.max(a, axis=2)[:, :, None]
-            row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
-            q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
-            tl.store(row_data_ptr + elem, q, mask=mask)
-        if COLWISE:
-            amax_c = tl.max(a, axis=0)[None, :, :]
-            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-            q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
-            tl.store(col_data_ptr + elem, q, mask=mask)
+        steps = tl.cdiv(stride_row_scale, BLOCKS_K)
+        kb0 = tl.program_id(1) * STEPS
+        for kb in tl.range(kb0, tl.minimum(kb0 + STEPS, steps), num_stages=STAGES):
+            cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
+            cbmask = cb < stride_row_scale
+            c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
+            cmask = c < cols
+            mask = rmask[:, None, None] & cmask
+            elem = r64[:, None, None] * stride_x + c
+            x = tl.load(x_ptr + elem, mask=mask & live_group, other=0.0).to(tl.float32)
+            a = _abs_for_amax(x)
+            if TILE:
+                amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
+                tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
+                q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
+                tl.store(row_data_ptr + elem, q, mask=mask)
+            if ROWWISE:
+                amax_r = tl.max(a, axis=2)[:, :, None]
+                row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
+                q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
+                tl.store(row_data_ptr + elem, q, mask=mask)
+            if COLWISE:
+                amax_c = tl.max(a, axis=0)[None, :, :]
+                col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
+                q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
+                tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit

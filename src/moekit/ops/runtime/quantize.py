@@ -96,10 +96,10 @@ def _plan(
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        blocks_k, warps = QUANTIZE_TILES[arch][tile_k]
+        blocks_k, warps, steps, stages = QUANTIZE_TILES[arch][tile_k]
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(stride_scale, blocks_k))
+        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(triton.cdiv(stride_scale, blocks_k), steps))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -112,6 +112,8 @@ def _plan(
                 TILE_M=tile_m,
                 TILE_K=tile_k,
                 BLOCKS_K=blocks_k,
+                STEPS=steps,
+                STAGES=stages,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
                 HW_E4M3=hw_e4m3,
