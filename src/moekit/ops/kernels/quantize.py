@@ -8,7 +8,8 @@ group (columnwise scales are kept per slot).
                                 over its steps: the rowwise 1 x TILE_K scales of its rows, the columnwise
                                 TILE_M x 1 scales of its columns, or one scale per block (a weight's
                                 128 x 128 blocks); mxfp8 and fp8_block
-    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): one read of rows that fit
+                                a program's registers (X <= 16384), else two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
@@ -231,30 +232,44 @@ def quantize_rows_kernel(
     HAS_NOOP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program, the
-    row maxima in a first pass over X, the data in a second."""
+    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program.
+    ONE_PASS (cols <= BLOCK_COLS): the rows are read once, held in registers while their maxima are
+    taken, and quantized from there; otherwise the row maxima in a first pass over X, the data in a
+    second (a second read of x)."""
     if _runs(noop_ptr, HAS_NOOP):
         r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         valid_end = tl.load(offs_ptr + num_groups)
         rmask = r < rows
         live = rmask & (r < valid_end)
         r64 = r.to(tl.int64)
-        amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-        for k0 in range(0, cols, BLOCK_COLS):
-            c = k0 + tl.arange(0, BLOCK_COLS)
-            mask = live[:, None] & (c < cols)[None, :]
-            x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
-        scale, scale_inv = _fp32_scales(amax)
-        tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-        for k0 in range(0, cols, BLOCK_COLS):
-            c = k0 + tl.arange(0, BLOCK_COLS)
+        if ONE_PASS:
+            c = tl.arange(0, BLOCK_COLS)
             cmask = (c < cols)[None, :]
             elem = r64[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
+            # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
+            x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
+            x = tl.where(live[:, None], x, 0.0)
+            scale, scale_inv = _fp32_scales(tl.max(_abs_for_amax(x), axis=1))
+            tl.store(scale_ptr + r64, scale_inv, mask=rmask)
             tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
+        else:
+            amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+            for k0 in range(0, cols, BLOCK_COLS):
+                c = k0 + tl.arange(0, BLOCK_COLS)
+                mask = live[:, None] & (c < cols)[None, :]
+                x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+                amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
+            scale, scale_inv = _fp32_scales(amax)
+            tl.store(scale_ptr + r64, scale_inv, mask=rmask)
+            for k0 in range(0, cols, BLOCK_COLS):
+                c = k0 + tl.arange(0, BLOCK_COLS)
+                cmask = (c < cols)[None, :]
+                elem = r64[:, None] * stride_x + c[None, :]
+                x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
+                tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
 
 
 @triton.jit

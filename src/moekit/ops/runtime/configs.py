@@ -208,6 +208,15 @@ QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm80": (16, 512, 4),
     "interpreter": (8, 64, 4),
 }
+# The whole-row kernel's one-pass form (rows read once, held in registers): (most columns, elements a
+# program, warps). 16384 bf16 columns are 64 fp32 registers a thread at 8 warps; a program takes
+# max(1, elements / next_power_of_2(X)) rows. Small under the interpreter so that CPU tests cover both
+# forms (70 columns in one pass, 130 in two).
+QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (16384, 8192, 8),
+    "sm80": (16384, 8192, 8),
+    "interpreter": (128, 256, 4),
+}
 QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (64, 128, 4),
     "sm80": (64, 128, 4),

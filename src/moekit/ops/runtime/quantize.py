@@ -35,6 +35,7 @@ from moekit.ops.runtime.configs import (
     DEQUANTIZE_TILES,
     QUANTIZE_CHUNKS,
     QUANTIZE_GROUP_COLS_CHUNKS,
+    QUANTIZE_ONE_PASS_ROWS,
     QUANTIZE_TILES,
     TRANSPOSE_TILES,
 )
@@ -123,8 +124,21 @@ def _plan(
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
     row_plan = col_plan = None
     if rowwise and rows:
-        block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
-        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
+        most_cols, elements, warps = QUANTIZE_ONE_PASS_ROWS[arch]
+        one_pass = cols <= most_cols
+        if one_pass:  # whole rows in registers: one read of x
+            block_cols = triton.next_power_of_2(cols)
+            block_rows = max(1, elements // block_cols)
+        else:
+            block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
+        chunks = dict(
+            HAS_NOOP=has_noop,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            ONE_PASS=one_pass,
+            HW_E4M3=hw_e4m3,
+            num_warps=warps,
+        )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     if columnwise and cols:
         block_rows, block_cols, warps = QUANTIZE_GROUP_COLS_CHUNKS[arch]
