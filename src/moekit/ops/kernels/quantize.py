@@ -402,12 +402,24 @@ def dequantize_kernel(
     else:
         g = tl.arange(0, BLOCK_GROUPS)
         ends = tl.load(offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
-        group = tl.sum((ends[None, :] <= r64[:, None]).to(tl.int32), axis=1)
-        if BLOCK_R > 0:
-            start = tl.load(offs_ptr + group, mask=rmask, other=0)
-            srow = tl.load(slot_offs_ptr + group, mask=rmask, other=0) + (r64 - start) // BLOCK_R
+        # The groups of the tile's first and last rows; where they agree (all but the tiles that hold
+        # a group boundary) every row's slot follows from that one group, with no per-row search.
+        first = tl.program_id(0) * BLOCK_M
+        last = tl.minimum(first + BLOCK_M, rows) - 1
+        g_first = tl.sum((ends <= first).to(tl.int32), axis=0)
+        if g_first == tl.sum((ends <= last).to(tl.int32), axis=0):
+            if BLOCK_R > 0:
+                g_start = tl.load(offs_ptr + g_first)
+                srow = tl.load(slot_offs_ptr + g_first) + (r64 - g_start) // BLOCK_R
+            else:
+                srow = r64 * 0 + g_first
         else:
-            srow = group.to(tl.int64)
+            group = tl.sum((ends[None, :] <= r64[:, None]).to(tl.int32), axis=1)
+            if BLOCK_R > 0:
+                start = tl.load(offs_ptr + group, mask=rmask, other=0)
+                srow = tl.load(slot_offs_ptr + group, mask=rmask, other=0) + (r64 - start) // BLOCK_R
+            else:
+                srow = group.to(tl.int64)
         srow = tl.minimum(srow, max_slot)
     if BLOCK_C > 0:
         scol = c // BLOCK_C
