@@ -732,7 +732,7 @@ def test_cuda_transposed_weight_matches_the_cpu_path(recipe):
         assert_same_transposed(got, want, f"{recipe} {shape}")
         for t in got:
             t.view(torch.uint8).fill_(0xFF)
-        assert_no_host_sync(lambda: transposed_weight(w_q, out=got, backend="triton"))
+        assert_no_host_sync(lambda w_q=w_q, got=got: transposed_weight(w_q, out=got, backend="triton"))
         assert_same_transposed(got, want, f"{recipe} {shape} out=")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -581,9 +581,7 @@ def transposed_weight(
         torch.autograd.graph.increment_version(out.data)
         torch.autograd.graph.increment_version(out.scale_inv)
     impl = select_quantizer(backend, torch.empty(0, dtype=w_q.dtype, device=data.device))
-    library.transpose_weight_into(
-        impl.name, w_q.recipe, data.contiguous(), scale.contiguous(), out.data, out.scale_inv
-    )
+    library.transpose_weight_into(impl.name, w_q.recipe, data.contiguous(), scale.contiguous(), out.data, out.scale_inv)
     return out
 
 

@@ -305,7 +305,9 @@ def transpose_weight_into(
     if not all(t.is_contiguous() for t in (data, scale, data_t, scale_t)):
         raise ValueError("transpose_weight_into takes contiguous data, scales and outputs")
     if info.weight_tile is None and scale.shape[1] != 1:
-        raise ValueError(f"a {info.name} weight's transposed scales are per column: (N, 1, I), got {tuple(scale.shape)}")
+        raise ValueError(
+            f"a {info.name} weight's transposed scales are per column: (N, 1, I), got {tuple(scale.shape)}"
+        )
     key = (info.name, *(tensor_key(t) for t in (data, scale, data_t, scale_t)))
     plan = plan_launch("transpose_weight", key, lambda: _transpose_plan(info, data, scale))
     if plan is not None:
