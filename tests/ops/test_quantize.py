@@ -15,7 +15,7 @@ import torch
 import moekit
 from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
-from moekit.ops.quantize import group_quantize_reference
+from moekit.ops.quantize import TRANSPOSED_RECIPES, group_quantize_reference, transposed_weight
 from moekit.ops.runtime.backends import triton_unavailable_reason
 from moekit.ops.splits import GroupOffsets
 
@@ -368,6 +368,35 @@ def test_triton_dequantize_matches_the_torch_path(recipe, dtype):
             assert_same_values(got, gw.dequantize(columnwise=form), f"{recipe} weight {shape} {form=}")
 
 
+def assert_same_transposed(got, want, what: str = "") -> None:
+    assert got.data.shape == want.data.shape and got.scale_inv.shape == want.scale_inv.shape, what
+    assert got.data.is_contiguous() and got.scale_inv.is_contiguous(), what
+    assert torch.equal(got.data.cpu().view(torch.uint8), want.data.cpu().view(torch.uint8)), f"{what}: data differ"
+    assert torch.equal(got.scale_inv.cpu().view(torch.int32), want.scale_inv.cpu().view(torch.int32)), what
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", TRANSPOSED_RECIPES)
+def test_triton_transposed_weight_matches_the_torch_path(recipe):
+    """The transpose kernel writes the torch path's bytes (data and scales, NaN blocks included) for
+    row counts that are multiples of 4 (the packed-word path) and not, partial tiles, and in place into
+    out= (every address kept)."""
+    columnwise = recipe == "fp8_rowwise"
+    for shape in [(3, 200, 136), (2, 33, 70), (1, 130, 129), (2, 1, 5), (2, 256, 128)]:
+        w = rand(*shape, seed=sum(shape)) * 30
+        w[-1, 0, -1] = float("nan")
+        w_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="torch")
+        want = transposed_weight(w_q, backend="torch")
+        assert_same_transposed(transposed_weight(w_q, backend="triton"), want, f"{recipe} {shape}")
+        out = transposed_weight(w_q, backend="triton")
+        for t in out:
+            t.view(torch.uint8).fill_(0xFF)
+        ptrs = (out.data.data_ptr(), out.scale_inv.data_ptr())
+        assert transposed_weight(w_q, out=out, backend="triton") is out
+        assert (out.data.data_ptr(), out.scale_inv.data_ptr()) == ptrs
+        assert_same_transposed(out, want, f"{recipe} {shape} out=")
+
+
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_float64_dequantizes_on_the_torch_path(recipe):
     """A float64 quantization's product is float64 (exact): "auto" takes the torch path, "triton" refuses."""
@@ -684,3 +713,37 @@ def test_cuda_dequantize_matches_the_cpu_path(recipe, dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert_same_values(captured.cpu(), want.dequantize(columnwise=True), f"{recipe} graph replay")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", TRANSPOSED_RECIPES)
+def test_cuda_transposed_weight_matches_the_cpu_path(recipe):
+    """The transpose kernel on the GPU at a DeepSeek-V3-like member size (4 members of 4096 x 7168, and
+    an odd 4 x 130 x 300) writes the CPU torch path's bytes, into out= under a CUDA graph replay too,
+    without a host sync."""
+    columnwise = recipe == "fp8_rowwise"
+    for shape in [(4, 4096, 7168), (4, 130, 300), (3, 2048, 7168)]:
+        w = rand(*shape, seed=sum(shape)).to(torch.bfloat16)
+        w[1, 3, 2] = float("nan")
+        w_q = moekit.group_quantize(w.cuda(), None, recipe, rowwise=not columnwise, columnwise=columnwise)
+        want = transposed_weight(moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise))
+        got = transposed_weight(w_q, backend="triton")
+        assert_same_transposed(got, want, f"{recipe} {shape}")
+        for t in got:
+            t.view(torch.uint8).fill_(0xFF)
+        assert_no_host_sync(lambda w_q=w_q, got=got: transposed_weight(w_q, out=got, backend="triton"))
+        assert_same_transposed(got, want, f"{recipe} {shape} out=")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        transposed_weight(w_q, out=got, backend="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    for t in got:
+        t.view(torch.uint8).fill_(0xFF)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        transposed_weight(w_q, out=got, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_transposed(got, want, f"{recipe} graph replay")

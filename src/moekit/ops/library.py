@@ -467,3 +467,29 @@ def _(
 
 
 group_dequantize = _entry(_group_dequantize_op, _group_dequantize)
+
+
+def _transpose_weight(backend: str, recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor,
+                      scale_t: torch.Tensor) -> None:  # fmt: skip
+    """A quantized (N, O, I) weight's data and scales transposed into the given (N, I, O) storage, in
+    place (`moekit.ops.runtime.quantize_torch.transpose_weight_into`): the storage is an input, declared
+    mutated, as group_quantize's."""
+    quantizer = quantizer_of(backend_named(backend))
+    if quantizer is None:
+        raise ValueError(f"backend {backend!r} cannot transpose a quantized weight")
+    quantizer.transpose_weight_into(recipe, data, scale, data_t, scale_t)
+
+
+_transpose_weight_op = torch.library.custom_op(
+    "moekit::transpose_weight", _transpose_weight, mutates_args=("data_t", "scale_t")
+)
+
+
+@_transpose_weight_op.register_fake
+def _(
+    backend: str, recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+) -> None:
+    return None
+
+
+transpose_weight_into = _entry(_transpose_weight_op, _transpose_weight)

@@ -547,22 +547,41 @@ def _transposed_source(w_q: GroupedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
-def transposed_weight(w_q: GroupedTensor, out: TransposedWeight | None = None) -> TransposedWeight:
+def transposed_weight(
+    w_q: GroupedTensor, out: TransposedWeight | None = None, backend: str = "auto"
+) -> TransposedWeight:
     """w_q's `TransposedWeight` (fp8_block: from its rowwise tiles; fp8_rowwise: from its columnwise
     form), fresh, or written in place into `out` (every address kept: a captured CUDA graph replays it)
     from an earlier call on a weight of the same recipe, shape and device. One read and one write of
-    the FP8 weight."""
+    the FP8 weight, in one launch where moekit's kernels run (backend chosen as `group_quantize`
+    chooses; every backend the same bytes); no host reads."""
     data, scale = _transposed_source(w_q)
-    data_t, scale_t = data.transpose(1, 2), scale.transpose(1, 2)
+    data_shape = (data.shape[0], data.shape[2], data.shape[1])
+    scale_shape = (scale.shape[0], scale.shape[2], scale.shape[1])
     if out is None:
-        return TransposedWeight(data_t.contiguous(), scale_t.contiguous())
-    if out.data.shape != data_t.shape or out.scale_inv.shape != scale_t.shape or out.data.device != data.device:
+        out = TransposedWeight(
+            torch.empty(data_shape, dtype=data.dtype, device=data.device),
+            torch.empty(scale_shape, dtype=scale.dtype, device=scale.device),
+        )
+    elif (
+        tuple(out.data.shape) != data_shape
+        or tuple(out.scale_inv.shape) != scale_shape
+        or out.data.device != data.device
+        or out.data.dtype != data.dtype
+        or out.scale_inv.dtype != scale.dtype
+        or not (out.data.is_contiguous() and out.scale_inv.is_contiguous())
+    ):
         raise ValueError(
             f"out holds a transposed weight of {tuple(out.data.shape)} on {out.data.device}; this one is "
-            f"{tuple(data_t.shape)} on {data.device}"
+            f"{data_shape} on {data.device} (contiguous, {data.dtype} with {scale.dtype} scales)"
         )
-    out.data.copy_(data_t)
-    out.scale_inv.copy_(scale_t)
+    elif not torch.compiler.is_compiling():
+        # The kernel's writes are not in-place ops for autograd: a backward that saved the old copy
+        # refuses to run on the new one, as with group_quantize(out=).
+        torch.autograd.graph.increment_version(out.data)
+        torch.autograd.graph.increment_version(out.scale_inv)
+    impl = select_quantizer(backend, torch.empty(0, dtype=w_q.dtype, device=data.device))
+    library.transpose_weight_into(impl.name, w_q.recipe, data.contiguous(), scale.contiguous(), out.data, out.scale_inv)
     return out
 
 
@@ -654,10 +673,10 @@ class QuantizedWeightCache:
         self._key = key
         self._anchors = [weakref.ref(self._anchor(w)) for w in weights]
         self.refreshes += 1
-        self._refresh_transposed(cached)
+        self._refresh_transposed(cached, backend)
         return cached
 
-    def _refresh_transposed(self, cached: GroupedTensor) -> None:
+    def _refresh_transposed(self, cached: GroupedTensor, backend: str) -> None:
         """Bring the kept transposed copy (if any) up to `cached`: in place where it fits, anew where the
         weight's recipe, shape or device changed, dropped where the recipe has none."""
         t = self.transposed
@@ -672,7 +691,7 @@ class QuantizedWeightCache:
             and t.scale_inv.shape == scale.transpose(1, 2).shape
             and t.data.device == data.device
         )
-        self.transposed = transposed_weight(cached, out=t if fits else None)
+        self.transposed = transposed_weight(cached, out=t if fits else None, backend=backend)
 
     def get_transposed(
         self, w_NOI: torch.Tensor, weights: Sequence[torch.Tensor], recipe: str, backend: str = "auto"
@@ -681,7 +700,7 @@ class QuantizedWeightCache:
         refreshed together (class docstring)."""
         w_q = self.get(w_NOI, weights, recipe, backend)
         if torch.compiler.is_compiling():
-            return w_q, transposed_weight(w_q)
+            return w_q, transposed_weight(w_q, backend=backend)
         if self.transposed is None:
-            self.transposed = transposed_weight(w_q)
+            self.transposed = transposed_weight(w_q, backend=backend)
         return w_q, self.transposed

@@ -4,10 +4,12 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, BLOCKS_K column blocks): the rowwise 1 x TILE_K
-                                scales of its rows, the columnwise TILE_M x 1 scales of its columns, or
-                                one scale per block (a weight's 128 x 128 blocks); mxfp8 and fp8_block
-    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): two passes over X
+    quantize_tiles_kernel       one program per (slot, STEPS x BLOCKS_K column blocks), a pipelined loop
+                                over its steps: the rowwise 1 x TILE_K scales of its rows, the columnwise
+                                TILE_M x 1 scales of its columns, or one scale per block (a weight's
+                                128 x 128 blocks); mxfp8 and fp8_block
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): one read of rows that fit
+                                a program's registers (X <= 16384), else two passes over X
     quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
                                 passes over the group's rows
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
@@ -159,51 +161,61 @@ def quantize_tiles_kernel(
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCKS_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Program (slot, kb): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), column blocks cb in
-    [kb * BLOCKS_K, + BLOCKS_K), block cb the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a program,
-    so that one moves enough bytes when the format's block is small (mxfp8's 32 x 32). ROWWISE: a
-    1 x TILE_K scale per row and block, row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column,
-    col_scale[slot, col]; TILE: one scale per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise).
-    The tile is held as (TILE_M, BLOCKS_K, TILE_K): each block's maxima are reductions over axes."""
+    """Program (slot, kc): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
+    the group's end (padding rows for g = N: zeros; no rows for an unused slot), and STEPS column steps
+    kb in [kc * STEPS, + STEPS), step kb the column blocks cb in [kb * BLOCKS_K, + BLOCKS_K), block cb
+    the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a step, so that a step moves enough bytes when
+    the format's block is small (mxfp8's 32 x 32). ROWWISE: a 1 x TILE_K scale per row and block,
+    row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column, col_scale[slot, col]; TILE: one scale
+    per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise). A step's tile is held as (TILE_M,
+    BLOCKS_K, TILE_K): each block's maxima are reductions over axes.
+
+    The slot's rows are found once (device offsets), so the steps' loads depend on the loop index
+    alone: the loop is software-pipelined (STAGES: the tiles of later steps are loaded into shared
+    memory while a step computes), which keeps HBM busy with one or two programs an SM."""
     if _runs(noop_ptr, HAS_NOOP):
         slot = tl.program_id(0)
-        kb = tl.program_id(1)
         g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        live_group = g < num_groups
         group_start = tl.load(offs_ptr + g)
-        group_end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
         row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
         r = row0 + tl.arange(0, TILE_M)
         rmask = r < group_end
-        cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
-        cbmask = cb < stride_row_scale
-        c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
-        cmask = c < cols
-        mask = rmask[:, None, None] & cmask
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        elem = r64[:, None, None] * stride_x + c
-        x = tl.load(x_ptr + elem, mask=mask & (g < num_groups), other=0.0).to(tl.float32)
-        a = _abs_for_amax(x)
-        if TILE:
-            amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
-            tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
-            q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
-            tl.store(row_data_ptr + elem, q, mask=mask)
-        if ROWWISE:
-            amax_r = tl.max(a, axis=2)[:, :, None]
-            row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
-            q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
-            tl.store(row_data_ptr + elem, q, mask=mask)
-        if COLWISE:
-            amax_c = tl.max(a, axis=0)[None, :, :]
-            col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-            q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
-            tl.store(col_data_ptr + elem, q, mask=mask)
+        steps = tl.cdiv(stride_row_scale, BLOCKS_K)
+        kb0 = tl.program_id(1) * STEPS
+        for kb in tl.range(kb0, tl.minimum(kb0 + STEPS, steps), num_stages=STAGES):
+            cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
+            cbmask = cb < stride_row_scale
+            c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
+            cmask = c < cols
+            mask = rmask[:, None, None] & cmask
+            elem = r64[:, None, None] * stride_x + c
+            x = tl.load(x_ptr + elem, mask=mask & live_group, other=0.0).to(tl.float32)
+            a = _abs_for_amax(x)
+            if TILE:
+                amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
+                tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
+                q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
+                tl.store(row_data_ptr + elem, q, mask=mask)
+            if ROWWISE:
+                amax_r = tl.max(a, axis=2)[:, :, None]
+                row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
+                q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
+                tl.store(row_data_ptr + elem, q, mask=mask)
+            if COLWISE:
+                amax_c = tl.max(a, axis=0)[None, :, :]
+                col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
+                q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
+                tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
@@ -220,30 +232,44 @@ def quantize_rows_kernel(
     HAS_NOOP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program, the
-    row maxima in a first pass over X, the data in a second."""
+    """One fp32 scale per whole row (scale[row]), rows past offs[N] zeros: BLOCK_ROWS rows a program.
+    ONE_PASS (cols <= BLOCK_COLS): the rows are read once, held in registers while their maxima are
+    taken, and quantized from there; otherwise the row maxima in a first pass over X, the data in a
+    second (a second read of x)."""
     if _runs(noop_ptr, HAS_NOOP):
         r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         valid_end = tl.load(offs_ptr + num_groups)
         rmask = r < rows
         live = rmask & (r < valid_end)
         r64 = r.to(tl.int64)
-        amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-        for k0 in range(0, cols, BLOCK_COLS):
-            c = k0 + tl.arange(0, BLOCK_COLS)
-            mask = live[:, None] & (c < cols)[None, :]
-            x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
-        scale, scale_inv = _fp32_scales(amax)
-        tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-        for k0 in range(0, cols, BLOCK_COLS):
-            c = k0 + tl.arange(0, BLOCK_COLS)
+        if ONE_PASS:
+            c = tl.arange(0, BLOCK_COLS)
             cmask = (c < cols)[None, :]
             elem = r64[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
+            # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
+            x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
+            x = tl.where(live[:, None], x, 0.0)
+            scale, scale_inv = _fp32_scales(tl.max(_abs_for_amax(x), axis=1))
+            tl.store(scale_ptr + r64, scale_inv, mask=rmask)
             tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
+        else:
+            amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+            for k0 in range(0, cols, BLOCK_COLS):
+                c = k0 + tl.arange(0, BLOCK_COLS)
+                mask = live[:, None] & (c < cols)[None, :]
+                x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+                amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
+            scale, scale_inv = _fp32_scales(amax)
+            tl.store(scale_ptr + r64, scale_inv, mask=rmask)
+            for k0 in range(0, cols, BLOCK_COLS):
+                c = k0 + tl.arange(0, BLOCK_COLS)
+                cmask = (c < cols)[None, :]
+                elem = r64[:, None] * stride_x + c[None, :]
+                x = tl.load(x_ptr + elem, mask=live[:, None] & cmask, other=0.0).to(tl.float32)
+                tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
 
 
 @triton.jit
@@ -376,12 +402,24 @@ def dequantize_kernel(
     else:
         g = tl.arange(0, BLOCK_GROUPS)
         ends = tl.load(offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
-        group = tl.sum((ends[None, :] <= r64[:, None]).to(tl.int32), axis=1)
-        if BLOCK_R > 0:
-            start = tl.load(offs_ptr + group, mask=rmask, other=0)
-            srow = tl.load(slot_offs_ptr + group, mask=rmask, other=0) + (r64 - start) // BLOCK_R
+        # The groups of the tile's first and last rows; where they agree (all but the tiles that hold
+        # a group boundary) every row's slot follows from that one group, with no per-row search.
+        first = tl.program_id(0) * BLOCK_M
+        last = tl.minimum(first + BLOCK_M, rows) - 1
+        g_first = tl.sum((ends <= first).to(tl.int32), axis=0)
+        if g_first == tl.sum((ends <= last).to(tl.int32), axis=0):
+            if BLOCK_R > 0:
+                g_start = tl.load(offs_ptr + g_first)
+                srow = tl.load(slot_offs_ptr + g_first) + (r64 - g_start) // BLOCK_R
+            else:
+                srow = r64 * 0 + g_first
         else:
-            srow = group.to(tl.int64)
+            group = tl.sum((ends[None, :] <= r64[:, None]).to(tl.int32), axis=1)
+            if BLOCK_R > 0:
+                start = tl.load(offs_ptr + group, mask=rmask, other=0)
+                srow = tl.load(slot_offs_ptr + group, mask=rmask, other=0) + (r64 - start) // BLOCK_R
+            else:
+                srow = group.to(tl.int64)
         srow = tl.minimum(srow, max_slot)
     if BLOCK_C > 0:
         scol = c // BLOCK_C
@@ -399,3 +437,65 @@ def dequantize_kernel(
     if BF16_RNE:
         y = _bf16_rne(y)
     tl.store(out_ptr + elem, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# The transposed FP8 weight: (N, O, I) bytes and scales -> (N, I, O)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def transpose_weight_kernel(
+    data_ptr,
+    scale_ptr,
+    data_t_ptr,
+    scale_t_ptr,
+    rows,
+    cols,
+    row_words,
+    scale_rows,
+    scale_cols,
+    TILE_SCALES: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """Program (column tile, row tile, member n) of an (N, O, I) FP8 weight (O = rows, I = cols):
+    data_t[n, i, o] = data[n, o, i] over its BLOCK_O x BLOCK_I tile, read along I and written along O,
+    and the scales (N, scale_rows, scale_cols) -> (N, scale_cols, scale_rows): TILE_SCALES, one scale
+    per BLOCK_O x BLOCK_I tile (fp8_block: the tile is the 128 x 128 block, its scale moves with it);
+    else scale_rows is 1 (fp8_rowwise's per-column scales, whose bytes keep their order) and the
+    programs of the first row tile copy their columns' scales. Bytes only: no arithmetic on values.
+
+    WORDS (O a multiple of 4, row_words = O / 4; data_t_ptr then addresses int32 words): the tile is
+    read as four (BLOCK_O / 4, BLOCK_I) loads of the rows o = 4q + k, k = 0..3, which lay out alike, so
+    a thread packs its 4 bytes of (q, i) in registers into the word data_t[n, i, 4q : 4q + 4] (byte k
+    at o = 4q + k, little-endian) and the transpose through shared memory moves words, not bytes.
+    Otherwise bytes."""
+    ib = tl.program_id(0)
+    ob = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+    member = n * rows * cols
+    if WORDS:
+        q = ob * (BLOCK_O // 4) + tl.arange(0, BLOCK_O // 4)
+        mask = (q < row_words)[:, None] & (i < cols)[None, :]
+        row0 = data_ptr + member + (q * 4)[:, None] * cols + i[None, :]
+        words = tl.load(row0, mask=mask, other=0).to(tl.int32)
+        for k in tl.static_range(1, 4):
+            words |= tl.load(row0 + k * cols, mask=mask, other=0).to(tl.int32) << (8 * k)
+        mask_t = (i < cols)[:, None] & (q < row_words)[None, :]
+        words_at = n * row_words * cols + i[:, None] * row_words + q[None, :]
+        tl.store(data_t_ptr + words_at, tl.trans(words), mask=mask_t)
+    else:
+        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        mask = (o < rows)[:, None] & (i < cols)[None, :]
+        tile = tl.load(data_ptr + member + o[:, None] * cols + i[None, :], mask=mask)
+        mask_t = (i < cols)[:, None] & (o < rows)[None, :]
+        tl.store(data_t_ptr + member + i[:, None] * rows + o[None, :], tl.trans(tile), mask=mask_t)
+    if TILE_SCALES:
+        s = tl.load(scale_ptr + (n * scale_rows + ob) * scale_cols + ib)
+        tl.store(scale_t_ptr + (n * scale_cols + ib) * scale_rows + ob, s)
+    elif ob == 0:
+        scale_at = n * scale_cols + i
+        tl.store(scale_t_ptr + scale_at, tl.load(scale_ptr + scale_at, mask=i < cols), mask=i < cols)

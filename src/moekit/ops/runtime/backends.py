@@ -142,6 +142,12 @@ class GroupQuantizer(Protocol):
         contract; every backend the same bytes). `quantize_unavailable_reason` of a tensor of `dtype` on
         data's device says whether this backend can."""
 
+    def transpose_weight_into(
+        self, recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+    ) -> None:
+        """An (N, O, I) quantized weight's data and scales transposed into (N, I, O) storage
+        (`quantize_torch.transpose_weight_into`: the contract; every backend the same bytes)."""
+
 
 @runtime_checkable
 class QuantizedGemm(Protocol):
@@ -307,6 +313,7 @@ class LoopBackend:
 
     group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
     group_dequantize = staticmethod(quantize_torch.group_dequantize)
+    transpose_weight_into = staticmethod(quantize_torch.transpose_weight_into)
 
 
 def torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
@@ -383,6 +390,7 @@ class TorchBackend:
 
     group_quantize_into = staticmethod(quantize_torch.group_quantize_into)
     group_dequantize = staticmethod(quantize_torch.group_dequantize)
+    transpose_weight_into = staticmethod(quantize_torch.transpose_weight_into)
 
 
 class TritonRuntime(NamedTuple):
@@ -481,6 +489,13 @@ class TritonBackend:
         if runtime is None:
             raise ValueError("triton cannot be imported (pip install triton)")
         return runtime.quantize.group_dequantize
+
+    @property
+    def transpose_weight_into(self) -> Callable[..., None]:
+        runtime = triton_runtime()
+        if runtime is None:
+            raise ValueError("triton cannot be imported (pip install triton)")
+        return runtime.quantize.transpose_weight_into
 
     # The QuantizedGemm capability: moekit's FP8 kernels (fp8_block, fp8_rowwise; FP8 tensor cores or
     # the interpreter).

@@ -198,15 +198,24 @@ ZERO_ROWS_TILE = (64, 128)
 # whole-group kernel has only (N + 1) x ceil(X / BLOCK_COLS) programs, each walking its group's rows in
 # sequence: narrow column strips of tall chunks, so that a few groups still give every SM several
 # programs (512 columns and 8 groups at X = 7168 would be under one program an SM).
-QUANTIZE_TILES: dict[Arch, dict[int, tuple[int, int]]] = {
-    "sm90": {32: (8, 4), 128: (1, 8)},
-    "sm80": {32: (8, 4), 128: (1, 8)},
-    "interpreter": {32: (2, 4), 128: (1, 8)},
+QUANTIZE_TILES: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
+    "sm90": {32: (8, 4, 8, 4), 128: (1, 8, 8, 3)},
+    "sm80": {32: (8, 4, 8, 3), 128: (1, 8, 8, 2)},
+    "interpreter": {32: (2, 4, 2, 1), 128: (1, 8, 2, 1)},
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
     "sm80": (16, 512, 4),
     "interpreter": (8, 64, 4),
+}
+# The whole-row kernel's one-pass form (rows read once, held in registers): (most columns, elements a
+# program, warps). 16384 bf16 columns are 64 fp32 registers a thread at 8 warps; a program takes
+# max(1, elements / next_power_of_2(X)) rows. Small under the interpreter so that CPU tests cover both
+# forms (70 columns in one pass, 130 in two).
+QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (16384, 8192, 8),
+    "sm80": (16384, 8192, 8),
+    "interpreter": (128, 256, 4),
 }
 QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (64, 128, 4),
@@ -220,6 +229,16 @@ DEQUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
     "sm90": (32, 256, 4),
     "sm80": (32, 256, 4),
     "interpreter": (8, 16, 4),
+}
+
+# The transposed FP8 weight's tiles (BLOCK_O, BLOCK_I, warps): fp8_block's tiles are its 128 x 128
+# blocks (the warps from here); 128 x 128 bytes a program, each side read or written 16 bytes a thread
+# at a time, the transpose through shared memory. Small under the interpreter so that CPU tests cross
+# several tiles.
+TRANSPOSE_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (128, 128, 4),
+    "sm80": (128, 128, 4),
+    "interpreter": (16, 32, 4),
 }
 
 

@@ -11,6 +11,9 @@ and a whole group are different walks). The outputs' arguments and their layouts
 
 `group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
 path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
+
+`transpose_weight_into`: the FP8 dgrad's transposed weight (`moekit.ops.quantize.TransposedWeight`),
+one launch, tiles read along I and written along O, the scales moved in the same programs.
 """
 
 from __future__ import annotations
@@ -26,8 +29,16 @@ from moekit.ops.kernels.quantize import (
     quantize_group_cols_kernel,
     quantize_rows_kernel,
     quantize_tiles_kernel,
+    transpose_weight_kernel,
 )
-from moekit.ops.runtime.configs import DEQUANTIZE_TILES, QUANTIZE_CHUNKS, QUANTIZE_GROUP_COLS_CHUNKS, QUANTIZE_TILES
+from moekit.ops.runtime.configs import (
+    DEQUANTIZE_TILES,
+    QUANTIZE_CHUNKS,
+    QUANTIZE_GROUP_COLS_CHUNKS,
+    QUANTIZE_ONE_PASS_ROWS,
+    QUANTIZE_TILES,
+    TRANSPOSE_TILES,
+)
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -48,6 +59,7 @@ _TILES = Launcher(quantize_tiles_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _GROUP_COLS = Launcher(quantize_group_cols_kernel)
 _DEQUANTIZE = Launcher(dequantize_kernel)
+_TRANSPOSE = Launcher(transpose_weight_kernel)
 
 
 class QuantizePlan(NamedTuple):
@@ -85,10 +97,10 @@ def _plan(
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        blocks_k, warps = QUANTIZE_TILES[arch][tile_k]
+        blocks_k, warps, steps, stages = QUANTIZE_TILES[arch][tile_k]
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(stride_scale, blocks_k))
+        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(triton.cdiv(stride_scale, blocks_k), steps))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -101,6 +113,8 @@ def _plan(
                 TILE_M=tile_m,
                 TILE_K=tile_k,
                 BLOCKS_K=blocks_k,
+                STEPS=steps,
+                STAGES=stages,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
                 HW_E4M3=hw_e4m3,
@@ -110,8 +124,21 @@ def _plan(
         return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
     row_plan = col_plan = None
     if rowwise and rows:
-        block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
-        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
+        most_cols, elements, warps = QUANTIZE_ONE_PASS_ROWS[arch]
+        one_pass = cols <= most_cols
+        if one_pass:  # whole rows in registers: one read of x
+            block_cols = triton.next_power_of_2(cols)
+            block_rows = max(1, elements // block_cols)
+        else:
+            block_rows, block_cols, warps = QUANTIZE_CHUNKS[arch]
+        chunks = dict(
+            HAS_NOOP=has_noop,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            ONE_PASS=one_pass,
+            HW_E4M3=hw_e4m3,
+            num_warps=warps,
+        )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     if columnwise and cols:
         block_rows, block_cols, warps = QUANTIZE_GROUP_COLS_CHUNKS[arch]
@@ -241,3 +268,49 @@ def group_dequantize(
         with device_ctx(data.device):
             plan(_u8(data, data), _u8(scale, scale), offs, slots, out)
     return out
+
+
+def _transpose_plan(info: Recipe, data: torch.Tensor, scale: torch.Tensor) -> LaunchPlan | None:
+    """The one launch of `transpose_weight_into`: a tile a program, the weight tile's size for
+    fp8_block (its scale moves with it), TRANSPOSE_TILES' otherwise."""
+    num, rows, cols = data.shape
+    tile_scales = info.weight_tile is not None
+    if tile_scales:
+        block_o = block_i = info.weight_tile
+        warps = TRANSPOSE_TILES[arch_of(data.device)][2]
+    else:
+        block_o, block_i, warps = TRANSPOSE_TILES[arch_of(data.device)]
+    grid = (triton.cdiv(cols, block_i), triton.cdiv(rows, block_o), num)
+    if not (grid[0] and grid[1] and grid[2]):
+        return None
+    return LaunchPlan(
+        _TRANSPOSE,
+        grid,
+        (rows, cols, rows // 4, scale.shape[1], scale.shape[2]),
+        dict(TILE_SCALES=tile_scales, WORDS=rows % 4 == 0, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=warps),
+    )
+
+
+def transpose_weight_into(
+    recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+) -> None:
+    """`moekit.ops.runtime.quantize_torch.transpose_weight_into` by moekit's kernel: the same arguments
+    (all contiguous: data (N, O, I) float8 with its scales (N, SO, SI), fp8_block's per 128 x 128 tile
+    or fp8_rowwise's per column (SO = 1); outputs (N, I, O) and (N, SI, SO)), the same bytes, one launch
+    (one read and one write of the FP8 weight), no host reads."""
+    info = recipe_named(recipe)
+    reason = unavailable_reason(data.device, torch.float32)  # the device's: data is float8, moved as bytes
+    if reason is not None:
+        raise ValueError(reason)
+    if not all(t.is_contiguous() for t in (data, scale, data_t, scale_t)):
+        raise ValueError("transpose_weight_into takes contiguous data, scales and outputs")
+    if info.weight_tile is None and scale.shape[1] != 1:
+        raise ValueError(
+            f"a {info.name} weight's transposed scales are per column: (N, 1, I), got {tuple(scale.shape)}"
+        )
+    key = (info.name, *(tensor_key(t) for t in (data, scale, data_t, scale_t)))
+    plan = plan_launch("transpose_weight", key, lambda: _transpose_plan(info, data, scale))
+    if plan is not None:
+        with device_ctx(data.device):
+            words = data.shape[1] % 4 == 0  # the kernel writes whole int32 words of 4 rows (WORDS)
+            plan(_u8(data, data), scale, data_t.view(torch.int32) if words else _u8(data_t, data_t), scale_t)

@@ -218,3 +218,14 @@ def group_dequantize(
             raise ValueError("columnwise dequantization of rows needs the scale slot offsets")
         slot_offs = offs  # a weight's blocks follow from its shape
     return dequantize_columnwise(info, data, scale, offs, slot_offs, dtype)
+
+
+def transpose_weight_into(
+    recipe: str, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor
+) -> None:
+    """data_t = data (N, O, I) transposed to (N, I, O), scale_t = scale (N, SO, SI) transposed to
+    (N, SI, SO), in place (every address kept): the bytes of `moekit.ops.quantize.TransposedWeight`.
+    Outputs contiguous; no host reads."""
+    recipe_named(recipe)
+    data_t.copy_(data.transpose(1, 2))
+    scale_t.copy_(scale.transpose(1, 2))
