@@ -22,11 +22,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 gg = pytest.importorskip("moekit.ops.runtime.gemm")
-from helpers import torch_glu  # noqa: E402
+import moekit  # noqa: E402
+from helpers import check_against_reference, rand, torch_glu, torch_grouped_mlp  # noqa: E402
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
 from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
+from moekit.reference import grouped_mlp_reference  # noqa: E402
 
 ON_CPU = launch.unavailable_reason("cpu", torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -347,6 +349,32 @@ def test_gpu_every_candidate(op, nan_outputs):
 @needs_cuda
 def test_gpu_fp32(nan_outputs):
     check_all(1000, 3, 320, 192, [0, 700, 200], torch.float32, "cuda", True, True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("ffn", [256, 96])
+def test_gpu_fused_mlp_fp32(ffn, nan_outputs):
+    """The fused MLP in float32 on the GPU (the demo's dtype): its tiles fit sm_90's shared memory at
+    128 activation columns, and output and every gradient pass the rule against float64."""
+    splits = [0, 37, 300, 5]
+    inputs = {
+        "x": rand(sum(splits), 192, seed=1).cuda(),
+        "fc1_weight": rand(4, 2 * ffn, 192, seed=2).cuda(),
+        "fc2_weight": rand(4, 192, ffn, seed=3).cuda(),
+        "probs": rand(sum(splits), seed=4).abs().cuda(),
+    }
+
+    def call(fn, **kw):
+        return lambda x, fc1_weight, fc2_weight, probs: fn(x, fc1_weight, fc2_weight, splits, probs=probs, **kw)
+
+    check_against_reference(
+        call(moekit.grouped_mlp, backend="triton"),
+        call(torch_grouped_mlp),
+        call(grouped_mlp_reference),
+        inputs,
+        torch.float32,
+    )
 
 
 @gpu

@@ -145,7 +145,11 @@ def glu_candidates(
     widths = glu_widths(ffn, glu_block, arch)
     if arch == "interpreter":
         return (GemmConfig(16, widths[0], 16, 8, 1, 4, False, True),)
-    if not use_tma or dtype == torch.float32:
+    if dtype == torch.float32:
+        # 4-byte operands: 32 reduction columns a stage (3 stages of x + gate + up tiles, 147 KiB, beside
+        # the fp32 h staging tile; 64 columns needed 352 KiB, past sm_90's 227 KiB).
+        return (GemmConfig(128, widths[0], 32, 8, 3, 8, True, True),)
+    if not use_tma:
         return (GemmConfig(128, widths[0], 64, 8, 3, 8, True, True),)
     if kernel == "fwd":
         return (GemmConfig(128, widths[0], 64, 8, 3, 8, False, True),)
