@@ -24,7 +24,6 @@ transformers = pytest.importorskip("transformers")
 import moekit.integrations.transformers as hf  # noqa: E402
 from helpers import assert_within_tolerance  # noqa: E402
 from moekit.integrations.experts import IntegratedExperts  # noqa: E402
-from moekit.ops.runtime.backends import backend_named  # noqa: E402
 from moekit.integrations.transformers import (  # noqa: E402
     EXPERTS_IMPLEMENTATION,
     HIDDEN_ACT_ACTIVATIONS,
@@ -34,6 +33,7 @@ from moekit.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_moekit,
 )
+from moekit.ops.runtime.backends import backend_named  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(

@@ -165,10 +165,11 @@ def wgrad_in_layout(
     transposed: bool,
 ) -> torch.Tensor:
     """The weight gradient (N, O, I), dense in the layout of the weight's tensor: where the weight is a
-    transposed view (`transposed`, from `stored_transposed`), x^T dy computed as (N, I, O) and returned as its transposed view. The
-    gradient that reaches the stored (N, I, O) parameter through the view is then dense in that
-    parameter's layout, which autograd's gradient accumulation keeps as it is; a row-major (N, O, I)
-    gradient would be copied into the parameter's layout there, a copy of the whole weight per backward."""
+    transposed view (`transposed`, from `stored_transposed`), x^T dy is computed as (N, I, O) and
+    returned as its transposed view. The gradient that reaches the stored (N, I, O) parameter through
+    the view is then dense in that parameter's layout, which autograd's gradient accumulation keeps as
+    it is; a row-major (N, O, I) gradient would be copied into the parameter's layout there, a copy of
+    the whole weight per backward."""
     if transposed:
         return library.grouped_linear_wgrad(backend, x_MI, dy_MO, offs, host_offs).transpose(1, 2)
     return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
