@@ -152,7 +152,10 @@ def unstacked(grad: torch.Tensor | None, dims: tuple[int, ...], grouped_dim: int
 
 def stored_transposed(w_NOI: torch.Tensor | None) -> bool:
     """Whether a grouped (N, O, I) weight is a transposed view of the (N, I, O) tensor it reads (a unit
-    middle stride and a non-unit last one: transformers' gpt-oss experts keep theirs so)."""
+    middle stride and a non-unit last one: transformers' gpt-oss experts keep theirs so). False while
+    torch.compile traces (strides are not known in a traced backward; the compiler lays gradients out)."""
+    if torch.compiler.is_compiling():
+        return False
     return w_NOI is not None and w_NOI.dim() == 3 and w_NOI.stride(2) != 1 and w_NOI.stride(1) == 1
 
 
