@@ -81,6 +81,35 @@ def test_bench_routing_smoke_checks_both_paths(tmp_path):
     assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
 
 
+def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):
+    """bench_transformers.py --smoke with both models and activation checkpointing off and on: four
+    cases, each with every variant timed and its logits near the baseline's; the top-level variants
+    are the first case's (what summarize.py reads)."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
+    command = [sys.executable, str(BENCHMARKS / "bench_transformers.py"), "--smoke", "--out", str(tmp_path)]
+    command += ["--models", "qwen3-30b-a3b", "gpt-oss-20b", "--checkpointing", "both"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "transformers.json").read_text())
+    assert payload["meta"]["git_commit"] == "abc1234-test" and "partial" not in payload
+    cases = payload["cases"]
+    assert [(c["model"], c["activation_checkpointing"]) for c in cases] == [
+        ("qwen3-30b-a3b", False),
+        ("qwen3-30b-a3b", True),
+        ("gpt-oss-20b", False),
+        ("gpt-oss-20b", True),
+    ]
+    assert payload["variants"] == cases[0]["variants"]
+    for case in cases:
+        variants = case["variants"]
+        assert set(variants) == {"transformers_grouped_mm", "moekit_apply", "moekit_experts_implementation"}
+        for name, r in variants.items():
+            assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["x_grouped_mm"] > 0, (case["model"], name, r)
+            assert r["logits_rel_diff_vs_grouped_mm"] < 1e-5, (case["model"], name)
+    assert cases[2]["config"]["hidden_size"] == 64 and cases[2]["config"]["num_local_experts"] == 8
+
+
 def _run_quantized(out: Path, *extra: str) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
     command = [sys.executable, str(BENCHMARKS / "bench_quantized.py"), "--smoke", "--out", str(out), *extra]

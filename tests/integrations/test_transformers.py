@@ -33,6 +33,7 @@ from moekit.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_moekit,
 )
+from moekit.ops.runtime.backends import backend_named  # noqa: E402
 
 VOCAB = 96
 COMMON = dict(
@@ -241,6 +242,97 @@ def test_experts_implementation_moekit_matches_eager(name, moekit_calls):
     assert candidate.config._experts_implementation == EXPERTS_IMPLEMENTATION
     _assert_step_matches_eager(candidate, eager, _batch())
     assert moekit_calls.count("moe_experts") == _num_moe_layers(candidate)
+
+
+TRITON_OK = backend_named("triton").unavailable_reason(torch.empty(1, 8), torch.empty(1, 8, 8)) is None
+GEMM_BACKENDS = [
+    "loop",
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),
+]
+
+
+def _moekit_candidate(eager, name: str, way: str, backend: str, **config):
+    """A copy of `eager` on moekit's experts, one way or the other, on `backend`."""
+    if way == "apply_moekit":
+        return apply_moekit(copy.deepcopy(eager), backend=backend)
+    candidate = _model(name, EXPERTS_IMPLEMENTATION, moekit_backend=backend, **config)
+    candidate.load_state_dict(eager.state_dict())
+    return candidate
+
+
+def _record_incoming_grads(model) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, gradient as autograd hands it to the parameter, before it is accumulated) of every
+    expert weight of the model's own layout."""
+    seen: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    for module in model.modules():
+        if type(module).__name__ in SUPPORTED_EXPERTS:
+            for p in (module.gate_up_proj, module.down_proj):
+                p.register_hook(lambda g, p=p: seen.append((p, g)))
+    return seen
+
+
+@pytest.mark.parametrize("backend", GEMM_BACKENDS)
+@pytest.mark.parametrize("way", ["apply_moekit", "experts_implementation"])
+def test_transposed_experts_get_their_gradients_in_their_own_layout(way, backend, moekit_calls):
+    """gpt-oss stores its expert weights (N, in, out); moekit reads them through transposed views and
+    computes their weight gradients in the stored layout, so autograd hands each parameter a gradient
+    with its own strides (kept as it is) rather than one it must copy into the parameter's layout: no
+    per-step copy of the expert weights. The step still matches eager."""
+    eager = _model("gpt_oss")
+    candidate = _moekit_candidate(eager, "gpt_oss", way, backend)
+    seen = _record_incoming_grads(candidate)
+    _assert_step_matches_eager(candidate, eager, _batch())
+    assert len(seen) == 2 * _num_moe_layers(candidate) and moekit_calls
+    for p, g in seen:
+        assert g.shape == p.shape and g.stride() == p.stride(), (tuple(p.shape), p.stride(), g.stride())
+
+
+@pytest.mark.parametrize("backend", GEMM_BACKENDS)
+@pytest.mark.parametrize("way", ["apply_moekit", "experts_implementation"])
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_checkpointing_matches_eager(name, way, backend, moekit_calls):
+    """Activation checkpointing (transformers' gradient_checkpointing_enable: each decoder layer's forward
+    run again in the backward) through moekit's experts: the same step as eager's with it on, and moekit
+    ran in both forwards of every MoE layer."""
+    if backend == "triton" and name not in ("gpt_oss", "qwen3_moe"):
+        pytest.skip("the interpreter is slow: the triton backend on the transposed and the plain layout")
+    eager = _model(name)
+    eager.gradient_checkpointing_enable()
+    candidate = _moekit_candidate(eager, name, way, backend)
+    candidate.gradient_checkpointing_enable()
+    eager.train(), candidate.train()
+    _assert_step_matches_eager(candidate, eager, _batch())
+    assert moekit_calls.count("moe_experts") == 2 * _num_moe_layers(candidate)
+
+
+# gpt-oss-20b's expert width (hidden 2880, ffn 2880: rows of 5760 and 11520 bytes), few experts and layers.
+GPT_OSS_WIDTH = dict(
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=1,
+    layer_types=["full_attention"],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+
+
+@pytest.mark.parametrize("way", ["apply_moekit", "experts_implementation"])
+def test_gpt_oss_at_real_width_matches_eager(way, moekit_calls):
+    """gpt-oss at its real expert width (the shapes the GPU failed on: a (32, 2880, 2880) transposed
+    down_proj view), on the torch backend: the step matches eager and the expert weights' gradients
+    arrive in their own layout."""
+    eager = _model("gpt_oss", **GPT_OSS_WIDTH)
+    candidate = _moekit_candidate(eager, "gpt_oss", way, "torch", **GPT_OSS_WIDTH)
+    seen = _record_incoming_grads(candidate)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    _assert_step_matches_eager(candidate, eager, ids)
+    assert moekit_calls and len(seen) == 2
+    for p, g in seen:
+        assert g.stride() == p.stride()
 
 
 # transformers' own model testers build MoE models with hidden_act="gelu"; the other three of the table too.

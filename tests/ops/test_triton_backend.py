@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import moekit
-from helpers import check_against_reference, rand, torch_glu, torch_grouped_linear, torch_grouped_mlp
+from helpers import (
+    check_against_reference,
+    rand,
+    rel_err,
+    tolerance_floor,
+    torch_glu,
+    torch_grouped_linear,
+    torch_grouped_mlp,
+)
 from moekit.ops.activations import ACTIVATIONS
 from moekit.ops.runtime.backends import backend_named
 from moekit.ops.splits import device_offsets
@@ -251,7 +259,7 @@ def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
 def test_transposed_weight_views_give_the_contiguous_results(glu_interleave_size):
     """transformers' gpt-oss keeps gate_up_proj (N, H, 2F) and down_proj (N, F, H); moekit takes their
     transposed views as they are (no copy): the fused MLP and the layer give the contiguous weights'
-    output and gradients bit for bit."""
+    output and gradients (the weights' within one rounding: computed in their stored layout)."""
     t = _mlp_inputs(20, 16, 24, 3, bias=True, probs=True)
     stored1 = t["fc1_weight"].transpose(1, 2).contiguous()  # (N, H, 2F)
     stored2 = t["fc2_weight"].transpose(1, 2).contiguous()  # (N, F, H)
@@ -270,8 +278,15 @@ def test_transposed_weight_views_give_the_contiguous_results(glu_interleave_size
         )  # fmt: skip
         y.backward(dy)
         results.append([y.detach(), w1.grad, w2.grad, *(v.grad for v in leaves.values())])
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    # Output and the gradients of x, probs and the biases bit for bit; the weight gradients of the views
+    # are computed in the stored (N, in, out) layout (the same sums, another operand order of the wgrad
+    # kernel), so within one rounding of the reordered sum.
+    contiguous, views = results
+    for i, (a, b) in enumerate(zip(contiguous, views, strict=True)):
+        if i in (1, 2):
+            assert rel_err(b, a) <= tolerance_floor(torch.float32, 20), i
+        else:
+            assert torch.equal(a, b), i
 
 
 GATED_CASES = {  # (rows, F, glu_interleave_size): row tiles of 4 and column steps of 8 under the interpreter

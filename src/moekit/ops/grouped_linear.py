@@ -150,6 +150,34 @@ def unstacked(grad: torch.Tensor | None, dims: tuple[int, ...], grouped_dim: int
     return tuple(grad.unbind(0)) if grad is not None else (None,) * len(dims)
 
 
+def stored_transposed(w_NOI: torch.Tensor | None) -> bool:
+    """Whether a grouped (N, O, I) weight is a transposed view of the (N, I, O) tensor it reads (a unit
+    middle stride and a non-unit last one: transformers' gpt-oss experts keep theirs so). False while
+    torch.compile traces (strides are not known in a traced backward; the compiler lays gradients out)."""
+    if torch.compiler.is_compiling():
+        return False
+    return w_NOI is not None and w_NOI.dim() == 3 and w_NOI.stride(2) != 1 and w_NOI.stride(1) == 1
+
+
+def wgrad_in_layout(
+    backend: str,
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    transposed: bool,
+) -> torch.Tensor:
+    """The weight gradient (N, O, I), dense in the layout of the weight's tensor: where the weight is a
+    transposed view (`transposed`, from `stored_transposed`), x^T dy is computed as (N, I, O) and
+    returned as its transposed view. The gradient that reaches the stored (N, I, O) parameter through
+    the view is then dense in that parameter's layout, which autograd's gradient accumulation keeps as
+    it is; a row-major (N, O, I) gradient would be copied into the parameter's layout there, a copy of
+    the whole weight per backward."""
+    if transposed:
+        return library.grouped_linear_wgrad(backend, x_MI, dy_MO, offs, host_offs).transpose(1, 2)
+    return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
+
+
 def row_major(t: torch.Tensor) -> torch.Tensor:
     """Contiguous with dense row-major strides. `.contiguous()` alone is not enough: a tensor with no
     elements counts as contiguous whatever its strides, e.g. the zero strides of the expanded gradient of
@@ -244,7 +272,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if need_x:
             dx = library.grouped_linear_dgrad(backend, dy_MO, stacked(weights, 3, "weight"), offs, host_offs)
         if need_w:
-            dw = library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
+            dw = wgrad_in_layout(backend, dy_MO, x_MI, offs, host_offs, stored_transposed(weights[0]))
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and need_scale:
@@ -320,6 +348,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8 = backend, quantizer, recipe, fp8
         ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
+        ctx.w_transposed = stored_transposed(weights[0])
         ctx.x_template, ctx.w_template = x_held, weight_q
         x_storage = x_held.storage() if x_held is not None else (None,) * 7
         ctx.save_for_backward(offs, bias_scale_M, bias_NO, wt_data, wt_scale, *x_storage, *weight_q.storage())
@@ -368,7 +397,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 # The wgrad's operands by the quantizer's dequantize (one pass each on the Triton backend).
                 dy_c = dequantize_with(ctx.quantizer, dy_q, columnwise=True)
                 x_c = dequantize_with(ctx.quantizer, x_q, columnwise=True)
-                dw = library.grouped_linear_wgrad(backend, dy_c, x_c, offs, host_offs)
+                dw = wgrad_in_layout(backend, dy_c, x_c, offs, host_offs, ctx.w_transposed)
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and need_scale and dy_bias_MO is not None:

@@ -47,8 +47,10 @@ from moekit.ops.grouped_linear import (
     probe_weight,
     row_major,
     stacked,
+    stored_transposed,
     tensor_list,
     unstacked,
+    wgrad_in_layout,
 )
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import ExpertOrder
@@ -348,7 +350,7 @@ class _Fc1Node(torch.autograd.Function):
             # dx is allocated, so the backward's peak holds one of them, not both.
             if any(need[_FC1_PARAMS : _FC1_PARAMS + spec.n_w1]):
                 x_MH = x if route is None else route.to_rows(x)
-                dw1 = library.grouped_linear_wgrad(spec.backend, dh_M2F, x_MH, offs, None)
+                dw1 = wgrad_in_layout(spec.backend, dh_M2F, x_MH, offs, None, stored_transposed(w1s[0]))
                 del x_MH
             if any(need[_FC1_PARAMS + spec.n_w1 :]):
                 db1 = library.grouped_linear_dbias(spec.backend, dh_M2F, offs, None, None)
@@ -423,7 +425,7 @@ class _Fc2Node(torch.autograd.Function):
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
-            dw2 = library.grouped_linear_wgrad(spec.backend, dy_MH, act_p, offs, None)
+            dw2 = wgrad_in_layout(spec.backend, dy_MH, act_p, offs, None, stored_transposed(w2))
         if probs_M is not None and need_probs and b2 is not None:
             # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
             # r]> (y = ... + b2 * p).
