@@ -13,9 +13,12 @@ products accumulate unscaled in fp32 and the two scales are applied once, in the
 
 Hopper's FP8 wgmma takes both operands from shared memory only "K-major", contiguous along the
 reduction; the reduction here runs down the rows of (M, X) data. So the kernel takes both operands
-transposed, (X, M) with M contiguous (`transpose_rows_kernel`, one read and one write of the FP8 data
-each), and reads them as the FP8 forward reads its operands: A = dyt[o0:, r0:] (BLOCK_O, BLOCK_M),
-B = xt[i0:, r0:] (BLOCK_I, BLOCK_M) through a transposed view, no transpose in registers.
+transposed, (X, pitch) with the rows contiguous (`transpose_rows_kernel`, one read and one write of
+the FP8 data each), and reads them as the FP8 forward reads its operands: A = dyt[o0:, c0:]
+(BLOCK_O, BLOCK_M), B = xt[i0:, c0:] (BLOCK_I, BLOCK_M) through a transposed view, no transpose in
+registers. A TMA box must start 16-byte aligned along the contiguous dimension, and a group may start
+at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
+operand, zeros filling the segment's tail (`segment_starts`).
 
 The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`, its FLATTEN form):
 every group owns the same (o, i) tile grid, a persistent program runs all its tiles' reduction steps
@@ -28,6 +31,21 @@ import triton
 import triton.language as tl
 
 from moekit.ops.kernels.grouped_gemm import wgrad_epilogue, wgrad_steps, wgrad_tile
+from moekit.ops.kernels.schedule import group_rows
+
+
+@triton.jit
+def segment_starts(offs_ptr, offs_g, M, N):
+    """(starts, total) of the transposed operands' group segments: group g's rows occupy columns
+    [starts[g], starts[g] + rows of g) of a transposed (X, pitch) operand, starts[g] the sum of the
+    earlier groups' row counts each rounded up to 16 (a TMA box's start along the contiguous
+    dimension must be 16-byte aligned on Hopper, and a group may start at any row); the columns
+    between a group's last row and the next segment hold zeros. `offs_g` as `group_rows`' (entries
+    past N are empty); total = the columns in use."""
+    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+    width_v = tl.cdiv(hi_v - lo_v, 16) * 16
+    ends_v = tl.cumsum(width_v, 0)
+    return ends_v - width_v, tl.sum(width_v, 0)
 
 
 @triton.jit
@@ -42,29 +60,39 @@ def transpose_rows_kernel(
     pitch_words,
     BLOCK_M: tl.constexpr,
     BLOCK_X: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
-    """Program (column tile, row tile): dst[x, r] = src[r, x] for the rows r < offs[N] (clamped into
-    [0, M]) of an (M, X) byte matrix, src row stride `stride_src` bytes; dst (X, 4 * pitch_words)
-    addressed as int32 words, each holding the bytes of 4 consecutive rows (byte k: row 4q + k,
-    little-endian; bytes of rows at or past offs[N] inside a word are 0). Rows past offs[N] are
-    padding that no wgrad reads: their words are not written, and row tiles wholly past it load
-    nothing. A thread packs its 4 bytes of (q, x) in registers and the transpose through shared
-    memory moves words, as `moekit.ops.kernels.quantize.transpose_weight_kernel` does for weights;
-    this variant writes a row pitch of its own (a multiple of 16 bytes, for TMA) and stops at offs[N].
-    Bytes only: no arithmetic on values."""
+    """Program (column tile, tile of destination columns): an (M, X) byte matrix (row stride
+    `stride_src`) into (X, 4 * pitch_words) bytes, addressed as int32 words, in `segment_starts`'
+    layout: dst[x, starts[g] + j] = src[offs[g] + j, x] for the j < rows of group g, zeros in the
+    rest of each segment (up to the next 16 columns). Rows past offs[N] (padding, may hold anything)
+    are never read; columns past the last segment are not written. A word holds 4 consecutive
+    columns, all of one segment (segments start at multiples of 16): a thread packs its 4 bytes of
+    (q, x) from 4 rows in registers and the transpose through shared memory moves words, as
+    `moekit.ops.kernels.quantize.transpose_weight_kernel` does for weights. BLOCK_GROUPS > N. Bytes
+    only: no arithmetic on values."""
     xb = tl.program_id(0)
     mb = tl.program_id(1)
-    rows_used = tl.minimum(tl.maximum(tl.load(offs_ptr + N).to(tl.int32), 0), M)
-    if mb * BLOCK_M < rows_used:
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    starts_v, total = segment_starts(offs_ptr, offs_g, M, N)
+    if mb * BLOCK_M < total:
+        lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
         q = mb * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+        c = q * 4
+        # The segment of each word: the last group starting at or before it (later empty groups
+        # start at the same column and own no columns; the first one wins by the compare below).
+        seg_end = starts_v + tl.cdiv(hi_v - lo_v, 16) * 16
+        inside = (starts_v[None, :] <= c[:, None]) & (c[:, None] < seg_end[None, :])
+        src_row = tl.sum(tl.where(inside, lo_v[None, :] - starts_v[None, :], 0), 1) + c
+        row_end = tl.sum(tl.where(inside, hi_v[None, :], 0), 1)
         x = xb * BLOCK_X + tl.arange(0, BLOCK_X)
         mask_x = x < X
-        row0 = src_ptr + (q * 4).to(tl.int64)[:, None] * stride_src + x[None, :]
-        words = tl.load(row0, mask=(q * 4 < rows_used)[:, None] & mask_x[None, :], other=0).to(tl.int32)
+        row0 = src_ptr + src_row.to(tl.int64)[:, None] * stride_src + x[None, :]
+        words = tl.load(row0, mask=(src_row < row_end)[:, None] & mask_x[None, :], other=0).to(tl.int32)
         for k in tl.static_range(1, 4):
-            mask_k = (q * 4 + k < rows_used)[:, None] & mask_x[None, :]
+            mask_k = (src_row + k < row_end)[:, None] & mask_x[None, :]
             words |= tl.load(row0 + k * stride_src, mask=mask_k, other=0).to(tl.int32) << (8 * k)
-        mask_t = mask_x[:, None] & (q * 4 < rows_used)[None, :]
+        mask_t = mask_x[:, None] & (c < total)[None, :]
         tl.store(dst_ptr + x.to(tl.int64)[:, None] * pitch_words + q[None, :], tl.trans(words), mask=mask_t)
 
 
@@ -95,21 +123,24 @@ def grouped_wgrad_fp8_kernel(
     NUM_PROGRAMS: tl.constexpr,
     EPI_TMA: tl.constexpr,
 ):
-    """dw[g] (O, I) = (dyt[:, rows of g] @ xt[:, rows of g]^T) * s_dy[g, :, None] * s_x[g, None, :].
+    """dw[g] (O, I) = (dyt[:, segment g] @ xt[:, segment g]^T) * s_dy[g, :, None] * s_x[g, None, :].
 
-    dyt: (O, >= M) float8, dy's columnwise data transposed (column r = row r of dy), row stride
-    stride_dyt (bytes, a multiple of 16 for TMA); xt: (I, >= M) likewise for x. dy_scale (N, O) and
-    x_scale (N, I) float32, row strides stride_dys / stride_xs, unit column stride. dw: (N, O, I) in
-    the output dtype, strides (stride_dwg, stride_dwo, 1). Tiles BLOCK_O x BLOCK_I, reducing over the
-    group's rows BLOCK_M at a time (fp32 accumulation).
+    dyt: (O, pitch) float8, dy's columnwise data transposed into `segment_starts`' layout (group g's
+    rows at columns starts[g]:, zeros to the segment's end), row stride stride_dyt (bytes, a multiple
+    of 16); xt: (I, pitch) likewise for x. dy_scale (N, O) and x_scale (N, I) float32, row strides
+    stride_dys / stride_xs, unit column stride. dw: (N, O, I) in the output dtype, strides
+    (stride_dwg, stride_dwo, 1). Tiles BLOCK_O x BLOCK_I (BLOCK_M a multiple of 16), reducing over
+    the group's columns BLOCK_M at a time (fp32 accumulation); every TMA box starts at starts[g] +
+    step * BLOCK_M, 16-byte aligned.
 
-    Rows that must add nothing, as in the bf16 wgrad: the last step of a group whose row count is not
-    a multiple of BLOCK_M reaches past the group's end. With TMA, such a group gets its own dyt
-    descriptor whose extent along M ends at the group's end (TMA zero-fills), and xt's ends at
-    offs[N]: rows past the group are zero dy times x of later groups (exact zeros while x is finite;
-    a non-finite x has a NaN scale and makes the loss NaN anyway), never padding rows (which may
-    hold anything, NaN included). The pointer path masks both at the group's end. A group without
-    rows runs one discarded step and stores zeros (whatever its scales hold).
+    Columns that must add nothing, as the bf16 wgrad's rows: the last step of a group whose row count
+    is not a multiple of BLOCK_M reaches past its segment. With TMA, such a group gets its own dyt
+    descriptor whose extent ends at the group's last row (TMA zero-fills), and xt's ends at the last
+    segment: the columns past the group are zero dy times the segment's zeros and x of later groups
+    (exact zeros while x is finite; a non-finite x has a NaN scale and makes the loss NaN anyway).
+    Padding rows (past offs[N], which may hold anything, NaN included) are never in a segment. The
+    pointer path masks both at the group's last row. A group without rows runs one discarded step
+    and stores zeros (whatever its scales hold).
     """
     pid = tl.program_id(0)
     num_pid_o = tl.cdiv(O, BLOCK_O)
@@ -121,7 +152,10 @@ def grouped_wgrad_fp8_kernel(
         )
     else:
         dw_desc = dw_ptr  # placeholder, unused without EPI_TMA
-    total_steps, rows_used = wgrad_steps(offs_ptr, pid, tiles_per_group, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_GROUPS)
+    total_steps, _ = wgrad_steps(offs_ptr, pid, tiles_per_group, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_GROUPS)
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
+    cols_used = tl.maximum(cols_used, 1)
 
     tile_id = pid - NUM_PROGRAMS
     step = 0
@@ -131,15 +165,17 @@ def grouped_wgrad_fp8_kernel(
     i0 = 0
     row_lo = 0
     row_hi = 0
+    col_lo = 0
+    col_hi = 0
     desc_g = -1
     if USE_TMA:
         # Whole-extent descriptors, built once: a group whose row count is a multiple of BLOCK_M
         # never reads past its end, so it needs no descriptor of its own.
         dy_full = tl.make_tensor_descriptor(
-            dyt_ptr, shape=[O, tl.maximum(M, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+            dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
         )
         x_desc = tl.make_tensor_descriptor(
-            xt_ptr, shape=[I, tl.maximum(rows_used, 1)], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
+            xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
         )
         dy_desc = dy_full
     else:
@@ -153,6 +189,8 @@ def grouped_wgrad_fp8_kernel(
                 tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
             )
             tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
+            col_lo = tl.sum(tl.where(offs_g == g, starts_v, 0), 0)
+            col_hi = col_lo + (row_hi - row_lo)
             if USE_TMA:
                 if (row_hi - row_lo) % BLOCK_M == 0:
                     dy_desc = dy_full
@@ -160,10 +198,10 @@ def grouped_wgrad_fp8_kernel(
                 elif g != desc_g:
                     # Once per run of a program's consecutive tiles of a ragged group.
                     dy_desc = tl.make_tensor_descriptor(
-                        dyt_ptr, shape=[O, tl.maximum(row_hi, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+                        dyt_ptr, shape=[O, tl.maximum(col_hi, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
                     )
                     desc_g = g
-        r0 = row_lo + step * BLOCK_M
+        r0 = col_lo + step * BLOCK_M
         if USE_TMA:
             a = dy_desc.load([o0, r0])
             b = x_desc.load([i0, r0]).T
@@ -171,7 +209,7 @@ def grouped_wgrad_fp8_kernel(
             offs_m = r0 + tl.arange(0, BLOCK_M)
             offs_o = o0 + tl.arange(0, BLOCK_O)
             offs_i = i0 + tl.arange(0, BLOCK_I)
-            mask_m = offs_m < row_hi
+            mask_m = offs_m < col_hi
             a = tl.load(
                 dyt_ptr + offs_o.to(tl.int64)[:, None] * stride_dyt + offs_m[None, :],
                 mask=(offs_o < O)[:, None] & mask_m[None, :],
