@@ -119,10 +119,11 @@ def fp8_wgrad_candidates(use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
     warps) with 128 rows a step (128 bytes of FP8 a box row, one 128-byte swizzle row; FP8 wgmma takes
     32 a instruction): 3 stages of 48 KiB beside the epilogue's 32 KiB half-tile staging fit Hopper's
     227 KiB; 128 x 128 with 4 stages of 32 KiB as the alternative. Pointer loads (Ada's FP8 tensor
-    cores): within ~100 KB of shared memory. Interpreter: small tiles, 16 rows a step (the least TMA
-    box row, 16 bytes), so that CPU tests cross several tiles and steps."""
+    cores): within ~100 KB of shared memory. Interpreter: small tiles, 32 rows a step (longer than a
+    16-column segment tail, so that a ragged group's last step reaches the next group's columns, as
+    on the GPU), so that CPU tests cross several tiles and steps."""
     if arch == "interpreter":
-        return (GemmConfig(32, 32, 16, 4, 1, 4, True, True),)
+        return (GemmConfig(32, 32, 32, 4, 1, 4, True, True),)
     if arch == "sm90" and use_tma:
         return (
             GemmConfig(128, 256, FP8_BLOCK_RED, 8, 3, 8, True, True),

@@ -35,8 +35,6 @@ capturable); rows past offs[N] are padding, written as zeros.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
@@ -415,16 +413,6 @@ def _check_wgrad(
             )
 
 
-class _WgradPlan(NamedTuple):
-    """The launches of one FP8 wgrad problem: the two row transposes (None: no rows to move) and the
-    wgrad (None: nothing to compute), and the transposed operands' row pitch."""
-
-    transpose_dy: LaunchPlan | None
-    transpose_x: LaunchPlan | None
-    wgrad: LaunchPlan | None
-    pitch: int
-
-
 def _transpose_launch(M: int, X: int, N: int, stride: int, device: torch.device) -> LaunchPlan | None:
     """transpose_rows_kernel for (M, X) bytes of row stride `stride` in N groups into (X, pitch); tensors
     (src as uint8, dst as int32 words, offs). Its group vector is the next power of two above N (the
@@ -469,10 +457,36 @@ def _wgrad_launch(
     )
 
 
-def _transposed(X: int, pitch: int, device: torch.device) -> torch.Tensor:
-    """A fresh (X, pitch) byte buffer for an (M, X) operand transposed; columns past its last segment are
-    neither written nor read."""
-    return empty((X, pitch), device, torch.uint8)
+def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The FP8 wgrad's operand layout of an (M, X) float8 tensor (unit column stride) whose rows are in
+    N = len(offs) - 1 groups: a fresh (X, pitch) float8 tensor, pitch = the smallest multiple of 16 >=
+    M + 15 N, with out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of group g, starts[g]
+    the sum of the earlier groups' row counts each rounded up to 16, and zeros from there to the next
+    multiple of 16 (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`). Columns past the last
+    segment are left unwritten; rows past offs[N] are never read. One launch (one read and one write of
+    the data), no host reads of offs."""
+    reason = unavailable_reason(data_MX.device, torch.float32)  # the device's: data moves as bytes
+    if reason is not None:
+        raise ValueError(reason)
+    if data_MX.dtype != FP8_DTYPE or data_MX.dim() != 2 or data_MX.stride(1) != 1:
+        raise ValueError(
+            f"data must be an (M, X) {FP8_DTYPE} tensor with unit column stride, got {data_MX.dtype} "
+            f"{tuple(data_MX.shape)} {data_MX.stride()}"
+        )
+    if offs.dim() != 1 or offs.shape[0] < 1:
+        raise ValueError(f"offs must be a 1-D tensor of N+1 group offsets, got shape {tuple(offs.shape)}")
+    M, X = data_MX.shape
+    N = offs.shape[0] - 1
+    offs = check_offs(offs, N, data_MX.device)
+    key = (tensor_key(data_MX), tensor_key(offs))
+    plan = plan_launch(
+        "fp8_segment_transpose", key, lambda: _transpose_launch(M, X, N, data_MX.stride(0), data_MX.device)
+    )
+    out = empty((X, _row_pitch(M, N)), data_MX.device, torch.uint8)
+    if plan is not None:
+        with device_ctx(data_MX.device):
+            plan(data_MX.view(torch.uint8), out.view(torch.int32), offs)
+    return out.view(FP8_DTYPE)
 
 
 def _plan_wgrad(
@@ -480,17 +494,17 @@ def _plan_wgrad(
     O: int,
     I: int,
     N: int,
-    strides: tuple[int, int],
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     cfg: GemmConfig | None,
     forced_tma: bool | None,
     device: torch.device,
-) -> _WgradPlan:
-    pitch = _row_pitch(M, N)
+) -> LaunchPlan | None:
+    """The wgrad launch on `segment_transpose`'s operands (None: nothing to compute)."""
     if M == 0 or N == 0 or O == 0 or I == 0:
-        return _WgradPlan(None, None, None, pitch)
-    dyt, xt = _transposed(O, pitch, device), _transposed(I, pitch, device)
+        return None
+    pitch = _row_pitch(M, N)
+    dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
     tma, arch = use_tma(forced_tma, True, dyt, xt)
     with device_ctx(device):
         if cfg is None:
@@ -499,18 +513,11 @@ def _plan_wgrad(
 
             def trial(c: GemmConfig) -> None:
                 dw = empty((N, O, I), device, out_dtype)
-                _wgrad_launch(M, O, I, N, pitch, out_dtype, c, tma, device)(
-                    dyt.view(FP8_DTYPE), xt.view(FP8_DTYPE), s_dy, s_x, dw, offs
-                )
+                _wgrad_launch(M, O, I, N, pitch, out_dtype, c, tma, device)(dyt, xt, s_dy, s_x, dw, offs)
 
             problem = ("fp8_wgrad", out_dtype, O, I, N, next_power_of_2(M), tma)
             cfg = pick_config(problem, fp8_wgrad_candidates(tma, arch), trial, device)
-    return _WgradPlan(
-        _transpose_launch(M, O, N, strides[0], device),
-        _transpose_launch(M, I, N, strides[1], device),
-        _wgrad_launch(M, O, I, N, pitch, out_dtype, cfg, tma, device),
-        pitch,
-    )
+    return _wgrad_launch(M, O, I, N, pitch, out_dtype, cfg, tma, device)
 
 
 def quantized_gemm_wgrad(
@@ -531,10 +538,10 @@ def quantized_gemm_wgrad(
     recipe: fp8_rowwise (FP8_WGRAD_RECIPES). dy_data (M, O) / dy_scale (N, O): dy's columnwise
     quantization (one float32 scale per group and column); x_data (M, I) / x_scale (N, I): x's. offs:
     (N+1,) int64 device tensor, offs[0] = 0, non-decreasing, offs[N] <= M; groups without rows get
-    zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed into
-    fresh (X, M) buffers (`transpose_rows_kernel`: K-major for FP8 wgmma; one read and one write of
-    each, rows past offs[N] skipped), then one launch computes every group's dw with the scales in the
-    epilogue (kernels.grouped_wgrad_fp8). No host reads of offs. cfg / use_tma: a fixed kernel
+    zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
+    (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
+    and one write of each), then one launch computes every group's dw with the scales in the epilogue
+    (kernels.grouped_wgrad_fp8). No host reads of offs. cfg / use_tma: a fixed kernel
     configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
     """
     _check_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, offs, out_dtype)
@@ -543,19 +550,14 @@ def quantized_gemm_wgrad(
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, dy_data.device)
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
-    strides = (dy_data.stride(0), x_data.stride(0))
     key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
     plan = plan_launch(
-        "fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, strides, offs, out_dtype, cfg, use_tma, dy_data.device)
+        "fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device)
     )
     dw = empty((N, O, I), dy_data.device, out_dtype)
-    if plan.wgrad is None:
+    if plan is None:
         return dw.zero_()
-    device = dy_data.device
-    dyt, xt = _transposed(O, plan.pitch, device), _transposed(I, plan.pitch, device)
-    with device_ctx(device):
-        for launch, src, dst in ((plan.transpose_dy, dy_data, dyt), (plan.transpose_x, x_data, xt)):
-            if launch is not None:
-                launch(src.view(torch.uint8), dst.view(torch.int32), offs)
-        plan.wgrad(dyt.view(FP8_DTYPE), xt.view(FP8_DTYPE), dy_scale, x_scale, dw, offs)
+    dyt, xt = segment_transpose(dy_data, offs), segment_transpose(x_data, offs)
+    with device_ctx(dy_data.device):
+        plan(dyt, xt, dy_scale, x_scale, dw, offs)
     return dw
