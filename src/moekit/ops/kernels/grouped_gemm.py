@@ -488,9 +488,7 @@ def wgrad_kernel(
             if last:
                 # An empty group's single step may have read rows of other groups: store zeros.
                 acc = tl.where(row_hi > row_lo, acc, 0.0)
-                wgrad_epilogue(
-                    acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I
-                )
+                wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
                 acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
             # The step counter must not depend on the epilogue branch: the next tile's loads
             # (pipeline stage 0) would then wait for this tile's store (last stage).

@@ -97,6 +97,30 @@ def transpose_rows_kernel(
 
 
 @triton.jit
+def scaled(
+    acc,
+    dy_scale_ptr,
+    x_scale_ptr,
+    g,
+    o0,
+    i0,
+    O,
+    I,
+    stride_dys,
+    stride_xs,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """acc (BLOCK_O, BLOCK_I) of group g's tile at (o0, i0) times s_dy[g, o] * s_x[g, i] (tails read 0:
+    never stored)."""
+    offs_o = o0 + tl.arange(0, BLOCK_O)
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    s_dy = tl.load(dy_scale_ptr + g.to(tl.int64) * stride_dys + offs_o, mask=offs_o < O, other=0.0)
+    s_x = tl.load(x_scale_ptr + g.to(tl.int64) * stride_xs + offs_i, mask=offs_i < I, other=0.0)
+    return acc * (s_dy[:, None] * s_x[None, :])
+
+
+@triton.jit
 def grouped_wgrad_fp8_kernel(
     dyt_ptr,
     xt_ptr,
@@ -198,7 +222,10 @@ def grouped_wgrad_fp8_kernel(
                 elif g != desc_g:
                     # Once per run of a program's consecutive tiles of a ragged group.
                     dy_desc = tl.make_tensor_descriptor(
-                        dyt_ptr, shape=[O, tl.maximum(col_hi, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+                        dyt_ptr,
+                        shape=[O, tl.maximum(col_hi, 1)],
+                        strides=[stride_dyt, 1],
+                        block_shape=[BLOCK_O, BLOCK_M],
                     )
                     desc_g = g
         r0 = col_lo + step * BLOCK_M
@@ -223,11 +250,7 @@ def grouped_wgrad_fp8_kernel(
         acc = tl.dot(a, b, acc)
         last = step == tile_steps - 1
         if last:
-            offs_o = o0 + tl.arange(0, BLOCK_O)
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            s_dy = tl.load(dy_scale_ptr + g.to(tl.int64) * stride_dys + offs_o, mask=offs_o < O, other=0.0)
-            s_x = tl.load(x_scale_ptr + g.to(tl.int64) * stride_xs + offs_i, mask=offs_i < I, other=0.0)
-            acc = acc * (s_dy[:, None] * s_x[None, :])
+            acc = scaled(acc, dy_scale_ptr, x_scale_ptr, g, o0, i0, O, I, stride_dys, stride_xs, BLOCK_O, BLOCK_I)
             # A group without rows stores zeros: its one step read other groups' rows.
             acc = tl.where(row_hi > row_lo, acc, 0.0)
             wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)

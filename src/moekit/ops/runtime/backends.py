@@ -151,9 +151,10 @@ class GroupQuantizer(Protocol):
 
 @runtime_checkable
 class QuantizedGemm(Protocol):
-    """FP8 compute of a quantized grouped linear's forward, dgrad and (where the recipe allows) wgrad (`moekit.ops.runtime.quantized_gemm`
-    for the operands' formats and the contracts): products of the FP8 data with their scales,
-    accumulated in fp32, instead of the reference path's dequantize-then-GEMM."""
+    """FP8 compute of a quantized grouped linear's forward, dgrad and (where the recipe allows) wgrad
+    (`moekit.ops.runtime.quantized_gemm` for the operands' formats and the contracts): products of the
+    FP8 data with their scales, accumulated in fp32, instead of the reference path's
+    dequantize-then-GEMM."""
 
     def quantized_gemm_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
         """Why this backend cannot compute `recipe`'s products for input x (its dtype is the output's);

@@ -551,9 +551,7 @@ def quantized_gemm_wgrad(
     offs = check_offs(offs, N, dy_data.device)
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
     key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
-    plan = plan_launch(
-        "fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device)
-    )
+    plan = plan_launch("fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device))
     dw = empty((N, O, I), dy_data.device, out_dtype)
     if plan is None:
         return dw.zero_()
