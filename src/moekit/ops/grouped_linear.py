@@ -19,9 +19,12 @@ TransformerEngine's FP8 GEMMs). Which path computes the products:
   with fp32 accumulation (fp8_block's 1 x 128 / 128 x 128 block scales applied per 128-wide reduction
   step, fp8_rowwise's row and channel scales in the epilogue; `moekit.ops.runtime.quantized_gemm`).
   That is fp8_block and fp8_rowwise on CUDA devices of compute capability 8.9 or newer (and on the
-  CPU under TRITON_INTERPRET=1, for tests). The wgrad stays on the reference path.
+  CPU under TRITON_INTERPRET=1, for tests). fp8_rowwise's wgrad runs there too, on the columnwise FP8
+  data of dy and x (`fp8_wgrad_compute`; its per-group column scales are constant along the wgrad's
+  reduction, so they are applied in the epilogue); fp8_block's wgrad stays on the reference path (its
+  128 x 1 blocks change scale every 128 rows: a per-step promotion, no faster than the bf16 wgrad).
 - the reference path everywhere else (the "torch" and "loop" backends, mxfp8, whose 1 x 32 blocks have
-  no Hopper FP8 path, and older GPUs), and for every recipe's wgrad: the quantized operands are
+  no Hopper FP8 path, and older GPUs), and for fp8_block's and mxfp8's wgrad: the quantized operands are
   dequantized and the products run in x's dtype with the backend's GEMMs. It computes the same
   products, at the unquantized path's speed or slower, with the sums in another order (and, in
   bfloat16, one rounding of each dequantized operand).
@@ -285,7 +288,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 # Positions of _QuantizedLinearFn.forward's bias_scale and x (needs_input_grad); the parameters follow x.
 # Module constants: dynamo cannot read an autograd.Function's class attributes.
-_Q_SCALE, _Q_X = 6, 11
+_Q_SCALE, _Q_X = 7, 12
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -294,7 +297,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
     so that autograd refuses a backward after it was rewritten in place. `fp8`: the forward and the dgrad
     run on the backend's FP8 kernels (its QuantizedGemm capability), the dgrad on the weight's transposed
     copy `wt_data` / `wt_scale` (`moekit.ops.quantize.TransposedWeight`, kept beside weight_q and saved
-    likewise); otherwise the reference path (wt_* None)."""
+    likewise); otherwise the reference path (wt_* None). `fp8_wgrad`: the wgrad too, from the columnwise
+    quantizations of dy and x (fp8_rowwise; `fp8_wgrad_compute`); otherwise it dequantizes them."""
 
     @staticmethod
     def forward(
@@ -303,6 +307,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         quantizer: str,
         recipe: str,
         fp8: bool,
+        fp8_wgrad: bool,
         offs: torch.Tensor,
         host_offs: list[int] | None,
         bias_scale_M: torch.Tensor | None,
@@ -345,7 +350,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             )
         # x is held as its columnwise quantization only (the wgrad's operand).
         x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
-        ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8 = backend, quantizer, recipe, fp8
+        ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8, ctx.fp8_wgrad = backend, quantizer, recipe, fp8, fp8_wgrad
         ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.w_transposed = stored_transposed(weights[0])
@@ -393,7 +398,19 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 w_dgrad = dequantize_with(ctx.quantizer, weight_q, columnwise=w_col)
                 dy_r = dequantize_with(ctx.quantizer, dy_q)
                 dx = library.grouped_linear_dgrad(backend, dy_r, w_dgrad, offs, host_offs)
-            if need_w and x_q is not None:
+            if need_w and x_q is not None and ctx.fp8_wgrad:
+                dw = library.quantized_linear_wgrad(
+                    backend,
+                    ctx.recipe,
+                    dy_q.columnwise_data,
+                    dy_q.columnwise_scale_inv,
+                    x_q.columnwise_data,
+                    x_q.columnwise_scale_inv,
+                    offs,
+                    host_offs,
+                    weight_q.dtype,
+                )
+            elif need_w and x_q is not None:
                 # The wgrad's operands by the quantizer's dequantize (one pass each on the Triton backend).
                 dy_c = dequantize_with(ctx.quantizer, dy_q, columnwise=True)
                 x_c = dequantize_with(ctx.quantizer, x_q, columnwise=True)
@@ -404,6 +421,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             acc_t = compute_dtype(dy_MO, bias_scale_M)
             d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
         return (
+            None,
             None,
             None,
             None,
@@ -428,6 +446,16 @@ def fp8_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
     CPU interpreter); the reference path otherwise."""
     fp8 = quantized_gemm_of(impl)
     return fp8 is not None and fp8.quantized_gemm_unavailable_reason(recipe, x) is None
+
+
+def fp8_wgrad_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
+    """Whether a quantized grouped linear on `impl` also runs its wgrad on FP8 kernels: where the backend's
+    QuantizedGemm capability can take this recipe's wgrad (moekit's Triton kernels: fp8_rowwise, whose
+    columnwise scales are constant along the wgrad's reduction, where `fp8_compute` holds); fp8_block's
+    wgrad (128 x 1 scale blocks along the reduction, a per-step promotion no faster than the bf16 wgrad)
+    and mxfp8's dequantize and take the backend's GEMM."""
+    fp8 = quantized_gemm_of(impl)
+    return fp8 is not None and fp8.quantized_wgrad_unavailable_reason(recipe, x) is None
 
 
 def quantized_weight(
@@ -474,7 +502,8 @@ def grouped_linear(
     the backend has them and can run the recipe (the "triton" backend: fp8_block and fp8_rowwise on
     compute capability >= 8.9, e.g. Hopper; `fp8_compute`), on the reference path otherwise (quantize,
     dequantize, the GEMMs in x's dtype: the "torch" and "loop" backends, mxfp8, older GPUs); the wgrad
-    always on the reference path. weight_cache: a
+    on FP8 kernels for fp8_rowwise where the forward's are (`fp8_wgrad_compute`), on the reference path
+    for fp8_block and mxfp8. weight_cache: a
     `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
     modules pass theirs: the weight is quantized once per optimizer step); without one, every call
     quantizes the weight.
@@ -499,6 +528,7 @@ def grouped_linear(
     if quantization is not None:
         quantizer = select_quantizer(backend, x).name
         fp8 = fp8_compute(impl, quantization, x)
+        fp8_wgrad = fp8 and fp8_wgrad_compute(impl, quantization, x)
         # The transposed copy serves the FP8 dgrad only: made where x's gradient may be asked for.
         dgrad = fp8 and torch.is_grad_enabled() and x.requires_grad
         weight_q, weight_t = quantized_weight(weights, quantization, quantizer, weight_cache, dgrad)
@@ -507,6 +537,7 @@ def grouped_linear(
             quantizer,
             quantization,
             fp8,
+            fp8_wgrad,
             offs.offs,
             host_offs,
             bias_scale,

@@ -197,8 +197,18 @@ def _quantized_dgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale:
     return _quantized(backend).quantized_dgrad(recipe, dy_data, dy_scale, w_data, w_scale, go, out_dtype)
 
 
+def _quantized_wgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale: torch.Tensor,
+                     x_data: torch.Tensor, x_scale: torch.Tensor, offs: torch.Tensor,
+                     host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """(N, O, I) in out_dtype = the weight gradient from the columnwise quantizations of dy (M, O) and
+    x (M, I): FP8 data with their per-group column scales (N, O) / (N, I)."""
+    go = _offsets(offs, host_offs, dy_data.shape[0])
+    return _quantized(backend).quantized_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, go, out_dtype)
+
+
 _quantized_forward_op = torch.library.custom_op("moekit::quantized_linear_forward", _quantized_forward, mutates_args=())
 _quantized_dgrad_op = torch.library.custom_op("moekit::quantized_linear_dgrad", _quantized_dgrad, mutates_args=())
+_quantized_wgrad_op = torch.library.custom_op("moekit::quantized_linear_wgrad", _quantized_wgrad, mutates_args=())
 
 
 @_quantized_forward_op.register_fake
@@ -233,8 +243,24 @@ def _(
     return dy_data.new_empty(dy_data.shape[0], w_data.shape[1], dtype=out_dtype)
 
 
+@_quantized_wgrad_op.register_fake
+def _(
+    backend: str,
+    recipe: str,
+    dy_data: torch.Tensor,
+    dy_scale: torch.Tensor,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return dy_data.new_empty(offs.shape[0] - 1, dy_data.shape[1], x_data.shape[1], dtype=out_dtype)
+
+
 quantized_linear_forward = _entry(_quantized_forward_op, _quantized_forward)
 quantized_linear_dgrad = _entry(_quantized_dgrad_op, _quantized_dgrad)
+quantized_linear_wgrad = _entry(_quantized_wgrad_op, _quantized_wgrad)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def grouped_mm_kernel(
 
 
 @triton.jit
-def _wgrad_tile(
+def wgrad_tile(
     tile_id,
     tiles_per_group,
     num_pid_o,
@@ -297,7 +297,7 @@ def _wgrad_load(
 
 
 @triton.jit
-def _wgrad_epilogue(
+def wgrad_epilogue(
     acc,
     dw_ptr,
     dw_desc,
@@ -325,6 +325,33 @@ def _wgrad_epilogue(
         offs_i = i0 + tl.arange(0, BLOCK_I)
         dw_ptrs = dw_ptr + g.to(tl.int64) * stride_dwg + offs_o.to(tl.int64)[:, None] * stride_dwo + offs_i[None, :]
         tl.store(dw_ptrs, acc.to(out_ty), mask=(offs_o[:, None] < O) & (offs_i[None, :] < I))
+
+
+@triton.jit
+def wgrad_steps(
+    offs_ptr,
+    pid,
+    tiles_per_group,
+    M,
+    N,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """(steps, rows_used) of program `pid` of a flattened wgrad (every group owns `tiles_per_group`
+    tiles, tile t goes to program t % NUM_PROGRAMS): the reduction steps of all its tiles, each tile
+    max(1, its group's row steps of BLOCK_M) (an empty group's tile runs one discarded step so that
+    its zeros are stored like any tile), and offs[N] clamped into [0, M] (rows past it are padding)."""
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+    steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_M), 1)
+    first_v = offs_g * tiles_per_group
+    # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
+    mine_v = (first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
+        first_v - pid + NUM_PROGRAMS - 1
+    ) // NUM_PROGRAMS
+    mine_v = tl.where(offs_g < N, mine_v, 0)
+    return tl.sum(mine_v * steps_v, 0), tl.max(tl.where(offs_g < N, hi_v, 0), 0)
 
 
 @triton.jit
@@ -389,18 +416,7 @@ def wgrad_kernel(
     else:
         dw_desc = None
     if FLATTEN:
-        offs_g = tl.arange(0, BLOCK_GROUPS)
-        lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
-        steps_v = tl.maximum(tl.cdiv(hi_v - lo_v, BLOCK_M), 1)
-        # Steps this program will run: each of its tiles takes max(1, steps of its group); an
-        # empty group's tile runs one (discarded) step so that its zeros are stored like any tile.
-        first_v = offs_g * tiles_per_group
-        # number of tile ids t < X with t = pid (mod NUM_PROGRAMS); X >= 0 keeps it non-negative
-        mine_v = (first_v + tiles_per_group - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
-            first_v - pid + NUM_PROGRAMS - 1
-        ) // NUM_PROGRAMS
-        mine_v = tl.where(offs_g < N, mine_v, 0)
-        total_steps = tl.sum(mine_v * steps_v, 0)
+        total_steps, rows_used = wgrad_steps(offs_ptr, pid, tiles_per_group, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_GROUPS)
 
         tile_id = pid - NUM_PROGRAMS
         step = 0
@@ -418,7 +434,6 @@ def wgrad_kernel(
                 dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
             )
             # Rows past offs[N] (padding, may be NaN) read as zeros.
-            rows_used = tl.max(tl.where(offs_g < N, hi_v, 0), 0)
             x_desc = tl.make_tensor_descriptor(
                 x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_I]
             )
@@ -430,7 +445,7 @@ def wgrad_kernel(
         for _ in range(0, total_steps):
             if step == 0:
                 tile_id += NUM_PROGRAMS
-                g, o0, i0, row_lo, row_hi = _wgrad_tile(
+                g, o0, i0, row_lo, row_hi = wgrad_tile(
                     tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
                 )
                 tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
@@ -473,16 +488,14 @@ def wgrad_kernel(
             if last:
                 # An empty group's single step may have read rows of other groups: store zeros.
                 acc = tl.where(row_hi > row_lo, acc, 0.0)
-                _wgrad_epilogue(
-                    acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I
-                )
+                wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
                 acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
             # The step counter must not depend on the epilogue branch: the next tile's loads
             # (pipeline stage 0) would then wait for this tile's store (last stage).
             step = tl.where(last, 0, step + 1)
     else:
         for tile_id in tl.range(pid, num_tiles, NUM_PROGRAMS):
-            g, o0, i0, row_lo, row_hi = _wgrad_tile(
+            g, o0, i0, row_lo, row_hi = wgrad_tile(
                 tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
             )
             if USE_TMA:
@@ -517,7 +530,7 @@ def wgrad_kernel(
                     BLOCK_M,
                 )
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            _wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
+            wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
 
 
 @triton.jit

@@ -151,9 +151,10 @@ class GroupQuantizer(Protocol):
 
 @runtime_checkable
 class QuantizedGemm(Protocol):
-    """FP8 compute of a quantized grouped linear's forward and dgrad (`moekit.ops.runtime.quantized_gemm`
-    for the operands' formats and the contracts): products of the FP8 data with their scales,
-    accumulated in fp32, instead of the reference path's dequantize-then-GEMM."""
+    """FP8 compute of a quantized grouped linear's forward, dgrad and (where the recipe allows) wgrad
+    (`moekit.ops.runtime.quantized_gemm` for the operands' formats and the contracts): products of the
+    FP8 data with their scales, accumulated in fp32, instead of the reference path's
+    dequantize-then-GEMM."""
 
     def quantized_gemm_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
         """Why this backend cannot compute `recipe`'s products for input x (its dtype is the output's);
@@ -185,6 +186,23 @@ class QuantizedGemm(Protocol):
     ) -> torch.Tensor:
         """dx (M, I) = dy_q @ w_q[g] in out_dtype, padding rows zero; w_data / w_scale are the weight
         transposed, (N, I, O) (`moekit.ops.quantize.TransposedWeight`)."""
+
+    def quantized_wgrad_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
+        """Why this backend cannot compute `recipe`'s weight gradient in FP8 for input x (its dtype is
+        the output's); None if it can."""
+
+    def quantized_wgrad(
+        self,
+        recipe: str,
+        dy_data: torch.Tensor,
+        dy_scale: torch.Tensor,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        offs: GroupOffsets,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """dw (N, O, I) in out_dtype, dw[g] = Qc(dy)[rows of g]^T Qc(x)[rows of g] from the columnwise
+        quantizations of dy (M, O) and x (M, I) (data and per-group scales); groups without rows zero."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -533,6 +551,26 @@ class TritonBackend:
     ) -> torch.Tensor:
         return _runtime().quantized_gemm.quantized_gemm_dgrad(
             recipe, dy_data, dy_scale, w_data, w_scale, offs.offs, out_dtype=out_dtype
+        )
+
+    def quantized_wgrad_unavailable_reason(self, recipe: str, x: torch.Tensor) -> str | None:
+        runtime = triton_runtime()
+        if runtime is None:
+            return "triton cannot be imported (pip install triton)"
+        return runtime.quantized_gemm.fp8_wgrad_unavailable_reason(recipe, x.device, x.dtype)
+
+    def quantized_wgrad(
+        self,
+        recipe: str,
+        dy_data: torch.Tensor,
+        dy_scale: torch.Tensor,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        offs: GroupOffsets,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return _runtime().quantized_gemm.quantized_gemm_wgrad(
+            recipe, dy_data, dy_scale, x_data, x_scale, offs.offs, out_dtype=out_dtype
         )
 
 

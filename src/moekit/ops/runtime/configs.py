@@ -77,7 +77,7 @@ def gemm_candidates(op: str, dtype: torch.dtype, use_tma: bool, arch: Arch, cols
 
 
 # --------------------------------------------------------------------------------------------------
-# FP8 grouped GEMM (kernels.grouped_gemm_fp8): forward / dgrad ("fwd", "dgrad")
+# FP8 grouped GEMM (kernels.grouped_gemm_fp8): forward / dgrad ("fwd", "dgrad"); FP8 wgrad (kernels.grouped_wgrad_fp8)
 # --------------------------------------------------------------------------------------------------
 
 # The reduction step of the FP8 kernel: fp8_block's scale block (its scales change every 128 reduction
@@ -108,6 +108,28 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
         return (GemmConfig(128, 256, red, 8, 3, 8, False, True), *narrow)
     # Pointer path (Ada's FP8 tensor cores, operands TMA cannot take): within ~100 KB of shared memory.
     return (GemmConfig(128, 64, red, 8, 3, 4, False), GemmConfig(64, 64, red, 8, 3, 4, False))
+
+
+@functools.cache
+def fp8_wgrad_candidates(use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
+    """Candidates of the FP8 wgrad (kernels.grouped_wgrad_fp8; tile (O, I), reduction over the group's
+    rows, always the flattened loop); the first is the default.
+
+    sm90 with TMA: the bf16 wgrad's 128 x 256 tile (one fp32 accumulator, 128 registers a thread at 8
+    warps) with 128 rows a step (128 bytes of FP8 a box row, one 128-byte swizzle row; FP8 wgmma takes
+    32 a instruction): 3 stages of 48 KiB beside the epilogue's 32 KiB half-tile staging fit Hopper's
+    227 KiB; 128 x 128 with 4 stages of 32 KiB as the alternative. Pointer loads (Ada's FP8 tensor
+    cores): within ~100 KB of shared memory. Interpreter: small tiles, 32 rows a step (longer than a
+    16-column segment tail, so that a ragged group's last step reaches the next group's columns, as
+    on the GPU), so that CPU tests cross several tiles and steps."""
+    if arch == "interpreter":
+        return (GemmConfig(32, 32, 32, 4, 1, 4, True, True),)
+    if arch == "sm90" and use_tma:
+        return (
+            GemmConfig(128, 256, FP8_BLOCK_RED, 8, 3, 8, True, True),
+            GemmConfig(128, 128, FP8_BLOCK_RED, 8, 4, 8, True, True),
+        )
+    return (GemmConfig(128, 128, 64, 8, 3, 8, True, False), GemmConfig(128, 64, 64, 8, 3, 4, True, False))
 
 
 # Per-group row sums (kernels.grouped_gemm.group_row_sum_kernel): (row slices per group, columns per program).

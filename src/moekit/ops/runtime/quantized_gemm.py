@@ -40,7 +40,14 @@ import triton
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
-from moekit.ops.runtime.configs import FP8_BLOCK_RED, GemmConfig, fp8_gemm_candidates
+from moekit.ops.kernels.grouped_wgrad_fp8 import grouped_wgrad_fp8_kernel, transpose_rows_kernel
+from moekit.ops.runtime.configs import (
+    FP8_BLOCK_RED,
+    TRANSPOSE_TILES,
+    GemmConfig,
+    fp8_gemm_candidates,
+    fp8_wgrad_candidates,
+)
 from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.runtime.gemm import check_bias, check_offs, mm_schedule
 from moekit.ops.runtime.launch import (
@@ -48,8 +55,11 @@ from moekit.ops.runtime.launch import (
     Launcher,
     LaunchPlan,
     Plan,
+    arch_of,
+    block_groups,
     device_ctx,
     empty,
+    grid_size,
     next_power_of_2,
     pick_config,
     plan_launch,
@@ -59,6 +69,8 @@ from moekit.ops.runtime.launch import (
 )
 
 _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
+_WGRAD_FP8 = Launcher(grouped_wgrad_fp8_kernel)
+_TRANSPOSE_ROWS = Launcher(transpose_rows_kernel)
 
 # The recipes this kernel computes, and the side of their scale blocks (None: whole rows / columns).
 FP8_GEMM_RECIPES: dict[str, int | None] = {"fp8_block": 128, "fp8_rowwise": None}
@@ -332,3 +344,218 @@ def quantized_gemm_dgrad(
     docstring). Other arguments as `quantized_gemm_forward`'s.
     """
     return _mm("dgrad", recipe, dy_data, dy_scale, wt_data, wt_scale, offs, out_dtype, None, None, cfg, use_tma)
+
+
+# --------------------------------------------------------------------------------------------------
+# The FP8 wgrad (kernels.grouped_wgrad_fp8)
+# --------------------------------------------------------------------------------------------------
+
+# The recipes the FP8 wgrad computes. fp8_block's columnwise blocks are 128 x 1 along M (a scale per
+# 128 rows of a group and column): its products would need the per-step promotion of fp8_block's
+# forward (notes/quantized_gemm.md), no faster than the bf16 wgrad, so fp8_block's wgrad stays on the
+# reference path.
+FP8_WGRAD_RECIPES = ("fp8_rowwise",)
+
+
+def fp8_wgrad_unavailable_reason(recipe: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the FP8 wgrad cannot run `recipe` with outputs of `dtype` on `device`; None if it can:
+    fp8_rowwise (FP8_WGRAD_RECIPES) where the FP8 GEMM can run (`fp8_gemm_unavailable_reason`)."""
+    if recipe not in FP8_WGRAD_RECIPES:
+        return (
+            f"moekit's FP8 wgrad computes {FP8_WGRAD_RECIPES}, not {recipe!r} (fp8_block's 128 x 1 columnwise "
+            "blocks change scale along the reduction: the bf16 wgrad on the dequantized operands is as fast)"
+        )
+    return fp8_gemm_unavailable_reason(recipe, device, dtype)
+
+
+def _row_pitch(M: int, N: int) -> int:
+    """The row pitch (bytes) of an (M, X) operand of N groups transposed (`segment_starts`: each group's
+    rows from a multiple of 16 columns): room for every split of M rows, a multiple of 16 bytes (TMA
+    strides)."""
+    return max(16, triton.cdiv(M + 15 * N, 16) * 16)
+
+
+def _check_wgrad(
+    recipe: str,
+    dy_data: torch.Tensor,
+    dy_scale: torch.Tensor,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> None:
+    """One line naming the first operand the FP8 wgrad cannot take."""
+    reason = fp8_wgrad_unavailable_reason(recipe, dy_data.device, out_dtype)
+    if reason is not None:
+        raise ValueError(f"recipe={recipe!r}, out_dtype={out_dtype}: {reason}")
+    for name, t in (("dy_data", dy_data), ("x_data", x_data)):
+        if not isinstance(t, torch.Tensor) or t.dtype != FP8_DTYPE:
+            raise TypeError(
+                f"{name} must be a {FP8_DTYPE} tensor (group_quantize's columnwise data), got {getattr(t, 'dtype', t)}"
+            )
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be (M, X) with unit column stride, got shape {tuple(t.shape)} {t.stride()}")
+    if x_data.shape[0] != dy_data.shape[0] or x_data.device != dy_data.device:
+        raise ValueError(
+            f"x_data {tuple(x_data.shape)} on {x_data.device} and dy_data {tuple(dy_data.shape)} on "
+            f"{dy_data.device} must have the same rows on one device"
+        )
+    N = offs.shape[0] - 1 if offs.dim() == 1 else -1
+    for name, t, cols in (("dy_scale", dy_scale, dy_data.shape[1]), ("x_scale", x_scale, x_data.shape[1])):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(
+                f"{name} must be a float32 tensor (group_quantize's columnwise scale_inv), got {getattr(t, 'dtype', t)}"
+            )
+        if tuple(t.shape) != (N, cols) or t.device != dy_data.device:
+            raise ValueError(
+                f"{name} must be {recipe}'s columnwise scales ({N}, {cols}) (one per group and column) on "
+                f"{dy_data.device}, got {tuple(t.shape)} on {t.device}"
+            )
+
+
+def _transpose_launch(M: int, X: int, N: int, stride: int, device: torch.device) -> LaunchPlan | None:
+    """transpose_rows_kernel for (M, X) bytes of row stride `stride` in N groups into (X, pitch); tensors
+    (src as uint8, dst as int32 words, offs). Its group vector is the next power of two above N (the
+    per-word segment search is a (BLOCK_M / 4, BLOCK_GROUPS) compare: small for small N)."""
+    block_m, block_x, warps = TRANSPOSE_TILES[arch_of(device)]
+    pitch = _row_pitch(M, N)
+    grid = (triton.cdiv(X, block_x), triton.cdiv(pitch, block_m))
+    if not (grid[0] and grid[1]):
+        return None
+    return LaunchPlan(
+        _TRANSPOSE_ROWS,
+        grid,
+        (M, X, N, stride, pitch // 4),
+        dict(BLOCK_M=block_m, BLOCK_X=block_x, BLOCK_GROUPS=max(16, next_power_of_2(N + 1)), num_warps=warps),
+    )
+
+
+def _wgrad_launch(
+    M: int, O: int, I: int, N: int, pitch: int, out_dtype: torch.dtype, cfg: GemmConfig, tma: bool, device: torch.device
+) -> LaunchPlan:
+    """grouped_wgrad_fp8_kernel for transposed operands (O, pitch) / (I, pitch), contiguous (N, O) / (N, I)
+    scales and a fresh (N, O, I) output; tensors (dyt, xt, dy_scale, x_scale, dw, offs)."""
+    bound = N * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
+    nprog = grid_size(device, bound)
+    epi_tma = bool(cfg.epi_tma and tma and (I * (torch.finfo(out_dtype).bits // 8)) % 16 == 0)
+    return LaunchPlan(
+        _WGRAD_FP8,
+        (nprog,),
+        (M, O, I, N, pitch, pitch, O, I, O * I, I),
+        dict(
+            USE_TMA=tma,
+            BLOCK_O=cfg.block_rows,
+            BLOCK_I=cfg.block_cols,
+            BLOCK_M=cfg.block_red,
+            GROUP_O=cfg.group_rows,
+            BLOCK_GROUPS=block_groups(N + 1),
+            NUM_PROGRAMS=nprog,
+            EPI_TMA=epi_tma,
+            num_stages=cfg.stages,
+            num_warps=cfg.warps,
+        ),
+    )
+
+
+def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The FP8 wgrad's operand layout of an (M, X) float8 tensor (unit column stride) whose rows are in
+    N = len(offs) - 1 groups: a fresh (X, pitch) float8 tensor, pitch = the smallest multiple of 16 >=
+    M + 15 N, with out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of group g, starts[g]
+    the sum of the earlier groups' row counts each rounded up to 16, and zeros from there to the next
+    multiple of 16 (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`). Columns past the last
+    segment are left unwritten; rows past offs[N] are never read. One launch (one read and one write of
+    the data), no host reads of offs."""
+    reason = unavailable_reason(data_MX.device, torch.float32)  # the device's: data moves as bytes
+    if reason is not None:
+        raise ValueError(reason)
+    if data_MX.dtype != FP8_DTYPE or data_MX.dim() != 2 or data_MX.stride(1) != 1:
+        raise ValueError(
+            f"data must be an (M, X) {FP8_DTYPE} tensor with unit column stride, got {data_MX.dtype} "
+            f"{tuple(data_MX.shape)} {data_MX.stride()}"
+        )
+    if offs.dim() != 1 or offs.shape[0] < 1:
+        raise ValueError(f"offs must be a 1-D tensor of N+1 group offsets, got shape {tuple(offs.shape)}")
+    M, X = data_MX.shape
+    N = offs.shape[0] - 1
+    offs = check_offs(offs, N, data_MX.device)
+    key = (tensor_key(data_MX), tensor_key(offs))
+    plan = plan_launch(
+        "fp8_segment_transpose", key, lambda: _transpose_launch(M, X, N, data_MX.stride(0), data_MX.device)
+    )
+    out = empty((X, _row_pitch(M, N)), data_MX.device, torch.uint8)
+    if plan is not None:
+        with device_ctx(data_MX.device):
+            plan(data_MX.view(torch.uint8), out.view(torch.int32), offs)
+    return out.view(FP8_DTYPE)
+
+
+def _plan_wgrad(
+    M: int,
+    O: int,
+    I: int,
+    N: int,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
+    device: torch.device,
+) -> LaunchPlan | None:
+    """The wgrad launch on `segment_transpose`'s operands (None: nothing to compute)."""
+    if M == 0 or N == 0 or O == 0 or I == 0:
+        return None
+    pitch = _row_pitch(M, N)
+    dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
+    tma, arch = use_tma(forced_tma, True, dyt, xt)
+    with device_ctx(device):
+        if cfg is None:
+            s_dy = empty((N, O), device, torch.float32)
+            s_x = empty((N, I), device, torch.float32)
+
+            def trial(c: GemmConfig) -> None:
+                dw = empty((N, O, I), device, out_dtype)
+                _wgrad_launch(M, O, I, N, pitch, out_dtype, c, tma, device)(dyt, xt, s_dy, s_x, dw, offs)
+
+            problem = ("fp8_wgrad", out_dtype, O, I, N, next_power_of_2(M), tma)
+            cfg = pick_config(problem, fp8_wgrad_candidates(tma, arch), trial, device)
+    return _wgrad_launch(M, O, I, N, pitch, out_dtype, cfg, tma, device)
+
+
+def quantized_gemm_wgrad(
+    recipe: str,
+    dy_data: torch.Tensor,
+    dy_scale: torch.Tensor,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig | None = None,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """FP8 grouped wgrad: dw (N, O, I) in out_dtype, dw[g] = sum over rows r of g of dy_q[r]^T x_q[r] with
+    the columnwise scales, products of the FP8 data accumulated in fp32.
+
+    recipe: fp8_rowwise (FP8_WGRAD_RECIPES). dy_data (M, O) / dy_scale (N, O): dy's columnwise
+    quantization (one float32 scale per group and column); x_data (M, I) / x_scale (N, I): x's. offs:
+    (N+1,) int64 device tensor, offs[0] = 0, non-decreasing, offs[N] <= M; groups without rows get
+    zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
+    (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
+    and one write of each), then one launch computes every group's dw with the scales in the epilogue
+    (kernels.grouped_wgrad_fp8). No host reads of offs. cfg / use_tma: a fixed kernel
+    configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
+    """
+    _check_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, offs, out_dtype)
+    M, O = dy_data.shape
+    I = x_data.shape[1]
+    N = offs.shape[0] - 1
+    offs = check_offs(offs, N, dy_data.device)
+    dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
+    key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
+    plan = plan_launch("fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device))
+    dw = empty((N, O, I), dy_data.device, out_dtype)
+    if plan is None:
+        return dw.zero_()
+    dyt, xt = segment_transpose(dy_data, offs), segment_transpose(x_data, offs)
+    with device_ctx(dy_data.device):
+        plan(dyt, xt, dy_scale, x_scale, dw, offs)
+    return dw

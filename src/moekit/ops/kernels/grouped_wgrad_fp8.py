@@ -1,0 +1,260 @@
+# ruff: noqa: E741  (I and O are the legend's in/out feature sizes)
+"""Triton kernels of the FP8 grouped weight gradient (jit code only; host code in
+`moekit.ops.runtime.quantized_gemm`, the formats in `moekit.ops.quantize`).
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features, X a generic width.
+
+    wgrad   dw[g] (O, I) = sum over rows r of g of dy[r, o] * x[r, i]
+          = (dyt_q[:, rows of g] @ xt_q[:, rows of g]^T) * s_dy[g, o] * s_x[g, i]
+
+fp8_rowwise's columnwise quantization of dy (M, O) and x (M, I) has one float32 dequantization
+multiplier per (group, column), constant along the wgrad's reduction (the group's rows): the FP8
+products accumulate unscaled in fp32 and the two scales are applied once, in the epilogue.
+
+Hopper's FP8 wgmma takes both operands from shared memory only "K-major", contiguous along the
+reduction; the reduction here runs down the rows of (M, X) data. So the kernel takes both operands
+transposed, (X, pitch) with the rows contiguous (`transpose_rows_kernel`, one read and one write of
+the FP8 data each), and reads them as the FP8 forward reads its operands: A = dyt[o0:, c0:]
+(BLOCK_O, BLOCK_M), B = xt[i0:, c0:] (BLOCK_I, BLOCK_M) through a transposed view, no transpose in
+registers. A TMA box must start 16-byte aligned along the contiguous dimension, and a group may start
+at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
+operand, zeros filling the segment's tail (`segment_starts`).
+
+The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`, its FLATTEN form):
+every group owns the same (o, i) tile grid, a persistent program runs all its tiles' reduction steps
+in one software-pipelined loop, and the group offsets are read on the device only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moekit.ops.kernels.grouped_gemm import wgrad_epilogue, wgrad_steps, wgrad_tile
+from moekit.ops.kernels.schedule import group_rows
+
+
+@triton.jit
+def segment_starts(offs_ptr, offs_g, M, N):
+    """(starts, total) of the transposed operands' group segments: group g's rows occupy columns
+    [starts[g], starts[g] + rows of g) of a transposed (X, pitch) operand, starts[g] the sum of the
+    earlier groups' row counts each rounded up to 16 (a TMA box's start along the contiguous
+    dimension must be 16-byte aligned on Hopper, and a group may start at any row); the columns
+    between a group's last row and the next segment hold zeros. `offs_g` as `group_rows`' (entries
+    past N are empty); total = the columns in use."""
+    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+    width_v = tl.cdiv(hi_v - lo_v, 16) * 16
+    ends_v = tl.cumsum(width_v, 0)
+    return ends_v - width_v, tl.sum(width_v, 0)
+
+
+@triton.jit
+def transpose_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    offs_ptr,
+    M,
+    X,
+    N,
+    stride_src,
+    pitch_words,
+    BLOCK_M: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """Program (column tile, tile of destination columns): an (M, X) byte matrix (row stride
+    `stride_src`) into (X, 4 * pitch_words) bytes, addressed as int32 words, in `segment_starts`'
+    layout: dst[x, starts[g] + j] = src[offs[g] + j, x] for the j < rows of group g, zeros in the
+    rest of each segment (up to the next 16 columns). Rows past offs[N] (padding, may hold anything)
+    are never read; columns past the last segment are not written. A word holds 4 consecutive
+    columns, all of one segment (segments start at multiples of 16): a thread packs its 4 bytes of
+    (q, x) from 4 rows in registers and the transpose through shared memory moves words, as
+    `moekit.ops.kernels.quantize.transpose_weight_kernel` does for weights. BLOCK_GROUPS > N. Bytes
+    only: no arithmetic on values."""
+    xb = tl.program_id(0)
+    mb = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    starts_v, total = segment_starts(offs_ptr, offs_g, M, N)
+    if mb * BLOCK_M < total:
+        lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+        q = mb * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)
+        c = q * 4
+        # The segment of each word: the last group starting at or before it (later empty groups
+        # start at the same column and own no columns; the first one wins by the compare below).
+        seg_end = starts_v + tl.cdiv(hi_v - lo_v, 16) * 16
+        inside = (starts_v[None, :] <= c[:, None]) & (c[:, None] < seg_end[None, :])
+        src_row = tl.sum(tl.where(inside, lo_v[None, :] - starts_v[None, :], 0), 1) + c
+        row_end = tl.sum(tl.where(inside, hi_v[None, :], 0), 1)
+        x = xb * BLOCK_X + tl.arange(0, BLOCK_X)
+        mask_x = x < X
+        row0 = src_ptr + src_row.to(tl.int64)[:, None] * stride_src + x[None, :]
+        words = tl.load(row0, mask=(src_row < row_end)[:, None] & mask_x[None, :], other=0).to(tl.int32)
+        for k in tl.static_range(1, 4):
+            mask_k = (src_row + k < row_end)[:, None] & mask_x[None, :]
+            words |= tl.load(row0 + k * stride_src, mask=mask_k, other=0).to(tl.int32) << (8 * k)
+        mask_t = mask_x[:, None] & (c < total)[None, :]
+        tl.store(dst_ptr + x.to(tl.int64)[:, None] * pitch_words + q[None, :], tl.trans(words), mask=mask_t)
+
+
+@triton.jit
+def scaled(
+    acc,
+    dy_scale_ptr,
+    x_scale_ptr,
+    g,
+    o0,
+    i0,
+    O,
+    I,
+    stride_dys,
+    stride_xs,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """acc (BLOCK_O, BLOCK_I) of group g's tile at (o0, i0) times s_dy[g, o] * s_x[g, i] (tails read 0:
+    never stored)."""
+    offs_o = o0 + tl.arange(0, BLOCK_O)
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    s_dy = tl.load(dy_scale_ptr + g.to(tl.int64) * stride_dys + offs_o, mask=offs_o < O, other=0.0)
+    s_x = tl.load(x_scale_ptr + g.to(tl.int64) * stride_xs + offs_i, mask=offs_i < I, other=0.0)
+    return acc * (s_dy[:, None] * s_x[None, :])
+
+
+@triton.jit
+def grouped_wgrad_fp8_kernel(
+    dyt_ptr,
+    xt_ptr,
+    dy_scale_ptr,
+    x_scale_ptr,
+    dw_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dyt,
+    stride_xt,
+    stride_dys,
+    stride_xs,
+    stride_dwg,
+    stride_dwo,
+    USE_TMA: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_O: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    EPI_TMA: tl.constexpr,
+):
+    """dw[g] (O, I) = (dyt[:, segment g] @ xt[:, segment g]^T) * s_dy[g, :, None] * s_x[g, None, :].
+
+    dyt: (O, pitch) float8, dy's columnwise data transposed into `segment_starts`' layout (group g's
+    rows at columns starts[g]:, zeros to the segment's end), row stride stride_dyt (bytes, a multiple
+    of 16); xt: (I, pitch) likewise for x. dy_scale (N, O) and x_scale (N, I) float32, row strides
+    stride_dys / stride_xs, unit column stride. dw: (N, O, I) in the output dtype, strides
+    (stride_dwg, stride_dwo, 1). Tiles BLOCK_O x BLOCK_I (BLOCK_M a multiple of 16), reducing over
+    the group's columns BLOCK_M at a time (fp32 accumulation); every TMA box starts at starts[g] +
+    step * BLOCK_M, 16-byte aligned.
+
+    Columns that must add nothing, as the bf16 wgrad's rows: the last step of a group whose row count
+    is not a multiple of BLOCK_M reaches past its segment. With TMA, such a group gets its own dyt
+    descriptor whose extent ends at the group's last row (TMA zero-fills), and xt's ends at the last
+    segment: the columns past the group are zero dy times the segment's zeros and x of later groups
+    (exact zeros while x is finite; a non-finite x has a NaN scale and makes the loss NaN anyway).
+    Padding rows (past offs[N], which may hold anything, NaN included) are never in a segment. The
+    pointer path masks both at the group's last row. A group without rows runs one discarded step
+    and stores zeros (whatever its scales hold).
+    """
+    pid = tl.program_id(0)
+    num_pid_o = tl.cdiv(O, BLOCK_O)
+    num_pid_i = tl.cdiv(I, BLOCK_I)
+    tiles_per_group = num_pid_o * num_pid_i
+    if EPI_TMA:
+        dw_desc = tl.make_tensor_descriptor(
+            dw_ptr, shape=[N, O, I], strides=[stride_dwg, stride_dwo, 1], block_shape=[1, BLOCK_O, BLOCK_I // 2]
+        )
+    else:
+        dw_desc = dw_ptr  # placeholder, unused without EPI_TMA
+    total_steps, _ = wgrad_steps(offs_ptr, pid, tiles_per_group, M, N, NUM_PROGRAMS, BLOCK_M, BLOCK_GROUPS)
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
+    cols_used = tl.maximum(cols_used, 1)
+
+    tile_id = pid - NUM_PROGRAMS
+    step = 0
+    tile_steps = 1
+    g = 0
+    o0 = 0
+    i0 = 0
+    row_lo = 0
+    row_hi = 0
+    col_lo = 0
+    col_hi = 0
+    desc_g = -1
+    if USE_TMA:
+        # Whole-extent descriptors, built once: a group whose row count is a multiple of BLOCK_M
+        # never reads past its end, so it needs no descriptor of its own.
+        dy_full = tl.make_tensor_descriptor(
+            dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+        )
+        x_desc = tl.make_tensor_descriptor(
+            xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
+        )
+        dy_desc = dy_full
+    else:
+        dy_desc = dyt_ptr  # placeholders, unused without USE_TMA
+        x_desc = xt_ptr
+    acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+    for _ in range(0, total_steps):
+        if step == 0:
+            tile_id += NUM_PROGRAMS
+            g, o0, i0, row_lo, row_hi = wgrad_tile(
+                tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
+            )
+            tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
+            col_lo = tl.sum(tl.where(offs_g == g, starts_v, 0), 0)
+            col_hi = col_lo + (row_hi - row_lo)
+            if USE_TMA:
+                if (row_hi - row_lo) % BLOCK_M == 0:
+                    dy_desc = dy_full
+                    desc_g = -1
+                elif g != desc_g:
+                    # Once per run of a program's consecutive tiles of a ragged group.
+                    dy_desc = tl.make_tensor_descriptor(
+                        dyt_ptr,
+                        shape=[O, tl.maximum(col_hi, 1)],
+                        strides=[stride_dyt, 1],
+                        block_shape=[BLOCK_O, BLOCK_M],
+                    )
+                    desc_g = g
+        r0 = col_lo + step * BLOCK_M
+        if USE_TMA:
+            a = dy_desc.load([o0, r0])
+            b = x_desc.load([i0, r0]).T
+        else:
+            offs_m = r0 + tl.arange(0, BLOCK_M)
+            offs_o = o0 + tl.arange(0, BLOCK_O)
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            mask_m = offs_m < col_hi
+            a = tl.load(
+                dyt_ptr + offs_o.to(tl.int64)[:, None] * stride_dyt + offs_m[None, :],
+                mask=(offs_o < O)[:, None] & mask_m[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                xt_ptr + offs_i.to(tl.int64)[None, :] * stride_xt + offs_m[:, None],
+                mask=mask_m[:, None] & (offs_i < I)[None, :],
+                other=0.0,
+            )
+        acc = tl.dot(a, b, acc)
+        last = step == tile_steps - 1
+        if last:
+            acc = scaled(acc, dy_scale_ptr, x_scale_ptr, g, o0, i0, O, I, stride_dys, stride_xs, BLOCK_O, BLOCK_I)
+            # A group without rows stores zeros: its one step read other groups' rows.
+            acc = tl.where(row_hi > row_lo, acc, 0.0)
+            wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)
+            acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+        # The step counter must not depend on the epilogue branch (the next tile's loads would wait
+        # for this tile's store).
+        step = tl.where(last, 0, step + 1)

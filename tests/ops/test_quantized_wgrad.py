@@ -1,0 +1,373 @@
+"""The FP8 grouped wgrad (`moekit.ops.runtime.quantized_gemm.quantized_gemm_wgrad`, fp8_rowwise) and the
+quantized grouped linear's weight gradient on it.
+
+As tests/ops/test_quantized_gemm.py: the kernel against float64 products of the DEQUANTIZED columnwise
+operands (data * scale_inv in float64, exact), so that only the kernel's fp32 sums in its own order, the
+scale products and the one rounding to the output's dtype remain:
+
+    rel_err(dw, ref64) <= u(out dtype) + 16 * sqrt(L) * u(float32),   L the longest group,
+
+and exact zeros for groups without rows. Padding rows of both operands hold NaN bytes (E4M3 0xFF) and
+fresh allocations are NaN-poisoned (the transposed operands' buffers included): a NaN in dw means a
+padding row or an unwritten byte was read.
+
+Under the interpreter (CPU; the root conftest sets TRITON_INTERPRET=1 before triton is imported): its
+fp8 tl.dot is exact and it runs the kernel itself (TMA descriptors and pointer loads), in float32 and
+float16 outputs. GPU tests (`-m gpu`) run it at realistic shapes in bfloat16 with no host sync.
+
+Legend: M routed rows, N groups (experts), I in_features, O out_features."""
+
+# ruff: noqa: E741  (I and O are the legend's feature sizes)
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from helpers import assert_no_host_sync, rel_err, tolerance_floor
+from moekit.grouped_tensor import FP8_DTYPE, RECIPES, dequantize_columnwise
+from moekit.ops import library
+from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
+from moekit.reference import grouped_linear_reference
+
+qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
+from moekit.ops.runtime.configs import GemmConfig  # noqa: E402
+
+ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
+gpu = pytest.mark.gpu
+RECIPE = "fp8_rowwise"
+BOUND = 0.08  # tests/test_quantized_compute.py's FP8 bound against float64
+
+# (m_splits, M, I, O): groups without rows (first, middle, last), one row, sizes not multiples of 16
+# (segments with a tail, tiles past I and O), padding rows, groups longer than one step and one tile.
+LAYOUTS = {
+    "odd-empty-middle-padding": ([10, 0, 25], 40, 72, 56),
+    "empty-first-one-row": ([0, 1, 33], 37, 40, 48),
+    "many-steps-ragged": ([70, 3, 0], 80, 33, 20),
+    "all-padding": ([0, 0], 9, 32, 16),
+    "no-rows": ([0, 0, 0], 0, 32, 16),
+    "whole-steps": ([32, 16, 48], 96, 64, 32),
+}
+
+
+def offs_of(splits: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(splits, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def columnwise_operands(splits, M, I, O, device, dtype=torch.float32, seed=0):
+    """(dy data, dy scales, x data, x scales, dy64, x64): fp8_rowwise columnwise quantizations of dy (M, O)
+    and x (M, I) with device splits, padding rows' data set to NaN bytes, and the dequantized float64
+    operands (padding rows zero)."""
+    info = RECIPES[RECIPE]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # Columns of very different magnitudes: the per-(group, column) scales matter.
+    dy = (torch.randn(M, O, device=device, generator=gen) * torch.logspace(-2, 0.5, O, device=device)).to(dtype)
+    x = (torch.randn(M, I, device=device, generator=gen) * torch.logspace(0.5, -2, I, device=device)).to(dtype)
+    m_splits = torch.tensor(splits, device=device)
+    dq = moekit.group_quantize(dy, m_splits, RECIPE, rowwise=False, columnwise=True, backend="triton")
+    xq = moekit.group_quantize(x, m_splits, RECIPE, rowwise=False, columnwise=True, backend="triton")
+    offs = offs_of(splits).to(device)
+    d64 = dequantize_columnwise(
+        info, dq.columnwise_data, dq.columnwise_scale_inv, offs, dq.columnwise_scale_offsets, torch.float64
+    )
+    x64 = dequantize_columnwise(
+        info, xq.columnwise_data, xq.columnwise_scale_inv, offs, xq.columnwise_scale_offsets, torch.float64
+    )
+    used = sum(splits)
+    dy_data, x_data = dq.columnwise_data.clone(), xq.columnwise_data.clone()
+    dy_data.view(torch.uint8)[used:] = 0xFF  # E4M3 NaN: padding rows must never be read
+    x_data.view(torch.uint8)[used:] = 0xFF
+    d64[used:] = 0
+    x64[used:] = 0
+    return dy_data, dq.columnwise_scale_inv, x_data, xq.columnwise_scale_inv, d64, x64
+
+
+def reference64(d64, x64, splits) -> torch.Tensor:
+    bounds = offs_of(splits).tolist()
+    out = torch.zeros(len(splits), d64.shape[1], x64.shape[1], dtype=torch.float64, device=d64.device)
+    for g in range(len(splits)):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            out[g] = d64[lo:hi].T @ x64[lo:hi]
+    return out
+
+
+def check_wgrad(dw, ref, splits, what: str) -> None:
+    assert dw.shape == ref.shape, f"{what}: shape {tuple(dw.shape)}, want {tuple(ref.shape)}"
+    assert not torch.isnan(dw).any(), f"{what}: NaN in dw (a padding row or an unwritten byte read?)"
+    for g, count in enumerate(splits):
+        if count == 0:
+            assert torch.count_nonzero(dw[g]) == 0, f"{what}: group {g} has no rows but a nonzero dw"
+    if ref.numel() and ref.abs().max() > 0:
+        err, floor = rel_err(dw, ref), tolerance_floor(dw.dtype, max(splits, default=1))
+        assert err <= floor, f"{what}: relative error {err:.3e} against the dequantized float64 product > {floor:.2e}"
+    # Per group too: a small group's error must not hide under a large one's norm.
+    for g, count in enumerate(splits):
+        if count and ref[g].abs().max() > 0:
+            err, floor = rel_err(dw[g], ref[g]), tolerance_floor(dw.dtype, count)
+            assert err <= floor, f"{what}: group {g} ({count} rows) relative error {err:.3e} > {floor:.2e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel, under the interpreter
+# --------------------------------------------------------------------------------------------------
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kernel_against_dequantized_float64(layout, nan_poison):
+    splits, M, I, O = LAYOUTS[layout]
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"))
+    dw = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
+    assert dw.dtype == torch.float32
+    check_wgrad(dw, reference64(d64, x64, splits), splits, layout)
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_segment_transpose_layout(layout, nan_poison):
+    """The wgrad's operand layout byte for byte: each group's rows transposed from a multiple of 16
+    columns, zeros to the segment's end (the buffer is NaN-poisoned, so an unwritten byte shows), padding
+    rows nowhere. Checked on the bytes because the interpreter's FP8 tl.dot takes a NaN byte times
+    zero as zero (the GPU's does not), so the kernel tests alone would not see an unwritten zero."""
+    splits, M, I, _ = LAYOUTS[layout]
+    dy, _, x, _, _, _ = columnwise_operands(splits, M, I, 16, torch.device("cpu"))
+    out = qg.segment_transpose(x, offs_of(splits)).view(torch.uint8)
+    assert out.shape[0] == I and out.shape[1] % 16 == 0 and out.shape[1] >= M + 15 * len(splits)
+    src, col = x.view(torch.uint8), 0
+    bounds = offs_of(splits).tolist()
+    for g, count in enumerate(splits):
+        width = -(-count // 16) * 16
+        assert torch.equal(out[:, col : col + count], src[bounds[g] : bounds[g + 1]].T), f"group {g}'s rows"
+        assert torch.count_nonzero(out[:, col + count : col + width]) == 0, f"group {g}'s segment tail"
+        col += width
+    assert not (out[:, :col] == 0xFF).any()  # no padding row (NaN bytes) inside a segment
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "cfg, use_tma",
+    [
+        pytest.param(GemmConfig(16, 32, 32, 1, 1, 4, True, True), True, id="tma-32-row-steps-tma-stores"),
+        pytest.param(GemmConfig(32, 16, 16, 2, 1, 4, True, False), True, id="tma-pointer-stores"),
+        pytest.param(GemmConfig(32, 32, 16, 4, 1, 4, True, False), False, id="pointer-loads"),
+    ],
+)
+def test_kernel_paths_and_float16_output(cfg, use_tma, nan_poison):
+    """The operand paths and tile shapes (TMA or pointer loads, TMA or pointer stores, 16- and 32-row
+    steps) on one ragged layout, with a float16 output."""
+    splits, M, I, O = [0, 45, 19, 1], 70, 48, 40
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=5)
+    dw = qg.quantized_gemm_wgrad(
+        RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float16, cfg=cfg, use_tma=use_tma
+    )
+    assert dw.dtype == torch.float16
+    check_wgrad(dw, reference64(d64, x64, splits), splits, f"{cfg} tma={use_tma}")
+
+
+@cpu_only
+def test_kernel_strided_rows_and_plan_reuse(nan_poison):
+    """Rows with a row stride above their width (a view) give the same dw as contiguous ones; a second
+    call of the same problem with other split sizes (device offsets, same shapes) reuses the plan and
+    follows the new splits."""
+    splits, M, I, O = [5, 0, 20], 28, 40, 24
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=7)
+    wide = torch.zeros(M, I + 16, dtype=FP8_DTYPE)
+    wide[:, :I] = x
+    dense = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
+    strided = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, wide[:, :I], x_s, offs_of(splits), out_dtype=torch.float32)
+    assert torch.equal(dense, strided)
+    other = [12, 13, 0]
+    dy2, dy2_s, x2, x2_s, d2, x2_64 = columnwise_operands(other, M, I, O, torch.device("cpu"), seed=8)
+    dw2 = qg.quantized_gemm_wgrad(RECIPE, dy2, dy2_s, x2, x2_s, offs_of(other), out_dtype=torch.float32)
+    check_wgrad(dw2, reference64(d2, x2_64, other), other, "second split")
+
+
+@cpu_only
+def test_kernel_refuses_in_one_line():
+    splits, M, I, O = [3, 2], 5, 32, 16
+    dy, dy_s, x, x_s, _, _ = columnwise_operands(splits, M, I, O, torch.device("cpu"))
+    offs = offs_of(splits)
+    f32 = torch.float32
+
+    def wgrad(recipe=RECIPE, dy=dy, dy_s=dy_s, x=x, x_s=x_s, out_dtype=f32):
+        return qg.quantized_gemm_wgrad(recipe, dy, dy_s, x, x_s, offs, out_dtype=out_dtype)
+
+    cases = [
+        (ValueError, "fp8_block", lambda: wgrad("fp8_block")),
+        (ValueError, "mxfp8", lambda: wgrad("mxfp8")),
+        (TypeError, "x_data", lambda: wgrad(x=x.float())),
+        (TypeError, "dy_scale", lambda: wgrad(dy_s=dy_s.double())),
+        (ValueError, "x_scale", lambda: wgrad(x_s=x_s[:, :-1])),
+        (ValueError, "dy_data", lambda: wgrad(dy=dy[:-1])),
+        (ValueError, "out_dtype", lambda: wgrad(out_dtype=torch.int32)),
+    ]
+    for exc, word, call in cases:
+        with pytest.raises(exc, match=word) as info:
+            call()
+        assert "\n" not in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_linear: which path runs the wgrad, and its results
+# --------------------------------------------------------------------------------------------------
+
+
+def _spy(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("quantized_linear_wgrad", "grouped_linear_wgrad"):
+        inner = getattr(library, name)
+        monkeypatch.setattr(library, name, lambda *a, _n=name, _f=inner: calls.append(_n) or _f(*a))
+    return calls
+
+
+def test_capability_has_the_wgrad():
+    fp8 = quantized_gemm_of(backend_named("triton"))
+    assert fp8 is not None and callable(fp8.quantized_wgrad)
+
+
+@cpu_only
+def test_fp8_rowwise_takes_the_fp8_wgrad_and_the_others_the_reference_path(monkeypatch):
+    """fp8_rowwise's wgrad on the FP8 kernel; fp8_block and mxfp8 dequantize and take the GEMM; so does
+    fp8_rowwise where the capability says the FP8 wgrad cannot run. Nothing silent: the spy sees which."""
+    calls = _spy(monkeypatch)
+    x, w = torch.randn(12, 32).requires_grad_(True), torch.randn(2, 16, 32).requires_grad_(True)
+    for recipe, want in (
+        ("fp8_rowwise", "quantized_linear_wgrad"),
+        ("fp8_block", "grouped_linear_wgrad"),
+        ("mxfp8", "grouped_linear_wgrad"),
+    ):
+        calls.clear()
+        moekit.grouped_linear(x, w, [5, 7], quantization=recipe, backend="triton").sum().backward()
+        assert calls == [want], (recipe, calls)
+    calls.clear()
+    monkeypatch.setattr(qg, "fp8_wgrad_unavailable_reason", lambda *a: "no FP8 wgrad here")
+    moekit.grouped_linear(x, w, [5, 7], quantization="fp8_rowwise", backend="triton").sum().backward()
+    assert calls == ["grouped_linear_wgrad"]
+
+
+@cpu_only
+def test_grouped_linear_dw_matches_reference_path_and_float64():
+    """dw of the FP8 wgrad against the reference path (the same quantized operands dequantized, then
+    the backend's GEMM: in float32 only the order of the sums differs, so the kernel floor, doubled for
+    the two sides) and against float64 within the FP8 bound; groups without rows exact zeros. (float16
+    outputs: the kernel tests, against float64.)"""
+    splits, padding, I, O = [9, 0, 30, 1], 4, 40, 24
+    M, N = sum(splits) + padding, len(splits)
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(M, I, generator=gen), torch.randn(N, O, I, generator=gen) / I**0.5
+    upstream = torch.randn(M, O, generator=gen)
+    device_splits = torch.tensor(splits)
+    grads = {}
+    for backend in ("triton", "torch"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w)]
+        moekit.grouped_linear(*leaves, device_splits, quantization=RECIPE, backend=backend).backward(upstream)
+        grads[backend] = leaves[1].grad
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    grouped_linear_reference(x64, w64, splits).backward(upstream.double())
+    ours = grads["triton"]
+    assert not torch.isnan(ours).any()
+    floor = 2 * tolerance_floor(torch.float32, M)
+    assert rel_err(ours, grads["torch"]) <= floor, f"{rel_err(ours, grads['torch']):.3e} off the reference path"
+    assert rel_err(ours, w64.grad) <= BOUND, f"{rel_err(ours, w64.grad):.3e} off float64 (> {BOUND})"
+    assert torch.count_nonzero(ours[1]) == 0
+
+
+@cpu_only
+def test_compile_fullgraph_matches_eager():
+    """The FP8 wgrad is a custom op (`moekit::quantized_linear_wgrad`, with a fake): torch.compile traces
+    it as an opaque node and computes exactly what eager does."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(31)
+    x, w = torch.randn(20, 48, generator=gen), torch.randn(2, 24, 48, generator=gen)
+    up = torch.randn(20, 24, generator=gen)
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w)]
+        fn(*leaves).backward(up)
+        return [t.grad for t in leaves]
+
+    def linear(x, w):
+        return moekit.grouped_linear(x, w, [8, 12], quantization=RECIPE, backend="triton")
+
+    eager = step(linear)
+    compiled = step(torch.compile(linear, fullgraph=True, backend="aot_eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (-m gpu): the real kernel at realistic shapes, no host sync
+# --------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # M, I, O, splits (skewed, empty experts, one row, padding rows)
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 1, 48], id="M4096-I2048-O1536-skewed-empty-padding"),
+    pytest.param(8192, 7168, 4096, [256] * 32, id="M8192-I7168-O4096-32-experts-balanced"),
+    pytest.param(1000, 200, 136, [0, 400, 1, 0, 500, 33, 0, 50], id="odd-sizes"),
+]
+
+
+def wgrad_on_device(device, M, I, O, splits, out_dtype) -> None:
+    """The FP8 wgrad on `device` with device offsets against the float64 product of the dequantized
+    columnwise operands; on CUDA with no host sync (after a warm-up call)."""
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, device, dtype=out_dtype)
+    offs = offs_of(splits).to(device)
+    result = {}
+
+    def step():
+        result["dw"] = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs, out_dtype=out_dtype)
+
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    else:
+        step()
+    check_wgrad(result["dw"], reference64(d64, x64, splits), splits, f"wgrad on {device}")
+
+
+@cpu_only
+def test_gpu_test_body_on_cpu():
+    """The GPU test's own code, at a small shape under the interpreter (so that it is known to run)."""
+    wgrad_on_device(torch.device("cpu"), 50, 48, 40, [0, 20, 1, 0, 25], torch.float32)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M, I, O, splits", GPU_SHAPES)
+def test_gpu_wgrad_against_dequantized_float64(M, I, O, splits, nan_poison):
+    cuda = torch.device("cuda")
+    reason = qg.fp8_wgrad_unavailable_reason(RECIPE, cuda, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    wgrad_on_device(cuda, M, I, O, splits, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_linear_takes_the_fp8_wgrad_within_bound(monkeypatch):
+    """grouped_linear(fp8_rowwise) on the H200: the wgrad on the FP8 kernel (asserted), dw within the FP8
+    bound of float64, no host sync in the forward and backward."""
+    cuda = torch.device("cuda")
+    reason = qg.fp8_wgrad_unavailable_reason(RECIPE, cuda, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    calls = _spy(monkeypatch)
+    splits, M, I, O = [0, 700, 512, 1300, 900, 333, 3, 48], 4096, 2048, 1536
+    gen = torch.Generator(device=cuda).manual_seed(1)
+    x = torch.randn(M, I, device=cuda, generator=gen).bfloat16().requires_grad_(True)
+    w = (torch.randn(len(splits), O, I, device=cuda, generator=gen) / I**0.5).bfloat16().requires_grad_(True)
+    upstream = torch.randn(M, O, device=cuda, generator=gen).bfloat16()
+    m_splits = torch.tensor(splits, device=cuda)
+
+    def step():
+        x.grad = w.grad = None
+        moekit.grouped_linear(x, w, m_splits, quantization=RECIPE, backend="triton").backward(upstream)
+
+    assert_no_host_sync(step)
+    assert set(calls) == {"quantized_linear_wgrad"}
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    grouped_linear_reference(x64, w64, m_splits.cpu()).backward(upstream.double())
+    assert rel_err(w.grad, w64.grad) <= BOUND, f"dw: {rel_err(w.grad, w64.grad):.3e} > {BOUND}"
+    assert torch.count_nonzero(w.grad[0]) == 0
