@@ -275,6 +275,26 @@ def test_grouped_linear_dw_matches_reference_path_and_float64():
 
 
 @cpu_only
+def test_transposed_weight_view_gets_its_fp8_wgrad_in_its_own_layout():
+    """A weight that is a transposed view of an (N, I, O) tensor (gpt-oss's experts) gets the FP8 wgrad
+    computed as x^T dy, so the gradient reaching the stored tensor is dense in its layout (no copy of the
+    whole gradient per backward), and equal to the contiguous weight's gradient up to the order of sums."""
+    splits, I, O = [9, 0, 30, 1], 40, 24
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(sum(splits), I, generator=gen), torch.randn(len(splits), O, I, generator=gen) / I**0.5
+    upstream = torch.randn(sum(splits), O, generator=gen)
+    stored = w.transpose(1, 2).contiguous().requires_grad_(True)  # (N, I, O)
+    plain = w.clone().requires_grad_(True)
+    seen = []
+    stored.register_hook(lambda g: seen.append(g.stride()))
+    moekit.grouped_linear(x, stored.transpose(1, 2), splits, quantization=RECIPE, backend="triton").backward(upstream)
+    moekit.grouped_linear(x, plain, splits, quantization=RECIPE, backend="triton").backward(upstream)
+    assert seen == [stored.stride()]
+    assert not torch.isnan(stored.grad).any()
+    assert rel_err(stored.grad.transpose(1, 2), plain.grad) <= 2 * tolerance_floor(torch.float32, sum(splits))
+
+
+@cpu_only
 def test_compile_fullgraph_matches_eager():
     """The FP8 wgrad is a custom op (`moekit::quantized_linear_wgrad`, with a fake): torch.compile traces
     it as an opaque node and computes exactly what eager does."""

@@ -399,17 +399,14 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 dy_r = dequantize_with(ctx.quantizer, dy_q)
                 dx = library.grouped_linear_dgrad(backend, dy_r, w_dgrad, offs, host_offs)
             if need_w and x_q is not None and ctx.fp8_wgrad:
+                # In the layout of the weight's tensor, as `wgrad_in_layout`: x^T dy for a transposed view.
+                dy_cols = (dy_q.columnwise_data, dy_q.columnwise_scale_inv)
+                x_cols = (x_q.columnwise_data, x_q.columnwise_scale_inv)
+                first, second = (x_cols, dy_cols) if ctx.w_transposed else (dy_cols, x_cols)
                 dw = library.quantized_linear_wgrad(
-                    backend,
-                    ctx.recipe,
-                    dy_q.columnwise_data,
-                    dy_q.columnwise_scale_inv,
-                    x_q.columnwise_data,
-                    x_q.columnwise_scale_inv,
-                    offs,
-                    host_offs,
-                    weight_q.dtype,
+                    backend, ctx.recipe, *first, *second, offs, host_offs, weight_q.dtype
                 )
+                dw = dw.transpose(1, 2) if ctx.w_transposed else dw
             elif need_w and x_q is not None:
                 # The wgrad's operands by the quantizer's dequantize (one pass each on the Triton backend).
                 dy_c = dequantize_with(ctx.quantizer, dy_q, columnwise=True)
