@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import moekit
-from helpers import check_against_reference, rand, torch_glu, torch_grouped_linear, torch_grouped_mlp
+from helpers import (
+    check_against_reference,
+    rand,
+    rel_err,
+    tolerance_floor,
+    torch_glu,
+    torch_grouped_linear,
+    torch_grouped_mlp,
+)
 from moekit.ops.activations import ACTIVATIONS
 from moekit.ops.runtime.backends import backend_named
 from moekit.ops.splits import device_offsets
@@ -250,28 +258,38 @@ def test_grouped_mlp_triton_h_is_released_before_fc1_backward(monkeypatch):
 @pytest.mark.parametrize("glu_interleave_size", [None, 1], ids=["gate|up", "k1"])
 def test_transposed_weight_views_give_the_contiguous_results(glu_interleave_size):
     """transformers' gpt-oss keeps gate_up_proj (N, H, 2F) and down_proj (N, F, H); moekit takes their
-    transposed views as they are (no copy): the fused MLP and the layer give the contiguous weights'
-    output and gradients bit for bit."""
+    transposed views as they are (no copy): the fused MLP gives the contiguous weights' output and
+    x, probs and bias gradients bit for bit. The weights' gradients come back in the parameters'
+    (N, H, 2F) and (N, F, H) layout, computed as dw^T = x^T dy (no copy into that layout afterwards):
+    the interpreter's dot sums a block in an order that depends on its operands' layout, so here they
+    agree within fp32 rounding (the GPU test `test_gpu_transposed_weight_grads_are_bit_equal` asks for
+    the same bits)."""
     t = _mlp_inputs(20, 16, 24, 3, bias=True, probs=True)
     stored1 = t["fc1_weight"].transpose(1, 2).contiguous()  # (N, H, 2F)
     stored2 = t["fc2_weight"].transpose(1, 2).contiguous()  # (N, F, H)
     dy = rand(20, 16, seed=41)
-    results = []
+    results, strides = [], []
     for transposed in (False, True):
         w1 = stored1.clone().requires_grad_()
         w2 = stored2.clone().requires_grad_()
         v1, v2 = w1.transpose(1, 2), w2.transpose(1, 2)
         if not transposed:
             v1, v2 = v1.contiguous(), v2.contiguous()
+        else:  # what reaches the views' backward: the gradients in the stored layout already
+            for v in (v1, v2):
+                v.register_hook(lambda g, v=v: strides.append(g.stride() == v.stride()))
         leaves = {k: t[k].clone().requires_grad_() for k in ("x", "probs", "fc1_bias", "fc2_bias")}
         y = moekit.grouped_mlp(
             leaves["x"], v1, v2, [7, 0, 13], probs=leaves["probs"], fc1_bias=leaves["fc1_bias"],
             fc2_bias=leaves["fc2_bias"], glu_interleave_size=glu_interleave_size, backend="triton",
         )  # fmt: skip
         y.backward(dy)
-        results.append([y.detach(), w1.grad, w2.grad, *(v.grad for v in leaves.values())])
-    for a, b in zip(*results, strict=True):
+        results.append([y.detach(), *(v.grad for v in leaves.values()), w1.grad, w2.grad])
+    assert strides == [True, True]
+    for a, b in zip(results[0][:-2], results[1][:-2], strict=True):
         assert torch.equal(a, b)
+    for a, b in zip(results[0][-2:], results[1][-2:], strict=True):
+        assert rel_err(a, b) <= tolerance_floor(torch.float32, 20)
 
 
 GATED_CASES = {  # (rows, F, glu_interleave_size): row tiles of 4 and column steps of 8 under the interpreter

@@ -150,6 +150,25 @@ def unstacked(grad: torch.Tensor | None, dims: tuple[int, ...], grouped_dim: int
     return tuple(grad.unbind(0)) if grad is not None else (None,) * len(dims)
 
 
+def weight_grad(
+    backend: str,
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    weights: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """The weights' gradient dw (N, O, I), dw[g] = dy[rows of g]^T @ x[rows of g], in the layout of the
+    weights it is for. Where they are transposed views of (N, I, O) storage (or (I, O) per group: a unit
+    middle stride, transformers' gpt-oss experts), the wgrad computes dw^T = x^T dy into an (N, I, O)
+    tensor and returns its transposed view: autograd accumulates a gradient whose strides are its
+    parameter's as it is, and copies any other into the parameter's layout, a full extra pass over
+    every expert's gradient."""
+    if weights and all(w.stride(-1) != 1 and w.stride(-2) == 1 for w in weights):
+        return library.grouped_linear_wgrad(backend, x_MI, dy_MO, offs, host_offs).transpose(1, 2)
+    return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
+
+
 def row_major(t: torch.Tensor) -> torch.Tensor:
     """Contiguous with dense row-major strides. `.contiguous()` alone is not enough: a tensor with no
     elements counts as contiguous whatever its strides, e.g. the zero strides of the expanded gradient of
@@ -244,7 +263,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if need_x:
             dx = library.grouped_linear_dgrad(backend, dy_MO, stacked(weights, 3, "weight"), offs, host_offs)
         if need_w:
-            dw = library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
+            dw = weight_grad(backend, dy_MO, x_MI, offs, host_offs, weights)
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and need_scale:

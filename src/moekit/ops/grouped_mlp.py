@@ -49,6 +49,7 @@ from moekit.ops.grouped_linear import (
     stacked,
     tensor_list,
     unstacked,
+    weight_grad,
 )
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import ExpertOrder
@@ -348,7 +349,7 @@ class _Fc1Node(torch.autograd.Function):
             # dx is allocated, so the backward's peak holds one of them, not both.
             if any(need[_FC1_PARAMS : _FC1_PARAMS + spec.n_w1]):
                 x_MH = x if route is None else route.to_rows(x)
-                dw1 = library.grouped_linear_wgrad(spec.backend, dh_M2F, x_MH, offs, None)
+                dw1 = weight_grad(spec.backend, dh_M2F, x_MH, offs, None, w1s)
                 del x_MH
             if any(need[_FC1_PARAMS + spec.n_w1 :]):
                 db1 = library.grouped_linear_dbias(spec.backend, dh_M2F, offs, None, None)
@@ -423,7 +424,7 @@ class _Fc2Node(torch.autograd.Function):
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
-            dw2 = library.grouped_linear_wgrad(spec.backend, dy_MH, act_p, offs, None)
+            dw2 = weight_grad(spec.backend, dy_MH, act_p, offs, None, w2s)
         if probs_M is not None and need_probs and b2 is not None:
             # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
             # r]> (y = ... + b2 * p).
