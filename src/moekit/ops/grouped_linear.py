@@ -163,7 +163,10 @@ def weight_grad(
     middle stride, transformers' gpt-oss experts), the wgrad computes dw^T = x^T dy into an (N, I, O)
     tensor and returns its transposed view: autograd accumulates a gradient whose strides are its
     parameter's as it is, and copies any other into the parameter's layout, a full extra pass over
-    every expert's gradient."""
+    every expert's gradient. A traced graph (torch.compile) does not read strides in a backward: it
+    takes the plain wgrad and lays out its gradients itself."""
+    if torch.compiler.is_compiling():
+        return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
     if weights and all(w.stride(-1) != 1 and w.stride(-2) == 1 for w in weights):
         return library.grouped_linear_wgrad(backend, x_MI, dy_MO, offs, host_offs).transpose(1, 2)
     return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)
