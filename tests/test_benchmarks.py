@@ -110,6 +110,32 @@ def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointi
     assert cases[2]["config"]["hidden_size"] == 64 and cases[2]["config"]["num_local_experts"] == 8
 
 
+def test_bench_glu_layouts_smoke_times_every_case_against_gate_up(tmp_path):
+    """bench_glu_layouts.py --smoke (the Triton kernels under the interpreter): every case of the
+    layouts asked for in both orientations, timed, its ratio to gate|up stored, its output and
+    gradients equal to the baseline's within fp32 rounding (fc1's de-interleaved)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
+    command = [sys.executable, str(BENCHMARKS / "bench_glu_layouts.py"), "--smoke", "--interleaves", "2,F"]
+    proc = subprocess.run(command + ["--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "glu_layouts.json").read_text())
+    assert "partial" not in payload and payload["meta"]["git_commit"] == "abc1234-test"
+    assert payload["meta"]["backend"] == "triton" and len(payload["meta"]["roofs"]) == 2
+    records = payload["records"]
+    cases = [(r["orientation"], r["layout"], r["op"]) for r in records]
+    assert cases == [
+        (o, layout, op)
+        for o in ("stored", "transposed")
+        for layout in (("gate|up", "k2", "k=F") if o == "stored" else ("k2", "k=F"))
+        for op in ("forward", "forward+backward")
+    ]
+    for r in records:
+        assert r["status"] == "ok" and r["ms"] > 0 and r["x_gate_up"] > 0 and len(r["ms_rounds"]) == 1, r
+        assert r["kernels"] == {"fwd": "triton", "bwd": "triton"}, r
+        assert max(r["errors_vs_gate_up"].values()) < 1e-5, r
+    assert "x gate|up" in proc.stdout
+
+
 def _run_quantized(out: Path, *extra: str) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MOEKIT_BENCH_COMMIT": "abc1234-test"}
     command = [sys.executable, str(BENCHMARKS / "bench_quantized.py"), "--smoke", "--out", str(out), *extra]

@@ -859,6 +859,42 @@ def test_interpreter_glu_kernels_take_transposed_weights(interleave, use_tma, na
     assert torch.equal(dh, dh_t) and torch.equal(act_p, act_p_t) and torch.equal(dprobs, dprobs_t)
 
 
+@gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("interleave", [None, 4], ids=["gate|up", "k4"])
+def test_gpu_transposed_weight_grads_are_bit_equal(interleave):
+    """moe_experts with fc1 and fc2 as transposed views of (N, H, 2F) and (N, F, H) leaves: the weight
+    gradients reach autograd in those layouts (dw^T = x^T dy, no copy into the parameters' layout
+    afterwards) and hold the bits of the stored weights' gradients (the same products summed in the
+    same order: wgmma's operands swapped)."""
+    T, N, K, H, F = 300, 4, 2, 192, 384
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(T)]).cuda()
+    weights = torch.rand(T, K, generator=gen).to("cuda", torch.bfloat16)
+    w1 = (torch.randn(N, 2 * F, H, generator=gen) / H**0.5).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(N, H, F, generator=gen) / F**0.5).to("cuda", torch.bfloat16)
+    dy = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    grads, strides = [], []
+    for transposed in (False, True):
+        s1 = (w1.transpose(1, 2).contiguous() if transposed else w1.clone()).requires_grad_()
+        s2 = (w2.transpose(1, 2).contiguous() if transposed else w2.clone()).requires_grad_()
+        v1, v2 = (s1.transpose(1, 2), s2.transpose(1, 2)) if transposed else (s1, s2)
+        if transposed:
+            for v in (v1, v2):
+                v.register_hook(lambda g, v=v: strides.append(g.stride() == v.stride()))
+        y = moekit.moe_experts(x, ids, weights, v1, v2, glu_interleave_size=interleave)
+        y.backward(dy)
+        grads.append(
+            (s1.grad.transpose(1, 2) if transposed else s1.grad, s2.grad.transpose(1, 2) if transposed else s2.grad)
+        )
+    assert strides == [True, True], "a transposed weight's gradient arrived in another layout (a copy follows)"
+    for name, a, b in zip(("fc1", "fc2"), *grads, strict=True):
+        assert torch.equal(a, b), f"{name} gradient of the transposed weight differs from the stored one's"
+
+
 @cpu_only
 def test_interpreter_weights_of_other_strides_are_refused():
     offs = offs_of([2, 2], "cpu")
