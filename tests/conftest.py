@@ -42,6 +42,10 @@ zeros instead). `helpers.nan_like` gives a test's own freshly allocated buffers 
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +72,18 @@ def nan_poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     yield
+
+
+@pytest.fixture
+def gpu_to_itself():
+    """One test at a time on the GPU among every xdist worker that asks for it (an exclusive file lock):
+    for tests that need tens of GiB (real-width models), which several workers sharing one GPU would
+    otherwise run out of memory for. Tests that do not ask are not held back."""
+    with open(Path(tempfile.gettempdir()) / "moekit-tests-gpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -218,7 +218,7 @@ def moekit_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_real_width_both_ways_match_grouped_mm(name, moekit_calls):
+def test_real_width_both_ways_match_grouped_mm(name, moekit_calls, gpu_to_itself):
     model = _model(name)
     layers = len(_experts(model))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
