@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moekit.integrations.transformers as hf  # noqa: E402
-from helpers import assert_within_tolerance  # noqa: E402
+from helpers import assert_within_tolerance, rel_err  # noqa: E402
 from moekit.integrations.experts import IntegratedExperts  # noqa: E402
 from moekit.integrations.transformers import (  # noqa: E402
     EXPERTS_IMPLEMENTATION,
@@ -333,6 +333,26 @@ def test_gpt_oss_at_real_width_matches_eager(way, moekit_calls):
     assert moekit_calls and len(seen) == 2
     for p, g in seen:
         assert g.stride() == p.stride()
+
+
+@pytest.mark.parametrize("width", ["tiny", "gpt-oss width"])
+@pytest.mark.parametrize("way", ["apply_moekit", "experts_implementation"])
+def test_gpt_oss_bf16_logits_as_close_to_float32_as_grouped_mm(way, width, moekit_calls):
+    """In bf16, moekit's gpt-oss logits are as close to the float32 model's as transformers' own bf16
+    `grouped_mm` experts are (the two bf16 runs differ from each other by about as much as each differs
+    from float32 at this random initialization: what a comparison of moekit against grouped_mm alone
+    in bf16 cannot tell apart from an error)."""
+    config = GPT_OSS_WIDTH if width == "gpt-oss width" else {}
+    reference = _model("gpt_oss", "grouped_mm", **config).eval()
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits32 = reference(ids).logits.double()
+        theirs = copy.deepcopy(reference).to(torch.bfloat16)
+        ours = _moekit_candidate(reference, "gpt_oss", way, "torch", **config).to(torch.bfloat16).eval()
+        err_theirs = rel_err(theirs(ids).logits, logits32)
+        err_ours = rel_err(ours(ids).logits, logits32)
+    assert moekit_calls
+    assert 0 < err_ours <= 1.25 * err_theirs, (err_ours, err_theirs)
 
 
 # transformers' own model testers build MoE models with hidden_act="gelu"; the other three of the table too.
