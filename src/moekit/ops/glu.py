@@ -18,7 +18,7 @@ import torch
 
 from moekit.ops import library
 from moekit.ops.activations import activation_named
-from moekit.ops.runtime.backends import GATED_DTYPES, gated_uses_triton
+from moekit.ops.runtime.backends import gated_uses_triton, triton_unavailable_reason
 from moekit.ops.splits import compute_dtype
 from moekit.validation import check_float_tensor, check_int, check_same_device, check_tensor
 
@@ -155,9 +155,9 @@ def apply_glu(
     use_triton: bool,
 ) -> torch.Tensor:
     """`glu` on checked arguments (h (M, 2F), probs (M,) or None), on moekit's kernel where use_triton
-    (the composed MLP passes its layer's choice)."""
-    # The kernel's dtypes (a float64 probs keeps the torch ops' float64 math); unit-stride operands.
-    use_triton = use_triton and h_M2F.dtype in GATED_DTYPES and (probs_M is None or probs_M.dtype in GATED_DTYPES)
+    (the caller's choice for h: `gated_uses_triton`, or the composed MLP's layer-wide `use_triton_rows`)."""
+    # A probs the kernels cannot take (float64) keeps the torch ops' float64 math; unit-stride operands.
+    use_triton = use_triton and (probs_M is None or triton_unavailable_reason(probs_M.device, probs_M.dtype) is None)
     if use_triton:
         h_M2F = h_M2F if h_M2F.stride(-1) == 1 else h_M2F.contiguous()
         probs_M = probs_M.contiguous() if probs_M is not None else None

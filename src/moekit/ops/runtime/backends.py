@@ -595,9 +595,6 @@ def gather_sum_rows(
     return gathered.sum(1).to(src_SD.dtype)
 
 
-GATED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def gated_uses_triton(backend: str, h: torch.Tensor) -> bool:
     """Whether the gated activation on its own (`moekit.ops.glu.glu`) runs moekit's kernel for `backend`:
     "triton" wherever moekit's kernels run (ValueError saying why elsewhere), "auto" on CUDA where they
@@ -609,7 +606,7 @@ def gated_uses_triton(backend: str, h: torch.Tensor) -> bool:
     why = triton_unavailable_reason(h.device, h.dtype)
     if backend == "triton" and why is not None:
         raise ValueError(f"backend='triton' cannot run the activation here: {why}")
-    return why is None and (backend == "triton" or h.device.type == "cuda") and h.dtype in GATED_DTYPES
+    return why is None and (backend == "triton" or h.device.type == "cuda")
 
 
 def gated_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str) -> torch.Tensor:
