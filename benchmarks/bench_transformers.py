@@ -10,6 +10,11 @@ fewer layers and a smaller vocabulary, so that the experts dominate and a case t
   64 heads / 8 KV heads of 64, sliding and full attention), 2 layers.
 `--checkpointing off|on|both`: each model without and/or with activation checkpointing
 (`gradient_checkpointing_enable()`: each decoder layer's forward is run again in the backward).
+`--attention`: the attention implementation of every variant (transformers' `attn_implementation`):
+`default` is what transformers picks for the model (gpt-oss: `eager`, which materialises the
+(batch, heads, seq, seq) scores and then dominates the step at seq 2048; gpt-oss cannot take `sdpa`,
+its attention sinks need `flex_attention` or a flash kernel), the others as named. The experts are
+what differs between the variants; the attention is the same for all of them.
 
 Per case (model x checkpointing), the variants timed on the same weights and tokens, in interleaved
 rounds (the order rotates each round):
@@ -172,8 +177,9 @@ def _run_case(model_name: str, checkpointing: bool, args, device, dtype, batch: 
     cfg = _config(model_name, args.smoke)
     torch.manual_seed(0)
     # Built on the device: initialising billions of parameters on the host takes minutes.
+    attention = {} if args.attention == "default" else {"attn_implementation": args.attention}
     with device:
-        base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, **attention)
     base.train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     base.set_experts_implementation("grouped_mm")
@@ -226,7 +232,11 @@ def _run_case(model_name: str, checkpointing: bool, args, device, dtype, batch: 
             r["fwd_bwd_ms"] = statistics.median(r["ms_steps"])
             r["tokens_per_s"] = tokens / r["fwd_bwd_ms"] * 1e3
     base_tps = results[BASELINE].get("tokens_per_s")
-    print(f"== {model_name}, activation checkpointing {'on' if checkpointing else 'off'}, {tokens} tokens", flush=True)
+    print(
+        f"== {model_name}, attention {base.config._attn_implementation}, activation checkpointing "
+        f"{'on' if checkpointing else 'off'}, {tokens} tokens",
+        flush=True,
+    )
     for name, r in results.items():
         r["x_grouped_mm"] = r["tokens_per_s"] / base_tps if r.get("tokens_per_s") and base_tps else None
         peak, peak_base = r.get("peak_extra_bytes"), results[BASELINE].get("peak_extra_bytes")
@@ -244,6 +254,7 @@ def _run_case(model_name: str, checkpointing: bool, args, device, dtype, batch: 
             + (f"  [{r['status']}: {r['reason'][:160]}]" if r["reason"] else ""),
             flush=True,
         )
+    base_attention = base.config._attn_implementation
     variants.clear()
     del base, applied
     if device.type == "cuda":
@@ -252,6 +263,7 @@ def _run_case(model_name: str, checkpointing: bool, args, device, dtype, batch: 
         "model": model_name,
         "architecture": f"{type(cfg).__name__.removesuffix('Config')}ForCausalLM (random init)",
         "activation_checkpointing": checkpointing,
+        "attention": base_attention,
         "config": {k: getattr(cfg, k) for k in CONFIG_KEYS if hasattr(cfg, k)},
         "variants": results,
         "speedup_moekit_apply_vs_grouped_mm": results["moekit_apply"].get("x_grouped_mm"),
@@ -272,6 +284,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=3, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median over all steps is kept)")
+    parser.add_argument(
+        "--attention",
+        choices=("default", "eager", "sdpa", "flex_attention"),
+        default="default",
+        help="attention implementation of every variant (default: transformers' choice for the model)",
+    )
     parser.add_argument("--eager", action="store_true", help="also time transformers' (slow) per-expert loop")
     args = parser.parse_args(argv)
 
