@@ -68,6 +68,68 @@ def join_gate_up(gate: torch.Tensor, up: torch.Tensor, glu_interleave_size: int 
     return h.reshape(*lead, 2 * ffn)
 
 
+def gated_on_kernel(probs_M: torch.Tensor | None, use_triton: bool) -> bool:
+    """Whether the gated activation runs on moekit's kernel: where the caller asks for it (`use_triton`)
+    and the probs, if any, are of a dtype the kernels take (float64 probs keep the torch ops' float64
+    math)."""
+    return use_triton and (probs_M is None or triton_unavailable_reason(probs_M.device, probs_M.dtype) is None)
+
+
+def gated_activation(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    use_triton: bool,
+) -> torch.Tensor:
+    """The gated activation's values, not differentiable: (M, F) in h's dtype = ACT(gate(h), up(h))
+    (* probs), fp32 math (float64 for float64 operands), one rounding. On moekit's kernel where
+    `use_triton` (`gated_on_kernel`'s answer; h and probs then with unit column stride), else torch ops.
+    `_GluFn` and the quantized MLP's node (which computes the activation again in its backward from the
+    h it held) both compute it here."""
+    if use_triton:
+        glu_block = check_interleave(h_M2F.shape[1] // 2, glu_interleave_size)
+        return library.gated_forward(h_M2F, probs_M, glu_block, activation)
+    act = activation_named(activation)
+    gate, up = split_gate_up(h_M2F, glu_interleave_size)
+    acc_t = compute_dtype(h_M2F, probs_M)
+    out = act.forward(gate.to(acc_t), up.to(acc_t))
+    if probs_M is not None:
+        out = out * probs_M.to(acc_t)[:, None]
+    return out.to(h_M2F.dtype)
+
+
+def gated_activation_backward(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_interleave_size: int | None,
+    activation: str,
+    use_triton: bool,
+    need_d_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gated_activation`'s backward: (dh (M, 2F) in h's dtype and order, d probs (M,) in probs' dtype, or
+    None where there are no probs or need_d_probs is False), from h and d out (M, F) alone: the
+    activation is computed again, in fp32."""
+    need_d_probs = need_d_probs and probs_M is not None
+    if use_triton:
+        glu_block = check_interleave(h_M2F.shape[1] // 2, glu_interleave_size)
+        d_out_MF = d_out_MF if d_out_MF.stride(-1) == 1 else d_out_MF.contiguous()
+        dh, d_probs32 = library.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs)
+        return dh, (d_probs32.to(probs_M.dtype) if need_d_probs and probs_M is not None else None)
+    act = activation_named(activation)
+    gate, up = split_gate_up(h_M2F, glu_interleave_size)
+    acc_t = compute_dtype(h_M2F, probs_M)
+    gate, up, d_out = gate.to(acc_t), up.to(acc_t), d_out_MF.to(acc_t)
+    d_probs = None
+    if probs_M is not None:
+        if need_d_probs:
+            d_probs = (act.forward(gate, up) * d_out).sum(-1).to(probs_M.dtype)
+        d_out = d_out * probs_M.to(acc_t)[:, None]
+    d_gate, d_up = act.backward(gate, up, d_out)
+    return join_gate_up(d_gate, d_up, glu_interleave_size).to(h_M2F.dtype), d_probs
+
+
 class _GluFn(torch.autograd.Function):
     """Saves only h (and probs); the backward recomputes the activation in fp32. With use_triton both
     directions run moekit's kernel (one pass each, `moekit.ops.kernels.gated`), else plain torch ops."""
@@ -83,38 +145,16 @@ class _GluFn(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(h_M2F, probs_M)
         ctx.glu_interleave_size, ctx.activation, ctx.use_triton = glu_interleave_size, activation, use_triton
-        if use_triton:
-            glu_block = check_interleave(h_M2F.shape[1] // 2, glu_interleave_size)
-            return library.gated_forward(h_M2F, probs_M, glu_block, activation)
-        act = activation_named(activation)
-        gate, up = split_gate_up(h_M2F, glu_interleave_size)
-        acc_t = compute_dtype(h_M2F, probs_M)
-        out = act.forward(gate.to(acc_t), up.to(acc_t))
-        if probs_M is not None:
-            out = out * probs_M.to(acc_t)[:, None]
-        return out.to(h_M2F.dtype)
+        return gated_activation(h_M2F, probs_M, glu_interleave_size, activation, use_triton)
 
     @staticmethod
     def backward(ctx: Any, d_out_MF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         h_M2F, probs_M = ctx.saved_tensors
         need_d_probs = probs_M is not None and ctx.needs_input_grad[1]
-        if ctx.use_triton:
-            glu_block = check_interleave(h_M2F.shape[1] // 2, ctx.glu_interleave_size)
-            d_out_MF = d_out_MF if d_out_MF.stride(-1) == 1 else d_out_MF.contiguous()
-            dh, d_probs32 = library.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, ctx.activation, need_d_probs)
-            d_probs = d_probs32.to(probs_M.dtype) if need_d_probs and probs_M is not None else None
-            return dh, d_probs, None, None, None
-        act = activation_named(ctx.activation)
-        gate, up = split_gate_up(h_M2F, ctx.glu_interleave_size)
-        acc_t = compute_dtype(h_M2F, probs_M)
-        gate, up, d_out = gate.to(acc_t), up.to(acc_t), d_out_MF.to(acc_t)
-        d_probs = None
-        if probs_M is not None:
-            if need_d_probs:
-                d_probs = (act.forward(gate, up) * d_out).sum(-1).to(probs_M.dtype)
-            d_out = d_out * probs_M.to(acc_t)[:, None]
-        d_gate, d_up = act.backward(gate, up, d_out)
-        return join_gate_up(d_gate, d_up, ctx.glu_interleave_size).to(h_M2F.dtype), d_probs, None, None, None
+        dh, d_probs = gated_activation_backward(
+            h_M2F, probs_M, d_out_MF, ctx.glu_interleave_size, ctx.activation, ctx.use_triton, need_d_probs
+        )
+        return dh, d_probs, None, None, None
 
 
 def _check_h(h: torch.Tensor) -> None:
@@ -156,9 +196,8 @@ def apply_glu(
 ) -> torch.Tensor:
     """`glu` on checked arguments (h (M, 2F), probs (M,) or None), on moekit's kernel where use_triton
     (the caller's choice for h: `gated_uses_triton`, or the composed MLP's layer-wide `use_triton_rows`)."""
-    # A probs the kernels cannot take (float64) keeps the torch ops' float64 math; unit-stride operands.
-    use_triton = use_triton and (probs_M is None or triton_unavailable_reason(probs_M.device, probs_M.dtype) is None)
-    if use_triton:
+    use_triton = gated_on_kernel(probs_M, use_triton)
+    if use_triton:  # unit-stride operands
         h_M2F = h_M2F if h_M2F.stride(-1) == 1 else h_M2F.contiguous()
         probs_M = probs_M.contiguous() if probs_M is not None else None
     return _GluFn.apply(h_M2F, probs_M, glu_interleave_size, activation, use_triton)

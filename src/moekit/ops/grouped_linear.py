@@ -234,6 +234,122 @@ def probe_weight(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
+# The quantized products, on FP8 kernels or the reference path (`_QuantizedLinearFn` and the quantized
+# MLP's node compute them here)
+# --------------------------------------------------------------------------------------------------
+
+
+def quantized_forward_product(
+    backend: str,
+    quantizer: str,
+    recipe: str,
+    fp8: bool,
+    x_q: GroupedTensor,
+    weight_q: GroupedTensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    bias_NO: torch.Tensor | None,
+    bias_scale_M: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """y (M, O) in `dtype` = Q(x) Q(w)^T (+ bias (* bias_scale)), from x's rowwise quantization: on the
+    backend's FP8 kernels where `fp8` (`fp8_compute`), else dequantized (by `quantizer`, who quantized
+    them) and the backend's GEMM in x's dtype."""
+    if fp8:
+        return library.quantized_linear_forward(
+            backend,
+            recipe,
+            x_q.rowwise_data,
+            x_q.rowwise_scale_inv,
+            weight_q.rowwise_data,
+            weight_q.rowwise_scale_inv,
+            offs,
+            host_offs,
+            bias_NO,
+            bias_scale_M,
+            dtype,
+        )
+    return library.grouped_linear_forward(
+        backend,
+        dequantize_with(quantizer, x_q),
+        dequantize_with(quantizer, weight_q),
+        offs,
+        host_offs,
+        bias_NO,
+        bias_scale_M,
+    )
+
+
+def quantized_dgrad_product(
+    backend: str,
+    quantizer: str,
+    recipe: str,
+    fp8: bool,
+    dy_q: GroupedTensor,
+    weight_q: GroupedTensor,
+    wt_data: torch.Tensor | None,
+    wt_scale: torch.Tensor | None,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+) -> torch.Tensor:
+    """dx (M, I) in dy's dtype = Q(dy) Qc(w), from dy's rowwise quantization. The dgrad reduces over O:
+    the weight's columnwise form where it has one (fp8_rowwise: a scale per input channel), else its
+    rowwise data (fp8_block's tiles serve both ways); the FP8 kernels (`fp8`) take it transposed
+    (wt_*, the `TransposedWeight`: K-major)."""
+    if fp8:
+        assert wt_data is not None and wt_scale is not None  # given with fp8
+        return library.quantized_linear_dgrad(
+            backend,
+            recipe,
+            dy_q.rowwise_data,
+            dy_q.rowwise_scale_inv,
+            wt_data,
+            wt_scale,
+            offs,
+            host_offs,
+            dy_q.dtype,
+        )
+    w_dgrad = dequantize_with(quantizer, weight_q, columnwise=weight_q.columnwise_data is not None)
+    return library.grouped_linear_dgrad(backend, dequantize_with(quantizer, dy_q), w_dgrad, offs, host_offs)
+
+
+def quantized_wgrad_product(
+    backend: str,
+    quantizer: str,
+    recipe: str,
+    fp8_wgrad: bool,
+    dy_q: GroupedTensor,
+    x_q: GroupedTensor,
+    offs: torch.Tensor,
+    host_offs: list[int] | None,
+    w_transposed: bool,
+    w_dtype: torch.dtype,
+) -> torch.Tensor:
+    """dw (N, O, I) = Qc(dy)^T Qc(x), from the columnwise quantizations of dy and x, in the layout of the
+    weight's tensor (`wgrad_in_layout`: x^T dy for a transposed view, `w_transposed`): on the FP8
+    kernels where `fp8_wgrad` (`fp8_wgrad_compute`), else both dequantized by the quantizer (one pass
+    each on the Triton backend) and the backend's GEMM."""
+    if fp8_wgrad:
+        dy_cols = (dy_q.columnwise_data, dy_q.columnwise_scale_inv)
+        x_cols = (x_q.columnwise_data, x_q.columnwise_scale_inv)
+        first, second = (x_cols, dy_cols) if w_transposed else (dy_cols, x_cols)
+        dw = library.quantized_linear_wgrad(backend, recipe, *first, *second, offs, host_offs, w_dtype)
+        return dw.transpose(1, 2) if w_transposed else dw
+    dy_c = dequantize_with(quantizer, dy_q, columnwise=True)
+    x_c = dequantize_with(quantizer, x_q, columnwise=True)
+    return wgrad_in_layout(backend, dy_c, x_c, offs, host_offs, w_transposed)
+
+
+def bias_scale_grad(
+    dy_bias_MO: torch.Tensor, bias_NO: torch.Tensor | None, offs: GroupOffsets, bias_scale_M: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of a bias_scale (M,) in its dtype: <dy[r], bias[group of r]>, from dy with its padding
+    rows zeroed (`library.without_padding_rows`)."""
+    acc_t = compute_dtype(dy_bias_MO, bias_scale_M)
+    return (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, offs, acc_t)).sum(-1).to(bias_scale_M.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------------------------------
 
@@ -324,30 +440,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
         first_w = _Q_X + 1
         need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
-        if fp8:
-            y_MO = library.quantized_linear_forward(
-                backend,
-                recipe,
-                x_q.rowwise_data,
-                x_q.rowwise_scale_inv,
-                weight_q.rowwise_data,
-                weight_q.rowwise_scale_inv,
-                offs,
-                host_offs,
-                bias_NO,
-                bias_scale_M,
-                x_MI.dtype,
-            )
-        else:
-            y_MO = library.grouped_linear_forward(
-                backend,
-                dequantize_with(quantizer, x_q),
-                dequantize_with(quantizer, weight_q),
-                offs,
-                host_offs,
-                bias_NO,
-                bias_scale_M,
-            )
+        y_MO = quantized_forward_product(
+            backend, quantizer, recipe, fp8, x_q, weight_q, offs, host_offs, bias_NO, bias_scale_M, x_MI.dtype
+        )
         # x is held as its columnwise quantization only (the wgrad's operand).
         x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
         ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8, ctx.fp8_wgrad = backend, quantizer, recipe, fp8, fp8_wgrad
@@ -377,46 +472,27 @@ class _QuantizedLinearFn(torch.autograd.Function):
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
         if need_x or need_w:
             dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
-            # The dgrad reduces over O: the weight's columnwise form where it has one (fp8_rowwise: a
-            # scale per input channel), else its rowwise data (fp8_block's tiles serve both ways); the FP8
-            # kernels take it transposed (wt_*: K-major).
-            w_col = weight_q.columnwise_data is not None
-            if need_x and ctx.fp8:
-                assert wt_data is not None and wt_scale is not None  # given with fp8
-                dx = library.quantized_linear_dgrad(
+            if need_x:
+                dx = quantized_dgrad_product(
+                    backend, ctx.quantizer, ctx.recipe, ctx.fp8, dy_q, weight_q, wt_data, wt_scale, offs, host_offs
+                )
+            if need_w and x_q is not None:
+                dw = quantized_wgrad_product(
                     backend,
+                    ctx.quantizer,
                     ctx.recipe,
-                    dy_q.rowwise_data,
-                    dy_q.rowwise_scale_inv,
-                    wt_data,
-                    wt_scale,
+                    ctx.fp8_wgrad,
+                    dy_q,
+                    x_q,
                     offs,
                     host_offs,
-                    dy_MO.dtype,
+                    ctx.w_transposed,
+                    weight_q.dtype,
                 )
-            elif need_x:
-                w_dgrad = dequantize_with(ctx.quantizer, weight_q, columnwise=w_col)
-                dy_r = dequantize_with(ctx.quantizer, dy_q)
-                dx = library.grouped_linear_dgrad(backend, dy_r, w_dgrad, offs, host_offs)
-            if need_w and x_q is not None and ctx.fp8_wgrad:
-                # In the layout of the weight's tensor, as `wgrad_in_layout`: x^T dy for a transposed view.
-                dy_cols = (dy_q.columnwise_data, dy_q.columnwise_scale_inv)
-                x_cols = (x_q.columnwise_data, x_q.columnwise_scale_inv)
-                first, second = (x_cols, dy_cols) if ctx.w_transposed else (dy_cols, x_cols)
-                dw = library.quantized_linear_wgrad(
-                    backend, ctx.recipe, *first, *second, offs, host_offs, weight_q.dtype
-                )
-                dw = dw.transpose(1, 2) if ctx.w_transposed else dw
-            elif need_w and x_q is not None:
-                # The wgrad's operands by the quantizer's dequantize (one pass each on the Triton backend).
-                dy_c = dequantize_with(ctx.quantizer, dy_q, columnwise=True)
-                x_c = dequantize_with(ctx.quantizer, x_q, columnwise=True)
-                dw = wgrad_in_layout(backend, dy_c, x_c, offs, host_offs, ctx.w_transposed)
         if need_b:
             db = library.grouped_linear_dbias(backend, dy_bias_MO, offs, host_offs, bias_scale_M)
         if bias_scale_M is not None and need_scale and dy_bias_MO is not None:
-            acc_t = compute_dtype(dy_MO, bias_scale_M)
-            d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
+            d_scale = bias_scale_grad(dy_bias_MO, bias_NO, go, bias_scale_M)
         return (
             None,
             None,

@@ -38,13 +38,16 @@ import torch
 
 from moekit.ops import library
 from moekit.ops.activations import activation_named
-from moekit.ops.glu import apply_glu, check_interleave, check_probs, glu_reference
+from moekit.ops.glu import apply_glu, check_interleave, check_probs, gated_on_kernel, glu_reference
 from moekit.ops.grouped_linear import (
     Weight,
     check_linear_params,
+    fp8_compute,
+    fp8_wgrad_compute,
     grouped_linear,
     grouped_linear_reference,
     probe_weight,
+    quantized_weight,
     row_major,
     stacked,
     stored_transposed,
@@ -53,8 +56,17 @@ from moekit.ops.grouped_linear import (
     wgrad_in_layout,
 )
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
+from moekit.ops.quantized_mlp import QuantizedMlpSpec, quantized_mlp
 from moekit.ops.routing import ExpertOrder
-from moekit.ops.runtime.backends import FusedMLP, backend_named, fused_mlp_of, select_backend, use_triton_rows
+from moekit.ops.runtime.backends import (
+    FusedMLP,
+    GemmBackend,
+    backend_named,
+    fused_mlp_of,
+    select_backend,
+    select_quantizer,
+    use_triton_rows,
+)
 from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
 from moekit.validation import check_float_tensor
 
@@ -129,12 +141,62 @@ def grouped_mlp(
     if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None and quantization is None:
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         return fused_mlp(spec, offs.offs, None, x.shape[0], row_major(x), probs, w1s, b1s, w2s, b2s)
-    h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend, quantization=quantization, weight_cache=cache1)
+    if quantization is not None:
+        return _quantized(x, probs, offs, quantization, backend, fc1_impl, fc2_impl, (w1s, b1s, w2s, b2s),
+                          glu_interleave_size, activation, (cache1, cache2))  # fmt: skip
+    h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend)
     a = apply_glu(h, probs, glu_interleave_size, activation, use_triton_rows(fc1_impl, x))
     scale = probs if probs is not None and b2s else None
-    return grouped_linear(
-        a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale, quantization=quantization, weight_cache=cache2
+    return grouped_linear(a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale)
+
+
+def _quantized(
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    offs: GroupOffsets,
+    recipe: str,
+    backend: str,
+    fc1_impl: GemmBackend,
+    fc2_impl: GemmBackend,
+    params: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    glu_interleave_size: int | None,
+    activation: str,
+    caches: tuple[QuantizedWeightCache | None, QuantizedWeightCache | None],
+) -> torch.Tensor:
+    """The quantized MLP's node (`moekit.ops.quantized_mlp`) with grouped_linear's choices: the quantizer
+    it would pick, each linear's FP8 paths (`fp8_compute`, `fp8_wgrad_compute`, fc2's for an (M, F)
+    input), the weights' quantizations from the caches, with their transposed copies where an FP8 dgrad
+    may run (fc1's where x may get a gradient, fc2's where anything before it may)."""
+    w1s, b1s, w2s, b2s = params
+    a_like = x.new_empty(0, w2s[0].shape[-1])
+    quantizer = select_quantizer(backend, x).name
+    fc1_fp8, fc2_fp8 = fp8_compute(fc1_impl, recipe, x), fp8_compute(fc2_impl, recipe, a_like)
+    grad = torch.is_grad_enabled()
+    before_fc2 = (x, *(p for p in (probs,) if p is not None), *w1s, *b1s)
+    w1_q, w1_t = quantized_weight(w1s, recipe, quantizer, caches[0], fc1_fp8 and grad and x.requires_grad)
+    dgrad2 = fc2_fp8 and grad and any(t.requires_grad for t in before_fc2)
+    w2_q, w2_t = quantized_weight(w2s, recipe, quantizer, caches[1], dgrad2)
+    spec = QuantizedMlpSpec(
+        recipe=recipe,
+        quantizer=quantizer,
+        fc1_backend=fc1_impl.name,
+        fc2_backend=fc2_impl.name,
+        fc1_fp8=fc1_fp8,
+        fc1_fp8_wgrad=fc1_fp8 and fp8_wgrad_compute(fc1_impl, recipe, x),
+        fc2_fp8=fc2_fp8,
+        fc2_fp8_wgrad=fc2_fp8 and fp8_wgrad_compute(fc2_impl, recipe, a_like),
+        glu_interleave_size=glu_interleave_size,
+        activation=activation,
+        gated_triton=gated_on_kernel(probs, use_triton_rows(fc1_impl, x)),
+        n_w1=len(w1s),
+        n_b1=len(b1s),
+        n_w2=len(w2s),
+        n_b2=len(b2s),
     )
+    host_offs = list(offs.host) if offs.host is not None else None
+    fc1_q = (w1_q, *((w1_t.data, w1_t.scale_inv) if w1_t is not None else (None, None)))
+    fc2_q = (w2_q, *((w2_t.data, w2_t.scale_inv) if w2_t is not None else (None, None)))
+    return quantized_mlp(spec, offs.offs, host_offs, fc1_q, fc2_q, row_major(x), probs, w1s, b1s, w2s, b2s)
 
 
 def grouped_mlp_reference(
