@@ -32,12 +32,17 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class Activation:
-    """A gated activation: out = forward(g, u); backward(g, u, d_out) -> (d_g, d_u)."""
+    """A gated activation: out = forward(g, u); backward(g, u, d_out) -> (d_g, d_u). gate_limit: the
+    gate is clamped from above at it (None: not clamped); up_limit: the up is clamped to
+    [-up_limit, up_limit] (None: not). The clamps are what a held, rounded copy of h must not blur
+    (`moekit.ops.glu.to_held`)."""
 
     name: str
     forward: Callable[[Tensor, Tensor], Tensor]
     backward: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     description: str
+    gate_limit: float | None = None
+    up_limit: float | None = None
 
 
 def _swiglu(g: Tensor, u: Tensor) -> Tensor:
@@ -106,6 +111,8 @@ REGISTRY: dict[str, Activation] = {
             _clamped_swiglu_grad,
             f"gpt-oss: g = min(g, {CLAMPED_SWIGLU_LIMIT}), u = clamp(u, -{CLAMPED_SWIGLU_LIMIT}, "
             f"{CLAMPED_SWIGLU_LIMIT}), g * sigmoid({CLAMPED_SWIGLU_ALPHA} g) * (u + 1)",
+            gate_limit=CLAMPED_SWIGLU_LIMIT,
+            up_limit=CLAMPED_SWIGLU_LIMIT,
         ),
         Activation("geglu", _geglu, _geglu_grad, "gelu(g) * u, the exact (erf) GELU"),
         Activation("geglu_tanh", _geglu_tanh, _geglu_tanh_grad, 'gelu(g, approximate="tanh") * u'),

@@ -68,6 +68,60 @@ def join_gate_up(gate: torch.Tensor, up: torch.Tensor, glu_interleave_size: int 
     return h.reshape(*lead, 2 * ffn)
 
 
+def to_held(h_M2F: torch.Tensor, glu_interleave_size: int | None, activation: str) -> torch.Tensor:
+    """h as a rounded copy held for the backward stores it (the quantized MLP's FP8 h): for an activation
+    with clamps (`Activation.gate_limit`, `up_limit`: gpt-oss's), each value past its clamp replaced by
+    twice the limit (with its sign), the others as they are; h itself for the rest.
+
+    Why: past its clamp a value matters to the backward only as "past the clamp" (the activation sees
+    the limit, the derivative is 0), but an FP8 rounding (3 mantissa bits: up to 1/16 of the value) moves
+    values near the limit to its other side, and the derivative with them. Held this way, the values on
+    the inner side still round across the limit, to at most 17/16 of it, which `from_held` clamps back;
+    the replaced ones stay above 3/2 of it, which it keeps: no value changes side. (A block whose other
+    values are so large that twice the limit falls under FP8's normal range loses it; such a block's
+    in-range values are lost to the rounding already.)"""
+    act = activation_named(activation)
+    if act.gate_limit is None and act.up_limit is None:
+        return h_M2F
+    return _held_form(h_M2F, glu_interleave_size, act.gate_limit, act.up_limit, to_held=True)
+
+
+def from_held(h_M2F: torch.Tensor, glu_interleave_size: int | None, activation: str) -> torch.Tensor:
+    """The inverse of `to_held` for the activation (its backward and the activation itself give the same
+    values on it as on h, up to the rounding of the in-range values): values within 3/2 of a limit
+    clamped to it, the others (past the clamp) kept. h itself for an activation without clamps."""
+    act = activation_named(activation)
+    if act.gate_limit is None and act.up_limit is None:
+        return h_M2F
+    return _held_form(h_M2F, glu_interleave_size, act.gate_limit, act.up_limit, to_held=False)
+
+
+def _held_form(
+    h_M2F: torch.Tensor,
+    glu_interleave_size: int | None,
+    gate_limit: float | None,
+    up_limit: float | None,
+    to_held: bool,
+) -> torch.Tensor:
+    ffn = h_M2F.shape[1] // 2
+    block = check_interleave(ffn, glu_interleave_size)
+    out = h_M2F.clone(memory_format=torch.contiguous_format)
+    v = out.view(h_M2F.shape[0], ffn // block, 2, block)
+    if gate_limit is not None:
+        g = v[:, :, 0]
+        if to_held:
+            g.copy_(torch.where(g > gate_limit, 2 * gate_limit, g))
+        else:
+            g.copy_(torch.where(g > 1.5 * gate_limit, g, g.clamp(max=gate_limit)))
+    if up_limit is not None:
+        u = v[:, :, 1]
+        if to_held:
+            u.copy_(torch.where(u.abs() > up_limit, 2 * up_limit * u.sign(), u))
+        else:
+            u.copy_(torch.where(u.abs() > 1.5 * up_limit, u, u.clamp(-up_limit, up_limit)))
+    return out
+
+
 def gated_on_kernel(probs_M: torch.Tensor | None, use_triton: bool) -> bool:
     """Whether the gated activation runs on moekit's kernel: where the caller asks for it (`use_triton`)
     and the probs, if any, are of a dtype the kernels take (float64 probs keep the torch ops' float64

@@ -45,7 +45,7 @@ import torch
 
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
-from moekit.ops.glu import gated_activation, gated_activation_backward
+from moekit.ops.glu import from_held, gated_activation, gated_activation_backward, to_held
 from moekit.ops.grouped_linear import (
     bias_scale_grad,
     quantized_dgrad_product,
@@ -130,7 +130,8 @@ class _QuantizedMlpFn(torch.autograd.Function):
         a_MF = gated_activation(h_M2F, probs_M, spec.glu_interleave_size, spec.activation, spec.gated_triton)
         # h is held as its rowwise quantization only, and only where a gradient may be asked for.
         held = grad_enabled and any(ctx.needs_input_grad)
-        h_q = group_quantize(h_M2F, go, recipe, backend=quantizer) if held else None
+        glu_block, activation = spec.glu_interleave_size, spec.activation
+        h_q = group_quantize(to_held(h_M2F, glu_block, activation), go, recipe, backend=quantizer) if held else None
         del h_M2F
         a_q = group_quantize(a_MF, go, recipe, backend=quantizer)
         del a_MF
@@ -187,7 +188,7 @@ class _QuantizedMlpFn(torch.autograd.Function):
         if need_probs and dy_bias_MH is not None:
             assert probs_M is not None  # need_probs
             d_probs = bias_scale_grad(dy_bias_MH, b2, go, probs_M)
-        h_M2F = dequantize_with(quantizer, h_q) if need_w2 or need_da else None
+        h_M2F = from_held(dequantize_with(quantizer, h_q), glu_block, activation) if need_w2 or need_da else None
         if need_w2 or need_da:
             dy_q = group_quantize(dy_MH, go, recipe, rowwise=need_da, columnwise=need_w2, backend=quantizer)
         if need_w2:
