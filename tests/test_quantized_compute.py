@@ -12,7 +12,9 @@ Legend: N experts, M routed rows, T tokens, K top-k, H hidden size, F ffn size."
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ import torch
 import moekit
 from helpers import rand, rel_err
 from moekit import reference
+from moekit.grouped_tensor import recipe_named, rowwise_scale_shape
+from moekit.ops import moe_experts as moe_experts_module
+from moekit.ops.glu import from_held, to_held
 from moekit.ops.quantize import QuantizedWeightCache
 from moekit.ops.runtime.backends import quantized_gemm_of, select_backend, triton_unavailable_reason
 
@@ -132,6 +137,147 @@ def test_moe_experts_within_the_fp8_bound(recipe, hidden, ffn, num_experts, toke
         {"x", "weights", "w1", "w2"},
     )
     assert_within_bound(errors, f"moe_experts {recipe}")
+
+
+# --------------------------------------------------------------------------------------------------
+# What the quantized layer holds for its backward: h in FP8, x not copied, a not held
+# --------------------------------------------------------------------------------------------------
+
+
+def _held_by_layer(inputs: dict, recipe: str, backend: str, monkeypatch) -> tuple[dict, list, list, dict]:
+    """({storage address: (bytes, dtype, shape)} of what one moe_experts forward saves for its backward,
+    the caller's tensors and the weight caches' excluded; weak references to those tensors; the
+    (M, 2F)-shaped ones' dtypes; the leaves and y). Tensors saved inside the grouped MLP pass the layer's
+    own saved-tensor hooks first (the innermost hooks are the ones autograd calls): what those hooks keep
+    as a tensor is held, what they replace (the sorted copy of x, by a reference to x) is not."""
+    leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+    caches = (QuantizedWeightCache(), QuantizedWeightCache())
+    given = {t.untyped_storage().data_ptr() for t in leaves.values()}
+    held, refs = {}, []
+
+    def count(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in given:
+            held[ptr] = (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape))
+            refs.append(weakref.ref(t))
+
+    inner_hooks = moe_experts_module._regathering_hooks
+
+    def counting_hooks(*args):
+        pack, unpack = inner_hooks(*args)
+
+        def counted_pack(t):
+            packed = pack(t)
+            if isinstance(packed, torch.Tensor):
+                count(packed)
+            return packed
+
+        return counted_pack, unpack
+
+    monkeypatch.setattr(moe_experts_module, "_regathering_hooks", counting_hooks)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: count(t) or t, lambda t: t):
+        y = moekit.moe_experts(**leaves, quantization=recipe, backend=backend, weight_caches=caches)
+    for cache in caches:  # the weights' quantizations: kept across steps, not per call
+        kept = [*cache.quantized.storage(), *(cache.transposed or ())]
+        for t in kept:
+            if t is not None:
+                held.pop(t.untyped_storage().data_ptr(), None)
+    leaves["y"] = y
+    return held, refs, leaves
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))])
+def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
+    """Between forward and backward the quantized layer holds h's rowwise FP8 quantization (data and
+    scales) and the routing metadata, nothing else: not x's FP8 copy (made again in the backward from
+    x, which the layer holds as a reference to the caller's rows), not a, not h in x's dtype. The bound
+    is the formula, M*2F bytes of data, the recipe's scales, the metadata's bytes and 1 KiB; what is
+    forbidden is each larger than that 1 KiB and the metadata, so holding any of it fails."""
+    tokens, top_k, experts, hidden, ffn = 40, 2, 4, 48, 96
+    rows = tokens * top_k
+    inputs = mlp_inputs(hidden, ffn, [1] * experts, 0)
+    g = torch.Generator().manual_seed(4)
+    inputs = dict(
+        x=rand(tokens, hidden, seed=5),
+        topk_ids=torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]),
+        topk_weights=torch.rand(tokens, top_k, generator=g).softmax(-1),
+        fc1_weight=inputs["w1"].float(),
+        fc2_weight=inputs["w2"].float(),
+        fc1_bias=inputs["b1"].float(),
+        fc2_bias=inputs["b2"].float(),
+    )
+    held, refs, leaves = _held_by_layer(inputs, recipe, backend, monkeypatch)
+    info = recipe_named(recipe)
+    scales = torch.Size(rowwise_scale_shape(info, (rows, 2 * ffn))).numel() * info.scale_dtype.itemsize
+    # probs (M,) fp32; the sorted order's int64 maps: token_of_row (M, 1), copy_of_row (M, 1), row_map
+    # (T, K); offsets and group sizes (N + 1,) and (N,) int64.
+    metadata = rows * 4 + 3 * rows * 8 + 2 * (experts + 1) * 8
+    bound = rows * 2 * ffn + scales + metadata + 1024
+    total = sum(nbytes for nbytes, _, _ in held.values())
+    assert total <= bound, f"{recipe}: holds {total} bytes, over {bound}: {sorted(held.values(), key=str)}"
+    forbidden = {"x's FP8 copy": rows * hidden, "a in FP8": rows * ffn}
+    assert min(forbidden.values()) > metadata + 1024, "the shapes must make each forbidden tensor count"
+    shaped = [(dtype, shape) for _, dtype, shape in held.values() if rows in shape[:1]]
+    assert all(shape[1:] in ((), (1,), (2 * ffn,), scales and rowwise_scale_shape(info, (rows, 2 * ffn))[1:]) for _, shape in shaped), shaped
+    assert [dtype for dtype, shape in shaped if shape == (rows, 2 * ffn)] == [torch.float8_e4m3fn], shaped
+    leaves["y"].backward(rand(tokens, hidden, seed=6))
+    assert all(leaves[k].grad is not None for k in ("x", "topk_weights", "fc1_weight", "fc2_weight", "fc1_bias"))
+    gc.collect()
+    assert all(r() is None for r in refs), "a saved tensor outlives the backward"
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantized_mlp_on_triton_matches_the_reference_path(recipe):
+    """The quantized MLP on the triton backend (its FP8 kernels where `fp8_compute` holds, its
+    quantizer, the gated kernels; interleaved gpt-oss activation with biases) against the torch
+    backend's reference path: the same quantized operands, the sums in other orders."""
+    m_splits, ffn = [20, 0, 13], 64
+    inputs = mlp_inputs(40, ffn, m_splits, 3)
+    results = []
+    for backend in ("triton", "torch"):
+        leaves = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
+        y = moekit.grouped_mlp(
+            leaves["x"],
+            leaves["w1"],
+            leaves["w2"],
+            m_splits,
+            probs=leaves["probs"],
+            fc1_bias=leaves["b1"],
+            fc2_bias=leaves["b2"],
+            activation="clamped_swiglu",
+            glu_interleave_size=1,
+            backend=backend,
+            quantization=recipe,
+        )
+        y.backward(rand(*y.shape, seed=9))
+        results.append([y, *(leaves[k].grad for k in inputs)])
+    for name, got, want in zip(["y", *inputs], *results, strict=True):
+        assert rel_err(got, want) < 1e-4, name
+
+
+@pytest.mark.parametrize("glu_interleave_size", [None, 1, 4])
+def test_held_form_keeps_every_value_on_its_side_of_the_clamps(glu_interleave_size):
+    """gpt-oss's clamps (gate <= 7, |up| <= 7) through to_held, an FP8 rounding and from_held: the
+    activation and its derivative are those of h rounded, never those of a value moved across a limit;
+    an activation without clamps holds h itself."""
+    rows, ffn = 64, 32
+    h = torch.linspace(-9, 9, rows * 2 * ffn).reshape(rows, 2 * ffn)
+    h = h[torch.randperm(rows, generator=torch.Generator().manual_seed(0))]
+    assert to_held(h, glu_interleave_size, "swiglu") is h and from_held(h, glu_interleave_size, "swiglu") is h
+    for recipe in RECIPES:
+        h_q = moekit.group_quantize(to_held(h, glu_interleave_size, "clamped_swiglu"), [rows], recipe)
+        back = from_held(h_q.dequantize(), glu_interleave_size, "clamped_swiglu")
+        gate, up = moekit.ops.glu.split_gate_up(h, glu_interleave_size)
+        gate_b, up_b = moekit.ops.glu.split_gate_up(back, glu_interleave_size)
+        assert torch.equal(gate > 7, gate_b > 7) and torch.equal(up.abs() > 7, up_b.abs() > 7), recipe
+        inner = (gate <= 7) & (gate_b <= 7)
+        assert rel_err(gate_b[inner], gate[inner]) < 0.05 and rel_err(up_b.clamp(-7, 7), up.clamp(-7, 7)) < 0.05
+        # Without the held form the rounding does move values across (the check above means something).
+        plain = moekit.group_quantize(h, [rows], recipe).dequantize()
+        gate_p, _ = moekit.ops.glu.split_gate_up(plain, glu_interleave_size)
+        assert not torch.equal(gate > 7, gate_p > 7), recipe
 
 
 # --------------------------------------------------------------------------------------------------

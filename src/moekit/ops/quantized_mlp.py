@@ -38,6 +38,7 @@ CUDA-graph capturable, and every launch is a custom op, so torch.compile traces 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,41 @@ class QuantizedMlpSpec:
 
 # Positions of the node's inputs (needs_input_grad): x, probs, then the parameters.
 _X, _PROBS, _PARAMS = 10, 11, 12
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What rebuilds a quantized GroupedTensor from its saved storage, holding no tensor: a ctx
+    attribute outlives the backward (it lives as long as the graph), so a GroupedTensor kept there
+    would keep its storage alive after autograd freed the saved tensors."""
+
+    recipe: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    host_first_dims: tuple[int, ...] | None
+
+    @staticmethod
+    def of(t: GroupedTensor) -> _Layout:
+        assert t.recipe is not None  # quantized
+        return _Layout(t.recipe, t.dtype, tuple(t.shape), t.known_host_first_dims)
+
+    def rebuilt(self, tensors: Sequence[torch.Tensor | None]) -> GroupedTensor:
+        """The GroupedTensor over `tensors`, in `GroupedTensor.storage()`'s order."""
+        first_dims, offsets, row_data, row_scale, col_data, col_scale, col_offs = tensors
+        assert first_dims is not None and offsets is not None  # saved from a quantized GroupedTensor
+        return GroupedTensor.quantized(
+            self.recipe,
+            self.dtype,
+            self.shape,
+            first_dims,
+            offsets,
+            host_first_dims=self.host_first_dims,
+            rowwise_data=row_data,
+            rowwise_scale_inv=row_scale,
+            columnwise_data=col_data,
+            columnwise_scale_inv=col_scale,
+            columnwise_scale_offsets=col_offs,
+        )
 
 
 def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -143,7 +179,7 @@ class _QuantizedMlpFn(torch.autograd.Function):
         ctx.w1_dims, ctx.b1_dims = tuple(w.dim() for w in w1s), tuple(b.dim() for b in b1s)
         ctx.w2_dims, ctx.b2_dims = tuple(w.dim() for w in w2s), tuple(b.dim() for b in b2s)
         ctx.w1_transposed, ctx.w2_transposed = stored_transposed(w1s[0]), stored_transposed(w2s[0])
-        ctx.h_template, ctx.w1_template, ctx.w2_template = h_q, w1_q, w2_q
+        ctx.layouts = tuple(_Layout.of(t) if t is not None else None for t in (h_q, w1_q, w2_q))
         # x is saved as the tensor given (moe_experts' hooks replace its sorted rows by a reference to x).
         ctx.save_for_backward(
             x_MH,
@@ -165,9 +201,8 @@ class _QuantizedMlpFn(torch.autograd.Function):
         x_MH, probs_M, offs, b2, w1t_data, w1t_scale, w2t_data, w2t_scale, *stored = ctx.saved_tensors
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer = spec.recipe, spec.quantizer
-        h_q: GroupedTensor = ctx.h_template.with_storage(stored[:7])
-        w1_q: GroupedTensor = ctx.w1_template.with_storage(stored[7:14])
-        w2_q: GroupedTensor = ctx.w2_template.with_storage(stored[14:])
+        h_layout, w1_layout, w2_layout = ctx.layouts
+        h_q, w1_q, w2_q = h_layout.rebuilt(stored[:7]), w1_layout.rebuilt(stored[7:14]), w2_layout.rebuilt(stored[14:])
         p1, p2, p3 = _PARAMS + spec.n_w1, _PARAMS + spec.n_w1 + spec.n_b1, _PARAMS + spec.n_w1 + spec.n_b1 + spec.n_w2
         need_x, need_probs = need[_X], need[_PROBS] and probs_M is not None
         need_w1, need_b1 = any(need[_PARAMS:p1]), any(need[p1:p2])
