@@ -187,7 +187,10 @@ def _held_by_layer(inputs: dict, recipe: str, backend: str, monkeypatch) -> tupl
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))])
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))],
+)
 def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
     """Between forward and backward the quantized layer holds h's rowwise FP8 quantization (data and
     scales) and the routing metadata, nothing else: not x's FP8 copy (made again in the backward from
@@ -219,7 +222,10 @@ def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
     forbidden = {"x's FP8 copy": rows * hidden, "a in FP8": rows * ffn}
     assert min(forbidden.values()) > metadata + 1024, "the shapes must make each forbidden tensor count"
     shaped = [(dtype, shape) for _, dtype, shape in held.values() if rows in shape[:1]]
-    assert all(shape[1:] in ((), (1,), (2 * ffn,), scales and rowwise_scale_shape(info, (rows, 2 * ffn))[1:]) for _, shape in shaped), shaped
+    assert all(
+        shape[1:] in ((), (1,), (2 * ffn,), scales and rowwise_scale_shape(info, (rows, 2 * ffn))[1:])
+        for _, shape in shaped
+    ), shaped
     assert [dtype for dtype, shape in shaped if shape == (rows, 2 * ffn)] == [torch.float8_e4m3fn], shaped
     leaves["y"].backward(rand(tokens, hidden, seed=6))
     assert all(leaves[k].grad is not None for k in ("x", "topk_weights", "fc1_weight", "fc2_weight", "fc1_bias"))

@@ -341,7 +341,7 @@ def quantized_wgrad_product(
 
 
 def bias_scale_grad(
-    dy_bias_MO: torch.Tensor, bias_NO: torch.Tensor | None, offs: GroupOffsets, bias_scale_M: torch.Tensor
+    dy_bias_MO: torch.Tensor, bias_NO: torch.Tensor, offs: GroupOffsets, bias_scale_M: torch.Tensor
 ) -> torch.Tensor:
     """The gradient of a bias_scale (M,) in its dtype: <dy[r], bias[group of r]>, from dy with its padding
     rows zeroed (`library.without_padding_rows`)."""

@@ -120,7 +120,8 @@ def grouped_mlp(
     (`grouped_linear`'s: forward and dgrad on FP8 kernels where the backend has them, e.g. "triton" on
     Hopper for fp8_block and fp8_rowwise, else the reference path: quantize, dequantize, compute in x's
     dtype; the activation between them in x's dtype, quantized as fc2's input). With quantization the
-    MLP runs composed, never the fused kernels. weight_caches: (fc1's, fc2's)
+    MLP is one autograd node (`moekit.ops.quantized_mlp`) that holds fc1's output in FP8 only, never
+    the fused kernels. weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
     """
     check_float_tensor("x", x)

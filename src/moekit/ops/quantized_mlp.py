@@ -15,20 +15,22 @@ Legend: M routed rows, N experts, H hidden size, F ffn size.
               dx = Q(dh) Qc(w1); dw1 = Qc(dh)^T Qc(x)          Qc(x) made here, from the saved x
 
 Why one node rather than the composition `grouped_linear`, `glu`, `grouped_linear`: composed, each
-piece holds what its own backward needs, which is x's columnwise FP8 (fc1's wgrad operand), h in x's
-dtype (the activation's backward) and a's columnwise FP8 (fc2's wgrad operand): 1 + 4 + 1 bytes per
-(row, F) pair of values beside x's H. One node knows that a is a function of h and that x is the
-caller's tensor: it holds h once, in FP8 (2F bytes a row plus the recipe's scales), computes a and its
-columnwise quantization again in the backward, and quantizes x columnwise there. x itself costs
-nothing in `moe_experts`, whose saved-tensor hooks turn the saved sorted rows into a reference to the
-token rows (gathered again in the backward); the node saves x as the very tensor it was given so that
-the hooks recognise it.
+piece holds what its own backward needs, which is x's columnwise FP8 (fc1's wgrad operand, H bytes a
+row), h in x's dtype (the activation's backward, 2F values a row) and a's columnwise FP8 (fc2's wgrad
+operand, F bytes a row). One node knows that a is a function of h and that x is the caller's tensor: it
+holds h once, in FP8 (2F bytes a row and the recipe's scales), computes a and its columnwise
+quantization again in the backward, and quantizes x columnwise there. x itself costs nothing in
+`moe_experts`, whose saved-tensor hooks turn the saved sorted rows into a reference to the token rows
+(gathered again in the backward); the node saves x as the very tensor it was given so that the hooks recognise it.
 
 The activation's backward and the recomputed a read h' (FP8 values, dequantized): the quantization
 error of h reaches dh and fc2's wgrad (as DeepSeek-V3's FP8 training holds the SwiGLU input), while the
-forward's a is computed from h itself. The dequantization is one pass of the quantizer
-(`dequantize_with`) into an (M, 2F) tensor that lives in the backward only; the gated kernels read h'
-from it.
+forward's a is computed from h itself. An activation with clamps (gpt-oss's) has h held in the form
+`moekit.ops.glu.to_held` gives, so that no rounding moves a value across a clamp (and the derivative
+with it). The dequantization is one pass of the quantizer (`dequantize_with`) into an (M, 2F) tensor
+that lives in the backward only, and the gated kernels read h' from it: the kernels do not read FP8
+data and scales themselves (yet), nor does the forward's gated kernel quantize h in its pass (one
+`group_quantize` of h after it).
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
 where the backend has them, the reference path otherwise) and its straight-through gradients; the
@@ -130,8 +132,8 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
 
 class _QuantizedMlpFn(torch.autograd.Function):
     """The quantized MLP (module docstring). Inputs: spec, grad_enabled (whether grad mode was on at the
-    call: the forward runs with it off, and nothing is held without it), offs (N+1,) on the device, host_offs (or None),
-    fc1's weight quantization and its transposed copy's data and scales (None without the FP8 dgrad),
+    call: the forward runs with it off, and nothing is held without it), offs (N+1,) on the device,
+    host_offs (or None), fc1's weight quantization and its transposed copy's data and scales (None without the FP8 dgrad),
     fc2's likewise, x (M, H), probs (M,) or None, then w1, b1, w2, b2 as tensor lists (the spec's
     counts). The weights' quantizations are saved as tensors, so autograd refuses a backward after a
     cache rewrote them in place (as `grouped_linear`'s node)."""
@@ -332,5 +334,16 @@ def quantized_mlp(
     if spec.gated_triton and probs_M is not None:
         probs_M = probs_M.contiguous()
     return _QuantizedMlpFn.apply(
-        spec, torch.is_grad_enabled(), offs, host_offs, *fc1_quantized, *fc2_quantized, x_MH, probs_M, *w1s, *b1s, *w2s, *b2s
+        spec,
+        torch.is_grad_enabled(),
+        offs,
+        host_offs,
+        *fc1_quantized,
+        *fc2_quantized,
+        x_MH,
+        probs_M,
+        *w1s,
+        *b1s,
+        *w2s,
+        *b2s,
     )
