@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import rand, rel_err
+from helpers import assert_no_host_sync, rand, rel_err
 from moekit import reference
 from moekit.grouped_tensor import recipe_named, rowwise_scale_shape
 from moekit.ops import moe_experts as moe_experts_module
@@ -880,3 +880,33 @@ def test_quantized_layer_holds_at_most_0_6_of_bf16_on_the_gpu(
 
     plain, quantized = held(None), held(recipe)
     assert quantized <= 0.6 * plain, f"{recipe}: holds {quantized / 2**20:.1f} MiB, bf16 {plain / 2**20:.1f} MiB"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_quantized_moe_experts_has_no_host_sync(recipe, activation):
+    """Forward and backward of the quantized layer's one node (h held in FP8, a and x's columnwise FP8
+    made again in the backward) never wait on the device: what CUDA-graph capture needs."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    tokens, experts, hidden, ffn = 512, 8, 256, 384
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.rand(tokens, experts, generator=g, device=dev).topk(2, dim=1).indices
+    leaves = dict(
+        x=torch.randn(tokens, hidden, generator=g, device=dev, dtype=dt),
+        topk_weights=torch.rand(tokens, 2, generator=g, device=dev, dtype=dt),
+        fc1_weight=torch.randn(experts, 2 * ffn, hidden, generator=g, device=dev, dtype=dt) * hidden**-0.5,
+        fc2_weight=torch.randn(experts, hidden, ffn, generator=g, device=dev, dtype=dt) * ffn**-0.5,
+        fc1_bias=torch.randn(experts, 2 * ffn, generator=g, device=dev, dtype=dt),
+        fc2_bias=torch.randn(experts, hidden, generator=g, device=dev, dtype=dt),
+    )
+    leaves = {k: v.requires_grad_(True) for k, v in leaves.items()}
+    dy = torch.randn(tokens, hidden, generator=g, device=dev, dtype=dt)
+    caches = (QuantizedWeightCache(), QuantizedWeightCache())
+
+    def step():
+        y = moekit.moe_experts(topk_ids=ids, **leaves, activation=activation, quantization=recipe, weight_caches=caches)
+        y.backward(dy)
+
+    assert_no_host_sync(step)
