@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
 from moekit.ops.activations import activation_named
 from moekit.ops.runtime.backends import gated_uses_triton, triton_unavailable_reason
@@ -182,6 +183,50 @@ def gated_activation_backward(
         d_out = d_out * probs_M.to(acc_t)[:, None]
     d_gate, d_up = act.backward(gate, up, d_out)
     return join_gate_up(d_gate, d_up, glu_interleave_size).to(h_M2F.dtype), d_probs
+
+
+def held_gated_activation(
+    h_q: GroupedTensor, probs_M: torch.Tensor | None, glu_interleave_size: int | None, activation: str
+) -> torch.Tensor:
+    """`gated_activation` on moekit's kernel of h held in FP8: h_q the rowwise quantization of
+    `to_held(h)`, read in the kernel's load (data * scales in fp32, one rounding to h_q's dtype, then
+    `from_held`): the values of `gated_activation(from_held(h_q.dequantize()))`, without the (M, 2F)
+    tensor in between. (M, F) in h_q's dtype; probs contiguous or None."""
+    data, scale, recipe = h_q.rowwise_data, h_q.rowwise_scale_inv, h_q.recipe
+    assert data is not None and scale is not None and recipe is not None  # a rowwise quantization
+    glu_block = check_interleave(data.shape[1] // 2, glu_interleave_size)
+    gate_limit, up_limit = _limits(activation)
+    return library.held_gated_forward(
+        data, scale, probs_M, glu_block, activation, recipe, h_q.dtype, gate_limit, up_limit
+    )
+
+
+def held_gated_activation_backward(
+    h_q: GroupedTensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_interleave_size: int | None,
+    activation: str,
+    need_d_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gated_activation_backward` on moekit's kernel of h held in FP8 (`held_gated_activation`'s h_q):
+    (dh (M, 2F) in d_out's dtype, d probs (M,) in probs' dtype or None)."""
+    data, scale, recipe = h_q.rowwise_data, h_q.rowwise_scale_inv, h_q.recipe
+    assert data is not None and scale is not None and recipe is not None  # a rowwise quantization
+    glu_block = check_interleave(data.shape[1] // 2, glu_interleave_size)
+    gate_limit, up_limit = _limits(activation)
+    need_d_probs = need_d_probs and probs_M is not None
+    d_out_MF = d_out_MF if d_out_MF.stride(-1) == 1 else d_out_MF.contiguous()
+    dh, d_probs32 = library.held_gated_backward(
+        data, scale, probs_M, d_out_MF, glu_block, activation, recipe, gate_limit, up_limit, need_d_probs
+    )
+    return dh, (d_probs32.to(probs_M.dtype) if need_d_probs and probs_M is not None else None)
+
+
+def _limits(activation: str) -> tuple[float, float]:
+    """The activation's (gate, up) clamps as the held-h kernels take them, 0.0 for none."""
+    act = activation_named(activation)
+    return act.gate_limit or 0.0, act.up_limit or 0.0
 
 
 class _GluFn(torch.autograd.Function):

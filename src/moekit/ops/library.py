@@ -400,6 +400,71 @@ def _(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, d_out_MF: torch.Tensor,
 gated_backward = _entry(_gated_backward_op, _gated_backward)
 
 
+def _held_gated_forward(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int,
+                        activation: str, recipe: str, dtype: torch.dtype, gate_limit: float,
+                        up_limit: float) -> torch.Tensor:  # fmt: skip
+    """(M, F) in dtype: the gated activation of h held in FP8, data (M, 2F) and rowwise scales of
+    `recipe`, dequantized in the kernel's load (`moekit.ops.runtime.gated.held_gated_forward`)."""
+    return backends.held_gated_forward(
+        h_data, h_scale, probs_M, glu_block, activation, recipe, dtype, gate_limit, up_limit
+    )
+
+
+_held_gated_forward_op = torch.library.custom_op("moekit::held_gated_forward", _held_gated_forward, mutates_args=())
+
+
+@_held_gated_forward_op.register_fake
+def _(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    dtype: torch.dtype,
+    gate_limit: float,
+    up_limit: float,
+) -> torch.Tensor:
+    return h_data.new_empty(h_data.shape[0], h_data.shape[1] // 2, dtype=dtype)
+
+
+held_gated_forward = _entry(_held_gated_forward_op, _held_gated_forward)
+
+
+def _held_gated_backward(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None,
+                         d_out_MF: torch.Tensor, glu_block: int, activation: str, recipe: str, gate_limit: float,
+                         up_limit: float, need_d_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dh (M, 2F) in d_out's dtype, d probs (M,) fp32 or (0,)) of `held_gated_forward`
+    (`moekit.ops.runtime.gated.held_gated_backward`)."""
+    dh, d_probs = backends.held_gated_backward(
+        h_data, h_scale, probs_M, d_out_MF, glu_block, activation, recipe, gate_limit, up_limit, need_d_probs
+    )
+    return dh, d_probs if d_probs is not None else d_out_MF.new_empty(0, dtype=torch.float32)
+
+
+_held_gated_backward_op = torch.library.custom_op("moekit::held_gated_backward", _held_gated_backward, mutates_args=())
+
+
+@_held_gated_backward_op.register_fake
+def _(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    gate_limit: float,
+    up_limit: float,
+    need_d_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = h_data.shape[0] if need_d_probs and probs_M is not None else 0
+    return d_out_MF.new_empty(h_data.shape), d_out_MF.new_empty(rows, dtype=torch.float32)
+
+
+held_gated_backward = _entry(_held_gated_backward_op, _held_gated_backward)
+
+
 # --------------------------------------------------------------------------------------------------
 # Row movement
 # --------------------------------------------------------------------------------------------------

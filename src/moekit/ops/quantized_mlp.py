@@ -27,10 +27,11 @@ The activation's backward and the recomputed a read h' (FP8 values, dequantized)
 error of h reaches dh and fc2's wgrad (as DeepSeek-V3's FP8 training holds the SwiGLU input), while the
 forward's a is computed from h itself. An activation with clamps (gpt-oss's) has h held in the form
 `moekit.ops.glu.to_held` gives, so that no rounding moves a value across a clamp (and the derivative
-with it). The dequantization is one pass of the quantizer (`dequantize_with`) into an (M, 2F) tensor
-that lives in the backward only, and the gated kernels read h' from it: the kernels do not read FP8
-data and scales themselves (yet), nor does the forward's gated kernel quantize h in its pass (one
-`group_quantize` of h after it).
+with it). On moekit's gated kernels
+(`gated_on_kernel`) h' is never written out: the kernels read h's FP8 data and scales and dequantize in
+the load (`held_gated_activation`, `held_gated_activation_backward`); elsewhere one pass of the
+quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the same values. The
+forward's gated kernel does not quantize h in its pass: one `group_quantize` of h follows it.
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
 where the backend has them, the reference path otherwise) and its straight-through gradients; the
@@ -48,7 +49,14 @@ import torch
 
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
-from moekit.ops.glu import from_held, gated_activation, gated_activation_backward, to_held
+from moekit.ops.glu import (
+    from_held,
+    gated_activation,
+    gated_activation_backward,
+    held_gated_activation,
+    held_gated_activation_backward,
+    to_held,
+)
 from moekit.ops.grouped_linear import (
     bias_scale_grad,
     quantized_dgrad_product,
@@ -133,10 +141,10 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
 class _QuantizedMlpFn(torch.autograd.Function):
     """The quantized MLP (module docstring). Inputs: spec, grad_enabled (whether grad mode was on at the
     call: the forward runs with it off, and nothing is held without it), offs (N+1,) on the device,
-    host_offs (or None), fc1's weight quantization and its transposed copy's data and scales (None without the FP8 dgrad),
-    fc2's likewise, x (M, H), probs (M,) or None, then w1, b1, w2, b2 as tensor lists (the spec's
-    counts). The weights' quantizations are saved as tensors, so autograd refuses a backward after a
-    cache rewrote them in place (as `grouped_linear`'s node)."""
+    host_offs (or None), fc1's weight quantization and its transposed copy's data and scales (None
+    without the FP8 dgrad), fc2's likewise, x (M, H), probs (M,) or None, then w1, b1, w2, b2 as tensor
+    lists (the spec's counts). The weights' quantizations are saved as tensors, so autograd refuses a
+    backward after a cache rewrote them in place (as `grouped_linear`'s node)."""
 
     @staticmethod
     def forward(
@@ -225,12 +233,18 @@ class _QuantizedMlpFn(torch.autograd.Function):
         if need_probs and dy_bias_MH is not None:
             assert probs_M is not None  # need_probs
             d_probs = bias_scale_grad(dy_bias_MH, b2, go, probs_M)
-        h_M2F = from_held(dequantize_with(quantizer, h_q), glu_block, activation) if need_w2 or need_da else None
+        # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
+        h_M2F = None
+        if not on_kernel and (need_w2 or need_da):
+            h_M2F = from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         if need_w2 or need_da:
             dy_q = group_quantize(dy_MH, go, recipe, rowwise=need_da, columnwise=need_w2, backend=quantizer)
         if need_w2:
-            assert h_M2F is not None
-            a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, on_kernel)
+            if on_kernel:
+                a_MF = held_gated_activation(h_q, probs_M, glu_block, activation)
+            else:
+                assert h_M2F is not None
+                a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, on_kernel)
             a_q = group_quantize(a_MF, go, recipe, rowwise=False, columnwise=True, backend=quantizer)
             del a_MF
             dw2 = quantized_wgrad_product(
@@ -247,15 +261,20 @@ class _QuantizedMlpFn(torch.autograd.Function):
             )
             del a_q
         if need_da:
-            assert h_M2F is not None
             da_MF = quantized_dgrad_product(
                 spec.fc2_backend, quantizer, recipe, spec.fc2_fp8, dy_q, w2_q, w2t_data, w2t_scale, offs, host_offs
             )
             del dy_q
-            dh_M2F, d_probs_act = gated_activation_backward(
-                h_M2F, probs_M, da_MF, glu_block, activation, on_kernel, need_probs
-            )
-            del h_M2F, da_MF
+            if on_kernel:
+                dh_M2F, d_probs_act = held_gated_activation_backward(
+                    h_q, probs_M, da_MF, glu_block, activation, need_probs
+                )
+            else:
+                assert h_M2F is not None
+                dh_M2F, d_probs_act = gated_activation_backward(
+                    h_M2F, probs_M, da_MF, glu_block, activation, on_kernel, need_probs
+                )
+            del h_M2F, h_q, da_MF
             if d_probs_act is not None:
                 d_probs = d_probs_act if d_probs is None else d_probs + d_probs_act
             # fc1, as grouped_linear's backward: dh quantized rowwise (the dgrad) and columnwise (the

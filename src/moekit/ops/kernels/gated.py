@@ -12,10 +12,20 @@ Gate and up of activation column c sit at h's columns (c // GLU_BLOCK) * 2 * GLU
 and GLU_BLOCK further (GLU_BLOCK = F: the `[gate | up]` order; `moekit.ops.glu`). Both compute in fp32
 from h as stored, one rounding at the store, the activation's jit pair (`moekit.ops.kernels.activations`)
 as every fused kernel calls it.
+
+With SCALED, h is held in FP8 (the quantized MLP's backward): its E4M3 bytes and rowwise scales
+(`scale_ptr`, a row of `stride_scale` scales; SCALE_COLS columns a scale, 0 for one a row; SCALE_E8M0
+for mxfp8's E8M0 bytes), read in the load: data * scale in fp32, rounded once to the output's dtype
+(by `bf16_rne` where ROUND_BF16: a bfloat16 output under the interpreter), as the dequantize kernel
+writes it; then, where HELD_GATE_LIMIT / HELD_UP_LIMIT are above 0, the values within 3/2 of a clamp
+clamped to it (`moekit.ops.glu.from_held`). The same values as dequantizing h first, without the
+(M, 2F) tensor in between.
 """
 
 import triton
 import triton.language as tl
+
+from moekit.ops.kernels.quantize import bf16_rne, e4m3_value, e8m0_value
 
 
 @triton.jit
@@ -25,17 +35,68 @@ def _gate_up_columns(offs_c, GLU_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_gate_up(
+    h_rows,
+    scale_rows,
+    gate_c,
+    up_c,
+    mask,
+    round_ty: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """(gate, up) of a tile in fp32: h's values, or with SCALED its FP8 bytes dequantized (module
+    docstring)."""
+    if SCALED:
+        g = e4m3_value(tl.load(h_rows + gate_c[None, :], mask=mask, other=0))
+        u = e4m3_value(tl.load(h_rows + up_c[None, :], mask=mask, other=0))
+        if SCALE_COLS > 0:
+            g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
+        else:
+            g_at, u_at = scale_rows + (gate_c * 0)[None, :], scale_rows + (up_c * 0)[None, :]
+        if SCALE_E8M0:
+            g = g * e8m0_value(tl.load(g_at, mask=mask, other=127))
+            u = u * e8m0_value(tl.load(u_at, mask=mask, other=127))
+        else:
+            g = g * tl.load(g_at, mask=mask, other=1.0)
+            u = u * tl.load(u_at, mask=mask, other=1.0)
+        if ROUND_BF16:
+            g, u = bf16_rne(g), bf16_rne(u)
+        g, u = g.to(round_ty).to(tl.float32), u.to(round_ty).to(tl.float32)
+        if HELD_GATE_LIMIT > 0:
+            g = tl.where(g > 1.5 * HELD_GATE_LIMIT, g, tl.minimum(g, HELD_GATE_LIMIT))
+        if HELD_UP_LIMIT > 0:
+            u = tl.where(tl.abs(u) > 1.5 * HELD_UP_LIMIT, u, tl.minimum(tl.maximum(u, -HELD_UP_LIMIT), HELD_UP_LIMIT))
+    else:
+        g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
 def gated_forward_kernel(
     h_ptr,
+    scale_ptr,
     probs_ptr,
     out_ptr,
     rows,
     ffn,
     stride_h,
+    stride_scale,
     stride_out,
     GLU_BLOCK: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     ACT: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -48,8 +109,12 @@ def gated_forward_kernel(
     mask = mask_r[:, None] & (offs_c < ffn)[None, :]
     gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
     h_rows = h_ptr + offs_r[:, None] * stride_h
-    g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale_rows = scale_ptr + offs_r[:, None] * stride_scale
+    round_ty = out_ptr.dtype.element_ty
+    g, u = _load_gate_up(
+        h_rows, scale_rows, gate_c, up_c, mask, round_ty,
+        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16,
+    )  # fmt: skip
     out = ACT(g, u)
     if HAS_PROBS:
         out = out * tl.load(probs_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
@@ -59,6 +124,7 @@ def gated_forward_kernel(
 @triton.jit
 def gated_backward_kernel(
     h_ptr,
+    scale_ptr,
     probs_ptr,
     d_out_ptr,
     dh_ptr,
@@ -66,6 +132,7 @@ def gated_backward_kernel(
     rows,
     ffn,
     stride_h,
+    stride_scale,
     stride_d_out,
     stride_dh,
     GLU_BLOCK: tl.constexpr,
@@ -73,6 +140,12 @@ def gated_backward_kernel(
     NEED_DPROBS: tl.constexpr,
     ACT: tl.constexpr,
     ACT_GRAD: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -82,6 +155,7 @@ def gated_backward_kernel(
     offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     mask_r = offs_r < rows
     h_rows = h_ptr + offs_r[:, None] * stride_h
+    scale_rows = scale_ptr + offs_r[:, None] * stride_scale
     dh_rows = dh_ptr + offs_r[:, None] * stride_dh
     d_out_rows = d_out_ptr + offs_r[:, None] * stride_d_out
     if HAS_PROBS:
@@ -91,8 +165,10 @@ def gated_backward_kernel(
         offs_c = c0 + tl.arange(0, BLOCK_C)
         mask = mask_r[:, None] & (offs_c < ffn)[None, :]
         gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
-        g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g, u = _load_gate_up(
+            h_rows, scale_rows, gate_c, up_c, mask, dh_ptr.dtype.element_ty,
+            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16,
+        )  # fmt: skip
         d = tl.load(d_out_rows + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PROBS:
             if NEED_DPROBS:

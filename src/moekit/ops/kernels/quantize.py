@@ -320,7 +320,7 @@ def quantize_group_cols_kernel(
 
 
 @triton.jit
-def _e4m3_value(byte):
+def e4m3_value(byte):
     """The fp32 value of float8 E4M3 bytes (uint8), exactly (torch's float8_e4m3fn -> float32): integer
     arithmetic on the bits, the same on every device (the interpreter's fp8 casts follow other rules)."""
     b = byte.to(tl.int32)
@@ -335,7 +335,7 @@ def _e4m3_value(byte):
 
 
 @triton.jit
-def _e8m0_value(byte):
+def e8m0_value(byte):
     """The fp32 value of E8M0 bytes (uint8): 2^(byte - 127) (byte 0: 2^-127, an fp32 subnormal), byte
     255 NaN; torch's float8_e8m0fnu -> float32."""
     b = byte.to(tl.int32)
@@ -344,7 +344,7 @@ def _e8m0_value(byte):
 
 
 @triton.jit
-def _bf16_rne(v):
+def bf16_rne(v):
     """fp32 v rounded to the nearest bfloat16 (ties to even), still fp32 (its low 16 bits zero), so that
     any conversion to bfloat16 after it is exact: the interpreter's conversion truncates, the GPU's
     rounds to nearest even (the same result). NaN kept."""
@@ -386,7 +386,7 @@ def dequantize_kernel(
       2  columnwise slots of rows in groups: g the group of r (N for padding rows), slot_offs[g] + (r -
          offs[g]) // BLOCK_R (g itself for BLOCK_R 0: whole groups), capped at max_slot
     (`moekit.grouped_tensor.dequantize_rowwise` / `dequantize_columnwise`, whose bytes this writes).
-    BF16_RNE (the host sets it for a bfloat16 out under the interpreter): round to bfloat16 by `_bf16_rne`."""
+    BF16_RNE (the host sets it for a bfloat16 out under the interpreter): round to bfloat16 by `bf16_rne`."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     rmask = r < rows
@@ -428,14 +428,14 @@ def dequantize_kernel(
     mask = rmask[:, None] & cmask[None, :]
     scale_at = scale_ptr + srow[:, None] * scale_cols + scol[None, :]
     if MX:
-        scale = _e8m0_value(tl.load(scale_at, mask=mask, other=127))
+        scale = e8m0_value(tl.load(scale_at, mask=mask, other=127))
     else:
         scale = tl.load(scale_at, mask=mask, other=1.0)
     elem = r64[:, None] * cols + c[None, :]
-    x = _e4m3_value(tl.load(data_ptr + elem, mask=mask, other=0))
+    x = e4m3_value(tl.load(data_ptr + elem, mask=mask, other=0))
     y = x * scale
     if BF16_RNE:
-        y = _bf16_rne(y)
+        y = bf16_rne(y)
     tl.store(out_ptr + elem, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -626,6 +626,44 @@ def gated_backward(
     return _runtime().gated.gated_backward(h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs)
 
 
+def held_gated_forward(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    dtype: torch.dtype,
+    gate_limit: float,
+    up_limit: float,
+) -> torch.Tensor:
+    """moekit's gated-activation kernel reading h held in FP8 (`moekit.ops.runtime.gated.held_gated_forward`:
+    h_data, h_scale the rowwise quantization of a `recipe` in `dtype`; gate_limit, up_limit the clamps
+    of its held form, 0 for none)."""
+    held = _runtime().gated.HeldH.of(recipe, dtype, gate_limit, up_limit)
+    return _runtime().gated.held_gated_forward(h_data, h_scale, probs_M, glu_block, activation, held)
+
+
+def held_gated_backward(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    gate_limit: float,
+    up_limit: float,
+    need_d_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """moekit's gated-activation backward kernel reading h held in FP8
+    (`moekit.ops.runtime.gated.held_gated_backward`; dh in d_out's dtype)."""
+    held = _runtime().gated.HeldH.of(recipe, d_out_MF.dtype, gate_limit, up_limit)
+    return _runtime().gated.held_gated_backward(
+        h_data, h_scale, probs_M, d_out_MF, glu_block, activation, need_d_probs, held
+    )
+
+
 def set_autotune(enabled: bool) -> None:
     """Turn the Triton kernels' configuration search on (default) or off. With it on, the first call of
     each problem class times the few candidate configurations of `moekit.ops.runtime.configs` (one host

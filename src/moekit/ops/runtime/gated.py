@@ -2,31 +2,85 @@
 recipe of `moekit.ops.runtime.launch`: the composed MLP's activation where fc1 is not fused with it.
 
 Legend: M rows, F ffn size.
+
+`held_gated_forward` / `held_gated_backward` take h held in FP8 (the quantized MLP's backward): its
+rowwise quantization's data and scales, dequantized in the kernels' loads (`HeldH`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
+from moekit.grouped_tensor import recipe_named
 from moekit.ops.kernels.gated import gated_backward_kernel, gated_forward_kernel
 from moekit.ops.runtime.configs import GATED_TILES
 from moekit.ops.runtime.glu import jit_pair
-from moekit.ops.runtime.launch import Launcher, LaunchPlan, arch_of, device_ctx, plan_launch, tensor_key
+from moekit.ops.runtime.launch import (
+    INTERPRET,
+    Launcher,
+    LaunchPlan,
+    arch_of,
+    device_ctx,
+    plan_launch,
+    tensor_key,
+)
 
 _FORWARD = Launcher(gated_forward_kernel)
 _BACKWARD = Launcher(gated_backward_kernel)
 
 
-def _plan_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str) -> LaunchPlan:
+class HeldH(NamedTuple):
+    """How h is read: plain (`PLAIN`), or as the rowwise quantization of a `recipe` (FP8 data with scales
+    of `scale_cols` columns, 0 for one a row, E8M0 bytes or float32) in `dtype`, whose values within
+    3/2 of the activation's clamps (gate_limit, up_limit; 0: none) are clamped to them
+    (`moekit.ops.glu.from_held`)."""
+
+    scaled: bool
+    scale_cols: int
+    e8m0: bool
+    gate_limit: float
+    up_limit: float
+    dtype: torch.dtype | None
+
+    @staticmethod
+    def of(recipe: str, dtype: torch.dtype, gate_limit: float, up_limit: float) -> HeldH:
+        info = recipe_named(recipe)
+        return HeldH(True, info.block_cols or 0, info.scale_dtype != torch.float32, gate_limit, up_limit, dtype)
+
+    def constexprs(self) -> dict:
+        return dict(
+            SCALED=self.scaled,
+            SCALE_COLS=self.scale_cols,
+            SCALE_E8M0=self.e8m0,
+            HELD_GATE_LIMIT=self.gate_limit,
+            HELD_UP_LIMIT=self.up_limit,
+            ROUND_BF16=self.scaled and INTERPRET and self.dtype == torch.bfloat16,
+        )
+
+
+PLAIN = HeldH(False, 0, False, 0.0, 0.0, None)
+
+
+def _plan_forward(
+    h_M2F: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    held: HeldH,
+) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
     block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)]
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
-    ints = (rows, ffn, h_M2F.stride(0), ffn)
+    ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), ffn)
     constexprs = dict(
         GLU_BLOCK=glu_block,
         HAS_PROBS=probs_M is not None,
         ACT=jit_pair(activation)["ACT"],
+        **held.constexprs(),
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
@@ -39,33 +93,68 @@ def gated_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: 
 
     h_M2F (M, 2F) with unit column stride, gates and ups in GLU blocks of `glu_block` (F: `[gate | up]`);
     probs_M (M,) contiguous or None; activation a registered name (its jit pair)."""
+    return _forward(h_M2F, h_M2F, probs_M, glu_block, activation, PLAIN, h_M2F.dtype)
+
+
+def held_gated_forward(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    held: HeldH,
+) -> torch.Tensor:
+    """`gated_forward` of h held in FP8: h_data (M, 2F) float8 and h_scale its rowwise scales (contiguous,
+    as `moekit.grouped_tensor` shapes them), dequantized in the load as `held` says; out (M, F) in
+    held.dtype. The same values as `gated_forward` of the dequantized h after `from_held`."""
+    assert held.dtype is not None  # HeldH.of
+    return _forward(_u8(h_data), _u8(h_scale), probs_M, glu_block, activation, held, held.dtype)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte float tensor (float8 data, E8M0 scales) as the bytes the kernels decode themselves."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _forward(
+    h_M2F: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    held: HeldH,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    out = h_M2F.new_empty(rows, ffn)
+    out = h_M2F.new_empty(rows, ffn, dtype=dtype)
     if out.numel() == 0:
         return out
-    key = (tensor_key(h_M2F), tensor_key(probs_M), glu_block, activation)
-    plan = plan_launch("gated_fwd", key, lambda: _plan_forward(h_M2F, probs_M, glu_block, activation))
+    key = (tensor_key(h_M2F), tensor_key(h_scale), tensor_key(probs_M), glu_block, activation, held)
+    plan = plan_launch("gated_fwd", key, lambda: _plan_forward(h_M2F, h_scale, probs_M, glu_block, activation, held))
     with device_ctx(h_M2F.device):
-        plan(h_M2F, probs_M if probs_M is not None else h_M2F, out)
+        plan(h_M2F, h_scale, probs_M if probs_M is not None else out, out)
     return out
 
 
 def _plan_backward(
     h_M2F: torch.Tensor,
+    h_scale: torch.Tensor,
     probs_M: torch.Tensor | None,
     d_out_MF: torch.Tensor,
     glu_block: int,
     activation: str,
     need_d_probs: bool,
+    held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
     block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)]
-    ints = (rows, ffn, h_M2F.stride(0), d_out_MF.stride(0), 2 * ffn)
+    ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), d_out_MF.stride(0), 2 * ffn)
     constexprs = dict(
         GLU_BLOCK=glu_block,
         HAS_PROBS=probs_M is not None,
         NEED_DPROBS=need_d_probs,
         **jit_pair(activation),
+        **held.constexprs(),
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
@@ -85,20 +174,63 @@ def gated_backward(
     ACT_GRAD(gate, up, d_out (* probs)); d probs[r] = sum over c of ACT(gate, up)[r, c] * d_out[r, c]
     (where probs and need_d_probs), one program's fixed-order fp32 sum per row. d_out_MF (M, F) with unit
     column stride; the rest as `gated_forward`."""
+    return _backward(h_M2F, h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs, PLAIN, h_M2F.dtype)
+
+
+def held_gated_backward(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    need_d_probs: bool,
+    held: HeldH,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gated_backward` of h held in FP8 (`held_gated_forward`'s arguments); dh in held.dtype."""
+    assert held.dtype is not None  # HeldH.of
+    return _backward(
+        _u8(h_data), _u8(h_scale), probs_M, d_out_MF, glu_block, activation, need_d_probs, held, held.dtype
+    )
+
+
+def _backward(
+    h_M2F: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    d_out_MF: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    need_d_probs: bool,
+    held: HeldH,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    dh = h_M2F.new_empty(rows, 2 * ffn)
+    dh = h_M2F.new_empty(rows, 2 * ffn, dtype=dtype)
     need_d_probs = need_d_probs and probs_M is not None
     d_probs = torch.zeros(rows, device=h_M2F.device, dtype=torch.float32) if need_d_probs else None
     if rows == 0 or ffn == 0:
         return dh, d_probs
-    key = (tensor_key(h_M2F), tensor_key(probs_M), tensor_key(d_out_MF), glu_block, activation, need_d_probs)
+    key = (
+        tensor_key(h_M2F),
+        tensor_key(h_scale),
+        tensor_key(probs_M),
+        tensor_key(d_out_MF),
+        glu_block,
+        activation,
+        need_d_probs,
+        held,
+    )
     plan = plan_launch(
-        "gated_bwd", key, lambda: _plan_backward(h_M2F, probs_M, d_out_MF, glu_block, activation, need_d_probs)
+        "gated_bwd",
+        key,
+        lambda: _plan_backward(h_M2F, h_scale, probs_M, d_out_MF, glu_block, activation, need_d_probs, held),
     )
     with device_ctx(h_M2F.device):
         plan(
             h_M2F,
-            probs_M if probs_M is not None else h_M2F,
+            h_scale,
+            probs_M if probs_M is not None else dh,
             d_out_MF,
             dh,
             d_probs if d_probs is not None else dh,
