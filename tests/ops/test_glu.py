@@ -19,6 +19,16 @@ from helpers import (
     torch_glu,
 )
 from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.glu import (
+    from_held,
+    gated_activation,
+    gated_activation_backward,
+    held_gated_activation,
+    held_gated_activation_backward,
+    to_held,
+)
+from moekit.ops.quantize import dequantize_with
+from moekit.ops.runtime.backends import triton_unavailable_reason
 from moekit.reference import glu_reference
 
 F = 8
@@ -194,3 +204,36 @@ def test_interleave_round_trip_hypothesis(ffn, data):
     assert torch.equal(moekit.deinterleave_glu(inter, k, dim=1), t)
     gi, ui = glu_indices(ffn, k)
     assert torch.equal(inter[:, gi], t[:, :ffn]) and torch.equal(inter[:, ui], t[:, ffn:])
+
+
+# --------------------------------------------------------------------------------------------------
+# The gated kernels reading h held in FP8 (the quantized MLP's backward)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    triton_unavailable_reason(torch.device("cpu"), torch.float32) is not None,
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1)",
+)
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "mxfp8"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("k", [None, 1, 4], ids=["k=None", "k=1", "k=4"])
+@pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
+def test_held_kernels_read_fp8_h_as_its_dequantization(recipe, activation, k, dtype):
+    """held_gated_activation and its backward (the kernels dequantize h's FP8 data and scales in the
+    load and restore the held form's clamps) give the bits of the gated kernels on h dequantized first
+    (`dequantize_with` then `from_held`), padding rows included; forward, dh and d probs."""
+    rows, ffn, split = 150, 136, [90, 0, 50]  # F past one 128-wide scale block; 10 padding rows
+    h = rand(rows, 2 * ffn, scale=4.0, seed=3).to(dtype)
+    h[-10:] = 0
+    probs = torch.rand(rows, generator=torch.Generator().manual_seed(4)).to(dtype)
+    d_out = rand(rows, ffn, seed=5).to(dtype)
+    h_q = moekit.group_quantize(to_held(h, k, activation), split, recipe, backend="triton")
+    h_deq = from_held(dequantize_with("triton", h_q), k, activation)
+    want = gated_activation(h_deq, probs, k, activation, True)
+    got = held_gated_activation(h_q, probs, k, activation)
+    assert got.dtype == dtype and torch.equal(got, want)
+    want_dh, want_dp = gated_activation_backward(h_deq, probs, d_out, k, activation, True, True)
+    got_dh, got_dp = held_gated_activation_backward(h_q, probs, d_out, k, activation, True)
+    assert got_dh.dtype == dtype and torch.equal(got_dh, want_dh) and torch.equal(got_dp, want_dp)
+    assert not torch.equal(h_deq, h)  # FP8: the comparison is of the held values, not of h

@@ -140,7 +140,7 @@ def gated_activation(
     """The gated activation's values, not differentiable: (M, F) in h's dtype = ACT(gate(h), up(h))
     (* probs), fp32 math (float64 for float64 operands), one rounding. On moekit's kernel where
     `use_triton` (`gated_on_kernel`'s answer; h and probs then with unit column stride), else torch ops.
-    `_GluFn` and the quantized MLP's node (which computes the activation again in its backward from the
+    `_GluFn` and the quantized MLP's node 2 (which computes the activation again in its backward from the
     h it held) both compute it here."""
     if use_triton:
         glu_block = check_interleave(h_M2F.shape[1] // 2, glu_interleave_size)

@@ -120,8 +120,8 @@ def grouped_mlp(
     (`grouped_linear`'s: forward and dgrad on FP8 kernels where the backend has them, e.g. "triton" on
     Hopper for fp8_block and fp8_rowwise, else the reference path: quantize, dequantize, compute in x's
     dtype; the activation between them in x's dtype, quantized as fc2's input). With quantization the
-    MLP is one autograd node (`moekit.ops.quantized_mlp`) that holds fc1's output in FP8 only, never
-    the fused kernels. weight_caches: (fc1's, fc2's)
+    MLP is two autograd nodes (`moekit.ops.quantized_mlp`) that hold fc1's output in FP8 and x itself,
+    never the fused kernels. weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
     """
     check_float_tensor("x", x)
@@ -164,7 +164,7 @@ def _quantized(
     activation: str,
     caches: tuple[QuantizedWeightCache | None, QuantizedWeightCache | None],
 ) -> torch.Tensor:
-    """The quantized MLP's node (`moekit.ops.quantized_mlp`) with grouped_linear's choices: the quantizer
+    """The quantized MLP's nodes (`moekit.ops.quantized_mlp`) with grouped_linear's choices: the quantizer
     it would pick, each linear's FP8 paths (`fp8_compute`, `fp8_wgrad_compute`, fc2's for an (M, F)
     input), the weights' quantizations from the caches, with their transposed copies where an FP8 dgrad
     may run (fc1's where x may get a gradient, fc2's where anything before it may)."""
