@@ -217,15 +217,15 @@ def test_interleave_round_trip_hypothesis(ffn, data):
 )
 @pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "mxfp8"])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
-@pytest.mark.parametrize("k", [None, 1, 4], ids=["k=None", "k=1", "k=4"])
+@pytest.mark.parametrize("k", [None, 4], ids=["k=None", "k=4"])
 @pytest.mark.parametrize("dtype", LOWP_DTYPES, ids=_ids)
 def test_held_kernels_read_fp8_h_as_its_dequantization(recipe, activation, k, dtype):
     """held_gated_activation and its backward (the kernels dequantize h's FP8 data and scales in the
     load and restore the held form's clamps) give the bits of the gated kernels on h dequantized first
     (`dequantize_with` then `from_held`), padding rows included; forward, dh and d probs."""
-    rows, ffn, split = 150, 136, [90, 0, 50]  # F past one 128-wide scale block; 10 padding rows
+    rows, ffn, split = 24, 72, [12, 0, 9]  # 2F past one 128-wide scale block; 3 padding rows
     h = rand(rows, 2 * ffn, scale=4.0, seed=3).to(dtype)
-    h[-10:] = 0
+    h[-3:] = 0
     probs = torch.rand(rows, generator=torch.Generator().manual_seed(4)).to(dtype)
     d_out = rand(rows, ffn, seed=5).to(dtype)
     h_q = moekit.group_quantize(to_held(h, k, activation), split, recipe, backend="triton")
