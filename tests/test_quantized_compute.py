@@ -593,6 +593,33 @@ def test_compile_fullgraph_matches_eager(recipe):
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8"])
+def test_compile_fullgraph_traces_the_held_h_kernels(recipe):
+    """The quantized MLP on the triton backend (FP8 GEMMs for fp8_block, the gated kernels reading FP8 h,
+    gpt-oss's clamps) traced whole: output and every gradient bit for bit eager's."""
+    inputs = mlp_inputs(32, 24, [20, 0, 17], 3)
+
+    def step(fn):
+        leaves = [v.float().requires_grad_(True) for v in inputs.values()]
+        y = fn(*leaves)
+        y.backward(rand(*y.shape, seed=9))
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def mlp(x, w1, w2, b1, b2, probs):
+        return moekit.grouped_mlp(
+            x, w1, w2, [20, 0, 17], probs=probs, fc1_bias=b1, fc2_bias=b2, activation="clamped_swiglu",
+            glu_interleave_size=1, backend="triton", quantization=recipe,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    eager = step(mlp)
+    compiled = step(torch.compile(mlp, fullgraph=True, backend="aot_eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------------
 # transformers: apply_moekit(model, quantization=...) on two model families
 # --------------------------------------------------------------------------------------------------
