@@ -233,6 +233,47 @@ def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
     assert all(r() is None for r in refs), "a saved tensor outlives the backward"
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_x_is_gathered_again_after_fp8_h_is_freed(recipe, monkeypatch):
+    """The backward's order: fc1's node gathers x's sorted rows again (moe_experts' hooks unpack them)
+    only after the activation's node has run its backward and freed FP8 h, so the two are never alive
+    together (nor x's rows with dy's quantizations)."""
+    tokens, top_k, experts, hidden, ffn = 24, 2, 3, 32, 48
+    g = torch.Generator().manual_seed(2)
+    leaves = dict(
+        x=rand(tokens, hidden, seed=1).requires_grad_(True),
+        topk_ids=torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]),
+        topk_weights=torch.rand(tokens, top_k, generator=g).requires_grad_(True),
+        fc1_weight=(rand(experts, 2 * ffn, hidden, seed=2) / hidden**0.5).requires_grad_(True),
+        fc2_weight=(rand(experts, hidden, ffn, seed=3) / ffn**0.5).requires_grad_(True),
+    )
+    h_refs, alive_at_gather = [], []
+    inner_hooks = moe_experts_module._regathering_hooks
+
+    def watching_hooks(*args):
+        pack, unpack = inner_hooks(*args)
+
+        def watched_pack(t):
+            if t.dtype == torch.float8_e4m3fn and tuple(t.shape) == (tokens * top_k, 2 * ffn):
+                h_refs.append(weakref.ref(t))
+            return pack(t)
+
+        def watched_unpack(packed):
+            if not isinstance(packed, torch.Tensor):  # x's sorted rows, about to be gathered again
+                gc.collect()
+                alive_at_gather.append(sum(r() is not None for r in h_refs))
+            return unpack(packed)
+
+        return watched_pack, watched_unpack
+
+    monkeypatch.setattr(moe_experts_module, "_regathering_hooks", watching_hooks)
+    y = moekit.moe_experts(**leaves, quantization=recipe, backend="torch")
+    assert len(h_refs) == 1 and h_refs[0]() is not None  # FP8 h, held
+    y.backward(rand(tokens, hidden, seed=4))
+    assert alive_at_gather == [0], f"FP8 h alive when x was gathered again: {alive_at_gather}"
+    assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantized_mlp_on_triton_matches_the_reference_path(recipe):
