@@ -223,11 +223,26 @@ def test_held_kernels_read_fp8_h_as_its_dequantization(recipe, activation, k, dt
     """held_gated_activation and its backward (the kernels dequantize h's FP8 data and scales in the
     load and restore the held form's clamps) give the bits of the gated kernels on h dequantized first
     (`dequantize_with` then `from_held`), padding rows included; forward, dh and d probs."""
-    rows, ffn, split = 24, 72, [12, 0, 9]  # 2F past one 128-wide scale block; 3 padding rows
-    h = rand(rows, 2 * ffn, scale=4.0, seed=3).to(dtype)
+    _check_held_kernels(recipe, activation, k, dtype, torch.device("cpu"), 24, 72)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "mxfp8"])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("k", [None, 1], ids=["k=None", "k=1"])
+def test_held_kernels_read_fp8_h_as_its_dequantization_on_the_gpu(recipe, activation, k):
+    """The same on the GPU in bfloat16 (the kernels convert E4M3 with the hardware's instruction
+    there), at a width of several scale blocks and tiles."""
+    _check_held_kernels(recipe, activation, k, torch.bfloat16, torch.device("cuda"), 1000, 768)
+
+
+def _check_held_kernels(recipe, activation, k, dtype, device, rows, ffn) -> None:
+    split = [rows // 2, 0, rows // 2 - 3]  # an empty group; 3 padding rows
+    h = rand(rows, 2 * ffn, scale=4.0, seed=3).to(device, dtype)
     h[-3:] = 0
-    probs = torch.rand(rows, generator=torch.Generator().manual_seed(4)).to(dtype)
-    d_out = rand(rows, ffn, seed=5).to(dtype)
+    probs = torch.rand(rows, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    d_out = rand(rows, ffn, seed=5).to(device, dtype)
     h_q = moekit.group_quantize(to_held(h, k, activation), split, recipe, backend="triton")
     h_deq = from_held(dequantize_with("triton", h_q), k, activation)
     want = gated_activation(h_deq, probs, k, activation, True)

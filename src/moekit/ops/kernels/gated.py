@@ -48,12 +48,19 @@ def _load_gate_up(
     HELD_GATE_LIMIT: tl.constexpr,
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    FP8_CVT: tl.constexpr,
 ):
     """(gate, up) of a tile in fp32: h's values, or with SCALED its FP8 bytes dequantized (module
-    docstring)."""
+    docstring); FP8_CVT: the bytes converted by the hardware's E4M3 conversion (exact, as `e4m3_value`'s
+    integer decoding, which the interpreter needs)."""
     if SCALED:
-        g = e4m3_value(tl.load(h_rows + gate_c[None, :], mask=mask, other=0))
-        u = e4m3_value(tl.load(h_rows + up_c[None, :], mask=mask, other=0))
+        g_bytes = tl.load(h_rows + gate_c[None, :], mask=mask, other=0)
+        u_bytes = tl.load(h_rows + up_c[None, :], mask=mask, other=0)
+        if FP8_CVT:
+            g = g_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            u = u_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            g, u = e4m3_value(g_bytes), e4m3_value(u_bytes)
         if SCALE_COLS > 0:
             g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
         else:
@@ -97,6 +104,7 @@ def gated_forward_kernel(
     HELD_GATE_LIMIT: tl.constexpr,
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -113,7 +121,7 @@ def gated_forward_kernel(
     round_ty = out_ptr.dtype.element_ty
     g, u = _load_gate_up(
         h_rows, scale_rows, gate_c, up_c, mask, round_ty,
-        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16,
+        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
     )  # fmt: skip
     out = ACT(g, u)
     if HAS_PROBS:
@@ -146,6 +154,7 @@ def gated_backward_kernel(
     HELD_GATE_LIMIT: tl.constexpr,
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -167,7 +176,7 @@ def gated_backward_kernel(
         gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
         g, u = _load_gate_up(
             h_rows, scale_rows, gate_c, up_c, mask, dh_ptr.dtype.element_ty,
-            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16,
+            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
         )  # fmt: skip
         d = tl.load(d_out_rows + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PROBS:

@@ -58,6 +58,7 @@ class HeldH(NamedTuple):
             HELD_GATE_LIMIT=self.gate_limit,
             HELD_UP_LIMIT=self.up_limit,
             ROUND_BF16=self.scaled and INTERPRET and self.dtype == torch.bfloat16,
+            FP8_CVT=self.scaled and not INTERPRET,
         )
 
 
