@@ -49,6 +49,7 @@ LAYOUTS = {
     "odd-empty-middle-padding": ([10, 0, 25], 40, 200, 72),
     "tma-empty-first-padding": ([0, 30, 34], 70, 256, 96),
     "over-128-rows-and-cols": ([130, 3], 140, 144, 160),
+    "three-steps-each-way": ([50, 0, 77], 140, 300, 264),
     "one-row": ([0, 1], 1, 130, 33),
     "no-rows": ([0, 0], 0, 64, 48),
     "all-padding": ([0, 0, 0], 5, 64, 48),

@@ -34,6 +34,26 @@ from moekit.ops.kernels.schedule import gemm_tile, load_a, load_b, operand_descs
 
 
 @triton.jit
+def promote(acc, prod, scale, PINNED: tl.constexpr):
+    """acc + prod * scale[:, None]: an FP8 step's product promoted into the fp32 accumulator with its
+    per-row scales (acc, prod (P, Q) fp32; scale (P,)). PINNED: as one `fma.rn.f32` inline-asm
+    statement per element with side effects, so that LLVM keeps it where the kernel puts it relative
+    to the wgmma statements (see `grouped_mm_fp8_kernel`: the product's registers must be dead before
+    the next asynchronous MMA writes its own); only on the GPU (the interpreter has no inline asm)."""
+    if PINNED:
+        return tl.inline_asm_elementwise(
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [prod, scale[:, None], acc],
+            dtype=tl.float32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        return acc + prod * scale[:, None]
+
+
+@triton.jit
 def grouped_mm_fp8_kernel(
     a_ptr,
     a_scale_ptr,
@@ -72,6 +92,7 @@ def grouped_mm_fp8_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EPI_TMA: tl.constexpr,
+    PINNED: tl.constexpr,
 ):
     """c (M, COLS) = dequant(a) (M, RED) @ op(dequant(w[g])) per group, padding rows zero.
 
@@ -86,6 +107,7 @@ def grouped_mm_fp8_kernel(
        the bf16 kernel's.
     """
     tl.static_assert(not BLOCK_SCALES or BLOCK_RED == SCALE_BLOCK, "a reduction step is one scale block")
+    tl.static_assert(not BLOCK_SCALES or SCALE_BLOCK % BLOCK_C == 0, "a tile's columns are in one scale block")
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
@@ -133,38 +155,49 @@ def grouped_mm_fp8_kernel(
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & (g < N)
         mask_sb = (offs_c < COLS) & (g < N)
         sa_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
-        if BLOCK_SCALES:
-            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + (offs_c // SCALE_BLOCK) * stride_bs_col
-        else:
-            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + offs_c * stride_bs_col
+        sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + offs_c * stride_bs_col
         acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-        for step in range(red_steps):
-            red0 = step * BLOCK_RED
-            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
-            b = load_b(
-                b_desc,
-                b_ptr,
-                g,
-                N,
-                red0,
-                c0,
-                COLS,
-                RED,
-                stride_bg,
-                stride_br,
-                TRANS_B,
-                USE_TMA,
-                False,
-                BLOCK_C,
-                BLOCK_RED,
-            )
-            if BLOCK_SCALES:
-                sa = tl.load(sa_ptrs + step, mask=mask_sa, other=0.0)
-                sb = tl.load(sb_ptrs + step * stride_bs_red, mask=mask_sb, other=0.0)
-                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            else:
+        if BLOCK_SCALES:
+            # The tile's columns lie in one weight scale block: one weight scale a step.
+            sb_ptr = b_scale_ptr + g.to(tl.int64) * stride_bsg + (c0 // SCALE_BLOCK) * stride_bs_col
+            prev = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+            s_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for pair in range(tl.cdiv(red_steps, 2)):
+                step0 = 2 * pair
+                step1 = step0 + 1
+                red0 = step0 * BLOCK_RED
+                red1 = red0 + BLOCK_RED
+                # A second step past RED (an odd step count) reads zeros with scale 0.
+                a0 = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+                b0 = load_b(
+                    b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                )
+                a1 = load_a(a_desc, a_ptr, red1, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+                b1 = load_b(
+                    b_desc, b_ptr, g, N, red1, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                )
+                s0 = tl.load(sa_ptrs + step0, mask=mask_sa, other=0.0) * tl.load(
+                    sb_ptr + step0 * stride_bs_red, mask=g < N, other=0.0
+                )
+                in1 = step1 < red_steps
+                s1 = tl.load(sa_ptrs + step1, mask=mask_sa & in1, other=0.0) * tl.load(
+                    sb_ptr + step1 * stride_bs_red, mask=(g < N) & in1, other=0.0
+                )
+                p0 = tl.dot(a0, b0)
+                acc = promote(acc, prev, s_prev, PINNED)
+                p1 = tl.dot(a1, b1)
+                acc = promote(acc, p0, s0, PINNED)
+                prev = p1
+                s_prev = s1
+            acc = promote(acc, prev, s_prev, False)
+        else:
+            for step in range(red_steps):
+                red0 = step * BLOCK_RED
+                a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+                b = load_b(
+                    b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                )
                 acc = tl.dot(a, b, acc)
-        if not BLOCK_SCALES:
             sa = tl.load(sa_ptrs, mask=mask_sa, other=0.0)
             sb = tl.load(sb_ptrs, mask=mask_sb, other=0.0)
             acc = acc * (sa[:, None] * sb[None, :])

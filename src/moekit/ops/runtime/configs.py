@@ -90,20 +90,32 @@ FP8_BLOCK_RED = 128
 def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: int) -> tuple[GemmConfig, ...]:
     """Candidates of the FP8 grouped GEMM for one problem class; the first is the default.
 
-    128 x 128 tiles for fp8_block (the promotion holds two fp32 tiles live, the accumulator and the
-    step's product: 128 x 256 would be 256 registers a thread of 8 warps); fp8_rowwise may take
-    128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight transposed,
-    the forward's K-major orientation (`op` names the problem class only). Stages: 4 of 32 KiB (128 x 128 tiles) or
-    3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in Hopper's 227 KiB."""
+    fp8_block: tiles of at most 128 columns (one weight scale block a step: a tile's columns must not
+    straddle two) and at most 64 fp32 registers a thread per tile, since its main loop keeps three fp32
+    tiles live (the accumulator, the previous step's product and the current one:
+    `kernels.grouped_gemm_fp8`); 128 x 128 with 8 warps (two warpgroups of 64 rows), or 64 x 128 with
+    4 warps and two programs a multiprocessor (one program's promotion overlaps the other's MMAs). Its
+    loop moves two reduction steps a stage: 2 stages of 64 KiB (128 x 128; 3 do not leave room for
+    much else) or 48 KiB (64 x 128, two programs: 2 x 104 KiB of Hopper's 228 KiB). fp8_rowwise may
+    take 128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight
+    transposed, the forward's K-major orientation (`op` names the problem class only); 4 stages of 32
+    KiB (128 x 128 tiles) or 3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in
+    Hopper's 227 KiB."""
     red = FP8_BLOCK_RED
     if arch == "interpreter":
         return (GemmConfig(32, 32, red, 4, 1, 4, False, True),)
     if arch == "sm90" and use_tma:
+        if recipe == "fp8_block":
+            return (
+                GemmConfig(128, 128, red, 8, 2, 8, False, True),
+                GemmConfig(64, 128, red, 8, 2, 4, False, True, programs_per_sm=2),
+                GemmConfig(128, 128, red, 8, 3, 8, False, True),
+            )
         narrow = (
             GemmConfig(128, 128, red, 8, 4, 8, False, True),
             GemmConfig(128, 128, red, 8, 4, 8, True, True),
         )
-        if recipe == "fp8_block" or cols <= 128:
+        if cols <= 128:
             return narrow
         return (GemmConfig(128, 256, red, 8, 3, 8, False, True), *narrow)
     # Pointer path (Ada's FP8 tensor cores, operands TMA cannot take): within ~100 KB of shared memory.

@@ -191,6 +191,7 @@ def _launch(
             SCALE_BLOCK=block if block is not None else 1,
             HAS_BIAS=bias is not None,
             HAS_SCALE=has_scale,
+            PINNED=not INTERPRET,
             **schedule,
         ),
     )
