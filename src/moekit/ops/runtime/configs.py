@@ -123,24 +123,36 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
 
 
 @functools.cache
-def fp8_wgrad_candidates(use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
+def fp8_wgrad_candidates(recipe: str, use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
     """Candidates of the FP8 wgrad (kernels.grouped_wgrad_fp8; tile (O, I), reduction over the group's
-    rows, always the flattened loop); the first is the default.
+    rows); the first is the default.
 
-    sm90 with TMA: the bf16 wgrad's 128 x 256 tile (one fp32 accumulator, 128 registers a thread at 8
-    warps) with 128 rows a step (128 bytes of FP8 a box row, one 128-byte swizzle row; FP8 wgmma takes
-    32 a instruction): 3 stages of 48 KiB beside the epilogue's 32 KiB half-tile staging fit Hopper's
-    227 KiB; 128 x 128 with 4 stages of 32 KiB as the alternative. Pointer loads (Ada's FP8 tensor
-    cores): within ~100 KB of shared memory. Interpreter: small tiles, 32 rows a step (longer than a
+    fp8_rowwise (always the flattened loop), sm90 with TMA: the bf16 wgrad's 128 x 256 tile (one fp32
+    accumulator, 128 registers a thread at 8 warps) with 128 rows a step (128 bytes of FP8 a box row,
+    one 128-byte swizzle row; FP8 wgmma takes 32 a instruction): 3 stages of 48 KiB beside the
+    epilogue's 32 KiB half-tile staging fit Hopper's 227 KiB; 128 x 128 with 4 stages of 32 KiB as the
+    alternative. fp8_block (a tile loop around a reduction loop of two 128-row steps an iteration, the
+    steps' products promoted with their block's scales, the forward's main loop): 128 x 128 at 8 warps
+    (three fp32 tiles live: the accumulator and two steps' products, 192 registers a thread), 2 or 3
+    stages of 64 KiB. Pointer loads (Ada's FP8 tensor cores): within ~100 KB of shared memory; steps of
+    64 rows (fp8_block: half a scale block). Interpreter: small tiles, 32 rows a step (longer than a
     16-column segment tail, so that a ragged group's last step reaches the next group's columns, as
-    on the GPU), so that CPU tests cross several tiles and steps."""
+    on the GPU; a quarter of an fp8_block scale block), so that CPU tests cross several tiles, steps
+    and scale blocks."""
     if arch == "interpreter":
         return (GemmConfig(32, 32, 32, 4, 1, 4, True, True),)
     if arch == "sm90" and use_tma:
+        if recipe == "fp8_block":
+            return (
+                GemmConfig(128, 128, FP8_BLOCK_RED, 8, 2, 8, False, True),
+                GemmConfig(128, 128, FP8_BLOCK_RED, 8, 3, 8, False, True),
+            )
         return (
             GemmConfig(128, 256, FP8_BLOCK_RED, 8, 3, 8, True, True),
             GemmConfig(128, 128, FP8_BLOCK_RED, 8, 4, 8, True, True),
         )
+    if recipe == "fp8_block":
+        return (GemmConfig(128, 64, 64, 8, 2, 4, False, False), GemmConfig(64, 64, 64, 8, 2, 4, False, False))
     return (GemmConfig(128, 128, 64, 8, 3, 8, True, False), GemmConfig(128, 64, 64, 8, 3, 4, True, False))
 
 
