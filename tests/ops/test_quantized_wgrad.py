@@ -31,7 +31,7 @@ from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton
 from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
-from moekit.ops.runtime.configs import GemmConfig  # noqa: E402
+from moekit.ops.runtime.configs import GemmConfig, fp8_wgrad_candidates  # noqa: E402
 
 ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -388,6 +388,24 @@ def test_gpu_wgrad_against_dequantized_float64(recipe, M, I, O, splits, nan_pois
     if reason is not None:
         pytest.skip(reason)
     wgrad_on_device(cuda, M, I, O, splits, torch.bfloat16, recipe)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_block_wgrad_every_sm90_candidate(nan_poison):
+    """Every configuration the sm90 table offers fp8_block's wgrad (the tuner may pick any), on ragged
+    groups (whole, odd and partial 128-row steps, one row, none) and padding rows."""
+    cuda = torch.device("cuda")
+    reason = qg.fp8_wgrad_unavailable_reason("fp8_block", cuda, torch.bfloat16)
+    if reason is not None or torch.cuda.get_device_capability(cuda)[0] != 9:
+        pytest.skip(reason or "the sm90 table is for Hopper")
+    M, I, O, splits = 4096, 2880, 1408, [384, 640, 129, 0, 1, 1500, 1000, 127]
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, cuda, torch.bfloat16, recipe="fp8_block")
+    for cfg in fp8_wgrad_candidates("fp8_block", True, "sm90"):
+        dw = qg.quantized_gemm_wgrad(
+            "fp8_block", dy, dy_s, x, x_s, offs_of(splits).to(cuda), out_dtype=torch.bfloat16, cfg=cfg, use_tma=True
+        )
+        check_wgrad(dw, reference64(d64, x64, splits), splits, f"fp8_block wgrad {cfg}")
 
 
 @gpu

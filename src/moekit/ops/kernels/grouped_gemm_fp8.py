@@ -168,13 +168,45 @@ def grouped_mm_fp8_kernel(
                 red0 = step0 * BLOCK_RED
                 red1 = red0 + BLOCK_RED
                 # A second step past RED (an odd step count) reads zeros with scale 0.
-                a0 = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
-                b0 = load_b(
-                    b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                a0 = load_a(
+                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
                 )
-                a1 = load_a(a_desc, a_ptr, red1, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+                b0 = load_b(
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red0,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
+                )
+                a1 = load_a(
+                    a_desc, a_ptr, red1, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
+                )
                 b1 = load_b(
-                    b_desc, b_ptr, g, N, red1, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red1,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
                 )
                 s0 = tl.load(sa_ptrs + step0, mask=mask_sa, other=0.0) * tl.load(
                     sb_ptr + step0 * stride_bs_red, mask=g < N, other=0.0
@@ -193,9 +225,25 @@ def grouped_mm_fp8_kernel(
         else:
             for step in range(red_steps):
                 red0 = step * BLOCK_RED
-                a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+                a = load_a(
+                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
+                )
                 b = load_b(
-                    b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red0,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
                 )
                 acc = tl.dot(a, b, acc)
             sa = tl.load(sa_ptrs, mask=mask_sa, other=0.0)

@@ -461,7 +461,9 @@ def grouped_wgrad_fp8_block_kernel(
             p0 = tl.dot(a0, b0)
             acc = promote_outer(acc, prev, sdy_prev, sx_prev, PINNED)
             p1 = tl.dot(a1, b1)
-            sdy0, sx0 = block_scales(sdy_ptrs, sx_ptrs, slot_lo + k0 // SCALE_BLOCK, stride_dys, stride_xs, mask_o, mask_i)
+            sdy0, sx0 = block_scales(
+                sdy_ptrs, sx_ptrs, slot_lo + k0 // SCALE_BLOCK, stride_dys, stride_xs, mask_o, mask_i
+            )
             acc = promote_outer(acc, p0, sdy0, sx0, PINNED)
             prev = p1
             slot_prev = slot_lo + k1 // SCALE_BLOCK
