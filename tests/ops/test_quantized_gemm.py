@@ -184,6 +184,7 @@ def test_kernel_refuses_in_one_line():
             lambda: qg.quantized_gemm_dgrad("fp8_rowwise", a, a_s, w, w_s.reshape(2, 1, O), offs, out_dtype=f32),
         ),
         (ValueError, "block_red", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 32, 64, 4, 1, 4, False))),
+        (ValueError, "block_cols", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 48, 128, 4, 1, 4, False))),
     ]
     for exc, word, call in cases:
         with pytest.raises(exc, match=word) as info:

@@ -12,8 +12,23 @@ Operands are float8 E4M3 with float32 dequantization multipliers (`scale_inv`); 
 accumulated in fp32 and the result leaves in the output's dtype:
 - BLOCK_SCALES (fp8_block): A has one scale per row per 128 reduction columns, B one per 128 x 128
   tile of w[g]. Scales change along the reduction, so they are applied in the main loop, one
-  reduction step = one scale block (BLOCK_RED == SCALE_BLOCK): acc += dot(a, b) * sa[:, None] *
-  sb[None, :], DeepSeek-V3's promotion of the FP8 products into an fp32 accumulator.
+  reduction step = one scale block (BLOCK_RED == SCALE_BLOCK), and a tile's columns lie in one
+  weight block (BLOCK_C divides SCALE_BLOCK): acc += dot(a, b) * (sa * sb)[:, None], DeepSeek-V3's
+  promotion of the FP8 products into an fp32 accumulator. The product must be complete before it is
+  scaled; so that the tensor cores need not idle while it is, the loop takes two steps an iteration:
+
+      p0 = dot(a0, b0)              Triton waits for it (wgmma.wait_group 0), which drains p1 too
+      acc = promote(acc, prev)      the previous iteration's second product
+      p1 = dot(a1, b1)              left in flight across the loop's back edge
+      acc = promote(acc, p0)        beside p1's MMAs
+      prev = p1
+
+  This is the shape Triton 3.6's wgmma pipeliner keeps asynchronous: a dot whose result is used
+  only by the loop's yield, and in the next iteration only after the loop's first wait 0 (p0's).
+  With one step an iteration the product is read before any such wait, and Triton waits right
+  after the dot. `promote` is pinned (inline asm with side effects) on the GPU: as plain arithmetic,
+  LLVM moves prev's promotion below p1's MMA, prev and p1 are then live together, the back edge
+  copies p1's in-flight accumulator registers, and ptxas serializes every wgmma of the kernel.
 - otherwise (fp8_rowwise): A has one scale per row, B one per output column (the forward: one per
   output channel of w; the dgrad: the weight's columnwise form, one per input channel). Both are
   constant along the reduction: the FP8 products accumulate unscaled and the scales are applied
@@ -38,8 +53,8 @@ def promote(acc, prod, scale, PINNED: tl.constexpr):
     """acc + prod * scale[:, None]: an FP8 step's product promoted into the fp32 accumulator with its
     per-row scales (acc, prod (P, Q) fp32; scale (P,)). PINNED: as one `fma.rn.f32` inline-asm
     statement per element with side effects, so that LLVM keeps it where the kernel puts it relative
-    to the wgmma statements (see `grouped_mm_fp8_kernel`: the product's registers must be dead before
-    the next asynchronous MMA writes its own); only on the GPU (the interpreter has no inline asm)."""
+    to the wgmma statements (module docstring: the product's registers must be dead before the next
+    asynchronous MMA writes its own); only on the GPU (the interpreter has no inline asm)."""
     if PINNED:
         return tl.inline_asm_elementwise(
             "fma.rn.f32 $0, $1, $2, $3;",
@@ -105,6 +120,8 @@ def grouped_mm_fp8_kernel(
        g * stride_bsg + c * stride_bs_col (one per output column).
     c: (M, COLS) in the output dtype, row stride stride_cm; bias (N, COLS) and its per-row scale as
        the bf16 kernel's.
+    With BLOCK_SCALES a second step past RED (an odd step count) reads zeros (TMA's fill, the pointer
+    path's mask) with scale 0. PINNED: `promote` as inline asm (GPU only).
     """
     tl.static_assert(not BLOCK_SCALES or BLOCK_RED == SCALE_BLOCK, "a reduction step is one scale block")
     tl.static_assert(not BLOCK_SCALES or SCALE_BLOCK % BLOCK_C == 0, "a tile's columns are in one scale block")

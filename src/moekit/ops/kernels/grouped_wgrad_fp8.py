@@ -9,7 +9,11 @@ Legend: M routed rows, N groups (experts), I in_features, O out_features, X a ge
 
 fp8_rowwise's columnwise quantization of dy (M, O) and x (M, I) has one float32 dequantization
 multiplier per (group, column), constant along the wgrad's reduction (the group's rows): the FP8
-products accumulate unscaled in fp32 and the two scales are applied once, in the epilogue.
+products accumulate unscaled in fp32 and the two scales are applied once, in the epilogue
+(`grouped_wgrad_fp8_kernel`). fp8_block's has one per column of each 128-row block of a group
+(blocks restart at every group's first row): a 128-row step from the group's start is one block of
+both operands, promoted into the fp32 accumulator with its scales in the main loop, the forward's
+overlapped loop (`grouped_wgrad_fp8_block_kernel`, `moekit.ops.kernels.grouped_gemm_fp8`).
 
 Hopper's FP8 wgmma takes both operands from shared memory only "K-major", contiguous along the
 reduction; the reduction here runs down the rows of (M, X) data. So the kernel takes both operands
@@ -20,9 +24,11 @@ registers. A TMA box must start 16-byte aligned along the contiguous dimension, 
 at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
 operand, zeros filling the segment's tail (`segment_starts`).
 
-The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`, its FLATTEN form):
-every group owns the same (o, i) tile grid, a persistent program runs all its tiles' reduction steps
-in one software-pipelined loop, and the group offsets are read on the device only.
+The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`): every group owns
+the same (o, i) tile grid and the group offsets are read on the device only; fp8_rowwise's persistent
+program runs all its tiles' reduction steps in one software-pipelined loop (the FLATTEN form),
+fp8_block's one reduction loop per tile (its products must not be read in an epilogue branch inside
+the pipelined loop: `grouped_wgrad_fp8_block_kernel`).
 """
 
 from __future__ import annotations

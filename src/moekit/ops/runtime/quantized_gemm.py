@@ -250,6 +250,8 @@ def _plan(
     has_scale = bias_scale is not None
     if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and cfg.block_red != FP8_BLOCK_RED:
         raise ValueError(f"cfg.block_red must be {FP8_BLOCK_RED} for {recipe} (one reduction step per scale block)")
+    if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and FP8_BLOCK_RED % cfg.block_cols:
+        raise ValueError(f"cfg.block_cols must divide {FP8_BLOCK_RED} for {recipe} (a tile in one weight scale block)")
     tma, arch = use_tma(forced_tma, red > 0, a, w)
     with device_ctx(a.device):
         if cfg is None:
