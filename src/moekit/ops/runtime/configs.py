@@ -95,8 +95,9 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
     tiles live (the accumulator, the previous step's product and the current one:
     `kernels.grouped_gemm_fp8`); 128 x 128 with 8 warps (two warpgroups of 64 rows), or 64 x 128 with
     4 warps and two programs a multiprocessor (one program's promotion overlaps the other's MMAs). Its
-    loop moves two reduction steps a stage: 2 stages of 64 KiB (128 x 128; 3 do not leave room for
-    much else) or 48 KiB (64 x 128, two programs: 2 x 104 KiB of Hopper's 228 KiB). fp8_rowwise may
+    loop moves two reduction steps a stage: 2 or 3 stages of 64 KiB (128 x 128, beside the epilogue's
+    32 KiB staging tile, within Hopper's 227 KiB a program) or 2 of 48 KiB (64 x 128: two programs of
+    about 104 KiB each within the 228 KiB of a multiprocessor). fp8_rowwise may
     take 128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight
     transposed, the forward's K-major orientation (`op` names the problem class only); 4 stages of 32
     KiB (128 x 128 tiles) or 3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in
