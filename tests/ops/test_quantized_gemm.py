@@ -35,7 +35,7 @@ from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
-from moekit.ops.runtime.configs import GemmConfig  # noqa: E402
+from moekit.ops.runtime.configs import GemmConfig, fp8_gemm_candidates  # noqa: E402
 
 ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -49,6 +49,7 @@ LAYOUTS = {
     "odd-empty-middle-padding": ([10, 0, 25], 40, 200, 72),
     "tma-empty-first-padding": ([0, 30, 34], 70, 256, 96),
     "over-128-rows-and-cols": ([130, 3], 140, 144, 160),
+    "three-steps-each-way": ([50, 0, 77], 140, 300, 264),
     "one-row": ([0, 1], 1, 130, 33),
     "no-rows": ([0, 0], 0, 64, 48),
     "all-padding": ([0, 0, 0], 5, 64, 48),
@@ -183,6 +184,7 @@ def test_kernel_refuses_in_one_line():
             lambda: qg.quantized_gemm_dgrad("fp8_rowwise", a, a_s, w, w_s.reshape(2, 1, O), offs, out_dtype=f32),
         ),
         (ValueError, "block_red", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 32, 64, 4, 1, 4, False))),
+        (ValueError, "block_cols", lambda: fwd("fp8_block", *block[:4], cfg=GemmConfig(32, 48, 128, 4, 1, 4, False))),
     ]
     for exc, word, call in cases:
         with pytest.raises(exc, match=word) as info:
@@ -343,15 +345,21 @@ GPU_SHAPES = [
     pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], id="M4096-I2048-O1536-skewed-empty-padding"),
     pytest.param(4096, 1536, 2048, [512] * 8, id="M4096-I1536-O2048-balanced"),
     pytest.param(1000, 200, 136, [0, 400, 1, 0, 500, 33, 0, 50], id="odd-sizes-pointer-path"),
+    # odd step counts both ways (23 and 11 steps of 128; fp8_block's loop takes two an iteration)
+    pytest.param(2048, 2880, 1408, [300, 0, 900, 548, 1, 199], id="M2048-I2880-O1408-odd-steps"),
 ]
 
 
-def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype) -> None:
+def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype, cfg=None, use_tma=None) -> None:
     """The FP8 kernel on `device` with device splits against the float64 product of the dequantized
-    operands; on CUDA with no host sync (after a warm-up call)."""
+    operands; on CUDA with no host sync (after a warm-up call). The rows' columns (the reduction) span
+    two decades of magnitude, so that fp8_block's scale blocks along the reduction differ. cfg /
+    use_tma: a fixed configuration and operand path (None: the kernel's choice)."""
     info, N = RECIPES[recipe], len(splits)
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = torch.randn(M, I if op == "fwd" else O, device=device, generator=gen).to(out_dtype)
+    red = I if op == "fwd" else O
+    rows = torch.randn(M, red, device=device, generator=gen) * torch.logspace(-1, 1, red, device=device)
+    rows = rows.to(out_dtype)
     w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(out_dtype)
     m_splits = torch.tensor(splits, device=device)  # device splits: nothing read on the host
     rows_q = moekit.group_quantize(rows, m_splits, recipe, backend="triton")
@@ -372,7 +380,7 @@ def kernel_on_device(device, recipe, op, M, I, O, splits, out_dtype) -> None:
     result = {}
 
     def step():
-        result["out"] = fn(recipe, a, a_s, w_data, w_scale, offs, out_dtype=out_dtype)
+        result["out"] = fn(recipe, a, a_s, w_data, w_scale, offs, out_dtype=out_dtype, cfg=cfg, use_tma=use_tma)
 
     if device.type == "cuda":
         assert_no_host_sync(step)
@@ -407,6 +415,22 @@ def test_gpu_kernel_against_dequantized_float64(recipe, op, M, I, O, splits):
     if reason is not None:
         pytest.skip(reason)
     kernel_on_device(cuda, recipe, op, M, I, O, splits, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_gpu_fp8_block_every_sm90_candidate(op):
+    """Every configuration the sm90 table offers fp8_block (the tuner may pick any), at an odd step count
+    with ragged groups, empty ones and padding rows."""
+    cuda = torch.device("cuda")
+    reason = qg.fp8_gemm_unavailable_reason("fp8_block", cuda, torch.bfloat16)
+    if reason is not None or torch.cuda.get_device_capability(cuda)[0] != 9:
+        pytest.skip(reason or "the sm90 table is for Hopper")
+    M, I, O, splits = 2048, 2880, 1408, [300, 0, 900, 548, 1, 199]
+    cols = O if op == "fwd" else I
+    for cfg in fp8_gemm_candidates(op, "fp8_block", True, "sm90", cols):
+        kernel_on_device(cuda, "fp8_block", op, M, I, O, splits, torch.bfloat16, cfg=cfg, use_tma=True)
 
 
 def linear_on_device(device, recipe, splits, M, I, O, dtype, monkeypatch) -> None:

@@ -1,5 +1,5 @@
-"""The FP8 grouped wgrad (`moekit.ops.runtime.quantized_gemm.quantized_gemm_wgrad`, fp8_rowwise) and the
-quantized grouped linear's weight gradient on it.
+"""The FP8 grouped wgrad (`moekit.ops.runtime.quantized_gemm.quantized_gemm_wgrad`, fp8_block and
+fp8_rowwise) and the quantized grouped linear's weight gradient on it.
 
 As tests/ops/test_quantized_gemm.py: the kernel against float64 products of the DEQUANTIZED columnwise
 operands (data * scale_inv in float64, exact), so that only the kernel's fp32 sums in its own order, the
@@ -31,17 +31,20 @@ from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton
 from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
-from moekit.ops.runtime.configs import GemmConfig  # noqa: E402
+from moekit.ops.runtime.configs import GemmConfig, fp8_wgrad_candidates  # noqa: E402
 
 ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
 gpu = pytest.mark.gpu
 RECIPE = "fp8_rowwise"
+WGRAD_RECIPES = ["fp8_block", "fp8_rowwise"]
 BOUND = 0.08  # tests/test_quantized_compute.py's FP8 bound against float64
 
 # (m_splits, M, I, O): groups without rows (first, middle, last), one row, sizes not multiples of 16
-# (segments with a tail, tiles past I and O), padding rows, groups longer than one step and one tile.
+# (segments with a tail, tiles past I and O), padding rows, groups longer than one step and one tile,
+# and groups across several of fp8_block's 128-row scale blocks (whole, ragged, one row past a block).
 LAYOUTS = {
+    "several-scale-blocks": ([300, 0, 129, 1, 256], 700, 40, 24),
     "odd-empty-middle-padding": ([10, 0, 25], 40, 72, 56),
     "empty-first-one-row": ([0, 1, 33], 37, 40, 48),
     "many-steps-ragged": ([70, 3, 0], 80, 33, 20),
@@ -55,18 +58,22 @@ def offs_of(splits: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(splits, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
-def columnwise_operands(splits, M, I, O, device, dtype=torch.float32, seed=0):
-    """(dy data, dy scales, x data, x scales, dy64, x64): fp8_rowwise columnwise quantizations of dy (M, O)
+def columnwise_operands(splits, M, I, O, device, dtype=torch.float32, seed=0, recipe=RECIPE):
+    """(dy data, dy scales, x data, x scales, dy64, x64): `recipe`'s columnwise quantizations of dy (M, O)
     and x (M, I) with device splits, padding rows' data set to NaN bytes, and the dequantized float64
-    operands (padding rows zero)."""
-    info = RECIPES[RECIPE]
+    operands (padding rows zero). fp8_block: the rows also vary in magnitude, so that every 128-row
+    block of a group has its own scales."""
+    info = RECIPES[recipe]
     gen = torch.Generator(device=device).manual_seed(seed)
     # Columns of very different magnitudes: the per-(group, column) scales matter.
     dy = (torch.randn(M, O, device=device, generator=gen) * torch.logspace(-2, 0.5, O, device=device)).to(dtype)
     x = (torch.randn(M, I, device=device, generator=gen) * torch.logspace(0.5, -2, I, device=device)).to(dtype)
+    if recipe == "fp8_block":
+        rows = torch.logspace(-1, 1, M, device=device)[torch.randperm(M, generator=gen, device=device)]
+        dy, x = (dy * rows[:, None]).to(dtype), (x * rows.flip(0)[:, None]).to(dtype)
     m_splits = torch.tensor(splits, device=device)
-    dq = moekit.group_quantize(dy, m_splits, RECIPE, rowwise=False, columnwise=True, backend="triton")
-    xq = moekit.group_quantize(x, m_splits, RECIPE, rowwise=False, columnwise=True, backend="triton")
+    dq = moekit.group_quantize(dy, m_splits, recipe, rowwise=False, columnwise=True, backend="triton")
+    xq = moekit.group_quantize(x, m_splits, recipe, rowwise=False, columnwise=True, backend="triton")
     offs = offs_of(splits).to(device)
     d64 = dequantize_columnwise(
         info, dq.columnwise_data, dq.columnwise_scale_inv, offs, dq.columnwise_scale_offsets, torch.float64
@@ -116,12 +123,13 @@ def check_wgrad(dw, ref, splits, what: str) -> None:
 
 @cpu_only
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_kernel_against_dequantized_float64(layout, nan_poison):
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_kernel_against_dequantized_float64(recipe, layout, nan_poison):
     splits, M, I, O = LAYOUTS[layout]
-    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"))
-    dw = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), recipe=recipe)
+    dw = qg.quantized_gemm_wgrad(recipe, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
     assert dw.dtype == torch.float32
-    check_wgrad(dw, reference64(d64, x64, splits), splits, layout)
+    check_wgrad(dw, reference64(d64, x64, splits), splits, f"{recipe} {layout}")
 
 
 @cpu_only
@@ -152,35 +160,39 @@ def test_segment_transpose_layout(layout, nan_poison):
         pytest.param(GemmConfig(16, 32, 32, 1, 1, 4, True, True), True, id="tma-32-row-steps-tma-stores"),
         pytest.param(GemmConfig(32, 16, 16, 2, 1, 4, True, False), True, id="tma-pointer-stores"),
         pytest.param(GemmConfig(32, 32, 16, 4, 1, 4, True, False), False, id="pointer-loads"),
+        pytest.param(GemmConfig(16, 16, 128, 4, 1, 4, False, True), True, id="tma-128-row-steps"),
     ],
 )
-def test_kernel_paths_and_float16_output(cfg, use_tma, nan_poison):
-    """The operand paths and tile shapes (TMA or pointer loads, TMA or pointer stores, 16- and 32-row
-    steps) on one ragged layout, with a float16 output."""
-    splits, M, I, O = [0, 45, 19, 1], 70, 48, 40
-    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=5)
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_kernel_paths_and_float16_output(recipe, cfg, use_tma, nan_poison):
+    """The operand paths and tile shapes (TMA or pointer loads, TMA or pointer stores, 16-, 32- and
+    128-row steps: fp8_block's steps a quarter, an eighth of or a whole scale block) on one ragged
+    layout, with a float16 output."""
+    splits, M, I, O = [0, 45, 19, 1, 300], 380, 48, 40
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=5, recipe=recipe)
     dw = qg.quantized_gemm_wgrad(
-        RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float16, cfg=cfg, use_tma=use_tma
+        recipe, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float16, cfg=cfg, use_tma=use_tma
     )
     assert dw.dtype == torch.float16
-    check_wgrad(dw, reference64(d64, x64, splits), splits, f"{cfg} tma={use_tma}")
+    check_wgrad(dw, reference64(d64, x64, splits), splits, f"{recipe} {cfg} tma={use_tma}")
 
 
 @cpu_only
-def test_kernel_strided_rows_and_plan_reuse(nan_poison):
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_kernel_strided_rows_and_plan_reuse(recipe, nan_poison):
     """Rows with a row stride above their width (a view) give the same dw as contiguous ones; a second
     call of the same problem with other split sizes (device offsets, same shapes) reuses the plan and
     follows the new splits."""
-    splits, M, I, O = [5, 0, 20], 28, 40, 24
-    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=7)
+    splits, M, I, O = [5, 0, 150], 160, 40, 24
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=7, recipe=recipe)
     wide = torch.zeros(M, I + 16, dtype=FP8_DTYPE)
     wide[:, :I] = x
-    dense = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
-    strided = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, wide[:, :I], x_s, offs_of(splits), out_dtype=torch.float32)
+    dense = qg.quantized_gemm_wgrad(recipe, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
+    strided = qg.quantized_gemm_wgrad(recipe, dy, dy_s, wide[:, :I], x_s, offs_of(splits), out_dtype=torch.float32)
     assert torch.equal(dense, strided)
-    other = [12, 13, 0]
-    dy2, dy2_s, x2, x2_s, d2, x2_64 = columnwise_operands(other, M, I, O, torch.device("cpu"), seed=8)
-    dw2 = qg.quantized_gemm_wgrad(RECIPE, dy2, dy2_s, x2, x2_s, offs_of(other), out_dtype=torch.float32)
+    other = [130, 13, 0]
+    dy2, dy2_s, x2, x2_s, d2, x2_64 = columnwise_operands(other, M, I, O, torch.device("cpu"), seed=8, recipe=recipe)
+    dw2 = qg.quantized_gemm_wgrad(recipe, dy2, dy2_s, x2, x2_s, offs_of(other), out_dtype=torch.float32)
     check_wgrad(dw2, reference64(d2, x2_64, other), other, "second split")
 
 
@@ -195,7 +207,7 @@ def test_kernel_refuses_in_one_line():
         return qg.quantized_gemm_wgrad(recipe, dy, dy_s, x, x_s, offs, out_dtype=out_dtype)
 
     cases = [
-        (ValueError, "fp8_block", lambda: wgrad("fp8_block")),
+        (ValueError, "dy_scale", lambda: wgrad("fp8_block")),  # fp8_rowwise's scales given to fp8_block
         (ValueError, "mxfp8", lambda: wgrad("mxfp8")),
         (TypeError, "x_data", lambda: wgrad(x=x.float())),
         (TypeError, "dy_scale", lambda: wgrad(dy_s=dy_s.double())),
@@ -207,6 +219,12 @@ def test_kernel_refuses_in_one_line():
         with pytest.raises(exc, match=word) as info:
             call()
         assert "\n" not in str(info.value), str(info.value)
+    bdy, bdy_s, bx, bx_s, _, _ = columnwise_operands(splits, M, I, O, torch.device("cpu"), recipe="fp8_block")
+    with pytest.raises(ValueError, match="block_red") as info:
+        qg.quantized_gemm_wgrad(
+            "fp8_block", bdy, bdy_s, bx, bx_s, offs, out_dtype=f32, cfg=GemmConfig(32, 32, 48, 1, 1, 4, False)
+        )
+    assert "\n" not in str(info.value), str(info.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,32 +246,35 @@ def test_capability_has_the_wgrad():
 
 
 @cpu_only
-def test_fp8_rowwise_takes_the_fp8_wgrad_and_the_others_the_reference_path(monkeypatch):
-    """fp8_rowwise's wgrad on the FP8 kernel; fp8_block and mxfp8 dequantize and take the GEMM; so does
-    fp8_rowwise where the capability says the FP8 wgrad cannot run. Nothing silent: the spy sees which."""
+def test_fp8_recipes_take_the_fp8_wgrad_and_mxfp8_the_reference_path(monkeypatch):
+    """fp8_rowwise's and fp8_block's wgrad on the FP8 kernels; mxfp8 dequantizes and takes the GEMM; so
+    do the FP8 recipes where the capability says the FP8 wgrad cannot run. Nothing silent: the spy sees
+    which."""
     calls = _spy(monkeypatch)
     x, w = torch.randn(12, 32).requires_grad_(True), torch.randn(2, 16, 32).requires_grad_(True)
     for recipe, want in (
         ("fp8_rowwise", "quantized_linear_wgrad"),
-        ("fp8_block", "grouped_linear_wgrad"),
+        ("fp8_block", "quantized_linear_wgrad"),
         ("mxfp8", "grouped_linear_wgrad"),
     ):
         calls.clear()
         moekit.grouped_linear(x, w, [5, 7], quantization=recipe, backend="triton").sum().backward()
         assert calls == [want], (recipe, calls)
-    calls.clear()
     monkeypatch.setattr(qg, "fp8_wgrad_unavailable_reason", lambda *a: "no FP8 wgrad here")
-    moekit.grouped_linear(x, w, [5, 7], quantization="fp8_rowwise", backend="triton").sum().backward()
-    assert calls == ["grouped_linear_wgrad"]
+    for recipe in WGRAD_RECIPES:
+        calls.clear()
+        moekit.grouped_linear(x, w, [5, 7], quantization=recipe, backend="triton").sum().backward()
+        assert calls == ["grouped_linear_wgrad"], (recipe, calls)
 
 
 @cpu_only
-def test_grouped_linear_dw_matches_reference_path_and_float64():
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_grouped_linear_dw_matches_reference_path_and_float64(recipe):
     """dw of the FP8 wgrad against the reference path (the same quantized operands dequantized, then
     the backend's GEMM: in float32 only the order of the sums differs, so the kernel floor, doubled for
     the two sides) and against float64 within the FP8 bound; groups without rows exact zeros. (float16
     outputs: the kernel tests, against float64.)"""
-    splits, padding, I, O = [9, 0, 30, 1], 4, 40, 24
+    splits, padding, I, O = [9, 0, 30, 1, 140], 4, 40, 24
     M, N = sum(splits) + padding, len(splits)
     gen = torch.Generator().manual_seed(11)
     x, w = torch.randn(M, I, generator=gen), torch.randn(N, O, I, generator=gen) / I**0.5
@@ -262,7 +283,7 @@ def test_grouped_linear_dw_matches_reference_path_and_float64():
     grads = {}
     for backend in ("triton", "torch"):
         leaves = [t.clone().requires_grad_(True) for t in (x, w)]
-        moekit.grouped_linear(*leaves, device_splits, quantization=RECIPE, backend=backend).backward(upstream)
+        moekit.grouped_linear(*leaves, device_splits, quantization=recipe, backend=backend).backward(upstream)
         grads[backend] = leaves[1].grad
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     grouped_linear_reference(x64, w64, splits).backward(upstream.double())
@@ -275,7 +296,8 @@ def test_grouped_linear_dw_matches_reference_path_and_float64():
 
 
 @cpu_only
-def test_transposed_weight_view_gets_its_fp8_wgrad_in_its_own_layout():
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_transposed_weight_view_gets_its_fp8_wgrad_in_its_own_layout(recipe):
     """A weight that is a transposed view of an (N, I, O) tensor (gpt-oss's experts) gets the FP8 wgrad
     computed as x^T dy, so the gradient reaching the stored tensor is dense in its layout (no copy of the
     whole gradient per backward), and equal to the contiguous weight's gradient up to the order of sums."""
@@ -287,8 +309,8 @@ def test_transposed_weight_view_gets_its_fp8_wgrad_in_its_own_layout():
     plain = w.clone().requires_grad_(True)
     seen = []
     stored.register_hook(lambda g: seen.append(g.stride()))
-    moekit.grouped_linear(x, stored.transpose(1, 2), splits, quantization=RECIPE, backend="triton").backward(upstream)
-    moekit.grouped_linear(x, plain, splits, quantization=RECIPE, backend="triton").backward(upstream)
+    moekit.grouped_linear(x, stored.transpose(1, 2), splits, quantization=recipe, backend="triton").backward(upstream)
+    moekit.grouped_linear(x, plain, splits, quantization=recipe, backend="triton").backward(upstream)
     assert seen == [stored.stride()]
     assert not torch.isnan(stored.grad).any()
     assert rel_err(stored.grad.transpose(1, 2), plain.grad) <= 2 * tolerance_floor(torch.float32, sum(splits))
@@ -323,54 +345,77 @@ def test_compile_fullgraph_matches_eager():
 # --------------------------------------------------------------------------------------------------
 
 GPU_SHAPES = [
-    # M, I, O, splits (skewed, empty experts, one row, padding rows)
+    # M, I, O, splits (skewed, empty experts, one row, padding rows; groups of whole, ragged and odd
+    # numbers of 128-row steps)
     pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 1, 48], id="M4096-I2048-O1536-skewed-empty-padding"),
     pytest.param(8192, 7168, 4096, [256] * 32, id="M8192-I7168-O4096-32-experts-balanced"),
+    pytest.param(16384, 7168, 2048, [384, 640, 129, 0, 1, 3000, 2047, 127] * 2, id="M16384-I7168-O2048-ragged"),
     pytest.param(1000, 200, 136, [0, 400, 1, 0, 500, 33, 0, 50], id="odd-sizes"),
 ]
 
 
-def wgrad_on_device(device, M, I, O, splits, out_dtype) -> None:
-    """The FP8 wgrad on `device` with device offsets against the float64 product of the dequantized
-    columnwise operands; on CUDA with no host sync (after a warm-up call)."""
-    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, device, dtype=out_dtype)
+def wgrad_on_device(device, M, I, O, splits, out_dtype, recipe=RECIPE) -> None:
+    """`recipe`'s FP8 wgrad on `device` with device offsets against the float64 product of the
+    dequantized columnwise operands; on CUDA with no host sync (after a warm-up call)."""
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, device, dtype=out_dtype, recipe=recipe)
     offs = offs_of(splits).to(device)
     result = {}
 
     def step():
-        result["dw"] = qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs, out_dtype=out_dtype)
+        result["dw"] = qg.quantized_gemm_wgrad(recipe, dy, dy_s, x, x_s, offs, out_dtype=out_dtype)
 
     if device.type == "cuda":
         assert_no_host_sync(step)
     else:
         step()
-    check_wgrad(result["dw"], reference64(d64, x64, splits), splits, f"wgrad on {device}")
+    check_wgrad(result["dw"], reference64(d64, x64, splits), splits, f"{recipe} wgrad on {device}")
 
 
 @cpu_only
-def test_gpu_test_body_on_cpu():
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_gpu_test_body_on_cpu(recipe):
     """The GPU test's own code, at a small shape under the interpreter (so that it is known to run)."""
-    wgrad_on_device(torch.device("cpu"), 50, 48, 40, [0, 20, 1, 0, 25], torch.float32)
+    wgrad_on_device(torch.device("cpu"), 50, 48, 40, [0, 20, 1, 0, 25], torch.float32, recipe)
 
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M, I, O, splits", GPU_SHAPES)
-def test_gpu_wgrad_against_dequantized_float64(M, I, O, splits, nan_poison):
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_gpu_wgrad_against_dequantized_float64(recipe, M, I, O, splits, nan_poison):
     cuda = torch.device("cuda")
-    reason = qg.fp8_wgrad_unavailable_reason(RECIPE, cuda, torch.bfloat16)
+    reason = qg.fp8_wgrad_unavailable_reason(recipe, cuda, torch.bfloat16)
     if reason is not None:
         pytest.skip(reason)
-    wgrad_on_device(cuda, M, I, O, splits, torch.bfloat16)
+    wgrad_on_device(cuda, M, I, O, splits, torch.bfloat16, recipe)
 
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_grouped_linear_takes_the_fp8_wgrad_within_bound(monkeypatch):
-    """grouped_linear(fp8_rowwise) on the H200: the wgrad on the FP8 kernel (asserted), dw within the FP8
+def test_gpu_fp8_block_wgrad_every_sm90_candidate(nan_poison):
+    """Every configuration the sm90 table offers fp8_block's wgrad (the tuner may pick any), on ragged
+    groups (whole, odd and partial 128-row steps, one row, none) and padding rows."""
+    cuda = torch.device("cuda")
+    reason = qg.fp8_wgrad_unavailable_reason("fp8_block", cuda, torch.bfloat16)
+    if reason is not None or torch.cuda.get_device_capability(cuda)[0] != 9:
+        pytest.skip(reason or "the sm90 table is for Hopper")
+    M, I, O, splits = 4096, 2880, 1408, [384, 640, 129, 0, 1, 1500, 1000, 127]
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, cuda, torch.bfloat16, recipe="fp8_block")
+    for cfg in fp8_wgrad_candidates("fp8_block", True, "sm90"):
+        dw = qg.quantized_gemm_wgrad(
+            "fp8_block", dy, dy_s, x, x_s, offs_of(splits).to(cuda), out_dtype=torch.bfloat16, cfg=cfg, use_tma=True
+        )
+        check_wgrad(dw, reference64(d64, x64, splits), splits, f"fp8_block wgrad {cfg}")
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_gpu_grouped_linear_takes_the_fp8_wgrad_within_bound(recipe, monkeypatch):
+    """grouped_linear(recipe) on the H200: the wgrad on the FP8 kernel (asserted), dw within the FP8
     bound of float64, no host sync in the forward and backward."""
     cuda = torch.device("cuda")
-    reason = qg.fp8_wgrad_unavailable_reason(RECIPE, cuda, torch.bfloat16)
+    reason = qg.fp8_wgrad_unavailable_reason(recipe, cuda, torch.bfloat16)
     if reason is not None:
         pytest.skip(reason)
     calls = _spy(monkeypatch)
@@ -383,7 +428,7 @@ def test_gpu_grouped_linear_takes_the_fp8_wgrad_within_bound(monkeypatch):
 
     def step():
         x.grad = w.grad = None
-        moekit.grouped_linear(x, w, m_splits, quantization=RECIPE, backend="triton").backward(upstream)
+        moekit.grouped_linear(x, w, m_splits, quantization=recipe, backend="triton").backward(upstream)
 
     assert_no_host_sync(step)
     assert set(calls) == {"quantized_linear_wgrad"}

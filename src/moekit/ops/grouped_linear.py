@@ -19,12 +19,13 @@ TransformerEngine's FP8 GEMMs). Which path computes the products:
   with fp32 accumulation (fp8_block's 1 x 128 / 128 x 128 block scales applied per 128-wide reduction
   step, fp8_rowwise's row and channel scales in the epilogue; `moekit.ops.runtime.quantized_gemm`).
   That is fp8_block and fp8_rowwise on CUDA devices of compute capability 8.9 or newer (and on the
-  CPU under TRITON_INTERPRET=1, for tests). fp8_rowwise's wgrad runs there too, on the columnwise FP8
-  data of dy and x (`fp8_wgrad_compute`; its per-group column scales are constant along the wgrad's
-  reduction, so they are applied in the epilogue); fp8_block's wgrad stays on the reference path (its
-  128 x 1 blocks change scale every 128 rows: a per-step promotion, no faster than the bf16 wgrad).
+  CPU under TRITON_INTERPRET=1, for tests). Their wgrads run there too, on the columnwise FP8 data of
+  dy and x (`fp8_wgrad_compute`): fp8_rowwise's per-group column scales are constant along the wgrad's
+  reduction (the group's rows), so they are applied in the epilogue; fp8_block's 128 x 1 blocks change
+  scale every 128 rows of a group, so each 128-row reduction step is promoted with its block's scales,
+  as its forward's steps are.
 - the reference path everywhere else (the "torch" and "loop" backends, mxfp8, whose 1 x 32 blocks have
-  no Hopper FP8 path, and older GPUs), and for fp8_block's and mxfp8's wgrad: the quantized operands are
+  no Hopper FP8 path, and older GPUs), and for mxfp8's wgrad: the quantized operands are
   dequantized and the products run in x's dtype with the backend's GEMMs. It computes the same
   products, at the unquantized path's speed or slower, with the sums in another order (and, in
   bfloat16, one rounding of each dequantized operand).
@@ -523,10 +524,11 @@ def fp8_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
 
 def fp8_wgrad_compute(impl: GemmBackend, recipe: str, x: torch.Tensor) -> bool:
     """Whether a quantized grouped linear on `impl` also runs its wgrad on FP8 kernels: where the backend's
-    QuantizedGemm capability can take this recipe's wgrad (moekit's Triton kernels: fp8_rowwise, whose
-    columnwise scales are constant along the wgrad's reduction, where `fp8_compute` holds); fp8_block's
-    wgrad (128 x 1 scale blocks along the reduction, a per-step promotion no faster than the bf16 wgrad)
-    and mxfp8's dequantize and take the backend's GEMM."""
+    QuantizedGemm capability can take this recipe's wgrad (moekit's Triton kernels, where `fp8_compute`
+    holds: fp8_rowwise, whose columnwise scales are constant along the wgrad's reduction and applied in
+    the epilogue, and fp8_block, whose 128 x 1 columnwise blocks are promoted per 128-row reduction
+    step); mxfp8's wgrad (32 x 1 blocks with E8M0 scales, no Hopper FP8 path) dequantizes its operands
+    and takes the backend's GEMM."""
     fp8 = quantized_gemm_of(impl)
     return fp8 is not None and fp8.quantized_wgrad_unavailable_reason(recipe, x) is None
 

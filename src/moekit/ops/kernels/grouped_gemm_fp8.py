@@ -12,8 +12,23 @@ Operands are float8 E4M3 with float32 dequantization multipliers (`scale_inv`); 
 accumulated in fp32 and the result leaves in the output's dtype:
 - BLOCK_SCALES (fp8_block): A has one scale per row per 128 reduction columns, B one per 128 x 128
   tile of w[g]. Scales change along the reduction, so they are applied in the main loop, one
-  reduction step = one scale block (BLOCK_RED == SCALE_BLOCK): acc += dot(a, b) * sa[:, None] *
-  sb[None, :], DeepSeek-V3's promotion of the FP8 products into an fp32 accumulator.
+  reduction step = one scale block (BLOCK_RED == SCALE_BLOCK), and a tile's columns lie in one
+  weight block (BLOCK_C divides SCALE_BLOCK): acc += dot(a, b) * (sa * sb)[:, None], DeepSeek-V3's
+  promotion of the FP8 products into an fp32 accumulator. The product must be complete before it is
+  scaled; so that the tensor cores need not idle while it is, the loop takes two steps an iteration:
+
+      p0 = dot(a0, b0)              Triton waits for it (wgmma.wait_group 0), which drains p1 too
+      acc = promote(acc, prev)      the previous iteration's second product
+      p1 = dot(a1, b1)              left in flight across the loop's back edge
+      acc = promote(acc, p0)        beside p1's MMAs
+      prev = p1
+
+  This is the shape Triton 3.6's wgmma pipeliner keeps asynchronous: a dot whose result is used
+  only by the loop's yield, and in the next iteration only after the loop's first wait 0 (p0's).
+  With one step an iteration the product is read before any such wait, and Triton waits right
+  after the dot. `promote` is pinned (inline asm with side effects) on the GPU: as plain arithmetic,
+  LLVM moves prev's promotion below p1's MMA, prev and p1 are then live together, the back edge
+  copies p1's in-flight accumulator registers, and ptxas serializes every wgmma of the kernel.
 - otherwise (fp8_rowwise): A has one scale per row, B one per output column (the forward: one per
   output channel of w; the dgrad: the weight's columnwise form, one per input channel). Both are
   constant along the reduction: the FP8 products accumulate unscaled and the scales are applied
@@ -31,6 +46,26 @@ import triton.language as tl
 
 from moekit.ops.kernels.grouped_gemm import fwd_epilogue
 from moekit.ops.kernels.schedule import gemm_tile, load_a, load_b, operand_descs, tile_schedule
+
+
+@triton.jit
+def promote(acc, prod, scale, PINNED: tl.constexpr):
+    """acc + prod * scale[:, None]: an FP8 step's product promoted into the fp32 accumulator with its
+    per-row scales (acc, prod (P, Q) fp32; scale (P,)). PINNED: as one `fma.rn.f32` inline-asm
+    statement per element with side effects, so that LLVM keeps it where the kernel puts it relative
+    to the wgmma statements (module docstring: the product's registers must be dead before the next
+    asynchronous MMA writes its own); only on the GPU (the interpreter has no inline asm)."""
+    if PINNED:
+        return tl.inline_asm_elementwise(
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [prod, scale[:, None], acc],
+            dtype=tl.float32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        return acc + prod * scale[:, None]
 
 
 @triton.jit
@@ -72,6 +107,7 @@ def grouped_mm_fp8_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     EPI_TMA: tl.constexpr,
+    PINNED: tl.constexpr,
 ):
     """c (M, COLS) = dequant(a) (M, RED) @ op(dequant(w[g])) per group, padding rows zero.
 
@@ -84,8 +120,11 @@ def grouped_mm_fp8_kernel(
        g * stride_bsg + c * stride_bs_col (one per output column).
     c: (M, COLS) in the output dtype, row stride stride_cm; bias (N, COLS) and its per-row scale as
        the bf16 kernel's.
+    With BLOCK_SCALES a second step past RED (an odd step count) reads zeros (TMA's fill, the pointer
+    path's mask) with scale 0. PINNED: `promote` as inline asm (GPU only).
     """
     tl.static_assert(not BLOCK_SCALES or BLOCK_RED == SCALE_BLOCK, "a reduction step is one scale block")
+    tl.static_assert(not BLOCK_SCALES or SCALE_BLOCK % BLOCK_C == 0, "a tile's columns are in one scale block")
     pid = tl.program_id(0)
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, tl.arange(0, BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
@@ -133,38 +172,97 @@ def grouped_mm_fp8_kernel(
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & (g < N)
         mask_sb = (offs_c < COLS) & (g < N)
         sa_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
-        if BLOCK_SCALES:
-            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + (offs_c // SCALE_BLOCK) * stride_bs_col
-        else:
-            sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + offs_c * stride_bs_col
+        sb_ptrs = b_scale_ptr + g.to(tl.int64) * stride_bsg + offs_c * stride_bs_col
         acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-        for step in range(red_steps):
-            red0 = step * BLOCK_RED
-            a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
-            b = load_b(
-                b_desc,
-                b_ptr,
-                g,
-                N,
-                red0,
-                c0,
-                COLS,
-                RED,
-                stride_bg,
-                stride_br,
-                TRANS_B,
-                USE_TMA,
-                False,
-                BLOCK_C,
-                BLOCK_RED,
-            )
-            if BLOCK_SCALES:
-                sa = tl.load(sa_ptrs + step, mask=mask_sa, other=0.0)
-                sb = tl.load(sb_ptrs + step * stride_bs_red, mask=mask_sb, other=0.0)
-                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            else:
+        if BLOCK_SCALES:
+            # The tile's columns lie in one weight scale block: one weight scale a step.
+            sb_ptr = b_scale_ptr + g.to(tl.int64) * stride_bsg + (c0 // SCALE_BLOCK) * stride_bs_col
+            prev = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+            s_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for pair in range(tl.cdiv(red_steps, 2)):
+                step0 = 2 * pair
+                step1 = step0 + 1
+                red0 = step0 * BLOCK_RED
+                red1 = red0 + BLOCK_RED
+                # A second step past RED (an odd step count) reads zeros with scale 0.
+                a0 = load_a(
+                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
+                )
+                b0 = load_b(
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red0,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
+                )
+                a1 = load_a(
+                    a_desc, a_ptr, red1, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
+                )
+                b1 = load_b(
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red1,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
+                )
+                s0 = tl.load(sa_ptrs + step0, mask=mask_sa, other=0.0) * tl.load(
+                    sb_ptr + step0 * stride_bs_red, mask=g < N, other=0.0
+                )
+                in1 = step1 < red_steps
+                s1 = tl.load(sa_ptrs + step1, mask=mask_sa & in1, other=0.0) * tl.load(
+                    sb_ptr + step1 * stride_bs_red, mask=(g < N) & in1, other=0.0
+                )
+                p0 = tl.dot(a0, b0)
+                acc = promote(acc, prev, s_prev, PINNED)
+                p1 = tl.dot(a1, b1)
+                acc = promote(acc, p0, s0, PINNED)
+                prev = p1
+                s_prev = s1
+            acc = promote(acc, prev, s_prev, False)
+        else:
+            for step in range(red_steps):
+                red0 = step * BLOCK_RED
+                a = load_a(
+                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
+                )
+                b = load_b(
+                    b_desc,
+                    b_ptr,
+                    g,
+                    N,
+                    red0,
+                    c0,
+                    COLS,
+                    RED,
+                    stride_bg,
+                    stride_br,
+                    TRANS_B,
+                    USE_TMA,
+                    False,
+                    BLOCK_C,
+                    BLOCK_RED,
+                )
                 acc = tl.dot(a, b, acc)
-        if not BLOCK_SCALES:
             sa = tl.load(sa_ptrs, mask=mask_sa, other=0.0)
             sb = tl.load(sb_ptrs, mask=mask_sb, other=0.0)
             acc = acc * (sa[:, None] * sb[None, :])

@@ -9,7 +9,11 @@ Legend: M routed rows, N groups (experts), I in_features, O out_features, X a ge
 
 fp8_rowwise's columnwise quantization of dy (M, O) and x (M, I) has one float32 dequantization
 multiplier per (group, column), constant along the wgrad's reduction (the group's rows): the FP8
-products accumulate unscaled in fp32 and the two scales are applied once, in the epilogue.
+products accumulate unscaled in fp32 and the two scales are applied once, in the epilogue
+(`grouped_wgrad_fp8_kernel`). fp8_block's has one per column of each 128-row block of a group
+(blocks restart at every group's first row): a 128-row step from the group's start is one block of
+both operands, promoted into the fp32 accumulator with its scales in the main loop, the forward's
+overlapped loop (`grouped_wgrad_fp8_block_kernel`, `moekit.ops.kernels.grouped_gemm_fp8`).
 
 Hopper's FP8 wgmma takes both operands from shared memory only "K-major", contiguous along the
 reduction; the reduction here runs down the rows of (M, X) data. So the kernel takes both operands
@@ -20,9 +24,11 @@ registers. A TMA box must start 16-byte aligned along the contiguous dimension, 
 at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
 operand, zeros filling the segment's tail (`segment_starts`).
 
-The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`, its FLATTEN form):
-every group owns the same (o, i) tile grid, a persistent program runs all its tiles' reduction steps
-in one software-pipelined loop, and the group offsets are read on the device only.
+The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`): every group owns
+the same (o, i) tile grid and the group offsets are read on the device only; fp8_rowwise's persistent
+program runs all its tiles' reduction steps in one software-pipelined loop (the FLATTEN form),
+fp8_block's one reduction loop per tile (its products must not be read in an epilogue branch inside
+the pipelined loop: `grouped_wgrad_fp8_block_kernel`).
 """
 
 from __future__ import annotations
@@ -258,3 +264,216 @@ def grouped_wgrad_fp8_kernel(
         # The step counter must not depend on the epilogue branch (the next tile's loads would wait
         # for this tile's store).
         step = tl.where(last, 0, step + 1)
+
+
+@triton.jit
+def wgrad_block_operands(
+    dy_desc,
+    x_desc,
+    dyt_ptr,
+    xt_ptr,
+    r0,
+    col_hi,
+    o0,
+    i0,
+    O,
+    I,
+    stride_dyt,
+    stride_xt,
+    USE_TMA: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(A, B) of one reduction step at column r0 of the transposed operands: A = dyt[o0:, r0:]
+    (BLOCK_O, BLOCK_M), B = xt[i0:, r0:]^T (BLOCK_M, BLOCK_I), a transposed view with TMA (the
+    descriptors' extents zero-fill); the pointer path reads zeros at columns >= col_hi and past O / I."""
+    if USE_TMA:
+        a = dy_desc.load([o0, r0])
+        b = x_desc.load([i0, r0]).T
+    else:
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_m = offs_m < col_hi
+        a = tl.load(
+            dyt_ptr + offs_o.to(tl.int64)[:, None] * stride_dyt + offs_m[None, :],
+            mask=(offs_o < O)[:, None] & mask_m[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            xt_ptr + offs_i.to(tl.int64)[None, :] * stride_xt + offs_m[:, None],
+            mask=mask_m[:, None] & (offs_i < I)[None, :],
+            other=0.0,
+        )
+    return a, b
+
+
+@triton.jit
+def block_scales(sdy_ptrs, sx_ptrs, slot, stride_dys, stride_xs, mask_o, mask_i):
+    """(s_dy, s_x): scale row `slot` of dy's (BLOCK_O,) and x's (BLOCK_I,) tile columns (sdy_ptrs /
+    sx_ptrs: the tile's columns of scale row 0); masked entries read 0."""
+    s_dy = tl.load(sdy_ptrs + slot.to(tl.int64) * stride_dys, mask=mask_o, other=0.0)
+    s_x = tl.load(sx_ptrs + slot.to(tl.int64) * stride_xs, mask=mask_i, other=0.0)
+    return s_dy, s_x
+
+
+@triton.jit
+def promote_outer(acc, prod, s_dy, s_x, PINNED: tl.constexpr):
+    """acc + prod * s_dy[:, None] * s_x[None, :]: one step's FP8 product (BLOCK_O, BLOCK_I) promoted into
+    the fp32 accumulator with its block's scales. PINNED: one inline-asm statement with side effects
+    per element, as `grouped_gemm_fp8.promote` (GPU only)."""
+    if PINNED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.f32 t, $2, $3; fma.rn.f32 $0, $1, t, $4; }",
+            "=r,r,r,r,r",
+            [prod, s_dy[:, None], s_x[None, :], acc],
+            dtype=tl.float32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        return acc + prod * (s_dy[:, None] * s_x[None, :])
+
+
+@triton.jit
+def grouped_wgrad_fp8_block_kernel(
+    dyt_ptr,
+    xt_ptr,
+    dy_scale_ptr,
+    x_scale_ptr,
+    dw_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dyt,
+    stride_xt,
+    stride_dys,
+    stride_xs,
+    stride_dwg,
+    stride_dwo,
+    SCALE_BLOCK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PINNED: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_O: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    EPI_TMA: tl.constexpr,
+):
+    """dw[g] (O, I) = sum over group g's scale blocks k of (dyt[:, block k] @ xt[:, block k]^T) *
+    s_dy[slot, :, None] * s_x[slot, None, :], slot = group g's first scale slot + k (fp8_block).
+
+    dyt / xt: as `grouped_wgrad_fp8_kernel`'s (`segment_starts`' layout, row strides in bytes, multiples
+    of 16). dy_scale (S, O) / x_scale (S, I) float32, row strides stride_dys / stride_xs, unit column
+    stride: fp8_block's columnwise scales, one per column of each block of SCALE_BLOCK rows of a group,
+    blocks restarting at every group's first row, group g's blocks from slot sum over h < g of
+    ceil(rows of h / SCALE_BLOCK) (`moekit.ops.quantize`'s slot offsets, recomputed here from offs). dw:
+    (N, O, I) in the output dtype, strides (stride_dwg, stride_dwo, 1).
+
+    Tiles BLOCK_O x BLOCK_I, a reduction step BLOCK_M rows (SCALE_BLOCK a multiple of it: a step lies in
+    one scale block, whose scales it applies: DeepSeek-V3's promotion of each step's FP8 product into
+    the fp32 accumulator). The main loop is `grouped_mm_fp8_kernel`'s: two steps an iteration, the
+    second step's MMA in flight while the first step's product is promoted (see there), so a tile runs
+    ceil(rows / (2 BLOCK_M)) iterations, none for a group without rows (its tiles store zeros). A
+    persistent program walks tiles t = pid, pid + NUM_PROGRAMS, ... (the bf16 wgrad's tile order,
+    `wgrad_tile`), one nested loop per tile.
+
+    Columns that must add nothing: a step that reaches past the group's last row reads zeros of dy (with
+    TMA through a dyt descriptor whose extent ends at the group's last row, made once per run of a
+    program's tiles of such a group; the pointer path masks both operands there) times x of the
+    segment's zero tail or of later groups (finite unless that x was not finite, as
+    `grouped_wgrad_fp8_kernel`'s), and a second step past the group's rows has scale 0. Padding rows
+    (past offs[N]) are never in a segment.
+    """
+    tl.static_assert(SCALE_BLOCK % BLOCK_M == 0, "a reduction step lies in one scale block")
+    pid = tl.program_id(0)
+    num_pid_o = tl.cdiv(O, BLOCK_O)
+    num_pid_i = tl.cdiv(I, BLOCK_I)
+    tiles_per_group = num_pid_o * num_pid_i
+    if EPI_TMA:
+        dw_desc = tl.make_tensor_descriptor(
+            dw_ptr, shape=[N, O, I], strides=[stride_dwg, stride_dwo, 1], block_shape=[1, BLOCK_O, BLOCK_I // 2]
+        )
+    else:
+        dw_desc = dw_ptr  # placeholder, unused without EPI_TMA
+    offs_g = tl.arange(0, BLOCK_GROUPS)
+    starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
+    cols_used = tl.maximum(cols_used, 1)
+    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+    blocks_v = tl.cdiv(hi_v - lo_v, SCALE_BLOCK)
+    slots_v = tl.cumsum(blocks_v, 0) - blocks_v
+    desc_g = -1
+    if USE_TMA:
+        # Whole-extent descriptors, built once: a group whose row count is a multiple of 2 BLOCK_M
+        # never reads past its end, so it needs no descriptor of its own.
+        dy_full = tl.make_tensor_descriptor(
+            dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+        )
+        x_desc = tl.make_tensor_descriptor(
+            xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
+        )
+        dy_desc = dy_full
+    else:
+        dy_desc = dyt_ptr  # placeholders, unused without USE_TMA
+        x_desc = xt_ptr
+    for tile_id in range(pid, N * tiles_per_group, NUM_PROGRAMS):
+        g, o0, i0, row_lo, row_hi = wgrad_tile(
+            tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
+        )
+        rows = row_hi - row_lo
+        col_lo = tl.sum(tl.where(offs_g == g, starts_v, 0), 0)
+        col_hi = col_lo + rows
+        slot_lo = tl.sum(tl.where(offs_g == g, slots_v, 0), 0)
+        if USE_TMA:
+            if rows % (2 * BLOCK_M) == 0:
+                dy_desc = dy_full
+                desc_g = -1
+            elif g != desc_g:
+                dy_desc = tl.make_tensor_descriptor(
+                    dyt_ptr, shape=[O, tl.maximum(col_hi, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
+                )
+                desc_g = g
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_o = offs_o < O
+        mask_i = offs_i < I
+        sdy_ptrs = dy_scale_ptr + offs_o
+        sx_ptrs = x_scale_ptr + offs_i
+        acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+        prev = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+        slot_prev = slot_lo
+        in_prev = False
+        for pair in range(tl.cdiv(rows, 2 * BLOCK_M)):
+            k0 = pair * (2 * BLOCK_M)
+            k1 = k0 + BLOCK_M
+            a0, b0 = wgrad_block_operands(
+                dy_desc, x_desc, dyt_ptr, xt_ptr, col_lo + k0, col_hi, o0, i0, O, I, stride_dyt, stride_xt,
+                USE_TMA, BLOCK_O, BLOCK_I, BLOCK_M,
+            )  # fmt: skip
+            a1, b1 = wgrad_block_operands(
+                dy_desc, x_desc, dyt_ptr, xt_ptr, col_lo + k1, col_hi, o0, i0, O, I, stride_dyt, stride_xt,
+                USE_TMA, BLOCK_O, BLOCK_I, BLOCK_M,
+            )  # fmt: skip
+            # The previous step's scales are read before this step's MMA, so that their latency hides
+            # behind it rather than in the promotion that no MMA overlaps.
+            sdy_prev, sx_prev = block_scales(
+                sdy_ptrs, sx_ptrs, slot_prev, stride_dys, stride_xs, mask_o & in_prev, mask_i
+            )
+            p0 = tl.dot(a0, b0)
+            acc = promote_outer(acc, prev, sdy_prev, sx_prev, PINNED)
+            p1 = tl.dot(a1, b1)
+            sdy0, sx0 = block_scales(
+                sdy_ptrs, sx_ptrs, slot_lo + k0 // SCALE_BLOCK, stride_dys, stride_xs, mask_o, mask_i
+            )
+            acc = promote_outer(acc, p0, sdy0, sx0, PINNED)
+            prev = p1
+            slot_prev = slot_lo + k1 // SCALE_BLOCK
+            in_prev = k1 < rows
+        sdy_prev, sx_prev = block_scales(sdy_ptrs, sx_ptrs, slot_prev, stride_dys, stride_xs, mask_o & in_prev, mask_i)
+        acc = promote_outer(acc, prev, sdy_prev, sx_prev, False)
+        wgrad_epilogue(acc, dw_ptr, dw_desc, g, o0, i0, O, I, stride_dwg, stride_dwo, EPI_TMA, BLOCK_O, BLOCK_I)

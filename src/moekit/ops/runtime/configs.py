@@ -90,20 +90,33 @@ FP8_BLOCK_RED = 128
 def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: int) -> tuple[GemmConfig, ...]:
     """Candidates of the FP8 grouped GEMM for one problem class; the first is the default.
 
-    128 x 128 tiles for fp8_block (the promotion holds two fp32 tiles live, the accumulator and the
-    step's product: 128 x 256 would be 256 registers a thread of 8 warps); fp8_rowwise may take
-    128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight transposed,
-    the forward's K-major orientation (`op` names the problem class only). Stages: 4 of 32 KiB (128 x 128 tiles) or
-    3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in Hopper's 227 KiB."""
+    fp8_block: tiles of at most 128 columns (one weight scale block a step: a tile's columns must not
+    straddle two) and at most 64 fp32 registers a thread per tile, since its main loop keeps three fp32
+    tiles live (the accumulator, the previous step's product and the current one:
+    `kernels.grouped_gemm_fp8`); 128 x 128 with 8 warps (two warpgroups of 64 rows), or 64 x 128 with
+    4 warps and two programs a multiprocessor (one program's promotion overlaps the other's MMAs). Its
+    loop moves two reduction steps a stage: 2 or 3 stages of 64 KiB (128 x 128, beside the epilogue's
+    32 KiB staging tile, within Hopper's 227 KiB a program) or 2 of 48 KiB (64 x 128: two programs of
+    about 104 KiB each within the 228 KiB of a multiprocessor). fp8_rowwise may
+    take 128 x 256 (one fp32 tile, as the bf16 kernel's), the dgrad too: it runs on the weight
+    transposed, the forward's K-major orientation (`op` names the problem class only); 4 stages of 32
+    KiB (128 x 128 tiles) or 3 of 48 KiB (128 x 256), beside the epilogue's staging tile, fit in
+    Hopper's 227 KiB."""
     red = FP8_BLOCK_RED
     if arch == "interpreter":
         return (GemmConfig(32, 32, red, 4, 1, 4, False, True),)
     if arch == "sm90" and use_tma:
+        if recipe == "fp8_block":
+            return (
+                GemmConfig(128, 128, red, 8, 2, 8, False, True),
+                GemmConfig(64, 128, red, 8, 2, 4, False, True, programs_per_sm=2),
+                GemmConfig(128, 128, red, 8, 3, 8, False, True),
+            )
         narrow = (
             GemmConfig(128, 128, red, 8, 4, 8, False, True),
             GemmConfig(128, 128, red, 8, 4, 8, True, True),
         )
-        if recipe == "fp8_block" or cols <= 128:
+        if cols <= 128:
             return narrow
         return (GemmConfig(128, 256, red, 8, 3, 8, False, True), *narrow)
     # Pointer path (Ada's FP8 tensor cores, operands TMA cannot take): within ~100 KB of shared memory.
@@ -111,24 +124,36 @@ def fp8_gemm_candidates(op: str, recipe: str, use_tma: bool, arch: Arch, cols: i
 
 
 @functools.cache
-def fp8_wgrad_candidates(use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
+def fp8_wgrad_candidates(recipe: str, use_tma: bool, arch: Arch) -> tuple[GemmConfig, ...]:
     """Candidates of the FP8 wgrad (kernels.grouped_wgrad_fp8; tile (O, I), reduction over the group's
-    rows, always the flattened loop); the first is the default.
+    rows); the first is the default.
 
-    sm90 with TMA: the bf16 wgrad's 128 x 256 tile (one fp32 accumulator, 128 registers a thread at 8
-    warps) with 128 rows a step (128 bytes of FP8 a box row, one 128-byte swizzle row; FP8 wgmma takes
-    32 a instruction): 3 stages of 48 KiB beside the epilogue's 32 KiB half-tile staging fit Hopper's
-    227 KiB; 128 x 128 with 4 stages of 32 KiB as the alternative. Pointer loads (Ada's FP8 tensor
-    cores): within ~100 KB of shared memory. Interpreter: small tiles, 32 rows a step (longer than a
+    fp8_rowwise (always the flattened loop), sm90 with TMA: the bf16 wgrad's 128 x 256 tile (one fp32
+    accumulator, 128 registers a thread at 8 warps) with 128 rows a step (128 bytes of FP8 a box row,
+    one 128-byte swizzle row; FP8 wgmma takes 32 a instruction): 3 stages of 48 KiB beside the
+    epilogue's 32 KiB half-tile staging fit Hopper's 227 KiB; 128 x 128 with 4 stages of 32 KiB as the
+    alternative. fp8_block (a tile loop around a reduction loop of two 128-row steps an iteration, the
+    steps' products promoted with their block's scales, the forward's main loop): 128 x 128 at 8 warps
+    (three fp32 tiles live: the accumulator and two steps' products, 192 registers a thread), 2 or 3
+    stages of 64 KiB. Pointer loads (Ada's FP8 tensor cores): within ~100 KB of shared memory; steps of
+    64 rows (fp8_block: half a scale block). Interpreter: small tiles, 32 rows a step (longer than a
     16-column segment tail, so that a ragged group's last step reaches the next group's columns, as
-    on the GPU), so that CPU tests cross several tiles and steps."""
+    on the GPU; a quarter of an fp8_block scale block), so that CPU tests cross several tiles, steps
+    and scale blocks."""
     if arch == "interpreter":
         return (GemmConfig(32, 32, 32, 4, 1, 4, True, True),)
     if arch == "sm90" and use_tma:
+        if recipe == "fp8_block":
+            return (
+                GemmConfig(128, 128, FP8_BLOCK_RED, 8, 2, 8, False, True),
+                GemmConfig(128, 128, FP8_BLOCK_RED, 8, 3, 8, False, True),
+            )
         return (
             GemmConfig(128, 256, FP8_BLOCK_RED, 8, 3, 8, True, True),
             GemmConfig(128, 128, FP8_BLOCK_RED, 8, 4, 8, True, True),
         )
+    if recipe == "fp8_block":
+        return (GemmConfig(128, 64, 64, 8, 2, 4, False, False), GemmConfig(64, 64, 64, 8, 2, 4, False, False))
     return (GemmConfig(128, 128, 64, 8, 3, 8, True, False), GemmConfig(128, 64, 64, 8, 3, 4, True, False))
 
 

@@ -120,7 +120,7 @@ def mm_schedule(M: int, N: int, out_cols: int, out_size: int, cfg: GemmConfig, t
     program per multiprocessor at most, fewer when the tile bound (each group's row tiles, plus a
     partial tile per group and the padding pseudo-group) is smaller."""
     bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
-    nprog = grid_size(device, bound)
+    nprog = grid_size(device, bound, cfg.programs_per_sm)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
     return dict(

@@ -40,7 +40,11 @@ import triton
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
-from moekit.ops.kernels.grouped_wgrad_fp8 import grouped_wgrad_fp8_kernel, transpose_rows_kernel
+from moekit.ops.kernels.grouped_wgrad_fp8 import (
+    grouped_wgrad_fp8_block_kernel,
+    grouped_wgrad_fp8_kernel,
+    transpose_rows_kernel,
+)
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
     TRANSPOSE_TILES,
@@ -70,6 +74,7 @@ from moekit.ops.runtime.launch import (
 
 _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
 _WGRAD_FP8 = Launcher(grouped_wgrad_fp8_kernel)
+_WGRAD_FP8_BLOCK = Launcher(grouped_wgrad_fp8_block_kernel)
 _TRANSPOSE_ROWS = Launcher(transpose_rows_kernel)
 
 # The recipes this kernel computes, and the side of their scale blocks (None: whole rows / columns).
@@ -191,6 +196,7 @@ def _launch(
             SCALE_BLOCK=block if block is not None else 1,
             HAS_BIAS=bias is not None,
             HAS_SCALE=has_scale,
+            PINNED=not INTERPRET,
             **schedule,
         ),
     )
@@ -244,6 +250,8 @@ def _plan(
     has_scale = bias_scale is not None
     if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and cfg.block_red != FP8_BLOCK_RED:
         raise ValueError(f"cfg.block_red must be {FP8_BLOCK_RED} for {recipe} (one reduction step per scale block)")
+    if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and FP8_BLOCK_RED % cfg.block_cols:
+        raise ValueError(f"cfg.block_cols must divide {FP8_BLOCK_RED} for {recipe} (a tile in one weight scale block)")
     tma, arch = use_tma(forced_tma, red > 0, a, w)
     with device_ctx(a.device):
         if cfg is None:
@@ -350,20 +358,19 @@ def quantized_gemm_dgrad(
 # The FP8 wgrad (kernels.grouped_wgrad_fp8)
 # --------------------------------------------------------------------------------------------------
 
-# The recipes the FP8 wgrad computes. fp8_block's columnwise blocks are 128 x 1 along M (a scale per
-# 128 rows of a group and column): its products would need the per-step promotion of fp8_block's
-# forward (notes/quantized_gemm.md), no faster than the bf16 wgrad, so fp8_block's wgrad stays on the
-# reference path.
-FP8_WGRAD_RECIPES = ("fp8_rowwise",)
+# The recipes the FP8 wgrad computes: fp8_rowwise (a scale per group and column, constant along the
+# reduction: applied in the epilogue) and fp8_block (128 x 1 blocks along each group's rows: a scale per
+# reduction step of 128 rows, promoted in the main loop as the forward's). mxfp8 has no Hopper path.
+FP8_WGRAD_RECIPES = ("fp8_block", "fp8_rowwise")
 
 
 def fp8_wgrad_unavailable_reason(recipe: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the FP8 wgrad cannot run `recipe` with outputs of `dtype` on `device`; None if it can:
-    fp8_rowwise (FP8_WGRAD_RECIPES) where the FP8 GEMM can run (`fp8_gemm_unavailable_reason`)."""
+    fp8_block or fp8_rowwise (FP8_WGRAD_RECIPES) where the FP8 GEMM can run (`fp8_gemm_unavailable_reason`)."""
     if recipe not in FP8_WGRAD_RECIPES:
         return (
-            f"moekit's FP8 wgrad computes {FP8_WGRAD_RECIPES}, not {recipe!r} (fp8_block's 128 x 1 columnwise "
-            "blocks change scale along the reduction: the bf16 wgrad on the dequantized operands is as fast)"
+            f"moekit's FP8 wgrad computes {FP8_WGRAD_RECIPES}, not {recipe!r} (mxfp8's 32 x 1 blocks with E8M0 "
+            "scales have no Hopper FP8 tensor-core path)"
         )
     return fp8_gemm_unavailable_reason(recipe, device, dtype)
 
@@ -401,14 +408,19 @@ def _check_wgrad(
             f"{dy_data.device} must have the same rows on one device"
         )
     N = offs.shape[0] - 1 if offs.dim() == 1 else -1
+    block = FP8_GEMM_RECIPES[recipe]
+    # fp8_rowwise: one scale per group and column; fp8_block: one per column of each block of 128 rows of
+    # a group, every split's blocks within ceil(M / 128) + N slots (`columnwise_scale_shape`).
+    slots = N if block is None else triton.cdiv(dy_data.shape[0], block) + N
+    what = "one per group and column" if block is None else f"one per column of each {block}-row block of a group"
     for name, t, cols in (("dy_scale", dy_scale, dy_data.shape[1]), ("x_scale", x_scale, x_data.shape[1])):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise TypeError(
                 f"{name} must be a float32 tensor (group_quantize's columnwise scale_inv), got {getattr(t, 'dtype', t)}"
             )
-        if tuple(t.shape) != (N, cols) or t.device != dy_data.device:
+        if tuple(t.shape) != (slots, cols) or t.device != dy_data.device:
             raise ValueError(
-                f"{name} must be {recipe}'s columnwise scales ({N}, {cols}) (one per group and column) on "
+                f"{name} must be {recipe}'s columnwise scales ({slots}, {cols}) ({what}) on "
                 f"{dy_data.device}, got {tuple(t.shape)} on {t.device}"
             )
 
@@ -431,18 +443,32 @@ def _transpose_launch(M: int, X: int, N: int, stride: int, device: torch.device)
 
 
 def _wgrad_launch(
-    M: int, O: int, I: int, N: int, pitch: int, out_dtype: torch.dtype, cfg: GemmConfig, tma: bool, device: torch.device
+    recipe: str,
+    M: int,
+    O: int,
+    I: int,
+    N: int,
+    pitch: int,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig,
+    tma: bool,
+    device: torch.device,
 ) -> LaunchPlan:
-    """grouped_wgrad_fp8_kernel for transposed operands (O, pitch) / (I, pitch), contiguous (N, O) / (N, I)
-    scales and a fresh (N, O, I) output; tensors (dyt, xt, dy_scale, x_scale, dw, offs)."""
+    """The FP8 wgrad kernel of `recipe` (grouped_wgrad_fp8_kernel for fp8_rowwise,
+    grouped_wgrad_fp8_block_kernel for fp8_block) for transposed operands (O, pitch) / (I, pitch),
+    contiguous (slots, O) / (slots, I) scales and a fresh (N, O, I) output; tensors (dyt, xt, dy_scale,
+    x_scale, dw, offs)."""
     bound = N * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
-    nprog = grid_size(device, bound)
+    nprog = grid_size(device, bound, cfg.programs_per_sm)
     epi_tma = bool(cfg.epi_tma and tma and (I * (torch.finfo(out_dtype).bits // 8)) % 16 == 0)
+    block = FP8_GEMM_RECIPES[recipe]
+    extra: dict = {} if block is None else dict(SCALE_BLOCK=block, PINNED=not INTERPRET)
     return LaunchPlan(
-        _WGRAD_FP8,
+        _WGRAD_FP8 if block is None else _WGRAD_FP8_BLOCK,
         (nprog,),
         (M, O, I, N, pitch, pitch, O, I, O * I, I),
         dict(
+            **extra,
             USE_TMA=tma,
             BLOCK_O=cfg.block_rows,
             BLOCK_I=cfg.block_cols,
@@ -490,6 +516,7 @@ def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
 
 
 def _plan_wgrad(
+    recipe: str,
     M: int,
     O: int,
     I: int,
@@ -500,7 +527,7 @@ def _plan_wgrad(
     forced_tma: bool | None,
     device: torch.device,
 ) -> LaunchPlan | None:
-    """The wgrad launch on `segment_transpose`'s operands (None: nothing to compute)."""
+    """The wgrad launch of `recipe` on `segment_transpose`'s operands (None: nothing to compute)."""
     if M == 0 or N == 0 or O == 0 or I == 0:
         return None
     pitch = _row_pitch(M, N)
@@ -508,16 +535,18 @@ def _plan_wgrad(
     tma, arch = use_tma(forced_tma, True, dyt, xt)
     with device_ctx(device):
         if cfg is None:
-            s_dy = empty((N, O), device, torch.float32)
-            s_x = empty((N, I), device, torch.float32)
+            block = FP8_GEMM_RECIPES[recipe]
+            slots = N if block is None else triton.cdiv(M, block) + N
+            s_dy = empty((slots, O), device, torch.float32)
+            s_x = empty((slots, I), device, torch.float32)
 
             def trial(c: GemmConfig) -> None:
                 dw = empty((N, O, I), device, out_dtype)
-                _wgrad_launch(M, O, I, N, pitch, out_dtype, c, tma, device)(dyt, xt, s_dy, s_x, dw, offs)
+                _wgrad_launch(recipe, M, O, I, N, pitch, out_dtype, c, tma, device)(dyt, xt, s_dy, s_x, dw, offs)
 
-            problem = ("fp8_wgrad", out_dtype, O, I, N, next_power_of_2(M), tma)
-            cfg = pick_config(problem, fp8_wgrad_candidates(tma, arch), trial, device)
-    return _wgrad_launch(M, O, I, N, pitch, out_dtype, cfg, tma, device)
+            problem = ("fp8_wgrad", recipe, out_dtype, O, I, N, next_power_of_2(M), tma)
+            cfg = pick_config(problem, fp8_wgrad_candidates(recipe, tma, arch), trial, device)
+    return _wgrad_launch(recipe, M, O, I, N, pitch, out_dtype, cfg, tma, device)
 
 
 def quantized_gemm_wgrad(
@@ -535,23 +564,32 @@ def quantized_gemm_wgrad(
     """FP8 grouped wgrad: dw (N, O, I) in out_dtype, dw[g] = sum over rows r of g of dy_q[r]^T x_q[r] with
     the columnwise scales, products of the FP8 data accumulated in fp32.
 
-    recipe: fp8_rowwise (FP8_WGRAD_RECIPES). dy_data (M, O) / dy_scale (N, O): dy's columnwise
-    quantization (one float32 scale per group and column); x_data (M, I) / x_scale (N, I): x's. offs:
+    recipe: fp8_block or fp8_rowwise (FP8_WGRAD_RECIPES). dy_data (M, O) / dy_scale: dy's columnwise
+    quantization, float32 scales (N, O) for fp8_rowwise (one per group and column) or (ceil(M / 128) +
+    N, O) for fp8_block (one per column of each 128-row block of a group, the groups' blocks one after
+    another: `moekit.grouped_tensor.columnwise_scale_shape`; the kernel finds group g's first block
+    from offs); x_data (M, I) / x_scale: x's likewise. offs:
     (N+1,) int64 device tensor, offs[0] = 0, non-decreasing, offs[N] <= M; groups without rows get
     zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
     (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
-    and one write of each), then one launch computes every group's dw with the scales in the epilogue
-    (kernels.grouped_wgrad_fp8). No host reads of offs. cfg / use_tma: a fixed kernel
+    and one write of each), then one launch computes every group's dw (kernels.grouped_wgrad_fp8:
+    fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop). No host reads
+    of offs. cfg / use_tma: a fixed kernel
     configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
     """
     _check_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, offs, out_dtype)
+    block = FP8_GEMM_RECIPES[recipe]
+    if cfg is not None and block is not None and block % cfg.block_red:
+        raise ValueError(f"cfg.block_red must divide {block} for {recipe} (a reduction step lies in one scale block)")
     M, O = dy_data.shape
     I = x_data.shape[1]
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, dy_data.device)
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
     key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
-    plan = plan_launch("fp8_wgrad", key, lambda: _plan_wgrad(M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device))
+    plan = plan_launch(
+        "fp8_wgrad", key, lambda: _plan_wgrad(recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device)
+    )
     dw = empty((N, O, I), dy_data.device, out_dtype)
     if plan is None:
         return dw.zero_()
