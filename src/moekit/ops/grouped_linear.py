@@ -415,7 +415,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     run on the backend's FP8 kernels (its QuantizedGemm capability), the dgrad on the weight's transposed
     copy `wt_data` / `wt_scale` (`moekit.ops.quantize.TransposedWeight`, kept beside weight_q and saved
     likewise); otherwise the reference path (wt_* None). `fp8_wgrad`: the wgrad too, from the columnwise
-    quantizations of dy and x (fp8_rowwise; `fp8_wgrad_compute`); otherwise it dequantizes them."""
+    quantizations of dy and x (fp8_rowwise, fp8_block; `fp8_wgrad_compute`); otherwise it dequantizes them."""
 
     @staticmethod
     def forward(
@@ -577,8 +577,8 @@ def grouped_linear(
     the backend has them and can run the recipe (the "triton" backend: fp8_block and fp8_rowwise on
     compute capability >= 8.9, e.g. Hopper; `fp8_compute`), on the reference path otherwise (quantize,
     dequantize, the GEMMs in x's dtype: the "torch" and "loop" backends, mxfp8, older GPUs); the wgrad
-    on FP8 kernels for fp8_rowwise where the forward's are (`fp8_wgrad_compute`), on the reference path
-    for fp8_block and mxfp8. weight_cache: a
+    on FP8 kernels for fp8_rowwise and fp8_block where the forward's are (`fp8_wgrad_compute`), on the
+    reference path for mxfp8. weight_cache: a
     `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
     modules pass theirs: the weight is quantized once per optimizer step); without one, every call
     quantizes the weight.
