@@ -250,9 +250,10 @@ def _load_partition(
             red0 = step * BLOCK_RED
             if GATHER:
                 red_c = gl.expand_dims(red0 + cols, 0)
-                async_copy.async_copy_global_to_shared(
-                    a_bufs.index(slot), x_rows + red_c, mask=mask_rows & (red_c < H)
-                )
+                # The column mask in whole 16-byte pieces (8 | H as TMA's 16-byte rows need): one
+                # predicate per copy whatever H's divisibility, so each copy stays 16 bytes wide.
+                mask_c = red_c // VEC < H // VEC
+                async_copy.async_copy_global_to_shared(a_bufs.index(slot), x_rows + red_c, mask=mask_rows & mask_c)
                 # Counted arrivals (the barrier expects one per thread of this partition).
                 async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             else:
