@@ -22,11 +22,12 @@ import pytest
 import torch
 
 pytest.importorskip("moekit.ops.runtime.glu")
+from test_moe_experts import make_inputs, torch_moe_experts  # noqa: E402
+
 import moekit  # noqa: E402
 from helpers import BF16, CUDA, assert_no_nan, check_against_reference, on_device  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 from moekit.ops.runtime import launch  # noqa: E402
-from test_moe_experts import make_inputs, torch_moe_experts  # noqa: E402
 
 ON_CPU = launch.unavailable_reason("cpu", torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -139,7 +140,8 @@ src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.ind
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 ptx = compiled.asm["ptx"]
 print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-                  "cp_async_16": ptx.count("cp.async.cg.shared.global"), "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
+                  "cp_async_16": ptx.count("cp.async.cg.shared.global"),
+                  "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
                   "fence": ptx.count("fence.proxy.async.shared::cta"), "tma": ptx.count("cp.async.bulk.tensor.2d"),
                   "expect": ptx.count("mbarrier.arrive.expect_tx"), "setmaxnreg": "setmaxnreg" in ptx,
                   "load_regs": "setmaxnreg.inc.sync.aligned.u32 \\t40;" in ptx}))

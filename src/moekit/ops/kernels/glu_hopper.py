@@ -201,12 +201,13 @@ def _load_partition(
             [1, VEC], [32 * VEC // BLOCK_RED, BLOCK_RED // VEC], [gl.num_warps(), 1], [1, 0]
         )
         cols = gl.arange(0, BLOCK_RED, layout=gl.SliceLayout(0, gather_layout))
-        nbytes: gl.constexpr = 2 * BLOCK_C * BLOCK_RED * elem_bytes  # the weights' TMA bytes
     else:
         x_desc = tma.make_tensor_descriptor(
             x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
         )
-        nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * elem_bytes
+    # A slot's TMA bytes: the two weight boxes, and x's box unless its rows are gathered.
+    X_BOX_ROWS: gl.constexpr = 0 if GATHER else BLOCK_M
+    nbytes: gl.constexpr = (X_BOX_ROWS + 2 * BLOCK_C) * BLOCK_RED * elem_bytes
     if W_TRANSPOSED:  # the 2-D view (N * H, 2F) of the (N, H, 2F) tensor under w1: MN-major boxes
         w_desc = tma.make_tensor_descriptor(
             w_ptr,
