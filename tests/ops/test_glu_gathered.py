@@ -26,6 +26,7 @@ from test_moe_experts import make_inputs, torch_moe_experts  # noqa: E402
 
 import moekit  # noqa: E402
 from helpers import BF16, CUDA, assert_no_nan, check_against_reference, on_device  # noqa: E402
+from moekit.ops import library  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 from moekit.ops.runtime import launch  # noqa: E402
 
@@ -109,6 +110,32 @@ def test_gathered_launch_plan():
     assert plan.constexprs["GATHER"] and plan.constexprs["LOAD_WARPS"] == 4
     plain = rglu._forward_ws_launch(x, w1, None, p, 128, "swiglu")
     assert plain.ints[0] == 20 and not plain.constexprs["GATHER"] and plain.constexprs["LOAD_WARPS"] == 1
+
+
+@cpu_only
+def test_moe_experts_forward_reads_x_through_the_token_map(monkeypatch):
+    """moe_experts' fused forward hands x (T, H) and the token map to fc1's launch (one
+    glu_forward_gathered call) and gathers no (M, H) copy of x itself; the result is unchanged."""
+    inputs = make_inputs(24, 4, 2, hidden=32, ffn=16, seed=4)
+    with torch.no_grad():
+        before = moekit.moe_experts(**inputs, backend="triton")
+    calls = {"gathered": 0, "x_rows": 0}
+    gathered, gather_rows = library.glu_forward_gathered, library.gather_sum_rows
+
+    def count_gathered(*args):
+        calls["gathered"] += 1
+        return gathered(*args)
+
+    def count_rows(src, index, weight, use_triton):
+        calls["x_rows"] += src.shape == inputs["x"].shape and index.shape[1] == 1
+        return gather_rows(src, index, weight, use_triton)
+
+    monkeypatch.setattr(library, "glu_forward_gathered", count_gathered)
+    monkeypatch.setattr(library, "gather_sum_rows", count_rows)
+    with torch.no_grad():
+        after = moekit.moe_experts(**inputs, backend="triton")
+    assert calls == {"gathered": 1, "x_rows": 0}
+    assert torch.equal(before, after)
 
 
 # ---------------------------------------------------------------------------------------------
