@@ -275,6 +275,18 @@ def _glu_forward(backend: str, x_MH: torch.Tensor, w1_N2FH: torch.Tensor, offs: 
     return _fused(backend).glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation)
 
 
+def _glu_forward_gathered(backend: str, x_TH: torch.Tensor, token_of_row: torch.Tensor, w1_N2FH: torch.Tensor,
+                          offs: torch.Tensor, bias_N2F: torch.Tensor | None, probs_M: torch.Tensor | None,
+                          glu_interleave_size: int | None,
+                          activation: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`_glu_forward` of the routed rows x_TH[token_of_row] (M, H): (h (M, 2F), act (M, F)), the same bits;
+    the kernel reads the token rows where it can, else they are gathered first
+    (`moekit.ops.runtime.glu.glu_forward_gathered`)."""
+    return _fused(backend).glu_forward_gathered(
+        x_TH, token_of_row, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation
+    )
+
+
 def _glu_backward(backend: str, dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F: torch.Tensor,
                   offs: torch.Tensor, probs_M: torch.Tensor | None, glu_interleave_size: int | None,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -293,6 +305,9 @@ def _dbias_and_dot(backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH:
 
 
 _glu_forward_op = torch.library.custom_op("moekit::glu_forward", _glu_forward, mutates_args=())
+_glu_forward_gathered_op = torch.library.custom_op(
+    "moekit::glu_forward_gathered", _glu_forward_gathered, mutates_args=()
+)
 _glu_backward_op = torch.library.custom_op("moekit::glu_backward", _glu_backward, mutates_args=())
 _dbias_and_dot_op = torch.library.custom_op("moekit::dbias_and_dot", _dbias_and_dot, mutates_args=())
 
@@ -310,6 +325,22 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     two_f = w1_N2FH.shape[1]
     return x_MH.new_empty(x_MH.shape[0], two_f), x_MH.new_empty(x_MH.shape[0], two_f // 2)
+
+
+@_glu_forward_gathered_op.register_fake
+def _(
+    backend: str,
+    x_TH: torch.Tensor,
+    token_of_row: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, two_f = token_of_row.shape[0], w1_N2FH.shape[1]
+    return x_TH.new_empty(rows, two_f), x_TH.new_empty(rows, two_f // 2)
 
 
 @_glu_backward_op.register_fake
@@ -336,6 +367,7 @@ def _(
 
 
 glu_forward = _entry(_glu_forward_op, _glu_forward)
+glu_forward_gathered = _entry(_glu_forward_gathered_op, _glu_forward_gathered)
 dbias_and_dot = _entry(_dbias_and_dot_op, _dbias_and_dot)
 _glu_backward_entry = _entry(_glu_backward_op, _glu_backward)
 

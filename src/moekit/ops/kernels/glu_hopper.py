@@ -19,11 +19,25 @@ The forward runs three partitions of one program at once:
 
     load      (1 warp)   TMA loads of x and of the gate and up weight rows into a ring of STAGES
                          shared-memory slots, running ahead across tile boundaries
+              (4 warps)  with GATHER: the weights by TMA as above, x's rows gathered from the token
+                         rows x[idx[r]] by cp.async (below)
     mma       (8 warps)  wgmma over the ring into two fp32 accumulators (gate, up); at a tile's end
                          adds the bias, rounds h to the output dtype and hands it over in shared
                          memory, then starts the next tile
     epilogue  (4 warps)  reads h back in column chunks, stores h, computes the activation (and
                          probs) from the rounded h and stores it, all by coalesced pointer stores
+
+GATHER: the routed row r of a tile is row idx[r] of x (T, H), `moe_experts`' token of each sorted
+row, so the (M, H) copy of x in expert order is never written. Hopper's TMA moves boxes, not rows
+picked by an index (sm_100's tma.async_gather does), and one 1-row box per row would be 128 TMA
+issues of 128 bytes per slot from one thread, each needing its row index as a scalar. Instead the
+load partition takes its whole warp group: each of its 128 threads holds the 64-bit addresses of 8
+of the tile's rows (read once a tile) and copies 16 bytes per row per slot by cp.async into the
+slot's swizzled buffer, then arrives on the slot's barrier when its copies land (a counted
+arrival: the barrier expects the TMA's arrival and one per thread); the mma partition fences the
+generic-proxy writes before wgmma reads them. Rows outside the tile's expert are zeros (TMA reads
+the neighbours' rows there); a row's products depend on its own x only and such rows are never
+stored, so h and act are the bits of the TMA path over the gathered rows.
 
 The tile schedule (`moekit.ops.kernels.schedule`) and the activation pair (ACT, ACT_GRAD from
 `moekit.ops.kernels.activations`) are the Triton kernels' own jit functions, called from Gluon, so
@@ -63,7 +77,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from moekit.ops.kernels.schedule import tile_coords, tile_schedule
 
@@ -129,6 +150,7 @@ def _load_partition(
     bias_ptr,
     probs_ptr,
     offs_ptr,
+    idx_ptr,
     M,
     F,
     H,
@@ -162,15 +184,30 @@ def _load_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     EPI_COLS: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """x's rows and the tile's two runs of weight rows (`_weight_runs`), BLOCK_RED reduction columns a
-    slot, into the ring."""
+    slot, into the ring. The weights by TMA; x's rows by TMA too, or with GATHER by cp.async from
+    x's token rows idx[r] (one 16-byte copy per thread per 8 columns, the row addresses formed once a
+    tile), each thread's copies arriving on the slot's barrier when they land."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
-    x_desc = tma.make_tensor_descriptor(
-        x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
-    )
+    elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if GATHER:
+        # BLOCK_RED columns of a row as 16-byte pieces across a warp's lanes, rows across the warps.
+        VEC: gl.constexpr = 16 // elem_bytes
+        gather_layout: gl.constexpr = gl.BlockedLayout(
+            [1, VEC], [32 * VEC // BLOCK_RED, BLOCK_RED // VEC], [gl.num_warps(), 1], [1, 0]
+        )
+        cols = gl.arange(0, BLOCK_RED, layout=gl.SliceLayout(0, gather_layout))
+    else:
+        x_desc = tma.make_tensor_descriptor(
+            x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+        )
+    # A slot's TMA bytes: the two weight boxes, and x's box unless its rows are gathered.
+    X_BOX_ROWS: gl.constexpr = 0 if GATHER else BLOCK_M
+    nbytes: gl.constexpr = (X_BOX_ROWS + 2 * BLOCK_C) * BLOCK_RED * elem_bytes
     if W_TRANSPOSED:  # the 2-D view (N * H, 2F) of the (N, H, 2F) tensor under w1: MN-major boxes
         w_desc = tma.make_tensor_descriptor(
             w_ptr,
@@ -187,22 +224,41 @@ def _load_partition(
             block_shape=[BLOCK_C, BLOCK_RED],
             layout=bg_bufs.type.layout,
         )
-    nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * x_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
         )
-        # Padding tiles point past the last row (TMA reads zeros there).
-        x_row0 = gl.where(g < N, row0, M)
+        if GATHER:
+            # The tile's own rows only (never idx past offs[N]): zeros elsewhere, as the rows of
+            # padding tiles. A row's products depend on its own x only, and the other rows of the
+            # tile (another expert's, or padding) are never stored, so h and act are the bits of the
+            # TMA path over the gathered rows.
+            offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
+            mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & (g < N)
+            token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
+            x_rows = gl.expand_dims(x_ptr + token.to(gl.int64) * stride_xm, 1)
+            mask_rows = gl.expand_dims(mask_m, 1)
+        else:
+            # Padding tiles point past the last row (TMA reads zeros there).
+            x_row0 = gl.where(g < N, row0, M)
         run0, run1 = _weight_runs(c0, GLU_BLOCK, PAIRED, BLOCK_C)
         for step in range(red_steps):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
-            tma.async_copy_global_to_shared(x_desc, [x_row0, red0], ready.index(slot), a_bufs.index(slot))
+            if GATHER:
+                red_c = gl.expand_dims(red0 + cols, 0)
+                # The column mask in whole 16-byte pieces (8 | H as TMA's 16-byte rows need): one
+                # predicate per copy whatever H's divisibility, so each copy stays 16 bytes wide.
+                mask_c = red_c // VEC < H // VEC
+                async_copy.async_copy_global_to_shared(a_bufs.index(slot), x_rows + red_c, mask=mask_rows & mask_c)
+                # Counted arrivals (the barrier expects one per thread of this partition).
+                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+            else:
+                tma.async_copy_global_to_shared(x_desc, [x_row0, red0], ready.index(slot), a_bufs.index(slot))
             if W_TRANSPOSED:
                 tma.async_copy_global_to_shared(w_desc, [g * H + red0, run0], ready.index(slot), bg_bufs.index(slot))
                 tma.async_copy_global_to_shared(w_desc, [g * H + red0, run1], ready.index(slot), bu_bufs.index(slot))
@@ -222,6 +278,7 @@ def _epilogue_partition(
     bias_ptr,
     probs_ptr,
     offs_ptr,
+    idx_ptr,
     M,
     F,
     H,
@@ -255,6 +312,7 @@ def _epilogue_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     EPI_COLS: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """h and the activation of each tile from the rounded h the mma partition left in shared memory,
     EPI_COLS columns at a time, by 16-byte pointer stores."""
@@ -365,6 +423,7 @@ def _mma_partition(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """The two accumulators of each tile over the ring; h (rounded, bias added, zeros on padding
     tiles) handed to the epilogue partition through hg_smem / hu_smem."""
@@ -387,6 +446,9 @@ def _mma_partition(
         for step in range(red_steps):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            if GATHER:
+                # x's tile came by cp.async (the generic proxy); wgmma reads it through the async proxy.
+                fence_async_shared()
             if W_TRANSPOSED:  # (BLOCK_RED, BLOCK_C) boxes: MN-major B
                 acc_g = warpgroup_mma(a_bufs.index(slot), bg_bufs.index(slot), acc_g, is_async=True)
                 acc_u = warpgroup_mma(a_bufs.index(slot), bu_bufs.index(slot), acc_u, is_async=True)
@@ -444,6 +506,7 @@ def glu_forward_ws_kernel(
     bias_ptr,
     probs_ptr,
     offs_ptr,
+    idx_ptr,
     M,
     F,
     H,
@@ -469,6 +532,9 @@ def glu_forward_ws_kernel(
     STAGES: gl.constexpr,
     EPI_COLS: gl.constexpr,
     EPI_REGS: gl.constexpr,
+    GATHER: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
 ):
     """fc1 + gated activation per expert: h (M, 2F) and act (M, F) in x's dtype; padding rows zero.
 
@@ -477,6 +543,10 @@ def glu_forward_ws_kernel(
     of it (experts H * stride_wr apart, rows stride_wr, needs BLOCK_RED | H); bias: (N, 2F); probs:
     (M,) any float dtype. Needs k = F or BLOCK_C | k (split), or k | BLOCK_C with PAIRED;
     TMA-aligned x and w (16-byte rows and base). num_warps = 8 (the mma partition).
+
+    GATHER: x is (T, H) and routed row r reads x's row idx[r] (idx: (M,) int32 or int64, read for
+    the rows before offs[N] only, values in [0, T)); the load partition is LOAD_WARPS = 4 warps
+    (cp.async needs the threads). Otherwise idx is not read (any pointer) and LOAD_WARPS = 1.
     """
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
@@ -494,8 +564,11 @@ def glu_forward_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     epi_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # A slot is ready when its TMA bytes have landed after the expect's arrival, and with GATHER
+    # also every load thread's cp.async arrival.
+    ready_count: gl.constexpr = 1 + LOAD_WARPS * 32 if GATHER else 1
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=ready_count)
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
@@ -532,6 +605,7 @@ def glu_forward_ws_kernel(
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,
+                    GATHER,
                 ),
             ),
             (
@@ -544,6 +618,7 @@ def glu_forward_ws_kernel(
                     bias_ptr,
                     probs_ptr,
                     offs_ptr,
+                    idx_ptr,
                     M,
                     F,
                     H,
@@ -577,6 +652,7 @@ def glu_forward_ws_kernel(
                     NUM_PROGRAMS,
                     STAGES,
                     EPI_COLS,
+                    GATHER,
                 ),
             ),
             (
@@ -589,6 +665,7 @@ def glu_forward_ws_kernel(
                     bias_ptr,
                     probs_ptr,
                     offs_ptr,
+                    idx_ptr,
                     M,
                     F,
                     H,
@@ -622,11 +699,12 @@ def glu_forward_ws_kernel(
                     NUM_PROGRAMS,
                     STAGES,
                     EPI_COLS,
+                    GATHER,
                 ),
             ),
         ],
-        [4, 1],
-        [EPI_REGS, 24],
+        [4, LOAD_WARPS],
+        [EPI_REGS, LOAD_REGS],
     )
 
 

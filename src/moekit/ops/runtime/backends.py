@@ -87,6 +87,21 @@ class FusedMLP(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h (M, 2F), act (M, F)): fc1 + bias + activation (* probs) in one kernel."""
 
+    def glu_forward_gathered(
+        self,
+        x_TH: torch.Tensor,
+        token_of_row: torch.Tensor,
+        w1_N2FH: torch.Tensor,
+        offs: torch.Tensor,
+        bias_N2F: torch.Tensor | None,
+        probs_M: torch.Tensor | None,
+        glu_interleave_size: int | None,
+        activation: str,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`glu_forward` of the rows x_TH[token_of_row] (M, H), bit for bit; the rows are read where the
+        kernel can gather them, else gathered first."""
+
     def glu_backward_partials(
         self,
         dy_MH: torch.Tensor,
@@ -481,6 +496,10 @@ class TritonBackend:
     @property
     def glu_forward(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         return _runtime().glu.glu_forward
+
+    @property
+    def glu_forward_gathered(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return _runtime().glu.glu_forward_gathered
 
     @property
     def glu_backward_partials(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

@@ -211,11 +211,26 @@ def glu_candidates(
 
 # Forward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns (4 do not fit in shared memory
 # beside the two h staging tiles), the epilogue partition 16 columns at a time with 88 registers a
-# thread (32 columns spill), the load partition 24 registers, the mma partition the rest of the 128
-# per thread of 16 warps.
+# thread (32 columns spill), the load partition one warp (of its warp group) with 24 registers, the
+# mma partition the rest of the 128 per thread of 16 warps.
 WS_FORWARD = dict(
-    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, EPI_REGS=88, num_warps=8, maxnreg=128
+    BLOCK_M=128,
+    BLOCK_C=128,
+    BLOCK_RED=64,
+    GROUP_M=8,
+    STAGES=3,
+    EPI_COLS=16,
+    EPI_REGS=88,
+    GATHER=False,
+    LOAD_WARPS=1,
+    LOAD_REGS=24,
+    num_warps=8,
+    maxnreg=128,
 )
+# The forward with x's rows gathered by cp.async (`WS_FORWARD` with these): the load partition takes
+# its whole warp group, 128 threads forming a slot's 128 row addresses (8 rows a thread, their
+# 64-bit bases held for the tile), with 40 registers; the same 16 warps.
+WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 # Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
 # the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
 # loop and the epilogue 240 of the 168 per thread of 12 warps.

@@ -9,6 +9,12 @@ every layout) and, on sm_90 with 16-bit operands through TMA and the library's o
 warp-specialised Gluon kernels of `moekit.ops.kernels.glu_hopper` (`hopper_kernels_take` says when).
 Both give the same bits, so which one runs is a matter of speed only, never of results.
 
+`glu_forward_gathered` is the forward of x's rows in expert order, x (T, H) and the token of each routed
+row: by definition `glu_forward` of the gathered rows x[token_of_row]. Where the Hopper kernel takes the
+call it reads the token rows itself (its GATHER variant, no (M, H) copy of x); elsewhere the rows are
+gathered first and `glu_forward` runs on them. Both give the same bits (a gather is exact, and the
+gathered kernel computes the same products in the same order).
+
 The activation is a name of the registry (`moekit.ops.activations`); its jit pair is the function of
 that name and `<name>_grad` in `moekit.ops.kernels.activations`, passed to the kernels as constexprs.
 """
@@ -24,7 +30,15 @@ import triton
 from moekit.ops.kernels import activations as jit_activations
 from moekit.ops.kernels.glu import glu_backward_kernel, glu_forward_kernel
 from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
-from moekit.ops.runtime.configs import WS_BACKWARD, WS_FORWARD, Arch, GemmConfig, glu_candidates, glu_widths
+from moekit.ops.runtime.configs import (
+    WS_BACKWARD,
+    WS_FORWARD,
+    WS_FORWARD_GATHER,
+    Arch,
+    GemmConfig,
+    glu_candidates,
+    glu_widths,
+)
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -43,6 +57,7 @@ from moekit.ops.runtime.launch import (
     tensor_key,
     use_tma,
 )
+from moekit.ops.runtime.rows import gather_sum_rows
 
 _FORWARD = Launcher(glu_forward_kernel)
 _BACKWARD = Launcher(glu_backward_kernel)
@@ -251,10 +266,15 @@ def _forward_ws_launch(
     probs_M: torch.Tensor | None,
     glu_block: int,
     activation: str,
+    gathered_rows: int | None = None,
 ) -> LaunchPlan:
-    """glu_forward_ws_kernel; tensors as `_forward_launch`'s. PAIRED (k | BLOCK_C, k < F): a tile's
-    two accumulators are its 2 BLOCK_C gate and up rows of fc1 in their own order."""
+    """glu_forward_ws_kernel; tensors as `_forward_launch`'s, then the token of each row (`offs` where
+    the rows are not gathered: not read). PAIRED (k | BLOCK_C, k < F): a tile's two accumulators are
+    its 2 BLOCK_C gate and up rows of fc1 in their own order. gathered_rows: None for x_MH in expert
+    order; M, the rows of the token map, where x_MH is x (T, H) and the kernel gathers (GATHER)."""
     M, H = x_MH.shape
+    if gathered_rows is not None:
+        M = gathered_rows
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
     bound = (triton.cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, WS_FORWARD["BLOCK_C"])
@@ -271,7 +291,7 @@ def _forward_ws_launch(
         HAS_PROBS=probs_M is not None,
         BLOCK_GROUPS=block_groups(N + 2),
         NUM_PROGRAMS=nprog,
-        **WS_FORWARD,
+        **(WS_FORWARD if gathered_rows is None else WS_FORWARD_GATHER),
     )
     return LaunchPlan(_FORWARD_WS, (nprog,), ints, constexprs)
 
@@ -356,6 +376,8 @@ def glu_forward(
         ),
     )
     if plan.launch is not None:
+        # The Hopper kernel's token map: not read where the rows are not gathered.
+        tokens = (offs,) if plan.launch.launcher is _FORWARD_WS else ()
         with device_ctx(x_MH.device):
             plan.launch(
                 x_MH,
@@ -365,7 +387,99 @@ def glu_forward(
                 bias_N2F if bias_N2F is not None else h,
                 probs_M if probs_M is not None else h,
                 offs,
+                *tokens,
             )
+    return h, act
+
+
+def _token_map(token_of_row: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
+    """token_of_row as the (M, 1) contiguous integer map both paths read; one-line errors otherwise."""
+    if token_of_row.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_of_row must be int32 or int64, got {token_of_row.dtype}")
+    if token_of_row.dim() not in (1, 2) or (token_of_row.dim() == 2 and token_of_row.shape[1] != 1):
+        raise ValueError(f"token_of_row must be (M,) or (M, 1), got shape {tuple(token_of_row.shape)}")
+    if token_of_row.device != x_TH.device:
+        raise ValueError(f"token_of_row is on {token_of_row.device}, x_TH on {x_TH.device}")
+    return token_of_row.reshape(-1, 1).contiguous()
+
+
+def gathered_kernel_takes(
+    x_TH: torch.Tensor, w1_N2FH: torch.Tensor, glu_interleave_size: int | None, use_tma: bool = True
+) -> bool:
+    """Whether `glu_forward_gathered` runs the Hopper kernel's GATHER variant (x's token rows read by the
+    kernel) rather than gathering the rows first: wherever `hopper_kernels_take` takes the forward, x_TH
+    standing for the gathered rows (the same dtype, device and H; its rows 16-byte aligned as TMA would
+    need them, which cp.async's 16-byte copies need too)."""
+    ffn = w1_N2FH.shape[1] // 2
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    if x_TH.dim() != 2 or ffn == 0:
+        return False
+    transposed = transposed_weight(w1_N2FH, "fc1_weight")
+    hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, x_TH, _stored(w1_N2FH), blocks_innermost=transposed)
+    return hopper_kernels_take("fwd", x_TH, w1_N2FH, ffn, glu_block, hopper_tma, None)
+
+
+def glu_forward_gathered(
+    x_TH: torch.Tensor,
+    token_of_row: torch.Tensor,
+    w1_N2FH: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_tma: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`glu_forward` of the routed rows x_TH[token_of_row] (M rows in expert order), by definition and
+    bit for bit: (h (M, 2F), act (M, F)) in x's dtype, padding rows 0.
+
+    x_TH (T, H) row-major, the tokens; token_of_row (M,) or (M, 1) int32 / int64, each routed row's
+    token (`ExpertOrder.token_of_row`), values in [0, T) for the rows before offs[N] (not checked: they
+    stay on the device); rows past offs[N] are padding, never read by the Hopper kernel. The other
+    arguments as `glu_forward`'s, their rows the M routed rows. Where `gathered_kernel_takes` the call,
+    the Hopper kernel reads the token rows itself; elsewhere the rows are gathered into an (M, H)
+    tensor first (moekit's row kernel, exact) and `glu_forward` runs on it: the same result by the same
+    definition, not a fallback to other values. use_tma=False forces the gather-first path (tests).
+    """
+    if x_TH.dim() != 2 or x_TH.stride(1) != 1:
+        raise ValueError(f"x_TH must be 2-D (tokens, hidden), row-major, got shape {tuple(x_TH.shape)}")
+    index = _token_map(token_of_row, x_TH)
+    M = index.shape[0]
+    if not gathered_kernel_takes(x_TH, w1_N2FH, glu_interleave_size, use_tma):
+        x_MH = gather_sum_rows(x_TH, index)
+        return glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, out=out)
+    ffn = w1_N2FH.shape[1] // 2
+    if out is None:
+        h, act = empty((M, 2 * ffn), x_TH.device, x_TH.dtype), empty((M, ffn), x_TH.device, x_TH.dtype)
+        out_keys = None
+    else:
+        h, act = _checked_out(out, x_TH, ((M, 2 * ffn), (M, ffn)))
+        out_keys = (tensor_key(h), tensor_key(act))
+    if M == 0 or ffn == 0:
+        return h, act
+    tokens = index.view(-1)
+    key: tuple = (tensor_key(x_TH), tensor_key(tokens), tensor_key(w1_N2FH), tensor_key(offs))
+    key += (tensor_key(bias_N2F), tensor_key(probs_M), glu_interleave_size, activation, out_keys)
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    plan = plan_launch(
+        "glu_fwd_gathered",
+        key,
+        lambda: Plan(_forward_ws_launch(x_TH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, M), ffn),
+    )
+    assert plan.launch is not None  # M and F are not 0
+    with device_ctx(x_TH.device):
+        plan.launch(
+            x_TH,
+            w1_N2FH,
+            h,
+            act,
+            bias_N2F if bias_N2F is not None else h,
+            probs_M if probs_M is not None else h,
+            offs,
+            tokens,
+        )
     return h, act
 
 
