@@ -16,6 +16,8 @@ from helpers import (
     check_against_reference,
     glu_indices,
     rand,
+    rel_err,
+    tolerance_floor,
     torch_glu,
 )
 from moekit.ops.activations import ACTIVATIONS
@@ -250,5 +252,9 @@ def _check_held_kernels(recipe, activation, k, dtype, device, rows, ffn) -> None
     assert got.dtype == dtype and torch.equal(got, want)
     want_dh, want_dp = gated_activation_backward(h_deq, probs, d_out, k, activation, True, True)
     got_dh, got_dp = held_gated_activation_backward(h_q, probs, d_out, k, activation, True)
-    assert got_dh.dtype == dtype and torch.equal(got_dh, want_dh) and torch.equal(got_dp, want_dp)
+    assert got_dh.dtype == dtype and torch.equal(got_dh, want_dh)
+    # d probs sums 2F-wide rows of products in fp32: the compiler contracts that sum's multiply-adds
+    # its own way in each kernel variant (bit-equal in 22 of 24 GPU cases, not in 2), so it is held
+    # to one rounding of its dtype plus the fp32 reordering floor of the rule.
+    assert got_dp.dtype == want_dp.dtype and rel_err(got_dp, want_dp) <= tolerance_floor(dtype, 2 * ffn)
     assert not torch.equal(h_deq, h)  # FP8: the comparison is of the held values, not of h

@@ -408,11 +408,14 @@ def gathered_kernel_takes(
 ) -> bool:
     """Whether `glu_forward_gathered` runs the Hopper kernel's GATHER variant (x's token rows read by the
     kernel) rather than gathering the rows first: wherever `hopper_kernels_take` takes the forward, x_TH
-    standing for the gathered rows (the same dtype, device and H; its rows 16-byte aligned as TMA would
-    need them, which cp.async's 16-byte copies need too)."""
+    standing for the gathered rows (the same dtype, device and H), and x_TH's row stride a multiple of
+    16 elements on a 16-byte aligned base: Triton proves the 16-byte alignment of the copies' addresses
+    only from those (its argument specialisation), and cp.async's 16-byte copies do not compile without
+    it (an sm_90 compile error at H = 200, 400-byte rows, on the H200). Every real model's H qualifies
+    (2048, 2880, 4096, 7168)."""
     ffn = w1_N2FH.shape[1] // 2
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    if x_TH.dim() != 2 or ffn == 0:
+    if x_TH.dim() != 2 or ffn == 0 or x_TH.stride(0) % 16 != 0 or x_TH.data_ptr() % 16 != 0:
         return False
     transposed = transposed_weight(w1_N2FH, "fc1_weight")
     hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, x_TH, _stored(w1_N2FH), blocks_innermost=transposed)
