@@ -245,8 +245,11 @@ def test_gpu_gathered_forward_is_gather_then_kernel(case, dtype, nan_poison):
     if form.startswith("M-"):
         tokens = tokens.view(-1)
     tokens = tokens.to(torch.int32 if form.endswith("int32") else torch.int64)
-    # The GATHER kernel takes row strides that are multiples of 16 elements (H = 200: the rows first).
-    assert rglu.gathered_kernel_takes(x, w1, k) == (H % 16 == 0)
+    # The GATHER kernel takes row strides that are multiples of 16 elements (H = 200: the rows first,
+    # which read every row's token: padding rows get valid ones there).
+    takes = rglu.gathered_kernel_takes(x, w1, k)
+    assert takes == (H % 16 == 0)
+    tokens = tokens if takes else valid.view(tokens.shape).to(tokens.dtype)
     h, act = rglu.glu_forward_gathered(x, tokens, w1, offs, b1, p, k, activation="swiglu")
     x_MH = x[valid.view(-1)]
     assert rglu.hopper_kernels_take("fwd", x_MH, w1, F, F if k is None else k, True, None)

@@ -439,8 +439,9 @@ def glu_forward_gathered(
     bit for bit: (h (M, 2F), act (M, F)) in x's dtype, padding rows 0.
 
     x_TH (T, H) row-major, the tokens; token_of_row (M,) or (M, 1) int32 / int64, each routed row's
-    token (`ExpertOrder.token_of_row`), values in [0, T) for the rows before offs[N] (not checked: they
-    stay on the device); rows past offs[N] are padding, never read by the Hopper kernel. The other
+    token (`ExpertOrder.token_of_row`), values in [0, T) (not checked: they stay on the device); rows
+    past offs[N] are padding: the Hopper kernel never reads their tokens, the gather-first path does
+    (it gathers every row), so they must be valid too. The other
     arguments as `glu_forward`'s, their rows the M routed rows. Where `gathered_kernel_takes` the call,
     the Hopper kernel reads the token rows itself; elsewhere the rows are gathered into an (M, H)
     tensor first (moekit's row kernel, exact) and `glu_forward` runs on it: the same result by the same
