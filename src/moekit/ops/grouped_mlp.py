@@ -23,8 +23,7 @@ Two paths, chosen by the backends' capabilities (`moekit.ops.runtime.backends`),
   (M, F) or (M, 2F) tensor anywhere.
 
 `moe_experts` runs the same two nodes with an `ExpertRoute`: node 1 gathers the tokens' rows into expert
-order (and the router weights into sorted order, as probs) for fc1 (fc1's launch reads each sorted row's
-token row itself, `library.glu_forward_gathered`: on Hopper inside the kernel's loads), node 2 sums each token's K rows
+order (and the router weights into sorted order, as probs) before fc1, node 2 sums each token's K rows
 back after fc2, and each backward moves the rows the other way; the layer then never holds an (M, H)
 tensor, and where holding h whole would break the layer's memory contract it holds h of the first
 `kept` sorted rows only and computes the others' h again in node 2's backward, bit for bit.
@@ -246,8 +245,7 @@ class FusedSpec:
 class ExpertRoute:
     """The rows of a layer between token order and expert order (`moe_experts`): node 1 gathers x's tokens
     into expert order and the router weights into sorted order; node 2 sums each token's K rows back.
-    Every move is the row primitive (`library.gather_sum_rows`), each backward the other direction, but
-    node 1's forward, whose fc1 launch reads x's token rows through token_of_row itself.
+    Every move is the row primitive (`library.gather_sum_rows`), each backward the other direction.
     token_of_row (M, 1), row_map (T, K), copy_of_row (M, 1): as `ExpertOrder`'s (copy_of_row, needed by
     the forward only, is not kept for the backward)."""
 
@@ -360,23 +358,16 @@ class _Fc1Node(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
         if route is None:
-            probs_M, tokens, rows = probs, None, x.shape[0]
+            x_MH, probs_M = x, probs
         else:
-            # x stays in token order: fc1's launch reads each sorted row's token row itself
-            # (`library.glu_forward_gathered`, the bits of gathering the rows first).
             assert probs is not None  # a route's probs: the router weights (T, K)
-            probs_M, tokens = route.sorted_weights(probs), route.token_of_row
-            rows = tokens.shape[0]
+            x_MH, probs_M = route.to_rows(x), route.sorted_weights(probs)
         w1, b1 = stacked(w1s, 3, "fc1 weight"), stacked(b1s, 2, "fc1 bias")
         assert w1 is not None  # check_mlp_params: fc1 has weights
+        rows = x_MH.shape[0]
         glu_block, activation = spec.glu_interleave_size, spec.activation
         if kept == rows:
-            if tokens is None:
-                h, act = library.glu_forward(spec.backend, x, w1, offs, b1, probs_M, glu_block, activation)
-            else:
-                h, act = library.glu_forward_gathered(
-                    spec.backend, x, tokens, w1, offs, b1, probs_M, glu_block, activation
-                )
+            h, act = library.glu_forward(spec.backend, x_MH, w1, offs, b1, probs_M, glu_block, activation)
             h_head = None
             ctx.mark_non_differentiable(act)
         else:
@@ -386,17 +377,12 @@ class _Fc1Node(torch.autograd.Function):
             assert probs_M is not None  # h is split for a route only (moe_experts), which has router weights
             fused, ffn = _fused(spec), w1.shape[1] // 2
             offs_head, offs_tail = _split_offsets(offs, kept, rows)
-            h_head, act = x.new_empty(kept, 2 * ffn), x.new_empty(rows, ffn)
-            for lo, hi, offs_part, out in (
-                (0, kept, offs_head, (h_head, act[:kept])),
-                (kept, rows, offs_tail, (x.new_empty(rows - kept, 2 * ffn), act[kept:])),
-            ):
-                if tokens is None:
-                    fused.glu_forward(x[lo:hi], w1, offs_part, b1, probs_M[lo:hi], glu_block, activation, out=out)
-                else:
-                    fused.glu_forward_gathered(
-                        x, tokens[lo:hi], w1, offs_part, b1, probs_M[lo:hi], glu_block, activation, out=out
-                    )
+            h_head, act = x_MH.new_empty(kept, 2 * ffn), x_MH.new_empty(rows, ffn)
+            fused.glu_forward(
+                x_MH[:kept], w1, offs_head, b1, probs_M[:kept], glu_block, activation, out=(h_head, act[:kept])
+            )
+            tail = (x_MH.new_empty(rows - kept, 2 * ffn), act[kept:])
+            fused.glu_forward(x_MH[kept:], w1, offs_tail, b1, probs_M[kept:], glu_block, activation, out=tail)
             h = torch.empty_strided((rows, 2 * ffn), (0, 0), dtype=act.dtype, device=act.device)
             ctx.mark_non_differentiable(act, h_head)
         if probs is not None and not probs.requires_grad:
