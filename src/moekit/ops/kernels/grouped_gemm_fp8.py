@@ -69,6 +69,39 @@ def promote(acc, prod, scale, PINNED: tl.constexpr):
 
 
 @triton.jit
+def load_operands(
+    a_desc,
+    a_ptr,
+    b_desc,
+    b_ptr,
+    red0,
+    a_row0,
+    row_lo,
+    row_hi,
+    g,
+    N,
+    c0,
+    COLS,
+    RED,
+    stride_am,
+    stride_bg,
+    stride_br,
+    TRANS_B: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_RED: tl.constexpr,
+):
+    """The A (BLOCK_M, BLOCK_RED) and B (BLOCK_RED, BLOCK_C) tiles of the reduction step at red0 (the
+    schedule's `load_a` / `load_b`; reads past RED are zeros)."""
+    a = load_a(a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED)
+    b = load_b(
+        b_desc, b_ptr, g, N, red0, c0, COLS, RED, stride_bg, stride_br, TRANS_B, USE_TMA, False, BLOCK_C, BLOCK_RED
+    )
+    return a, b
+
+
+@triton.jit
 def grouped_mm_fp8_kernel(
     a_ptr,
     a_scale_ptr,
@@ -185,43 +218,49 @@ def grouped_mm_fp8_kernel(
                 red0 = step0 * BLOCK_RED
                 red1 = red0 + BLOCK_RED
                 # A second step past RED (an odd step count) reads zeros with scale 0.
-                a0 = load_a(
-                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
-                )
-                b0 = load_b(
+                a0, b0 = load_operands(
+                    a_desc,
+                    a_ptr,
                     b_desc,
                     b_ptr,
+                    red0,
+                    a_row0,
+                    row_lo,
+                    row_hi,
                     g,
                     N,
-                    red0,
                     c0,
                     COLS,
                     RED,
+                    stride_am,
                     stride_bg,
                     stride_br,
                     TRANS_B,
                     USE_TMA,
-                    False,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                 )
-                a1 = load_a(
-                    a_desc, a_ptr, red1, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
-                )
-                b1 = load_b(
+                a1, b1 = load_operands(
+                    a_desc,
+                    a_ptr,
                     b_desc,
                     b_ptr,
+                    red1,
+                    a_row0,
+                    row_lo,
+                    row_hi,
                     g,
                     N,
-                    red1,
                     c0,
                     COLS,
                     RED,
+                    stride_am,
                     stride_bg,
                     stride_br,
                     TRANS_B,
                     USE_TMA,
-                    False,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                 )
@@ -242,23 +281,26 @@ def grouped_mm_fp8_kernel(
         else:
             for step in range(red_steps):
                 red0 = step * BLOCK_RED
-                a = load_a(
-                    a_desc, a_ptr, red0, a_row0, row_lo, row_hi, RED, stride_am, USE_TMA, False, BLOCK_M, BLOCK_RED
-                )
-                b = load_b(
+                a, b = load_operands(
+                    a_desc,
+                    a_ptr,
                     b_desc,
                     b_ptr,
+                    red0,
+                    a_row0,
+                    row_lo,
+                    row_hi,
                     g,
                     N,
-                    red0,
                     c0,
                     COLS,
                     RED,
+                    stride_am,
                     stride_bg,
                     stride_br,
                     TRANS_B,
                     USE_TMA,
-                    False,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                 )
