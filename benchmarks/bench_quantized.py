@@ -4,7 +4,7 @@ read against, all in one process.
 
 Legend: T tokens, E experts, K experts per token, M = T*K routed rows, H hidden size, F ffn size.
 
-Three parts (`--parts`), in this order:
+Four parts (`--parts`), in this order:
 
 roofs      the dense bf16 matmul 8192^3 (torch.mm, runner.measure_roof), the dense FP8 matmul 8192^3
            (torch._scaled_mm on e4m3 operands, rowwise and tensorwise float32 scales, bf16 out) and the
@@ -21,6 +21,14 @@ quantize   moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=.
            (the issue's bar: >= 0.8). `same_bytes_as_alloc`: out= and the replayed graph wrote exactly
            the bytes of the allocating call (their outputs are zeroed before the call and the
            capture).
+gemm       each linear's three grouped GEMMs on their own, kernel by kernel, at each layer shape's fc1
+           (I = H, O = 2F) and fc2 (I = F, O = H) with M = T*K rows in E balanced groups: moekit's FP8
+           kernels (the "triton" backend's `moekit.ops.library.quantized_linear_forward`, `_dgrad` on the
+           weight's transposed copy, `_wgrad` from the columnwise forms) for fp8_block and fp8_rowwise,
+           from operands quantized beforehand (not timed), against torch._grouped_mm in bf16 (the wgrad
+           as dy^T x on the strided view). TFLOP/s count 2*M*I*O per GEMM; times as runner.time_ms
+           (do_bench median, L2 flushed). Where a kernel cannot run (a CPU without the Triton
+           interpreter, torch._grouped_mm off CUDA): "skipped" with the reason.
 layer      the routed experts given their routing, forward+backward, at four shapes (T, E, K, H, F):
            DeepSeek-V3 EP8, Mixtral 8x7B, Qwen3-30B-A3B, gpt-oss-20b (bench_moe_layer.SHAPES), routing
            balanced: ids = (arange(T*K) % E).reshape(T, K) (every expert gets M/E rows, a multiple of 16
@@ -49,7 +57,7 @@ layer      the routed experts given their routing, forward+backward, at four sha
 
 `--budget-s` (default 330) starts no new cell (a column of a shape, a quantize cell) after that many
 seconds: the cells not started are recorded as "skipped" with the reason, and the run ends with
-whatever was started (a default run on an H200 takes about 4-6 minutes, Triton compilation
+whatever was started (a default run on an H200 takes about 5-7 minutes, Triton compilation
 included). The JSON is rewritten after every shape (`"partial": true` until the end), and a
 markdown summary is printed and written next to it.
 
@@ -80,9 +88,14 @@ from bench_moe_layer import LayerShape, plain_layer
 
 import moekit
 from moekit import QuantizedWeightCache
+from moekit.ops import library
+from moekit.ops.quantize import transposed_weight
+from moekit.ops.runtime.backends import backend_named, quantized_gemm_of
 
 NAME = "quantized"
-PARTS = ("quantize", "layer")
+PARTS = ("quantize", "gemm", "layer")
+GEMM_RECIPES = ("fp8_block", "fp8_rowwise")
+GEMM_OPS = ("fwd", "dgrad", "wgrad")
 COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
 QUANTIZED_COLUMNS = {"moekit_fp8_block": "fp8_block", "moekit_fp8_rowwise": "fp8_rowwise"}
 RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
@@ -567,6 +580,94 @@ def print_quantize_record(r: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# GEMMs, kernel by kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def _fp8_reason(recipe: str, x: torch.Tensor, op: str) -> str | None:
+    """Why moekit's FP8 kernel for `op` cannot run here (None: it can)."""
+    fp8 = quantized_gemm_of(backend_named("triton"))
+    if fp8 is None:
+        return "the triton backend has no QuantizedGemm capability"
+    if op == "wgrad":
+        return fp8.quantized_wgrad_unavailable_reason(recipe, x)
+    return fp8.quantized_gemm_unavailable_reason(recipe, x)
+
+
+def bench_gemm_shape(args, cfg: runner.BenchConfig, shape: LayerShape, budget: Budget) -> list[dict]:
+    device, dtype = args.device, args.dtype
+    M = shape.tokens * shape.top_k
+    counts = runner.balanced_splits(M, shape.experts)
+    splits = torch.tensor(counts, device=device)
+    offs = torch.tensor([0, *counts], device=device).cumsum(0)
+    offs32 = offs[1:].to(torch.int32)
+    records = []
+    for linear, n_in, n_out in (("fc1", shape.hidden, 2 * shape.ffn), ("fc2", shape.ffn, shape.hidden)):
+        gen = torch.Generator(device=device).manual_seed(3)
+        x = torch.randn(M, n_in, device=device, dtype=dtype, generator=gen)
+        dy = torch.randn(M, n_out, device=device, dtype=dtype, generator=gen)
+        w = (torch.randn(shape.experts, n_out, n_in, device=device, generator=gen) / n_in**0.5).to(dtype)
+        calls: dict[tuple[str, str], tuple[Callable[[], object] | None, str | None]] = {}
+        cuda_reason = None if device.type == "cuda" else "torch._grouped_mm runs on CUDA only"
+        bf16 = (
+            lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32),
+            lambda dy=dy, w=w: torch._grouped_mm(dy, w, offs=offs32),
+            lambda dy=dy, x=x: torch._grouped_mm(dy.t(), x, offs=offs32),
+        )
+        calls.update({("torch_bf16", op): (fn, cuda_reason) for op, fn in zip(GEMM_OPS, bf16, strict=True)})
+        for recipe in GEMM_RECIPES:
+            impl = f"moekit_{recipe}"
+            reasons = {op: _fp8_reason(recipe, x, op) for op in GEMM_OPS}
+            if all(reasons.values()):
+                calls.update({(impl, op): (None, reasons[op]) for op in GEMM_OPS})
+                continue
+            x_q = moekit.group_quantize(x, splits, recipe, columnwise=True)
+            dy_q = moekit.group_quantize(dy, splits, recipe, columnwise=True)
+            w_q = moekit.group_quantize(w, None, recipe, columnwise=recipe == "fp8_rowwise")
+            wt = transposed_weight(w_q)
+
+            def fwd(r=recipe, x_q=x_q, w_q=w_q):
+                return library.quantized_linear_forward(
+                    "triton", r, x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data, w_q.rowwise_scale_inv,
+                    offs, None, None, None, dtype,
+                )  # fmt: skip
+
+            def dgrad(r=recipe, dy_q=dy_q, wt=wt):
+                return library.quantized_linear_dgrad(
+                    "triton", r, dy_q.rowwise_data, dy_q.rowwise_scale_inv, wt.data, wt.scale_inv, offs, None, dtype
+                )
+
+            def wgrad(r=recipe, dy_q=dy_q, x_q=x_q):
+                return library.quantized_linear_wgrad(
+                    "triton", r, dy_q.columnwise_data, dy_q.columnwise_scale_inv, x_q.columnwise_data,
+                    x_q.columnwise_scale_inv, offs, None, dtype,
+                )  # fmt: skip
+
+            calls.update({(impl, op): (fn, reasons[op]) for op, fn in zip(GEMM_OPS, (fwd, dgrad, wgrad), strict=True)})
+        flops = 2 * M * n_in * n_out
+        for (impl, op), (fn, reason) in calls.items():
+            r = {"shape": shape.name, "linear": linear, "rows": M, "in": n_in, "out": n_out, "impl": impl, "op": op}
+            if budget.exhausted():
+                r.update(status="skipped", reason=budget.reason())
+            elif reason is not None or fn is None:
+                r.update(status="skipped", reason=reason)
+            else:
+                try:
+                    fn()  # compilation and tuning, outside the timing
+                    ms = runner.time_ms(fn, cfg)
+                    r.update(status="ok", reason=None, ms=ms, tflops=flops / ms / 1e9)
+                except Exception as exc:  # one failing kernel must not lose the others
+                    r.update(status="error", reason=runner.error_reason(exc))
+            t = f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s" if r.get("ms") else " " * 27
+            note = f"  [{r['status']}: {(r['reason'] or '')[:100]}]" if r.get("reason") else ""
+            print(f"  {shape.name:<16} {linear} {impl:<19} {op:<5} {t}{note}", flush=True)
+            records.append(r)
+        del calls, bf16
+        runner.release_memory(device)
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
 # Roofs
 # --------------------------------------------------------------------------------------------------
 
@@ -662,6 +763,24 @@ def summary_markdown(payload: dict) -> str:
             f"| {shape} | {operand} | {recipe} | {'row+col' if columnwise else 'row'} | "
             f"{bw(modes['alloc'])} | {bw(modes['out'])} | {bw(modes['graph'])} | {same} |"
         )
+    if payload.get("gemm"):
+        lines += [
+            "",
+            "Grouped GEMMs alone: TFLOP/s (2*M*I*O per GEMM), balanced groups:",
+            "",
+            "| shape | linear | op | " + " | ".join(("torch_bf16", *(f"moekit_{r}" for r in GEMM_RECIPES))) + " |",
+            "|---|---|---|" + "---|" * (1 + len(GEMM_RECIPES)),
+        ]
+        gemms: dict[tuple, dict] = {}
+        for r in payload["gemm"]:
+            gemms.setdefault((r["shape"], r["linear"], r["op"]), {})[r["impl"]] = r
+
+        def tf(r):
+            return f"{r['tflops']:.1f}" if r and r.get("tflops") else (r or {}).get("status", "-")
+
+        for (shape, linear, op), impls in gemms.items():
+            cols = [tf(impls.get(name)) for name in ("torch_bf16", *(f"moekit_{r}" for r in GEMM_RECIPES))]
+            lines.append(f"| {shape} | {linear} | {op} | " + " | ".join(cols) + " |")
     skipped = payload.get("skipped_cells", 0)
     if skipped:
         lines += ["", f"{skipped} cells not run: past --budget-s (see the records' reasons)."]
@@ -677,7 +796,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT, help="directory of quantized.{json,md}")
     parser.add_argument("--shapes", default=None, help=f"comma list of shape names (default: {','.join(SHAPE_NAMES)})")
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma list of quantize, layer (roofs always run)")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma list of quantize, gemm, layer (roofs always run)"
+    )
     parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of the layer's columns")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma list of group_quantize's recipes")
     parser.add_argument("--operands", default=",".join(OPERANDS), help="group_quantize on activations, weight")
@@ -758,7 +879,7 @@ def main(argv=None) -> dict:
         if cuda
         else ["CUDA events (wall clock instead)", "CUDA graphs", "torchao's FP8 grouped mm", "memory"],
     )
-    payload = {"meta": meta, "roofs": {}, "quantize": [], "layer": [], "partial": True}
+    payload = {"meta": meta, "roofs": {}, "quantize": [], "gemm": [], "layer": [], "partial": True}
     path = args.out / f"{NAME}.json"
     print(f"roofs ({args.device}):", flush=True)
     payload["roofs"] = measure_roofs(cfg)
@@ -768,6 +889,11 @@ def main(argv=None) -> dict:
         for shape in args.shape_list:
             payload["quantize"] += bench_quantize_shape(args, shape, payload["roofs"].get("hbm_copy"), budget)
             runner.write_json(path, payload)
+    if "gemm" in args.part_list:
+        print("grouped GEMMs:", flush=True)
+        for shape in args.shape_list:
+            payload["gemm"] += bench_gemm_shape(args, cfg, shape, budget)
+            runner.write_json(path, payload)
     if "layer" in args.part_list:
         print("layer forward+backward:", flush=True)
         columns = build_columns(args.column_list, args.device)
@@ -776,7 +902,9 @@ def main(argv=None) -> dict:
             runner.release_memory(args.device)
             runner.write_json(path, payload)
     payload["skipped_cells"] = sum(
-        1 for r in payload["quantize"] + payload["layer"] if (r.get("reason") or "").startswith("not run:")
+        1
+        for r in payload["quantize"] + payload["gemm"] + payload["layer"]
+        if (r.get("reason") or "").startswith("not run:")
     )
     payload["seconds"] = round(budget.elapsed(), 1)
     del payload["partial"]

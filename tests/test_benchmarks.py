@@ -150,7 +150,8 @@ def _run_quantized(out: Path, *extra: str) -> dict:
 
 def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     """bench_quantized.py --smoke: the roofs, every group_quantize cell (alloc and out= the same bytes;
-    the CUDA graph skipped with its reason) and every layer column on CPU (bf16 within bf16's error of
+    the CUDA graph skipped with its reason), every FP8 grouped GEMM alone (torch's bf16 grouped mm
+    skipped off CUDA) and every layer column on CPU (bf16 within bf16's error of
     the float64 reference, FP8 within FP8's; torchao skipped with its reason, its layer code run with a
     bf16 stand-in)."""
     payload = _run_quantized(tmp_path)
@@ -187,14 +188,23 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
         assert len(r["ms_rounds"]) == 2 and r["first_call_s"] is not None, r
         bound = 0.02 if r["column"].endswith("bf16") else 0.15
         assert 0 < r["rel_err_fro"] < bound, r
+    gemm = payload["gemm"]
+    assert len(gemm) == 2 * 2 * 3 * 3  # shapes x linears x (torch bf16, two FP8 recipes) x (fwd, dgrad, wgrad)
+    for r in gemm:
+        if r["impl"] == "torch_bf16":
+            assert r["status"] == "skipped" and "CUDA" in r["reason"], r
+        else:  # moekit's FP8 kernels, under the interpreter
+            assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0, r
     summary = (tmp_path / "quantized.md").read_text()
     assert "| smoke | moekit_fp8_rowwise |" in summary and "| hbm_copy |" in summary
+    assert "| smoke | fc1 | wgrad | skipped |" in summary
 
 
 def test_bench_quantized_budget_skips_cells_with_the_reason(tmp_path):
     payload = _run_quantized(tmp_path, "--budget-s", "0", "--shapes", "smoke", "--recipes", "mxfp8")
-    started = [r for r in payload["quantize"] + payload["layer"] if r["status"] not in ("skipped", "unsupported")]
-    assert not started and payload["skipped_cells"] == len(payload["quantize"]) + len(payload["layer"]) - 1
+    cells = payload["quantize"] + payload["gemm"] + payload["layer"]
+    started = [r for r in cells if r["status"] not in ("skipped", "unsupported")]
+    assert not started and payload["skipped_cells"] == len(cells) - 1
     assert all(r["reason"].startswith("not run:") for r in payload["layer"] if r["column"] != "torchao_fp8")
 
 
