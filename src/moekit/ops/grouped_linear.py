@@ -398,7 +398,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if bias_scale_M is not None and need_scale:
             assert dy_bias_MO is not None  # a bias_scale comes with a bias
             acc_t = compute_dtype(dy_MO, bias_scale_M)
-            go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
+            go = GroupOffsets.of(offs, host_offs, dy_MO.shape[0])
             d_scale = (dy_bias_MO.to(acc_t) * bias_rows(bias_NO, go, acc_t)).sum(-1).to(bias_scale_M.dtype)
         return (None, None, None, d_scale, None, dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
@@ -437,7 +437,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         weights, biases = params[:n_w], params[n_w:]
         bias_NO = stacked(biases, 2, "bias")
-        go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=x_MI.shape[0])
+        go = GroupOffsets.of(offs, host_offs, x_MI.shape[0])
         first_w = _Q_X + 1
         need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
@@ -468,7 +468,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         )
         need_w, need_b = any(ctx.needs_input_grad[first_w : first_w + n_w]), any(ctx.needs_input_grad[first_w + n_w :])
         dy_MO = row_major(dy_MO)
-        go = GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=dy_MO.shape[0])
+        go = GroupOffsets.of(offs, host_offs, dy_MO.shape[0])
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
         if need_x or need_w:

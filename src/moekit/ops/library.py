@@ -44,10 +44,6 @@ from moekit.ops.splits import GroupOffsets
 _R = TypeVar("_R")
 
 
-def _offsets(offs: torch.Tensor, host_offs: list[int] | None, rows: int) -> GroupOffsets:
-    return GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=rows)
-
-
 def _fused(backend: str) -> FusedMLP:
     fused = fused_mlp_of(backend_named(backend))
     if fused is None:
@@ -82,36 +78,38 @@ def _linear_forward(backend: str, x_MI: torch.Tensor, w_NOI: torch.Tensor, offs:
                     host_offs: list[int] | None, bias_NO: torch.Tensor | None,
                     bias_scale_M: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """(M, O) = grouped linear of x (M, I) with w (N, O, I) (+ bias (N, O) (* bias_scale (M,)))."""
-    return backend_named(backend).forward(x_MI, w_NOI, _offsets(offs, host_offs, x_MI.shape[0]), bias_NO, bias_scale_M)
+    return backend_named(backend).forward(
+        x_MI, w_NOI, GroupOffsets.of(offs, host_offs, x_MI.shape[0]), bias_NO, bias_scale_M
+    )
 
 
 def _linear_dgrad(backend: str, dy_MO: torch.Tensor, w_NOI: torch.Tensor, offs: torch.Tensor,
                   host_offs: list[int] | None) -> torch.Tensor:  # fmt: skip
     """(M, I) = dy (M, O) through w (N, O, I), per group."""
-    return backend_named(backend).dgrad(dy_MO, w_NOI, _offsets(offs, host_offs, dy_MO.shape[0]))
+    return backend_named(backend).dgrad(dy_MO, w_NOI, GroupOffsets.of(offs, host_offs, dy_MO.shape[0]))
 
 
 def _linear_wgrad(backend: str, dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor,
                   host_offs: list[int] | None) -> torch.Tensor:  # fmt: skip
     """(N, O, I) per-group dy^T x."""
-    return backend_named(backend).wgrad(dy_MO, x_MI, _offsets(offs, host_offs, dy_MO.shape[0]))
+    return backend_named(backend).wgrad(dy_MO, x_MI, GroupOffsets.of(offs, host_offs, dy_MO.shape[0]))
 
 
 def _linear_dbias(backend: str, dy_MO: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None,
                   bias_scale_M: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """(N, O) per-group sums of dy's rows (* bias_scale); dy's padding rows must be zero."""
-    return backend_named(backend).dbias(dy_MO, _offsets(offs, host_offs, dy_MO.shape[0]), bias_scale_M)
+    return backend_named(backend).dbias(dy_MO, GroupOffsets.of(offs, host_offs, dy_MO.shape[0]), bias_scale_M)
 
 
 def _padding_zeroed(t_MX: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None) -> torch.Tensor:
     """t with its padding rows (past the last offset) zeroed: t itself in eager where the host knows there
     are none, else a copy."""
-    return without_padding(t_MX, _offsets(offs, host_offs, t_MX.shape[0]))
+    return without_padding(t_MX, GroupOffsets.of(offs, host_offs, t_MX.shape[0]))
 
 
 def _padding_zeroed_copy(t_MX: torch.Tensor, offs: torch.Tensor, host_offs: list[int] | None) -> torch.Tensor:
     """A copy of t with its padding rows zeroed (a custom op returns no input)."""
-    return zero_padding_rows(t_MX.clone(), _offsets(offs, host_offs, t_MX.shape[0]))
+    return zero_padding_rows(t_MX.clone(), GroupOffsets.of(offs, host_offs, t_MX.shape[0]))
 
 
 _linear_forward_op = torch.library.custom_op("moekit::grouped_linear_forward", _linear_forward, mutates_args=())
@@ -182,7 +180,7 @@ def _quantized_forward(backend: str, recipe: str, x_data: torch.Tensor, x_scale:
                        bias_scale_M: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """(M, O) in out_dtype = x_q (M, I) through w_q (N, O, I), FP8 data with their scales (+ bias (N, O)
     (* bias_scale (M,)))."""
-    go = _offsets(offs, host_offs, x_data.shape[0])
+    go = GroupOffsets.of(offs, host_offs, x_data.shape[0])
     return _quantized(backend).quantized_forward(
         recipe, x_data, x_scale, w_data, w_scale, go, bias_NO, bias_scale_M, out_dtype
     )
@@ -193,7 +191,7 @@ def _quantized_dgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale:
                      host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """(M, I) in out_dtype = dy_q (M, O) through w_q (N, O, I), given transposed: w_data (N, I, O) and
     its scales (`moekit.ops.quantize.TransposedWeight`), FP8 data with their scales."""
-    go = _offsets(offs, host_offs, dy_data.shape[0])
+    go = GroupOffsets.of(offs, host_offs, dy_data.shape[0])
     return _quantized(backend).quantized_dgrad(recipe, dy_data, dy_scale, w_data, w_scale, go, out_dtype)
 
 
@@ -202,7 +200,7 @@ def _quantized_wgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale:
                      host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """(N, O, I) in out_dtype = the weight gradient from the columnwise quantizations of dy (M, O) and
     x (M, I): FP8 data with their per-group column scales (N, O) / (N, I)."""
-    go = _offsets(offs, host_offs, dy_data.shape[0])
+    go = GroupOffsets.of(offs, host_offs, dy_data.shape[0])
     return _quantized(backend).quantized_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, go, out_dtype)
 
 

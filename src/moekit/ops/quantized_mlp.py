@@ -151,10 +151,6 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
     return t.storage() if t is not None else (None,) * 7
 
 
-def _offsets(offs: torch.Tensor, host_offs: list[int] | None, rows: int) -> GroupOffsets:
-    return GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=rows)
-
-
 class _QuantizedFc1Fn(torch.autograd.Function):
     """Node 1, fc1: h = Q(x) Q(w1)^T + b1, holding x itself (not its FP8 copy), quantized columnwise in
     the backward for the wgrad. Inputs: spec, offs, host_offs, fc1's weight quantization and its
@@ -179,7 +175,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
         b1 = stacked(b1s, 2, "fc1 bias")
         recipe, quantizer = spec.recipe, spec.quantizer
-        x_q = group_quantize(x_MH, _offsets(offs, host_offs, x_MH.shape[0]), recipe, backend=quantizer)
+        x_q = group_quantize(x_MH, GroupOffsets.of(offs, host_offs, x_MH.shape[0]), recipe, backend=quantizer)
         h_M2F = quantized_forward_product(
             spec.fc1_backend, quantizer, recipe, spec.fc1_fp8, x_q, w1_q, offs, host_offs, b1, None, x_MH.dtype
         )
@@ -199,7 +195,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         need_x = need[_X1]
         need_w, need_b = any(need[_PARAMS1 : _PARAMS1 + spec.n_w1]), any(need[_PARAMS1 + spec.n_w1 :])
         dh_M2F = row_major(dh_M2F)
-        go = _offsets(offs, host_offs, dh_M2F.shape[0])
+        go = GroupOffsets.of(offs, host_offs, dh_M2F.shape[0])
         dx = dw = db = None
         # As grouped_linear's backward: the bias sums from dh with its padding rows zeroed, dh quantized
         # rowwise (the dgrad) and columnwise (the wgrad); x quantized columnwise here.
@@ -250,7 +246,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         b2 = stacked(b2s, 2, "fc2 bias")
         recipe, quantizer = spec.recipe, spec.quantizer
         glu_block, activation = spec.glu_interleave_size, spec.activation
-        go = _offsets(offs, host_offs, h_M2F.shape[0])
+        go = GroupOffsets.of(offs, host_offs, h_M2F.shape[0])
         a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, spec.gated_triton)
         # h is held as its rowwise quantization only, and only where a gradient may be asked for.
         held = grad_enabled and any(ctx.needs_input_grad)
@@ -280,7 +276,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         need_w, need_b = any(need[_PARAMS2 : _PARAMS2 + spec.n_w2]), any(need[_PARAMS2 + spec.n_w2 :])
         need_da = need_h or need_probs  # a's gradient: h's, and d probs' activation term
         dy_MH = row_major(dy_MH)
-        go = _offsets(offs, host_offs, dy_MH.shape[0])
+        go = GroupOffsets.of(offs, host_offs, dy_MH.shape[0])
         dh = d_probs = dw = db = None
         glu_block, activation, on_kernel = spec.glu_interleave_size, spec.activation, spec.gated_triton
         # The bias sums and d probs' bias term from dy itself (padding rows zeroed).

@@ -33,6 +33,11 @@ class GroupOffsets:
     host: tuple[int, ...] | None
     rows: int
 
+    @staticmethod
+    def of(offs: torch.Tensor, host_offs: Sequence[int] | None, rows: int) -> GroupOffsets:
+        """The offsets as the library ops pass them: the device tensor, the host list or None, the rows."""
+        return GroupOffsets(offs=offs, host=tuple(host_offs) if host_offs is not None else None, rows=rows)
+
     @property
     def num_groups(self) -> int:
         return self.offs.numel() - 1

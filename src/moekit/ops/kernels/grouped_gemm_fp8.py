@@ -219,51 +219,13 @@ def grouped_mm_fp8_kernel(
                 red1 = red0 + BLOCK_RED
                 # A second step past RED (an odd step count) reads zeros with scale 0.
                 a0, b0 = load_operands(
-                    a_desc,
-                    a_ptr,
-                    b_desc,
-                    b_ptr,
-                    red0,
-                    a_row0,
-                    row_lo,
-                    row_hi,
-                    g,
-                    N,
-                    c0,
-                    COLS,
-                    RED,
-                    stride_am,
-                    stride_bg,
-                    stride_br,
-                    TRANS_B,
-                    USE_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                )
+                    a_desc, a_ptr, b_desc, b_ptr, red0, a_row0, row_lo, row_hi, g, N, c0, COLS, RED, stride_am,
+                    stride_bg, stride_br, TRANS_B, USE_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
+                )  # fmt: skip
                 a1, b1 = load_operands(
-                    a_desc,
-                    a_ptr,
-                    b_desc,
-                    b_ptr,
-                    red1,
-                    a_row0,
-                    row_lo,
-                    row_hi,
-                    g,
-                    N,
-                    c0,
-                    COLS,
-                    RED,
-                    stride_am,
-                    stride_bg,
-                    stride_br,
-                    TRANS_B,
-                    USE_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                )
+                    a_desc, a_ptr, b_desc, b_ptr, red1, a_row0, row_lo, row_hi, g, N, c0, COLS, RED, stride_am,
+                    stride_bg, stride_br, TRANS_B, USE_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
+                )  # fmt: skip
                 s0 = tl.load(sa_ptrs + step0, mask=mask_sa, other=0.0) * tl.load(
                     sb_ptr + step0 * stride_bs_red, mask=g < N, other=0.0
                 )
@@ -282,28 +244,9 @@ def grouped_mm_fp8_kernel(
             for step in range(red_steps):
                 red0 = step * BLOCK_RED
                 a, b = load_operands(
-                    a_desc,
-                    a_ptr,
-                    b_desc,
-                    b_ptr,
-                    red0,
-                    a_row0,
-                    row_lo,
-                    row_hi,
-                    g,
-                    N,
-                    c0,
-                    COLS,
-                    RED,
-                    stride_am,
-                    stride_bg,
-                    stride_br,
-                    TRANS_B,
-                    USE_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                )
+                    a_desc, a_ptr, b_desc, b_ptr, red0, a_row0, row_lo, row_hi, g, N, c0, COLS, RED, stride_am,
+                    stride_bg, stride_br, TRANS_B, USE_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
+                )  # fmt: skip
                 acc = tl.dot(a, b, acc)
             sa = tl.load(sa_ptrs, mask=mask_sa, other=0.0)
             sb = tl.load(sb_ptrs, mask=mask_sb, other=0.0)

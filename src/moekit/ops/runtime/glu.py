@@ -336,6 +336,17 @@ def _plan_forward(
     return Plan(_forward_launch(x_MH, w1_N2FH, bias_N2F, probs_M, glu_block, activation, tma, cfg, aligned), ffn)
 
 
+def _forward_outputs(
+    out: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, rows: int, ffn: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """(h (rows, 2F), act (rows, F), their plan keys): fresh tensors in x's dtype (keys None: fresh
+    tensors are 16-byte aligned, as a plan assumes without keys) or the caller's `out`, checked."""
+    if out is None:
+        return empty((rows, 2 * ffn), x.device, x.dtype), empty((rows, ffn), x.device, x.dtype), None
+    h, act = _checked_out(out, x, ((rows, 2 * ffn), (rows, ffn)))
+    return h, act, (tensor_key(h), tensor_key(act))
+
+
 def glu_forward(
     x_MH: torch.Tensor,
     w1_N2FH: torch.Tensor,
@@ -361,12 +372,7 @@ def glu_forward(
     """
     M = x_MH.shape[0]
     ffn = w1_N2FH.shape[1] // 2
-    if out is None:
-        h, act = empty((M, 2 * ffn), x_MH.device, x_MH.dtype), empty((M, ffn), x_MH.device, x_MH.dtype)
-        out_keys = None  # fresh tensors: 16-byte aligned, as the plan assumes without keys
-    else:
-        h, act = _checked_out(out, x_MH, ((M, 2 * ffn), (M, ffn)))
-        out_keys = (tensor_key(h), tensor_key(act))
+    h, act, out_keys = _forward_outputs(out, x_MH, M, ffn)
     key: tuple = (tensor_key(x_MH), tensor_key(w1_N2FH), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
     key += (glu_interleave_size, activation, use_tma, cfg, out_keys)
     aligned = h.data_ptr() % 16 == 0 and act.data_ptr() % 16 == 0
@@ -457,12 +463,7 @@ def glu_forward_gathered(
         x_MH = gather_sum_rows(x_TH, index)
         return glu_forward(x_MH, w1_N2FH, offs, bias_N2F, probs_M, glu_interleave_size, activation, out=out)
     ffn = w1_N2FH.shape[1] // 2
-    if out is None:
-        h, act = empty((M, 2 * ffn), x_TH.device, x_TH.dtype), empty((M, ffn), x_TH.device, x_TH.dtype)
-        out_keys = None
-    else:
-        h, act = _checked_out(out, x_TH, ((M, 2 * ffn), (M, ffn)))
-        out_keys = (tensor_key(h), tensor_key(act))
+    h, act, out_keys = _forward_outputs(out, x_TH, M, ffn)
     if M == 0 or ffn == 0:
         return h, act
     tokens = index.view(-1)
