@@ -1,0 +1,446 @@
+"""Gluon kernel of fp8_block's grouped GEMM (forward and dgrad) for Hopper (sm_90), warp-specialised, with
+every reduction step's promotion beside an MMA in flight (jit code only; host code in
+`moekit.ops.runtime.quantized_gemm`, which launches it where it applies and the Triton kernel
+`moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` everywhere else).
+
+Legend as in `moekit.ops.kernels.grouped_gemm_fp8`: M routed rows, N groups (experts); an output tile
+is BLOCK_M rows by BLOCK_C columns, its reduction runs in steps of BLOCK_RED; COLS and RED are the
+output width and the reduction length.
+
+    c[r] = a_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r]))   a_q (M, RED), w_q (N, COLS, RED) -> c (M, COLS)
+
+(the forward: a = x, w = the weight; the dgrad: a = dy, w = the weight transposed), fp8_block's scales:
+a has one fp32 scale per row per 128 reduction columns, w[g] one per 128 x 128 tile. A step is one
+scale block (BLOCK_RED = 128) and a tile's columns lie in one weight block (BLOCK_C | 128), so each
+step's FP8 product p_k is scaled by one factor per row, s_k = sa[r, k] * sb[g, c0 / 128, k], and
+promoted into the fp32 accumulator: acc = fma(p_k, s_k, acc), steps in order (DeepSeek-V3's recipe).
+
+Why a kernel of its own: the product must be complete before it is scaled, and Triton 3.6 keeps at
+most half of the steps' MMAs in flight beside a promotion (the Triton kernel's docstring). Here the
+MMA partition drives wgmma itself: every product goes to fresh registers (use_acc=False), and
+
+    issue step k's MMA into P[k % 2]           (asynchronous; the registers of step k-2's product,
+                                                promoted already, reused: no copies)
+    wgmma.wait_group 1                         step k-1's MMA is done, step k's still runs
+    acc = fma(P[(k-1) % 2], s_{k-1}, acc)      beside step k's MMA
+    release step k-1's ring slot
+
+so the tensor cores always have the next step's MMA while a product is promoted. Two steps an
+iteration of the loop (P0 then P1) keep each product in its own registers across the loop's back
+edge (one step an iteration would rotate the two register sets, i.e. copy an in-flight accumulator,
+which ptxas answers by serializing every wgmma). A second step past RED (an odd step count) reads
+zeros (TMA's fill) with scale 0, as the Triton kernel's. The promotion is the Triton kernel's pinned
+`promote` (inline asm with side effects: as plain arithmetic LLVM may sink it below the next MMA's
+issue, whose registers it would then have to copy).
+
+Partitions of one persistent program (the tile schedule is `moekit.ops.kernels.schedule`'s, every
+partition computing it for itself from the device offsets, as `glu_hopper`'s kernels do):
+
+    load      (1 warp)   TMA loads of the rows' (BLOCK_M, BLOCK_RED) box and the weight's
+                         (BLOCK_C, BLOCK_RED) box (2-D view (N * COLS, RED); rows past COLS are the
+                         next group's or zeros, and feed only columns that are never stored) into a
+                         ring of STAGES slots, running ahead across tile boundaries
+    mma       (8 warps)  the main loop above (two warp groups of 64 rows each), then the tile's
+                         epilogue: bias, output dtype, and a TMA store of whole tiles (asynchronous:
+                         it drains during the next tile's main loop) or masked pointer stores of a
+                         group's last, partial row tile (and everywhere when the output's rows are
+                         not 16-byte aligned)
+
+Padding tiles (the rows offs[N]:M) run no reduction and store zeros.
+
+The same fp32 operations in the same order as the Triton kernel's fp8_block path (the products are the
+same m64n128k32 wgmma chains, the promotion the same fma per element, the epilogue the same bias
+expression), so the two give the same bits at the Triton kernel's 128 x 128 configurations.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+        warpgroup_mma_wait,
+)
+
+from moekit.ops.kernels.grouped_gemm_fp8 import promote
+from moekit.ops.kernels.schedule import tile_coords, tile_schedule
+
+
+@gluon.jit
+def _group_ids(BLOCK_GROUPS: gl.constexpr):
+    """arange(0, BLOCK_GROUPS) over the calling partition's warps: `schedule.tile_schedule`'s group
+    vector, which every partition computes for itself."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.arange(0, BLOCK_GROUPS, layout=layout)
+
+
+@gluon.jit
+def _load_partition(
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Each tile's A and B boxes, one reduction step a slot; none for padding tiles."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+    )
+    b_desc = tma.make_tensor_descriptor(
+        b_ptr, shape=[N * COLS, RED], strides=[stride_br, 1], block_shape=[BLOCK_C, BLOCK_RED], layout=b_bufs.type.layout
+    )
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        b_row = g * COLS + c0
+        for step in range(red_steps * (g < N).to(gl.int32)):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = step * BLOCK_RED
+            tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [b_row, red0], ready.index(slot), b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _step_scale(sa_ptrs, sb_ptr, step, red_steps, mask_sa, real, stride_bs_red):
+    """s_step = sa[rows, step] * sb[g, c0 / 128, step] (the Triton kernel's product, in its order); 0
+    for rows outside the tile's group, on padding tiles and past the last step."""
+    inside = step < red_steps
+    sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
+    sb = gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
+    return sa * sb
+
+
+@gluon.jit
+def _release(empty, it, STAGES: gl.constexpr):
+    """Hand ring slot `it` back to the load partition once both warp groups are past its MMAs."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
+    """Masked pointer stores of a tile's rows of its group and columns below COLS."""
+    mask = gl.expand_dims((offs_m >= row_lo) & (offs_m < row_hi), 1) & gl.expand_dims(offs_c < COLS, 0)
+    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_c, 0)
+    gl.store(ptrs, out, mask=mask)
+
+
+@gluon.jit
+def _math_partition(
+    a_scale_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile (BLOCK_M / 2 of them), the main
+    loop of the module docstring over the ring, then those rows' epilogue."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    ROWS: gl.constexpr = BLOCK_M // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 32]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    out_ty = c_ptr.dtype.element_ty
+    if EPI_TMA:
+        c_desc = tma.make_tensor_descriptor(
+            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, BLOCK_C], layout=c_smem.type.layout
+        )
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        real = g < N
+        rows0 = row0 + HALF * ROWS
+        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
+        offs_c = c0 + gl.arange(0, BLOCK_C, layout=cols_layout)
+        # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); the
+        # tile's columns lie in one weight scale block: one weight scale a step.
+        mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
+        sa_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
+        sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
+        acc = gl.zeros([ROWS, BLOCK_C], gl.float32, mma_layout)
+        prod = gl.zeros([ROWS, BLOCK_C], gl.float32, mma_layout)
+        scale = _step_scale(sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, stride_bs_red)
+        for step in range(red_steps * real.to(gl.int32)):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            # A fresh product (the registers of the last one, promoted already), this warp group's rows.
+            prod = warpgroup_mma(
+                a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0),
+                b_bufs.index(slot).permute((1, 0)),
+                prod,
+                use_acc=False,
+                is_async=True,
+            )
+            # The next step's scales, a step ahead of their use (their latency behind this MMA).
+            scale_next = _step_scale(sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, stride_bs_red)
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+            _release(empty, it, STAGES)
+            # Beside the other warp group's MMA.
+            acc = promote(acc, prod, scale, True)
+            scale = scale_next
+            it += 1
+
+        # The Triton kernel's epilogue (`grouped_gemm.fwd_epilogue`), in its order: padding rows are
+        # exact zeros whatever they hold, then the bias (none on padding tiles).
+        acc = gl.where(real, acc, 0.0)
+        if HAS_BIAS:
+            bias = gl.load(
+                bias_ptr + g.to(gl.int64) * stride_bias_g + offs_c, mask=(offs_c < COLS) & real, other=0.0
+            ).to(gl.float32)
+            if HAS_SCALE:
+                mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
+                bscale = gl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(gl.float32)
+                acc = acc + gl.expand_dims(bscale, 1) * gl.expand_dims(bias, 0)
+            else:
+                acc = acc + gl.expand_dims(bias, 0)
+        out = acc.to(out_ty)
+        if EPI_TMA:
+            if rows0 + ROWS <= row_hi:
+                # The previous store has read the staging tile (every warp waits past it).
+                tma.store_wait(0)
+                gl.thread_barrier()
+                c_smem.store(out)
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+            else:
+                _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+        else:
+            _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_mm_fp8_block_ws_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """c (M, COLS) = dequant(a) (M, RED) @ dequant(w[g])^T per group with fp8_block's scales, padding
+    rows zero: `grouped_mm_fp8_kernel`'s fp8_block path (TRANS_B, BLOCK_SCALES, SCALE_BLOCK = BLOCK_RED
+    = 128) with TMA loads.
+
+    a: (M, RED) float8 E4M3, row stride stride_am, unit column stride; a_scale: fp32, row r's scale of
+    reduction block j at a_scale_ptr + r * stride_asm + j. b: (N, COLS, RED) float8, contiguous (row
+    stride stride_br, groups COLS rows apart: read through its 2-D view); b_scale: fp32, the scale of
+    w[g]'s block (c // 128, j) at b_scale_ptr + g * stride_bsg + j * stride_bs_red + (c // 128) *
+    stride_bs_col. c: (M, COLS) in the output dtype, row stride stride_cm (EPI_TMA: TMA stores of whole
+    row tiles, needs a 16-byte aligned row stride and base); bias (N, COLS) row stride stride_bias_g
+    and its per-row scale (M,) as the Triton kernel's. offs: (N + 1,) int64 device offsets. Needs
+    BLOCK_RED = 128 (a step is a scale block), BLOCK_C | 128, TMA-aligned a and b (16-byte row
+    strides and bases), N * COLS < 2**31. num_warps = 8 (the mma partition: two warp groups).
+    """
+    gl.static_assert(BLOCK_C <= BLOCK_RED and BLOCK_RED % BLOCK_C == 0, "a tile's columns are in one scale block")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_C, BLOCK_RED], dtype)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_C], out_ty)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_C, BLOCK_RED], b_layout)
+    # Each warp group's own staging tile for its rows' TMA stores.
+    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, BLOCK_C], c_layout)
+    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, BLOCK_C], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        # A slot is free once both warp groups' MMAs on it are done: one arrival each.
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    0,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    1,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    a_ptr,
+                    b_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_am,
+                    stride_br,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
