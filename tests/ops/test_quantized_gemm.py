@@ -481,6 +481,155 @@ def test_gpu_grouped_linear_fp8_within_bound_and_without_host_sync(recipe, monke
     linear_on_device(cuda, recipe, splits, 4096, 2048, 1536, torch.bfloat16, monkeypatch)
 
 
+# --------------------------------------------------------------------------------------------------
+# fp8_block's Gluon kernel on sm_90 (kernels.grouped_gemm_fp8_hopper): -m gpu, checked on the CPU's Triton kernel
+# --------------------------------------------------------------------------------------------------
+
+# (M, I, O, splits): skewed groups, empty ones (first and middle), padding rows; odd step counts (I 2880:
+# 22.5 steps of 128) and output widths past a multiple of 128 (1040, 2880); one row; fewer columns than a
+# tile; nothing but padding; a single one-row group.
+HOPPER_SHAPES = [
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], id="M4096-skewed-empty-padding"),
+    pytest.param(2048, 2880, 1040, [300, 0, 900, 548, 1, 199], id="odd-steps-ragged-cols"),
+    pytest.param(300, 256, 96, [0, 1, 0], id="one-row-narrow-tile"),
+    pytest.param(640, 384, 208, [0, 0, 0, 0], id="all-padding"),
+    pytest.param(1, 128, 128, [1], id="single-row"),
+]
+
+
+def hopper_case(device, op, M, I, O, splits, out_dtype, with_bias=False, nan_padding=False) -> None:
+    """fp8_block's product on `device` as the runtime picks its kernel, against the float64 product of the
+    dequantized operands (the floor of `check_kernel_result`, padding rows exactly zero) and against the
+    Triton kernel at its default configuration for the architecture, bit for bit: on an H200 the runtime
+    runs the Gluon kernel (asserted from the profile, with no host sync), which computes the Triton
+    kernel's fp32 operations in its order (the same m64n128k32 products, one fma per element and step,
+    the same epilogue). with_bias (forward): a bias and a per-row bias scale. nan_padding: the rows operand's
+    padding rows (past offs[N]) hold NaN bytes, which must not reach the output."""
+    N, red = len(splits), I if op == "fwd" else O
+    cols = O if op == "fwd" else I
+    gen = torch.Generator(device=device).manual_seed(11)
+    rows = (torch.randn(M, red, device=device, generator=gen) * torch.logspace(-1, 1, red, device=device)).to(out_dtype)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(out_dtype)
+    rows_q = moekit.group_quantize(rows, torch.tensor(splits, device=device), "fp8_block", backend="triton")
+    w_q = moekit.group_quantize(w, None, "fp8_block", backend="triton")
+    a, a_s = rows_q.rowwise_data, rows_q.rowwise_scale_inv
+    used = sum(splits)
+    if nan_padding:
+        a = a.clone()
+        a[used:].view(torch.uint8).fill_(0x7F)  # float8 E4M3 NaN
+    info = RECIPES["fp8_block"]
+    w64 = dequantize_rowwise(info, w_q.rowwise_data, w_q.rowwise_scale_inv, torch.float64)
+    w_data, w_scale = (w_q.rowwise_data, w_q.rowwise_scale_inv) if op == "fwd" else transposed_weight(w_q)
+    bias = (torch.randn(N, O, device=device, generator=gen) * 0.1).to(out_dtype) if with_bias else None
+    bias_scale = torch.rand(M, device=device, generator=gen) if with_bias else None
+    offs = offs_of(splits).to(device)
+
+    def run(**kw):
+        if op == "fwd":
+            return qg.quantized_gemm_forward(
+                "fp8_block", a, a_s, w_data, w_scale, offs, bias, bias_scale, out_dtype=out_dtype, **kw
+            )
+        return qg.quantized_gemm_dgrad("fp8_block", a, a_s, w_data, w_scale, offs, out_dtype=out_dtype, **kw)
+
+    if device.type == "cuda":
+        result = {}
+
+        def step():
+            result["out"] = run()
+
+        assert_no_host_sync(step)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        assert any("grouped_mm_fp8_block_ws_kernel" in n for n in names), f"the Gluon kernel did not run: {names}"
+        out = result["out"]
+        triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "sm90", cols)[0], use_tma=True)
+    else:
+        out = run()
+        triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "interpreter", cols)[0])
+    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
+    ref = torch.zeros(M, cols, dtype=torch.float64, device=device)
+    bounds = offs_of(splits).tolist()
+    for g in range(N):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
+            if bias is not None:
+                ref[lo:hi] += bias_scale[lo:hi, None].double() * bias[g].double()[None]
+    check_kernel_result(out, ref, splits, red, f"fp8_block {op} {out_dtype} on {device}")
+    assert torch.equal(out, triton_out), (
+        f"{op}: not the Triton kernel's bits ({(out != triton_out).sum().item()} of {out.numel()} differ, "
+        f"largest difference {(out.double() - triton_out.double()).abs().max().item():.3e})"
+    )
+
+
+@cpu_only
+def test_hopper_test_body_on_cpu():
+    """The Gluon kernel's GPU test code, at small shapes under the interpreter (where the Triton kernel runs)."""
+    cpu = torch.device("cpu")
+    for op in ("fwd", "dgrad"):
+        hopper_case(cpu, op, 50, 144, 80, [0, 20, 1, 0, 25], torch.float32, nan_padding=True)
+    hopper_case(cpu, "fwd", 40, 160, 48, [7, 0, 30], torch.float16, with_bias=True)
+
+
+def test_hopper_kernel_only_where_it_applies():
+    """The runtime keeps the Triton kernel for fp8_rowwise, a fixed cfg, operands without TMA and devices
+    other than sm_90 (here: the CPU)."""
+    a, a_s, w, w_s, _, _ = quantized_operands("fwd", "fp8_block", [3, 2], 5, 128, 48)
+    assert not qg.hopper_kernel_takes("fp8_block", a, w, True, None)  # not CUDA
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        a, w = a.cuda(), w.cuda()
+        assert qg.hopper_kernel_takes("fp8_block", a, w, True, None)
+        assert not qg.hopper_kernel_takes("fp8_rowwise", a, w, True, None)
+        assert not qg.hopper_kernel_takes("fp8_block", a, w, False, None)
+        assert not qg.hopper_kernel_takes("fp8_block", a, w, True, GemmConfig(128, 128, 128, 8, 2, 8, False, True))
+
+
+def _hopper_or_skip() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90")
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("M, I, O, splits", HOPPER_SHAPES)
+def test_gpu_hopper_fp8_block_against_float64_and_triton_bits(op, M, I, O, splits, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), op, M, I, O, splits, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpu_hopper_fp8_block_output_dtypes(op, out_dtype, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), op, 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_hopper_fp8_block_bias_and_row_scale(out_dtype, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), "fwd", 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype, with_bias=True)
+
+
+@gpu
+def test_gpu_hopper_fp8_block_pointer_stores(nan_poison):
+    """Output rows of 1036 bf16 (2072 bytes, not 16-byte aligned): every tile leaves by pointer stores."""
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), "fwd", 1500, 512, 1036, [0, 600, 3, 700], torch.bfloat16, with_bias=True)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_gpu_hopper_fp8_block_nan_bytes_in_padding_rows(op, nan_poison):
+    _hopper_or_skip()
+    hopper_case(
+        torch.device("cuda"), op, 4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], torch.bfloat16, nan_padding=True
+    )
+
+
 @cpu_only
 def test_compile_fullgraph_matches_eager():
     """The FP8 products are custom ops (`moekit::quantized_linear_forward` / `_dgrad`): torch.compile
