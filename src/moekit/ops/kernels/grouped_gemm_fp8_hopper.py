@@ -129,12 +129,13 @@ def _load_partition(
 
 
 @gluon.jit
-def _step_scale(sa_ptrs, sb_ptr, step, red_steps, mask_sa, real, stride_bs_red):
-    """s_step = sa[rows, step] * sb[g, c0 / 128, step] (the Triton kernel's product, in its order); 0
-    for rows outside the tile's group, on padding tiles and past the last step."""
+def _step_scale(sa_ptrs, sb_ptr, step, red_steps, mask_sa, block_ok, stride_bs_red):
+    """s_step = sa[rows, step] * sb[g, column block, step] (the Triton kernel's product, in its order); 0
+    for rows outside the tile's group, where not block_ok (padding tiles, a column block past COLS) and
+    past the last step."""
     inside = step < red_steps
     sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
-    sb = gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
+    sb = gl.load(sb_ptr + step * stride_bs_red, mask=block_ok & inside, other=0.0)
     return sa * sb
 
 
@@ -151,6 +152,64 @@ def _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
     mask = gl.expand_dims((offs_m >= row_lo) & (offs_m < row_hi), 1) & gl.expand_dims(offs_c < COLS, 0)
     ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_c, 0)
     gl.store(ptrs, out, mask=mask)
+
+
+@gluon.jit
+def _epilogue_part(
+    acc,
+    real,
+    g,
+    N,
+    offs_m,
+    c0,
+    rows0,
+    row_lo,
+    row_hi,
+    c_ptr,
+    c_desc,
+    c_smem,
+    bias_ptr,
+    scale_ptr,
+    COLS,
+    stride_cm,
+    stride_bias_g,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    cols_layout: gl.constexpr,
+):
+    """One (ROWS, SUB) accumulator of columns c0: onwards: the Triton kernel's epilogue
+    (`grouped_gemm.fwd_epilogue`) in its order (padding rows exact zeros whatever they hold, then the
+    bias, none on padding tiles, then the output dtype), stored by TMA (rows all in the group: through
+    the warp group's staging tile, asynchronously) or by masked pointer stores."""
+    ROWS: gl.constexpr = acc.shape[0]
+    SUB: gl.constexpr = acc.shape[1]
+    offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
+    acc = gl.where(real, acc, 0.0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias_g + offs_c, mask=(offs_c < COLS) & real, other=0.0).to(
+            gl.float32
+        )
+        if HAS_SCALE:
+            mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
+            bscale = gl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(bscale, 1) * gl.expand_dims(bias, 0)
+        else:
+            acc = acc + gl.expand_dims(bias, 0)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if EPI_TMA:
+        if rows0 + ROWS <= row_hi:
+            # The previous store has read the staging tile (every warp waits past it).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(out)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+        else:
+            _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+    else:
+        _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
 
 
 @gluon.jit
@@ -189,21 +248,26 @@ def _math_partition(
     STAGES: gl.constexpr,
 ):
     """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile (BLOCK_M / 2 of them), the main
-    loop of the module docstring over the ring, then those rows' epilogue."""
+    loop of the module docstring over the ring, then those rows' epilogue. A tile of 2 x 128 columns
+    (two weight scale blocks) is two accumulators of 128 columns, each step two MMAs into the one
+    product register set, each promoted with its block's scale before the next is issued."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
     ROWS: gl.constexpr = BLOCK_M // 2
+    SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED  # columns of one weight scale block
+    HALVES: gl.constexpr = BLOCK_C // SUB
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 32]
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 32]
     )
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    out_ty = c_ptr.dtype.element_ty
     if EPI_TMA:
         c_desc = tma.make_tensor_descriptor(
-            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, BLOCK_C], layout=c_smem.type.layout
+            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
         )
+    else:
+        c_desc = c_ptr  # unused without EPI_TMA
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -213,62 +277,59 @@ def _math_partition(
         real = g < N
         rows0 = row0 + HALF * ROWS
         offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
-        offs_c = c0 + gl.arange(0, BLOCK_C, layout=cols_layout)
-        # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); the
-        # tile's columns lie in one weight scale block: one weight scale a step.
+        # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
+        # accumulator's columns lie in one weight scale block: one weight scale a step each.
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
         sa_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
         sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
-        acc = gl.zeros([ROWS, BLOCK_C], gl.float32, mma_layout)
-        prod = gl.zeros([ROWS, BLOCK_C], gl.float32, mma_layout)
-        scale = _step_scale(sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, stride_bs_red)
+        prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        scale0 = _step_scale(sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, stride_bs_red)
+        if HALVES == 2:
+            acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+            hi_ok = real & (c0 + SUB < COLS)
+            scale1 = _step_scale(sa_ptrs, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, hi_ok, stride_bs_red)
         for step in range(red_steps * real.to(gl.int32)):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
             # A fresh product (the registers of the last one, promoted already), this warp group's rows.
             prod = warpgroup_mma(
-                a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0),
-                b_bufs.index(slot).permute((1, 0)),
-                prod,
-                use_acc=False,
-                is_async=True,
+                a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
             )
-            # The next step's scales, a step ahead of their use (their latency behind this MMA).
-            scale_next = _step_scale(sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, stride_bs_red)
+            # The next step's scales, a step ahead of their use (their latency behind the MMAs).
+            next0 = _step_scale(sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, stride_bs_red)
+            if HALVES == 2:
+                next1 = _step_scale(sa_ptrs, sb_ptr + stride_bs_col, step + 1, red_steps, mask_sa, hi_ok, stride_bs_red)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-            _release(empty, it, STAGES)
+            if HALVES == 1:
+                _release(empty, it, STAGES)
             # Beside the other warp group's MMA.
-            acc = promote(acc, prod, scale, True)
-            scale = scale_next
+            acc0 = promote(acc0, prod, scale0, True)
+            if HALVES == 2:
+                prod = warpgroup_mma(
+                    a_rows,
+                    b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
+                    prod,
+                    use_acc=False,
+                    is_async=True,
+                )
+                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                _release(empty, it, STAGES)
+                acc1 = promote(acc1, prod, scale1, True)
+                scale1 = next1
+            scale0 = next0
             it += 1
 
-        # The Triton kernel's epilogue (`grouped_gemm.fwd_epilogue`), in its order: padding rows are
-        # exact zeros whatever they hold, then the bias (none on padding tiles).
-        acc = gl.where(real, acc, 0.0)
-        if HAS_BIAS:
-            bias = gl.load(
-                bias_ptr + g.to(gl.int64) * stride_bias_g + offs_c, mask=(offs_c < COLS) & real, other=0.0
-            ).to(gl.float32)
-            if HAS_SCALE:
-                mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
-                bscale = gl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(gl.float32)
-                acc = acc + gl.expand_dims(bscale, 1) * gl.expand_dims(bias, 0)
-            else:
-                acc = acc + gl.expand_dims(bias, 0)
-        out = acc.to(out_ty)
-        if EPI_TMA:
-            if rows0 + ROWS <= row_hi:
-                # The previous store has read the staging tile (every warp waits past it).
-                tma.store_wait(0)
-                gl.thread_barrier()
-                c_smem.store(out)
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
-            else:
-                _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
-        else:
-            _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+        _epilogue_part(
+            acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        )  # fmt: skip
+        if HALVES == 2:
+            _epilogue_part(
+                acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
+                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+            )  # fmt: skip
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -322,17 +383,20 @@ def grouped_mm_fp8_block_ws_kernel(
     BLOCK_RED = 128 (a step is a scale block), BLOCK_C | 128, TMA-aligned a and b (16-byte row
     strides and bases), N * COLS < 2**31. num_warps = 8 (the mma partition: two warp groups).
     """
-    gl.static_assert(BLOCK_C <= BLOCK_RED and BLOCK_RED % BLOCK_C == 0, "a tile's columns are in one scale block")
+    gl.static_assert(
+        BLOCK_RED % BLOCK_C == 0 or BLOCK_C == 2 * BLOCK_RED, "a tile is in one weight scale block, or two whole ones"
+    )
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_C, BLOCK_RED], dtype)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_C], out_ty)
+    SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], out_ty)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_C, BLOCK_RED], b_layout)
     # Each warp group's own staging tile for its rows' TMA stores.
-    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, BLOCK_C], c_layout)
-    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, BLOCK_C], c_layout)
+    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):

@@ -59,6 +59,7 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
     FP8_BLOCK_WS,
+    FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
     GemmConfig,
     fp8_gemm_candidates,
@@ -236,12 +237,12 @@ def _ws_launch(
     M, red = a.shape
     N = w.shape[0]
     cfg = FP8_BLOCK_WS
-    block_m, block_c, block = cfg["BLOCK_M"], cfg["BLOCK_C"], FP8_BLOCK_RED
-    bound = (triton.cdiv(M, block_m) + N + 1) * triton.cdiv(out_cols, block_c)
+    out_size = torch.finfo(out_dtype).bits // 8
+    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(out_cols, cfg["BLOCK_C"])
     nprog = grid_size(a.device, bound)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
-    epi_tma = (out_cols * (torch.finfo(out_dtype).bits // 8)) % 16 == 0
-    col_blocks, red_blocks = triton.cdiv(out_cols, block), triton.cdiv(red, block)
+    epi_tma = (out_cols * out_size) % 16 == 0
+    col_blocks, red_blocks = triton.cdiv(out_cols, FP8_BLOCK_RED), triton.cdiv(red, FP8_BLOCK_RED)
     ints: tuple[int, ...] = (M, out_cols, red, N, a.stride(0), w.stride(1), out_cols)
     ints += (bias.stride(0) if bias is not None else 0, red_blocks, col_blocks * red_blocks, 1, red_blocks)
     return LaunchPlan(
@@ -254,6 +255,7 @@ def _ws_launch(
             EPI_TMA=epi_tma,
             BLOCK_GROUPS=block_groups(N + 2),
             NUM_PROGRAMS=nprog,
+            STAGES=FP8_BLOCK_WS_STAGES[out_size],
             **cfg,
         ),
     )
