@@ -626,7 +626,14 @@ def test_gpu_hopper_fp8_block_pointer_stores(nan_poison):
 def test_gpu_hopper_fp8_block_nan_bytes_in_padding_rows(op, nan_poison):
     _hopper_or_skip()
     hopper_case(
-        torch.device("cuda"), op, 4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], torch.bfloat16, nan_padding=True
+        torch.device("cuda"),
+        op,
+        4096,
+        2048,
+        1536,
+        [0, 700, 512, 1300, 900, 333, 3, 48],
+        torch.bfloat16,
+        nan_padding=True,
     )
 
 

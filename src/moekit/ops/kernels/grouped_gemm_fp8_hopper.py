@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-        warpgroup_mma_wait,
+    warpgroup_mma_wait,
 )
 
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
@@ -108,7 +108,11 @@ def _load_partition(
         a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
     )
     b_desc = tma.make_tensor_descriptor(
-        b_ptr, shape=[N * COLS, RED], strides=[stride_br, 1], block_shape=[BLOCK_C, BLOCK_RED], layout=b_bufs.type.layout
+        b_ptr,
+        shape=[N * COLS, RED],
+        strides=[stride_br, 1],
+        block_shape=[BLOCK_C, BLOCK_RED],
+        layout=b_bufs.type.layout,
     )
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(RED, BLOCK_RED)
@@ -325,7 +329,7 @@ def _math_partition(
             acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
             stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
-        if HALVES == 2:
+        if HALVES == 2 and c0 + SUB < COLS:  # the second half holds columns below COLS
             _epilogue_part(
                 acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
                 COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
