@@ -1,5 +1,5 @@
 """Gluon kernel of fp8_block's grouped GEMM (forward and dgrad) for Hopper (sm_90), warp-specialised, with
-every reduction step's promotion beside an MMA in flight (jit code only; host code in
+every reduction step's promotion beside MMAs in flight (jit code only; host code in
 `moekit.ops.runtime.quantized_gemm`, which launches it where it applies and the Triton kernel
 `moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` everywhere else).
 
@@ -11,27 +11,32 @@ output width and the reduction length.
 
 (the forward: a = x, w = the weight; the dgrad: a = dy, w = the weight transposed), fp8_block's scales:
 a has one fp32 scale per row per 128 reduction columns, w[g] one per 128 x 128 tile. A step is one
-scale block (BLOCK_RED = 128) and a tile's columns lie in one weight block (BLOCK_C | 128), so each
-step's FP8 product p_k is scaled by one factor per row, s_k = sa[r, k] * sb[g, c0 / 128, k], and
-promoted into the fp32 accumulator: acc = fma(p_k, s_k, acc), steps in order (DeepSeek-V3's recipe).
+scale block (BLOCK_RED = 128) and each 128 columns of a tile lie in one weight block, so each step's
+FP8 product p_k of those columns is scaled by one factor per row, s_k = sa[r, k] * sb[g, c / 128, k],
+and promoted into an fp32 accumulator: acc = fma(p_k, s_k, acc), steps in order (DeepSeek-V3's recipe).
 
 Why a kernel of its own: the product must be complete before it is scaled, and Triton 3.6 keeps at
-most half of the steps' MMAs in flight beside a promotion (the Triton kernel's docstring). Here the
-MMA partition drives wgmma itself: every product goes to fresh registers (use_acc=False), and
+most half of the steps' MMAs in flight beside a promotion (the Triton kernel's docstring). Here two
+math warp groups share each tile, 64 rows each, and each drives its own wgmma:
 
-    issue step k's MMA into P[k % 2]           (asynchronous; the registers of step k-2's product,
-                                                promoted already, reused: no copies)
-    wgmma.wait_group 1                         step k-1's MMA is done, step k's still runs
-    acc = fma(P[(k-1) % 2], s_{k-1}, acc)      beside step k's MMA
-    release step k-1's ring slot
+    wait for the step's ring slot
+    issue the MMA of its 64 rows x 128 columns into the product registers (use_acc=False: a fresh
+        product; the registers of the previous one, promoted already, so no copies)
+    wgmma.wait_group 0                         its own MMA only
+    acc = fma(p, s, acc)                       while the tensor cores run the other warp group's MMA
+    (a 256-column tile: the same for its second 128 columns, into the same product registers)
+    release the slot (one arrival per warp group)
 
-so the tensor cores always have the next step's MMA while a product is promoted. Two steps an
-iteration of the loop (P0 then P1) keep each product in its own registers across the loop's back
-edge (one step an iteration would rotate the two register sets, i.e. copy an in-flight accumulator,
-which ptxas answers by serializing every wgmma). A second step past RED (an odd step count) reads
-zeros (TMA's fill) with scale 0, as the Triton kernel's. The promotion is the Triton kernel's pinned
-`promote` (inline asm with side effects: as plain arithmetic LLVM may sink it below the next MMA's
-issue, whose registers it would then have to copy).
+Each warp group waits for its own MMAs only and never for the other's, so the two drift into taking
+turns: while one promotes, the other's MMA keeps the tensor cores busy (DeepGEMM's scheme on Hopper).
+A promotion (64 FMAs a thread) is far shorter than the other group's MMA (64 x 128 x 128). The other
+scheme, one warp group overlapping its own promotion with its next MMA (issue step k, `wait_group 1`,
+promote step k-1), needs an MMA in flight across the loop's back edge whose registers the next
+iteration reads after that wait; ptxas cannot follow it there and serializes every wgmma of the
+kernel (C7514), with or without the first step peeled off the loop (notes/quantized_gemm.md).
+
+The promotion is the Triton kernel's pinned `promote` (inline asm with side effects, so that it stays
+after the wait that completes its product). Scales are loaded a step ahead of their use.
 
 Partitions of one persistent program (the tile schedule is `moekit.ops.kernels.schedule`'s, every
 partition computing it for itself from the device offsets, as `glu_hopper`'s kernels do):
@@ -40,17 +45,19 @@ partition computing it for itself from the device offsets, as `glu_hopper`'s ker
                          (BLOCK_C, BLOCK_RED) box (2-D view (N * COLS, RED); rows past COLS are the
                          next group's or zeros, and feed only columns that are never stored) into a
                          ring of STAGES slots, running ahead across tile boundaries
-    mma       (8 warps)  the main loop above (two warp groups of 64 rows each), then the tile's
-                         epilogue: bias, output dtype, and a TMA store of whole tiles (asynchronous:
-                         it drains during the next tile's main loop) or masked pointer stores of a
-                         group's last, partial row tile (and everywhere when the output's rows are
-                         not 16-byte aligned)
+    math 0/1  (4 warps   the main loop above on rows 0:64 / 64:128 of each tile, then their
+               each)     epilogue: bias, output dtype, and TMA stores of 64 x 128 blocks whose rows all
+                         lie in the tile's group (asynchronous, through the warp group's staging tile:
+                         they drain during the next tile's main loop), masked pointer stores of a
+                         group's last, partial rows (and everywhere when the output's rows are not
+                         16-byte aligned)
 
 Padding tiles (the rows offs[N]:M) run no reduction and store zeros.
 
-The same fp32 operations in the same order as the Triton kernel's fp8_block path (the products are the
-same m64n128k32 wgmma chains, the promotion the same fma per element, the epilogue the same bias
-expression), so the two give the same bits at the Triton kernel's 128 x 128 configurations.
+The same fp32 operations in the same order as the Triton kernel's fp8_block path: the products are the
+same m64n128k32 wgmma chains (four k32 steps, the first with a zero accumulator), the promotion the same
+fma per element (the Triton kernel's first promotion adds 0 * 0 to 0), the epilogue the same bias
+expression and rounding. So the two give the same bits.
 """
 
 from __future__ import annotations
@@ -145,7 +152,8 @@ def _step_scale(sa_ptrs, sb_ptr, step, red_steps, mask_sa, block_ok, stride_bs_r
 
 @gluon.jit
 def _release(empty, it, STAGES: gl.constexpr):
-    """Hand ring slot `it` back to the load partition once both warp groups are past its MMAs."""
+    """This warp group's arrival on ring slot `it`'s empty barrier (which expects one from each math warp
+    group), once all its warps are past the wait on their MMAs that read the slot."""
     gl.thread_barrier()
     mbarrier.arrive(empty.index(it % STAGES), count=1)
 
@@ -381,15 +389,18 @@ def grouped_mm_fp8_block_ws_kernel(
     reduction block j at a_scale_ptr + r * stride_asm + j. b: (N, COLS, RED) float8, contiguous (row
     stride stride_br, groups COLS rows apart: read through its 2-D view); b_scale: fp32, the scale of
     w[g]'s block (c // 128, j) at b_scale_ptr + g * stride_bsg + j * stride_bs_red + (c // 128) *
-    stride_bs_col. c: (M, COLS) in the output dtype, row stride stride_cm (EPI_TMA: TMA stores of whole
-    row tiles, needs a 16-byte aligned row stride and base); bias (N, COLS) row stride stride_bias_g
+    stride_bs_col. c: (M, COLS) in the output dtype, row stride stride_cm (EPI_TMA: TMA stores of the
+    64-row blocks inside a group, needs a 16-byte aligned row stride and base); bias (N, COLS) row stride stride_bias_g
     and its per-row scale (M,) as the Triton kernel's. offs: (N + 1,) int64 device offsets. Needs
-    BLOCK_RED = 128 (a step is a scale block), BLOCK_C | 128, TMA-aligned a and b (16-byte row
-    strides and bases), N * COLS < 2**31. num_warps = 8 (the mma partition: two warp groups).
+    BLOCK_RED = 128 (a step is a scale block), BLOCK_M = 128 (two warp groups of 64 rows), BLOCK_C a
+    divisor of 128 or 256 (two weight scale blocks), TMA-aligned a and b (16-byte row strides and bases),
+    N * COLS < 2**31. num_warps = 4 (math warp group 0; group 1 and the load warp are workers with
+    MATH_REGS and LOAD_REGS registers a thread).
     """
     gl.static_assert(
         BLOCK_RED % BLOCK_C == 0 or BLOCK_C == 2 * BLOCK_RED, "a tile is in one weight scale block, or two whole ones"
     )
+    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
