@@ -140,14 +140,21 @@ def _load_partition(
 
 
 @gluon.jit
-def _step_scale(sa_ptrs, sb_ptr, step, red_steps, mask_sa, block_ok, stride_bs_red):
-    """s_step = sa[rows, step] * sb[g, column block, step] (the Triton kernel's product, in its order); 0
-    for rows outside the tile's group, where not block_ok (padding tiles, a column block past COLS) and
-    past the last step."""
+def _step_scales(
+    sa_ptrs, sb_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES: gl.constexpr
+):
+    """The factors of step `step` for the tile's (up to) two 128-column halves, sa[rows, step] * sb[g, column
+    block, step] each (the Triton kernel's product, in its order; the second equals the first where
+    HALVES == 1, unused); 0 for rows outside the tile's group, on padding tiles (not real), for a second
+    half past COLS (not hi_ok) and past the last step."""
     inside = step < red_steps
     sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
-    sb = gl.load(sb_ptr + step * stride_bs_red, mask=block_ok & inside, other=0.0)
-    return sa * sb
+    s0 = sa * gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
+    if HALVES == 2:
+        s1 = sa * gl.load(sb_ptr + stride_bs_col + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
+    else:
+        s1 = s0
+    return s0, s1
 
 
 @gluon.jit
@@ -296,11 +303,12 @@ def _math_partition(
         sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
         prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        scale0 = _step_scale(sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, stride_bs_red)
+        hi_ok = real & (c0 + SUB < COLS)
+        scale0, scale1 = _step_scales(
+            sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
+        )
         if HALVES == 2:
             acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-            hi_ok = real & (c0 + SUB < COLS)
-            scale1 = _step_scale(sa_ptrs, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, hi_ok, stride_bs_red)
         for step in range(red_steps * real.to(gl.int32)):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -310,25 +318,26 @@ def _math_partition(
                 a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
             )
             # The next step's scales, a step ahead of their use (their latency behind the MMAs).
-            next0 = _step_scale(sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, stride_bs_red)
-            if HALVES == 2:
-                next1 = _step_scale(sa_ptrs, sb_ptr + stride_bs_col, step + 1, red_steps, mask_sa, hi_ok, stride_bs_red)
+            next0, next1 = _step_scales(
+                sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
+            )
             prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
             if HALVES == 1:
                 _release(empty, it, STAGES)
             # Beside the other warp group's MMA.
             acc0 = promote(acc0, prod, scale0, True)
             if HALVES == 2:
-                prod = warpgroup_mma(
-                    a_rows,
-                    b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
-                    prod,
-                    use_acc=False,
-                    is_async=True,
-                )
-                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                if hi_ok:  # the second half holds columns below COLS
+                    prod = warpgroup_mma(
+                        a_rows,
+                        b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
+                        prod,
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                    acc1 = promote(acc1, prod, scale1, True)
                 _release(empty, it, STAGES)
-                acc1 = promote(acc1, prod, scale1, True)
                 scale1 = next1
             scale0 = next0
             it += 1
