@@ -575,8 +575,9 @@ def test_hopper_test_body_on_cpu():
 
 def test_hopper_kernel_only_where_it_applies():
     """The runtime keeps the Triton kernel for fp8_rowwise, a fixed cfg, operands without TMA and devices
-    other than sm_90 (here: the CPU)."""
-    a, a_s, w, w_s, _, _ = quantized_operands("fwd", "fp8_block", [3, 2], 5, 128, 48)
+    other than sm_90 (here: the CPU); on an sm_90 device it takes fp8_block's products."""
+    a = torch.zeros(5, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 48, 128, dtype=torch.float8_e4m3fn)
     assert not qg.hopper_kernel_takes("fp8_block", a, w, True, None)  # not CUDA
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         a, w = a.cuda(), w.cuda()
