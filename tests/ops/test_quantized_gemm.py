@@ -623,6 +623,21 @@ def test_gpu_hopper_fp8_block_pointer_stores(nan_poison):
 
 
 @gpu
+def test_gpu_hopper_fp8_block_no_rows():
+    """No rows: an empty output and no launch; no groups: zeros (the runtime's cases before any kernel)."""
+    _hopper_or_skip()
+    cuda, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    a, a_s = torch.zeros(0, 256, dtype=fp8, device=cuda), torch.ones(0, 2, device=cuda)
+    w, w_s = torch.zeros(2, 128, 256, dtype=fp8, device=cuda), torch.ones(2, 1, 2, device=cuda)
+    out = qg.quantized_gemm_forward("fp8_block", a, a_s, w, w_s, offs_of([0, 0]).to(cuda), out_dtype=torch.bfloat16)
+    assert out.shape == (0, 128)
+    a, a_s = torch.zeros(3, 256, dtype=fp8, device=cuda), torch.ones(3, 2, device=cuda)
+    w, w_s = torch.zeros(0, 128, 256, dtype=fp8, device=cuda), torch.ones(0, 1, 2, device=cuda)
+    out = qg.quantized_gemm_forward("fp8_block", a, a_s, w, w_s, offs_of([]).to(cuda), out_dtype=torch.bfloat16)
+    assert out.shape == (3, 128) and torch.count_nonzero(out) == 0
+
+
+@gpu
 @pytest.mark.parametrize("op", ["fwd", "dgrad"])
 def test_gpu_hopper_fp8_block_nan_bytes_in_padding_rows(op, nan_poison):
     _hopper_or_skip()
