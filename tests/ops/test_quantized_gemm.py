@@ -587,6 +587,74 @@ def test_hopper_kernel_only_where_it_applies():
         assert not qg.hopper_kernel_takes("fp8_block", a, w, True, GemmConfig(128, 128, 128, 8, 2, 8, False, True))
 
 
+_COMPILE_FP8_BLOCK_FOR_SM90 = """
+import json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel as kernel
+from moekit.ops.runtime.configs import FP8_BLOCK_WS, FP8_BLOCK_WS_STAGES
+
+out_ty, bias, scale, epi_tma = json.loads(sys.argv[1])
+options = {"num_warps": FP8_BLOCK_WS["num_warps"], "maxnreg": FP8_BLOCK_WS["maxnreg"]}
+const = {k: v for k, v in FP8_BLOCK_WS.items() if k not in options}
+const.update(HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
+             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
+pointer = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+           "scale_ptr": "*fp32", "offs_ptr": "*i64"}
+sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+with open(sys.argv[2], "w") as f:
+    f.write(ptx)
+log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", "/dev/null"],
+                     capture_output=True, text=True).stderr
+print(json.dumps({"shared": compiled.metadata.shared, "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
+                  "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.([\\w.]+)", ptx))),
+                  "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "out_ty, bias, scale, epi_tma",
+    [
+        ("bf16", False, False, True),
+        ("bf16", True, True, True),
+        ("fp32", True, False, True),
+        ("fp16", False, False, False),
+    ],
+    ids=["bf16", "bf16-bias-row-scale", "fp32-bias", "fp16-pointer-stores"],
+)
+def test_hopper_fp8_block_kernel_compiles_for_sm90(out_ty, bias, scale, epi_tma, tmp_path):
+    """The Gluon kernel's configurations compile for sm_90a inside Hopper's 227 KB of shared memory, with
+    FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step: each waits for
+    its own MMAs only) and no wgmma serialization by ptxas (C7514 / C7515). In its own process, as
+    test_gemm_kernels.py's Hopper compile test (Gluon cannot compile where TRITON_INTERPRET=1 is set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([out_ty, bias, scale, epi_tma])
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FP8_BLOCK_FOR_SM90, args, str(tmp_path / "k.ptx")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0 < got["shared"] <= 227 * 1024
+    assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
+    assert got["waits"] == ["0"] * 4, got["waits"]
+    assert not got["serialized"], got["serialized"]
+
+
 def _hopper_or_skip() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel runs on sm_90")
