@@ -612,7 +612,8 @@ with open(sys.argv[2], "w") as f:
     f.write(ptx)
 log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", "/dev/null"],
                      capture_output=True, text=True).stderr
-print(json.dumps({"shared": compiled.metadata.shared, "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
+print(json.dumps({"shared": compiled.metadata.shared,
+                  "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
                   "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.([\\w.]+)", ptx))),
                   "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l]}))
 """
