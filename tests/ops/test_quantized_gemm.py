@@ -481,6 +481,247 @@ def test_gpu_grouped_linear_fp8_within_bound_and_without_host_sync(recipe, monke
     linear_on_device(cuda, recipe, splits, 4096, 2048, 1536, torch.bfloat16, monkeypatch)
 
 
+# --------------------------------------------------------------------------------------------------
+# fp8_block's Gluon kernel on sm_90 (kernels.grouped_gemm_fp8_hopper): -m gpu, checked on the CPU's Triton kernel
+# --------------------------------------------------------------------------------------------------
+
+# (M, I, O, splits): skewed groups, empty ones (first and middle), padding rows; odd step counts (I 2880:
+# 22.5 steps of 128) and output widths past a multiple of 128 (1040, 2880); one row; fewer columns than a
+# tile; nothing but padding; a single one-row group.
+HOPPER_SHAPES = [
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 3, 48], id="M4096-skewed-empty-padding"),
+    pytest.param(2048, 2880, 1040, [300, 0, 900, 548, 1, 199], id="odd-steps-ragged-cols"),
+    pytest.param(300, 256, 96, [0, 1, 0], id="one-row-narrow-tile"),
+    pytest.param(640, 384, 208, [0, 0, 0, 0], id="all-padding"),
+    pytest.param(1, 128, 128, [1], id="single-row"),
+]
+
+
+def hopper_case(device, op, M, I, O, splits, out_dtype, with_bias=False, nan_padding=False) -> None:
+    """fp8_block's product on `device` as the runtime picks its kernel, against the float64 product of the
+    dequantized operands (the floor of `check_kernel_result`, padding rows exactly zero) and against the
+    Triton kernel at its default configuration for the architecture, bit for bit: on an H200 the runtime
+    runs the Gluon kernel (asserted from the profile, with no host sync), which computes the Triton
+    kernel's fp32 operations in its order (the same m64n128k32 products, one fma per element and step,
+    the same epilogue). with_bias (forward): a bias and a per-row bias scale. nan_padding: the rows operand's
+    padding rows (past offs[N]) hold NaN bytes, which must not reach the output."""
+    N, red = len(splits), I if op == "fwd" else O
+    cols = O if op == "fwd" else I
+    gen = torch.Generator(device=device).manual_seed(11)
+    rows = (torch.randn(M, red, device=device, generator=gen) * torch.logspace(-1, 1, red, device=device)).to(out_dtype)
+    w = (torch.randn(N, O, I, device=device, generator=gen) / I**0.5).to(out_dtype)
+    rows_q = moekit.group_quantize(rows, torch.tensor(splits, device=device), "fp8_block", backend="triton")
+    w_q = moekit.group_quantize(w, None, "fp8_block", backend="triton")
+    a, a_s = rows_q.rowwise_data, rows_q.rowwise_scale_inv
+    used = sum(splits)
+    if nan_padding:
+        a = a.clone()
+        a[used:].view(torch.uint8).fill_(0x7F)  # float8 E4M3 NaN
+    info = RECIPES["fp8_block"]
+    w64 = dequantize_rowwise(info, w_q.rowwise_data, w_q.rowwise_scale_inv, torch.float64)
+    w_data, w_scale = (w_q.rowwise_data, w_q.rowwise_scale_inv) if op == "fwd" else transposed_weight(w_q)
+    bias = (torch.randn(N, O, device=device, generator=gen) * 0.1).to(out_dtype) if with_bias else None
+    bias_scale = torch.rand(M, device=device, generator=gen) if with_bias else None
+    offs = offs_of(splits).to(device)
+
+    def run(**kw):
+        if op == "fwd":
+            return qg.quantized_gemm_forward(
+                "fp8_block", a, a_s, w_data, w_scale, offs, bias, bias_scale, out_dtype=out_dtype, **kw
+            )
+        return qg.quantized_gemm_dgrad("fp8_block", a, a_s, w_data, w_scale, offs, out_dtype=out_dtype, **kw)
+
+    if device.type == "cuda":
+        result = {}
+
+        def step():
+            result["out"] = run()
+
+        assert_no_host_sync(step)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        assert any("grouped_mm_fp8_block_ws_kernel" in n for n in names), f"the Gluon kernel did not run: {names}"
+        out = result["out"]
+        triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "sm90", cols)[0], use_tma=True)
+    else:
+        out = run()
+        triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "interpreter", cols)[0])
+    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
+    ref = torch.zeros(M, cols, dtype=torch.float64, device=device)
+    bounds = offs_of(splits).tolist()
+    for g in range(N):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
+            if bias is not None:
+                ref[lo:hi] += bias_scale[lo:hi, None].double() * bias[g].double()[None]
+    check_kernel_result(out, ref, splits, red, f"fp8_block {op} {out_dtype} on {device}")
+    assert torch.equal(out, triton_out), (
+        f"{op}: not the Triton kernel's bits ({(out != triton_out).sum().item()} of {out.numel()} differ, "
+        f"largest difference {(out.double() - triton_out.double()).abs().max().item():.3e})"
+    )
+
+
+@cpu_only
+def test_hopper_test_body_on_cpu():
+    """The Gluon kernel's GPU test code, at small shapes under the interpreter (where the Triton kernel runs)."""
+    cpu = torch.device("cpu")
+    for op in ("fwd", "dgrad"):
+        hopper_case(cpu, op, 50, 144, 80, [0, 20, 1, 0, 25], torch.float32, nan_padding=True)
+    hopper_case(cpu, "fwd", 40, 160, 48, [7, 0, 30], torch.float16, with_bias=True)
+
+
+def test_hopper_kernel_only_where_it_applies():
+    """The runtime keeps the Triton kernel for fp8_rowwise, a fixed cfg, operands without TMA and devices
+    other than sm_90 (here: the CPU); on an sm_90 device it takes fp8_block's products."""
+    a = torch.zeros(5, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 48, 128, dtype=torch.float8_e4m3fn)
+    assert not qg.hopper_kernel_takes("fp8_block", a, w, True, None)  # not CUDA
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        a, w = a.cuda(), w.cuda()
+        assert qg.hopper_kernel_takes("fp8_block", a, w, True, None)
+        assert not qg.hopper_kernel_takes("fp8_rowwise", a, w, True, None)
+        assert not qg.hopper_kernel_takes("fp8_block", a, w, False, None)
+        assert not qg.hopper_kernel_takes("fp8_block", a, w, True, GemmConfig(128, 128, 128, 8, 2, 8, False, True))
+
+
+_COMPILE_FP8_BLOCK_FOR_SM90 = """
+import json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel as kernel
+from moekit.ops.runtime.configs import FP8_BLOCK_WS, FP8_BLOCK_WS_STAGES
+
+out_ty, bias, scale, epi_tma = json.loads(sys.argv[1])
+options = {"num_warps": FP8_BLOCK_WS["num_warps"], "maxnreg": FP8_BLOCK_WS["maxnreg"]}
+const = {k: v for k, v in FP8_BLOCK_WS.items() if k not in options}
+const.update(HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
+             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
+pointer = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+           "scale_ptr": "*fp32", "offs_ptr": "*i64"}
+sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+with open(sys.argv[2], "w") as f:
+    f.write(ptx)
+log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", "/dev/null"],
+                     capture_output=True, text=True).stderr
+print(json.dumps({"shared": compiled.metadata.shared,
+                  "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
+                  "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.([\\w.]+)", ptx))),
+                  "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "out_ty, bias, scale, epi_tma",
+    [
+        ("bf16", False, False, True),
+        ("bf16", True, True, True),
+        ("fp32", True, False, True),
+        ("fp16", False, False, False),
+    ],
+    ids=["bf16", "bf16-bias-row-scale", "fp32-bias", "fp16-pointer-stores"],
+)
+def test_hopper_fp8_block_kernel_compiles_for_sm90(out_ty, bias, scale, epi_tma, tmp_path):
+    """The Gluon kernel's configurations compile for sm_90a inside Hopper's 227 KB of shared memory, with
+    FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step: each waits for
+    its own MMAs only) and no wgmma serialization by ptxas (C7514 / C7515). In its own process, as
+    test_gemm_kernels.py's Hopper compile test (Gluon cannot compile where TRITON_INTERPRET=1 is set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([out_ty, bias, scale, epi_tma])
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FP8_BLOCK_FOR_SM90, args, str(tmp_path / "k.ptx")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0 < got["shared"] <= 227 * 1024
+    assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
+    assert got["waits"] == ["0"] * 4, got["waits"]
+    assert not got["serialized"], got["serialized"]
+
+
+def _hopper_or_skip() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90")
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("M, I, O, splits", HOPPER_SHAPES)
+def test_gpu_hopper_fp8_block_against_float64_and_triton_bits(op, M, I, O, splits, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), op, M, I, O, splits, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpu_hopper_fp8_block_output_dtypes(op, out_dtype, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), op, 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_hopper_fp8_block_bias_and_row_scale(out_dtype, nan_poison):
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), "fwd", 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype, with_bias=True)
+
+
+@gpu
+def test_gpu_hopper_fp8_block_pointer_stores(nan_poison):
+    """Output rows of 1036 bf16 (2072 bytes, not 16-byte aligned): every tile leaves by pointer stores."""
+    _hopper_or_skip()
+    hopper_case(torch.device("cuda"), "fwd", 1500, 512, 1036, [0, 600, 3, 700], torch.bfloat16, with_bias=True)
+
+
+@gpu
+def test_gpu_hopper_fp8_block_no_rows():
+    """No rows: an empty output and no launch; no groups: zeros (the runtime's cases before any kernel)."""
+    _hopper_or_skip()
+    cuda, fp8 = torch.device("cuda"), torch.float8_e4m3fn
+    a, a_s = torch.zeros(0, 256, dtype=fp8, device=cuda), torch.ones(0, 2, device=cuda)
+    w, w_s = torch.zeros(2, 128, 256, dtype=fp8, device=cuda), torch.ones(2, 1, 2, device=cuda)
+    out = qg.quantized_gemm_forward("fp8_block", a, a_s, w, w_s, offs_of([0, 0]).to(cuda), out_dtype=torch.bfloat16)
+    assert out.shape == (0, 128)
+    a, a_s = torch.zeros(3, 256, dtype=fp8, device=cuda), torch.ones(3, 2, device=cuda)
+    w, w_s = torch.zeros(0, 128, 256, dtype=fp8, device=cuda), torch.ones(0, 1, 2, device=cuda)
+    out = qg.quantized_gemm_forward("fp8_block", a, a_s, w, w_s, offs_of([]).to(cuda), out_dtype=torch.bfloat16)
+    assert out.shape == (3, 128) and torch.count_nonzero(out) == 0
+
+
+@gpu
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_gpu_hopper_fp8_block_nan_bytes_in_padding_rows(op, nan_poison):
+    _hopper_or_skip()
+    hopper_case(
+        torch.device("cuda"),
+        op,
+        4096,
+        2048,
+        1536,
+        [0, 700, 512, 1300, 900, 333, 3, 48],
+        torch.bfloat16,
+        nan_padding=True,
+    )
+
+
 @cpu_only
 def test_compile_fullgraph_matches_eager():
     """The FP8 products are custom ops (`moekit::quantized_linear_forward` / `_dgrad`): torch.compile

@@ -239,6 +239,28 @@ WS_BACKWARD = dict(
 )
 
 
+# fp8_block's forward / dgrad on Hopper (kernels.grouped_gemm_fp8_hopper, Gluon): one configuration, sm90
+# with TMA. A 128 x 256 tile: two weight scale blocks of columns, so a step's operands are 16 KiB of rows
+# and 32 KiB of weight (a 128 x 128 tile reads a third more bytes per FLOP from L2: at FP8 rates the
+# operand traffic, not the tensor cores, bounds it). One 128-deep reduction step (one scale block) a ring
+# slot of 48 KiB, STAGES by the output's element size (FP8_BLOCK_WS_STAGES): 4 beside the two warp groups'
+# 64 x 128 staging tiles in 16-bit outputs, 3 in fp32, within Hopper's 227 KiB. Partitions: two math warp
+# groups of 64 rows (the default partition and a worker, MATH_REGS each: two fp32 accumulators and one
+# product, 192 registers a thread, plus addresses and scales) and the load warp (LOAD_REGS); 12 warps of
+# 168 registers a thread at launch.
+FP8_BLOCK_WS = dict(
+    BLOCK_M=128,
+    BLOCK_C=256,
+    BLOCK_RED=128,
+    GROUP_M=8,
+    MATH_REGS=232,
+    LOAD_REGS=40,
+    num_warps=4,
+    maxnreg=168,
+)
+FP8_BLOCK_WS_STAGES: dict[int, int] = {2: 4, 4: 3}
+
+
 # --------------------------------------------------------------------------------------------------
 # Row movement (kernels.rows) and routing (kernels.routing)
 # --------------------------------------------------------------------------------------------------

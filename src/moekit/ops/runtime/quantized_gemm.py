@@ -31,6 +31,16 @@ reference path.
 
 Rows of group g are `offs[g]:offs[g+1]` (device int64, never read on the host: no sync, CUDA-graph
 capturable); rows past offs[N] are padding, written as zeros.
+
+Which kernel runs the forward and the dgrad (`hopper_kernel_takes`): fp8_block on an sm_90 device with
+both operands through TMA and no fixed `cfg` runs the warp-specialised Gluon kernel
+(`moekit.ops.kernels.grouped_gemm_fp8_hopper`, `FP8_BLOCK_WS`: every step's promotion beside an MMA in
+flight), bias and its row scale included, any output dtype (TMA stores where the output's rows are
+16-byte aligned, pointer stores otherwise). The Triton kernel (`grouped_mm_fp8_kernel`) runs the rest:
+fp8_rowwise, the CPU interpreter, GPUs other than sm_90 (Ada's FP8 tensor cores, pointer loads),
+operands TMA cannot take (unaligned bases or row strides, an empty reduction), a weight of N * COLS >=
+2**31 rows, and a fixed `cfg` (a configuration names one of the Triton kernel's). Both compute the same
+fp32 operations in the same order, so they give the same bits.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import triton
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel
 from moekit.ops.kernels.grouped_wgrad_fp8 import (
     grouped_wgrad_fp8_block_kernel,
     grouped_wgrad_fp8_kernel,
@@ -47,6 +58,8 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 )
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
+    FP8_BLOCK_WS,
+    FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
     GemmConfig,
     fp8_gemm_candidates,
@@ -73,6 +86,7 @@ from moekit.ops.runtime.launch import (
 )
 
 _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
+_GROUPED_MM_FP8_BLOCK_WS = Launcher(grouped_mm_fp8_block_ws_kernel)
 _WGRAD_FP8 = Launcher(grouped_wgrad_fp8_kernel)
 _WGRAD_FP8_BLOCK = Launcher(grouped_wgrad_fp8_block_kernel)
 _TRANSPOSE_ROWS = Launcher(transpose_rows_kernel)
@@ -202,6 +216,51 @@ def _launch(
     )
 
 
+def hopper_kernel_takes(recipe: str, a: torch.Tensor, w: torch.Tensor, tma: bool, cfg: GemmConfig | None) -> bool:
+    """Whether the Gluon kernel (`grouped_mm_fp8_block_ws_kernel`) runs this product: fp8_block, a CUDA
+    device of compute capability 9.0 (its wgmma and TMA; not the interpreter), operands through TMA
+    (`tma`: aligned bases and row strides, a non-empty reduction), no fixed cfg (a given cfg is one of
+    the Triton kernel's configurations) and a weight of fewer than 2**31 rows (its 2-D view's TMA row
+    coordinate). The module docstring lists what runs everything else."""
+    if recipe != "fp8_block" or cfg is not None or not tma or INTERPRET or a.device.type != "cuda":
+        return False
+    if cuda_capability(a.device) != (9, 0):
+        return False
+    return w.shape[0] * w.shape[1] < 2**31
+
+
+def _ws_launch(
+    a: torch.Tensor, w: torch.Tensor, out_cols: int, out_dtype: torch.dtype, bias: torch.Tensor | None, has_scale: bool
+) -> LaunchPlan:
+    """grouped_mm_fp8_block_ws_kernel for row-major FP8 a (M, red), a contiguous w (N, out_cols, red),
+    contiguous fp8_block scales and a fresh (M, out_cols) output; tensors as `_launch`'s."""
+    M, red = a.shape
+    N = w.shape[0]
+    cfg = FP8_BLOCK_WS
+    out_size = torch.finfo(out_dtype).bits // 8
+    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(out_cols, cfg["BLOCK_C"])
+    nprog = grid_size(a.device, bound)
+    # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
+    epi_tma = (out_cols * out_size) % 16 == 0
+    col_blocks, red_blocks = triton.cdiv(out_cols, FP8_BLOCK_RED), triton.cdiv(red, FP8_BLOCK_RED)
+    ints: tuple[int, ...] = (M, out_cols, red, N, a.stride(0), w.stride(1), out_cols)
+    ints += (bias.stride(0) if bias is not None else 0, red_blocks, col_blocks * red_blocks, 1, red_blocks)
+    return LaunchPlan(
+        _GROUPED_MM_FP8_BLOCK_WS,
+        (nprog,),
+        ints,
+        dict(
+            HAS_BIAS=bias is not None,
+            HAS_SCALE=has_scale,
+            EPI_TMA=epi_tma,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            STAGES=FP8_BLOCK_WS_STAGES[out_size],
+            **cfg,
+        ),
+    )
+
+
 def _tensors(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -253,6 +312,8 @@ def _plan(
     if cfg is not None and FP8_GEMM_RECIPES[recipe] is not None and FP8_BLOCK_RED % cfg.block_cols:
         raise ValueError(f"cfg.block_cols must divide {FP8_BLOCK_RED} for {recipe} (a tile in one weight scale block)")
     tma, arch = use_tma(forced_tma, red > 0, a, w)
+    if hopper_kernel_takes(recipe, a, w, tma, cfg):
+        return Plan(_ws_launch(a, w, cols, out_dtype, bias, has_scale), cols)
     with device_ctx(a.device):
         if cfg is None:
 

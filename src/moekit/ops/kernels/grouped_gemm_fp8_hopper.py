@@ -1,0 +1,534 @@
+"""Gluon kernel of fp8_block's grouped GEMM (forward and dgrad) for Hopper (sm_90), warp-specialised, with
+every reduction step's promotion beside MMAs in flight (jit code only; host code in
+`moekit.ops.runtime.quantized_gemm`, which launches it where it applies and the Triton kernel
+`moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` everywhere else).
+
+Legend as in `moekit.ops.kernels.grouped_gemm_fp8`: M routed rows, N groups (experts); an output tile
+is BLOCK_M rows by BLOCK_C columns, its reduction runs in steps of BLOCK_RED; COLS and RED are the
+output width and the reduction length.
+
+    c[r] = a_q[r] @ w_q[g]^T (+ bias[g] (* bias_scale[r]))   a_q (M, RED), w_q (N, COLS, RED) -> c (M, COLS)
+
+(the forward: a = x, w = the weight; the dgrad: a = dy, w = the weight transposed), fp8_block's scales:
+a has one fp32 scale per row per 128 reduction columns, w[g] one per 128 x 128 tile. A step is one
+scale block (BLOCK_RED = 128) and each 128 columns of a tile lie in one weight block, so each step's
+FP8 product p_k of those columns is scaled by one factor per row, s_k = sa[r, k] * sb[g, c / 128, k],
+and promoted into an fp32 accumulator: acc = fma(p_k, s_k, acc), steps in order (DeepSeek-V3's recipe).
+
+Why a kernel of its own: the product must be complete before it is scaled, and Triton 3.6 keeps at
+most half of the steps' MMAs in flight beside a promotion (the Triton kernel's docstring). Here two
+math warp groups share each tile, 64 rows each, and each drives its own wgmma:
+
+    wait for the step's ring slot
+    issue the MMA of its 64 rows x 128 columns into the product registers (use_acc=False: a fresh
+        product; the registers of the previous one, promoted already, so no copies)
+    wgmma.wait_group 0                         its own MMA only
+    acc = fma(p, s, acc)                       while the tensor cores run the other warp group's MMA
+    (a 256-column tile: the same for its second 128 columns, into the same product registers)
+    release the slot (one arrival per warp group)
+
+Each warp group waits for its own MMAs only and never for the other's, so the two drift into taking
+turns: while one promotes, the other's MMA keeps the tensor cores busy (DeepGEMM's scheme on Hopper).
+A promotion (64 FMAs a thread) is far shorter than the other group's MMA (64 x 128 x 128). The other
+scheme, one warp group overlapping its own promotion with its next MMA (issue step k, `wait_group 1`,
+promote step k-1), needs an MMA in flight across the loop's back edge whose registers the next
+iteration reads after that wait; ptxas cannot follow it there and serializes every wgmma of the
+kernel (C7514), with or without the first step peeled off the loop (notes/quantized_gemm.md).
+
+The promotion is the Triton kernel's pinned `promote` (inline asm with side effects, so that it stays
+after the wait that completes its product). Scales are loaded a step ahead of their use.
+
+Partitions of one persistent program (the tile schedule is `moekit.ops.kernels.schedule`'s, every
+partition computing it for itself from the device offsets, as `glu_hopper`'s kernels do):
+
+    load      (1 warp)   TMA loads of the rows' (BLOCK_M, BLOCK_RED) box and the weight's
+                         (BLOCK_C, BLOCK_RED) box (2-D view (N * COLS, RED); rows past COLS are the
+                         next group's or zeros, and feed only columns that are never stored) into a
+                         ring of STAGES slots, running ahead across tile boundaries
+    math 0/1  (4 warps   the main loop above on rows 0:64 / 64:128 of each tile, then their
+               each)     epilogue: bias, output dtype, and TMA stores of 64 x 128 blocks whose rows all
+                         lie in the tile's group (asynchronous, through the warp group's staging tile:
+                         they drain during the next tile's main loop), masked pointer stores of a
+                         group's last, partial rows (and everywhere when the output's rows are not
+                         16-byte aligned)
+
+Padding tiles (the rows offs[N]:M) run no reduction and store zeros.
+
+The same fp32 operations in the same order as the Triton kernel's fp8_block path: the products are the
+same m64n128k32 wgmma chains (four k32 steps, the first with a zero accumulator), the promotion the same
+fma per element (the Triton kernel's first promotion adds 0 * 0 to 0), the epilogue the same bias
+expression and rounding. So the two give the same bits.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from moekit.ops.kernels.grouped_gemm_fp8 import promote
+from moekit.ops.kernels.schedule import tile_coords, tile_schedule
+
+
+@gluon.jit
+def _group_ids(BLOCK_GROUPS: gl.constexpr):
+    """arange(0, BLOCK_GROUPS) over the calling partition's warps: `schedule.tile_schedule`'s group
+    vector, which every partition computes for itself."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.arange(0, BLOCK_GROUPS, layout=layout)
+
+
+@gluon.jit
+def _load_partition(
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Each tile's A and B boxes, one reduction step a slot; none for padding tiles."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+    )
+    b_desc = tma.make_tensor_descriptor(
+        b_ptr,
+        shape=[N * COLS, RED],
+        strides=[stride_br, 1],
+        block_shape=[BLOCK_C, BLOCK_RED],
+        layout=b_bufs.type.layout,
+    )
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        b_row = g * COLS + c0
+        for step in range(red_steps * (g < N).to(gl.int32)):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = step * BLOCK_RED
+            tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [b_row, red0], ready.index(slot), b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _step_scales(
+    sa_ptrs, sb_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES: gl.constexpr
+):
+    """The factors of step `step` for the tile's (up to) two 128-column halves, sa[rows, step] * sb[g, column
+    block, step] each (the Triton kernel's product, in its order; the second equals the first where
+    HALVES == 1, unused); 0 for rows outside the tile's group, on padding tiles (not real), for a second
+    half past COLS (not hi_ok) and past the last step."""
+    inside = step < red_steps
+    sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
+    s0 = sa * gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
+    if HALVES == 2:
+        s1 = sa * gl.load(sb_ptr + stride_bs_col + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
+    else:
+        s1 = s0
+    return s0, s1
+
+
+@gluon.jit
+def _release(empty, it, STAGES: gl.constexpr):
+    """This warp group's arrival on ring slot `it`'s empty barrier (which expects one from each math warp
+    group), once all its warps are past the wait on their MMAs that read the slot."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
+    """Masked pointer stores of a tile's rows of its group and columns below COLS."""
+    mask = gl.expand_dims((offs_m >= row_lo) & (offs_m < row_hi), 1) & gl.expand_dims(offs_c < COLS, 0)
+    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_c, 0)
+    gl.store(ptrs, out, mask=mask)
+
+
+@gluon.jit
+def _epilogue_part(
+    acc,
+    real,
+    g,
+    N,
+    offs_m,
+    c0,
+    rows0,
+    row_lo,
+    row_hi,
+    c_ptr,
+    c_desc,
+    c_smem,
+    bias_ptr,
+    scale_ptr,
+    COLS,
+    stride_cm,
+    stride_bias_g,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    cols_layout: gl.constexpr,
+):
+    """One (ROWS, SUB) accumulator of columns c0: onwards: the Triton kernel's epilogue
+    (`grouped_gemm.fwd_epilogue`) in its order (padding rows exact zeros whatever they hold, then the
+    bias, none on padding tiles, then the output dtype), stored by TMA (rows all in the group: through
+    the warp group's staging tile, asynchronously) or by masked pointer stores."""
+    ROWS: gl.constexpr = acc.shape[0]
+    SUB: gl.constexpr = acc.shape[1]
+    offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
+    acc = gl.where(real, acc, 0.0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias_g + offs_c, mask=(offs_c < COLS) & real, other=0.0).to(
+            gl.float32
+        )
+        if HAS_SCALE:
+            mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
+            bscale = gl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(bscale, 1) * gl.expand_dims(bias, 0)
+        else:
+            acc = acc + gl.expand_dims(bias, 0)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if EPI_TMA:
+        if rows0 + ROWS <= row_hi:
+            # The previous store has read the staging tile (every warp waits past it).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(out)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+        else:
+            _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+    else:
+        _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+
+
+@gluon.jit
+def _math_partition(
+    a_scale_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile (BLOCK_M / 2 of them), the main
+    loop of the module docstring over the ring, then those rows' epilogue. A tile of 2 x 128 columns
+    (two weight scale blocks) is two accumulators of 128 columns, each step two MMAs into the one
+    product register set, each promoted with its block's scale before the next is issued."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    ROWS: gl.constexpr = BLOCK_M // 2
+    SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED  # columns of one weight scale block
+    HALVES: gl.constexpr = BLOCK_C // SUB
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 32]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    if EPI_TMA:
+        c_desc = tma.make_tensor_descriptor(
+            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
+        )
+    else:
+        c_desc = c_ptr  # unused without EPI_TMA
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        real = g < N
+        rows0 = row0 + HALF * ROWS
+        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
+        # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
+        # accumulator's columns lie in one weight scale block: one weight scale a step each.
+        mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
+        sa_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
+        sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
+        prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        hi_ok = real & (c0 + SUB < COLS)
+        scale0, scale1 = _step_scales(
+            sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
+        )
+        if HALVES == 2:
+            acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        for step in range(red_steps * real.to(gl.int32)):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
+            # A fresh product (the registers of the last one, promoted already), this warp group's rows.
+            prod = warpgroup_mma(
+                a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
+            )
+            # The next step's scales, a step ahead of their use (their latency behind the MMAs).
+            next0, next1 = _step_scales(
+                sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
+            )
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+            if HALVES == 1:
+                _release(empty, it, STAGES)
+            # Beside the other warp group's MMA.
+            acc0 = promote(acc0, prod, scale0, True)
+            if HALVES == 2:
+                if hi_ok:  # the second half holds columns below COLS
+                    prod = warpgroup_mma(
+                        a_rows,
+                        b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
+                        prod,
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                    acc1 = promote(acc1, prod, scale1, True)
+                _release(empty, it, STAGES)
+                scale1 = next1
+            scale0 = next0
+            it += 1
+
+        _epilogue_part(
+            acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        )  # fmt: skip
+        if HALVES == 2 and c0 + SUB < COLS:  # the second half holds columns below COLS
+            _epilogue_part(
+                acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
+                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+            )  # fmt: skip
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_mm_fp8_block_ws_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """c (M, COLS) = dequant(a) (M, RED) @ dequant(w[g])^T per group with fp8_block's scales, padding
+    rows zero: `grouped_mm_fp8_kernel`'s fp8_block path (TRANS_B, BLOCK_SCALES, SCALE_BLOCK = BLOCK_RED
+    = 128) with TMA loads.
+
+    a: (M, RED) float8 E4M3, row stride stride_am, unit column stride; a_scale: fp32, row r's scale of
+    reduction block j at a_scale_ptr + r * stride_asm + j. b: (N, COLS, RED) float8, contiguous (row
+    stride stride_br, groups COLS rows apart: read through its 2-D view); b_scale: fp32, the scale of
+    w[g]'s block (c // 128, j) at b_scale_ptr + g * stride_bsg + j * stride_bs_red + (c // 128) *
+    stride_bs_col. c: (M, COLS) in the output dtype, row stride stride_cm (EPI_TMA: TMA stores of the
+    64-row blocks inside a group, needs a 16-byte aligned row stride and base); bias (N, COLS) row stride stride_bias_g
+    and its per-row scale (M,) as the Triton kernel's. offs: (N + 1,) int64 device offsets. Needs
+    BLOCK_RED = 128 (a step is a scale block), BLOCK_M = 128 (two warp groups of 64 rows), BLOCK_C a
+    divisor of 128 or 256 (two weight scale blocks), TMA-aligned a and b (16-byte row strides and bases),
+    N * COLS < 2**31. num_warps = 4 (math warp group 0; group 1 and the load warp are workers with
+    MATH_REGS and LOAD_REGS registers a thread).
+    """
+    gl.static_assert(
+        BLOCK_RED % BLOCK_C == 0 or BLOCK_C == 2 * BLOCK_RED, "a tile is in one weight scale block, or two whole ones"
+    )
+    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    out_ty: gl.constexpr = c_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_C, BLOCK_RED], dtype)
+    SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], out_ty)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_C, BLOCK_RED], b_layout)
+    # Each warp group's own staging tile for its rows' TMA stores.
+    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        # A slot is free once both warp groups' MMAs on it are done: one arrival each.
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    0,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    1,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    a_ptr,
+                    b_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_am,
+                    stride_br,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
