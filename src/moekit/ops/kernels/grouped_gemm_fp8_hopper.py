@@ -590,7 +590,7 @@ def _wgrad_load_partition(
     """Each tile's dyt (BLOCK_O, BLOCK_RED) and xt (BLOCK_I, BLOCK_RED) boxes, one 128-row step of the
     group a slot. A group whose row count is not a multiple of BLOCK_RED reads dyt through a descriptor
     of its own whose extent ends at the group's last row (TMA zero-fills the last step's columns past
-    it, as the Triton kernel's); xt's extent is the columns in use."""
+    it, as the Triton kernel's), made anew for each of its tiles; xt's extent is the columns in use."""
     offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
     num_pid_o = gl.cdiv(O, BLOCK_O)
     num_pid_i = gl.cdiv(I, BLOCK_I)
@@ -611,6 +611,11 @@ def _wgrad_load_partition(
         if rows % BLOCK_RED == 0:
             dy_desc = dy_full
         else:
+            # The descriptor is rewritten in place (one scratch slot a program): first every load issued
+            # through its previous contents must have landed (one wait on each of the last STAGES slots'
+            # ready barriers, whose phases only this warp starts; by now they have mostly landed).
+            for j in range(gl.maximum(it - STAGES, 0), it):
+                mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
             dy_desc = tma.make_tensor_descriptor(
                 dyt_ptr,
                 shape=[O, col_lo + rows],
@@ -702,9 +707,6 @@ def _wgrad_math_partition(
         acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         if HALVES == 2:
             acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        # dy's scales (2 registers a thread) a step ahead of their use, x's (32 for each half) where used,
-        # their latency behind this warp group's own MMA.
-        s_dy = gl.load(sdy_ptrs + slot_lo.to(gl.int64) * stride_dys, mask=mask_o & (steps > 0), other=0.0)
         for step in range(steps):
             slot = it % STAGES
             row = slot_lo + step
@@ -713,8 +715,10 @@ def _wgrad_math_partition(
             prod = warpgroup_mma(
                 a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
             )
+            # The step's scales where used (dy's 2 registers a thread, x's 32 a half; a step ahead they
+            # would not fit beside the accumulators), their latency behind this warp group's own MMA.
+            s_dy = gl.load(sdy_ptrs + row.to(gl.int64) * stride_dys, mask=mask_o, other=0.0)
             s_x = _wgrad_x_scales(x_scale_ptr, row, i0, I, True, stride_xs, cols_layout, SUB)
-            n_dy = gl.load(sdy_ptrs + (row + 1).to(gl.int64) * stride_dys, mask=mask_o & (step + 1 < steps), other=0.0)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
             if HALVES == 1:
                 _release(empty, it, STAGES)
@@ -733,7 +737,6 @@ def _wgrad_math_partition(
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
                     acc1 = promote_outer(acc1, prod, s_dy, s_x, True)
                 _release(empty, it, STAGES)
-            s_dy = n_dy
             it += 1
 
         # dw[g] as rows g * O + o of an (N * O, I) matrix: TMA stores of the 64-row blocks inside O.

@@ -50,7 +50,7 @@ import triton
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
-from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel, grouped_wgrad_fp8_block_ws_kernel
 from moekit.ops.kernels.grouped_wgrad_fp8 import (
     grouped_wgrad_fp8_block_kernel,
     grouped_wgrad_fp8_kernel,
@@ -59,6 +59,7 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
     FP8_BLOCK_WS,
+    FP8_BLOCK_WGRAD_WS,
     FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
     GemmConfig,
@@ -89,6 +90,7 @@ _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
 _GROUPED_MM_FP8_BLOCK_WS = Launcher(grouped_mm_fp8_block_ws_kernel)
 _WGRAD_FP8 = Launcher(grouped_wgrad_fp8_kernel)
 _WGRAD_FP8_BLOCK = Launcher(grouped_wgrad_fp8_block_kernel)
+_WGRAD_FP8_BLOCK_WS = Launcher(grouped_wgrad_fp8_block_ws_kernel)
 _TRANSPOSE_ROWS = Launcher(transpose_rows_kernel)
 
 # The recipes this kernel computes, and the side of their scale blocks (None: whole rows / columns).
@@ -576,6 +578,39 @@ def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     return out.view(FP8_DTYPE)
 
 
+def hopper_wgrad_takes(recipe: str, device: torch.device, tma: bool, cfg: GemmConfig | None, N: int, O: int) -> bool:
+    """Whether the Gluon wgrad (`grouped_wgrad_fp8_block_ws_kernel`) runs this wgrad: `hopper_kernel_takes`'
+    rule (fp8_block, a CUDA device of compute capability 9.0, not the interpreter, operands through TMA,
+    no fixed cfg: a given cfg is one of the Triton kernel's) and N * O < 2**31 (dw's rows as TMA row
+    coordinates of its (N * O, I) view)."""
+    if recipe != "fp8_block" or cfg is not None or not tma or INTERPRET or device.type != "cuda":
+        return False
+    return cuda_capability(device) == (9, 0) and N * O < 2**31
+
+
+def _wgrad_ws_launch(
+    M: int, O: int, I: int, N: int, pitch: int, out_dtype: torch.dtype, device: torch.device
+) -> LaunchPlan:
+    """grouped_wgrad_fp8_block_ws_kernel for transposed operands (O, pitch) / (I, pitch), contiguous
+    (slots, O) / (slots, I) scales and a fresh (N, O, I) output; tensors as `_wgrad_launch`'s."""
+    cfg = FP8_BLOCK_WGRAD_WS
+    out_size = torch.finfo(out_dtype).bits // 8
+    nprog = grid_size(device, N * triton.cdiv(O, cfg["BLOCK_O"]) * triton.cdiv(I, cfg["BLOCK_I"]))
+    return LaunchPlan(
+        _WGRAD_FP8_BLOCK_WS,
+        (nprog,),
+        (M, O, I, N, pitch, pitch, O, I),
+        dict(
+            # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) dw.
+            EPI_TMA=(I * out_size) % 16 == 0,
+            BLOCK_GROUPS=block_groups(N + 1),
+            NUM_PROGRAMS=nprog,
+            STAGES=FP8_BLOCK_WS_STAGES[out_size],
+            **cfg,
+        ),
+    )
+
+
 def _plan_wgrad(
     recipe: str,
     M: int,
@@ -594,6 +629,8 @@ def _plan_wgrad(
     pitch = _row_pitch(M, N)
     dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
     tma, arch = use_tma(forced_tma, True, dyt, xt)
+    if hopper_wgrad_takes(recipe, device, tma, cfg, N, O):
+        return _wgrad_ws_launch(M, O, I, N, pitch, out_dtype, device)
     with device_ctx(device):
         if cfg is None:
             block = FP8_GEMM_RECIPES[recipe]
