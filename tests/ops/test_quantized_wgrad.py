@@ -519,7 +519,8 @@ from moekit.ops.runtime.configs import FP8_BLOCK_WGRAD_WS, FP8_BLOCK_WS_STAGES
 out_ty, epi_tma = json.loads(sys.argv[1])
 options = {"num_warps": FP8_BLOCK_WGRAD_WS["num_warps"], "maxnreg": FP8_BLOCK_WGRAD_WS["maxnreg"]}
 const = {k: v for k, v in FP8_BLOCK_WGRAD_WS.items() if k not in options}
-const.update(EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132, STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
+const.update(EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
+             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
 pointer = {"dyt_ptr": "*fp8e4nv", "xt_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
            "offs_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"
@@ -553,7 +554,7 @@ print(json.dumps({"shared": compiled.metadata.shared,
                   "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
                   "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.([\\w.]+)", ptx))),
                   "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l],
-                  "main_loop_spills": [sp for n, sp in loops if n == min(n2 for n2, _ in loops)]}))
+                  "main_loop_spills": [sp for n, sp in loops if n < 1.5 * min(n2 for n2, _ in loops)]}))
 """
 
 
@@ -563,8 +564,9 @@ print(json.dumps({"shared": compiled.metadata.shared,
 def test_hopper_wgrad_kernel_compiles_for_sm90(out_ty, epi_tma, tmp_path):
     """The Gluon wgrad's configurations compile for sm_90a inside Hopper's 227 KB of shared memory, with
     FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step), no wgmma
-    serialization by ptxas (C7514 / C7515) and no spills in the main loop (the shortest loop of the SASS
-    that holds wgmma). In its own process (Gluon cannot compile where TRITON_INTERPRET=1 is set)."""
+    serialization by ptxas (C7514 / C7515) and no spills in the main loops (each math warp group's: the
+    shortest loops of the SASS that hold wgmma). In its own process (Gluon cannot compile where
+    TRITON_INTERPRET=1 is set)."""
     import json
     import os
     import subprocess

@@ -1,7 +1,9 @@
-"""Gluon kernel of fp8_block's grouped GEMM (forward and dgrad) for Hopper (sm_90), warp-specialised, with
-every reduction step's promotion beside MMAs in flight (jit code only; host code in
-`moekit.ops.runtime.quantized_gemm`, which launches it where it applies and the Triton kernel
-`moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` everywhere else).
+# ruff: noqa: E741  (I and O are the wgrad legend's in/out feature sizes)
+"""Gluon kernels of fp8_block's grouped GEMM (forward and dgrad) and grouped weight gradient for Hopper
+(sm_90), warp-specialised, with every reduction step's promotion beside MMAs in flight (jit code only;
+host code in `moekit.ops.runtime.quantized_gemm`, which launches them where they apply and the Triton
+kernels `moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` /
+`moekit.ops.kernels.grouped_wgrad_fp8.grouped_wgrad_fp8_block_kernel` everywhere else).
 
 Legend as in `moekit.ops.kernels.grouped_gemm_fp8`: M routed rows, N groups (experts); an output tile
 is BLOCK_M rows by BLOCK_C columns, its reduction runs in steps of BLOCK_RED; COLS and RED are the
@@ -58,6 +60,21 @@ The same fp32 operations in the same order as the Triton kernel's fp8_block path
 same m64n128k32 wgmma chains (four k32 steps, the first with a zero accumulator), the promotion the same
 fma per element (the Triton kernel's first promotion adds 0 * 0 to 0), the epilogue the same bias
 expression and rounding. So the two give the same bits.
+
+The wgrad (`grouped_wgrad_fp8_block_ws_kernel`; legend O, I as in `moekit.ops.kernels.grouped_wgrad_fp8`)
+
+    dw[g] (O, I) = sum over group g's 128-row scale blocks k of p_k * s_dy[k, o] * s_x[k, i],
+    p_k = dyt[:, block k] @ xt[:, block k]^T
+
+is the same problem on the transposed operands (`segment_starts`' layout: K-major, as FP8 wgmma needs):
+a = dyt (O, pitch), b = xt (I, pitch), a tile of dw (O, I) 128 x 256, a step 128 columns (one scale
+block of the group's rows), the same partitions and main loop. The scale is an outer product: each
+element's factor is s_dy[o] * s_x[i], then one fma (`grouped_wgrad_fp8.promote_outer`, pinned). The x
+scales of a 128-column half are 32 registers a thread in the accumulator's layout, so they are loaded
+where used (after that half's MMA is issued, their latency behind it) rather than a step ahead. A
+group's last, partial step reads dyt through a descriptor whose extent ends at its last row (TMA
+zero-fills the rest). The Triton wgrad's fp32 operations in its order (its extra promotions add 0), so
+the same bits.
 """
 
 from __future__ import annotations
@@ -542,7 +559,19 @@ def grouped_mm_fp8_block_ws_kernel(
 
 
 @gluon.jit
-def _wgrad_tile(tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O: gl.constexpr, BO: gl.constexpr, BI: gl.constexpr
+def _wgrad_tile(
+    tile_id,
+    tiles_per_group,
+    num_pid_o,
+    num_pid_i,
+    offs_ptr,
+    M,
+    offs_g,
+    starts_v,
+    slots_v,
+    GROUP_O: gl.constexpr,
+    BO: gl.constexpr,
+    BI: gl.constexpr,
 ):
     """(g, o0, i0, rows, col_lo, slot_lo) of a wgrad tile: `wgrad_tile`'s group and tile origin, the
     group's row count, its first column in the transposed operands (`segment_starts`) and its first
@@ -596,10 +625,18 @@ def _wgrad_load_partition(
     num_pid_i = gl.cdiv(I, BLOCK_I)
     tiles_per_group = num_pid_o * num_pid_i
     dy_full = tma.make_tensor_descriptor(
-        dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_RED], layout=a_bufs.type.layout
+        dyt_ptr,
+        shape=[O, cols_used],
+        strides=[stride_dyt, 1],
+        block_shape=[BLOCK_O, BLOCK_RED],
+        layout=a_bufs.type.layout,
     )
     x_desc = tma.make_tensor_descriptor(
-        xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_RED], layout=b_bufs.type.layout
+        xt_ptr,
+        shape=[I, cols_used],
+        strides=[stride_xt, 1],
+        block_shape=[BLOCK_I, BLOCK_RED],
+        layout=b_bufs.type.layout,
     )
     nbytes: gl.constexpr = (BLOCK_O + BLOCK_I) * BLOCK_RED * dyt_ptr.dtype.element_ty.primitive_bitwidth // 8
     it = 0
@@ -819,15 +856,86 @@ def grouped_wgrad_fp8_block_ws_kernel(
         [
             (
                 _wgrad_math_partition,
-                (dy_scale_ptr, x_scale_ptr, dw_ptr, offs_ptr, M, O, I, N, stride_dys, stride_xs, a_bufs, b_bufs, c0_smem, ready, empty, 0, EPI_TMA, BLOCK_O, BLOCK_I, BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS, STAGES),
+                (
+                    dy_scale_ptr,
+                    x_scale_ptr,
+                    dw_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dys,
+                    stride_xs,
+                    a_bufs,
+                    b_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    0,
+                    EPI_TMA,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
             ),
             (
                 _wgrad_math_partition,
-                (dy_scale_ptr, x_scale_ptr, dw_ptr, offs_ptr, M, O, I, N, stride_dys, stride_xs, a_bufs, b_bufs, c1_smem, ready, empty, 1, EPI_TMA, BLOCK_O, BLOCK_I, BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS, STAGES),
+                (
+                    dy_scale_ptr,
+                    x_scale_ptr,
+                    dw_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dys,
+                    stride_xs,
+                    a_bufs,
+                    b_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    1,
+                    EPI_TMA,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
             ),
             (
                 _wgrad_load_partition,
-                (dyt_ptr, xt_ptr, offs_ptr, M, O, I, N, stride_dyt, stride_xt, a_bufs, b_bufs, ready, empty, BLOCK_O, BLOCK_I, BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS, STAGES),
+                (
+                    dyt_ptr,
+                    xt_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dyt,
+                    stride_xt,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
             ),
         ],
         [4, 1],

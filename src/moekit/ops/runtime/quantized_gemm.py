@@ -40,7 +40,9 @@ flight), bias and its row scale included, any output dtype (TMA stores where the
 fp8_rowwise, the CPU interpreter, GPUs other than sm_90 (Ada's FP8 tensor cores, pointer loads),
 operands TMA cannot take (unaligned bases or row strides, an empty reduction), a weight of N * COLS >=
 2**31 rows, and a fixed `cfg` (a configuration names one of the Triton kernel's). Both compute the same
-fp32 operations in the same order, so they give the same bits.
+fp32 operations in the same order, so they give the same bits. fp8_block's wgrad likewise
+(`hopper_wgrad_takes`: the Gluon `grouped_wgrad_fp8_block_ws_kernel` on sm_90 with TMA and no fixed cfg,
+dw of fewer than 2**31 rows of I; the Triton `grouped_wgrad_fp8_block_kernel` elsewhere).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 )
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
-    FP8_BLOCK_WS,
     FP8_BLOCK_WGRAD_WS,
+    FP8_BLOCK_WS,
     FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
     GemmConfig,
@@ -671,7 +673,8 @@ def quantized_gemm_wgrad(
     zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
     (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
     and one write of each), then one launch computes every group's dw (kernels.grouped_wgrad_fp8:
-    fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop). No host reads
+    fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop; fp8_block on
+    sm_90 through TMA without a fixed cfg: the Gluon kernel, `hopper_wgrad_takes`). No host reads
     of offs. cfg / use_tma: a fixed kernel
     configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
     """
