@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import assert_no_host_sync, rand, rel_err, tolerance_floor
+from helpers import assert_no_host_sync, fp8_product_floor, rand, rel_err, tolerance_floor
 from moekit.grouped_tensor import RECIPES, dequantize_columnwise, dequantize_rowwise
 from moekit.ops import library
 from moekit.ops.quantize import QuantizedWeightCache, transposed_weight
@@ -97,24 +97,11 @@ def reference64(op: str, rows64, w64, splits, bias=None, bias_scale=None) -> tor
     return out
 
 
-# Hopper's FP8 MMA keeps about 14 bits of its running sum within one instruction chain (DeepSeek-V3's
-# technical report on FP8 training: the reason it promotes every 128-deep step into fp32), so on the GPU
-# a product's relative error has a term of that size that no output dtype removes: fp32 outputs measured
-# 1.0e-4 to 1.1e-4 at reductions of 1040 and 2880 on the H200 (`bc06b08`), above the fp32 floor. The
-# interpreter's products are exact (float64 sums of the FP8 values), so it keeps the rule's floor alone.
-FP8_MMA_UNIT = 2.0**-13
-
-
-def fp8_product_floor(out: torch.Tensor, red: int) -> float:
-    """The rule's floor for a product of FP8 operands in `out`'s dtype, plus 2 * FP8_MMA_UNIT on CUDA."""
-    return tolerance_floor(out.dtype, red) + (2 * FP8_MMA_UNIT if out.device.type == "cuda" else 0.0)
-
-
 def check_kernel_result(out, ref, splits, red: int, what: str) -> None:
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (an unwritten element?)"
     used = sum(splits)
     assert torch.count_nonzero(out[used:]) == 0, f"{what}: padding rows are not exactly zero"
-    err, floor = rel_err(out, ref), fp8_product_floor(out, red)
+    err, floor = rel_err(out, ref), fp8_product_floor(out.dtype, red, out.device)
     assert err <= floor, f"{what}: relative error {err:.3e} against the dequantized float64 product > {floor:.2e}"
 
 
