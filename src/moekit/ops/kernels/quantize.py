@@ -123,6 +123,39 @@ def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr, HW_E4M3: 
 
 
 @triton.jit
+def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
+    """`_e4m3`'s bytes of fp32 x * s. With HW_E4M3 the NaN fix-up (four integer ops and a select an
+    element) runs only where `any_nan` (a scalar: the tile holds a non-finite block maximum): x * s is
+    NaN only in a block whose maximum is non-finite (finite x times a finite scale is finite, at most
+    448 up to rounding), and elsewhere the hardware's byte is already torch's. The product is formed
+    again inside that branch, so that it is not kept in registers across it."""
+    if HW_E4M3:
+        byte = (x * s).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        if any_nan:
+            v = x * s
+            nan = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F
+            byte = tl.where(v != v, nan.to(tl.uint8), byte)
+        return byte
+    else:
+        return _e4m3_bits(x * s)
+
+
+@triton.jit
+def _quantize_tile(x, amax, scale_ptrs, scale_mask, tile_amax, MX: tl.constexpr, HW_E4M3: tl.constexpr):
+    """`_quantize_block` with the NaN fix-up of `_e4m3_tile` decided once for the tile: tile_amax is the
+    largest of the tile's block maxima (inf: some block holds an inf or NaN)."""
+    any_nan = tile_amax == float("inf")
+    if MX:
+        byte, recip = _e8m0_scales(amax)
+        tl.store(scale_ptrs, byte, mask=scale_mask)
+        return _e4m3_tile(x, recip, any_nan, HW_E4M3)
+    else:
+        scale, scale_inv = _fp32_scales(amax)
+        tl.store(scale_ptrs, scale_inv, mask=scale_mask)
+        return _e4m3_tile(x, scale, any_nan, HW_E4M3)
+
+
+@triton.jit
 def _runs(noop_ptr, HAS_NOOP: tl.constexpr):
     """Whether this launch writes (it writes nothing where its noop flag reads 1.0)."""
     if HAS_NOOP:
@@ -137,6 +170,88 @@ def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
     g = tl.arange(0, BLOCK_GROUPS)
     starts = tl.load(slot_offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
     return tl.sum((starts <= slot).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """(rows r, r inside the slot's group, the slot's group is a real one) of slot `slot`: the rows
+    [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of its group g, cut at the group's end
+    (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
+    g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+    live_group = g < num_groups
+    group_start = tl.load(offs_ptr + g)
+    group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
+    r = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M + tl.arange(0, TILE_M)
+    return r, r < group_end, live_group
+
+
+@triton.jit
+def _tiles_step(
+    qi,
+    pid,
+    r64,
+    rmask,
+    lmask,
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    cols,
+    stride_x,
+    stride_row_scale,
+    MX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    TILE: tl.constexpr,
+    TILE_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the slot or
+    block, lmask also live)."""
+    NB: tl.constexpr = BLOCK_C // TILE_K
+    cb = qi * NB + tl.arange(0, NB)
+    cbmask = cb < stride_row_scale
+    c = qi * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < cols
+    elem = r64[:, None] * stride_x + c[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + elem, mask=lmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    a = _abs_for_amax(x)
+    if TILE:
+        amax_t = tl.max(tl.max(a, axis=1), axis=0)
+        q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
+        tl.store(row_data_ptr + elem, q, mask=mask)
+    if ROWWISE:
+        row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
+        row_scale_mask = rmask[:, None] & cbmask[None, :]
+        if NB == 1:
+            amax_r = tl.max(a, axis=1)
+            q = _quantize_tile(
+                x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3
+            )
+        else:
+            amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
+            q3 = _quantize_tile(
+                tl.reshape(x, (BLOCK_R, NB, TILE_K)),
+                amax_r[:, :, None],
+                row_scales[:, :, None],
+                row_scale_mask[:, :, None],
+                tl.max(tl.max(amax_r, axis=1), axis=0),
+                MX,
+                HW_E4M3,
+            )
+            q = tl.reshape(q3, (BLOCK_R, BLOCK_C))
+        tl.store(row_data_ptr + elem, q, mask=mask)
+    if COLWISE:
+        amax_c = tl.max(a, axis=0)
+        col_scales = col_scale_ptr + pid.to(tl.int64) * cols + c
+        q = _quantize_tile(
+            x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3
+        )
+        tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
@@ -158,64 +273,48 @@ def quantize_tiles_kernel(
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     TILE: tl.constexpr,
-    TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
-    BLOCKS_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     STEPS: tl.constexpr,
     STAGES: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Program (slot, kc): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), and STEPS column steps
-    kb in [kc * STEPS, + STEPS), step kb the column blocks cb in [kb * BLOCKS_K, + BLOCKS_K), block cb
-    the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a step, so that a step moves enough bytes when
-    the format's block is small (mxfp8's 32 x 32). ROWWISE: a 1 x TILE_K scale per row and block,
-    row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column, col_scale[slot, col]; TILE: one scale
-    per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise). A step's tile is held as (TILE_M,
-    BLOCKS_K, TILE_K): each block's maxima are reductions over axes.
+    """Program (p, q): one (BLOCK_R, BLOCK_C) tile of x, read once, held as one 2-D tile (the columns
+    contiguous a thread, 16-byte loads and stores), columns [q * BLOCK_C, + BLOCK_C), i.e. the column
+    blocks cb in [q * NB, + NB) of TILE_K columns each (NB = BLOCK_C / TILE_K).
+    - COLWISE or TILE (BLOCK_R is the format's block of rows): p is a slot (`_slot_rows`); COLWISE a
+      BLOCK_R x 1 scale per column, col_scale[slot, col]; TILE (NB = 1) one scale per BLOCK_R x TILE_K
+      block, row_scale[slot, cb] (data rowwise).
+    - otherwise the rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never
+      cross rows), only offs[N], past which rows are padding (zeros).
+    ROWWISE: a 1 x TILE_K scale per row and block, row_scale[row, cb].
 
-    The slot's rows are found once (device offsets), so the steps' loads depend on the loop index
-    alone: the loop is software-pipelined (STAGES: the tiles of later steps are loaded into shared
-    memory while a step computes), which keeps HBM busy with one or two programs an SM."""
+    No loop and no shared-memory staging: the bytes in flight come from many small programs an SM
+    (registers kept low), and the block maxima are reductions inside a thread and across a few lanes
+    (the rowwise blocks' TILE_K columns are 8-16 contiguous values a thread)."""
     if _runs(noop_ptr, HAS_NOOP):
-        slot = tl.program_id(0)
-        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
-        live_group = g < num_groups
-        group_start = tl.load(offs_ptr + g)
-        group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
-        row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
-        r = row0 + tl.arange(0, TILE_M)
-        rmask = r < group_end
+        pid = tl.program_id(0)
+        if COLWISE or TILE:
+            r, rmask, live_group = _slot_rows(pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS)
+            lmask = rmask & live_group
+        else:
+            r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = r < rows
+            lmask = rmask & (r < tl.load(offs_ptr + num_groups))
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        steps = tl.cdiv(stride_row_scale, BLOCKS_K)
-        kb0 = tl.program_id(1) * STEPS
-        for kb in tl.range(kb0, tl.minimum(kb0 + STEPS, steps), num_stages=STAGES):
-            cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
-            cbmask = cb < stride_row_scale
-            c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
-            cmask = c < cols
-            mask = rmask[:, None, None] & cmask
-            elem = r64[:, None, None] * stride_x + c
-            x = tl.load(x_ptr + elem, mask=mask & live_group, other=0.0).to(tl.float32)
-            a = _abs_for_amax(x)
-            if TILE:
-                amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
-                tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
-                q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
-                tl.store(row_data_ptr + elem, q, mask=mask)
-            if ROWWISE:
-                amax_r = tl.max(a, axis=2)[:, :, None]
-                row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
-                q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
-                tl.store(row_data_ptr + elem, q, mask=mask)
-            if COLWISE:
-                amax_c = tl.max(a, axis=0)[None, :, :]
-                col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-                q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
-                tl.store(col_data_ptr + elem, q, mask=mask)
+        q0 = tl.program_id(1) * STEPS
+        args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale)
+        if STEPS == 1:
+            _tiles_step(q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+        else:
+            for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
+                _tiles_step(
+                    qi, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
+                )
 
 
 @triton.jit

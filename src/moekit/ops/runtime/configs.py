@@ -266,10 +266,28 @@ ZERO_ROWS_TILE = (64, 128)
 # whole-group kernel has only (N + 1) x ceil(X / BLOCK_COLS) programs, each walking its group's rows in
 # sequence: narrow column strips of tall chunks, so that a few groups still give every SM several
 # programs (512 columns and 8 groups at X = 7168 would be under one program an SM).
-QUANTIZE_TILES: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
-    "sm90": {32: (8, 4, 8, 4), 128: (1, 8, 8, 3)},
-    "sm80": {32: (8, 4, 8, 3), 128: (1, 8, 8, 2)},
-    "interpreter": {32: (2, 4, 2, 1), 128: (1, 8, 2, 1)},
+QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
+    "sm90": {
+        (32, "rows"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 4, 1, 1),
+        (128, "rows"): (32, 128, 4, 1, 1),
+        (128, "cols"): (128, 128, 16, 1, 1),
+        (128, "tile"): (128, 128, 16, 1, 1),
+    },
+    "sm80": {
+        (32, "rows"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 4, 1, 1),
+        (128, "rows"): (32, 128, 4, 1, 1),
+        (128, "cols"): (128, 128, 16, 1, 1),
+        (128, "tile"): (128, 128, 16, 1, 1),
+    },
+    "interpreter": {
+        (32, "rows"): (4, 64, 4, 1, 1),
+        (32, "cols"): (32, 64, 4, 2, 1),
+        (128, "rows"): (4, 128, 4, 2, 1),
+        (128, "cols"): (128, 128, 4, 1, 1),
+        (128, "tile"): (128, 128, 4, 1, 1),
+    },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),

@@ -97,10 +97,12 @@ def _plan(
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        blocks_k, warps, steps, stages = QUANTIZE_TILES[arch][tile_k]
+        form = "tile" if tile and rowwise else "cols" if columnwise else "rows"
+        block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(triton.cdiv(stride_scale, blocks_k), steps))
+        row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
+        grid = (row_programs, triton.cdiv(triton.cdiv(cols, block_c), steps))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -110,9 +112,9 @@ def _plan(
                 ROWWISE=rowwise and not tile,
                 COLWISE=columnwise,
                 TILE=rowwise and tile,
-                TILE_M=tile_m,
                 TILE_K=tile_k,
-                BLOCKS_K=blocks_k,
+                BLOCK_R=block_r,
+                BLOCK_C=block_c,
                 STEPS=steps,
                 STAGES=stages,
                 HAS_NOOP=has_noop,
