@@ -109,20 +109,6 @@ def _fp32_scales(amax):
 
 
 @triton.jit
-def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr, HW_E4M3: tl.constexpr):
-    """The E4M3 bytes of x under the scales of `amax` (broadcast against x); stores the scales (E8M0
-    bytes or fp32 scale_inv) at scale_ptrs."""
-    if MX:
-        byte, recip = _e8m0_scales(amax)
-        tl.store(scale_ptrs, byte, mask=scale_mask)
-        return _e4m3(x * recip, HW_E4M3)
-    else:
-        scale, scale_inv = _fp32_scales(amax)
-        tl.store(scale_ptrs, scale_inv, mask=scale_mask)
-        return _e4m3(x * scale, HW_E4M3)
-
-
-@triton.jit
 def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
     """`_e4m3`'s bytes of fp32 x * s. With HW_E4M3 the NaN fix-up (four integer ops and a select an
     element) runs only where `any_nan` (a scalar: the tile holds a non-finite block maximum): x * s is
@@ -351,9 +337,11 @@ def quantize_rows_kernel(
             # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
             x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
             x = tl.where(live[:, None], x, 0.0)
-            scale, scale_inv = _fp32_scales(tl.max(_abs_for_amax(x), axis=1))
+            amax = tl.max(_abs_for_amax(x), axis=1)
+            scale, scale_inv = _fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-            tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
+            q = _e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
+            tl.store(data_ptr + elem, q, mask=rmask[:, None] & cmask)
         else:
             amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
             for k0 in range(0, cols, BLOCK_COLS):
@@ -372,45 +360,125 @@ def quantize_rows_kernel(
 
 
 @triton.jit
-def quantize_group_cols_kernel(
+def _span_of(p, offs_ptr, rows, num_groups, SPAN: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """(g, first row, end row, first span of g) of span p: group g in 0..N (N: the padding rows
+    [offs[N], rows)) has max(1, ceil(rows of g / SPAN)) spans of SPAN rows, numbered group after group
+    (every group, empty ones too, has a first span; at most ceil(M / SPAN) + N + 1 in all). A p past
+    the last span gets g = N + 1 and no rows. From the device offsets alone (BLOCK_GROUPS > N)."""
+    gi = tl.arange(0, BLOCK_GROUPS)
+    real = gi <= num_groups
+    starts = tl.load(offs_ptr + gi, mask=real, other=rows)
+    ends = tl.load(offs_ptr + gi + 1, mask=gi < num_groups, other=rows)
+    spans = tl.where(real, tl.maximum(tl.cdiv(ends - starts, SPAN), 1), 0)
+    after = tl.cumsum(spans, axis=0)
+    g = tl.sum((after <= p).to(tl.int32), axis=0)
+    mine = gi == g
+    first = tl.sum(tl.where(mine, after - spans, 0), axis=0)
+    end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    row0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (p - first) * SPAN
+    return g, row0, tl.minimum(row0 + SPAN, end), first
+
+
+@triton.jit
+def _span_tile(p, q, offs_ptr, rows, cols, num_groups, stride_x, SPAN: tl.constexpr, BLOCK_COLS: tl.constexpr,
+               BLOCK_GROUPS: tl.constexpr):
+    """The (SPAN, BLOCK_COLS) tile (span p, column block q) of `_span_of`'s spans: (g, first span of g,
+    rows r (int64), columns c, row mask, column mask, element offsets)."""
+    g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
+    r = row0 + tl.arange(0, SPAN)
+    rmask = r < row_end
+    c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    cmask = c < cols
+    r64 = r.to(tl.int64)
+    return g, first, r64, c, rmask, cmask, r64[:, None] * stride_x + c[None, :]
+
+
+@triton.jit
+def amax_spans_kernel(
     x_ptr,
     offs_ptr,
     noop_ptr,
-    data_ptr,
-    scale_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
     rows,
     cols,
     num_groups,
     stride_x,
+    ROWWISE: tl.constexpr,
     HAS_NOOP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """fp8_rowwise's first pass when the columnwise form is asked: program (p, q) reads the (SPAN,
+    BLOCK_COLS) tile of span p (`_span_of`: rows of one group g) once and folds its maxima (NaN read as
+    inf) into the whole-row maxima row_amax[row] (ROWWISE) and the whole-group column maxima
+    col_amax[g, col] (int32, zeroed by the host): one atomic max on the fp32 bits per row and per
+    column of the tile. The maxima are >= 0, so their bits order as the values: the result is exact
+    whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros)."""
+    if _runs(noop_ptr, HAS_NOOP):
+        g, first, r64, c, rmask, cmask, elem = _span_tile(
+            tl.program_id(0), tl.program_id(1), offs_ptr, rows, cols, num_groups, stride_x, SPAN, BLOCK_COLS,
+            BLOCK_GROUPS
+        )
+        live = g < num_groups
+        x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
+        a = _abs_for_amax(x)
+        col_at = col_amax_ptr + g.to(tl.int64) * cols + c
+        tl.atomic_max(col_at, tl.max(a, axis=0).to(tl.int32, bitcast=True), mask=cmask & live, sem="relaxed")
+        if ROWWISE:
+            row_amax = tl.max(a, axis=1).to(tl.int32, bitcast=True)
+            tl.atomic_max(row_amax_ptr + r64, row_amax, mask=rmask & live, sem="relaxed")
+
+
+@triton.jit
+def quantize_spans_kernel(
+    x_ptr,
+    offs_ptr,
+    noop_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    ROWWISE: tl.constexpr,
+    HAS_NOOP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """One fp32 scale per column of each whole group (scale[g, col]): program (g, column block), the
-    column maxima in a first pass over the group's rows, the data in a second. g = N: the padding rows,
-    written as zeros (no scale)."""
+    """fp8_rowwise's second pass (after `amax_spans_kernel`): program (p, q) reads its (SPAN,
+    BLOCK_COLS) tile of span p (group g) once more and writes both forms from it: ROWWISE the data
+    under the whole-row scales of row_amax (the programs of column block 0 store scale[row]), and the
+    columnwise data under group g's column scales of col_amax (the group's first span stores
+    scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale."""
     if _runs(noop_ptr, HAS_NOOP):
-        g = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        cmask = c < cols
-        start = tl.load(offs_ptr + g)
-        end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        p = tl.program_id(0)
+        q = tl.program_id(1)
+        g, first, r64, c, rmask, cmask, elem = _span_tile(
+            p, q, offs_ptr, rows, cols, num_groups, stride_x, SPAN, BLOCK_COLS, BLOCK_GROUPS
+        )
         live = g < num_groups
-        amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_ROWS):
-            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            mask = (r < end)[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask & live, other=0.0)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=0))
-        scale, scale_inv = _fp32_scales(amax)
-        tl.store(scale_ptr + g.to(tl.int64) * cols + c, scale_inv, mask=cmask & live)
-        for r0 in range(start, end, BLOCK_ROWS):
-            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            mask = (r < end)[:, None] & cmask[None, :]
-            elem = r[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-            tl.store(data_ptr + elem, _e4m3(x * scale[None, :], HW_E4M3), mask=mask)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+        col_at = g.to(tl.int64) * cols + c
+        col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
+        scale, scale_inv = _fp32_scales(col_amax)
+        tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
+        q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
+        tl.store(col_data_ptr + elem, q_col, mask=mask)
+        if ROWWISE:
+            row_amax = tl.load(row_amax_ptr + r64, mask=rmask & live, other=0).to(tl.float32, bitcast=True)
+            scale_r, scale_inv_r = _fp32_scales(row_amax)
+            tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (q == 0))
+            q_row = _e4m3_tile(x, scale_r[:, None], tl.max(row_amax, axis=0) == float("inf"), HW_E4M3)
+            tl.store(row_data_ptr + elem, q_row, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------

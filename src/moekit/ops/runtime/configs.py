@@ -303,10 +303,20 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
     "sm80": (16384, 8192, 8),
     "interpreter": (128, 256, 4),
 }
-QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (64, 128, 4),
-    "sm80": (64, 128, 4),
-    "interpreter": (8, 64, 4),
+# fp8_rowwise with the columnwise form: two passes over (SPAN rows of one group, BLOCK_COLS) tiles,
+# (SPAN, BLOCK_COLS, warps): the maxima (QUANTIZE_AMAX_SPANS: tall tiles, so that the atomic maxima are
+# few next to the elements, one per row and per column of a tile) and the data of both forms
+# (QUANTIZE_SPANS). Small under the interpreter so that CPU tests cover several spans of a group and
+# several column blocks.
+QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (64, 256, 8),
+    "sm80": (64, 256, 8),
+    "interpreter": (8, 32, 4),
+}
+QUANTIZE_SPANS: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (32, 128, 4),
+    "sm80": (32, 128, 4),
+    "interpreter": (4, 64, 4),
 }
 # The dequantize kernel's tiles (BLOCK_M rows, BLOCK_X columns, warps): an elementwise pass, 32 x 256
 # moves 8 KB of FP8 in and 16 KB of bf16 out a program; small tiles under the interpreter so that CPU
