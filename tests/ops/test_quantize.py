@@ -337,6 +337,59 @@ def test_triton_kernels_match_the_torch_path(recipe, dtype):
     assert_same_bytes(got, moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch"), recipe)
 
 
+def poison(gt: GroupedTensor) -> None:
+    """Every storage byte 0xff (NaN in float8, E8M0 and float32): a byte the kernels leave unwritten shows."""
+    for t in gt.storage()[2:6]:  # data and scales
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+
+
+# (m_splits, rows, cols) for the kernels' paths: groups not multiples of the 32 / 128-row blocks, empty
+# groups first, in the middle and last, padding rows, no routed rows, no rows at all, odd and prime
+# widths, rows past the interpreter's whole-row width (128: fp8_rowwise's two-pass rows, several column
+# tiles and column blocks of the span kernels), several spans of a group, one row.
+KERNEL_LAYOUTS = [
+    pytest.param([0, 45, 0, 130, 7, 0], 200, 67, id="empties-odd"),
+    pytest.param([33, 1], 40, 257, id="wide-prime"),
+    pytest.param([0, 0, 0], 9, 40, id="nothing-routed"),
+    pytest.param([0, 0], 0, 36, id="no-rows"),
+    pytest.param([1], 1, 1, id="one-element"),
+    pytest.param([129, 2], 131, 128, id="block-plus-one"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize(("m_splits", "rows", "cols"), KERNEL_LAYOUTS)
+def test_triton_kernels_write_every_byte(recipe, m_splits, rows, cols):
+    """Each form alone and both, into NaN-poisoned `out=` storage and freshly allocated, with and without
+    a noop flag of 0: the torch path's bytes (specials included), so every output byte is written."""
+    x = data_with_specials(rows, cols, seed=rows + cols, dtype=torch.bfloat16)
+    for forms in ((True, False), (False, True), (True, True)):
+        want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")
+        got = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms}")
+        poison(got)
+        noop = torch.zeros((), dtype=torch.float32)
+        moekit.group_quantize(
+            x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], out=got, noop_flag=noop, backend="triton"
+        )
+        assert_same_bytes(got, want, f"{recipe} {forms} out=")
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("shape", [(3, 130, 70), (2, 1, 257), (2, 0, 5), (1, 129, 128)])
+def test_triton_weight_kernels_write_every_byte(recipe, shape):
+    w = rand(*shape, seed=sum(shape), dtype=torch.bfloat16)
+    for columnwise in (False, True) if recipe != "fp8_block" else (False,):
+        want = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
+        got = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="triton")
+        poison(got)
+        moekit.group_quantize(w, None, recipe, columnwise=columnwise, out=got, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {shape} {columnwise}")
+
+
 def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
     """Equal dtype, shape and values, NaN where NaN (a NaN's payload bits are the device's arithmetic)."""
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape} vs {want.shape}"

@@ -4,14 +4,18 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, STEPS x BLOCKS_K column blocks), a pipelined loop
-                                over its steps: the rowwise 1 x TILE_K scales of its rows, the columnwise
-                                TILE_M x 1 scales of its columns, or one scale per block (a weight's
-                                128 x 128 blocks); mxfp8 and fp8_block
-    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): one read of rows that fit
-                                a program's registers (X <= 16384), else two passes over X
-    quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
-                                passes over the group's rows
+    quantize_tiles_kernel       one (BLOCK_R, BLOCK_C) tile of x a program, read once (mxfp8 and
+                                fp8_block): the rowwise 1 x TILE_K scales of its rows, and the
+                                columnwise TILE_M x 1 scales of its columns (rows of one group's slot),
+                                or one scale per block (a weight's 128 x 128 blocks)
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise alone): one read of rows
+                                that fit a program's registers (X <= 16384), else two passes over X
+    amax_spans_kernel           fp8_rowwise with the columnwise form, first pass: the whole-row and
+                                whole-group column maxima of (span of one group's rows, column block)
+                                tiles, by atomic max on the fp32 bits
+    quantize_spans_kernel       its second pass: both forms' data and scales from one more read of
+                                the same tiles (a column's scale needs the whole group's column before
+                                any of its bytes: two reads of x are this form's floor)
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
                                 fp32 rounded once to the output's dtype (the torch path's bytes)
 
@@ -28,9 +32,10 @@ The scale rules (the same in `moekit.ops.runtime.quantize_torch`, bit for bit):
   NaN. The data is E4M3(x * scale).
 E4M3 encoding: round to nearest even, saturating to +-448, NaN to 0x7f | sign: torch's float8_e4m3fn
 conversion exactly. On CUDA sm_89+ (constexpr HW_E4M3, set by the host) by the hardware's conversion
-(cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart; elsewhere by integer
-arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by other rules). Both give every
-device the same bytes.
+(cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart, in the quantize
+kernels only for tiles that hold a non-finite block maximum (`_e4m3_tile`: nowhere else can a NaN
+arise); elsewhere by integer arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by
+other rules). Both give every device the same bytes.
 """
 
 import triton

@@ -256,16 +256,19 @@ def rows_tile(num_features: int) -> tuple[int, int]:
 ZERO_ROWS_TILE = (64, 128)
 
 
-# Grouped FP8 quantization (kernels.quantize). The tiles kernel's block is the format's own (32 x 32 for
-# mxfp8, 128 x 128 for fp8_block); a program takes BLOCKS_K blocks side by side, so that each moves at
-# least 16 KB of bf16 (one 32 x 32 block is 2 KB, too little to hide the memory latency): by block side,
-# (BLOCKS_K, warps); two blocks under the interpreter so that CPU tests cover blocks of several programs.
-# The whole-row and whole-group kernels of fp8_rowwise walk (BLOCK_ROWS rows, BLOCK_COLS columns) chunks:
-# (BLOCK_ROWS, BLOCK_COLS, warps), QUANTIZE_CHUNKS for rows, QUANTIZE_GROUP_COLS_CHUNKS for groups; tiny
-# chunks under the interpreter so that CPU tests cover several chunks of a row and of a group. The
-# whole-group kernel has only (N + 1) x ceil(X / BLOCK_COLS) programs, each walking its group's rows in
-# sequence: narrow column strips of tall chunks, so that a few groups still give every SM several
-# programs (512 columns and 8 groups at X = 7168 would be under one program an SM).
+# Grouped FP8 quantization (kernels.quantize). The tiles kernel, by (the format's block side TILE_K, form):
+# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows" (rowwise alone: any BLOCK_R, the rows need no
+# group), "cols" (the columnwise form, with or without the rowwise: BLOCK_R is the block's 32 or 128
+# rows of one group's slot), "tile" (fp8_block's 128 x 128 weight blocks). A program holds one 2-D tile
+# read once, with no pipelined loop (STEPS = 1: the loop's bookkeeping and shared-memory stages cost more
+# registers than they bring, see notes/quantize.md): what keeps HBM busy is several programs an SM,
+# so the tiles are 8-32 KB of bf16 sized for the registers (sm_90 ptxas: mxfp8 rows 54, cols 119;
+# fp8_block rows 61, cols 123 at 16 warps, tile 63). STEPS > 1 walks STEPS column tiles a program in a
+# software-pipelined loop of STAGES stages (kept as a knob). Under the interpreter: small tiles and a
+# loop, so that CPU tests cover several tiles of a block row, the loop, and blocks cut by the edges.
+# fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
+# a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
+# cover several chunks of a row.
 QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
     "sm90": {
         (32, "rows"): (32, 128, 4, 1, 1),
