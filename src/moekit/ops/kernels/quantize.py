@@ -209,7 +209,10 @@ def _tiles_step(
     cmask = c < cols
     elem = r64[:, None] * stride_x + c[None, :]
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + elem, mask=lmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    # Loaded under the tile's own bounds and the rows outside a live group zeroed after: the load does
+    # not wait for offs[N] (rowwise rows).
+    x = tl.load(x_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    x = tl.where(lmask[:, None], x, 0.0)
     a = _abs_for_amax(x)
     if TILE:
         amax_t = tl.max(tl.max(a, axis=1), axis=0)
