@@ -223,9 +223,7 @@ def _tiles_step(
         row_scale_mask = rmask[:, None] & cbmask[None, :]
         if NB == 1:
             amax_r = tl.max(a, axis=1)
-            q = _quantize_tile(
-                x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3
-            )
+            q = _quantize_tile(x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3)
         else:
             amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
             q3 = _quantize_tile(
@@ -242,9 +240,7 @@ def _tiles_step(
     if COLWISE:
         amax_c = tl.max(a, axis=0)
         col_scales = col_scale_ptr + pid.to(tl.int64) * cols + c
-        q = _quantize_tile(
-            x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3
-        )
+        q = _quantize_tile(x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3)
         tl.store(col_data_ptr + elem, q, mask=mask)
 
 
@@ -303,7 +299,9 @@ def quantize_tiles_kernel(
         q0 = tl.program_id(1) * STEPS
         args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale)
         if STEPS == 1:
-            _tiles_step(q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+            _tiles_step(
+                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
+            )
         else:
             for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
                 _tiles_step(
@@ -388,8 +386,18 @@ def _span_of(p, offs_ptr, rows, num_groups, SPAN: tl.constexpr, BLOCK_GROUPS: tl
 
 
 @triton.jit
-def _span_tile(p, q, offs_ptr, rows, cols, num_groups, stride_x, SPAN: tl.constexpr, BLOCK_COLS: tl.constexpr,
-               BLOCK_GROUPS: tl.constexpr):
+def _span_tile(
+    p,
+    q,
+    offs_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    SPAN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
     """The (SPAN, BLOCK_COLS) tile (span p, column block q) of `_span_of`'s spans: (g, first span of g,
     rows r (int64), columns c, row mask, column mask, element offsets)."""
     g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
@@ -426,8 +434,16 @@ def amax_spans_kernel(
     whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros)."""
     if _runs(noop_ptr, HAS_NOOP):
         g, first, r64, c, rmask, cmask, elem = _span_tile(
-            tl.program_id(0), tl.program_id(1), offs_ptr, rows, cols, num_groups, stride_x, SPAN, BLOCK_COLS,
-            BLOCK_GROUPS
+            tl.program_id(0),
+            tl.program_id(1),
+            offs_ptr,
+            rows,
+            cols,
+            num_groups,
+            stride_x,
+            SPAN,
+            BLOCK_COLS,
+            BLOCK_GROUPS,
         )
         live = g < num_groups
         x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)

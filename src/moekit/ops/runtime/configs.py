@@ -262,8 +262,8 @@ ZERO_ROWS_TILE = (64, 128)
 # rows of one group's slot), "tile" (fp8_block's 128 x 128 weight blocks). A program holds one 2-D tile
 # read once, with no pipelined loop (STEPS = 1: the loop's bookkeeping and shared-memory stages cost more
 # registers than they bring, see notes/quantize.md): what keeps HBM busy is several programs an SM,
-# so the tiles are 8-32 KB of bf16 sized for the registers (sm_90 ptxas: mxfp8 rows 54, cols 119;
-# fp8_block rows 61, cols 123 at 16 warps, tile 63). STEPS > 1 walks STEPS column tiles a program in a
+# so the tiles are 8-32 KB of bf16 sized for the registers a thread needs (the sm_90 register counts
+# per form are in notes/quantize.md). STEPS > 1 walks STEPS column tiles a program in a
 # software-pipelined loop of STAGES stages (kept as a knob). Under the interpreter: small tiles and a
 # loop, so that CPU tests cover several tiles of a block row, the loop, and blocks cut by the edges.
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when

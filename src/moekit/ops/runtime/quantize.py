@@ -7,8 +7,9 @@ Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) we
 One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
 gives its rows' rowwise and its columns' columnwise scales); for fp8_rowwise one (rowwise alone: whole
 rows) or, with the columnwise form, two over the same tiles (the maxima of whole rows and whole groups
-into a zeroed int32 buffer, then both forms' bytes) plus that buffer's memset. The outputs' arguments and their layouts are
-`moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these kernels reproduce.
+into a zeroed int32 buffer, then both forms' bytes) plus that buffer's memset. The outputs' arguments
+and their layouts are `moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these
+kernels reproduce.
 
 `group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
 path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
