@@ -678,6 +678,25 @@ def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("forms", [(True, False), (False, True)], ids=["rowwise", "columnwise"])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_each_form_alone_matches_the_cpu_path(recipe, forms):
+    """Each form alone on CUDA (the rowwise rows' own kernels: tiles without slots, fp8_rowwise's whole
+    rows in one pass and, past 16384 columns, two), bf16 with specials (tiles with and without the
+    NaN fix-up), into NaN-poisoned out= storage: the CPU torch path's bytes."""
+    for m_splits, rows, cols in ((CUDA_SPLITS, 4096, 1000), ([100, 0, 300], 512, 7168), ([7, 50], 64, 16500)):
+        x = data_with_specials(rows, cols, seed=cols, dtype=torch.bfloat16)
+        want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")
+        offs = torch.tensor(m_splits, device="cuda")
+        got = moekit.group_quantize(x.cuda(), offs, recipe, rowwise=forms[0], columnwise=forms[1], backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms} {cols}")
+        poison(got)
+        moekit.group_quantize(x.cuda(), offs, recipe, rowwise=forms[0], columnwise=forms[1], out=got, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms} {cols} out=")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_cuda_group_quantize_has_no_host_sync(recipe):
     x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
