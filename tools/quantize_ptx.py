@@ -6,7 +6,8 @@ i.e. what bounds its programs an SM and its bytes in flight (notes/quantize.md).
     PYTHONPATH=src python tools/quantize_ptx.py [OUTDIR] [NAME_FILTER]
 
 Integers are compiled as the launcher specializes them at the benchmark's shapes (divisible by 16),
-pointers 16-byte aligned. OUTDIR keeps each kernel's PTX (default: a temporary directory).
+pointers 16-byte aligned; x is bf16 (X_DTYPE=*fp32 or *fp16 for the others). OUTDIR keeps each
+kernel's PTX (default: a temporary directory).
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from moekit.ops.kernels import quantize as kernels  # noqa: E402
 from moekit.ops.runtime import configs  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-POINTERS = {"offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32", "x_ptr": "*bf16"}
+POINTERS = {
+    "offs_ptr": "*i64",
+    "slot_offs_ptr": "*i64",
+    "noop_ptr": "*fp32",
+    "x_ptr": os.environ.get("X_DTYPE", "*bf16"),
+}
 COUNTS = {
     "ld.v4": r"ld\.global(\.\w+)*\.v4\.b32",
     "cp.async16": r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
@@ -36,7 +42,7 @@ COUNTS = {
     "st.b8": r"st\.global(\.\w+)*\.b8",
     "shfl": r"shfl\.sync",
     "bar": r"bar\.sync",
-    "atom": r"(red|atom)\.global",
+    "atom": r"(?<![a-z.])(red|atom)\.global",
 }
 
 

@@ -260,28 +260,29 @@ ZERO_ROWS_TILE = (64, 128)
 # (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows" (rowwise alone: any BLOCK_R, the rows need no
 # group), "cols" (the columnwise form, with or without the rowwise: BLOCK_R is the block's 32 or 128
 # rows of one group's slot), "tile" (fp8_block's 128 x 128 weight blocks). A program holds one 2-D tile
-# read once, with no pipelined loop (STEPS = 1: the loop's bookkeeping and shared-memory stages cost more
-# registers than they bring, see notes/quantize.md): what keeps HBM busy is several programs an SM,
-# so the tiles are 8-32 KB of bf16 sized for the registers a thread needs (the sm_90 register counts
-# per form are in notes/quantize.md). STEPS > 1 walks STEPS column tiles a program in a
-# software-pipelined loop of STAGES stages (kept as a knob). Under the interpreter: small tiles and a
-# loop, so that CPU tests cover several tiles of a block row, the loop, and blocks cut by the edges.
+# read once (8-32 KB of bf16). What keeps HBM busy is the bytes in flight an SM: where a thread's
+# registers allow many programs an SM (rowwise alone, the weight tiles) a program is one tile with no
+# loop (STEPS = 1); the columnwise form holds both forms' intermediates and allows one or two programs
+# an SM, so there a program walks STEPS column tiles of its slot in a software-pipelined loop of STAGES
+# stages (the next tile loading into shared memory while one computes). The register counts and the
+# reasoning are in notes/quantize.md. Under the interpreter: small tiles and a loop, so that CPU tests
+# cover several tiles of a block row, the loop, and blocks cut by the edges.
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
 # a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
 # cover several chunks of a row.
 QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
     "sm90": {
         (32, "rows"): (32, 128, 4, 1, 1),
-        (32, "cols"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 8, 8, 2),
         (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "cols"): (128, 128, 16, 1, 1),
+        (128, "cols"): (128, 128, 16, 8, 2),
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "sm80": {
         (32, "rows"): (32, 128, 4, 1, 1),
-        (32, "cols"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 8, 8, 2),
         (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "cols"): (128, 128, 16, 1, 1),
+        (128, "cols"): (128, 128, 16, 8, 2),
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "interpreter": {
