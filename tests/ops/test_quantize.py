@@ -379,6 +379,23 @@ def test_triton_kernels_write_every_byte(recipe, m_splits, rows, cols):
 
 @needs_triton
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_triton_kernels_with_more_groups_than_a_group_vector_block(recipe):
+    """300 groups (DeepSeek-V3 has 256 experts): the group vectors of the slot and span searches take
+    512 lanes; most groups empty or a few rows, device splits, both forms and the rowwise alone."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 4, (300,), generator=gen) * torch.randint(0, 2, (300,), generator=gen)
+    counts[7], counts[299] = 40, 33
+    rows = int(counts.sum()) + 5
+    x = data_with_specials(rows, 36, seed=9, dtype=torch.bfloat16)
+    for columnwise in (False, True):
+        want = moekit.group_quantize(x, counts.tolist(), recipe, columnwise=columnwise, backend="torch")
+        offs = device_offsets(counts.tolist(), rows)
+        got = moekit.group_quantize(x, offs, recipe, columnwise=columnwise, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {columnwise}")
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
 @pytest.mark.parametrize("shape", [(3, 130, 70), (2, 1, 257), (2, 0, 5), (1, 129, 128)])
 def test_triton_weight_kernels_write_every_byte(recipe, shape):
     w = rand(*shape, seed=sum(shape), dtype=torch.bfloat16)
