@@ -99,9 +99,9 @@ def main() -> None:
     for rowwise in (True, False):
         consts = dict(ROWWISE=rowwise, HAS_NOOP=False, SPAN=span, BLOCK_COLS=block_cols, BLOCK_GROUPS=256)
         cases.append((f"amax_spans_row{int(rowwise)}", kernels.amax_spans_kernel, consts, warps, amax))
-    span, block_cols, warps = configs.QUANTIZE_SPANS["sm90"]
+    span, block_cols, warps, steps, stages = configs.QUANTIZE_SPANS["sm90"]
     for rowwise in (True, False):
-        consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, **common)
+        consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, **common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
     for name, kernel, constexprs, warps, pointers in cases:
         if only in name:

@@ -695,12 +695,13 @@ def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("forms", [(True, False), (False, True)], ids=["rowwise", "columnwise"])
+@pytest.mark.parametrize("forms", [(True, False), (False, True), (True, True)], ids=["rowwise", "columnwise", "both"])
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
-def test_cuda_each_form_alone_matches_the_cpu_path(recipe, forms):
-    """Each form alone on CUDA (the rowwise rows' own kernels: tiles without slots, fp8_rowwise's whole
-    rows in one pass and, past 16384 columns, two), bf16 with specials (tiles with and without the
-    NaN fix-up), into NaN-poisoned out= storage: the CPU torch path's bytes."""
+def test_cuda_each_form_matches_the_cpu_path_at_width(recipe, forms):
+    """Each form alone and both on CUDA at widths of real layers and past them (the rowwise rows' own
+    kernels: tiles without slots, fp8_rowwise's whole rows in one pass and, past 16384 columns, two;
+    the pipelined column-tile loops with a partial last step), bf16 with specials (tiles with and
+    without the NaN fix-up), into NaN-poisoned out= storage: the CPU torch path's bytes."""
     for m_splits, rows, cols in ((CUDA_SPLITS, 4096, 1000), ([100, 0, 300], 512, 7168), ([7, 50], 64, 16500)):
         x = data_with_specials(rows, cols, seed=cols, dtype=torch.bfloat16)
         want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")

@@ -456,6 +456,44 @@ def amax_spans_kernel(
 
 
 @triton.jit
+def _spans_step(
+    q,
+    p,
+    g,
+    first,
+    live,
+    r64,
+    rmask,
+    scale_r,
+    row_nan,
+    x_ptr,
+    col_amax_ptr,
+    row_data_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    cols,
+    stride_x,
+    ROWWISE: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64)."""
+    c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    cmask = c < cols
+    elem = r64[:, None] * stride_x + c[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+    col_at = g.to(tl.int64) * cols + c
+    col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
+    scale, scale_inv = _fp32_scales(col_amax)
+    tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
+    q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
+    tl.store(col_data_ptr + elem, q_col, mask=mask)
+    if ROWWISE:
+        tl.store(row_data_ptr + elem, _e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
+
+
+@triton.jit
 def quantize_spans_kernel(
     x_ptr,
     offs_ptr,
@@ -474,35 +512,38 @@ def quantize_spans_kernel(
     HAS_NOOP: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """fp8_rowwise's second pass (after `amax_spans_kernel`): program (p, q) reads its (SPAN,
-    BLOCK_COLS) tile of span p (group g) once more and writes both forms from it: ROWWISE the data
-    under the whole-row scales of row_amax (the programs of column block 0 store scale[row]), and the
+    """fp8_rowwise's second pass (after `amax_spans_kernel`): program (p, k) reads the (SPAN,
+    BLOCK_COLS) tiles of span p (group g) in column blocks [k * STEPS, + STEPS) once more (STEPS > 1:
+    a software-pipelined loop of STAGES stages) and writes both forms from them: ROWWISE the data
+    under the whole-row scales of row_amax (the programs of k = 0 store scale[row]), and the
     columnwise data under group g's column scales of col_amax (the group's first span stores
     scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale."""
     if _runs(noop_ptr, HAS_NOOP):
         p = tl.program_id(0)
-        q = tl.program_id(1)
-        g, first, r64, c, rmask, cmask, elem = _span_tile(
-            p, q, offs_ptr, rows, cols, num_groups, stride_x, SPAN, BLOCK_COLS, BLOCK_GROUPS
-        )
+        k = tl.program_id(1)
+        g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
         live = g < num_groups
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-        col_at = g.to(tl.int64) * cols + c
-        col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
-        scale, scale_inv = _fp32_scales(col_amax)
-        tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
-        q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
-        tl.store(col_data_ptr + elem, q_col, mask=mask)
+        r64 = (row0 + tl.arange(0, SPAN)).to(tl.int64)
+        rmask = r64 < row_end
+        row_amax = tl.zeros((SPAN,), dtype=tl.float32)
         if ROWWISE:
             row_amax = tl.load(row_amax_ptr + r64, mask=rmask & live, other=0).to(tl.float32, bitcast=True)
-            scale_r, scale_inv_r = _fp32_scales(row_amax)
-            tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (q == 0))
-            q_row = _e4m3_tile(x, scale_r[:, None], tl.max(row_amax, axis=0) == float("inf"), HW_E4M3)
-            tl.store(row_data_ptr + elem, q_row, mask=mask)
+        scale_r, scale_inv_r = _fp32_scales(row_amax)
+        if ROWWISE:
+            tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (k == 0))
+        row_nan = tl.max(row_amax, axis=0) == float("inf")
+        args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x)
+        if STEPS == 1:
+            _spans_step(k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
+        else:
+            q0 = k * STEPS
+            for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
+                _spans_step(q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -307,20 +307,23 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
     "sm80": (16384, 8192, 8),
     "interpreter": (128, 256, 4),
 }
-# fp8_rowwise with the columnwise form: two passes over (SPAN rows of one group, BLOCK_COLS) tiles,
-# (SPAN, BLOCK_COLS, warps): the maxima (QUANTIZE_AMAX_SPANS: tall tiles, so that the atomic maxima are
-# few next to the elements, one per row and per column of a tile) and the data of both forms
-# (QUANTIZE_SPANS). Small under the interpreter so that CPU tests cover several spans of a group and
-# several column blocks.
+# fp8_rowwise with the columnwise form: two passes over (SPAN rows of one group, BLOCK_COLS) tiles: the
+# maxima (QUANTIZE_AMAX_SPANS, (SPAN, BLOCK_COLS, warps): tall tiles, so that the atomic maxima are few
+# next to the elements, one per row and per column of a tile; maxima only, so a thread holds 64
+# elements at few registers and several programs share an SM) and the data of both forms
+# (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
+# an SM, so a program walks STEPS column blocks in a pipelined loop, as the tiles kernel's columnwise
+# form). Small under the interpreter so that CPU tests cover several spans of a group, several column
+# blocks and the loop.
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (64, 256, 8),
-    "sm80": (64, 256, 8),
+    "sm90": (64, 128, 4),
+    "sm80": (64, 128, 4),
     "interpreter": (8, 32, 4),
 }
-QUANTIZE_SPANS: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (32, 128, 4),
-    "sm80": (32, 128, 4),
-    "interpreter": (4, 64, 4),
+QUANTIZE_SPANS: dict[Arch, tuple[int, int, int, int, int]] = {
+    "sm90": (32, 128, 8, 8, 2),
+    "sm80": (32, 128, 8, 8, 2),
+    "interpreter": (4, 32, 4, 2, 1),
 }
 # The dequantize kernel's tiles (BLOCK_M rows, BLOCK_X columns, warps): an elementwise pass, 32 x 256
 # moves 8 KB of FP8 in and 16 KB of bf16 out a program; small tiles under the interpreter so that CPU

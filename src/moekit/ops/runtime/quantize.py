@@ -138,9 +138,10 @@ def _plan(
         consts = dict(ROWWISE=rowwise, HAS_NOOP=has_noop, BLOCK_GROUPS=block_groups(num_groups + 1))
         if grid[1]:
             amax_plan = LaunchPlan(_AMAX, grid, ints, dict(consts, SPAN=span, BLOCK_COLS=block_cols, num_warps=warps))
-            span, block_cols, warps = QUANTIZE_SPANS[arch]
-            grid = (_num_spans(rows, num_groups, span), triton.cdiv(cols, block_cols))
-            spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
+            span, block_cols, warps, steps, stages = QUANTIZE_SPANS[arch]
+            grid = (_num_spans(rows, num_groups, span), triton.cdiv(triton.cdiv(cols, block_cols), steps))
+            spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw_e4m3)
+            spans.update(num_warps=warps)
             spans_plan = LaunchPlan(_SPANS, grid, ints, spans)
     elif rowwise and rows:
         most_cols, elements, warps = QUANTIZE_ONE_PASS_ROWS[arch]
