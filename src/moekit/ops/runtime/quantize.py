@@ -106,6 +106,11 @@ def _plan(
         tile_m, tile_k = info.block_rows, info.block_cols
         form = "tile" if tile and rowwise else "cols" if columnwise else "rows"
         block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
+        if block_c % tile_k or (form != "rows" and block_r != tile_m) or (form == "tile" and block_c != tile_k):
+            raise RuntimeError(
+                f"QUANTIZE_TILES[{arch!r}][{(tile_k, form)}] = {(block_r, block_c)} does not fit {info.name}'s "
+                f"{tile_m} x {tile_k} blocks"
+            )
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
         row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
