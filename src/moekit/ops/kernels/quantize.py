@@ -133,8 +133,9 @@ def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
 
 @triton.jit
 def _quantize_tile(x, amax, scale_ptrs, scale_mask, tile_amax, MX: tl.constexpr, HW_E4M3: tl.constexpr):
-    """`_quantize_block` with the NaN fix-up of `_e4m3_tile` decided once for the tile: tile_amax is the
-    largest of the tile's block maxima (inf: some block holds an inf or NaN)."""
+    """The E4M3 bytes of x under the scales of block maxima `amax` (broadcast against x); stores the
+    scales (E8M0 bytes, or fp32 scale_inv) at scale_ptrs. The NaN fix-up of `_e4m3_tile` is decided
+    once for the tile: tile_amax is the largest of its block maxima (inf: a block holds an inf or NaN)."""
     any_nan = tile_amax == float("inf")
     if MX:
         byte, recip = _e8m0_scales(amax)
