@@ -86,15 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit.ops.kernels.schedule import tile_coords, tile_schedule
-
-
-@gluon.jit
-def _group_ids(BLOCK_GROUPS: gl.constexpr):
-    """arange(0, BLOCK_GROUPS) over the calling partition's warps: the group vector of
-    `schedule.tile_schedule`, which every partition computes for itself."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    return gl.arange(0, BLOCK_GROUPS, layout=layout)
+from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
 
 @gluon.jit
@@ -191,7 +183,7 @@ def _load_partition(
     x's token rows idx[r] (one 16-byte copy per thread per 8 columns, the row addresses formed once a
     tile), each thread's copies arriving on the slot's barrier when they land."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
     if GATHER:
@@ -317,7 +309,7 @@ def _epilogue_partition(
     """h and the activation of each tile from the rounded h the mma partition left in shared memory,
     EPI_COLS columns at a time, by 16-byte pointer stores."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     VEC: gl.constexpr = 8
     layout: gl.constexpr = gl.BlockedLayout(
@@ -428,7 +420,7 @@ def _mma_partition(
     """The two accumulators of each tile over the ring; h (rounded, bias added, zeros on padding
     tiles) handed to the epilogue partition through hg_smem / hu_smem."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]
@@ -742,7 +734,7 @@ def _bwd_load_partition(
     slot, into the ring; it runs ahead across tiles, so the next tile's first slots fill while the
     other partition runs this tile's epilogue."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
     dy_desc = tma.make_tensor_descriptor(
         dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -942,7 +934,7 @@ def _bwd_mma_partition(
     coalesced layout; h's first two chunks are loaded before the main loop and the others two
     chunks ahead of the math."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C, 16]

@@ -92,15 +92,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moekit.ops.kernels.grouped_gemm import wgrad_tile
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
 from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
-from moekit.ops.kernels.schedule import tile_coords, tile_schedule
-
-
-@gluon.jit
-def _group_ids(BLOCK_GROUPS: gl.constexpr):
-    """arange(0, BLOCK_GROUPS) over the calling partition's warps: `schedule.tile_schedule`'s group
-    vector, which every partition computes for itself."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    return gl.arange(0, BLOCK_GROUPS, layout=layout)
+from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
 
 @gluon.jit
@@ -128,7 +120,7 @@ def _load_partition(
 ):
     """Each tile's A and B boxes, one reduction step a slot; none for padding tiles."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
     a_desc = tma.make_tensor_descriptor(
         a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -290,7 +282,7 @@ def _math_partition(
     (two weight scale blocks) is two accumulators of 128 columns, each step two MMAs into the one
     product register set, each promoted with its block's scale before the next is issued."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, _group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
     ROWS: gl.constexpr = BLOCK_M // 2
     SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED  # columns of one weight scale block
@@ -587,7 +579,7 @@ def _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS: gl.constexpr, SCALE_BLOCK: gl.
     """(offs_g, starts_v, slots_v, cols_used): each group's first column in the transposed operands, its
     first columnwise scale slot (the earlier groups' ceil(rows / SCALE_BLOCK) summed) and the columns in
     use (at least 1), as `grouped_wgrad_fp8_block_kernel` computes them."""
-    offs_g = _group_ids(BLOCK_GROUPS)
+    offs_g = gluon_group_ids(BLOCK_GROUPS)
     starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
     slots_v = scale_slots(offs_ptr, offs_g, M, N, SCALE_BLOCK)
     return offs_g, starts_v, slots_v, gl.maximum(cols_used, 1)

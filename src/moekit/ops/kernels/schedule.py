@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 
 @triton.jit
@@ -264,3 +266,11 @@ def split_halves(acc, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
     tile at a time, which halves its shared-memory staging buffer."""
     acc = tl.permute(tl.reshape(acc, (BLOCK_P, 2, BLOCK_Q // 2)), (0, 2, 1))
     return tl.split(acc)
+
+
+@gluon.jit
+def gluon_group_ids(BLOCK_GROUPS: gl.constexpr):
+    """arange(0, BLOCK_GROUPS) over the calling Gluon partition's warps: the group vector of
+    `tile_schedule`, which every partition of a warp-specialised kernel computes for itself."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.arange(0, BLOCK_GROUPS, layout=layout)
