@@ -96,6 +96,36 @@ from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_sched
 
 
 @gluon.jit
+def _shared_ring(
+    dtype: gl.constexpr,
+    out_ty: gl.constexpr,
+    ROWS: gl.constexpr,
+    COLS: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Both kernels' shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
+    box of the operand whose rows are the tile's, the (COLS, BLOCK_RED) box of the other), each math warp
+    group's own (ROWS / 2, min(COLS, BLOCK_RED)) staging tile for its TMA stores, and the slots' ready
+    barriers (one arrival: the load warp's expect) and empty barriers (two: a slot is free once both warp
+    groups' MMAs on it are done)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_RED], dtype)
+    SUB: gl.constexpr = COLS if COLS < BLOCK_RED else BLOCK_RED
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS // 2, SUB], out_ty)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, ROWS, BLOCK_RED], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, COLS, BLOCK_RED], b_layout)
+    c0_smem = gl.allocate_shared_memory(out_ty, [ROWS // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(out_ty, [ROWS // 2, SUB], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return a_bufs, b_bufs, c0_smem, c1_smem, ready, empty
+
+
+@gluon.jit
 def _load_partition(
     a_ptr,
     b_ptr,
@@ -421,23 +451,9 @@ def grouped_mm_fp8_block_ws_kernel(
         BLOCK_RED % BLOCK_C == 0 or BLOCK_C == 2 * BLOCK_RED, "a tile is in one weight scale block, or two whole ones"
     )
     gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
-    dtype: gl.constexpr = a_ptr.dtype.element_ty
-    out_ty: gl.constexpr = c_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_C, BLOCK_RED], dtype)
-    SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], out_ty)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_C, BLOCK_RED], b_layout)
-    # Each warp group's own staging tile for its rows' TMA stores.
-    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
-    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_M // 2, SUB], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        # A slot is free once both warp groups' MMAs on it are done: one arrival each.
-        mbarrier.init(empty.index(i), count=2)
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
+        a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
+    )
     gl.warp_specialize(
         [
             (
@@ -828,21 +844,9 @@ def grouped_wgrad_fp8_block_ws_kernel(
     gl.static_assert(BLOCK_RED == 128, "a reduction step is one 128-row scale block")
     gl.static_assert(BLOCK_RED % BLOCK_I == 0 or BLOCK_I == 2 * BLOCK_RED, "BLOCK_I divides 128, or is 256")
     gl.static_assert(BLOCK_O == 128, "two math warp groups of 64 rows")
-    dtype: gl.constexpr = dyt_ptr.dtype.element_ty
-    out_ty: gl.constexpr = dw_ptr.dtype.element_ty
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_O, BLOCK_RED], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_RED], dtype)
-    SUB: gl.constexpr = BLOCK_I if BLOCK_I < BLOCK_RED else BLOCK_RED
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_O // 2, SUB], out_ty)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_O, BLOCK_RED], a_layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_I, BLOCK_RED], b_layout)
-    c0_smem = gl.allocate_shared_memory(out_ty, [BLOCK_O // 2, SUB], c_layout)
-    c1_smem = gl.allocate_shared_memory(out_ty, [BLOCK_O // 2, SUB], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
+        dyt_ptr.dtype.element_ty, dw_ptr.dtype.element_ty, BLOCK_O, BLOCK_I, BLOCK_RED, STAGES
+    )
     # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
     gl.warp_specialize(
         [
