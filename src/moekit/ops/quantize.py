@@ -133,10 +133,7 @@ def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOf
         if num == 0:
             raise ValueError("the weight has no members (N = 0); group_quantize needs at least one")
         host = tuple(i * rows for i in range(num + 1))
-        if rows:  # one launch (arange's step), not arange then a product
-            offs = torch.arange(0, (num + 1) * rows, rows, dtype=torch.int64, device=x.device)
-        else:
-            offs = torch.zeros(num + 1, dtype=torch.int64, device=x.device)
+        offs = torch.arange(num + 1, dtype=torch.int64, device=x.device) * rows
         return GroupOffsets(offs=offs, host=host, rows=num * rows)
     if x.dim() != 2:
         raise ValueError(
@@ -156,9 +153,7 @@ def _slot_offsets(info: Recipe, x: torch.Tensor, offs: GroupOffsets) -> torch.Te
     block = info.block_rows
     if x.dim() == 3 or block is None:
         per = 1 if block is None else -(-x.shape[1] // block)
-        if per == 0:
-            return torch.zeros(num + 1, dtype=torch.int64, device=x.device)
-        return torch.arange(0, (num + 1) * per, per, dtype=torch.int64, device=x.device)
+        return torch.arange(num + 1, dtype=torch.int64, device=x.device) * per
     if offs.host is not None:
         counts = [hi - lo for lo, hi in pairwise(offs.host)]
         firsts = [0]
@@ -309,9 +304,7 @@ def group_quantize(
         out = _check_out(out, info, x, num, rowwise, columnwise)
     noop = _check_noop(noop_flag, x, out)
     impl = select_quantizer(backend, x)
-    # The slots are the columnwise form's (and a weight's blocks'); rowwise rows need none, and their
-    # device computation is five small launches, so offs stands in for them there (never read).
-    slot_offs = _slot_offsets(info, x, offs) if columnwise or weight else offs.offs
+    slot_offs = _slot_offsets(info, x, offs)
     if out is None:
         storage = _allocate(info, tuple(x.shape), x.device, num, rowwise, columnwise)
     else:
