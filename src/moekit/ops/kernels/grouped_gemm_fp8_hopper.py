@@ -435,6 +435,8 @@ def grouped_mm_fp8_block_ws_kernel(
     a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
+    # The two math partitions' argument tuples differ only in their staging tile and index, yet are
+    # written out: a tuple built in the kernel would not keep its constexprs.
     gl.warp_specialize(
         [
             (
