@@ -35,6 +35,18 @@ from moekit.ops.kernels.schedule import (
 
 
 @triton.jit
+def with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, mask_c, stride_bias_g, HAS_SCALE: tl.constexpr):
+    """acc + bias[g] (* scale[r]) in fp32, the forward epilogues' bias step (the Triton and the Gluon
+    kernels', which pass offs_m / offs_c in their layouts). Padding tiles (g == N) get no bias: padding
+    rows are written as exact zeros."""
+    bias = tl.load(bias_ptr + g.to(tl.int64) * stride_bias_g + offs_c, mask=mask_c & (g < N), other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
+        return acc + scale[:, None] * bias[None, :]
+    return acc + bias[None, :]
+
+
+@triton.jit
 def fwd_epilogue(
     acc,
     c_ptr,
@@ -68,17 +80,7 @@ def fwd_epilogue(
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
     mask_c = offs_c < COLS
     if HAS_BIAS:
-        # Padding tiles (g == N) get no bias: padding rows are written as exact zeros.
-        bias = tl.load(
-            bias_ptr + g.to(tl.int64) * stride_bias_g + offs_c,
-            mask=mask_c & (g < N),
-            other=0.0,
-        ).to(tl.float32)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + offs_m, mask=mask_m & (g < N), other=0.0).to(tl.float32)
-            acc = acc + scale[:, None] * bias[None, :]
-        else:
-            acc = acc + bias[None, :]
+        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, mask_c, stride_bias_g, HAS_SCALE)
     out_ty = c_ptr.dtype.element_ty
     if EPI_TMA:
         acc0, acc1 = split_halves(acc, BLOCK_M, BLOCK_C)

@@ -72,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from moekit.ops.kernels.grouped_gemm import with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
@@ -228,15 +229,8 @@ def _epilogue_part(
     offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
     acc = gl.where(real, acc, 0.0)
     if HAS_BIAS:
-        bias = gl.load(bias_ptr + g.to(gl.int64) * stride_bias_g + offs_c, mask=(offs_c < COLS) & real, other=0.0).to(
-            gl.float32
-        )
-        if HAS_SCALE:
-            mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
-            bscale = gl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(gl.float32)
-            acc = acc + gl.expand_dims(bscale, 1) * gl.expand_dims(bias, 0)
-        else:
-            acc = acc + gl.expand_dims(bias, 0)
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
     out = acc.to(c_ptr.dtype.element_ty)
     if EPI_TMA:
         if rows0 + ROWS <= row_hi:
