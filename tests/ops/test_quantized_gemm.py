@@ -86,7 +86,7 @@ def quantized_operands(op: str, recipe: str, splits: list[int], M: int, I: int, 
 def reference64(op: str, rows64, w64, splits, bias=None, bias_scale=None) -> torch.Tensor:
     offs = offs_of(splits).tolist()
     cols = w64.shape[1] if op == "fwd" else w64.shape[2]
-    out = torch.zeros(rows64.shape[0], cols, dtype=torch.float64)
+    out = torch.zeros(rows64.shape[0], cols, dtype=torch.float64, device=rows64.device)
     for g in range(len(splits)):
         lo, hi = offs[g], offs[g + 1]
         if hi > lo:
@@ -548,15 +548,7 @@ def hopper_case(device, op, M, I, O, splits, out_dtype, with_bias=False, nan_pad
     else:
         out = run()
         triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "interpreter", cols)[0])
-    rows64 = dequantize_rowwise(info, a, a_s, torch.float64)
-    ref = torch.zeros(M, cols, dtype=torch.float64, device=device)
-    bounds = offs_of(splits).tolist()
-    for g in range(N):
-        lo, hi = bounds[g], bounds[g + 1]
-        if hi > lo:
-            ref[lo:hi] = rows64[lo:hi] @ (w64[g].T if op == "fwd" else w64[g])
-            if bias is not None:
-                ref[lo:hi] += bias_scale[lo:hi, None].double() * bias[g].double()[None]
+    ref = reference64(op, dequantize_rowwise(info, a, a_s, torch.float64), w64, splits, bias, bias_scale)
     check_kernel_result(out, ref, splits, red, f"fp8_block {op} {out_dtype} on {device}")
     assert torch.equal(out, triton_out), (
         f"{op}: not the Triton kernel's bits ({(out != triton_out).sum().item()} of {out.numel()} differ, "
