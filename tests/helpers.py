@@ -4,6 +4,10 @@ poison for buffers a test allocates, and seeded random inputs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -374,3 +378,13 @@ def assert_no_host_sync(step) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def compile_in_subprocess(script: str, *args: str) -> dict:
+    """Run `script` (python -c) with `args` in a fresh interpreter without TRITON_INTERPRET (Gluon's
+    standard functions cannot be compiled where the interpreter has replaced them) and return the JSON
+    object its last line prints; a failing script fails the test with its stderr's end."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@ reference by at most 2x the error of torch's own computation in the same precisi
 """
 
 # ruff: noqa: E741  (I and O are the legend's feature sizes)
+import json
 import os
 
 import pytest
@@ -23,7 +24,7 @@ if not torch.cuda.is_available():
 
 gg = pytest.importorskip("moekit.ops.runtime.gemm")
 import moekit  # noqa: E402
-from helpers import check_against_reference, rand, torch_glu, torch_grouped_mlp  # noqa: E402
+from helpers import check_against_reference, compile_in_subprocess, rand, torch_glu, torch_grouped_mlp  # noqa: E402
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
 from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
@@ -600,25 +601,8 @@ def test_hopper_kernels_compile_for_sm90(kind, activation, glu_block, bias, prob
     dh split in registers, whose reorders must stay in every thread's registers) and transposed
     weights. In its own process: Gluon's standard functions cannot be compiled where
     TRITON_INTERPRET=1 has turned them into interpreted ones."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _COMPILE_FOR_SM90,
-            json.dumps([kind, activation, glu_block, bias, probs, transposed, paired]),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    args = json.dumps([kind, activation, glu_block, bias, probs, transposed, paired])
+    got = compile_in_subprocess(_COMPILE_FOR_SM90, args)
     assert got["num_warps"] == warps and got["wgmma"] and got["setmaxnreg"]
     assert 0 < got["shared"] <= 227 * 1024
 

@@ -22,11 +22,13 @@ Legend: M routed rows, N groups (experts), I in_features, O out_features."""
 # ruff: noqa: E741  (I and O are the legend's feature sizes)
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import moekit
-from helpers import assert_no_host_sync, fp8_product_floor, rand, rel_err, tolerance_floor
+from helpers import assert_no_host_sync, compile_in_subprocess, fp8_product_floor, rand, rel_err, tolerance_floor
 from moekit.grouped_tensor import RECIPES, dequantize_columnwise, dequantize_rowwise
 from moekit.ops import library
 from moekit.ops.quantize import QuantizedWeightCache, transposed_weight
@@ -626,22 +628,8 @@ def test_hopper_fp8_block_kernel_compiles_for_sm90(out_ty, bias, scale, epi_tma,
     FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step: each waits for
     its own MMAs only) and no wgmma serialization by ptxas (C7514 / C7515). In its own process, as
     test_gemm_kernels.py's Hopper compile test (Gluon cannot compile where TRITON_INTERPRET=1 is set)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = json.dumps([out_ty, bias, scale, epi_tma])
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FP8_BLOCK_FOR_SM90, args, str(tmp_path / "k.ptx")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_in_subprocess(_COMPILE_FP8_BLOCK_FOR_SM90, args, str(tmp_path / "k.ptx"))
     assert 0 < got["shared"] <= 227 * 1024
     assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
     assert got["waits"] == ["0"] * 4, got["waits"]
