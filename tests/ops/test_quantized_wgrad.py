@@ -436,3 +436,197 @@ def test_gpu_grouped_linear_takes_the_fp8_wgrad_within_bound(recipe, monkeypatch
     grouped_linear_reference(x64, w64, m_splits.cpu()).backward(upstream.double())
     assert rel_err(w.grad, w64.grad) <= BOUND, f"dw: {rel_err(w.grad, w64.grad):.3e} > {BOUND}"
     assert torch.count_nonzero(w.grad[0]) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8_block's Gluon wgrad on Hopper (kernels.grouped_gemm_fp8_hopper.grouped_wgrad_fp8_block_ws_kernel)
+# --------------------------------------------------------------------------------------------------
+
+
+def hopper_wgrad_case(device, M, I, O, splits, out_dtype) -> None:
+    """fp8_block's wgrad on `device` as the runtime picks its kernel, against the float64 product of the
+    dequantized columnwise operands (padding rows NaN bytes, exact zeros for groups without rows) and
+    against the Triton wgrad at its default configuration for the architecture, bit for bit: on an H200
+    the runtime runs the Gluon kernel (asserted from the profile, with no host sync), which computes
+    the Triton kernel's fp32 operations in its order (the same m64n128k32 FP8 product of each 128-row
+    step, then per element s_dy * s_x and one fma into the accumulator, steps in order; the Triton
+    kernel's extra promotions add products of scale 0 or of zeros, exact), then the one rounding."""
+    dy, dy_s, x, x_s, d64, x64 = columnwise_operands(splits, M, I, O, device, dtype=out_dtype, recipe="fp8_block")
+    offs = offs_of(splits).to(device)
+
+    def run(**kw):
+        return qg.quantized_gemm_wgrad("fp8_block", dy, dy_s, x, x_s, offs, out_dtype=out_dtype, **kw)
+
+    if device.type == "cuda":
+        result = {}
+
+        def step():
+            result["dw"] = run()
+
+        assert_no_host_sync(step)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        assert any("grouped_wgrad_fp8_block_ws_kernel" in n for n in names), f"the Gluon wgrad did not run: {names}"
+        dw = result["dw"]
+        triton_dw = run(cfg=fp8_wgrad_candidates("fp8_block", True, "sm90")[0], use_tma=True)
+    else:
+        dw = run()
+        triton_dw = run(cfg=fp8_wgrad_candidates("fp8_block", True, "interpreter")[0])
+    check_wgrad(dw, reference64(d64, x64, splits), splits, f"fp8_block wgrad {out_dtype} on {device}")
+    assert torch.equal(dw, triton_dw), (
+        f"not the Triton wgrad's bits ({(dw != triton_dw).sum().item()} of {dw.numel()} differ, "
+        f"largest difference {(dw.double() - triton_dw.double()).abs().max().item():.3e})"
+    )
+
+
+@cpu_only
+def test_hopper_wgrad_test_body_on_cpu(nan_poison):
+    """The Gluon wgrad's GPU test code, at a small shape under the interpreter (where the Triton kernel runs)."""
+    hopper_wgrad_case(torch.device("cpu"), 50, 48, 40, [0, 20, 1, 0, 25], torch.float32)
+
+
+def test_hopper_wgrad_only_where_it_applies():
+    """The runtime keeps the Triton wgrad for fp8_rowwise, a fixed cfg, operands without TMA and devices
+    other than sm_90 (here: the CPU); on an sm_90 device it takes fp8_block's wgrad."""
+    cpu = torch.device("cpu")
+    assert not qg.hopper_wgrad_takes("fp8_block", cpu, True, None, 4, 256)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        cuda = torch.device("cuda")
+        assert qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 4, 256)
+        assert not qg.hopper_wgrad_takes("fp8_rowwise", cuda, True, None, 4, 256)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, False, None, 4, 256)
+        cfg = fp8_wgrad_candidates("fp8_block", True, "sm90")[0]
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, cfg, 4, 256)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 2**16, 2**15)
+
+
+_COMPILE_WGRAD_FOR_SM90 = """
+import json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_wgrad_fp8_block_ws_kernel as kernel
+from moekit.ops.runtime.configs import FP8_BLOCK_WGRAD_WS, FP8_BLOCK_WS_STAGES
+
+out_ty, epi_tma = json.loads(sys.argv[1])
+options = {"num_warps": FP8_BLOCK_WGRAD_WS["num_warps"], "maxnreg": FP8_BLOCK_WGRAD_WS["maxnreg"]}
+const = {k: v for k, v in FP8_BLOCK_WGRAD_WS.items() if k not in options}
+const.update(EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
+             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
+pointer = {"dyt_ptr": "*fp8e4nv", "xt_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
+           "offs_ptr": "*i64"}
+sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+with open(sys.argv[2], "w") as f:
+    f.write(ptx)
+log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", sys.argv[3]],
+                     capture_output=True, text=True).stderr
+nvdisasm = get_ptxas(90).path.replace("ptxas", "nvdisasm")
+sass = subprocess.run([nvdisasm, "-c", sys.argv[3]], capture_output=True, text=True).stdout
+# The innermost loops holding wgmma (QGMMA): the main loop's body, from its label to the branch back.
+labels, ins, loops = {}, [], []
+for line in sass.splitlines():
+    m = re.match(r"\\s*(\\.L_x_\\d+):", line)
+    if m:
+        labels[m.group(1)] = len(ins)
+        continue
+    m = re.search(r"/\\*[0-9a-f]{4,}\\*/\\s+(.*?);", line)
+    if m:
+        ins.append(m.group(1))
+for k, s in enumerate(ins):
+    m = re.search(r"BRA\\s+`\\((\\.L_x_\\d+)\\)", s)
+    if m and m.group(1) in labels and labels[m.group(1)] <= k:
+        body = ins[labels[m.group(1)]:k + 1]
+        if any("QGMMA" in b for b in body):
+            loops.append((len(body), sum(("LDL" in b or "STL" in b) for b in body)))
+print(json.dumps({"shared": compiled.metadata.shared,
+                  "waits": re.findall(r"wgmma\\.wait_group\\.sync\\.aligned (\\d+)", ptx),
+                  "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.([\\w.]+)", ptx))),
+                  "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l],
+                  "main_loop_spills": [sp for n, sp in loops if n < 1.5 * min(n2 for n2, _ in loops)]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "out_ty, epi_tma, max_spills",
+    # 16-bit dw by pointer stores (rows of I not 16-byte aligned: rare): the worker warp group's main loop
+    # reloads a few loop invariants from the stack each step (8 local-memory instructions of ~700).
+    [("bf16", True, 0), ("fp32", True, 0), ("fp32", False, 0), ("fp16", False, 8)],
+    ids=["bf16", "fp32", "fp32-pointer-stores", "fp16-pointer-stores"],
+)
+def test_hopper_wgrad_kernel_compiles_for_sm90(out_ty, epi_tma, max_spills, tmp_path):
+    """The Gluon wgrad's configurations compile for sm_90a inside Hopper's 227 KB of shared memory, with
+    FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step), no wgmma
+    serialization by ptxas (C7514 / C7515) and no spills in the main loops (each math warp group's: the
+    shortest loops of the SASS that hold wgmma) but the named few. In its own process (Gluon cannot compile where
+    TRITON_INTERPRET=1 is set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_WGRAD_FOR_SM90, json.dumps([out_ty, epi_tma]), str(tmp_path / "k.ptx"),
+         str(tmp_path / "k.cubin")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0 < got["shared"] <= 227 * 1024
+    assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
+    assert got["waits"] == ["0"] * 4, got["waits"]
+    assert not got["serialized"], got["serialized"]
+    assert got["main_loop_spills"] and max(got["main_loop_spills"]) <= max_spills, got["main_loop_spills"]
+
+
+def _hopper_or_skip() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon wgrad runs on sm_90")
+
+
+HOPPER_WGRAD_SHAPES = [
+    # M, I, O, splits: empty groups (first, middle, last), one row, groups not multiples of 128 (and of
+    # 16: segment tails), a group of exactly 128, padding rows; widths not multiples of 128 / 256.
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 1, 48], id="M4096-I2048-O1536-skewed"),
+    pytest.param(8192, 7168, 4096, [256] * 32, id="M8192-I7168-O4096-balanced"),
+    pytest.param(3000, 2880, 1408, [128, 0, 1, 129, 1500, 1000, 127, 0], id="gpt-oss-widths-ragged"),
+    pytest.param(1000, 200, 136, [0, 400, 1, 0, 500, 33, 0, 50], id="odd-widths"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("M, I, O, splits", HOPPER_WGRAD_SHAPES)
+def test_gpu_hopper_wgrad_against_float64_and_triton_bits(M, I, O, splits, nan_poison):
+    _hopper_or_skip()
+    hopper_wgrad_case(torch.device("cuda"), M, I, O, splits, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gpu_hopper_wgrad_output_dtypes(out_dtype, nan_poison):
+    _hopper_or_skip()
+    hopper_wgrad_case(torch.device("cuda"), 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype)
+
+
+@gpu
+def test_gpu_hopper_wgrad_pointer_stores(nan_poison):
+    """dw rows of 1036 bf16 (2072 bytes, not 16-byte aligned): every tile leaves by pointer stores."""
+    _hopper_or_skip()
+    hopper_wgrad_case(torch.device("cuda"), 1500, 1036, 520, [0, 600, 3, 700], torch.bfloat16)
+
+
+@gpu
+def test_gpu_hopper_wgrad_all_groups_empty(nan_poison):
+    """Rows but no group owns any (all padding): every dw is zeros, from the kernel's empty tiles."""
+    _hopper_or_skip()
+    hopper_wgrad_case(torch.device("cuda"), 300, 256, 128, [0, 0, 0], torch.bfloat16)

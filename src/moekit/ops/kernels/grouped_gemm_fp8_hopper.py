@@ -1,7 +1,9 @@
-"""Gluon kernel of fp8_block's grouped GEMM (forward and dgrad) for Hopper (sm_90), warp-specialised, with
-every reduction step's promotion beside MMAs in flight (jit code only; host code in
-`moekit.ops.runtime.quantized_gemm`, which launches it where it applies and the Triton kernel
-`moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` everywhere else).
+# ruff: noqa: E741  (I and O are the wgrad legend's in/out feature sizes)
+"""Gluon kernels of fp8_block's grouped GEMM (forward and dgrad) and grouped weight gradient for Hopper
+(sm_90), warp-specialised, with every reduction step's promotion beside MMAs in flight (jit code only;
+host code in `moekit.ops.runtime.quantized_gemm`, which launches them where they apply and the Triton
+kernels `moekit.ops.kernels.grouped_gemm_fp8.grouped_mm_fp8_kernel` /
+`moekit.ops.kernels.grouped_wgrad_fp8.grouped_wgrad_fp8_block_kernel` everywhere else).
 
 Legend as in `moekit.ops.kernels.grouped_gemm_fp8`: M routed rows, N groups (experts); an output tile
 is BLOCK_M rows by BLOCK_C columns, its reduction runs in steps of BLOCK_RED; COLS and RED are the
@@ -58,6 +60,21 @@ The same fp32 operations in the same order as the Triton kernel's fp8_block path
 same m64n128k32 wgmma chains (four k32 steps, the first with a zero accumulator), the promotion the same
 fma per element (the Triton kernel's first promotion adds 0 * 0 to 0), the epilogue the same bias
 expression and rounding. So the two give the same bits.
+
+The wgrad (`grouped_wgrad_fp8_block_ws_kernel`; legend O, I as in `moekit.ops.kernels.grouped_wgrad_fp8`)
+
+    dw[g] (O, I) = sum over group g's 128-row scale blocks k of p_k * s_dy[k, o] * s_x[k, i],
+    p_k = dyt[:, block k] @ xt[:, block k]^T
+
+is the same problem on the transposed operands (`segment_starts`' layout: K-major, as FP8 wgmma needs):
+a = dyt (O, pitch), b = xt (I, pitch), a tile of dw (O, I) 128 x 256, a step 128 columns (one scale
+block of the group's rows), the same partitions and main loop. The scale is an outer product: each
+element's factor is s_dy[o] * s_x[i], then one fma (`grouped_wgrad_fp8.promote_outer`, pinned). The x
+scales of a 128-column half are 32 registers a thread in the accumulator's layout, so they are loaded
+where used (after that half's MMA is issued, their latency behind it) rather than a step ahead. A
+group's last, partial step reads dyt through a descriptor whose extent ends at its last row (TMA
+zero-fills the rest). The Triton wgrad's fp32 operations in its order (its extra promotions add 0), so
+the same bits.
 """
 
 from __future__ import annotations
@@ -72,8 +89,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit.ops.kernels.grouped_gemm import with_bias
+from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
+from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
 
@@ -86,7 +104,7 @@ def _shared_ring(
     BLOCK_RED: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """The kernel's shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
+    """Both kernels' shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
     box of the operand whose rows are the tile's, the (COLS, BLOCK_RED) box of the other), each math warp
     group's own (ROWS / 2, min(COLS, BLOCK_RED)) staging tile for its TMA stores, and the slots' ready
     barriers (one arrival: the load warp's expect) and empty barriers (two: a slot is free once both warp
@@ -527,6 +545,384 @@ def grouped_mm_fp8_block_ws_kernel(
                     BLOCK_C,
                     BLOCK_RED,
                     GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8_block's wgrad: the same main loop over the transposed operands, an outer-product scale a step
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _wgrad_tile(
+    tile_id,
+    tiles_per_group,
+    num_pid_o,
+    num_pid_i,
+    offs_ptr,
+    M,
+    offs_g,
+    starts_v,
+    slots_v,
+    GROUP_O: gl.constexpr,
+    BO: gl.constexpr,
+    BI: gl.constexpr,
+):
+    """(g, o0, i0, rows, col_lo, slot_lo) of a wgrad tile: `wgrad_tile`'s group and tile origin, the
+    group's row count, its first column in the transposed operands (`segment_starts`) and its first
+    columnwise scale slot."""
+    g, o0, i0, row_lo, row_hi = wgrad_tile(tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BO, BI)
+    col_lo = gl.sum(gl.where(offs_g == g, starts_v, 0), 0)
+    slot_lo = gl.sum(gl.where(offs_g == g, slots_v, 0), 0)
+    return g, o0, i0, row_hi - row_lo, col_lo, slot_lo
+
+
+@gluon.jit
+def _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS: gl.constexpr, SCALE_BLOCK: gl.constexpr):
+    """(offs_g, starts_v, slots_v, cols_used): each group's first column in the transposed operands, its
+    first columnwise scale slot (the earlier groups' ceil(rows / SCALE_BLOCK) summed) and the columns in
+    use (at least 1), as `grouped_wgrad_fp8_block_kernel` computes them."""
+    offs_g = gluon_group_ids(BLOCK_GROUPS)
+    starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
+    slots_v = scale_slots(offs_ptr, offs_g, M, N, SCALE_BLOCK)
+    return offs_g, starts_v, slots_v, gl.maximum(cols_used, 1)
+
+
+@gluon.jit
+def _wgrad_load_partition(
+    dyt_ptr,
+    xt_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dyt,
+    stride_xt,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    BLOCK_O: gl.constexpr,
+    BLOCK_I: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_O: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Each tile's dyt (BLOCK_O, BLOCK_RED) and xt (BLOCK_I, BLOCK_RED) boxes, one 128-row step of the
+    group a slot. A group whose row count is not a multiple of BLOCK_RED reads dyt through a descriptor
+    of its own whose extent ends at the group's last row (TMA zero-fills the last step's columns past
+    it, as the Triton kernel's), made anew for each of its tiles; xt's extent is the columns in use."""
+    offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
+    num_pid_o = gl.cdiv(O, BLOCK_O)
+    num_pid_i = gl.cdiv(I, BLOCK_I)
+    tiles_per_group = num_pid_o * num_pid_i
+    dy_full = tma.make_tensor_descriptor(
+        dyt_ptr,
+        shape=[O, cols_used],
+        strides=[stride_dyt, 1],
+        block_shape=[BLOCK_O, BLOCK_RED],
+        layout=a_bufs.type.layout,
+    )
+    x_desc = tma.make_tensor_descriptor(
+        xt_ptr,
+        shape=[I, cols_used],
+        strides=[stride_xt, 1],
+        block_shape=[BLOCK_I, BLOCK_RED],
+        layout=b_bufs.type.layout,
+    )
+    nbytes: gl.constexpr = (BLOCK_O + BLOCK_I) * BLOCK_RED * dyt_ptr.dtype.element_ty.primitive_bitwidth // 8
+    it = 0
+    for tile_id in range(gl.program_id(0), N * tiles_per_group, NUM_PROGRAMS):
+        g, o0, i0, rows, col_lo, _ = _wgrad_tile(
+            tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O, BLOCK_O,
+            BLOCK_I,
+        )  # fmt: skip
+        if rows % BLOCK_RED == 0:
+            dy_desc = dy_full
+        else:
+            # The descriptor is rewritten in place (one scratch slot a program): first every load issued
+            # through its previous contents must have landed (one wait on each of the last STAGES slots'
+            # ready barriers, whose phases only this warp starts; by now they have mostly landed).
+            for j in range(gl.maximum(it - STAGES, 0), it):
+                mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+            dy_desc = tma.make_tensor_descriptor(
+                dyt_ptr,
+                shape=[O, col_lo + rows],
+                strides=[stride_dyt, 1],
+                block_shape=[BLOCK_O, BLOCK_RED],
+                layout=a_bufs.type.layout,
+            )
+        for step in range(gl.cdiv(rows, BLOCK_RED)):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = col_lo + step * BLOCK_RED
+            tma.async_copy_global_to_shared(dy_desc, [o0, red0], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(x_desc, [i0, red0], ready.index(slot), b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _wgrad_x_scales(x_scale_ptr, row, i0, I, inside, stride_xs, cols_layout: gl.constexpr, SUB: gl.constexpr):
+    """Scale row `row` of x's columns i0:i0 + SUB (0 past I and where not inside), in the accumulator's
+    column layout. Loaded where used, not a step ahead: 32 registers a thread each."""
+    offs = gl.arange(0, SUB, layout=cols_layout)
+    base = x_scale_ptr + row.to(gl.int64) * stride_xs + i0
+    return gl.load(base + offs, mask=(offs < I - i0) & inside, other=0.0)
+
+
+@gluon.jit
+def _wgrad_math_partition(
+    dy_scale_ptr,
+    x_scale_ptr,
+    dw_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dys,
+    stride_xs,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_O: gl.constexpr,
+    BLOCK_I: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_O: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One warp group: dw rows (o) HALF * BLOCK_O / 2 onwards of every tile, the forward's main loop over
+    the ring with each step's product promoted by the outer product of its scales (`promote_outer`,
+    pinned: s_dy[o] * s_x[i], then one fma), then the epilogue of dw as an (N * O, I) matrix (rows of
+    the tile's group only). Two 128-column halves of BLOCK_I = 256: two accumulators, each step two MMAs
+    into the one product register set, each promoted before the next is issued."""
+    offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
+    num_pid_o = gl.cdiv(O, BLOCK_O)
+    num_pid_i = gl.cdiv(I, BLOCK_I)
+    tiles_per_group = num_pid_o * num_pid_i
+    ROWS: gl.constexpr = BLOCK_O // 2
+    SUB: gl.constexpr = BLOCK_I if BLOCK_I < BLOCK_RED else BLOCK_RED
+    HALVES: gl.constexpr = BLOCK_I // SUB
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 32]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    if EPI_TMA:
+        c_desc = tma.make_tensor_descriptor(
+            dw_ptr, shape=[N * O, I], strides=[I, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
+        )
+    else:
+        c_desc = dw_ptr  # unused without EPI_TMA
+    it = 0
+    for tile_id in range(gl.program_id(0), N * tiles_per_group, NUM_PROGRAMS):
+        g, o0, i0, rows, _, slot_lo = _wgrad_tile(
+            tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O, BLOCK_O,
+            BLOCK_I,
+        )  # fmt: skip
+        steps = gl.cdiv(rows, BLOCK_RED)
+        offs_o = o0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+        mask_o = offs_o < O
+        sdy_ptrs = dy_scale_ptr + offs_o
+        hi_ok = i0 + SUB < I
+        prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        if HALVES == 2:
+            acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        for step in range(steps):
+            slot = it % STAGES
+            row = slot_lo + step
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
+            prod = warpgroup_mma(
+                a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
+            )
+            # The step's scales where used (dy's 2 registers a thread, x's 32 a half; a step ahead they
+            # would not fit beside the accumulators), their latency behind this warp group's own MMA.
+            s_dy = gl.load(sdy_ptrs + row.to(gl.int64) * stride_dys, mask=mask_o, other=0.0)
+            s_x = _wgrad_x_scales(x_scale_ptr, row, i0, I, True, stride_xs, cols_layout, SUB)
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+            if HALVES == 1:
+                _release(empty, it, STAGES)
+            # Beside the other warp group's MMA.
+            acc0 = promote_outer(acc0, prod, s_dy, s_x, True)
+            if HALVES == 2:
+                if hi_ok:  # the second half holds columns below I
+                    prod = warpgroup_mma(
+                        a_rows,
+                        b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
+                        prod,
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    s_x = _wgrad_x_scales(x_scale_ptr, row, i0 + SUB, I, True, stride_xs, cols_layout, SUB)
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                    acc1 = promote_outer(acc1, prod, s_dy, s_x, True)
+                _release(empty, it, STAGES)
+            it += 1
+
+        # dw[g] as rows g * O + o of an (N * O, I) matrix: TMA stores of the 64-row blocks inside O.
+        offs_m = g * O + offs_o
+        rows0 = g * O + o0 + HALF * ROWS
+        _epilogue_part(
+            acc0, True, g, N, offs_m, i0, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr, I, I, 0,
+            False, False, EPI_TMA, cols_layout,
+        )  # fmt: skip
+        if HALVES == 2 and hi_ok:
+            _epilogue_part(
+                acc1, True, g, N, offs_m, i0 + SUB, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr,
+                I, I, 0, False, False, EPI_TMA, cols_layout,
+            )  # fmt: skip
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_wgrad_fp8_block_ws_kernel(
+    dyt_ptr,
+    xt_ptr,
+    dy_scale_ptr,
+    x_scale_ptr,
+    dw_ptr,
+    offs_ptr,
+    M,
+    O,
+    I,
+    N,
+    stride_dyt,
+    stride_xt,
+    stride_dys,
+    stride_xs,
+    EPI_TMA: gl.constexpr,
+    BLOCK_O: gl.constexpr,
+    BLOCK_I: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_O: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """dw[g] (O, I) = sum over group g's 128-row scale blocks k of (dyt[:, block k] @ xt[:, block k]^T) *
+    s_dy[slot, :, None] * s_x[slot, None, :], slot = group g's first scale slot + k:
+    `grouped_wgrad_fp8_block_kernel` (SCALE_BLOCK = BLOCK_M = 128) with the forward's warp-specialised
+    main loop.
+
+    dyt (O, pitch) / xt (I, pitch) float8: `segment_starts`' layout, row strides stride_dyt / stride_xt
+    (bytes, multiples of 16), 16-byte aligned bases. dy_scale (S, O) / x_scale (S, I) float32, row strides
+    stride_dys / stride_xs, unit column stride (fp8_block's columnwise scales, blocks restarting at each
+    group's first row). dw: a contiguous (N, O, I) in the output dtype (EPI_TMA: TMA stores, which need
+    I * element size a multiple of 16), N * O < 2**31. offs: (N + 1,) int64 device offsets. A group
+    without rows runs no step and stores zeros. Needs BLOCK_RED = 128 (a step is a scale block), BLOCK_O
+    = 128 (two math warp groups of 64 rows), BLOCK_I a divisor of 128 or 256. num_warps = 4 (math warp
+    group 0; group 1 and the load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
+    """
+    gl.static_assert(BLOCK_RED == 128, "a reduction step is one 128-row scale block")
+    gl.static_assert(BLOCK_RED % BLOCK_I == 0 or BLOCK_I == 2 * BLOCK_RED, "BLOCK_I divides 128, or is 256")
+    gl.static_assert(BLOCK_O == 128, "two math warp groups of 64 rows")
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
+        dyt_ptr.dtype.element_ty, dw_ptr.dtype.element_ty, BLOCK_O, BLOCK_I, BLOCK_RED, STAGES
+    )
+    # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
+    gl.warp_specialize(
+        [
+            (
+                _wgrad_math_partition,
+                (
+                    dy_scale_ptr,
+                    x_scale_ptr,
+                    dw_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dys,
+                    stride_xs,
+                    a_bufs,
+                    b_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    0,
+                    EPI_TMA,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _wgrad_math_partition,
+                (
+                    dy_scale_ptr,
+                    x_scale_ptr,
+                    dw_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dys,
+                    stride_xs,
+                    a_bufs,
+                    b_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    1,
+                    EPI_TMA,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _wgrad_load_partition,
+                (
+                    dyt_ptr,
+                    xt_ptr,
+                    offs_ptr,
+                    M,
+                    O,
+                    I,
+                    N,
+                    stride_dyt,
+                    stride_xt,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    BLOCK_O,
+                    BLOCK_I,
+                    BLOCK_RED,
+                    GROUP_O,
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,

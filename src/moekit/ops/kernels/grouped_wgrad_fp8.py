@@ -55,6 +55,16 @@ def segment_starts(offs_ptr, offs_g, M, N):
 
 
 @triton.jit
+def scale_slots(offs_ptr, offs_g, M, N, SCALE_BLOCK: tl.constexpr):
+    """Each group's first slot of fp8_block's columnwise scales: the sum over the earlier groups h of
+    ceil(rows of h / SCALE_BLOCK) (`moekit.ops.quantize`'s slot offsets, from the device offsets);
+    `offs_g` as `group_rows`'."""
+    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
+    blocks_v = tl.cdiv(hi_v - lo_v, SCALE_BLOCK)
+    return tl.cumsum(blocks_v, 0) - blocks_v
+
+
+@triton.jit
 def transpose_rows_kernel(
     src_ptr,
     dst_ptr,
@@ -404,9 +414,7 @@ def grouped_wgrad_fp8_block_kernel(
     offs_g = tl.arange(0, BLOCK_GROUPS)
     starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
     cols_used = tl.maximum(cols_used, 1)
-    lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
-    blocks_v = tl.cdiv(hi_v - lo_v, SCALE_BLOCK)
-    slots_v = tl.cumsum(blocks_v, 0) - blocks_v
+    slots_v = scale_slots(offs_ptr, offs_g, M, N, SCALE_BLOCK)
     desc_g = -1
     if USE_TMA:
         # Whole-extent descriptors, built once: a group whose row count is a multiple of 2 BLOCK_M

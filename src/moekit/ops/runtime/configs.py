@@ -260,6 +260,23 @@ FP8_BLOCK_WS = dict(
 )
 FP8_BLOCK_WS_STAGES: dict[int, int] = {2: 4, 4: 3}
 
+# fp8_block's wgrad on Hopper (the same kernel module's grouped_wgrad_fp8_block_ws_kernel): the forward's
+# layout with dw's (O, I) tile as its (rows, columns), 128 x 256, a step 128 rows of the group (one scale
+# block), stages as FP8_BLOCK_WS_STAGES (the same ring slot and staging tiles). Each 128-column half's
+# promotion needs that half's x scales in the accumulator's layout (32 registers a thread) beside the two
+# accumulators and the product: MATH_REGS 240 (the main loop without spills), the load warp 24
+# (2 x 240 + 24 of 504 a thread-slot, as 2 x 232 + 40).
+FP8_BLOCK_WGRAD_WS = dict(
+    BLOCK_O=128,
+    BLOCK_I=256,
+    BLOCK_RED=128,
+    GROUP_O=8,
+    MATH_REGS=240,
+    LOAD_REGS=24,
+    num_warps=4,
+    maxnreg=168,
+)
+
 
 # --------------------------------------------------------------------------------------------------
 # Row movement (kernels.rows) and routing (kernels.routing)

@@ -40,7 +40,9 @@ flight), bias and its row scale included, any output dtype (TMA stores where the
 fp8_rowwise, the CPU interpreter, GPUs other than sm_90 (Ada's FP8 tensor cores, pointer loads),
 operands TMA cannot take (unaligned bases or row strides, an empty reduction), a weight of N * COLS >=
 2**31 rows, and a fixed `cfg` (a configuration names one of the Triton kernel's). Both compute the same
-fp32 operations in the same order, so they give the same bits.
+fp32 operations in the same order, so they give the same bits. fp8_block's wgrad likewise
+(`hopper_wgrad_takes`: the Gluon `grouped_wgrad_fp8_block_ws_kernel` on sm_90 with TMA and no fixed cfg,
+dw of fewer than 2**31 rows of I; the Triton `grouped_wgrad_fp8_block_kernel` elsewhere).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import triton
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
-from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel, grouped_wgrad_fp8_block_ws_kernel
 from moekit.ops.kernels.grouped_wgrad_fp8 import (
     grouped_wgrad_fp8_block_kernel,
     grouped_wgrad_fp8_kernel,
@@ -58,6 +60,7 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 )
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
+    FP8_BLOCK_WGRAD_WS,
     FP8_BLOCK_WS,
     FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
@@ -89,6 +92,7 @@ _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
 _GROUPED_MM_FP8_BLOCK_WS = Launcher(grouped_mm_fp8_block_ws_kernel)
 _WGRAD_FP8 = Launcher(grouped_wgrad_fp8_kernel)
 _WGRAD_FP8_BLOCK = Launcher(grouped_wgrad_fp8_block_kernel)
+_WGRAD_FP8_BLOCK_WS = Launcher(grouped_wgrad_fp8_block_ws_kernel)
 _TRANSPOSE_ROWS = Launcher(transpose_rows_kernel)
 
 # The recipes this kernel computes, and the side of their scale blocks (None: whole rows / columns).
@@ -576,6 +580,39 @@ def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     return out.view(FP8_DTYPE)
 
 
+def hopper_wgrad_takes(recipe: str, device: torch.device, tma: bool, cfg: GemmConfig | None, N: int, O: int) -> bool:
+    """Whether the Gluon wgrad (`grouped_wgrad_fp8_block_ws_kernel`) runs this wgrad: `hopper_kernel_takes`'
+    rule (fp8_block, a CUDA device of compute capability 9.0, not the interpreter, operands through TMA,
+    no fixed cfg: a given cfg is one of the Triton kernel's) and N * O < 2**31 (dw's rows as TMA row
+    coordinates of its (N * O, I) view)."""
+    if recipe != "fp8_block" or cfg is not None or not tma or INTERPRET or device.type != "cuda":
+        return False
+    return cuda_capability(device) == (9, 0) and N * O < 2**31
+
+
+def _wgrad_ws_launch(
+    M: int, O: int, I: int, N: int, pitch: int, out_dtype: torch.dtype, device: torch.device
+) -> LaunchPlan:
+    """grouped_wgrad_fp8_block_ws_kernel for transposed operands (O, pitch) / (I, pitch), contiguous
+    (slots, O) / (slots, I) scales and a fresh (N, O, I) output; tensors as `_wgrad_launch`'s."""
+    cfg = FP8_BLOCK_WGRAD_WS
+    out_size = torch.finfo(out_dtype).bits // 8
+    nprog = grid_size(device, N * triton.cdiv(O, cfg["BLOCK_O"]) * triton.cdiv(I, cfg["BLOCK_I"]))
+    return LaunchPlan(
+        _WGRAD_FP8_BLOCK_WS,
+        (nprog,),
+        (M, O, I, N, pitch, pitch, O, I),
+        dict(
+            # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) dw.
+            EPI_TMA=(I * out_size) % 16 == 0,
+            BLOCK_GROUPS=block_groups(N + 1),
+            NUM_PROGRAMS=nprog,
+            STAGES=FP8_BLOCK_WS_STAGES[out_size],
+            **cfg,
+        ),
+    )
+
+
 def _plan_wgrad(
     recipe: str,
     M: int,
@@ -594,6 +631,8 @@ def _plan_wgrad(
     pitch = _row_pitch(M, N)
     dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
     tma, arch = use_tma(forced_tma, True, dyt, xt)
+    if hopper_wgrad_takes(recipe, device, tma, cfg, N, O):
+        return _wgrad_ws_launch(M, O, I, N, pitch, out_dtype, device)
     with device_ctx(device):
         if cfg is None:
             block = FP8_GEMM_RECIPES[recipe]
@@ -634,7 +673,8 @@ def quantized_gemm_wgrad(
     zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
     (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
     and one write of each), then one launch computes every group's dw (kernels.grouped_wgrad_fp8:
-    fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop). No host reads
+    fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop; fp8_block on
+    sm_90 through TMA without a fixed cfg: the Gluon kernel, `hopper_wgrad_takes`). No host reads
     of offs. cfg / use_tma: a fixed kernel
     configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
     """
