@@ -64,6 +64,12 @@ markdown summary is printed and written next to it.
     python benchmarks/bench_quantized.py --out $OUT                 # H200: OUT/quantized.{json,md}
     python benchmarks/bench_quantized.py --out $OUT --parts layer --shapes qwen3-30b-a3b
     python benchmarks/bench_quantized.py --smoke --out /tmp/q       # tiny shapes, CPU, a few seconds
+    python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy \
+        --baseline benchmarks/results/h200_quantized_99508e5.json   # group_quantize, before beside after
+
+`--roofs` picks the roofs measured (default all four; the quantize part needs only hbm_copy).
+`--baseline` adds an earlier run's CUDA-graph GB/s per group_quantize cell as a "before" column (its
+fractions are of that run's own HBM copy).
 
 --smoke runs every path the CPU has (plain torch quantizers, moekit's torch backend, _scaled_mm on
 the CPU, wall-clock timing); the CUDA-only parts (CUDA events, graphs, torchao's kernels) are
@@ -74,9 +80,10 @@ in for its FP8 mm (`stand_in_rel_err_fro`).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,6 +101,7 @@ from moekit.ops.runtime.backends import backend_named, quantized_gemm_of
 
 NAME = "quantized"
 PARTS = ("quantize", "gemm", "layer")
+ROOFS = ("bf16_mm", "fp8_mm_rowwise", "fp8_mm_tensorwise", "hbm_copy")
 GEMM_RECIPES = ("fp8_block", "fp8_rowwise")
 GEMM_OPS = ("fwd", "dgrad", "wgrad")
 COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
@@ -672,7 +680,7 @@ def bench_gemm_shape(args, cfg: runner.BenchConfig, shape: LayerShape, budget: B
 # --------------------------------------------------------------------------------------------------
 
 
-def measure_roofs(cfg: runner.BenchConfig) -> dict:
+def measure_roofs(cfg: runner.BenchConfig, names: Sequence[str] = ROOFS) -> dict:
     roofs = {}
     for name, measure in (
         ("bf16_mm", lambda: runner.measure_roof(cfg)),
@@ -680,6 +688,8 @@ def measure_roofs(cfg: runner.BenchConfig) -> dict:
         ("fp8_mm_tensorwise", lambda: runner.measure_fp8_roof(cfg, "tensorwise")),
         ("hbm_copy", lambda: runner.measure_copy_bandwidth(cfg)),
     ):
+        if name not in names:
+            continue
         try:
             roofs[name] = {"status": "ok", **measure()}
         except Exception as exc:  # e.g. _scaled_mm not on this device
@@ -692,6 +702,18 @@ def measure_roofs(cfg: runner.BenchConfig) -> dict:
 # --------------------------------------------------------------------------------------------------
 # Summary
 # --------------------------------------------------------------------------------------------------
+
+
+def baseline_of(path: Path) -> dict:
+    """An earlier run's group_quantize GB/s per cell and mode ("shape/operand/recipe/columnwise" ->
+    "GB/s (fraction of that run's own HBM copy)"), with the file and commit it came from."""
+    earlier = json.loads(Path(path).read_text())
+    table: dict[str, dict[str, str]] = {}
+    for r in earlier.get("quantize", []):
+        if r.get("gb_per_s"):
+            key = f"{r['shape']}/{r['operand']}/{r['recipe']}/{int(r['columnwise'])}"
+            table.setdefault(r["mode"], {})[key] = f"{r['gb_per_s']:.0f} ({_f(r.get('fraction_of_hbm'), '.2f')})"
+    return {"file": str(path), "commit": earlier.get("meta", {}).get("git_commit"), **table}
 
 
 def _f(v, spec: str) -> str:
@@ -745,9 +767,11 @@ def summary_markdown(payload: dict) -> str:
         "group_quantize: GB/s (fraction of the HBM copy bandwidth; bar >= 0.8);"
         " same = the bytes of the allocating call:",
         "",
-        "| shape | operand | recipe | forms | alloc | out= | CUDA graph | same (out/graph) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | operand | recipe | forms | alloc | out= | CUDA graph | same (out/graph) |"
+        + (" before: CUDA graph |" if payload.get("baseline") else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if payload.get("baseline") else ""),
     ]
+    before = payload.get("baseline", {}).get("graph", {})
     cells: dict[tuple, dict] = {}
     for r in payload.get("quantize", []):
         cells.setdefault((r["shape"], r["operand"], r["recipe"], r["columnwise"]), {})[r["mode"]] = r
@@ -762,6 +786,7 @@ def summary_markdown(payload: dict) -> str:
         lines.append(
             f"| {shape} | {operand} | {recipe} | {'row+col' if columnwise else 'row'} | "
             f"{bw(modes['alloc'])} | {bw(modes['out'])} | {bw(modes['graph'])} | {same} |"
+            + (f" {before.get(f'{shape}/{operand}/{recipe}/{int(columnwise)}', '-')} |" if before else "")
         )
     if payload.get("gemm"):
         lines += [
@@ -816,6 +841,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="start no new cell after this many seconds (the rest recorded as skipped); <0: no limit",
     )
     parser.add_argument("--commit", default=None, help="the git commit measured (for a tree without .git)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="an earlier quantized.json: its group_quantize CUDA-graph GB/s (and fraction of its own HBM copy) "
+        "beside this run's, as a 'before' column",
+    )
+    parser.add_argument(
+        "--roofs", default=",".join(ROOFS), help=f"comma list of the roofs measured (default: {','.join(ROOFS)})"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
     args = parser.parse_args(argv)
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -828,6 +863,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.column_list = runner.select_by_name(COLUMNS, args.columns, "columns", COLUMNS)
     args.recipe_list = runner.select_by_name(RECIPES, args.recipes, "recipes", RECIPES)
     args.operand_list = runner.select_by_name(OPERANDS, args.operands, "operands", OPERANDS)
+    args.roof_list = runner.select_by_name(ROOFS, args.roofs, "roofs", ROOFS)
     args.rounds = args.rounds or (2 if args.smoke else 3)
     args.steps = args.steps or (2 if args.smoke else 5)
     args.quant_steps = args.quant_steps or (2 if args.smoke else 20)
@@ -882,7 +918,9 @@ def main(argv=None) -> dict:
     payload = {"meta": meta, "roofs": {}, "quantize": [], "gemm": [], "layer": [], "partial": True}
     path = args.out / f"{NAME}.json"
     print(f"roofs ({args.device}):", flush=True)
-    payload["roofs"] = measure_roofs(cfg)
+    payload["roofs"] = measure_roofs(cfg, args.roof_list)
+    if args.baseline is not None:
+        payload["baseline"] = baseline_of(args.baseline)
     runner.write_json(path, payload)
     if "quantize" in args.part_list:
         print("group_quantize:", flush=True)

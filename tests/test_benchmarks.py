@@ -208,6 +208,23 @@ def test_bench_quantized_budget_skips_cells_with_the_reason(tmp_path):
     assert all(r["reason"].startswith("not run:") for r in payload["layer"] if r["column"] != "torchao_fp8")
 
 
+def test_bench_quantized_baseline_column_and_roofs(tmp_path):
+    """--roofs measures only the roofs named; --baseline puts an earlier run's CUDA-graph GB/s beside
+    each group_quantize cell (here the committed H200 run, whose cells the smoke shapes do not have,
+    and a smoke run of its own, whose graph cells are skipped on CPU: '-' either way, never a crash)."""
+    first = tmp_path / "first"
+    extra = ("--parts", "quantize", "--shapes", "smoke", "--recipes", "mxfp8", "--roofs", "hbm_copy")
+    _run_quantized(first, *extra)
+    committed = BENCHMARKS / "results" / "h200_quantized_99508e5.json"
+    for baseline in (first / "quantized.json", committed):
+        payload = _run_quantized(tmp_path / baseline.stem, *extra, "--baseline", str(baseline))
+        assert set(payload["roofs"]) == {"hbm_copy"}
+        assert payload["baseline"]["file"] == str(baseline)
+        summary = (tmp_path / baseline.stem / "quantized.md").read_text()
+        assert "before: CUDA graph |" in summary and "| smoke | activations | mxfp8 | row |" in summary
+    assert payload["baseline"]["graph"]["deepseek-v3-ep8/activations/mxfp8/0"].startswith("2582 (0.60)")
+
+
 def _records(cells: dict, impl_values: dict) -> list[dict]:
     """Records of bench_mlp_vs_plain's form: cells {(shape, dist): moekit x_plain}."""
     out = []

@@ -17,6 +17,7 @@ from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
 from moekit.ops.quantize import TRANSPOSED_RECIPES, group_quantize_reference, transposed_weight
 from moekit.ops.runtime.backends import triton_unavailable_reason
+from moekit.ops.runtime.configs import QUANTIZE_TILES
 from moekit.ops.splits import GroupOffsets
 
 RECIPE_NAMES = list(RECIPES)
@@ -337,6 +338,91 @@ def test_triton_kernels_match_the_torch_path(recipe, dtype):
     assert_same_bytes(got, moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch"), recipe)
 
 
+def test_quantize_tile_configs_fit_the_blocks():
+    """Every architecture's tiles fit the formats' blocks (the host refuses one that does not): whole
+    blocks along the columns, a slot's rows for the columnwise form, one block for a weight tile;
+    power-of-two sides (Triton's aranges), at least one step and stage."""
+    blocks = {RECIPES[name].block_cols: RECIPES[name].block_rows for name in ("mxfp8", "fp8_block")}
+    for arch, table in QUANTIZE_TILES.items():
+        assert {form for _, form in table} == {"rows", "cols", "tile"} and {k for k, _ in table} == set(blocks)
+        for (tile_k, form), (block_r, block_c, warps, steps, stages) in table.items():
+            what = f"{arch} {(tile_k, form)}"
+            assert block_c % tile_k == 0 and block_r & (block_r - 1) == 0 and block_c & (block_c - 1) == 0, what
+            assert form == "rows" or block_r == blocks[tile_k], what
+            assert form != "tile" or block_c == tile_k, what
+            assert warps >= 1 and steps >= 1 and stages >= 1, what
+
+
+def poison(gt: GroupedTensor) -> None:
+    """Every storage byte 0xff (NaN in float8, E8M0 and float32): a byte the kernels leave unwritten shows."""
+    for t in gt.storage()[2:6]:  # data and scales
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+
+
+# (m_splits, rows, cols) for the kernels' paths: groups not multiples of the 32 / 128-row blocks, empty
+# groups first, in the middle and last, padding rows, no routed rows, no rows at all, odd and prime
+# widths, rows past the interpreter's whole-row width (128: fp8_rowwise's two-pass rows, several column
+# tiles and column blocks of the span kernels), several spans of a group, one row.
+KERNEL_LAYOUTS = [
+    pytest.param([0, 45, 0, 130, 7, 0], 200, 67, id="empties-odd"),
+    pytest.param([33, 1], 40, 257, id="wide-prime"),
+    pytest.param([0, 0, 0], 9, 40, id="nothing-routed"),
+    pytest.param([0, 0], 0, 36, id="no-rows"),
+    pytest.param([1], 1, 1, id="one-element"),
+    pytest.param([129, 2], 131, 128, id="block-plus-one"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize(("m_splits", "rows", "cols"), KERNEL_LAYOUTS)
+def test_triton_kernels_write_every_byte(recipe, m_splits, rows, cols):
+    """Each form alone and both, into NaN-poisoned `out=` storage and freshly allocated, with and without
+    a noop flag of 0: the torch path's bytes (specials included), so every output byte is written."""
+    x = data_with_specials(rows, cols, seed=rows + cols, dtype=torch.bfloat16)
+    for forms in ((True, False), (False, True), (True, True)):
+        want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")
+        got = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms}")
+        poison(got)
+        noop = torch.zeros((), dtype=torch.float32)
+        moekit.group_quantize(
+            x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], out=got, noop_flag=noop, backend="triton"
+        )
+        assert_same_bytes(got, want, f"{recipe} {forms} out=")
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_triton_kernels_with_more_groups_than_a_group_vector_block(recipe):
+    """300 groups (DeepSeek-V3 has 256 experts): the group vectors of the slot and span searches take
+    512 lanes; most groups empty or a few rows, device splits, both forms and the rowwise alone."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 4, (300,), generator=gen) * torch.randint(0, 2, (300,), generator=gen)
+    counts[7], counts[299] = 40, 33
+    rows = int(counts.sum()) + 5
+    x = data_with_specials(rows, 36, seed=9, dtype=torch.bfloat16)
+    for columnwise in (False, True):
+        want = moekit.group_quantize(x, counts.tolist(), recipe, columnwise=columnwise, backend="torch")
+        offs = device_offsets(counts.tolist(), rows)
+        got = moekit.group_quantize(x, offs, recipe, columnwise=columnwise, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {columnwise}")
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("shape", [(3, 130, 70), (2, 1, 257), (2, 0, 5), (1, 129, 128)])
+def test_triton_weight_kernels_write_every_byte(recipe, shape):
+    w = rand(*shape, seed=sum(shape), dtype=torch.bfloat16)
+    for columnwise in (False, True) if recipe != "fp8_block" else (False,):
+        want = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
+        got = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="triton")
+        poison(got)
+        moekit.group_quantize(w, None, recipe, columnwise=columnwise, out=got, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {shape} {columnwise}")
+
+
 def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
     """Equal dtype, shape and values, NaN where NaN (a NaN's payload bits are the device's arithmetic)."""
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape} vs {want.shape}"
@@ -621,6 +707,26 @@ def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
     want = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
     got = moekit.group_quantize(w.cuda(), None, recipe, columnwise=columnwise, backend="triton")
     assert_same_bytes(got, want, f"{recipe} {dtype} weight")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("forms", [(True, False), (False, True), (True, True)], ids=["rowwise", "columnwise", "both"])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_each_form_matches_the_cpu_path_at_width(recipe, forms):
+    """Each form alone and both on CUDA at widths of real layers and past them (the rowwise rows' own
+    kernels: tiles without slots, fp8_rowwise's whole rows in one pass and, past 16384 columns, two;
+    the pipelined column-tile loops with a partial last step), bf16 with specials (tiles with and
+    without the NaN fix-up), into NaN-poisoned out= storage: the CPU torch path's bytes."""
+    for m_splits, rows, cols in ((CUDA_SPLITS, 4096, 1000), ([100, 0, 300], 512, 7168), ([7, 50], 64, 16500)):
+        x = data_with_specials(rows, cols, seed=cols, dtype=torch.bfloat16)
+        want = moekit.group_quantize(x, m_splits, recipe, rowwise=forms[0], columnwise=forms[1], backend="torch")
+        offs = torch.tensor(m_splits, device="cuda")
+        got = moekit.group_quantize(x.cuda(), offs, recipe, rowwise=forms[0], columnwise=forms[1], backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms} {cols}")
+        poison(got)
+        moekit.group_quantize(x.cuda(), offs, recipe, rowwise=forms[0], columnwise=forms[1], out=got, backend="triton")
+        assert_same_bytes(got, want, f"{recipe} {forms} {cols} out=")
 
 
 @pytest.mark.gpu

@@ -133,7 +133,10 @@ def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOf
         if num == 0:
             raise ValueError("the weight has no members (N = 0); group_quantize needs at least one")
         host = tuple(i * rows for i in range(num + 1))
-        offs = torch.arange(num + 1, dtype=torch.int64, device=x.device) * rows
+        if rows:  # one launch (arange's step), not arange then a product
+            offs = torch.arange(0, (num + 1) * rows, rows, dtype=torch.int64, device=x.device)
+        else:
+            offs = torch.zeros(num + 1, dtype=torch.int64, device=x.device)
         return GroupOffsets(offs=offs, host=host, rows=num * rows)
     if x.dim() != 2:
         raise ValueError(
@@ -153,7 +156,9 @@ def _slot_offsets(info: Recipe, x: torch.Tensor, offs: GroupOffsets) -> torch.Te
     block = info.block_rows
     if x.dim() == 3 or block is None:
         per = 1 if block is None else -(-x.shape[1] // block)
-        return torch.arange(num + 1, dtype=torch.int64, device=x.device) * per
+        if per == 0:
+            return torch.zeros(num + 1, dtype=torch.int64, device=x.device)
+        return torch.arange(0, (num + 1) * per, per, dtype=torch.int64, device=x.device)
     if offs.host is not None:
         counts = [hi - lo for lo, hi in pairwise(offs.host)]
         firsts = [0]
@@ -304,7 +309,9 @@ def group_quantize(
         out = _check_out(out, info, x, num, rowwise, columnwise)
     noop = _check_noop(noop_flag, x, out)
     impl = select_quantizer(backend, x)
-    slot_offs = _slot_offsets(info, x, offs)
+    # The slots are the columnwise form's (and a weight's blocks'); rowwise rows need none, and their
+    # device computation is five small launches, so offs stands in for them there (never read).
+    slot_offs = _slot_offsets(info, x, offs) if columnwise or weight else offs.offs
     if out is None:
         storage = _allocate(info, tuple(x.shape), x.device, num, rowwise, columnwise)
     else:

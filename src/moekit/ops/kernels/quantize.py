@@ -4,14 +4,18 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one program per (slot, STEPS x BLOCKS_K column blocks), a pipelined loop
-                                over its steps: the rowwise 1 x TILE_K scales of its rows, the columnwise
-                                TILE_M x 1 scales of its columns, or one scale per block (a weight's
-                                128 x 128 blocks); mxfp8 and fp8_block
-    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise): one read of rows that fit
-                                a program's registers (X <= 16384), else two passes over X
-    quantize_group_cols_kernel  one scale per column of a whole group (fp8_rowwise columnwise): two
-                                passes over the group's rows
+    quantize_tiles_kernel       one (BLOCK_R, BLOCK_C) tile of x a program, read once (mxfp8 and
+                                fp8_block): the rowwise 1 x TILE_K scales of its rows, and the
+                                columnwise TILE_M x 1 scales of its columns (rows of one group's slot),
+                                or one scale per block (a weight's 128 x 128 blocks)
+    quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise alone): one read of rows
+                                that fit a program's registers (X <= 16384), else two passes over X
+    amax_spans_kernel           fp8_rowwise with the columnwise form, first pass: the whole-row and
+                                whole-group column maxima of (span of one group's rows, column block)
+                                tiles, by atomic max on the fp32 bits
+    quantize_spans_kernel       its second pass: both forms' data and scales from one more read of
+                                the same tiles (a column's scale needs the whole group's column before
+                                any of its bytes: two reads of x are this form's floor)
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
                                 fp32 rounded once to the output's dtype (the torch path's bytes)
 
@@ -28,9 +32,10 @@ The scale rules (the same in `moekit.ops.runtime.quantize_torch`, bit for bit):
   NaN. The data is E4M3(x * scale).
 E4M3 encoding: round to nearest even, saturating to +-448, NaN to 0x7f | sign: torch's float8_e4m3fn
 conversion exactly. On CUDA sm_89+ (constexpr HW_E4M3, set by the host) by the hardware's conversion
-(cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart; elsewhere by integer
-arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by other rules). Both give every
-device the same bytes.
+(cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart, in the quantize
+kernels only for tiles that hold a non-finite block maximum (`_e4m3_tile`: nowhere else can a NaN
+arise); elsewhere by integer arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by
+other rules). Both give every device the same bytes.
 """
 
 import triton
@@ -109,17 +114,37 @@ def _fp32_scales(amax):
 
 
 @triton.jit
-def _quantize_block(x, amax, scale_ptrs, scale_mask, MX: tl.constexpr, HW_E4M3: tl.constexpr):
-    """The E4M3 bytes of x under the scales of `amax` (broadcast against x); stores the scales (E8M0
-    bytes or fp32 scale_inv) at scale_ptrs."""
+def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
+    """`_e4m3`'s bytes of fp32 x * s. With HW_E4M3 the NaN fix-up (four integer ops and a select an
+    element) runs only where `any_nan` (a scalar: the tile holds a non-finite block maximum): x * s is
+    NaN only in a block whose maximum is non-finite (finite x times a finite scale is finite, at most
+    448 up to rounding), and elsewhere the hardware's byte is already torch's. The product is formed
+    again inside that branch, so that it is not kept in registers across it."""
+    if HW_E4M3:
+        byte = (x * s).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        if any_nan:
+            v = x * s
+            nan = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F
+            byte = tl.where(v != v, nan.to(tl.uint8), byte)
+        return byte
+    else:
+        return _e4m3_bits(x * s)
+
+
+@triton.jit
+def _quantize_tile(x, amax, scale_ptrs, scale_mask, tile_amax, MX: tl.constexpr, HW_E4M3: tl.constexpr):
+    """The E4M3 bytes of x under the scales of block maxima `amax` (broadcast against x); stores the
+    scales (E8M0 bytes, or fp32 scale_inv) at scale_ptrs. The NaN fix-up of `_e4m3_tile` is decided
+    once for the tile: tile_amax is the largest of its block maxima (inf: a block holds an inf or NaN)."""
+    any_nan = tile_amax == float("inf")
     if MX:
         byte, recip = _e8m0_scales(amax)
         tl.store(scale_ptrs, byte, mask=scale_mask)
-        return _e4m3(x * recip, HW_E4M3)
+        return _e4m3_tile(x, recip, any_nan, HW_E4M3)
     else:
         scale, scale_inv = _fp32_scales(amax)
         tl.store(scale_ptrs, scale_inv, mask=scale_mask)
-        return _e4m3(x * scale, HW_E4M3)
+        return _e4m3_tile(x, scale, any_nan, HW_E4M3)
 
 
 @triton.jit
@@ -137,6 +162,87 @@ def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
     g = tl.arange(0, BLOCK_GROUPS)
     starts = tl.load(slot_offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
     return tl.sum((starts <= slot).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """(rows r, r inside the slot's group, the slot's group is a real one) of slot `slot`: the rows
+    [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of its group g, cut at the group's end
+    (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
+    g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+    live_group = g < num_groups
+    group_start = tl.load(offs_ptr + g)
+    group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
+    r = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M + tl.arange(0, TILE_M)
+    return r, r < group_end, live_group
+
+
+@triton.jit
+def _tiles_step(
+    qi,
+    pid,
+    r64,
+    rmask,
+    lmask,
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    cols,
+    stride_x,
+    stride_row_scale,
+    MX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    TILE: tl.constexpr,
+    TILE_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the slot or
+    block, lmask also live)."""
+    NB: tl.constexpr = BLOCK_C // TILE_K
+    cb = qi * NB + tl.arange(0, NB)
+    cbmask = cb < stride_row_scale
+    c = qi * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < cols
+    elem = r64[:, None] * stride_x + c[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    # Loaded under the tile's own bounds and the rows outside a live group zeroed after: the load does
+    # not wait for offs[N] (rowwise rows).
+    x = tl.load(x_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    x = tl.where(lmask[:, None], x, 0.0)
+    a = _abs_for_amax(x)
+    if TILE:
+        amax_t = tl.max(tl.max(a, axis=1), axis=0)
+        q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
+        tl.store(row_data_ptr + elem, q, mask=mask)
+    if ROWWISE:
+        row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
+        row_scale_mask = rmask[:, None] & cbmask[None, :]
+        if NB == 1:
+            amax_r = tl.max(a, axis=1)
+            q = _quantize_tile(x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3)
+        else:
+            amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
+            q3 = _quantize_tile(
+                tl.reshape(x, (BLOCK_R, NB, TILE_K)),
+                amax_r[:, :, None],
+                row_scales[:, :, None],
+                row_scale_mask[:, :, None],
+                tl.max(tl.max(amax_r, axis=1), axis=0),
+                MX,
+                HW_E4M3,
+            )
+            q = tl.reshape(q3, (BLOCK_R, BLOCK_C))
+        tl.store(row_data_ptr + elem, q, mask=mask)
+    if COLWISE:
+        amax_c = tl.max(a, axis=0)
+        col_scales = col_scale_ptr + pid.to(tl.int64) * cols + c
+        q = _quantize_tile(x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3)
+        tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
@@ -158,64 +264,50 @@ def quantize_tiles_kernel(
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     TILE: tl.constexpr,
-    TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
-    BLOCKS_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     STEPS: tl.constexpr,
     STAGES: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Program (slot, kc): rows [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of group g, cut at
-    the group's end (padding rows for g = N: zeros; no rows for an unused slot), and STEPS column steps
-    kb in [kc * STEPS, + STEPS), step kb the column blocks cb in [kb * BLOCKS_K, + BLOCKS_K), block cb
-    the columns [cb * TILE_K, + TILE_K): BLOCKS_K blocks a step, so that a step moves enough bytes when
-    the format's block is small (mxfp8's 32 x 32). ROWWISE: a 1 x TILE_K scale per row and block,
-    row_scale[row, cb]; COLWISE: a TILE_M x 1 scale per column, col_scale[slot, col]; TILE: one scale
-    per TILE_M x TILE_K block, row_scale[slot, cb] (data rowwise). A step's tile is held as (TILE_M,
-    BLOCKS_K, TILE_K): each block's maxima are reductions over axes.
+    """Program (p, q): one (BLOCK_R, BLOCK_C) tile of x, read once, held as one 2-D tile (the columns
+    contiguous a thread, 16-byte loads and stores), columns [q * BLOCK_C, + BLOCK_C), i.e. the column
+    blocks cb in [q * NB, + NB) of TILE_K columns each (NB = BLOCK_C / TILE_K).
+    - COLWISE or TILE (BLOCK_R is the format's block of rows): p is a slot (`_slot_rows`); COLWISE a
+      BLOCK_R x 1 scale per column, col_scale[slot, col]; TILE (NB = 1) one scale per BLOCK_R x TILE_K
+      block, row_scale[slot, cb] (data rowwise).
+    - otherwise the rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never
+      cross rows), only offs[N], past which rows are padding (zeros).
+    ROWWISE: a 1 x TILE_K scale per row and block, row_scale[row, cb].
 
-    The slot's rows are found once (device offsets), so the steps' loads depend on the loop index
-    alone: the loop is software-pipelined (STAGES: the tiles of later steps are loaded into shared
-    memory while a step computes), which keeps HBM busy with one or two programs an SM."""
+    No loop and no shared-memory staging: the bytes in flight come from many small programs an SM
+    (registers kept low), and the block maxima are reductions inside a thread and across a few lanes
+    (the rowwise blocks' TILE_K columns are 8-16 contiguous values a thread)."""
     if _runs(noop_ptr, HAS_NOOP):
-        slot = tl.program_id(0)
-        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
-        live_group = g < num_groups
-        group_start = tl.load(offs_ptr + g)
-        group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
-        row0 = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M
-        r = row0 + tl.arange(0, TILE_M)
-        rmask = r < group_end
+        pid = tl.program_id(0)
+        if COLWISE or TILE:
+            r, rmask, live_group = _slot_rows(pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS)
+            lmask = rmask & live_group
+        else:
+            r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = r < rows
+            lmask = rmask & (r < tl.load(offs_ptr + num_groups))
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        steps = tl.cdiv(stride_row_scale, BLOCKS_K)
-        kb0 = tl.program_id(1) * STEPS
-        for kb in tl.range(kb0, tl.minimum(kb0 + STEPS, steps), num_stages=STAGES):
-            cb = kb * BLOCKS_K + tl.arange(0, BLOCKS_K)
-            cbmask = cb < stride_row_scale
-            c = cb[None, :, None] * TILE_K + tl.arange(0, TILE_K)[None, None, :]
-            cmask = c < cols
-            mask = rmask[:, None, None] & cmask
-            elem = r64[:, None, None] * stride_x + c
-            x = tl.load(x_ptr + elem, mask=mask & live_group, other=0.0).to(tl.float32)
-            a = _abs_for_amax(x)
-            if TILE:
-                amax = tl.max(tl.max(a, axis=2), axis=0)[None, :, None]
-                tile_scales = row_scale_ptr + slot * stride_row_scale + cb[None, :, None]
-                q = _quantize_block(x, amax, tile_scales, cbmask[None, :, None], MX, HW_E4M3)
-                tl.store(row_data_ptr + elem, q, mask=mask)
-            if ROWWISE:
-                amax_r = tl.max(a, axis=2)[:, :, None]
-                row_scales = row_scale_ptr + r64[:, None, None] * stride_row_scale + cb[None, :, None]
-                q = _quantize_block(x, amax_r, row_scales, rmask[:, None, None] & cbmask[None, :, None], MX, HW_E4M3)
-                tl.store(row_data_ptr + elem, q, mask=mask)
-            if COLWISE:
-                amax_c = tl.max(a, axis=0)[None, :, :]
-                col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-                q = _quantize_block(x, amax_c, col_scales, cmask, MX, HW_E4M3)
-                tl.store(col_data_ptr + elem, q, mask=mask)
+        q0 = tl.program_id(1) * STEPS
+        args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale)
+        if STEPS == 1:
+            _tiles_step(
+                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
+            )
+        else:
+            for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
+                _tiles_step(
+                    qi, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
+                )
 
 
 @triton.jit
@@ -252,9 +344,11 @@ def quantize_rows_kernel(
             # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
             x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
             x = tl.where(live[:, None], x, 0.0)
-            scale, scale_inv = _fp32_scales(tl.max(_abs_for_amax(x), axis=1))
+            amax = tl.max(_abs_for_amax(x), axis=1)
+            scale, scale_inv = _fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-            tl.store(data_ptr + elem, _e4m3(x * scale[:, None], HW_E4M3), mask=rmask[:, None] & cmask)
+            q = _e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
+            tl.store(data_ptr + elem, q, mask=rmask[:, None] & cmask)
         else:
             amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
             for k0 in range(0, cols, BLOCK_COLS):
@@ -273,45 +367,184 @@ def quantize_rows_kernel(
 
 
 @triton.jit
-def quantize_group_cols_kernel(
-    x_ptr,
+def _span_of(p, offs_ptr, rows, num_groups, SPAN: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    """(g, first row, end row, first span of g) of span p: group g in 0..N (N: the padding rows
+    [offs[N], rows)) has max(1, ceil(rows of g / SPAN)) spans of SPAN rows, numbered group after group
+    (every group, empty ones too, has a first span; at most ceil(M / SPAN) + N + 1 in all). A p past
+    the last span gets g = N + 1 and no rows. From the device offsets alone (BLOCK_GROUPS > N)."""
+    gi = tl.arange(0, BLOCK_GROUPS)
+    real = gi <= num_groups
+    starts = tl.load(offs_ptr + gi, mask=real, other=rows)
+    ends = tl.load(offs_ptr + gi + 1, mask=gi < num_groups, other=rows)
+    spans = tl.where(real, tl.maximum(tl.cdiv(ends - starts, SPAN), 1), 0)
+    after = tl.cumsum(spans, axis=0)
+    g = tl.sum((after <= p).to(tl.int32), axis=0)
+    mine = gi == g
+    first = tl.sum(tl.where(mine, after - spans, 0), axis=0)
+    end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    row0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (p - first) * SPAN
+    return g, row0, tl.minimum(row0 + SPAN, end), first
+
+
+@triton.jit
+def _span_tile(
+    p,
+    q,
     offs_ptr,
-    noop_ptr,
-    data_ptr,
-    scale_ptr,
     rows,
     cols,
     num_groups,
     stride_x,
+    SPAN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """The (SPAN, BLOCK_COLS) tile (span p, column block q) of `_span_of`'s spans: (g, first span of g,
+    rows r (int64), columns c, row mask, column mask, element offsets)."""
+    g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
+    r = row0 + tl.arange(0, SPAN)
+    rmask = r < row_end
+    c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    cmask = c < cols
+    r64 = r.to(tl.int64)
+    return g, first, r64, c, rmask, cmask, r64[:, None] * stride_x + c[None, :]
+
+
+@triton.jit
+def amax_spans_kernel(
+    x_ptr,
+    offs_ptr,
+    noop_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    ROWWISE: tl.constexpr,
     HAS_NOOP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """fp8_rowwise's first pass when the columnwise form is asked: program (p, q) reads the (SPAN,
+    BLOCK_COLS) tile of span p (`_span_of`: rows of one group g) once and folds its maxima (NaN read as
+    inf) into the whole-row maxima row_amax[row] (ROWWISE) and the whole-group column maxima
+    col_amax[g, col] (int32, zeroed by the host): one atomic max on the fp32 bits per row and per
+    column of the tile. The maxima are >= 0, so their bits order as the values: the result is exact
+    whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros)."""
+    if _runs(noop_ptr, HAS_NOOP):
+        g, first, r64, c, rmask, cmask, elem = _span_tile(
+            tl.program_id(0),
+            tl.program_id(1),
+            offs_ptr,
+            rows,
+            cols,
+            num_groups,
+            stride_x,
+            SPAN,
+            BLOCK_COLS,
+            BLOCK_GROUPS,
+        )
+        live = g < num_groups
+        x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
+        a = _abs_for_amax(x)
+        col_at = col_amax_ptr + g.to(tl.int64) * cols + c
+        tl.atomic_max(col_at, tl.max(a, axis=0).to(tl.int32, bitcast=True), mask=cmask & live, sem="relaxed")
+        if ROWWISE:
+            row_amax = tl.max(a, axis=1).to(tl.int32, bitcast=True)
+            tl.atomic_max(row_amax_ptr + r64, row_amax, mask=rmask & live, sem="relaxed")
+
+
+@triton.jit
+def _spans_step(
+    q,
+    p,
+    g,
+    first,
+    live,
+    r64,
+    rmask,
+    scale_r,
+    row_nan,
+    x_ptr,
+    col_amax_ptr,
+    row_data_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    cols,
+    stride_x,
+    ROWWISE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """One fp32 scale per column of each whole group (scale[g, col]): program (g, column block), the
-    column maxima in a first pass over the group's rows, the data in a second. g = N: the padding rows,
-    written as zeros (no scale)."""
+    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64)."""
+    c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    cmask = c < cols
+    elem = r64[:, None] * stride_x + c[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+    col_at = g.to(tl.int64) * cols + c
+    col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
+    scale, scale_inv = _fp32_scales(col_amax)
+    tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
+    q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
+    tl.store(col_data_ptr + elem, q_col, mask=mask)
+    if ROWWISE:
+        tl.store(row_data_ptr + elem, _e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
+
+
+@triton.jit
+def quantize_spans_kernel(
+    x_ptr,
+    offs_ptr,
+    noop_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    ROWWISE: tl.constexpr,
+    HAS_NOOP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """fp8_rowwise's second pass (after `amax_spans_kernel`): program (p, k) reads the (SPAN,
+    BLOCK_COLS) tiles of span p (group g) in column blocks [k * STEPS, + STEPS) once more (STEPS > 1:
+    a software-pipelined loop of STAGES stages) and writes both forms from them: ROWWISE the data
+    under the whole-row scales of row_amax (the programs of k = 0 store scale[row]), and the
+    columnwise data under group g's column scales of col_amax (the group's first span stores
+    scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale."""
     if _runs(noop_ptr, HAS_NOOP):
-        g = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        cmask = c < cols
-        start = tl.load(offs_ptr + g)
-        end = tl.load(offs_ptr + g + 1, mask=g < num_groups, other=rows)
+        p = tl.program_id(0)
+        k = tl.program_id(1)
+        g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
         live = g < num_groups
-        amax = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_ROWS):
-            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            mask = (r < end)[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask & live, other=0.0)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=0))
-        scale, scale_inv = _fp32_scales(amax)
-        tl.store(scale_ptr + g.to(tl.int64) * cols + c, scale_inv, mask=cmask & live)
-        for r0 in range(start, end, BLOCK_ROWS):
-            r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-            mask = (r < end)[:, None] & cmask[None, :]
-            elem = r[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-            tl.store(data_ptr + elem, _e4m3(x * scale[None, :], HW_E4M3), mask=mask)
+        r64 = (row0 + tl.arange(0, SPAN)).to(tl.int64)
+        rmask = r64 < row_end
+        row_amax = tl.zeros((SPAN,), dtype=tl.float32)
+        if ROWWISE:
+            row_amax = tl.load(row_amax_ptr + r64, mask=rmask & live, other=0).to(tl.float32, bitcast=True)
+        scale_r, scale_inv_r = _fp32_scales(row_amax)
+        if ROWWISE:
+            tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (k == 0))
+        row_nan = tl.max(row_amax, axis=0) == float("inf")
+        args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x)
+        if STEPS == 1:
+            _spans_step(k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
+        else:
+            q0 = k * STEPS
+            for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
+                _spans_step(q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -295,20 +295,42 @@ def rows_tile(num_features: int) -> tuple[int, int]:
 ZERO_ROWS_TILE = (64, 128)
 
 
-# Grouped FP8 quantization (kernels.quantize). The tiles kernel's block is the format's own (32 x 32 for
-# mxfp8, 128 x 128 for fp8_block); a program takes BLOCKS_K blocks side by side, so that each moves at
-# least 16 KB of bf16 (one 32 x 32 block is 2 KB, too little to hide the memory latency): by block side,
-# (BLOCKS_K, warps); two blocks under the interpreter so that CPU tests cover blocks of several programs.
-# The whole-row and whole-group kernels of fp8_rowwise walk (BLOCK_ROWS rows, BLOCK_COLS columns) chunks:
-# (BLOCK_ROWS, BLOCK_COLS, warps), QUANTIZE_CHUNKS for rows, QUANTIZE_GROUP_COLS_CHUNKS for groups; tiny
-# chunks under the interpreter so that CPU tests cover several chunks of a row and of a group. The
-# whole-group kernel has only (N + 1) x ceil(X / BLOCK_COLS) programs, each walking its group's rows in
-# sequence: narrow column strips of tall chunks, so that a few groups still give every SM several
-# programs (512 columns and 8 groups at X = 7168 would be under one program an SM).
-QUANTIZE_TILES: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
-    "sm90": {32: (8, 4, 8, 4), 128: (1, 8, 8, 3)},
-    "sm80": {32: (8, 4, 8, 3), 128: (1, 8, 8, 2)},
-    "interpreter": {32: (2, 4, 2, 1), 128: (1, 8, 2, 1)},
+# Grouped FP8 quantization (kernels.quantize). The tiles kernel, by (the format's block side TILE_K, form):
+# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows" (rowwise alone: any BLOCK_R, the rows need no
+# group), "cols" (the columnwise form, with or without the rowwise: BLOCK_R is the block's 32 or 128
+# rows of one group's slot), "tile" (fp8_block's 128 x 128 weight blocks). A program holds one 2-D tile
+# read once (8-32 KB of bf16). What keeps HBM busy is the bytes in flight an SM: where a thread's
+# registers allow many programs an SM (rowwise alone, the weight tiles) a program is one tile with no
+# loop (STEPS = 1); the columnwise form holds both forms' intermediates and allows one or two programs
+# an SM, so there a program walks STEPS column tiles of its slot in a software-pipelined loop of STAGES
+# stages (the next tile loading into shared memory while one computes). The register counts and the
+# reasoning are in notes/quantize.md. Under the interpreter: small tiles and a loop, so that CPU tests
+# cover several tiles of a block row, the loop, and blocks cut by the edges.
+# fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
+# a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
+# cover several chunks of a row.
+QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
+    "sm90": {
+        (32, "rows"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 8, 8, 2),
+        (128, "rows"): (32, 128, 4, 1, 1),
+        (128, "cols"): (128, 128, 16, 8, 2),
+        (128, "tile"): (128, 128, 16, 1, 1),
+    },
+    "sm80": {
+        (32, "rows"): (32, 128, 4, 1, 1),
+        (32, "cols"): (32, 128, 8, 8, 2),
+        (128, "rows"): (32, 128, 4, 1, 1),
+        (128, "cols"): (128, 128, 16, 8, 2),
+        (128, "tile"): (128, 128, 16, 1, 1),
+    },
+    "interpreter": {
+        (32, "rows"): (4, 64, 4, 1, 1),
+        (32, "cols"): (32, 64, 4, 2, 1),
+        (128, "rows"): (4, 128, 4, 2, 1),
+        (128, "cols"): (128, 128, 4, 1, 1),
+        (128, "tile"): (128, 128, 4, 1, 1),
+    },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
@@ -324,10 +346,23 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
     "sm80": (16384, 8192, 8),
     "interpreter": (128, 256, 4),
 }
-QUANTIZE_GROUP_COLS_CHUNKS: dict[Arch, tuple[int, int, int]] = {
+# fp8_rowwise with the columnwise form: two passes over (SPAN rows of one group, BLOCK_COLS) tiles: the
+# maxima (QUANTIZE_AMAX_SPANS, (SPAN, BLOCK_COLS, warps): tall tiles, so that the atomic maxima are few
+# next to the elements, one per row and per column of a tile; maxima only, so a thread holds 64
+# elements at few registers and several programs share an SM) and the data of both forms
+# (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
+# an SM, so a program walks STEPS column blocks in a pipelined loop, as the tiles kernel's columnwise
+# form). Small under the interpreter so that CPU tests cover several spans of a group, several column
+# blocks and the loop.
+QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (64, 128, 4),
     "sm80": (64, 128, 4),
-    "interpreter": (8, 64, 4),
+    "interpreter": (8, 32, 4),
+}
+QUANTIZE_SPANS: dict[Arch, tuple[int, int, int, int, int]] = {
+    "sm90": (32, 128, 8, 8, 2),
+    "sm80": (32, 128, 8, 8, 2),
+    "interpreter": (4, 32, 4, 2, 1),
 }
 # The dequantize kernel's tiles (BLOCK_M rows, BLOCK_X columns, warps): an elementwise pass, 32 x 256
 # moves 8 KB of FP8 in and 16 KB of bf16 out a program; small tiles under the interpreter so that CPU

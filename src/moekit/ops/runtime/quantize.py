@@ -5,9 +5,11 @@ Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) we
 (O, I); a slot is one block of rows of one group.
 
 One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
-gives its rows' rowwise and its columns' columnwise scales), for fp8_rowwise one per form (a whole row
-and a whole group are different walks). The outputs' arguments and their layouts are
-`moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these kernels reproduce.
+gives its rows' rowwise and its columns' columnwise scales); for fp8_rowwise one (rowwise alone: whole
+rows) or, with the columnwise form, two over the same tiles (the maxima of whole rows and whole groups
+into a zeroed int32 buffer, then both forms' bytes) plus that buffer's memset. The outputs' arguments
+and their layouts are `moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these
+kernels reproduce.
 
 `group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
 path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
@@ -25,17 +27,19 @@ import triton
 
 from moekit.grouped_tensor import Recipe, recipe_named
 from moekit.ops.kernels.quantize import (
+    amax_spans_kernel,
     dequantize_kernel,
-    quantize_group_cols_kernel,
     quantize_rows_kernel,
+    quantize_spans_kernel,
     quantize_tiles_kernel,
     transpose_weight_kernel,
 )
 from moekit.ops.runtime.configs import (
     DEQUANTIZE_TILES,
+    QUANTIZE_AMAX_SPANS,
     QUANTIZE_CHUNKS,
-    QUANTIZE_GROUP_COLS_CHUNKS,
     QUANTIZE_ONE_PASS_ROWS,
+    QUANTIZE_SPANS,
     QUANTIZE_TILES,
     TRANSPOSE_TILES,
 )
@@ -57,18 +61,21 @@ from moekit.ops.runtime.launch import (
 
 _TILES = Launcher(quantize_tiles_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
-_GROUP_COLS = Launcher(quantize_group_cols_kernel)
+_AMAX = Launcher(amax_spans_kernel)
+_SPANS = Launcher(quantize_spans_kernel)
 _DEQUANTIZE = Launcher(dequantize_kernel)
 _TRANSPOSE = Launcher(transpose_weight_kernel)
 
 
 class QuantizePlan(NamedTuple):
-    """The launches of one problem: tiles (mxfp8, fp8_block), or whole rows and whole groups
-    (fp8_rowwise); None where there is nothing to launch."""
+    """The launches of one problem: tiles (mxfp8, fp8_block); fp8_rowwise's whole rows (rowwise
+    only), or its two passes over spans of a group's rows (the maxima, then the data) when the
+    columnwise form is asked; None where there is nothing to launch."""
 
     tiles: LaunchPlan | None
     rows: LaunchPlan | None
-    group_cols: LaunchPlan | None
+    amax: LaunchPlan | None
+    spans: LaunchPlan | None
 
 
 def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -> int:
@@ -97,10 +104,17 @@ def _plan(
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        blocks_k, warps, steps, stages = QUANTIZE_TILES[arch][tile_k]
+        form = "tile" if tile and rowwise else "cols" if columnwise else "rows"
+        block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
+        if block_c % tile_k or (form != "rows" and block_r != tile_m) or (form == "tile" and block_c != tile_k):
+            raise RuntimeError(
+                f"QUANTIZE_TILES[{arch!r}][{(tile_k, form)}] = {(block_r, block_c)} does not fit {info.name}'s "
+                f"{tile_m} x {tile_k} blocks"
+            )
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
         stride_scale = triton.cdiv(cols, tile_k)
-        grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(triton.cdiv(stride_scale, blocks_k), steps))
+        row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
+        grid = (row_programs, triton.cdiv(triton.cdiv(cols, block_c), steps))
         launch = LaunchPlan(
             _TILES,
             grid,
@@ -110,9 +124,9 @@ def _plan(
                 ROWWISE=rowwise and not tile,
                 COLWISE=columnwise,
                 TILE=rowwise and tile,
-                TILE_M=tile_m,
                 TILE_K=tile_k,
-                BLOCKS_K=blocks_k,
+                BLOCK_R=block_r,
+                BLOCK_C=block_c,
                 STEPS=steps,
                 STAGES=stages,
                 HAS_NOOP=has_noop,
@@ -121,9 +135,20 @@ def _plan(
                 num_warps=warps,
             ),
         )
-        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None)
-    row_plan = col_plan = None
-    if rowwise and rows:
+        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None, None)
+    row_plan = amax_plan = spans_plan = None
+    if columnwise:  # two passes over x: the maxima of whole rows and whole groups, then both forms
+        span, block_cols, warps = QUANTIZE_AMAX_SPANS[arch]
+        grid = (_num_spans(rows, num_groups, span), triton.cdiv(cols, block_cols))
+        consts = dict(ROWWISE=rowwise, HAS_NOOP=has_noop, BLOCK_GROUPS=block_groups(num_groups + 1))
+        if grid[1]:
+            amax_plan = LaunchPlan(_AMAX, grid, ints, dict(consts, SPAN=span, BLOCK_COLS=block_cols, num_warps=warps))
+            span, block_cols, warps, steps, stages = QUANTIZE_SPANS[arch]
+            grid = (_num_spans(rows, num_groups, span), triton.cdiv(triton.cdiv(cols, block_cols), steps))
+            spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw_e4m3)
+            spans.update(num_warps=warps)
+            spans_plan = LaunchPlan(_SPANS, grid, ints, spans)
+    elif rowwise and rows:
         most_cols, elements, warps = QUANTIZE_ONE_PASS_ROWS[arch]
         one_pass = cols <= most_cols
         if one_pass:  # whole rows in registers: one read of x
@@ -140,11 +165,13 @@ def _plan(
             num_warps=warps,
         )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
-    if columnwise and cols:
-        block_rows, block_cols, warps = QUANTIZE_GROUP_COLS_CHUNKS[arch]
-        chunks = dict(HAS_NOOP=has_noop, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, HW_E4M3=hw_e4m3, num_warps=warps)
-        col_plan = LaunchPlan(_GROUP_COLS, (num_groups + 1, triton.cdiv(cols, block_cols)), ints, chunks)
-    return QuantizePlan(None, row_plan, col_plan)
+    return QuantizePlan(None, row_plan, amax_plan, spans_plan)
+
+
+def _num_spans(rows: int, num_groups: int, span: int) -> int:
+    """Programs along the rows of the span kernels: ceil(M / span) + N + 1, enough for any split of the
+    M rows into N groups and the padding rows (`moekit.ops.kernels.quantize._span_of`)."""
+    return triton.cdiv(rows, span) + num_groups + 1
 
 
 def _u8(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -192,8 +219,15 @@ def group_quantize_into(
             )
         if plan.rows is not None:
             plan.rows(x2, offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
-        if plan.group_cols is not None:
-            plan.group_cols(x2, offs, noop_arg, _u8(col_data, x2), _u8(col_scale, x2))
+        if plan.amax is not None and plan.spans is not None:
+            # The maxima as int32 fp32 bits, folded by atomic max from zero: the rows' (if asked), then
+            # the groups' columns.
+            rows = x2.shape[0] if row_data is not None else 0
+            amax = torch.zeros(rows + num_groups * x2.shape[1], dtype=torch.int32, device=x.device)
+            row_amax, col_amax = amax[:rows] if rows else amax, amax[rows:]
+            plan.amax(x2, offs, noop_arg, row_amax, col_amax)
+            outputs = (_u8(row_data, x2), _u8(row_scale, x2), _u8(col_data, x2), _u8(col_scale, x2))
+            plan.spans(x2, offs, noop_arg, row_amax, col_amax, *outputs)
 
 
 def _dequantize_plan(

@@ -162,7 +162,8 @@ def group_quantize_into(
 ) -> None:
     """Quantize x into the given storage (allocated by `moekit.ops.quantize.group_quantize` in the shapes
     of `moekit.grouped_tensor`). x: (M, X) rows whose groups are `offs` (N+1,), rows past offs[N] padding
-    (data 0, scale 1), columnwise scale slots from `slot_offs` (N+1,); or an (N, O, I) weight. noop: a
+    (data 0, scale 1), columnwise scale slots from `slot_offs` (N+1,; read for the columnwise form
+    and a weight's blocks only); or an (N, O, I) weight. noop: a
     float32 scalar; 1.0 leaves every output unchanged. Every argument on x's device; nothing is read
     by the host."""
     info = recipe_named(recipe)

@@ -1,0 +1,113 @@
+"""Compile moekit's group_quantize kernels for sm_90 on any machine (no GPU) at the sm90 configurations of
+`moekit.ops.runtime.configs` and print, per kernel and form: registers and spills (ptxas -v), shared
+memory, shuffles, barriers, and the global access widths (16-byte `ld/st.global.v4.b32`, `cp.async`),
+i.e. what bounds its programs an SM and its bytes in flight (notes/quantize.md).
+
+    PYTHONPATH=src python tools/quantize_ptx.py [OUTDIR] [NAME_FILTER]
+
+Integers are compiled as the launcher specializes them at the benchmark's shapes (divisible by 16),
+pointers 16-byte aligned; x is bf16 (X_DTYPE=*fp32 or *fp16 for the others). OUTDIR keeps each
+kernel's PTX (default: a temporary directory).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moekit.ops.kernels import quantize as kernels  # noqa: E402
+from moekit.ops.runtime import configs  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+POINTERS = {
+    "offs_ptr": "*i64",
+    "slot_offs_ptr": "*i64",
+    "noop_ptr": "*fp32",
+    "x_ptr": os.environ.get("X_DTYPE", "*bf16"),
+}
+COUNTS = {
+    "ld.v4": r"ld\.global(\.\w+)*\.v4\.b32",
+    "cp.async16": r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+    "st.v4": r"st\.global(\.\w+)*\.v4\.b32",
+    "st.b8": r"st\.global(\.\w+)*\.b8",
+    "shfl": r"shfl\.sync",
+    "bar": r"bar\.sync",
+    "atom": r"(?<![a-z.])(red|atom)\.global",
+}
+
+
+def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, pointers: dict) -> None:
+    pointers = {**POINTERS, **pointers}
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        else:
+            signature[arg] = pointers.get(arg, "*u8") if arg.endswith("_ptr") else "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = compiled.asm["ptx"]
+    path = out / f"{name}.ptx"
+    path.write_text(ptx)
+    report = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", report.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", report.stderr)
+    counts = " ".join(f"{k} {len(re.findall(v, ptx))}" for k, v in COUNTS.items())
+    print(f"{name:<34} warps {warps:>2} regs {regs} spill {spills} smem {compiled.metadata.shared:>6}  {counts}")
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="quantize_ptx_"))
+    only = sys.argv[2] if len(sys.argv) > 2 else ""
+    out.mkdir(parents=True, exist_ok=True)
+    cases = []
+    common = dict(HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
+    for (tile_k, form), (block_r, block_c, warps, steps, stages) in configs.QUANTIZE_TILES["sm90"].items():
+        mx = tile_k == 32
+        for rowwise in (True, False) if form == "cols" else (True,):
+            flags = dict(ROWWISE=rowwise and form != "tile", COLWISE=form == "cols", TILE=form == "tile")
+            constexprs = dict(MX=mx, TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, STAGES=stages)
+            scales = "*u8" if mx else "*fp32"
+            name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}{'' if rowwise else '_only'}"
+            pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
+            cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **flags, **common}, warps, pointers))
+    fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
+    amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
+    most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]
+    for cols in (7168, 4096, 2880, 2048):
+        block_cols = triton.next_power_of_2(cols)
+        rows_consts = dict(BLOCK_ROWS=max(1, elements // block_cols), BLOCK_COLS=block_cols, ONE_PASS=True)
+        rows_consts.update(HAS_NOOP=False, HW_E4M3=True)
+        cases.append((f"rows_x{cols}", kernels.quantize_rows_kernel, rows_consts, warps, fp32))
+    span, block_cols, warps = configs.QUANTIZE_AMAX_SPANS["sm90"]
+    for rowwise in (True, False):
+        consts = dict(ROWWISE=rowwise, HAS_NOOP=False, SPAN=span, BLOCK_COLS=block_cols, BLOCK_GROUPS=256)
+        cases.append((f"amax_spans_row{int(rowwise)}", kernels.amax_spans_kernel, consts, warps, amax))
+    span, block_cols, warps, steps, stages = configs.QUANTIZE_SPANS["sm90"]
+    for rowwise in (True, False):
+        consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, **common)
+        cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
+    for name, kernel, constexprs, warps, pointers in cases:
+        if only in name:
+            compile_case(out, name, kernel, constexprs, warps, pointers)
+    print(f"PTX in {out}")
+
+
+if __name__ == "__main__":
+    main()
