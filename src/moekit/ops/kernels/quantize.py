@@ -19,6 +19,10 @@ group (columnwise scales are kept per slot).
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
                                 fp32 rounded once to the output's dtype (the torch path's bytes)
 
+The columnwise forms (quantize_tiles_kernel, quantize_spans_kernel) store either as (M, X) rows, the
+GroupedTensor's layout, or (SEGMENTS) straight into the FP8 wgrad's transposed operand layout (X,
+pitch) (`_segment_store`): the wgrad then needs no transpose pass of its own.
+
 Every kernel reads the group offsets on the device, so one launch covers every group and the host
 never reads them. Padding rows (past offs[N]) are read as zeros: their data is 0 and their scales 1.
 With a noop flag, a program whose flag reads 1.0 writes nothing.
@@ -40,6 +44,8 @@ other rules). Both give every device the same bytes.
 
 import triton
 import triton.language as tl
+
+from moekit.ops.kernels.grouped_wgrad_fp8 import segment_starts
 
 FP8_MAX = tl.constexpr(448.0)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
@@ -166,15 +172,42 @@ def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
 
 @triton.jit
 def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
-    """(rows r, r inside the slot's group, the slot's group is a real one) of slot `slot`: the rows
-    [offs[g] + (slot - slot_offs[g]) * TILE_M, + TILE_M) of its group g, cut at the group's end
-    (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
+    """(rows r, r inside the slot's group, the slot's group is a real one, g, j0, rows of g) of slot
+    `slot`: the rows [offs[g] + j0, + TILE_M), j0 = (slot - slot_offs[g]) * TILE_M, of its group g, cut
+    at the group's end (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
     g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
     live_group = g < num_groups
     group_start = tl.load(offs_ptr + g)
     group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
-    r = group_start + (slot - tl.load(slot_offs_ptr + g)) * TILE_M + tl.arange(0, TILE_M)
-    return r, r < group_end, live_group
+    j0 = (slot - tl.load(slot_offs_ptr + g)) * TILE_M
+    r = group_start + j0 + tl.arange(0, TILE_M)
+    return r, r < group_end, live_group, g, j0, group_end - group_start
+
+
+@triton.jit
+def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
+    """The first column of group g's segment in the FP8 wgrad's transposed operand layout
+    (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`, from the device offsets; BLOCK_GROUPS >= N)."""
+    gi = tl.arange(0, BLOCK_GROUPS)
+    starts_v, _ = segment_starts(offs_ptr, gi, rows, num_groups)
+    return tl.sum(tl.where(gi == g, starts_v, 0), axis=0)
+
+
+@triton.jit
+def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr):
+    """Columnwise bytes q (BLOCK_ROWS rows j0 + i of a group of `count` rows, columns c) stored into the
+    FP8 wgrad's transposed operand layout, (X, pitch): out[c, seg0 + i] (seg0 = the group's segment
+    start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
+    segment's end (count rounded up to 16), nothing past it and nothing for a group that is not `live`.
+    Stored as (columns, rows) tiles along the rows, the contiguous dimension of the destination: the
+    compiler moves the tile through shared memory into a row-contiguous register layout (16-byte
+    stores, seg0 declared a multiple of 16), rather than one byte a column at a time."""
+    i = tl.arange(0, BLOCK_ROWS)
+    q = tl.where(keep[:, None], q, tl.zeros_like(q))
+    smask = live & (j0 + i < tl.cdiv(count, 16) * 16)
+    dst = tl.multiple_of(seg0, 16) + i
+    ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + dst[None, :]
+    tl.store(ptrs, tl.trans(q), mask=cmask[:, None] & smask[None, :])
 
 
 @triton.jit
@@ -192,17 +225,19 @@ def _tiles_step(
     cols,
     stride_x,
     stride_row_scale,
+    seg,
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     TILE: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
     """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the slot or
-    block, lmask also live)."""
+    block, lmask also live; seg: SEGMENTS' (j0, rows of the group, segment column of j0, live, pitch))."""
     NB: tl.constexpr = BLOCK_C // TILE_K
     cb = qi * NB + tl.arange(0, NB)
     cbmask = cb < stride_row_scale
@@ -242,7 +277,11 @@ def _tiles_step(
         amax_c = tl.max(a, axis=0)
         col_scales = col_scale_ptr + pid.to(tl.int64) * cols + c
         q = _quantize_tile(x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3)
-        tl.store(col_data_ptr + elem, q, mask=mask)
+        if SEGMENTS:
+            j0, count, seg0, live, pitch = seg
+            _segment_store(col_data_ptr, q, rmask, c, cmask, j0, count, seg0, live, pitch, BLOCK_R)
+        else:
+            tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
@@ -260,10 +299,12 @@ def quantize_tiles_kernel(
     num_groups,
     stride_x,
     stride_row_scale,
+    pitch,
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     TILE: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -282,15 +323,24 @@ def quantize_tiles_kernel(
     - otherwise the rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never
       cross rows), only offs[N], past which rows are padding (zeros).
     ROWWISE: a 1 x TILE_K scale per row and block, row_scale[row, cb].
+    SEGMENTS (with COLWISE; BLOCK_R a multiple of 16): the columnwise data goes straight into the FP8
+    wgrad's operand layout, col_data (X, pitch) (`_segment_store`; the bytes of
+    `moekit.ops.runtime.quantized_gemm.segment_transpose` of the (M, X) form); its scales unchanged.
 
     No loop and no shared-memory staging: the bytes in flight come from many small programs an SM
     (registers kept low), and the block maxima are reductions inside a thread and across a few lanes
     (the rowwise blocks' TILE_K columns are 8-16 contiguous values a thread)."""
     if _runs(noop_ptr, HAS_NOOP):
         pid = tl.program_id(0)
+        seg = (0, 0, 0, False, pitch)
         if COLWISE or TILE:
-            r, rmask, live_group = _slot_rows(pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS)
+            r, rmask, live_group, g, j0, count = _slot_rows(
+                pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
+            )
             lmask = rmask & live_group
+            if SEGMENTS:
+                seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+                seg = (j0, count, seg0, live_group, pitch)
         else:
             r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
             rmask = r < rows
@@ -298,16 +348,13 @@ def quantize_tiles_kernel(
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
         q0 = tl.program_id(1) * STEPS
-        args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale)
+        args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale, seg)
+        consts = (MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
         if STEPS == 1:
-            _tiles_step(
-                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
-            )
+            _tiles_step(q0, pid, r64, rmask, lmask, *args, *consts)
         else:
             for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
-                _tiles_step(
-                    qi, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
-                )
+                _tiles_step(qi, pid, r64, rmask, lmask, *args, *consts)
 
 
 @triton.jit
@@ -474,11 +521,15 @@ def _spans_step(
     col_scale_ptr,
     cols,
     stride_x,
+    seg,
     ROWWISE: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64)."""
+    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64; seg: SEGMENTS' (j0, rows
+    of the group, segment column of j0, pitch))."""
     c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     cmask = c < cols
     elem = r64[:, None] * stride_x + c[None, :]
@@ -489,7 +540,11 @@ def _spans_step(
     scale, scale_inv = _fp32_scales(col_amax)
     tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
     q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
-    tl.store(col_data_ptr + elem, q_col, mask=mask)
+    if SEGMENTS:
+        j0, count, seg0, pitch = seg
+        _segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
+    else:
+        tl.store(col_data_ptr + elem, q_col, mask=mask)
     if ROWWISE:
         tl.store(row_data_ptr + elem, _e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
 
@@ -509,7 +564,9 @@ def quantize_spans_kernel(
     cols,
     num_groups,
     stride_x,
+    pitch,
     ROWWISE: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -523,7 +580,9 @@ def quantize_spans_kernel(
     a software-pipelined loop of STAGES stages) and writes both forms from them: ROWWISE the data
     under the whole-row scales of row_amax (the programs of k = 0 store scale[row]), and the
     columnwise data under group g's column scales of col_amax (the group's first span stores
-    scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale."""
+    scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale. SEGMENTS (SPAN a
+    multiple of 16): the columnwise data straight into the FP8 wgrad's operand layout, col_data (X,
+    pitch), as `quantize_tiles_kernel`'s SEGMENTS (padding rows: nothing)."""
     if _runs(noop_ptr, HAS_NOOP):
         p = tl.program_id(0)
         k = tl.program_id(1)
@@ -538,13 +597,19 @@ def quantize_spans_kernel(
         if ROWWISE:
             tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (k == 0))
         row_nan = tl.max(row_amax, axis=0) == float("inf")
-        args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x)
+        seg = (0, 0, 0, pitch)
+        if SEGMENTS:
+            j0 = (p - first) * SPAN
+            count = tl.load(offs_ptr + g + 1, mask=live, other=0) - tl.load(offs_ptr + g, mask=live, other=0)
+            seg = (j0, count, _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
+        args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
+        consts = (ROWWISE, SEGMENTS, SPAN, BLOCK_COLS, HW_E4M3)
         if STEPS == 1:
-            _spans_step(k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
+            _spans_step(k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, *consts)
         else:
             q0 = k * STEPS
             for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
-                _spans_step(q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, BLOCK_COLS, HW_E4M3)
+                _spans_step(q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, *consts)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ gives its rows' rowwise and its columns' columnwise scales); for fp8_rowwise one
 rows) or, with the columnwise form, two over the same tiles (the maxima of whole rows and whole groups
 into a zeroed int32 buffer, then both forms' bytes) plus that buffer's memset. The outputs' arguments
 and their layouts are `moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these
-kernels reproduce.
+kernels reproduce; with `col_segments` the columnwise data goes straight into the FP8 wgrad's operand
+layout (the kernels' SEGMENTS stores), so that the wgrad skips its own transpose of it.
 
 `group_dequantize`: one launch of one elementwise pass for either form of every recipe, the torch
 path's bytes (`moekit.ops.runtime.quantize_torch.group_dequantize`) without its float32 temporaries.
@@ -44,6 +45,7 @@ from moekit.ops.runtime.configs import (
     TRANSPOSE_TILES,
 )
 from moekit.ops.runtime.device import capability
+from moekit.ops.runtime.quantize_torch import segment_pitch
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -94,9 +96,9 @@ def _hw_e4m3(device: torch.device) -> bool:
 
 
 def _plan(
-    info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool]
+    info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool, bool], pitch: int
 ) -> QuantizePlan:
-    rowwise, columnwise, has_noop = forms
+    rowwise, columnwise, has_noop, segments = forms
     rows, cols = x2.shape
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
@@ -118,12 +120,13 @@ def _plan(
         launch = LaunchPlan(
             _TILES,
             grid,
-            (*ints, stride_scale),
+            (*ints, stride_scale, pitch),
             dict(
                 MX=info.scale_dtype != torch.float32,
                 ROWWISE=rowwise and not tile,
                 COLWISE=columnwise,
                 TILE=rowwise and tile,
+                SEGMENTS=segments,
                 TILE_K=tile_k,
                 BLOCK_R=block_r,
                 BLOCK_C=block_c,
@@ -144,10 +147,12 @@ def _plan(
         if grid[1]:
             amax_plan = LaunchPlan(_AMAX, grid, ints, dict(consts, SPAN=span, BLOCK_COLS=block_cols, num_warps=warps))
             span, block_cols, warps, steps, stages = QUANTIZE_SPANS[arch]
+            if segments:  # a span's rows start at a multiple of 16 of its segment (the kernel's SEGMENTS)
+                span = triton.cdiv(span, 16) * 16
             grid = (_num_spans(rows, num_groups, span), triton.cdiv(triton.cdiv(cols, block_cols), steps))
             spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw_e4m3)
-            spans.update(num_warps=warps)
-            spans_plan = LaunchPlan(_SPANS, grid, ints, spans)
+            spans.update(SEGMENTS=segments, num_warps=warps)
+            spans_plan = LaunchPlan(_SPANS, grid, (*ints, pitch), spans)
     elif rowwise and rows:
         most_cols, elements, warps = QUANTIZE_ONE_PASS_ROWS[arch]
         one_pass = cols <= most_cols
@@ -191,19 +196,30 @@ def group_quantize_into(
     row_scale: torch.Tensor | None,
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
+    col_segments: bool = False,
 ) -> None:
     """`moekit.ops.runtime.quantize_torch.group_quantize_into` by moekit's kernels: the same arguments
     (x (M, X) or an (N, O, I) weight with unit last stride and contiguous rows; outputs contiguous, in
-    the shapes `moekit.grouped_tensor` gives them), the same bytes. No host read of offs, slot_offs or
-    noop."""
+    the shapes `moekit.grouped_tensor` gives them; col_segments: col_data (X, segment_pitch(M, N)),
+    written on the columns in use only), the same bytes. No host read of offs, slot_offs or noop."""
     info = recipe_named(recipe)
     check_triton_device(x)
     x2 = x.reshape(-1, x.shape[-1])
     num_groups = offs.shape[0] - 1
-    forms = (row_data is not None, col_data is not None, noop is not None)
+    segments = col_data is not None and col_segments
+    pitch = 0
+    if segments:
+        assert col_data is not None  # segments
+        pitch = segment_pitch(x2.shape[0], num_groups)
+        if x.dim() != 2 or tuple(col_data.shape) != (x2.shape[1], pitch):
+            raise ValueError(
+                f"col_segments takes (M, X) rows and col_data (X, {pitch}) (the wgrad's layout), got x "
+                f"{tuple(x.shape)} and col_data {tuple(col_data.shape)}"
+            )
+    forms = (row_data is not None, col_data is not None, noop is not None, segments)
     key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms)
     key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop))
-    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, num_groups, forms))
+    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, num_groups, forms, pitch))
     noop_arg = noop if noop is not None else offs
     with device_ctx(x.device):
         if plan.tiles is not None:

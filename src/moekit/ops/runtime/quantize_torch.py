@@ -132,6 +132,36 @@ def _row_columns(
     return x32 * mult.index_select(0, slots), stored[:num_slots]
 
 
+def segment_pitch(rows: int, num_groups: int) -> int:
+    """The row pitch (bytes) of the FP8 wgrad's transposed operand layout of (rows, X) data in
+    num_groups groups (`segment_transposed`): the smallest multiple of 16 >= rows + 15 num_groups,
+    room for every split of the rows (each group's segment rounded up to 16 columns; 16-byte TMA
+    strides), at least 16."""
+    return max(16, -(-(rows + 15 * num_groups) // 16) * 16)
+
+
+def segment_transposed(data_MX: torch.Tensor, offs: torch.Tensor, pitch: int) -> torch.Tensor:
+    """(M, X) data whose rows are in N = len(offs) - 1 groups in the FP8 wgrad's operand layout: a fresh
+    (X, pitch) tensor of data's dtype, out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of
+    group g, starts[g] the sum of the earlier groups' row counts each rounded up to 16 (the segments),
+    zeros everywhere else (each segment's tail, the columns past the last segment). Rows past offs[N]
+    are never read. A gather by destination column, from the device offsets (no host reads): the
+    bytes of `moekit.ops.runtime.quantized_gemm.segment_transpose` and of the quantization kernels'
+    SEGMENTS stores on every column in use."""
+    rows, cols = data_MX.shape
+    widths = (offs[1:] - offs[:-1] + 15).div(16, rounding_mode="floor") * 16
+    ends = torch.cumsum(widths, 0)
+    column = torch.arange(pitch, device=data_MX.device)
+    group = torch.searchsorted(ends, column, right=True).clamp(max=max(offs.shape[0] - 2, 0))
+    src = offs.index_select(0, group) + column - (ends - widths).index_select(0, group)
+    valid = (column < ends[-1]) & (src < offs.index_select(0, group + 1))
+    if rows == 0 or cols == 0:
+        return data_MX.new_zeros(cols, pitch)
+    src = torch.where(valid, src, torch.zeros_like(src)).clamp(max=rows - 1)
+    bits = _as_bits(data_MX).index_select(0, src).T
+    return torch.where(valid[None, :], bits, torch.zeros_like(bits)).contiguous().view(data_MX.dtype)
+
+
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     """t's bytes as an integer tensor of its element size (where() keeps them bit for bit)."""
     return t.view({1: torch.uint8, 4: torch.int32}[t.element_size()])
@@ -159,13 +189,16 @@ def group_quantize_into(
     row_scale: torch.Tensor | None,
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
+    col_segments: bool = False,
 ) -> None:
     """Quantize x into the given storage (allocated by `moekit.ops.quantize.group_quantize` in the shapes
     of `moekit.grouped_tensor`). x: (M, X) rows whose groups are `offs` (N+1,), rows past offs[N] padding
     (data 0, scale 1), columnwise scale slots from `slot_offs` (N+1,; read for the columnwise form
     and a weight's blocks only); or an (N, O, I) weight. noop: a
-    float32 scalar; 1.0 leaves every output unchanged. Every argument on x's device; nothing is read
-    by the host."""
+    float32 scalar; 1.0 leaves every output unchanged. col_segments (rows only): col_data is (X,
+    segment_pitch(M, N)), the columnwise data in the FP8 wgrad's operand layout (`segment_transposed`;
+    its columns past the last segment are written as zeros here, left unwritten by the kernels), the
+    scales as ever. Every argument on x's device; nothing is read by the host."""
     info = recipe_named(recipe)
     skip = None if noop is None else noop.reshape(()) == 1.0
     x32 = x.to(torch.float32)
@@ -193,6 +226,8 @@ def group_quantize_into(
         if col_scale is None:
             raise ValueError("columnwise data needs its scales")
         data, scale = _row_columns(info, x32, offs, slot_offs, col_scale.shape[0])
+        if col_segments:
+            data = segment_transposed(data.to(col_data.dtype), offs, col_data.shape[1])
         _write(col_data, data, skip)
         _write(col_scale, scale, skip)
 
