@@ -200,12 +200,13 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
     start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
     segment's end (count rounded up to 16), nothing past it and nothing for a group that is not `live`.
     Stored as (columns, rows) tiles along the rows, the contiguous dimension of the destination: the
-    compiler moves the tile through shared memory into a row-contiguous register layout (16-byte
-    stores, seg0 declared a multiple of 16), rather than one byte a column at a time."""
+    compiler moves the tile through shared memory into a row-contiguous register layout, 16-byte
+    stores where it can prove seg0 and the mask's edges multiples of 16 (hence `seg0 // 16 * 16`),
+    rather than one byte a column at a time."""
     i = tl.arange(0, BLOCK_ROWS)
     q = tl.where(keep[:, None], q, tl.zeros_like(q))
     smask = live & (j0 + i < tl.cdiv(count, 16) * 16)
-    dst = tl.multiple_of(seg0, 16) + i
+    dst = seg0 // 16 * 16 + i  # seg0 itself, written so that the compiler sees a multiple of 16
     ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + dst[None, :]
     tl.store(ptrs, tl.trans(q), mask=cmask[:, None] & smask[None, :])
 
@@ -349,12 +350,16 @@ def quantize_tiles_kernel(
         r64 = r.to(tl.int64)
         q0 = tl.program_id(1) * STEPS
         args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale, seg)
-        consts = (MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
         if STEPS == 1:
-            _tiles_step(q0, pid, r64, rmask, lmask, *args, *consts)
+            _tiles_step(
+                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
+            )
         else:
             for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
-                _tiles_step(qi, pid, r64, rmask, lmask, *args, *consts)
+                _tiles_step(
+                    qi, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C,
+                    HW_E4M3,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -603,13 +608,17 @@ def quantize_spans_kernel(
             count = tl.load(offs_ptr + g + 1, mask=live, other=0) - tl.load(offs_ptr + g, mask=live, other=0)
             seg = (j0, count, _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
         args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
-        consts = (ROWWISE, SEGMENTS, SPAN, BLOCK_COLS, HW_E4M3)
         if STEPS == 1:
-            _spans_step(k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, *consts)
+            _spans_step(
+                k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN, BLOCK_COLS, HW_E4M3
+            )
         else:
             q0 = k * STEPS
             for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
-                _spans_step(q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, *consts)
+                _spans_step(
+                    q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN, BLOCK_COLS,
+                    HW_E4M3,
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
