@@ -51,10 +51,12 @@ from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
 from moekit.ops.quantize import (
     QuantizedWeightCache,
+    SegmentedColumns,
     TransposedWeight,
     check_quantization,
     dequantize_with,
     group_quantize,
+    group_quantize_for_wgrad,
 )
 from moekit.ops.runtime.backends import (
     BACKENDS,
@@ -319,8 +321,8 @@ def quantized_wgrad_product(
     quantizer: str,
     recipe: str,
     fp8_wgrad: bool,
-    dy_q: GroupedTensor,
-    x_q: GroupedTensor,
+    dy_q: GroupedTensor | SegmentedColumns,
+    x_q: GroupedTensor | SegmentedColumns,
     offs: torch.Tensor,
     host_offs: list[int] | None,
     w_transposed: bool,
@@ -329,13 +331,24 @@ def quantized_wgrad_product(
     """dw (N, O, I) = Qc(dy)^T Qc(x), from the columnwise quantizations of dy and x, in the layout of the
     weight's tensor (`wgrad_in_layout`: x^T dy for a transposed view, `w_transposed`): on the FP8
     kernels where `fp8_wgrad` (`fp8_wgrad_compute`), else both dequantized by the quantizer (one pass
-    each on the Triton backend) and the backend's GEMM."""
+    each on the Triton backend) and the backend's GEMM. The FP8 kernels take both operands as
+    `SegmentedColumns` (`group_quantize_for_wgrad`: already in their layout, no transpose pass) or both
+    as GroupedTensors (transposed first); the reference path takes GroupedTensors."""
     if fp8_wgrad:
-        dy_cols = (dy_q.columnwise_data, dy_q.columnwise_scale_inv)
-        x_cols = (x_q.columnwise_data, x_q.columnwise_scale_inv)
+        if isinstance(dy_q, SegmentedColumns) and isinstance(x_q, SegmentedColumns):
+            dy_cols, x_cols = (dy_q.data, dy_q.scale_inv), (x_q.data, x_q.scale_inv)
+            rows: int | None = dy_q.rows
+        elif isinstance(dy_q, GroupedTensor) and isinstance(x_q, GroupedTensor):
+            dy_cols = (dy_q.columnwise_data, dy_q.columnwise_scale_inv)
+            x_cols = (x_q.columnwise_data, x_q.columnwise_scale_inv)
+            rows = None
+        else:
+            raise TypeError("the FP8 wgrad takes dy's and x's columnwise forms both as SegmentedColumns or both not")
         first, second = (x_cols, dy_cols) if w_transposed else (dy_cols, x_cols)
-        dw = library.quantized_linear_wgrad(backend, recipe, *first, *second, offs, host_offs, w_dtype)
+        dw = library.quantized_linear_wgrad(backend, recipe, *first, *second, offs, host_offs, w_dtype, rows)
         return dw.transpose(1, 2) if w_transposed else dw
+    if not (isinstance(dy_q, GroupedTensor) and isinstance(x_q, GroupedTensor)):
+        raise TypeError("the reference wgrad dequantizes GroupedTensors; SegmentedColumns are the FP8 wgrad's")
     dy_c = dequantize_with(quantizer, dy_q, columnwise=True)
     x_c = dequantize_with(quantizer, x_q, columnwise=True)
     return wgrad_in_layout(backend, dy_c, x_c, offs, host_offs, w_transposed)
@@ -440,25 +453,44 @@ class _QuantizedLinearFn(torch.autograd.Function):
         go = GroupOffsets.of(offs, host_offs, x_MI.shape[0])
         first_w = _Q_X + 1
         need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
-        x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
+        # x is held as its columnwise quantization only (the wgrad's operand): in the FP8 wgrad's own
+        # layout where that runs (`group_quantize_for_wgrad`), else in the GroupedTensor.
+        x_held: GroupedTensor | None = None
+        x_cols: SegmentedColumns | None = None
+        if need_w and fp8_wgrad:
+            x_q, x_seg = group_quantize_for_wgrad(x_MI, go, recipe, rowwise=True, backend=quantizer)
+            assert x_q is not None and isinstance(x_seg, SegmentedColumns)  # rowwise, segments
+            x_cols = x_seg
+        else:
+            x_q = group_quantize(x_MI, go, recipe, columnwise=need_w, backend=quantizer)
+            if need_w:
+                x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:]))
         y_MO = quantized_forward_product(
             backend, quantizer, recipe, fp8, x_q, weight_q, offs, host_offs, bias_NO, bias_scale_M, x_MI.dtype
         )
-        # x is held as its columnwise quantization only (the wgrad's operand).
-        x_held = x_q.with_storage((*x_q.storage()[:2], None, None, *x_q.storage()[4:])) if need_w else None
         ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8, ctx.fp8_wgrad = backend, quantizer, recipe, fp8, fp8_wgrad
         ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.w_transposed = stored_transposed(weights[0])
         ctx.x_template, ctx.w_template = x_held, weight_q
-        x_storage = x_held.storage() if x_held is not None else (None,) * 7
+        ctx.x_rows = x_cols.rows if x_cols is not None else None
+        if x_held is not None:
+            x_storage = x_held.storage()
+        elif x_cols is not None:
+            x_storage = (x_cols.data, x_cols.scale_inv, *(None,) * 5)
+        else:
+            x_storage = (None,) * 7
         ctx.save_for_backward(offs, bias_scale_M, bias_NO, wt_data, wt_scale, *x_storage, *weight_q.storage())
         return y_MO
 
     @staticmethod
     def backward(ctx: Any, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         offs, bias_scale_M, bias_NO, wt_data, wt_scale, *stored = ctx.saved_tensors
-        x_q = ctx.x_template.with_storage(stored[:7]) if ctx.x_template is not None else None
+        x_q: GroupedTensor | SegmentedColumns | None = None
+        if ctx.x_template is not None:
+            x_q = ctx.x_template.with_storage(stored[:7])
+        elif ctx.x_rows is not None:
+            x_q = SegmentedColumns(stored[0], stored[1], ctx.x_rows)
         weight_q: GroupedTensor = ctx.w_template.with_storage(stored[7:])
         backend, host_offs, n_w = ctx.backend, ctx.host_offs, ctx.n_w
         first_w = _Q_X + 1
@@ -472,18 +504,27 @@ class _QuantizedLinearFn(torch.autograd.Function):
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
         if need_x or need_w:
-            dy_q = group_quantize(dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, backend=ctx.quantizer)
+            dy_q: GroupedTensor | None
+            dy_cols: GroupedTensor | SegmentedColumns | None = None
+            if need_w:
+                # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward).
+                dy_q, dy_cols = group_quantize_for_wgrad(
+                    dy_MO, go, ctx.recipe, rowwise=need_x, segments=ctx.fp8_wgrad, backend=ctx.quantizer
+                )
+            else:
+                dy_q = group_quantize(dy_MO, go, ctx.recipe, backend=ctx.quantizer)
             if need_x:
+                assert dy_q is not None  # rowwise
                 dx = quantized_dgrad_product(
                     backend, ctx.quantizer, ctx.recipe, ctx.fp8, dy_q, weight_q, wt_data, wt_scale, offs, host_offs
                 )
-            if need_w and x_q is not None:
+            if need_w and x_q is not None and dy_cols is not None:
                 dw = quantized_wgrad_product(
                     backend,
                     ctx.quantizer,
                     ctx.recipe,
                     ctx.fp8_wgrad,
-                    dy_q,
+                    dy_cols,
                     x_q,
                     offs,
                     host_offs,

@@ -197,11 +197,15 @@ def _quantized_dgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale:
 
 def _quantized_wgrad(backend: str, recipe: str, dy_data: torch.Tensor, dy_scale: torch.Tensor,
                      x_data: torch.Tensor, x_scale: torch.Tensor, offs: torch.Tensor,
-                     host_offs: list[int] | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                     host_offs: list[int] | None, out_dtype: torch.dtype,
+                     segmented_rows: int | None) -> torch.Tensor:  # fmt: skip
     """(N, O, I) in out_dtype = the weight gradient from the columnwise quantizations of dy (M, O) and
-    x (M, I): FP8 data with their per-group column scales (N, O) / (N, I)."""
-    go = GroupOffsets.of(offs, host_offs, dy_data.shape[0])
-    return _quantized(backend).quantized_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, go, out_dtype)
+    x (M, I): FP8 data with their per-group column scales. segmented_rows: None for (M, O) / (M, I)
+    data; M where the data is already in the FP8 wgrad's transposed layout, (O, pitch) / (I, pitch)
+    (`moekit.ops.quantize.group_quantize_for_wgrad`)."""
+    segmented = segmented_rows is not None
+    go = GroupOffsets.of(offs, host_offs, segmented_rows if segmented_rows is not None else dy_data.shape[0])
+    return _quantized(backend).quantized_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, go, out_dtype, segmented)
 
 
 _quantized_forward_op = torch.library.custom_op("moekit::quantized_linear_forward", _quantized_forward, mutates_args=())
@@ -252,8 +256,10 @@ def _(
     offs: torch.Tensor,
     host_offs: list[int] | None,
     out_dtype: torch.dtype,
+    segmented_rows: int | None,
 ) -> torch.Tensor:
-    return dy_data.new_empty(offs.shape[0] - 1, dy_data.shape[1], x_data.shape[1], dtype=out_dtype)
+    d = 0 if segmented_rows is not None else 1  # the columns' dimension of the operands
+    return dy_data.new_empty(offs.shape[0] - 1, dy_data.shape[d], x_data.shape[d], dtype=out_dtype)
 
 
 quantized_linear_forward = _entry(_quantized_forward_op, _quantized_forward)
@@ -525,14 +531,18 @@ gather_sum_rows = _entry(_gather_sum_rows_op, _gather_sum_rows)
 
 def _group_quantize(backend: str, recipe: str, x: torch.Tensor, offs: torch.Tensor, slot_offs: torch.Tensor,
                     noop: torch.Tensor | None, row_data: torch.Tensor | None, row_scale: torch.Tensor | None,
-                    col_data: torch.Tensor | None, col_scale: torch.Tensor | None) -> None:  # fmt: skip
-    """Quantize x into the given storage, in place (`moekit.ops.runtime.quantize_torch.group_quantize_into`).
+                    col_data: torch.Tensor | None, col_scale: torch.Tensor | None,
+                    col_segments: bool) -> None:  # fmt: skip
+    """Quantize x into the given storage, in place (`moekit.ops.runtime.quantize_torch.group_quantize_into`;
+    col_segments: the columnwise data in the FP8 wgrad's transposed layout).
     The one op here that writes its arguments: `out=` must keep every data pointer, so the storage is
     an input, declared mutated (torch.compile functionalizes it)."""
     quantizer = quantizer_of(backend_named(backend))
     if quantizer is None:
         raise ValueError(f"backend {backend!r} cannot quantize")
-    quantizer.group_quantize_into(recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale)
+    quantizer.group_quantize_into(
+        recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale, col_segments
+    )
 
 
 _group_quantize_op = torch.library.custom_op(
@@ -552,6 +562,7 @@ def _(
     row_scale: torch.Tensor | None,
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
+    col_segments: bool,
 ) -> None:
     return None
 

@@ -73,6 +73,7 @@ from moekit.grouped_tensor import (
 )
 from moekit.ops import library
 from moekit.ops.runtime.backends import select_quantizer
+from moekit.ops.runtime.quantize_torch import segment_pitch
 from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
 from moekit.validation import check_bool, check_choice, check_compute_dtype, check_tensor
 
@@ -80,12 +81,14 @@ __all__ = [
     "QUANTIZATIONS",
     "RECIPES",
     "QuantizedWeightCache",
+    "SegmentedColumns",
     "TRANSPOSED_RECIPES",
     "TransposedWeight",
     "check_quantization",
     "dequantize_with",
     "group_dequantize",
     "group_quantize",
+    "group_quantize_for_wgrad",
     "group_quantize_reference",
     "transposed_weight",
 ]
@@ -334,6 +337,7 @@ def group_quantize(
         storage["row_scale"],
         storage["col_data"],
         storage["col_scale"],
+        False,
     )
     first_dims = offs.offs[1:] - offs.offs[:-1]
     col_offs = slot_offs if columnwise else None
@@ -367,6 +371,93 @@ def group_quantize(
             if t is not None:
                 torch.autograd.graph.increment_version(t)
     return out
+
+
+class SegmentedColumns(NamedTuple):
+    """The columnwise quantization of (M, X) rows in N groups, its data in the FP8 wgrad's operand
+    layout rather than (M, X) rows: the form `group_quantize_for_wgrad` gives the FP8 wgrad
+    (`moekit.ops.runtime.quantized_gemm.quantized_gemm_wgrad(segmented_rows=rows)`).
+
+    data: (X, pitch) float8, pitch = `segment_pitch(M, N)` (the smallest multiple of 16 >= M + 15 N),
+    data[:, starts[g] + j] = the columnwise byte of row offs[g] + j, starts[g] the sum of the earlier
+    groups' row counts each rounded up to 16, zeros to each segment's end, columns past the last
+    segment unspecified. scale_inv: the columnwise scales exactly as `GroupedTensor.columnwise_scale_inv`.
+    rows: M.
+
+    Why a form beside GroupedTensor and not inside it: a GroupedTensor's columnwise data is (M, X) for
+    its users (dequantize, split, members), and this layout serves one consumer, the wgrad, which
+    reads it only where its kernels run; kept apart, nothing else has to refuse or translate it."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    rows: int
+
+
+def group_quantize_for_wgrad(
+    x: torch.Tensor,
+    m_splits: MSplits | GroupOffsets,
+    recipe: str,
+    *,
+    rowwise: bool = False,
+    segments: bool = True,
+    backend: str = "auto",
+) -> tuple[GroupedTensor | None, GroupedTensor | SegmentedColumns]:
+    """x's quantization for a quantized linear's backward: (its rowwise form as a GroupedTensor, or None
+    without `rowwise`; its columnwise form, the wgrad's operand), in one launch as `group_quantize`.
+
+    segments (where the FP8 wgrad runs: `fp8_wgrad_compute`): the columnwise form as `SegmentedColumns`,
+    its data written by the quantization straight into the wgrad's operand layout, so that the wgrad
+    does not transpose it again (one read and one write of the FP8 data saved per operand); the
+    bytes are `segment_transpose` of `group_quantize`'s columnwise data on every column in use, the
+    scales the same. Otherwise (the reference path, which dequantizes it) one GroupedTensor with both
+    forms, given twice. x: (M, X) rows with m_splits as `group_quantize`'s; no out= or noop flag (a
+    backward's operands are fresh). Internal to moekit's quantized compute; no host reads."""
+    if not segments:
+        both = group_quantize(x, m_splits, recipe, rowwise=rowwise, columnwise=True, backend=backend)
+        return (both if rowwise else None), both
+    check_choice("recipe", recipe, tuple(RECIPES))
+    info = recipe_named(recipe)
+    check_tensor("x", x)
+    check_compute_dtype("x", x.dtype)
+    rowwise = check_bool("rowwise", rowwise)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (rows, cols) rows in groups for the wgrad's layout, got shape {tuple(x.shape)}")
+    offs = _layout(x, m_splits)
+    num = offs.num_groups
+    impl = select_quantizer(backend, x)
+    slot_offs = _slot_offsets(info, x, offs)
+    storage = _allocate(info, tuple(x.shape), x.device, num, rowwise, False)
+    rows, cols = x.shape
+    col_data = torch.empty((cols, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=x.device)
+    col_scale = torch.empty(columnwise_scale_shape(info, tuple(x.shape), num), dtype=info.scale_dtype, device=x.device)
+    x_in = x.detach()
+    x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
+    library.group_quantize_into(
+        impl.name,
+        info.name,
+        x_in,
+        offs.offs,
+        slot_offs,
+        None,
+        storage["row_data"],
+        storage["row_scale"],
+        col_data,
+        col_scale,
+        True,
+    )
+    row_q = None
+    if rowwise:
+        row_q = GroupedTensor.quantized(
+            info.name,
+            x.dtype,
+            x.shape,
+            offs.offs[1:] - offs.offs[:-1],
+            offs.offs,
+            host_first_dims=_host_dims(offs),
+            rowwise_data=storage["row_data"],
+            rowwise_scale_inv=storage["row_scale"],
+        )
+    return row_q, SegmentedColumns(col_data, col_scale, rows)
 
 
 def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False, backend: str = "auto") -> torch.Tensor:

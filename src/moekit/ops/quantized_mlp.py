@@ -78,7 +78,7 @@ from moekit.ops.grouped_linear import (
     stored_transposed,
     unstacked,
 )
-from moekit.ops.quantize import dequantize_with, group_quantize
+from moekit.ops.quantize import dequantize_with, group_quantize, group_quantize_for_wgrad
 from moekit.ops.splits import GroupOffsets
 
 
@@ -204,17 +204,26 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 backend, library.without_padding_rows(dh_M2F, offs, host_offs), offs, host_offs, None
             )
         if need_x or need_w:
-            dh_q = group_quantize(dh_M2F, go, recipe, rowwise=need_x, columnwise=need_w, backend=quantizer)
+            # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
+            segments = spec.fc1_fp8_wgrad
+            if need_w:
+                dh_q, dh_cols = group_quantize_for_wgrad(
+                    dh_M2F, go, recipe, rowwise=need_x, segments=segments, backend=quantizer
+                )
+            else:
+                dh_q, dh_cols = group_quantize(dh_M2F, go, recipe, backend=quantizer), None
             del dh_M2F
             if need_w:
-                x_q = group_quantize(x_MH, go, recipe, rowwise=False, columnwise=True, backend=quantizer)
+                assert dh_cols is not None  # need_w
+                _, x_cols = group_quantize_for_wgrad(x_MH, go, recipe, segments=segments, backend=quantizer)
                 del x_MH
                 dw = quantized_wgrad_product(
-                    backend, quantizer, recipe, spec.fc1_fp8_wgrad, dh_q, x_q, offs, host_offs, ctx.w_transposed,
-                    w1_q.dtype,
+                    backend, quantizer, recipe, spec.fc1_fp8_wgrad, dh_cols, x_cols, offs, host_offs,
+                    ctx.w_transposed, w1_q.dtype,
                 )  # fmt: skip
-                del x_q
+                del x_cols, dh_cols
             if need_x:
+                assert dh_q is not None  # rowwise
                 dx = quantized_dgrad_product(
                     backend, quantizer, recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, offs, host_offs
                 )
@@ -292,21 +301,28 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             return (None,) * 9 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
-        dy_q = group_quantize(dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, backend=quantizer)
+        # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
+        segments = spec.fc2_fp8_wgrad
         if need_w:
+            dy_q, dy_cols = group_quantize_for_wgrad(
+                dy_MH, go, recipe, rowwise=need_da, segments=segments, backend=quantizer
+            )
             # The wgrad's operand a, computed again from the held h and quantized columnwise.
             if h_M2F is None:
                 a_MF = held_gated_activation(h_q, probs_M, glu_block, activation)
             else:
                 a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, on_kernel)
-            a_q = group_quantize(a_MF, go, recipe, rowwise=False, columnwise=True, backend=quantizer)
+            _, a_cols = group_quantize_for_wgrad(a_MF, go, recipe, segments=segments, backend=quantizer)
             del a_MF
             dw = quantized_wgrad_product(
-                backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_q, a_q, offs, host_offs, ctx.w_transposed,
+                backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_cols, a_cols, offs, host_offs, ctx.w_transposed,
                 w2_q.dtype,
             )  # fmt: skip
-            del a_q
+            del a_cols, dy_cols
+        else:
+            dy_q = group_quantize(dy_MH, go, recipe, backend=quantizer)
         if need_da:
+            assert dy_q is not None  # rowwise
             da_MF = quantized_dgrad_product(
                 backend, quantizer, recipe, spec.fc2_fp8, dy_q, w2_q, w2t_data, w2t_scale, offs, host_offs
             )

@@ -352,8 +352,9 @@ def quantize_tiles_kernel(
         args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale, seg)
         if STEPS == 1:
             _tiles_step(
-                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3
-            )
+                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C,
+                HW_E4M3,
+            )  # fmt: skip
         else:
             for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
                 _tiles_step(

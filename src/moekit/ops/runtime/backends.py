@@ -140,8 +140,10 @@ class GroupQuantizer(Protocol):
         row_scale: torch.Tensor | None,
         col_data: torch.Tensor | None,
         col_scale: torch.Tensor | None,
+        col_segments: bool = False,
     ) -> None:
-        """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage."""
+        """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage; with
+        col_segments the columnwise data in the FP8 wgrad's transposed layout (X, pitch)."""
 
     def group_dequantize(
         self,
@@ -215,9 +217,12 @@ class QuantizedGemm(Protocol):
         x_scale: torch.Tensor,
         offs: GroupOffsets,
         out_dtype: torch.dtype,
+        segmented: bool = False,
     ) -> torch.Tensor:
         """dw (N, O, I) in out_dtype, dw[g] = Qc(dy)[rows of g]^T Qc(x)[rows of g] from the columnwise
-        quantizations of dy (M, O) and x (M, I) (data and per-group scales); groups without rows zero."""
+        quantizations of dy (M, O) and x (M, I) (data and per-group scales); groups without rows zero.
+        segmented: the data already in the wgrad's transposed layout, (O, pitch) and (I, pitch) of
+        offs.rows rows (`moekit.ops.runtime.quantize_torch.segment_transposed`)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -587,9 +592,17 @@ class TritonBackend:
         x_scale: torch.Tensor,
         offs: GroupOffsets,
         out_dtype: torch.dtype,
+        segmented: bool = False,
     ) -> torch.Tensor:
         return _runtime().quantized_gemm.quantized_gemm_wgrad(
-            recipe, dy_data, dy_scale, x_data, x_scale, offs.offs, out_dtype=out_dtype
+            recipe,
+            dy_data,
+            dy_scale,
+            x_data,
+            x_scale,
+            offs.offs,
+            out_dtype=out_dtype,
+            segmented_rows=offs.rows if segmented else None,
         )
 
 

@@ -45,7 +45,6 @@ from moekit.ops.runtime.configs import (
     TRANSPOSE_TILES,
 )
 from moekit.ops.runtime.device import capability
-from moekit.ops.runtime.quantize_torch import segment_pitch
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -60,6 +59,7 @@ from moekit.ops.runtime.launch import (
     tensor_key,
     unavailable_reason,
 )
+from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _TILES = Launcher(quantize_tiles_kernel)
 _ROWS = Launcher(quantize_rows_kernel)

@@ -87,6 +87,7 @@ from moekit.ops.runtime.launch import (
     unavailable_reason,
     use_tma,
 )
+from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _GROUPED_MM_FP8 = Launcher(grouped_mm_fp8_kernel)
 _GROUPED_MM_FP8_BLOCK_WS = Launcher(grouped_mm_fp8_block_ws_kernel)
@@ -440,13 +441,6 @@ def fp8_wgrad_unavailable_reason(recipe: str, device: torch.device, dtype: torch
     return fp8_gemm_unavailable_reason(recipe, device, dtype)
 
 
-def _row_pitch(M: int, N: int) -> int:
-    """The row pitch (bytes) of an (M, X) operand of N groups transposed (`segment_starts`: each group's
-    rows from a multiple of 16 columns): room for every split of M rows, a multiple of 16 bytes (TMA
-    strides)."""
-    return max(16, triton.cdiv(M + 15 * N, 16) * 16)
-
-
 def _check_wgrad(
     recipe: str,
     dy_data: torch.Tensor,
@@ -455,30 +449,41 @@ def _check_wgrad(
     x_scale: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
-) -> None:
-    """One line naming the first operand the FP8 wgrad cannot take."""
+    segmented_rows: int | None,
+) -> tuple[int, int, int]:
+    """One line naming the first operand the FP8 wgrad cannot take; (M, O, I) otherwise."""
     reason = fp8_wgrad_unavailable_reason(recipe, dy_data.device, out_dtype)
     if reason is not None:
         raise ValueError(f"recipe={recipe!r}, out_dtype={out_dtype}: {reason}")
+    N = offs.shape[0] - 1 if offs.dim() == 1 else -1
     for name, t in (("dy_data", dy_data), ("x_data", x_data)):
         if not isinstance(t, torch.Tensor) or t.dtype != FP8_DTYPE:
             raise TypeError(
                 f"{name} must be a {FP8_DTYPE} tensor (group_quantize's columnwise data), got {getattr(t, 'dtype', t)}"
             )
-        if t.dim() != 2 or t.stride(1) != 1:
+        if segmented_rows is None and (t.dim() != 2 or t.stride(1) != 1):
             raise ValueError(f"{name} must be (M, X) with unit column stride, got shape {tuple(t.shape)} {t.stride()}")
-    if x_data.shape[0] != dy_data.shape[0] or x_data.device != dy_data.device:
-        raise ValueError(
-            f"x_data {tuple(x_data.shape)} on {x_data.device} and dy_data {tuple(dy_data.shape)} on "
-            f"{dy_data.device} must have the same rows on one device"
-        )
-    N = offs.shape[0] - 1 if offs.dim() == 1 else -1
+        if segmented_rows is not None:
+            pitch = segment_pitch(segmented_rows, max(N, 0))
+            if t.dim() != 2 or t.shape[1] != pitch or not t.is_contiguous():
+                raise ValueError(
+                    f"{name} must be a contiguous (X, {pitch}) operand in the wgrad's layout of {segmented_rows} rows "
+                    f"(segmented_rows), got shape {tuple(t.shape)} {t.stride()}"
+                )
+    if segmented_rows is None:
+        M, O, I = dy_data.shape[0], dy_data.shape[1], x_data.shape[1]
+        if x_data.shape[0] != M:
+            raise ValueError(f"x_data {tuple(x_data.shape)} and dy_data {tuple(dy_data.shape)} must have the same rows")
+    else:
+        M, O, I = segmented_rows, dy_data.shape[0], x_data.shape[0]
+    if x_data.device != dy_data.device:
+        raise ValueError(f"x_data is on {x_data.device} and dy_data on {dy_data.device}; both on one device")
     block = FP8_GEMM_RECIPES[recipe]
     # fp8_rowwise: one scale per group and column; fp8_block: one per column of each block of 128 rows of
     # a group, every split's blocks within ceil(M / 128) + N slots (`columnwise_scale_shape`).
-    slots = N if block is None else triton.cdiv(dy_data.shape[0], block) + N
+    slots = N if block is None else triton.cdiv(M, block) + N
     what = "one per group and column" if block is None else f"one per column of each {block}-row block of a group"
-    for name, t, cols in (("dy_scale", dy_scale, dy_data.shape[1]), ("x_scale", x_scale, x_data.shape[1])):
+    for name, t, cols in (("dy_scale", dy_scale, O), ("x_scale", x_scale, I)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise TypeError(
                 f"{name} must be a float32 tensor (group_quantize's columnwise scale_inv), got {getattr(t, 'dtype', t)}"
@@ -488,6 +493,7 @@ def _check_wgrad(
                 f"{name} must be {recipe}'s columnwise scales ({slots}, {cols}) ({what}) on "
                 f"{dy_data.device}, got {tuple(t.shape)} on {t.device}"
             )
+    return M, O, I
 
 
 def _transpose_launch(M: int, X: int, N: int, stride: int, device: torch.device) -> LaunchPlan | None:
@@ -495,7 +501,7 @@ def _transpose_launch(M: int, X: int, N: int, stride: int, device: torch.device)
     (src as uint8, dst as int32 words, offs). Its group vector is the next power of two above N (the
     per-word segment search is a (BLOCK_M / 4, BLOCK_GROUPS) compare: small for small N)."""
     block_m, block_x, warps = TRANSPOSE_TILES[arch_of(device)]
-    pitch = _row_pitch(M, N)
+    pitch = segment_pitch(M, N)
     grid = (triton.cdiv(X, block_x), triton.cdiv(pitch, block_m))
     if not (grid[0] and grid[1]):
         return None
@@ -573,7 +579,7 @@ def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     plan = plan_launch(
         "fp8_segment_transpose", key, lambda: _transpose_launch(M, X, N, data_MX.stride(0), data_MX.device)
     )
-    out = empty((X, _row_pitch(M, N)), data_MX.device, torch.uint8)
+    out = empty((X, segment_pitch(M, N)), data_MX.device, torch.uint8)
     if plan is not None:
         with device_ctx(data_MX.device):
             plan(data_MX.view(torch.uint8), out.view(torch.int32), offs)
@@ -628,7 +634,7 @@ def _plan_wgrad(
     """The wgrad launch of `recipe` on `segment_transpose`'s operands (None: nothing to compute)."""
     if M == 0 or N == 0 or O == 0 or I == 0:
         return None
-    pitch = _row_pitch(M, N)
+    pitch = segment_pitch(M, N)
     dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
     tma, arch = use_tma(forced_tma, True, dyt, xt)
     if hopper_wgrad_takes(recipe, device, tma, cfg, N, O):
@@ -660,6 +666,7 @@ def quantized_gemm_wgrad(
     out_dtype: torch.dtype,
     cfg: GemmConfig | None = None,
     use_tma: bool | None = None,
+    segmented_rows: int | None = None,
 ) -> torch.Tensor:
     """FP8 grouped wgrad: dw (N, O, I) in out_dtype, dw[g] = sum over rows r of g of dy_q[r]^T x_q[r] with
     the columnwise scales, products of the FP8 data accumulated in fp32.
@@ -676,25 +683,30 @@ def quantized_gemm_wgrad(
     fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop; fp8_block on
     sm_90 through TMA without a fixed cfg: the Gluon kernel, `hopper_wgrad_takes`). No host reads
     of offs. cfg / use_tma: a fixed kernel
-    configuration and operand path (tests and tuning); None = chosen here. Returns a fresh tensor.
+    configuration and operand path (tests and tuning); None = chosen here. segmented_rows: M, where
+    dy_data and x_data are already in that transposed layout, (O, pitch) and (I, pitch), contiguous,
+    pitch = `segment_pitch(M, N)` (`group_quantize`'s columnwise form written there by the quantization
+    itself, `moekit.ops.quantize.group_quantize_for_wgrad`): then no transpose runs here, and only the
+    columns in use are read. Returns a fresh tensor.
     """
-    _check_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, offs, out_dtype)
+    M, O, I = _check_wgrad(recipe, dy_data, dy_scale, x_data, x_scale, offs, out_dtype, segmented_rows)
     block = FP8_GEMM_RECIPES[recipe]
     if cfg is not None and block is not None and block % cfg.block_red:
         raise ValueError(f"cfg.block_red must divide {block} for {recipe} (a reduction step lies in one scale block)")
-    M, O = dy_data.shape
-    I = x_data.shape[1]
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, dy_data.device)
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
-    key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
+    key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma, segmented_rows)
     plan = plan_launch(
         "fp8_wgrad", key, lambda: _plan_wgrad(recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device)
     )
     dw = empty((N, O, I), dy_data.device, out_dtype)
     if plan is None:
         return dw.zero_()
-    dyt, xt = segment_transpose(dy_data, offs), segment_transpose(x_data, offs)
+    if segmented_rows is None:
+        dyt, xt = segment_transpose(dy_data, offs), segment_transpose(x_data, offs)
+    else:
+        dyt, xt = dy_data, x_data
     with device_ctx(dy_data.device):
         plan(dyt, xt, dy_scale, x_scale, dw, offs)
     return dw
