@@ -1,0 +1,323 @@
+"""The backward's columnwise quantization written straight into the FP8 wgrad's operand layout
+(`moekit.ops.quantize.group_quantize_for_wgrad`, `SegmentedColumns`; the kernels' SEGMENTS stores and
+the torch path's `segment_transposed`), and the wgrad, grouped_linear and the quantized MLP on it.
+
+The layout's contract is `segment_transpose(group_quantize(...).columnwise_data, offs)` byte for byte on
+every column in use (each group's segment, its tail of zeros up to 16 included); the scales and the
+rowwise form of the same launch are `group_quantize`'s bytes. Checked on bytes: padding rows hold NaN
+(never read: a NaN byte inside a segment shows), outputs are NaN-poisoned (an unwritten byte in use
+shows). Then the products on it: the same bytes give the same dw, bit for bit, as the (M, X) form
+transposed by the wgrad itself (what ran before).
+
+Legend: M rows, N groups, X columns, I/O a linear's in/out features, H hidden, F ffn."""
+
+# ruff: noqa: E741  (I and O are the legend's feature sizes)
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from helpers import assert_no_host_sync, compile_in_subprocess
+from moekit.ops import library, quantized_mlp
+from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
+from moekit.ops.runtime.backends import triton_unavailable_reason
+from moekit.ops.runtime.quantize_torch import segment_pitch
+
+qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
+
+ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
+RECIPES = ["fp8_block", "fp8_rowwise", "mxfp8"]
+WGRAD_RECIPES = ["fp8_block", "fp8_rowwise"]
+
+# (m_splits, M, X): groups without rows first, in the middle and last, one row, sizes not multiples of
+# 16, 32 or 128 (segment tails, partial scale blocks), groups across several 128-row blocks, padding
+# rows, odd widths across several column tiles and the kernels' column loops.
+LAYOUTS = {
+    "empty-first-middle-last": ([0, 300, 0, 1, 129, 37, 0], 480, 200),
+    "one-row-padding": ([1, 33, 16], 60, 70),
+    "odd-width": ([5, 0, 17], 22, 33),
+    "all-padding": ([0, 0], 9, 48),
+    "one-group": ([64], 64, 16),
+}
+
+
+def offs_of(splits: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(splits, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def rows_of(M: int, X: int, used: int, device, dtype=torch.float32, seed=0) -> torch.Tensor:
+    """Rows whose columns and rows vary in magnitude (every scale block its own scale), padding rows NaN
+    (never read)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, X, device=device, generator=gen) * torch.logspace(-2, 1, X, device=device)
+    x = x * torch.logspace(1, -1, M, device=device)[:, None]
+    x[used:] = float("nan")
+    return x.to(dtype)
+
+
+def check_segments(cols: SegmentedColumns, want_MX: torch.Tensor, splits: list[int], what: str) -> None:
+    """cols.data against segment_transpose(want_MX) on every column in use (the segments and their
+    zero tails), and no padding row's NaN byte inside them."""
+    offs = offs_of(splits).to(want_MX.device)
+    want = qg.segment_transpose(want_MX, offs).view(torch.uint8)
+    got = cols.data.view(torch.uint8)
+    assert got.shape == (want_MX.shape[1], segment_pitch(want_MX.shape[0], len(splits))), what
+    assert got.shape == want.shape and got.is_contiguous(), what
+    col = 0
+    for g, count in enumerate(splits):
+        width = -(-count // 16) * 16
+        assert torch.equal(got[:, col : col + width], want[:, col : col + width]), f"{what}: group {g}'s segment"
+        assert torch.count_nonzero(got[:, col + count : col + width]) == 0, f"{what}: group {g}'s tail"
+        col += width
+    assert not (got[:, :col] == 0xFF).any(), f"{what}: a padding row's NaN inside a segment"
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_segments_are_segment_transpose_of_the_columnwise_form(recipe, backend, layout, nan_poison):
+    """The SEGMENTS stores (triton) and the torch path write `segment_transpose` of group_quantize's
+    columnwise data, its scales and, from the same launch, its rowwise form, byte for byte."""
+    splits, M, X = LAYOUTS[layout]
+    x = rows_of(M, X, sum(splits), torch.device("cpu"))
+    if splits[0] > 2:
+        # An inf: its column's block gets a NaN scale, and the segment's tail must still be zeros.
+        x[2, 3] = float("inf")
+    m_splits = torch.tensor(splits)  # device splits: the host never reads them
+    ref = moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=True, backend="torch")
+    row_q, cols = group_quantize_for_wgrad(x, m_splits, recipe, rowwise=True, backend=backend)
+    assert isinstance(cols, SegmentedColumns) and row_q is not None and cols.rows == M
+    what = f"{recipe} {backend} {layout}"
+    check_segments(cols, ref.columnwise_data, splits, what)
+    assert torch.equal(cols.scale_inv.view(torch.uint8), ref.columnwise_scale_inv.view(torch.uint8)), what
+    assert torch.equal(row_q.rowwise_data.view(torch.uint8), ref.rowwise_data.view(torch.uint8)), what
+    assert torch.equal(row_q.rowwise_scale_inv.view(torch.uint8), ref.rowwise_scale_inv.view(torch.uint8)), what
+    assert row_q.columnwise_data is None and torch.equal(row_q.offsets, ref.offsets)
+    # Columnwise alone: the same bytes.
+    none, alone = group_quantize_for_wgrad(x, m_splits, recipe, backend=backend)
+    assert none is None and isinstance(alone, SegmentedColumns)
+    check_segments(alone, ref.columnwise_data, splits, what + " columnwise alone")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_without_segments_it_is_group_quantize(recipe):
+    """segments=False (the reference path's wgrad): one GroupedTensor with both forms, given twice."""
+    x, splits = rows_of(40, 24, 37, torch.device("cpu")), [10, 0, 27]
+    row_q, cols = group_quantize_for_wgrad(x, splits, recipe, rowwise=True, segments=False, backend="triton")
+    ref = moekit.group_quantize(x, splits, recipe, rowwise=True, columnwise=True, backend="triton")
+    assert row_q is cols and isinstance(cols, moekit.GroupedTensor)
+    assert torch.equal(cols.columnwise_data.view(torch.uint8), ref.columnwise_data.view(torch.uint8))
+
+
+def test_bad_inputs_refused_in_one_line():
+    w = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match="x must be \\(rows, cols\\)"):
+        group_quantize_for_wgrad(w, [4, 4], "fp8_block", backend="torch")
+    with pytest.raises(ValueError, match="recipe"):
+        group_quantize_for_wgrad(torch.randn(8, 16), [8], "fp9", backend="torch")
+
+
+@cpu_only
+def test_wgrad_refuses_operands_not_in_the_layout():
+    x = rows_of(40, 24, 40, torch.device("cpu"))
+    _, cols = group_quantize_for_wgrad(x, [10, 30], "fp8_rowwise", backend="triton")
+    assert isinstance(cols, SegmentedColumns)
+    offs = offs_of([10, 30])
+    with pytest.raises(ValueError, match=r"must be a contiguous \(X, \d+\) operand"):
+        qg.quantized_gemm_wgrad(
+            "fp8_rowwise", cols.data[:, :16], cols.scale_inv, cols.data, cols.scale_inv, offs,
+            out_dtype=torch.float32, segmented_rows=40,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="segmented_rows"):
+        qg.quantized_gemm_wgrad(
+            "fp8_rowwise", cols.data, cols.scale_inv, cols.data, cols.scale_inv, offs,
+            out_dtype=torch.float32, segmented_rows=41 + 16,
+        )  # fmt: skip
+
+
+def wgrad_both_ways(recipe, splits, M, I, O, device, dtype, out_dtype):
+    """dw from SegmentedColumns (no transpose pass) and from the (M, X) columnwise forms (the wgrad
+    transposes them: what ran before), on the same quantizations."""
+    used = sum(splits)
+    dy, x = rows_of(M, O, used, device, dtype, seed=1), rows_of(M, I, used, device, dtype, seed=2)
+    m_splits = torch.tensor(splits, device=device)
+    offs = offs_of(splits).to(device)
+    dq = moekit.group_quantize(dy, m_splits, recipe, rowwise=False, columnwise=True, backend="triton")
+    xq = moekit.group_quantize(x, m_splits, recipe, rowwise=False, columnwise=True, backend="triton")
+    old = qg.quantized_gemm_wgrad(
+        recipe, dq.columnwise_data, dq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, offs,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    result = {}
+
+    def step():
+        _, dyc = group_quantize_for_wgrad(dy, m_splits, recipe, backend="triton")
+        _, xc = group_quantize_for_wgrad(x, m_splits, recipe, backend="triton")
+        assert isinstance(dyc, SegmentedColumns) and isinstance(xc, SegmentedColumns)
+        result["cols"] = (dyc, xc)
+        result["dw"] = qg.quantized_gemm_wgrad(
+            recipe, dyc.data, dyc.scale_inv, xc.data, xc.scale_inv, offs, out_dtype=out_dtype, segmented_rows=M
+        )
+
+    if device.type == "cuda":
+        assert_no_host_sync(step)
+    else:
+        step()
+    dyc, xc = result["cols"]
+    check_segments(dyc, dq.columnwise_data, splits, f"{recipe} dy")
+    check_segments(xc, xq.columnwise_data, splits, f"{recipe} x")
+    return result["dw"], old
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_wgrad_on_segments_is_bit_equal_to_the_transposing_wgrad(recipe, nan_poison):
+    dw, old = wgrad_both_ways(recipe, [0, 130, 1, 0, 37], 180, 40, 24, torch.device("cpu"), torch.float32, torch.float32)
+    assert not torch.isnan(dw).any()
+    assert torch.equal(dw, old)
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_grouped_linear_takes_segments_and_dw_is_bit_equal(recipe, monkeypatch):
+    """grouped_linear's FP8 wgrad gets SegmentedColumns (the op sees segmented_rows = M) and gives the dw
+    that the wgrad on the (M, X) forms gives, bit for bit; dx unchanged."""
+    seen = []
+    real = library.quantized_linear_wgrad
+    monkeypatch.setattr(library, "quantized_linear_wgrad", lambda *a: seen.append(a[-1]) or real(*a))
+    splits, padding, I, O = [9, 0, 130, 1], 4, 40, 24
+    M = sum(splits) + padding
+    x, up = rows_of(M, I, M, torch.device("cpu"), seed=3), rows_of(M, O, M, torch.device("cpu"), seed=4)
+    w = (torch.randn(len(splits), O, I, generator=torch.Generator().manual_seed(5)) / I**0.5).requires_grad_(True)
+    m_splits = torch.tensor(splits)
+    xl = x.clone().requires_grad_(True)
+    moekit.grouped_linear(xl, w, m_splits, quantization=recipe, backend="triton").backward(up)
+    assert seen == [M]
+    offs = offs_of(splits)
+    xq = moekit.group_quantize(x, m_splits, recipe, rowwise=False, columnwise=True, backend="triton")
+    dq = moekit.group_quantize(up, m_splits, recipe, rowwise=True, columnwise=True, backend="triton")
+    want = qg.quantized_gemm_wgrad(
+        recipe, dq.columnwise_data, dq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, offs,
+        out_dtype=torch.float32,
+    )  # fmt: skip
+    assert torch.equal(w.grad, want)
+    assert xl.grad is not None and not torch.isnan(xl.grad[: sum(splits)]).any()
+
+
+def _forced_old_layout(x, m_splits, recipe, *, rowwise=False, segments=True, backend="auto"):
+    return group_quantize_for_wgrad(x, m_splits, recipe, rowwise=rowwise, segments=False, backend=backend)
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_quantized_mlp_grads_are_bit_equal_to_the_transposing_wgrad(recipe, monkeypatch):
+    """The quantized MLP's two backward nodes give the same gradients, bit for bit, with the segments
+    as with the old (M, X) forms that the wgrad transposes itself; the op sees which."""
+    seen = []
+    real = library.quantized_linear_wgrad
+    monkeypatch.setattr(library, "quantized_linear_wgrad", lambda *a: seen.append(a[-1]) or real(*a))
+    splits, H, F = [7, 0, 40, 1], 32, 24
+    M = sum(splits) + 3
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(M, H, generator=gen)
+    w1, w2 = torch.randn(4, 2 * F, H, generator=gen) / H**0.5, torch.randn(4, H, F, generator=gen) / F**0.5
+    probs, up = torch.rand(M, generator=gen), torch.randn(M, H, generator=gen)
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2, probs)]
+        y = moekit.grouped_mlp(
+            leaves[0], leaves[1], leaves[2], torch.tensor(splits), probs=leaves[3], quantization=recipe,
+            backend="triton",
+        )  # fmt: skip
+        y.backward(up)
+        return [t.grad for t in leaves]
+
+    new = grads()
+    assert seen == [M, M], seen
+    seen.clear()
+    monkeypatch.setattr(quantized_mlp, "group_quantize_for_wgrad", _forced_old_layout)
+    old = grads()
+    assert seen == [None, None], seen
+    for name, a, b in zip(("x", "w1", "w2", "probs"), new, old, strict=True):
+        assert torch.equal(a, b), name
+
+
+_COMPILE_SEGMENTS_FOR_SM90 = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moekit.ops.kernels import quantize as K
+
+PT = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32", "row_data_ptr": "*u8",
+      "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32", "row_amax_ptr": "*i32",
+      "col_amax_ptr": "*i32"}
+DIV16 = {"cols", "stride_x", "pitch", "stride_row_scale"}  # as the launcher specializes them (multiples of 16)
+
+def stores(kernel, const, warps):
+    sig, attrs = {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n], attrs[(i,)] = PT[n], [["tt.divisibility", 16]]
+        else:
+            sig[n] = "i32"
+            if n in DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                    constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    return sorted(set(re.findall(r"st\.global[\w.]*", ptx)))
+
+seg = json.loads(sys.argv[1])
+tiles = dict(MX=False, ROWWISE=True, COLWISE=True, TILE=False, SEGMENTS=seg, TILE_K=128, BLOCK_R=128, BLOCK_C=128,
+             STEPS=8, STAGES=2, HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
+out = {"fp8_block": stores(K.quantize_tiles_kernel, tiles, 16)}
+out["mxfp8"] = stores(K.quantize_tiles_kernel, dict(tiles, MX=True, TILE_K=32, BLOCK_R=32), 8)
+spans = dict(ROWWISE=True, SEGMENTS=seg, HAS_NOOP=False, SPAN=32, BLOCK_COLS=128, STEPS=8, STAGES=2,
+             BLOCK_GROUPS=256, HW_E4M3=True)
+out["fp8_rowwise"] = stores(K.quantize_spans_kernel, spans, 8)
+print(json.dumps(out))
+"""
+
+
+def test_segment_stores_are_16_bytes_wide_on_sm90():
+    """On sm_90 (the sm90 configurations, bf16 input, both forms) the SEGMENTS stores are as wide as the
+    (M, X) form's: 16-byte st.global (plus the scales' 4-byte stores), no byte stores, so the
+    transposed columnwise bytes go out coalesced along the destination's contiguous rows. In its own
+    process (compiling for a GPU needs TRITON_INTERPRET unset)."""
+    for seg in (False, True):
+        got = compile_in_subprocess(_COMPILE_SEGMENTS_FOR_SM90, "true" if seg else "false")
+        for recipe, kinds in got.items():
+            assert kinds == ["st.global.b32", "st.global.v4.b32"], (seg, recipe, kinds)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (-m gpu): the same bytes at realistic sizes, skewed splits, no host sync
+# --------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    pytest.param(4096, 2048, 1536, [0, 700, 512, 1300, 900, 333, 1, 48], id="M4096-skewed-empty-padding"),
+    pytest.param(16384, 7168, 2048, [384, 640, 129, 0, 1, 3000, 2047, 127] * 2, id="M16384-ragged"),
+    pytest.param(65536, 2048, 768, [8000, 0, 1, 17, 30000, 4095, 129, 0] + [2800] * 8, id="M65536-skewed-16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, I, O, splits", GPU_SHAPES)
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_gpu_segments_bytes_and_wgrad_bit_equal(recipe, M, I, O, splits):
+    """On the GPU, bf16 rows: the SEGMENTS bytes are segment_transpose of the (M, X) form on every column
+    in use (padding rows NaN, never read), with no host sync, and the wgrad on them is bit-equal to the
+    wgrad that transposes the (M, X) forms itself."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    dw, old = wgrad_both_ways(recipe, splits, M, I, O, device, torch.bfloat16, torch.bfloat16)
+    assert not torch.isnan(dw).any()
+    assert torch.equal(dw, old)
