@@ -176,7 +176,9 @@ def wgrad_both_ways(recipe, splits, M, I, O, device, dtype, out_dtype):
 @cpu_only
 @pytest.mark.parametrize("recipe", WGRAD_RECIPES)
 def test_wgrad_on_segments_is_bit_equal_to_the_transposing_wgrad(recipe, nan_poison):
-    dw, old = wgrad_both_ways(recipe, [0, 130, 1, 0, 37], 180, 40, 24, torch.device("cpu"), torch.float32, torch.float32)
+    dw, old = wgrad_both_ways(
+        recipe, [0, 130, 1, 0, 37], 180, 40, 24, torch.device("cpu"), torch.float32, torch.float32
+    )
     assert not torch.isnan(dw).any()
     assert torch.equal(dw, old)
 

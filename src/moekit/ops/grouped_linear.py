@@ -335,6 +335,8 @@ def quantized_wgrad_product(
     `SegmentedColumns` (`group_quantize_for_wgrad`: already in their layout, no transpose pass) or both
     as GroupedTensors (transposed first); the reference path takes GroupedTensors."""
     if fp8_wgrad:
+        dy_cols: tuple[torch.Tensor | None, torch.Tensor | None]
+        x_cols: tuple[torch.Tensor | None, torch.Tensor | None]
         if isinstance(dy_q, SegmentedColumns) and isinstance(x_q, SegmentedColumns):
             dy_cols, x_cols = (dy_q.data, dy_q.scale_inv), (x_q.data, x_q.scale_inv)
             rows: int | None = dy_q.rows
