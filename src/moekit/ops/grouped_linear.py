@@ -36,7 +36,9 @@ TransformerEngine's FP8 GEMMs). Which path computes the products:
     wgrad    dw = Qc(dy)^T Qc(x)             Qc: columnwise blocks along M, per group
     dbias    from dy itself, in dy's dtype
 
-What is held for the backward is x's columnwise quantization (FP8 and its scales), not x.
+What is held for the backward is x's columnwise quantization (FP8 and its scales), not x. Where the FP8
+wgrad runs, x's and dy's columnwise forms are made in its operand layout by the quantization itself
+(`moekit.ops.quantize.group_quantize_for_wgrad`, `SegmentedColumns`), so the wgrad transposes nothing.
 """
 
 from __future__ import annotations

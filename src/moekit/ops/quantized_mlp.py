@@ -45,7 +45,8 @@ quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the
 forward's gated kernel does not quantize h in its pass: one `group_quantize` of h follows it.
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
-where the backend has them, the reference path otherwise) and its straight-through gradients; the
+where the backend has them, the reference path otherwise; the FP8 wgrad's columnwise operands Qc made in
+its own layout by `group_quantize_for_wgrad`) and its straight-through gradients; the
 quantizations are `group_quantize`'s, by the quantizer that `grouped_linear` would pick. No host reads:
 CUDA-graph capturable, and every launch is a custom op, so torch.compile traces the nodes.
 """

@@ -18,7 +18,8 @@ overlapped loop (`grouped_wgrad_fp8_block_kernel`, `moekit.ops.kernels.grouped_g
 Hopper's FP8 wgmma takes both operands from shared memory only "K-major", contiguous along the
 reduction; the reduction here runs down the rows of (M, X) data. So the kernel takes both operands
 transposed, (X, pitch) with the rows contiguous (`transpose_rows_kernel`, one read and one write of
-the FP8 data each), and reads them as the FP8 forward reads its operands: A = dyt[o0:, c0:]
+the FP8 data each, or written so by the columnwise quantization itself: `moekit.ops.kernels.quantize`'s
+SEGMENTS stores), and reads them as the FP8 forward reads its operands: A = dyt[o0:, c0:]
 (BLOCK_O, BLOCK_M), B = xt[i0:, c0:] (BLOCK_I, BLOCK_M) through a transposed view, no transpose in
 registers. A TMA box must start 16-byte aligned along the contiguous dimension, and a group may start
 at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
