@@ -202,6 +202,8 @@ def group_quantize_into(
     info = recipe_named(recipe)
     skip = None if noop is None else noop.reshape(()) == 1.0
     x32 = x.to(torch.float32)
+    if col_segments and x.dim() != 2:
+        raise ValueError(f"col_segments takes (M, X) rows, not a weight of shape {tuple(x.shape)}")
     if x.dim() == 3:
         if row_data is not None:
             if info.weight_tile is not None:
