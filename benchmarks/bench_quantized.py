@@ -648,7 +648,7 @@ def bench_gemm_shape(args, cfg: runner.BenchConfig, shape: LayerShape, budget: B
             def wgrad(r=recipe, dy_q=dy_q, x_q=x_q):
                 return library.quantized_linear_wgrad(
                     "triton", r, dy_q.columnwise_data, dy_q.columnwise_scale_inv, x_q.columnwise_data,
-                    x_q.columnwise_scale_inv, offs, None, dtype,
+                    x_q.columnwise_scale_inv, offs, None, dtype, None,
                 )  # fmt: skip
 
             calls.update({(impl, op): (fn, reasons[op]) for op, fn in zip(GEMM_OPS, (fwd, dgrad, wgrad), strict=True)})
