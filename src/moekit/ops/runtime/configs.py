@@ -314,7 +314,7 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (32, "rows"): (32, 128, 4, 1, 1),
         (32, "cols"): (32, 128, 8, 8, 2),
         (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "cols"): (128, 128, 16, 8, 2),
+        (128, "cols"): (128, 128, 8, 8, 2),
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "sm80": {
@@ -353,14 +353,15 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
 # (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
 # an SM, so a program walks STEPS column blocks in a pipelined loop, as the tiles kernel's columnwise
 # form). Small under the interpreter so that CPU tests cover several spans of a group, several column
-# blocks and the loop.
+# blocks and the loop. The sm90 entries of these two tables and of QUANTIZE_TILES' (128, "cols") are the
+# fastest of a sweep on the H200 (notes/quantize.md); the sm80 ones are the first guesses, not timed.
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (64, 128, 4),
+    "sm90": (256, 64, 4),
     "sm80": (64, 128, 4),
     "interpreter": (8, 32, 4),
 }
 QUANTIZE_SPANS: dict[Arch, tuple[int, int, int, int, int]] = {
-    "sm90": (32, 128, 8, 8, 2),
+    "sm90": (64, 128, 4, 8, 2),
     "sm80": (32, 128, 8, 8, 2),
     "interpreter": (4, 32, 4, 2, 1),
 }
