@@ -272,6 +272,36 @@ def _update(dst: torch.Tensor, new: torch.Tensor, noop: torch.Tensor | None) -> 
 # --------------------------------------------------------------------------------------------------
 
 
+def _quantize_into(
+    backend: str,
+    info: Recipe,
+    x: torch.Tensor,
+    offs: GroupOffsets,
+    slot_offs: torch.Tensor,
+    noop: torch.Tensor | None,
+    storage: dict[str, torch.Tensor | None],
+    segments: bool,
+) -> None:
+    """The one launch of `group_quantize` and `group_quantize_for_wgrad`: x (made contiguous, as the
+    kernels read it) into the storage's forms (`_allocate`'s keys), the columnwise data in the FP8
+    wgrad's layout where `segments`."""
+    x_in = x.detach()
+    x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
+    library.group_quantize_into(
+        backend,
+        info.name,
+        x_in,
+        offs.offs,
+        slot_offs,
+        noop,
+        storage["row_data"],
+        storage["row_scale"],
+        storage["col_data"],
+        storage["col_scale"],
+        segments,
+    )
+
+
 def group_quantize(
     x: torch.Tensor,
     m_splits: MSplits | GroupOffsets | None,
@@ -324,21 +354,7 @@ def group_quantize(
             "col_data": out.columnwise_data,
             "col_scale": out.columnwise_scale_inv,
         }
-    x_in = x.detach()
-    x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
-    library.group_quantize_into(
-        impl.name,
-        info.name,
-        x_in,
-        offs.offs,
-        slot_offs,
-        noop,
-        storage["row_data"],
-        storage["row_scale"],
-        storage["col_data"],
-        storage["col_scale"],
-        False,
-    )
+    _quantize_into(impl.name, info, x, offs, slot_offs, noop, storage, False)
     first_dims = offs.offs[1:] - offs.offs[:-1]
     col_offs = slot_offs if columnwise else None
     if out is None:
@@ -430,20 +446,8 @@ def group_quantize_for_wgrad(
     rows, cols = x.shape
     col_data = torch.empty((cols, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=x.device)
     col_scale = torch.empty(columnwise_scale_shape(info, tuple(x.shape), num), dtype=info.scale_dtype, device=x.device)
-    x_in = x.detach()
-    x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
-    library.group_quantize_into(
-        impl.name,
-        info.name,
-        x_in,
-        offs.offs,
-        slot_offs,
-        None,
-        storage["row_data"],
-        storage["row_scale"],
-        col_data,
-        col_scale,
-        True,
+    _quantize_into(
+        impl.name, info, x, offs, slot_offs, None, dict(storage, col_data=col_data, col_scale=col_scale), True
     )
     row_q = None
     if rowwise:
