@@ -380,6 +380,23 @@ def assert_no_host_sync(step) -> None:
     torch.cuda.synchronize()
 
 
+def run_on_kernel(run, kernel: str):
+    """`run()`'s result on the GPU, checked to make no host synchronization (`assert_no_host_sync`) and to
+    launch a kernel whose name contains `kernel` (a dispatch that took another path fails here)."""
+    result = {}
+
+    def step():
+        result["out"] = run()
+
+    assert_no_host_sync(step)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any(kernel in n for n in names), f"{kernel} did not run: {names}"
+    return result["out"]
+
+
 def compile_in_subprocess(script: str, *args: str) -> dict:
     """Run `script` (python -c) with `args` in a fresh interpreter without TRITON_INTERPRET (Gluon's
     standard functions cannot be compiled where the interpreter has replaced them) and return the JSON

@@ -28,7 +28,15 @@ import pytest
 import torch
 
 import moekit
-from helpers import assert_no_host_sync, compile_in_subprocess, fp8_product_floor, rand, rel_err, tolerance_floor
+from helpers import (
+    assert_no_host_sync,
+    compile_in_subprocess,
+    fp8_product_floor,
+    rand,
+    rel_err,
+    run_on_kernel,
+    tolerance_floor,
+)
 from moekit.grouped_tensor import RECIPES, dequantize_columnwise, dequantize_rowwise
 from moekit.ops import library
 from moekit.ops.quantize import QuantizedWeightCache, transposed_weight
@@ -534,18 +542,7 @@ def hopper_case(device, op, M, I, O, splits, out_dtype, with_bias=False, nan_pad
         return qg.quantized_gemm_dgrad("fp8_block", a, a_s, w_data, w_scale, offs, out_dtype=out_dtype, **kw)
 
     if device.type == "cuda":
-        result = {}
-
-        def step():
-            result["out"] = run()
-
-        assert_no_host_sync(step)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        names = {e.name for e in prof.events()}
-        assert any("grouped_mm_fp8_block_ws_kernel" in n for n in names), f"the Gluon kernel did not run: {names}"
-        out = result["out"]
+        out = run_on_kernel(run, "grouped_mm_fp8_block_ws_kernel")
         triton_out = run(cfg=fp8_gemm_candidates(op, "fp8_block", True, "sm90", cols)[0], use_tma=True)
     else:
         out = run()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import assert_no_host_sync, fp8_product_floor, rel_err, tolerance_floor
+from helpers import assert_no_host_sync, fp8_product_floor, rel_err, run_on_kernel, tolerance_floor
 from moekit.grouped_tensor import FP8_DTYPE, RECIPES, dequantize_columnwise
 from moekit.ops import library
 from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
@@ -458,18 +458,7 @@ def hopper_wgrad_case(device, M, I, O, splits, out_dtype) -> None:
         return qg.quantized_gemm_wgrad("fp8_block", dy, dy_s, x, x_s, offs, out_dtype=out_dtype, **kw)
 
     if device.type == "cuda":
-        result = {}
-
-        def step():
-            result["dw"] = run()
-
-        assert_no_host_sync(step)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        names = {e.name for e in prof.events()}
-        assert any("grouped_wgrad_fp8_block_ws_kernel" in n for n in names), f"the Gluon wgrad did not run: {names}"
-        dw = result["dw"]
+        dw = run_on_kernel(run, "grouped_wgrad_fp8_block_ws_kernel")
         triton_dw = run(cfg=fp8_wgrad_candidates("fp8_block", True, "sm90")[0], use_tma=True)
     else:
         dw = run()
