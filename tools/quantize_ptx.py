@@ -81,7 +81,9 @@ def main() -> None:
     for (tile_k, form), (block_r, block_c, warps, steps, stages) in configs.QUANTIZE_TILES["sm90"].items():
         mx = tile_k == 32
         for rowwise in (True, False) if form == "cols" else (True,):
-            flags = dict(ROWWISE=rowwise and form != "tile", COLWISE=form == "cols", TILE=form == "tile")
+            flags = dict(
+                ROWWISE=rowwise and form != "tile", COLWISE=form == "cols", TILE=form == "tile", SEGMENTS=False
+            )
             constexprs = dict(MX=mx, TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, STAGES=stages)
             scales = "*u8" if mx else "*fp32"
             name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}{'' if rowwise else '_only'}"
@@ -101,7 +103,8 @@ def main() -> None:
         cases.append((f"amax_spans_row{int(rowwise)}", kernels.amax_spans_kernel, consts, warps, amax))
     span, block_cols, warps, steps, stages = configs.QUANTIZE_SPANS["sm90"]
     for rowwise in (True, False):
-        consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, **common)
+        consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, SEGMENTS=False)
+        consts.update(common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
     for name, kernel, constexprs, warps, pointers in cases:
         if only in name:
