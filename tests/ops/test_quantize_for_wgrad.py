@@ -100,6 +100,11 @@ def test_segments_are_segment_transpose_of_the_columnwise_form(recipe, backend, 
     none, alone = group_quantize_for_wgrad(x, m_splits, recipe, backend=backend)
     assert none is None and isinstance(alone, SegmentedColumns)
     check_segments(alone, ref.columnwise_data, splits, what + " columnwise alone")
+    # Rowwise alone (a backward whose weight needs no gradient): group_quantize's rowwise form, no columns.
+    row_alone, no_cols = group_quantize_for_wgrad(x, m_splits, recipe, rowwise=True, columnwise=False, backend=backend)
+    assert no_cols is None and row_alone is not None and row_alone.columnwise_data is None
+    assert torch.equal(row_alone.rowwise_data.view(torch.uint8), ref.rowwise_data.view(torch.uint8)), what
+    assert torch.equal(row_alone.rowwise_scale_inv.view(torch.uint8), ref.rowwise_scale_inv.view(torch.uint8)), what
 
 
 @cpu_only
@@ -119,6 +124,8 @@ def test_bad_inputs_refused_in_one_line():
         group_quantize_for_wgrad(w, [4, 4], "fp8_block", backend="torch")
     with pytest.raises(ValueError, match="recipe"):
         group_quantize_for_wgrad(torch.randn(8, 16), [8], "fp9", backend="torch")
+    with pytest.raises(ValueError, match="needs rowwise or columnwise"):
+        group_quantize_for_wgrad(torch.randn(8, 16), [8], "fp8_block", columnwise=False, backend="torch")
 
 
 @cpu_only
@@ -210,8 +217,10 @@ def test_grouped_linear_takes_segments_and_dw_is_bit_equal(recipe, monkeypatch):
     assert xl.grad is not None and not torch.isnan(xl.grad[: sum(splits)]).any()
 
 
-def _forced_old_layout(x, m_splits, recipe, *, rowwise=False, segments=True, backend="auto"):
-    return group_quantize_for_wgrad(x, m_splits, recipe, rowwise=rowwise, segments=False, backend=backend)
+def _forced_old_layout(x, m_splits, recipe, *, rowwise=False, columnwise=True, segments=True, backend="auto"):
+    return group_quantize_for_wgrad(
+        x, m_splits, recipe, rowwise=rowwise, columnwise=columnwise, segments=False, backend=backend
+    )
 
 
 @cpu_only

@@ -510,13 +510,10 @@ class _QuantizedLinearFn(torch.autograd.Function):
         if need_x or need_w:
             dy_q: GroupedTensor | None
             dy_cols: GroupedTensor | SegmentedColumns | None = None
-            if need_w:
-                # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward).
-                dy_q, dy_cols = group_quantize_for_wgrad(
-                    dy_MO, go, ctx.recipe, rowwise=need_x, segments=ctx.fp8_wgrad, backend=ctx.quantizer
-                )
-            else:
-                dy_q = group_quantize(dy_MO, go, ctx.recipe, backend=ctx.quantizer)
+            # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward).
+            dy_q, dy_cols = group_quantize_for_wgrad(
+                dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, segments=ctx.fp8_wgrad, backend=ctx.quantizer
+            )
             if need_x:
                 assert dy_q is not None  # rowwise
                 dx = quantized_dgrad_product(

@@ -415,11 +415,14 @@ def group_quantize_for_wgrad(
     recipe: str,
     *,
     rowwise: bool = False,
+    columnwise: bool = True,
     segments: bool = True,
     backend: str = "auto",
-) -> tuple[GroupedTensor | None, GroupedTensor | SegmentedColumns]:
+) -> tuple[GroupedTensor | None, GroupedTensor | SegmentedColumns | None]:
     """x's quantization for a quantized linear's backward: (its rowwise form as a GroupedTensor, or None
-    without `rowwise`; its columnwise form, the wgrad's operand), in one launch as `group_quantize`.
+    without `rowwise`; its columnwise form, the wgrad's operand, or None without `columnwise`), in one
+    launch as `group_quantize`. The two switches are the backward's needs (the dgrad reads the rowwise
+    form, the wgrad the columnwise one), so every backward asks in one call whatever it needs.
 
     segments (where the FP8 wgrad runs: `fp8_wgrad_compute`): the columnwise form as `SegmentedColumns`,
     its data written by the quantization straight into the wgrad's operand layout, so that the wgrad
@@ -428,6 +431,10 @@ def group_quantize_for_wgrad(
     scales the same. Otherwise (the reference path, which dequantizes it) one GroupedTensor with both
     forms, given twice. x: (M, X) rows with m_splits as `group_quantize`'s; no out= or noop flag (a
     backward's operands are fresh). Internal to moekit's quantized compute; no host reads."""
+    if not (rowwise or columnwise):
+        raise ValueError("group_quantize_for_wgrad needs rowwise or columnwise (or both), got neither")
+    if not columnwise:
+        return group_quantize(x, m_splits, recipe, backend=backend), None
     if not segments:
         both = group_quantize(x, m_splits, recipe, rowwise=rowwise, columnwise=True, backend=backend)
         return (both if rowwise else None), both

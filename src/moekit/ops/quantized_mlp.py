@@ -207,16 +207,14 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         if need_x or need_w:
             # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
             segments = spec.fc1_fp8_wgrad
-            if need_w:
-                dh_q, dh_cols = group_quantize_for_wgrad(
-                    dh_M2F, go, recipe, rowwise=need_x, segments=segments, backend=quantizer
-                )
-            else:
-                dh_q, dh_cols = group_quantize(dh_M2F, go, recipe, backend=quantizer), None
+            dh_q, dh_cols = group_quantize_for_wgrad(
+                dh_M2F, go, recipe, rowwise=need_x, columnwise=need_w, segments=segments, backend=quantizer
+            )
             del dh_M2F
             if need_w:
                 assert dh_cols is not None  # need_w
                 _, x_cols = group_quantize_for_wgrad(x_MH, go, recipe, segments=segments, backend=quantizer)
+                assert x_cols is not None  # columnwise
                 del x_MH
                 dw = quantized_wgrad_product(
                     backend, quantizer, recipe, spec.fc1_fp8_wgrad, dh_cols, x_cols, offs, host_offs,
@@ -304,24 +302,24 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
         segments = spec.fc2_fp8_wgrad
+        dy_q, dy_cols = group_quantize_for_wgrad(
+            dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, backend=quantizer
+        )
         if need_w:
-            dy_q, dy_cols = group_quantize_for_wgrad(
-                dy_MH, go, recipe, rowwise=need_da, segments=segments, backend=quantizer
-            )
+            assert dy_cols is not None  # columnwise
             # The wgrad's operand a, computed again from the held h and quantized columnwise.
             if h_M2F is None:
                 a_MF = held_gated_activation(h_q, probs_M, glu_block, activation)
             else:
                 a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, on_kernel)
             _, a_cols = group_quantize_for_wgrad(a_MF, go, recipe, segments=segments, backend=quantizer)
+            assert a_cols is not None  # columnwise
             del a_MF
             dw = quantized_wgrad_product(
                 backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_cols, a_cols, offs, host_offs, ctx.w_transposed,
                 w2_q.dtype,
             )  # fmt: skip
             del a_cols, dy_cols
-        else:
-            dy_q = group_quantize(dy_MH, go, recipe, backend=quantizer)
         if need_da:
             assert dy_q is not None  # rowwise
             da_MF = quantized_dgrad_product(
