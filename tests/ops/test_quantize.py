@@ -17,7 +17,7 @@ from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
 from moekit.ops.quantize import TRANSPOSED_RECIPES, group_quantize_reference, transposed_weight
 from moekit.ops.runtime.backends import triton_unavailable_reason
-from moekit.ops.runtime.configs import QUANTIZE_TILES
+from moekit.ops.runtime.configs import QUANTIZE_SLOTS, QUANTIZE_TILES
 from moekit.ops.splits import GroupOffsets
 
 RECIPE_NAMES = list(RECIPES)
@@ -340,17 +340,24 @@ def test_triton_kernels_match_the_torch_path(recipe, dtype):
 
 def test_quantize_tile_configs_fit_the_blocks():
     """Every architecture's tiles fit the formats' blocks (the host refuses one that does not): whole
-    blocks along the columns, a slot's rows for the columnwise form, one block for a weight tile;
-    power-of-two sides (Triton's aranges), at least one step and stage."""
+    blocks along the columns, one block for a weight tile; the slots' chunks divide the slot and are
+    multiples of 16 (the wgrad layout's stores); power-of-two sides (Triton's aranges), at least one
+    step and stage."""
     blocks = {RECIPES[name].block_cols: RECIPES[name].block_rows for name in ("mxfp8", "fp8_block")}
+    assert set(QUANTIZE_TILES) == set(QUANTIZE_SLOTS)
     for arch, table in QUANTIZE_TILES.items():
-        assert {form for _, form in table} == {"rows", "cols", "tile"} and {k for k, _ in table} == set(blocks)
+        assert {form for _, form in table} == {"rows", "tile"} and {k for k, _ in table} == set(blocks)
         for (tile_k, form), (block_r, block_c, warps, steps, stages) in table.items():
             what = f"{arch} {(tile_k, form)}"
             assert block_c % tile_k == 0 and block_r & (block_r - 1) == 0 and block_c & (block_c - 1) == 0, what
-            assert form == "rows" or block_r == blocks[tile_k], what
-            assert form != "tile" or block_c == tile_k, what
+            assert form != "tile" or (block_c == tile_k and block_r == blocks[tile_k]), what
             assert warps >= 1 and steps >= 1 and stages >= 1, what
+        assert set(QUANTIZE_SLOTS[arch]) == set(blocks)
+        for tile_k, (block_c, chunk, warps, stages) in QUANTIZE_SLOTS[arch].items():
+            what = f"{arch} slots {tile_k}"
+            assert block_c % tile_k == 0 and block_c & (block_c - 1) == 0, what
+            assert blocks[tile_k] % chunk == 0 and chunk % 16 == 0 and chunk & (chunk - 1) == 0, what
+            assert warps >= 1 and stages >= 1, what
 
 
 def poison(gt: GroupedTensor) -> None:

@@ -4,10 +4,12 @@ the formats in `moekit.grouped_tensor` and `moekit.ops.quantize`).
 Legend: M rows (N groups of them, then padding rows), X columns; a slot is one block of rows of one
 group (columnwise scales are kept per slot).
 
-    quantize_tiles_kernel       one (BLOCK_R, BLOCK_C) tile of x a program, read once (mxfp8 and
-                                fp8_block): the rowwise 1 x TILE_K scales of its rows, and the
-                                columnwise TILE_M x 1 scales of its columns (rows of one group's slot),
-                                or one scale per block (a weight's 128 x 128 blocks)
+    quantize_tiles_kernel       (BLOCK_R, BLOCK_C) tiles of x, each read once (mxfp8 and fp8_block,
+                                rowwise alone): the 1 x TILE_K scales of its rows, or one scale per
+                                block (a weight's 128 x 128 blocks)
+    quantize_slots_kernel       the columnwise form (mxfp8 and fp8_block; the rowwise one too if asked):
+                                one slot's column strip a program, walked twice in row chunks (the
+                                maxima and rowwise bytes, then the columnwise bytes from the caches)
     quantize_rows_kernel        one scale per whole row (fp8_rowwise rowwise alone): one read of rows
                                 that fit a program's registers (X <= 16384), else two passes over X
     amax_spans_kernel           fp8_rowwise with the columnwise form, first pass: the whole-row and
@@ -19,7 +21,7 @@ group (columnwise scales are kept per slot).
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
                                 fp32 rounded once to the output's dtype (the torch path's bytes)
 
-The columnwise forms (quantize_tiles_kernel, quantize_spans_kernel) store either as (M, X) rows, the
+The columnwise forms (quantize_slots_kernel, quantize_spans_kernel) store either as (M, X) rows, the
 GroupedTensor's layout, or (SEGMENTS) straight into the FP8 wgrad's transposed operand layout (X,
 pitch) (`_segment_store`): the wgrad then needs no transpose pass of its own.
 
@@ -212,6 +214,45 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
 
 
 @triton.jit
+def _rowwise_blocks(
+    x,
+    a,
+    r64,
+    rmask,
+    cb,
+    cbmask,
+    row_scale_ptr,
+    stride_row_scale,
+    MX: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """The rowwise bytes of a (rows, BLOCK_C) tile x (a: its `_abs_for_amax`), 1 x TILE_K blocks along
+    its rows; stores their scales at row_scale[row, cb] (rows r64 where rmask, column blocks cb where
+    cbmask). The blocks' maxima reduce a (rows, NB, TILE_K) view of the tile, which keeps its layout."""
+    BLOCK_R: tl.constexpr = x.shape[0]
+    BLOCK_C: tl.constexpr = x.shape[1]
+    NB: tl.constexpr = BLOCK_C // TILE_K
+    row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
+    row_scale_mask = rmask[:, None] & cbmask[None, :]
+    if NB == 1:
+        amax_r = tl.max(a, axis=1)
+        return _quantize_tile(x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3)
+    else:
+        amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
+        q3 = _quantize_tile(
+            tl.reshape(x, (BLOCK_R, NB, TILE_K)),
+            amax_r[:, :, None],
+            row_scales[:, :, None],
+            row_scale_mask[:, :, None],
+            tl.max(tl.max(amax_r, axis=1), axis=0),
+            MX,
+            HW_E4M3,
+        )
+        return tl.reshape(q3, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
 def _tiles_step(
     qi,
     pid,
@@ -221,24 +262,19 @@ def _tiles_step(
     x_ptr,
     row_data_ptr,
     row_scale_ptr,
-    col_data_ptr,
-    col_scale_ptr,
     cols,
     stride_x,
     stride_row_scale,
-    seg,
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
-    COLWISE: tl.constexpr,
     TILE: tl.constexpr,
-    SEGMENTS: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the slot or
-    block, lmask also live; seg: SEGMENTS' (j0, rows of the group, segment column of j0, live, pitch))."""
+    """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the weight block
+    or row block, lmask also live)."""
     NB: tl.constexpr = BLOCK_C // TILE_K
     cb = qi * NB + tl.arange(0, NB)
     cbmask = cb < stride_row_scale
@@ -256,37 +292,67 @@ def _tiles_step(
         q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
     if ROWWISE:
-        row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
-        row_scale_mask = rmask[:, None] & cbmask[None, :]
-        if NB == 1:
-            amax_r = tl.max(a, axis=1)
-            q = _quantize_tile(x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3)
-        else:
-            amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
-            q3 = _quantize_tile(
-                tl.reshape(x, (BLOCK_R, NB, TILE_K)),
-                amax_r[:, :, None],
-                row_scales[:, :, None],
-                row_scale_mask[:, :, None],
-                tl.max(tl.max(amax_r, axis=1), axis=0),
-                MX,
-                HW_E4M3,
-            )
-            q = tl.reshape(q3, (BLOCK_R, BLOCK_C))
+        q = _rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
-    if COLWISE:
-        amax_c = tl.max(a, axis=0)
-        col_scales = col_scale_ptr + pid.to(tl.int64) * cols + c
-        q = _quantize_tile(x, amax_c[None, :], col_scales[None, :], cmask[None, :], tl.max(amax_c, axis=0), MX, HW_E4M3)
-        if SEGMENTS:
-            j0, count, seg0, live, pitch = seg
-            _segment_store(col_data_ptr, q, rmask, c, cmask, j0, count, seg0, live, pitch, BLOCK_R)
-        else:
-            tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
 def quantize_tiles_kernel(
+    x_ptr,
+    offs_ptr,
+    slot_offs_ptr,
+    noop_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    stride_row_scale,
+    MX: tl.constexpr,
+    TILE: tl.constexpr,
+    TILE_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    HAS_NOOP: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """The rowwise form alone (mxfp8, fp8_block) or a weight's 128 x 128 blocks: program (p, q) quantizes
+    (BLOCK_R, BLOCK_C) tiles of x, each read once and held as one 2-D tile (the columns contiguous a
+    thread, 16-byte loads and stores), columns [q * STEPS * BLOCK_C, ...), STEPS tiles in a pipelined loop
+    of STAGES stages (STEPS = 1: one tile, no loop).
+    - TILE (NB = BLOCK_C / TILE_K = 1): p is a weight's block of BLOCK_R rows (a slot, `_slot_rows`);
+      one scale per BLOCK_R x TILE_K block, row_scale[slot, cb].
+    - otherwise rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never cross
+      rows), only offs[N], past which rows are padding (zeros); a 1 x TILE_K scale per row and column
+      block, row_scale[row, cb]."""
+    if _runs(noop_ptr, HAS_NOOP):
+        pid = tl.program_id(0)
+        if TILE:
+            r, rmask, live_group, _, _, _ = _slot_rows(
+                pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
+            )
+            lmask = rmask & live_group
+        else:
+            r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = r < rows
+            lmask = rmask & (r < tl.load(offs_ptr + num_groups))
+        # int64 addresses: rows * stride passes 2^31 elements at real sizes.
+        r64 = r.to(tl.int64)
+        q0 = tl.program_id(1) * STEPS
+        args = (x_ptr, row_data_ptr, row_scale_ptr, cols, stride_x, stride_row_scale)
+        if STEPS == 1:
+            _tiles_step(q0, pid, r64, rmask, lmask, *args, MX, not TILE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+        else:
+            for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
+                _tiles_step(qi, pid, r64, rmask, lmask, *args, MX, not TILE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+
+
+@triton.jit
+def quantize_slots_kernel(
     x_ptr,
     offs_ptr,
     slot_offs_ptr,
@@ -303,64 +369,78 @@ def quantize_tiles_kernel(
     pitch,
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
-    COLWISE: tl.constexpr,
-    TILE: tl.constexpr,
     SEGMENTS: tl.constexpr,
     TILE_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    STEPS: tl.constexpr,
+    CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Program (p, q): one (BLOCK_R, BLOCK_C) tile of x, read once, held as one 2-D tile (the columns
-    contiguous a thread, 16-byte loads and stores), columns [q * BLOCK_C, + BLOCK_C), i.e. the column
-    blocks cb in [q * NB, + NB) of TILE_K columns each (NB = BLOCK_C / TILE_K).
-    - COLWISE or TILE (BLOCK_R is the format's block of rows): p is a slot (`_slot_rows`); COLWISE a
-      BLOCK_R x 1 scale per column, col_scale[slot, col]; TILE (NB = 1) one scale per BLOCK_R x TILE_K
-      block, row_scale[slot, cb] (data rowwise).
-    - otherwise the rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never
-      cross rows), only offs[N], past which rows are padding (zeros).
-    ROWWISE: a 1 x TILE_K scale per row and block, row_scale[row, cb].
-    SEGMENTS (with COLWISE; BLOCK_R a multiple of 16): the columnwise data goes straight into the FP8
-    wgrad's operand layout, col_data (X, pitch) (`_segment_store`; the bytes of
-    `moekit.ops.runtime.quantized_gemm.segment_transpose` of the (M, X) form); its scales unchanged.
+    """The columnwise form (mxfp8, fp8_block), with or without the rowwise one: program (slot, q) owns
+    columns [q * BLOCK_C, + BLOCK_C) of one slot (SLOT_ROWS = the format's block of rows, of one group:
+    `_slot_rows`), a SLOT_ROWS x 1 scale per column, col_scale[slot, col].
 
-    No loop and no shared-memory staging: the bytes in flight come from many small programs an SM
-    (registers kept low), and the block maxima are reductions inside a thread and across a few lanes
-    (the rowwise blocks' TILE_K columns are 8-16 contiguous values a thread)."""
+    It walks the slot's strip twice in (CHUNK, BLOCK_C) chunks. Walk 1 (a pipelined loop of STAGES)
+    reads each chunk from memory, writes its rowwise bytes and scales (ROWWISE: 1 x TILE_K blocks along
+    a row lie in the chunk) and folds it into an elementwise running maximum, reduced over the rows once
+    at the end: the column scales. Walk 2 reads the chunks again (just read by this program: from the
+    caches) and writes the columnwise bytes, as (M, X) rows or (SEGMENTS) straight into the FP8 wgrad's
+    operand layout (`_segment_store`; CHUNK a multiple of 16). Why two walks: a column's scale needs all
+    of the slot's rows before any of its bytes, and holding the whole slot (and both forms'
+    intermediates) costs the registers that decide how many programs share an SM; a chunk's registers
+    do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1."""
     if _runs(noop_ptr, HAS_NOOP):
-        pid = tl.program_id(0)
-        seg = (0, 0, 0, False, pitch)
-        if COLWISE or TILE:
-            r, rmask, live_group, g, j0, count = _slot_rows(
-                pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
-            )
-            lmask = rmask & live_group
+        slot = tl.program_id(0)
+        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        live = g < num_groups
+        group_start = tl.load(offs_ptr + g)
+        count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
+        j0 = (slot - tl.load(slot_offs_ptr + g)) * SLOT_ROWS
+        r0 = (group_start + j0).to(tl.int64)
+        seg0 = 0
+        if SEGMENTS:
+            seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+        NB: tl.constexpr = BLOCK_C // TILE_K
+        cb = tl.program_id(1) * NB + tl.arange(0, NB)
+        cbmask = cb < stride_row_scale
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < cols
+        i = tl.arange(0, CHUNK)
+        amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)
+        for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
+            rmask = j0 + k + i < count
+            r64 = r0 + k + i
+            elem = r64[:, None] * stride_x + c[None, :]
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            a = _abs_for_amax(x)
+            amax_ic = tl.maximum(amax_ic, a)
+            if ROWWISE:
+                q = _rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
+                tl.store(row_data_ptr + elem, q, mask=mask)
+        amax_c = tl.max(amax_ic, axis=0)
+        col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
+        any_nan = tl.max(amax_c, axis=0) == float("inf")
+        if MX:
+            byte, mult = _e8m0_scales(amax_c)
+            tl.store(col_scales, byte, mask=cmask)
+        else:
+            mult, scale_inv = _fp32_scales(amax_c)
+            tl.store(col_scales, scale_inv, mask=cmask)
+        for k in tl.range(0, SLOT_ROWS, CHUNK):
+            rmask = j0 + k + i < count
+            r64 = r0 + k + i
+            elem = r64[:, None] * stride_x + c[None, :]
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            q = _e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             if SEGMENTS:
-                seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
-                seg = (j0, count, seg0, live_group, pitch)
-        else:
-            r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-            rmask = r < rows
-            lmask = rmask & (r < tl.load(offs_ptr + num_groups))
-        # int64 addresses: rows * stride passes 2^31 elements at real sizes.
-        r64 = r.to(tl.int64)
-        q0 = tl.program_id(1) * STEPS
-        args = (x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, stride_row_scale, seg)
-        if STEPS == 1:
-            _tiles_step(
-                q0, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C,
-                HW_E4M3,
-            )  # fmt: skip
-        else:
-            for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
-                _tiles_step(
-                    qi, pid, r64, rmask, lmask, *args, MX, ROWWISE, COLWISE, TILE, SEGMENTS, TILE_K, BLOCK_R, BLOCK_C,
-                    HW_E4M3,
-                )  # fmt: skip
+                _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
+            else:
+                tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit
@@ -588,7 +668,7 @@ def quantize_spans_kernel(
     columnwise data under group g's column scales of col_amax (the group's first span stores
     scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale. SEGMENTS (SPAN a
     multiple of 16): the columnwise data straight into the FP8 wgrad's operand layout, col_data (X,
-    pitch), as `quantize_tiles_kernel`'s SEGMENTS (padding rows: nothing)."""
+    pitch), as `quantize_slots_kernel`'s SEGMENTS (padding rows: nothing)."""
     if _runs(noop_ptr, HAS_NOOP):
         p = tl.program_id(0)
         k = tl.program_id(1)

@@ -295,42 +295,44 @@ def rows_tile(num_features: int) -> tuple[int, int]:
 ZERO_ROWS_TILE = (64, 128)
 
 
-# Grouped FP8 quantization (kernels.quantize). The tiles kernel, by (the format's block side TILE_K, form):
-# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows" (rowwise alone: any BLOCK_R, the rows need no
-# group), "cols" (the columnwise form, with or without the rowwise: BLOCK_R is the block's 32 or 128
-# rows of one group's slot), "tile" (fp8_block's 128 x 128 weight blocks). A program holds one 2-D tile
-# read once (8-32 KB of bf16). What keeps HBM busy is the bytes in flight an SM: where a thread's
-# registers allow many programs an SM (rowwise alone, the weight tiles) a program is one tile with no
-# loop (STEPS = 1); the columnwise form holds both forms' intermediates and allows one or two programs
-# an SM, so there a program walks STEPS column tiles of its slot in a software-pipelined loop of STAGES
-# stages (the next tile loading into shared memory while one computes). The register counts and the
-# reasoning are in notes/quantize.md. Under the interpreter: small tiles and a loop, so that CPU tests
-# cover several tiles of a block row, the loop, and blocks cut by the edges.
+# Grouped FP8 quantization (kernels.quantize). The tiles kernel (rowwise alone, a weight's blocks), by
+# (the format's block side TILE_K, form): (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows"
+# (rowwise alone: any BLOCK_R, the rows need no group), "tile" (fp8_block's 128 x 128 weight blocks). A
+# program holds one 2-D tile read once (8-32 KB of bf16). What keeps HBM busy is the bytes in flight an
+# SM: the registers allow many programs an SM, so a program is one tile with no loop (STEPS = 1). Under
+# the interpreter: small tiles and a loop, so that CPU tests cover several tiles of a block row, the
+# loop, and blocks cut by the edges.
+# The slots kernel (the columnwise form, with or without the rowwise), by TILE_K: (BLOCK_C, CHUNK,
+# warps, STAGES): a program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
+# walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
+# sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
+# wgrad layout's stores). The sm90 entries are chosen by register count (notes/quantize.md), not timed;
+# under the interpreter: 16-row chunks and narrow strips, so that CPU tests cover several chunks of a
+# slot and several strips of a row.
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
 # a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
 # cover several chunks of a row.
 QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
     "sm90": {
         (32, "rows"): (32, 128, 4, 1, 1),
-        (32, "cols"): (32, 128, 8, 8, 2),
         (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "cols"): (128, 128, 8, 8, 2),
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "sm80": {
         (32, "rows"): (32, 128, 4, 1, 1),
-        (32, "cols"): (32, 128, 8, 8, 2),
         (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "cols"): (128, 128, 16, 8, 2),
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "interpreter": {
         (32, "rows"): (4, 64, 4, 1, 1),
-        (32, "cols"): (32, 64, 4, 2, 1),
         (128, "rows"): (4, 128, 4, 2, 1),
-        (128, "cols"): (128, 128, 4, 1, 1),
         (128, "tile"): (128, 128, 4, 1, 1),
     },
+}
+QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
+    "sm90": {32: (128, 16, 4, 2), 128: (128, 32, 4, 2)},
+    "sm80": {32: (128, 16, 4, 2), 128: (128, 32, 4, 2)},
+    "interpreter": {32: (64, 16, 4, 1), 128: (128, 16, 4, 1)},
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
@@ -353,7 +355,7 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
 # (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
 # an SM, so a program walks STEPS column blocks in a pipelined loop, as the tiles kernel's columnwise
 # form). Small under the interpreter so that CPU tests cover several spans of a group, several column
-# blocks and the loop. The sm90 entries of these two tables and of QUANTIZE_TILES' (128, "cols") are the
+# blocks and the loop. The sm90 entries of these two tables are the
 # fastest of a sweep on the H200 (notes/quantize.md); the sm80 ones are the first guesses, not timed.
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (256, 64, 4),

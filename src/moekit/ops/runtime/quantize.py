@@ -31,6 +31,7 @@ from moekit.ops.kernels.quantize import (
     amax_spans_kernel,
     dequantize_kernel,
     quantize_rows_kernel,
+    quantize_slots_kernel,
     quantize_spans_kernel,
     quantize_tiles_kernel,
     transpose_weight_kernel,
@@ -40,6 +41,7 @@ from moekit.ops.runtime.configs import (
     QUANTIZE_AMAX_SPANS,
     QUANTIZE_CHUNKS,
     QUANTIZE_ONE_PASS_ROWS,
+    QUANTIZE_SLOTS,
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
     TRANSPOSE_TILES,
@@ -62,6 +64,7 @@ from moekit.ops.runtime.launch import (
 from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _TILES = Launcher(quantize_tiles_kernel)
+_SLOTS = Launcher(quantize_slots_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _AMAX = Launcher(amax_spans_kernel)
 _SPANS = Launcher(quantize_spans_kernel)
@@ -70,11 +73,13 @@ _TRANSPOSE = Launcher(transpose_weight_kernel)
 
 
 class QuantizePlan(NamedTuple):
-    """The launches of one problem: tiles (mxfp8, fp8_block); fp8_rowwise's whole rows (rowwise
-    only), or its two passes over spans of a group's rows (the maxima, then the data) when the
-    columnwise form is asked; None where there is nothing to launch."""
+    """The launches of one problem: mxfp8 and fp8_block's tiles (rowwise alone, a weight's blocks) or
+    slots (the columnwise form); fp8_rowwise's whole rows (rowwise only), or its two passes over spans
+    of a group's rows (the maxima, then the data) when the columnwise form is asked; None where there
+    is nothing to launch."""
 
     tiles: LaunchPlan | None
+    slots: LaunchPlan | None
     rows: LaunchPlan | None
     amax: LaunchPlan | None
     spans: LaunchPlan | None
@@ -104,29 +109,54 @@ def _plan(
     ints = (rows, cols, num_groups, x2.stride(0))
     hw_e4m3 = _hw_e4m3(x2.device)
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
-        tile = info.weight_tile is not None and x.dim() == 3
         tile_m, tile_k = info.block_rows, info.block_cols
-        form = "tile" if tile and rowwise else "cols" if columnwise else "rows"
+        # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for a weight's tiles.
+        stride_scale = triton.cdiv(cols, tile_k)
+        if columnwise:
+            block_c, chunk, warps, stages = QUANTIZE_SLOTS[arch][tile_k]
+            if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
+                raise RuntimeError(
+                    f"QUANTIZE_SLOTS[{arch!r}][{tile_k}] = {(block_c, chunk)} does not fit {info.name}'s "
+                    f"{tile_m} x {tile_k} blocks"
+                )
+            grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, block_c))
+            slots = LaunchPlan(
+                _SLOTS,
+                grid,
+                (*ints, stride_scale, pitch),
+                dict(
+                    MX=info.scale_dtype != torch.float32,
+                    ROWWISE=rowwise,
+                    SEGMENTS=segments,
+                    TILE_K=tile_k,
+                    SLOT_ROWS=tile_m,
+                    BLOCK_C=block_c,
+                    CHUNK=chunk,
+                    STAGES=stages,
+                    HAS_NOOP=has_noop,
+                    BLOCK_GROUPS=block_groups(num_groups),
+                    HW_E4M3=hw_e4m3,
+                    num_warps=warps,
+                ),
+            )
+            return QuantizePlan(None, slots if grid[0] and grid[1] else None, None, None, None)
+        tile = info.weight_tile is not None and x.dim() == 3
+        form = "tile" if tile else "rows"
         block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
-        if block_c % tile_k or (form != "rows" and block_r != tile_m) or (form == "tile" and block_c != tile_k):
+        if block_c % tile_k or (form == "tile" and (block_r != tile_m or block_c != tile_k)):
             raise RuntimeError(
                 f"QUANTIZE_TILES[{arch!r}][{(tile_k, form)}] = {(block_r, block_c)} does not fit {info.name}'s "
                 f"{tile_m} x {tile_k} blocks"
             )
-        # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for TILE.
-        stride_scale = triton.cdiv(cols, tile_k)
         row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
         grid = (row_programs, triton.cdiv(triton.cdiv(cols, block_c), steps))
         launch = LaunchPlan(
             _TILES,
             grid,
-            (*ints, stride_scale, pitch),
+            (*ints, stride_scale),
             dict(
                 MX=info.scale_dtype != torch.float32,
-                ROWWISE=rowwise and not tile,
-                COLWISE=columnwise,
-                TILE=rowwise and tile,
-                SEGMENTS=segments,
+                TILE=tile,
                 TILE_K=tile_k,
                 BLOCK_R=block_r,
                 BLOCK_C=block_c,
@@ -138,7 +168,7 @@ def _plan(
                 num_warps=warps,
             ),
         )
-        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None, None)
+        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None, None, None)
     row_plan = amax_plan = spans_plan = None
     if columnwise:  # two passes over x: the maxima of whole rows and whole groups, then both forms
         span, block_cols, warps = QUANTIZE_AMAX_SPANS[arch]
@@ -170,7 +200,7 @@ def _plan(
             num_warps=warps,
         )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
-    return QuantizePlan(None, row_plan, amax_plan, spans_plan)
+    return QuantizePlan(None, None, row_plan, amax_plan, spans_plan)
 
 
 def _num_spans(rows: int, num_groups: int, span: int) -> int:
@@ -223,7 +253,9 @@ def group_quantize_into(
     noop_arg = noop if noop is not None else offs
     with device_ctx(x.device):
         if plan.tiles is not None:
-            plan.tiles(
+            plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
+        if plan.slots is not None:
+            plan.slots(
                 x2,
                 offs,
                 slot_offs,
