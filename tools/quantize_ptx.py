@@ -80,15 +80,22 @@ def main() -> None:
     common = dict(HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
     for (tile_k, form), (block_r, block_c, warps, steps, stages) in configs.QUANTIZE_TILES["sm90"].items():
         mx = tile_k == 32
-        for rowwise in (True, False) if form == "cols" else (True,):
-            flags = dict(
-                ROWWISE=rowwise and form != "tile", COLWISE=form == "cols", TILE=form == "tile", SEGMENTS=False
-            )
-            constexprs = dict(MX=mx, TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps, STAGES=stages)
+        constexprs = dict(MX=mx, TILE=form == "tile", TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps)
+        constexprs.update(STAGES=stages)
+        scales = "*u8" if mx else "*fp32"
+        name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}"
+        cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, {"row_scale_ptr": scales}))
+    for tile_k, (block_c, chunk, warps, stages) in configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")].items():
+        mx = tile_k == 32
+        slot_rows = 32 if mx else 128
+        for rowwise, segments in ((True, False), (False, False), (True, True)):
+            constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, TILE_K=tile_k, SLOT_ROWS=slot_rows)
+            constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages)
             scales = "*u8" if mx else "*fp32"
-            name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}{'' if rowwise else '_only'}"
+            form = ("row+col" if rowwise else "col") + ("_segments" if segments else "")
+            name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"
             pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
-            cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **flags, **common}, warps, pointers))
+            cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
     most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]

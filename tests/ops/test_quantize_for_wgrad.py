@@ -286,10 +286,13 @@ def stores(kernel, const, warps):
     return sorted(set(re.findall(r"st\.global[\w.]*", ptx)))
 
 seg = json.loads(sys.argv[1])
-tiles = dict(MX=False, ROWWISE=True, COLWISE=True, TILE=False, SEGMENTS=seg, TILE_K=128, BLOCK_R=128, BLOCK_C=128,
-             STEPS=8, STAGES=2, HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
-out = {"fp8_block": stores(K.quantize_tiles_kernel, tiles, 16)}
-out["mxfp8"] = stores(K.quantize_tiles_kernel, dict(tiles, MX=True, TILE_K=32, BLOCK_R=32), 8)
+from moekit.ops.runtime.configs import QUANTIZE_SLOTS
+out = {}
+for recipe, tile_k in (("fp8_block", 128), ("mxfp8", 32)):
+    block_c, chunk, warps, stages = QUANTIZE_SLOTS["sm90"][tile_k]
+    slots = dict(MX=tile_k == 32, ROWWISE=True, SEGMENTS=seg, TILE_K=tile_k, SLOT_ROWS=128 if tile_k == 128 else 32,
+                 BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
+    out[recipe] = stores(K.quantize_slots_kernel, slots, warps)
 spans = dict(ROWWISE=True, SEGMENTS=seg, HAS_NOOP=False, SPAN=32, BLOCK_COLS=128, STEPS=8, STAGES=2,
              BLOCK_GROUPS=256, HW_E4M3=True)
 out["fp8_rowwise"] = stores(K.quantize_spans_kernel, spans, 8)

@@ -330,8 +330,8 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
     },
 }
 QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
-    "sm90": {32: (128, 16, 4, 2), 128: (128, 32, 4, 2)},
-    "sm80": {32: (128, 16, 4, 2), 128: (128, 32, 4, 2)},
+    "sm90": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
+    "sm80": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
     "interpreter": {32: (64, 16, 4, 1), 128: (128, 16, 4, 1)},
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
