@@ -353,8 +353,7 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
 # next to the elements, one per row and per column of a tile; maxima only, so a thread holds 64
 # elements at few registers and several programs share an SM) and the data of both forms
 # (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
-# an SM, so a program walks STEPS column blocks in a pipelined loop, as the tiles kernel's columnwise
-# form). Small under the interpreter so that CPU tests cover several spans of a group, several column
+# an SM, so a program walks STEPS column blocks in a pipelined loop). Small under the interpreter so that CPU tests cover several spans of a group, several column
 # blocks and the loop. The sm90 entries of these two tables are the
 # fastest of a sweep on the H200 (notes/quantize.md); the sm80 ones are the first guesses, not timed.
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
