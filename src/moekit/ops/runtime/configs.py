@@ -306,9 +306,10 @@ ZERO_ROWS_TILE = (64, 128)
 # warps, STAGES): a program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
-# wgrad layout's stores). The sm90 entries are chosen by register count (notes/quantize.md), not timed;
-# under the interpreter: 16-row chunks and narrow strips, so that CPU tests cover several chunks of a
-# slot and several strips of a row.
+# wgrad layout's stores). The sm90 entries are the fastest of a sweep on the H200 for the layout their
+# layer uses (notes/quantize.md): fp8_block's for the wgrad layout (its FP8 wgrad), mxfp8's for (M, X)
+# rows (no FP8 wgrad); the sm80 ones are guesses, not timed. Under the interpreter: 16-row chunks and
+# narrow strips, so that CPU tests cover several chunks of a slot and several strips of a row.
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
 # a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
 # cover several chunks of a row.
@@ -330,7 +331,7 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
     },
 }
 QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
-    "sm90": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
+    "sm90": {32: (128, 16, 4, 1), 128: (128, 32, 4, 2)},
     "sm80": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
     "interpreter": {32: (64, 16, 4, 1), 128: (128, 16, 4, 1)},
 }
@@ -353,9 +354,10 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
 # next to the elements, one per row and per column of a tile; maxima only, so a thread holds 64
 # elements at few registers and several programs share an SM) and the data of both forms
 # (QUANTIZE_SPANS, (SPAN, BLOCK_COLS, warps, STEPS, STAGES): both forms' registers allow few programs
-# an SM, so a program walks STEPS column blocks in a pipelined loop). Small under the interpreter so that CPU tests cover several spans of a group, several column
-# blocks and the loop. The sm90 entries of these two tables are the
-# fastest of a sweep on the H200 (notes/quantize.md); the sm80 ones are the first guesses, not timed.
+# an SM, so a program walks STEPS column blocks in a pipelined loop). Small under the interpreter so
+# that CPU tests cover several spans of a group, several column blocks and the loop. The sm90 entries
+# of these two tables are the fastest of a sweep on the H200 (notes/quantize.md); the sm80 ones are
+# the first guesses, not timed.
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (256, 64, 4),
     "sm80": (64, 128, 4),
