@@ -67,6 +67,16 @@ SHAPES = (
     Shape("gpt-oss-20b", 16384, 32, 4, 2880, 2880),
     Shape("qwen3-30b-a3b", 32768, 128, 8, 2048, 768),
 )
+# The rest of the layer benchmark's table (by name with --shapes, or all with --shapes all): the
+# coarse shapes, SonicMoE's paper shape and its fine-grained configurations.
+MORE_SHAPES = (
+    Shape("deepseek-v3-ep8", 16384, 32, 8, 7168, 2048),
+    Shape("mixtral-8x7b", 16384, 8, 2, 4096, 14336),
+    Shape("sonicmoe", 32768, 128, 8, 4096, 512),
+    Shape("sonicmoe-e256-k16", 32768, 256, 16, 4096, 256),
+    Shape("sonicmoe-e64-k4", 32768, 64, 4, 4096, 1024),
+    Shape("sonicmoe-7b", 24576, 128, 8, 1536, 256),
+)
 SMOKE_SHAPES = (Shape("smoke", 24, 4, 2, 32, 8),)
 
 
@@ -88,7 +98,7 @@ def label_of(k: int | None, ffn: int) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    p.add_argument("--shapes", default=None, help="comma list of shape names, or all (default: SHAPES)")
     p.add_argument(
         "--interleaves",
         default=None,
@@ -126,8 +136,10 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     # bf16 on the GPU; fp32 under the interpreter (its bf16 dot is not the GPU's).
     dtype = torch.bfloat16 if cuda else torch.float32
-    pool = SMOKE_SHAPES if args.smoke else SHAPES
-    shapes = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    pool = SMOKE_SHAPES if args.smoke else SHAPES + MORE_SHAPES
+    default = SMOKE_SHAPES if args.smoke else SHAPES
+    wanted = {None: ",".join(s.name for s in default), "all": None}.get(args.shapes, args.shapes)
+    shapes = runner.select_by_name(pool, wanted, "shapes", [s.name for s in pool])
     orientations = runner.select_by_name(ORIENTATIONS, args.orientations, "orientations", ORIENTATIONS)
     wanted = [w.strip() for w in args.interleaves.split(",") if w.strip()] if args.interleaves else None
     cfg = runner.BenchConfig(
