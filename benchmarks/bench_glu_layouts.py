@@ -41,10 +41,14 @@ import collections
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from bench_moe_layer import LayerShape
 
 NAME = "glu_layouts"
 OPS = ("forward", "forward+backward")
@@ -53,34 +57,13 @@ ORIENTATIONS = ("stored", "transposed")
 INTERLEAVES = (None, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int
-    experts: int
-    top_k: int
-    hidden: int
-    ffn: int
+# Shapes are bench_moe_layer's (LayerShape), taken by name once triton's mode is set: these by default,
+# the others of its table (the coarse shapes, SonicMoE's) by name or with --shapes all.
+DEFAULT_SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
+SMOKE_SHAPE = ("smoke", 24, 4, 2, 32, 8)
 
 
-SHAPES = (
-    Shape("gpt-oss-20b", 16384, 32, 4, 2880, 2880),
-    Shape("qwen3-30b-a3b", 32768, 128, 8, 2048, 768),
-)
-# The rest of the layer benchmark's table (by name with --shapes, or all with --shapes all): the
-# coarse shapes, SonicMoE's paper shape and its fine-grained configurations.
-MORE_SHAPES = (
-    Shape("deepseek-v3-ep8", 16384, 32, 8, 7168, 2048),
-    Shape("mixtral-8x7b", 16384, 8, 2, 4096, 14336),
-    Shape("sonicmoe", 32768, 128, 8, 4096, 512),
-    Shape("sonicmoe-e256-k16", 32768, 256, 16, 4096, 256),
-    Shape("sonicmoe-e64-k4", 32768, 64, 4, 4096, 1024),
-    Shape("sonicmoe-7b", 24576, 128, 8, 1536, 256),
-)
-SMOKE_SHAPES = (Shape("smoke", 24, 4, 2, 32, 8),)
-
-
-def interleaves_of(shape: Shape, wanted: list[str] | None) -> list[int | None]:
+def interleaves_of(shape: LayerShape, wanted: list[str] | None) -> list[int | None]:
     """The shape's interleaves: INTERLEAVES that divide F, then F; `wanted` (names "none", "F" or
     numbers) keeps those only."""
     ks: list[int | None] = [k for k in INTERLEAVES if k is None or shape.ffn % k == 0]
@@ -98,7 +81,9 @@ def label_of(k: int | None, ffn: int) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=None, help="comma list of shape names, or all (default: SHAPES)")
+    p.add_argument(
+        "--shapes", default=None, help="comma list of bench_moe_layer shape names, or all (default: DEFAULT_SHAPES)"
+    )
     p.add_argument(
         "--interleaves",
         default=None,
@@ -136,9 +121,14 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     # bf16 on the GPU; fp32 under the interpreter (its bf16 dot is not the GPU's).
     dtype = torch.bfloat16 if cuda else torch.float32
-    pool = SMOKE_SHAPES if args.smoke else SHAPES + MORE_SHAPES
-    default = SMOKE_SHAPES if args.smoke else SHAPES
-    wanted = {None: ",".join(s.name for s in default), "all": None}.get(args.shapes, args.shapes)
+    import bench_moe_layer as layer
+
+    if args.smoke:
+        pool: tuple[LayerShape, ...] = (layer.LayerShape(*SMOKE_SHAPE),)
+    else:
+        pool = layer.SHAPES + layer.SONICMOE_SHAPES
+    default = ",".join(s.name for s in pool if args.smoke or s.name in DEFAULT_SHAPES)
+    wanted = {None: default, "all": None}.get(args.shapes, args.shapes)
     shapes = runner.select_by_name(pool, wanted, "shapes", [s.name for s in pool])
     orientations = runner.select_by_name(ORIENTATIONS, args.orientations, "orientations", ORIENTATIONS)
     wanted = [w.strip() for w in args.interleaves.split(",") if w.strip()] if args.interleaves else None
@@ -184,7 +174,7 @@ def main(argv=None) -> dict:
     return payload
 
 
-def layer_inputs(shape: Shape, device: torch.device, dtype: torch.dtype) -> dict:
+def layer_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype) -> dict:
     """x (T, H), balanced routing (T, K) ids and weights, fc1 (N, 2F, H) `[gate | up]`, fc2 (N, H, F),
     dy (T, H), from fixed seeds."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -207,7 +197,7 @@ def oriented(w: torch.Tensor, orientation: str) -> torch.Tensor:
     return w.detach().requires_grad_(True)
 
 
-def kernels_take(shape: Shape, base: dict, w1: torch.Tensor, w2: torch.Tensor, k: int | None) -> dict:
+def kernels_take(shape: LayerShape, base: dict, w1: torch.Tensor, w2: torch.Tensor, k: int | None) -> dict:
     """Which kernels run the fused fc1 and fc2-dgrad passes: "hopper" (runtime.glu.hopper_kernels_take)
     or "triton". TMA as the runtime decides it for the stored weight."""
     from moekit.ops.runtime import glu as rglu
@@ -223,7 +213,7 @@ def kernels_take(shape: Shape, base: dict, w1: torch.Tensor, w2: torch.Tensor, k
     return out
 
 
-def bench_shape(shape: Shape, ks: list, orientations: list[str], args, cfg, runner) -> list[dict]:
+def bench_shape(shape: LayerShape, ks: list, orientations: list[str], args, cfg, runner) -> list[dict]:
     import moekit
 
     device, dtype = cfg.device, cfg.dtype

@@ -104,6 +104,12 @@ OTHER_SHAPES = (
     LayerShape("qwen1.5-moe-a2.7b", 16384, 60, 4, 2048, 1408),
     LayerShape("granite-3.0-3b-a800m", 16384, 40, 8, 1536, 512),
 )
+# SonicMoE's fine-grained configurations (its paper's 30B and 7B settings and E64/K4/F1024), by name.
+SONICMOE_SHAPES = (
+    LayerShape("sonicmoe-e256-k16", 32768, 256, 16, 4096, 256),
+    LayerShape("sonicmoe-e64-k4", 32768, 64, 4, 4096, 1024),
+    LayerShape("sonicmoe-7b", 24576, 128, 8, 1536, 256),
+)
 SMOKE_SHAPES = (LayerShape("smoke", 64, 6, 2, 32, 48), LayerShape("smoke-top1", 40, 4, 1, 64, 32))
 
 
@@ -548,7 +554,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.type == "cpu" and not args.smoke:
         raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
-    pool = SMOKE_SHAPES if args.smoke else SHAPES + OTHER_SHAPES
+    pool = SMOKE_SHAPES if args.smoke else SHAPES + OTHER_SHAPES + SONICMOE_SHAPES
     if args.shapes == "other":
         args.shape_list = list(OTHER_SHAPES)
     else:
@@ -634,7 +640,8 @@ def main(argv=None) -> dict:
     )
     print_table(records, roofs)
     if args.profile:
-        profile_moekit(args, next(s for s in SHAPES + OTHER_SHAPES + SMOKE_SHAPES if s.name == args.profile))
+        known = SHAPES + OTHER_SHAPES + SONICMOE_SHAPES + SMOKE_SHAPES
+        profile_moekit(args, next(s for s in known if s.name == args.profile))
     payload = {"meta": env, "records": records}
     runner.write_json(args.out / f"{NAME}.json", payload)
     if args.plot:

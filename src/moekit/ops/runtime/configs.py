@@ -308,8 +308,11 @@ ZERO_ROWS_TILE = (64, 128)
 # sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
 # wgrad layout's stores). The sm90 entries are the fastest of a sweep on the H200 for the layout their
 # layer uses (notes/quantize.md): fp8_block's for the wgrad layout (its FP8 wgrad), mxfp8's for (M, X)
-# rows (no FP8 wgrad); the sm80 ones are guesses, not timed. Under the interpreter: 16-row chunks and
-# narrow strips, so that CPU tests cover several chunks of a slot and several strips of a row.
+# rows (no FP8 wgrad); the sm80 ones are guesses, not timed. Under the interpreter: two chunks a slot
+# and narrow strips, so that CPU tests cover several chunks of a slot and several strips of a row.
+# Every interpreter entry of these quantize tables is the largest that still gives the CPU tests'
+# shapes several tiles, chunks or spans: the interpreter's cost is per operation of every program, so
+# smaller tiles only multiply the CPU time (the tests' groups of 33-130 rows, 67-257 columns).
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
 # a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
 # cover several chunks of a row.
@@ -325,20 +328,20 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (128, "tile"): (128, 128, 16, 1, 1),
     },
     "interpreter": {
-        (32, "rows"): (4, 64, 4, 1, 1),
-        (128, "rows"): (4, 128, 4, 2, 1),
+        (32, "rows"): (16, 64, 4, 1, 1),
+        (128, "rows"): (16, 128, 4, 2, 1),
         (128, "tile"): (128, 128, 4, 1, 1),
     },
 }
 QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
     "sm90": {32: (128, 16, 4, 1), 128: (128, 32, 4, 2)},
     "sm80": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
-    "interpreter": {32: (64, 16, 4, 1), 128: (128, 16, 4, 1)},
+    "interpreter": {32: (64, 16, 4, 1), 128: (128, 64, 4, 1)},
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
     "sm80": (16, 512, 4),
-    "interpreter": (8, 64, 4),
+    "interpreter": (16, 64, 4),
 }
 # The whole-row kernel's one-pass form (rows read once, held in registers): (most columns, elements a
 # program, warps). 16384 bf16 columns are 64 fp32 registers a thread at 8 warps; a program takes
@@ -361,12 +364,12 @@ QUANTIZE_ONE_PASS_ROWS: dict[Arch, tuple[int, int, int]] = {
 QUANTIZE_AMAX_SPANS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (256, 64, 4),
     "sm80": (64, 128, 4),
-    "interpreter": (8, 32, 4),
+    "interpreter": (16, 32, 4),
 }
 QUANTIZE_SPANS: dict[Arch, tuple[int, int, int, int, int]] = {
     "sm90": (64, 128, 4, 8, 2),
     "sm80": (32, 128, 8, 8, 2),
-    "interpreter": (4, 32, 4, 2, 1),
+    "interpreter": (16, 32, 4, 2, 1),
 }
 # The dequantize kernel's tiles (BLOCK_M rows, BLOCK_X columns, warps): an elementwise pass, 32 x 256
 # moves 8 KB of FP8 in and 16 KB of bf16 out a program; small tiles under the interpreter so that CPU
@@ -374,7 +377,7 @@ QUANTIZE_SPANS: dict[Arch, tuple[int, int, int, int, int]] = {
 DEQUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
     "sm90": (32, 256, 4),
     "sm80": (32, 256, 4),
-    "interpreter": (8, 16, 4),
+    "interpreter": (16, 16, 4),
 }
 
 # The transposed FP8 weight's tiles (BLOCK_O, BLOCK_I, warps): fp8_block's tiles are its 128 x 128
