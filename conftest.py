@@ -7,9 +7,9 @@ sees the same mode whichever test module happens to import triton first.
 The interpreter re-patches triton.language (every builtin of `tl`, `tl.tensor` and `tl.math`, a few
 milliseconds) at every call of a `@triton.jit` helper from inside a kernel, although the launch that
 runs the kernel has patched those same modules already and restores them when it ends. moekit's
-kernels call small helpers per tile, so that re-patching was a third of the CPU tests' interpreter
-time. `_patch_each_launch_once` skips it for a helper whose language modules the running launch has
-patched; any other helper (one that also names `triton.language.core`, say) is patched as before.
+kernels call small helpers per tile: in one quantize test that re-patching was a third of the time
+(43 s -> 26 s without it). `_patch_each_launch_once` skips it for a helper whose language modules
+the running launch has patched; any other helper (one that also names `triton.language.core`, say) is patched as before.
 What is computed does not change: the helper runs with the same patched builtins either way.
 """
 

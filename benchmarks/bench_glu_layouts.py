@@ -127,9 +127,12 @@ def main(argv=None) -> dict:
         pool: tuple[LayerShape, ...] = (layer.LayerShape(*SMOKE_SHAPE),)
     else:
         pool = layer.SHAPES + layer.SONICMOE_SHAPES
-    default = ",".join(s.name for s in pool if args.smoke or s.name in DEFAULT_SHAPES)
-    wanted = {None: default, "all": None}.get(args.shapes, args.shapes)
-    shapes = runner.select_by_name(pool, wanted, "shapes", [s.name for s in pool])
+    if args.shapes == "all" or args.smoke:
+        shapes = list(pool)
+    elif args.shapes:
+        shapes = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    else:
+        shapes = [s for s in pool if s.name in DEFAULT_SHAPES]
     orientations = runner.select_by_name(ORIENTATIONS, args.orientations, "orientations", ORIENTATIONS)
     wanted = [w.strip() for w in args.interleaves.split(",") if w.strip()] if args.interleaves else None
     cfg = runner.BenchConfig(
