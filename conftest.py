@@ -9,8 +9,9 @@ milliseconds) at every call of a `@triton.jit` helper from inside a kernel, alth
 runs the kernel has patched those same modules already and restores them when it ends. moekit's
 kernels call small helpers per tile: in one quantize test that re-patching was a third of the time
 (43 s -> 26 s without it). `_patch_each_launch_once` skips it for a helper whose language modules
-the running launch has patched; any other helper (one that also names `triton.language.core`, say) is patched as before.
-What is computed does not change: the helper runs with the same patched builtins either way.
+the running launch has patched; any other helper (one that also names `triton.language.core`, say)
+is patched as before. What is computed does not change: the helper runs with the same patched
+builtins either way.
 """
 
 import inspect
