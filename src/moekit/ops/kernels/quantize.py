@@ -214,6 +214,23 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
 
 
 @triton.jit
+def _program_order(column_programs, BAND: tl.constexpr):
+    """(row program p, column program q) of a 1-D launch over both (1-D: the row programs can pass the
+    65535 limit of a grid's second dimension), in bands of BAND row programs: a band's programs run
+    one after the other, its row programs fastest. What runs at one time is then a few row programs'
+    whole width: reads of whole stretches of x's rows (DRAM pages, rather than a thin column strip of
+    every row) and a row's scales written together (BAND = 1: column programs fastest); a larger band
+    keeps neighbours along the rows for a transposed output (the FP8 wgrad's layout, whose rows are
+    x's columns)."""
+    pid = tl.program_id(0)
+    per_band = BAND * column_programs
+    first = pid // per_band * BAND
+    height = tl.minimum(tl.num_programs(0) // column_programs - first, BAND)
+    within = pid % per_band
+    return first + within % height, within // height
+
+
+@triton.jit
 def _rowwise_blocks(
     x,
     a,
@@ -330,7 +347,7 @@ def quantize_tiles_kernel(
       rows), only offs[N], past which rows are padding (zeros); a 1 x TILE_K scale per row and column
       block, row_scale[row, cb]."""
     if _runs(noop_ptr, HAS_NOOP):
-        pid = tl.program_id(0)
+        pid, q = _program_order(tl.cdiv(tl.cdiv(cols, BLOCK_C), STEPS), 1)
         if TILE:
             r, rmask, live_group, _, _, _ = _slot_rows(
                 pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
@@ -342,7 +359,7 @@ def quantize_tiles_kernel(
             lmask = rmask & (r < tl.load(offs_ptr + num_groups))
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
-        q0 = tl.program_id(1) * STEPS
+        q0 = q * STEPS
         args = (x_ptr, row_data_ptr, row_scale_ptr, cols, stride_x, stride_row_scale)
         if STEPS == 1:
             _tiles_step(q0, pid, r64, rmask, lmask, *args, MX, not TILE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
@@ -375,6 +392,7 @@ def quantize_slots_kernel(
     BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
+    BAND: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
@@ -393,7 +411,7 @@ def quantize_slots_kernel(
     intermediates) costs the registers that decide how many programs share an SM; a chunk's registers
     do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1."""
     if _runs(noop_ptr, HAS_NOOP):
-        slot = tl.program_id(0)
+        slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
         g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
         live = g < num_groups
         group_start = tl.load(offs_ptr + g)
@@ -404,9 +422,9 @@ def quantize_slots_kernel(
         if SEGMENTS:
             seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
         NB: tl.constexpr = BLOCK_C // TILE_K
-        cb = tl.program_id(1) * NB + tl.arange(0, NB)
+        cb = qc * NB + tl.arange(0, NB)
         cbmask = cb < stride_row_scale
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c = qc * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < cols
         i = tl.arange(0, CHUNK)
         amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)

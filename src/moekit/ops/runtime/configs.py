@@ -338,6 +338,15 @@ QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
     "sm80": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
     "interpreter": {32: (64, 16, 4, 1), 128: (128, 64, 4, 1)},
 }
+# The slots kernel's program order, by layout of the columnwise data (False: (M, X) rows, True: the
+# FP8 wgrad's transposed segments): the slots a band holds (`_program_order` in the kernels; the
+# rowwise-alone tiles kernel runs bands of one row program). A band of 2^16 slots is the order before
+# bands (slots fastest), kept for the wgrad layout where columns fastest was slower on the H200.
+QUANTIZE_SLOT_BANDS: dict[Arch, dict[bool, int]] = {
+    "sm90": {False: 1, True: 1 << 16},
+    "sm80": {False: 1, True: 1 << 16},
+    "interpreter": {False: 1, True: 2},
+}
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
     "sm80": (16, 512, 4),

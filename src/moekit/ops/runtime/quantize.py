@@ -41,6 +41,7 @@ from moekit.ops.runtime.configs import (
     QUANTIZE_AMAX_SPANS,
     QUANTIZE_CHUNKS,
     QUANTIZE_ONE_PASS_ROWS,
+    QUANTIZE_SLOT_BANDS,
     QUANTIZE_SLOTS,
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
@@ -119,10 +120,10 @@ def _plan(
                     f"QUANTIZE_SLOTS[{arch!r}][{tile_k}] = {(block_c, chunk)} does not fit {info.name}'s "
                     f"{tile_m} x {tile_k} blocks"
                 )
-            grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, block_c))
+            programs = _num_slots(info, x, tile_m, num_groups) * triton.cdiv(cols, block_c)
             slots = LaunchPlan(
                 _SLOTS,
-                grid,
+                (programs,),
                 (*ints, stride_scale, pitch),
                 dict(
                     MX=info.scale_dtype != torch.float32,
@@ -133,13 +134,14 @@ def _plan(
                     BLOCK_C=block_c,
                     CHUNK=chunk,
                     STAGES=stages,
+                    BAND=QUANTIZE_SLOT_BANDS[arch][segments],
                     HAS_NOOP=has_noop,
                     BLOCK_GROUPS=block_groups(num_groups),
                     HW_E4M3=hw_e4m3,
                     num_warps=warps,
                 ),
             )
-            return QuantizePlan(None, slots if grid[0] and grid[1] else None, None, None, None)
+            return QuantizePlan(None, slots if programs else None, None, None, None)
         tile = info.weight_tile is not None and x.dim() == 3
         form = "tile" if tile else "rows"
         block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
@@ -149,10 +151,10 @@ def _plan(
                 f"{tile_m} x {tile_k} blocks"
             )
         row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
-        grid = (row_programs, triton.cdiv(triton.cdiv(cols, block_c), steps))
+        programs = row_programs * triton.cdiv(triton.cdiv(cols, block_c), steps)
         launch = LaunchPlan(
             _TILES,
-            grid,
+            (programs,),
             (*ints, stride_scale),
             dict(
                 MX=info.scale_dtype != torch.float32,
@@ -168,7 +170,7 @@ def _plan(
                 num_warps=warps,
             ),
         )
-        return QuantizePlan(launch if grid[0] and grid[1] else None, None, None, None, None)
+        return QuantizePlan(launch if programs else None, None, None, None, None)
     row_plan = amax_plan = spans_plan = None
     if columnwise:  # two passes over x: the maxima of whole rows and whole groups, then both forms
         span, block_cols, warps = QUANTIZE_AMAX_SPANS[arch]
