@@ -1,0 +1,125 @@
+"""Triton interpreter speed-ups for moekit's CPU tests, installed where TRITON_INTERPRET=1.
+
+The repository's conftest.py loads this file in every test process, and puts its folder first on
+PYTHONPATH, so that the Python processes the tests start (the benchmarks' smoke runs) import it at
+start-up as `sitecustomize` and run their kernels with the same speed-ups. Nothing here changes what
+a kernel computes; the patches apply to triton 3.6 (constraints.txt) and step aside for another.
+
+The interpreter re-patches triton.language (every builtin of `tl`, `tl.tensor` and `tl.math`, a few
+milliseconds) at every call of a `@triton.jit` helper from inside a kernel, although the launch that
+runs the kernel has patched those same modules already and restores them when it ends. moekit's
+kernels call small helpers per tile: in one quantize test that re-patching was a third of the time
+(43 s -> 26 s without it). `_patch_each_launch_once` skips it for a helper whose language modules
+the running launch has patched; any other helper (one that also names `triton.language.core`, say)
+is patched as before. What is computed does not change: the helper runs with the same patched
+builtins either way.
+
+What is left of the interpreter's time is bookkeeping, not arithmetic (cProfile of one quantize test:
+numpy is a few percent; most is building triton.language type objects for every operation of every
+program). `_cheaper_interpreter_types` removes three of its costs, each without changing a value:
+the numpy dtype of a Triton type is looked up in one table built once (triton 3.6 builds that dict
+at every call), a block type of plain int dimensions is built without the generic unwrapping (the
+same attributes, of the same types; anything else goes to the original), and a tuple type's `name`
+string is made when read rather than at every construction. That test: 28 s -> 20 s.
+"""
+
+import inspect
+import os
+
+
+def _patch_each_launch_once() -> None:
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
+        return  # another triton than the one this was written for (3.6), or already installed
+    patched: list[set[int]] = []  # the language modules the running launch has patched
+
+    known: dict[object, set[int]] = {}
+
+    def languages(fn) -> set[int]:
+        if fn not in known:
+            mods = (v for v in fn.__globals__.values() if inspect.ismodule(v))
+            known[fn] = {id(v) for v in mods if v in (tl, tl.core)}
+        return known[fn]
+
+    class LaunchScope:
+        def __init__(self, scope) -> None:
+            self.scope = scope
+
+        def restore(self) -> None:
+            patched.pop()
+            self.scope.restore()
+
+    def once_per_launch(fn):
+        langs = languages(fn)
+        if not patched:  # a launch (kernels do not launch kernels): patch, restored when it ends
+            scope = patch_lang(fn)
+            patched.append(langs)
+            return LaunchScope(scope)
+        if langs <= patched[-1]:  # a helper called from the kernel: its modules are patched already
+            return None
+        patched[-1] |= langs
+        return patch_lang(fn)
+
+    once_per_launch.once_per_launch = True
+    interpreter._patch_lang = once_per_launch
+
+
+def _cheaper_interpreter_types() -> None:
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.language import core
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if get_np_dtype is None or getattr(get_np_dtype, "cached", False):
+        return  # another triton than the one this was written for (3.6), or already installed
+    scalars = (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32)
+    scalars += (tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv)
+    scalars += (tl.float8e4b8, tl.float8e4b15)
+    np_types = {t: get_np_dtype(t) for t in scalars}
+
+    def cached_np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return np.dtype(np.uint64)
+        return np_types[element]
+
+    cached_np_dtype.cached = True
+    interpreter._get_np_dtype = cached_np_dtype
+
+    block_init = core.block_type.__init__
+
+    def block_type_init(self, element_ty, shape) -> None:
+        dims = shape.values if isinstance(shape, core.tuple) else shape
+        dims = tuple(d.value if isinstance(d, core.constexpr) else d for d in dims)
+        if not dims or not all(type(d) is int for d in dims):
+            block_init(self, element_ty, shape)  # the original, and its errors
+            return
+        self.element_ty = element_ty
+        self.shape = core.tuple(dims)  # the type the original gives (core's `tuple` is triton's own)
+        self.numel = core.validate_block_shape(self.shape)
+        self.name = f"<{self.shape}, {element_ty}>"
+
+    core.block_type.__init__ = block_type_init
+
+    def tuple_type_init(self, types, fields=None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def tuple_type_name(self) -> str:
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)]) + "]"
+
+    core.tuple_type.__init__ = tuple_type_init
+    core.tuple_type.name = property(tuple_type_name)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_each_launch_once()
+    _cheaper_interpreter_types()
