@@ -85,12 +85,14 @@ def main() -> None:
         scales = "*u8" if mx else "*fp32"
         name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}"
         cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, {"row_scale_ptr": scales}))
-    for tile_k, (block_c, chunk, warps, stages) in configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")].items():
+    slots_table = configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")]
+    for (tile_k, layout), (block_c, chunk, warps, stages, band) in slots_table.items():
         mx = tile_k == 32
         slot_rows = 32 if mx else 128
-        for rowwise, segments in ((True, False), (False, False), (True, True)):
+        segments = layout == "segments"
+        for rowwise in (True, False) if not segments else (True,):
             constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, TILE_K=tile_k, SLOT_ROWS=slot_rows)
-            constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages)
+            constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band)
             scales = "*u8" if mx else "*fp32"
             form = ("row+col" if rowwise else "col") + ("_segments" if segments else "")
             name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"

@@ -17,7 +17,7 @@ from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
 from moekit.ops.quantize import TRANSPOSED_RECIPES, group_quantize_reference, transposed_weight
 from moekit.ops.runtime.backends import triton_unavailable_reason
-from moekit.ops.runtime.configs import QUANTIZE_SLOT_BANDS, QUANTIZE_SLOTS, QUANTIZE_TILES
+from moekit.ops.runtime.configs import QUANTIZE_SLOTS, QUANTIZE_TILES
 from moekit.ops.splits import GroupOffsets
 
 RECIPE_NAMES = list(RECIPES)
@@ -342,7 +342,7 @@ def test_quantize_tile_configs_fit_the_blocks():
     """Every architecture's tiles fit the formats' blocks (the host refuses one that does not): whole
     blocks along the columns, one block for a weight tile; the slots' chunks divide the slot and are
     multiples of 16 (the wgrad layout's stores); power-of-two sides (Triton's aranges), at least one
-    step and stage; a band of at least one slot for either layout of the slots kernel."""
+    step and stage; the slots kernel's entries for both layouts, its band 0 (2-D launch) or more."""
     blocks = {RECIPES[name].block_cols: RECIPES[name].block_rows for name in ("mxfp8", "fp8_block")}
     assert set(QUANTIZE_TILES) == set(QUANTIZE_SLOTS)
     for arch, table in QUANTIZE_TILES.items():
@@ -352,13 +352,12 @@ def test_quantize_tile_configs_fit_the_blocks():
             assert block_c % tile_k == 0 and block_r & (block_r - 1) == 0 and block_c & (block_c - 1) == 0, what
             assert form != "tile" or (block_c == tile_k and block_r == blocks[tile_k]), what
             assert warps >= 1 and steps >= 1 and stages >= 1, what
-        assert set(QUANTIZE_SLOTS[arch]) == set(blocks)
-        for tile_k, (block_c, chunk, warps, stages) in QUANTIZE_SLOTS[arch].items():
-            what = f"{arch} slots {tile_k}"
+        assert set(QUANTIZE_SLOTS[arch]) == {(k, layout) for k in blocks for layout in ("rows", "segments")}
+        for (tile_k, layout), (block_c, chunk, warps, stages, band) in QUANTIZE_SLOTS[arch].items():
+            what = f"{arch} slots {(tile_k, layout)}"
             assert block_c % tile_k == 0 and block_c & (block_c - 1) == 0, what
             assert blocks[tile_k] % chunk == 0 and chunk % 16 == 0 and chunk & (chunk - 1) == 0, what
-            assert warps >= 1 and stages >= 1, what
-        assert set(QUANTIZE_SLOT_BANDS[arch]) == {False, True} and min(QUANTIZE_SLOT_BANDS[arch].values()) >= 1, arch
+            assert warps >= 1 and stages >= 1 and band >= 0, what
 
 
 def poison(gt: GroupedTensor) -> None:

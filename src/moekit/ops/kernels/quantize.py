@@ -411,7 +411,10 @@ def quantize_slots_kernel(
     intermediates) costs the registers that decide how many programs share an SM; a chunk's registers
     do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1."""
     if _runs(noop_ptr, HAS_NOOP):
-        slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
+        if BAND == 0:  # a 2-D launch, slots fastest
+            slot, qc = tl.program_id(0), tl.program_id(1)
+        else:
+            slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
         g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
         live = g < num_groups
         group_start = tl.load(offs_ptr + g)

@@ -302,14 +302,17 @@ ZERO_ROWS_TILE = (64, 128)
 # SM: the registers allow many programs an SM, so a program is one tile with no loop (STEPS = 1). Under
 # the interpreter: small tiles and a loop, so that CPU tests cover several tiles of a block row, the
 # loop, and blocks cut by the edges.
-# The slots kernel (the columnwise form, with or without the rowwise), by TILE_K: (BLOCK_C, CHUNK,
-# warps, STAGES): a program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
+# The slots kernel (the columnwise form, with or without the rowwise), by (TILE_K, layout of the
+# columnwise data: "rows" (M, X), "segments" the FP8 wgrad's transposed operand): (BLOCK_C, CHUNK,
+# warps, STAGES, BAND). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
-# wgrad layout's stores). The sm90 entries are the fastest of a sweep on the H200 for the layout their
-# layer uses (notes/quantize.md): fp8_block's for the wgrad layout (its FP8 wgrad), mxfp8's for (M, X)
-# rows (no FP8 wgrad); the sm80 ones are guesses, not timed. Under the interpreter: two chunks a slot
-# and narrow strips, so that CPU tests cover several chunks of a slot and several strips of a row.
+# wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
+# slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
+# wgrad layout keeps: its transposed stores are x's columns). The sm90 entries are the fastest of
+# sweeps on the H200 (notes/quantize.md); the sm80 ones are guesses, not timed. Under the
+# interpreter: two chunks a slot, narrow strips and both launch forms, so that CPU tests cover
+# several chunks of a slot, several strips of a row and bands cut by the last slot.
 # Every interpreter entry of these quantize tables is the largest that still gives the CPU tests'
 # shapes several tiles, chunks or spans: the interpreter's cost is per operation of every program, so
 # smaller tiles only multiply the CPU time (the tests' groups of 33-130 rows, 67-257 columns).
@@ -333,19 +336,25 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (128, "tile"): (128, 128, 4, 1, 1),
     },
 }
-QUANTIZE_SLOTS: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
-    "sm90": {32: (128, 16, 4, 1), 128: (128, 32, 4, 2)},
-    "sm80": {32: (128, 16, 4, 1), 128: (128, 16, 4, 2)},
-    "interpreter": {32: (64, 16, 4, 1), 128: (128, 64, 4, 1)},
-}
-# The slots kernel's program order, by layout of the columnwise data (False: (M, X) rows, True: the
-# FP8 wgrad's transposed segments): the slots a band holds (`_program_order` in the kernels; the
-# rowwise-alone tiles kernel runs bands of one row program). A band of 2^16 slots is the order before
-# bands (slots fastest), kept for the wgrad layout where columns fastest was slower on the H200.
-QUANTIZE_SLOT_BANDS: dict[Arch, dict[bool, int]] = {
-    "sm90": {False: 1, True: 1 << 16},
-    "sm80": {False: 1, True: 1 << 16},
-    "interpreter": {False: 1, True: 2},
+QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
+    "sm90": {
+        (32, "rows"): (128, 16, 4, 1, 1),
+        (128, "rows"): (128, 16, 4, 1, 1),
+        (32, "segments"): (128, 16, 4, 1, 0),
+        (128, "segments"): (128, 32, 4, 2, 0),
+    },
+    "sm80": {
+        (32, "rows"): (128, 16, 4, 1, 1),
+        (128, "rows"): (128, 16, 4, 1, 1),
+        (32, "segments"): (128, 16, 4, 1, 0),
+        (128, "segments"): (128, 16, 4, 2, 0),
+    },
+    "interpreter": {
+        (32, "rows"): (64, 16, 4, 1, 1),
+        (128, "rows"): (128, 64, 4, 1, 1),
+        (32, "segments"): (64, 16, 4, 1, 2),
+        (128, "segments"): (128, 64, 4, 1, 0),
+    },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),

@@ -41,7 +41,6 @@ from moekit.ops.runtime.configs import (
     QUANTIZE_AMAX_SPANS,
     QUANTIZE_CHUNKS,
     QUANTIZE_ONE_PASS_ROWS,
-    QUANTIZE_SLOT_BANDS,
     QUANTIZE_SLOTS,
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
@@ -114,16 +113,17 @@ def _plan(
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for a weight's tiles.
         stride_scale = triton.cdiv(cols, tile_k)
         if columnwise:
-            block_c, chunk, warps, stages = QUANTIZE_SLOTS[arch][tile_k]
+            layout = "segments" if segments else "rows"
+            block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
                 raise RuntimeError(
-                    f"QUANTIZE_SLOTS[{arch!r}][{tile_k}] = {(block_c, chunk)} does not fit {info.name}'s "
+                    f"QUANTIZE_SLOTS[{arch!r}][{(tile_k, layout)}] = {(block_c, chunk)} does not fit {info.name}'s "
                     f"{tile_m} x {tile_k} blocks"
                 )
-            programs = _num_slots(info, x, tile_m, num_groups) * triton.cdiv(cols, block_c)
+            slot_grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, block_c))
             slots = LaunchPlan(
                 _SLOTS,
-                (programs,),
+                slot_grid if band == 0 else (slot_grid[0] * slot_grid[1],),
                 (*ints, stride_scale, pitch),
                 dict(
                     MX=info.scale_dtype != torch.float32,
@@ -134,14 +134,14 @@ def _plan(
                     BLOCK_C=block_c,
                     CHUNK=chunk,
                     STAGES=stages,
-                    BAND=QUANTIZE_SLOT_BANDS[arch][segments],
+                    BAND=band,
                     HAS_NOOP=has_noop,
                     BLOCK_GROUPS=block_groups(num_groups),
                     HW_E4M3=hw_e4m3,
                     num_warps=warps,
                 ),
             )
-            return QuantizePlan(None, slots if programs else None, None, None, None)
+            return QuantizePlan(None, slots if slot_grid[0] and slot_grid[1] else None, None, None, None)
         tile = info.weight_tile is not None and x.dim() == 3
         form = "tile" if tile else "rows"
         block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
