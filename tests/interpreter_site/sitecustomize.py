@@ -27,12 +27,19 @@ import inspect
 import os
 
 
-def _patch_each_launch_once() -> None:
+def _install() -> None:
     try:
+        import numpy as np
         import triton.language as tl
+        from triton.language import core
         from triton.runtime import interpreter
     except ImportError:
         return
+    _patch_each_launch_once(tl, interpreter)
+    _cheaper_interpreter_types(np, tl, core, interpreter)
+
+
+def _patch_each_launch_once(tl, interpreter) -> None:
     patch_lang = getattr(interpreter, "_patch_lang", None)
     if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
         return  # another triton than the one this was written for (3.6), or already installed
@@ -69,14 +76,7 @@ def _patch_each_launch_once() -> None:
     interpreter._patch_lang = once_per_launch
 
 
-def _cheaper_interpreter_types() -> None:
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.language import core
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
     get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if get_np_dtype is None or getattr(get_np_dtype, "cached", False):
         return  # another triton than the one this was written for (3.6), or already installed
@@ -121,5 +121,4 @@ def _cheaper_interpreter_types() -> None:
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_each_launch_once()
-    _cheaper_interpreter_types()
+    _install()
