@@ -220,8 +220,8 @@ def _program_order(column_programs, BAND: tl.constexpr):
     one after the other, its row programs fastest. What runs at one time is then a few row programs'
     whole width: reads of whole stretches of x's rows (DRAM pages, rather than a thin column strip of
     every row) and a row's scales written together (BAND = 1: column programs fastest); a larger band
-    keeps neighbours along the rows for a transposed output (the FP8 wgrad's layout, whose rows are
-    x's columns)."""
+    keeps more row programs side by side (the slots kernel's FP8 wgrad layout, whose output rows are
+    x's columns, runs a 2-D launch, slots fastest, instead: its BAND = 0)."""
     pid = tl.program_id(0)
     per_band = BAND * column_programs
     first = pid // per_band * BAND
