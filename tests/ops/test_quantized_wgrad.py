@@ -477,18 +477,22 @@ def test_hopper_wgrad_test_body_on_cpu(nan_poison):
 
 
 def test_hopper_wgrad_only_where_it_applies():
-    """The runtime keeps the Triton wgrad for fp8_rowwise, a fixed cfg, operands without TMA and devices
-    other than sm_90 (here: the CPU); on an sm_90 device it takes fp8_block's wgrad."""
+    """The runtime keeps the Triton wgrad for fp8_rowwise, a fixed cfg, operands without TMA, dw's of O or
+    I not a multiple of 4 and devices other than sm_90 (here: the CPU); on an sm_90 device it takes
+    fp8_block's wgrad."""
     cpu = torch.device("cpu")
-    assert not qg.hopper_wgrad_takes("fp8_block", cpu, True, None, 4, 256)
+    assert not qg.hopper_wgrad_takes("fp8_block", cpu, True, None, 4, 256, 64)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         cuda = torch.device("cuda")
-        assert qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 4, 256)
-        assert not qg.hopper_wgrad_takes("fp8_rowwise", cuda, True, None, 4, 256)
-        assert not qg.hopper_wgrad_takes("fp8_block", cuda, False, None, 4, 256)
+        assert qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 4, 256, 64)
+        assert not qg.hopper_wgrad_takes("fp8_rowwise", cuda, True, None, 4, 256, 64)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, False, None, 4, 256, 64)
         cfg = fp8_wgrad_candidates("fp8_block", True, "sm90")[0]
-        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, cfg, 4, 256)
-        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 2**16, 2**15)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, cfg, 4, 256, 64)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 2**16, 2**15, 64)
+        # Scale rows (TMA boxes) need 16-byte row strides: O and I multiples of 4.
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 4, 258, 64)
+        assert not qg.hopper_wgrad_takes("fp8_block", cuda, True, None, 4, 256, 66)
 
 
 _COMPILE_WGRAD_FOR_SM90 = """
@@ -498,13 +502,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_wgrad_fp8_block_ws_kernel as kernel
-from moekit.ops.runtime.configs import FP8_BLOCK_WGRAD_WS, FP8_BLOCK_WS_STAGES
+from moekit.ops.runtime.configs import FP8_BLOCK_WGRAD_WS, FP8_BLOCK_WGRAD_WS_STAGES
 
 out_ty, epi_tma = json.loads(sys.argv[1])
 options = {"num_warps": FP8_BLOCK_WGRAD_WS["num_warps"], "maxnreg": FP8_BLOCK_WGRAD_WS["maxnreg"]}
 const = {k: v for k, v in FP8_BLOCK_WGRAD_WS.items() if k not in options}
 const.update(EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
-             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
+             STAGES=FP8_BLOCK_WGRAD_WS_STAGES[4 if out_ty == "fp32" else 2])
 pointer = {"dyt_ptr": "*fp8e4nv", "xt_ptr": "*fp8e4nv", "dy_scale_ptr": "*fp32", "x_scale_ptr": "*fp32",
            "offs_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"

@@ -69,9 +69,13 @@ The wgrad (`grouped_wgrad_fp8_block_ws_kernel`; legend O, I as in `moekit.ops.ke
 is the same problem on the transposed operands (`segment_starts`' layout: K-major, as FP8 wgmma needs):
 a = dyt (O, pitch), b = xt (I, pitch), a tile of dw (O, I) 128 x 256, a step 128 columns (one scale
 block of the group's rows), the same partitions and main loop. The scale is an outer product: each
-element's factor is s_dy[o] * s_x[i], then one fma (`grouped_wgrad_fp8.promote_outer`, pinned). The x
-scales of a 128-column half are 32 registers a thread in the accumulator's layout, so they are loaded
-where used (after that half's MMA is issued, their latency behind it) rather than a step ahead. A
+element's factor is s_dy[o] * s_x[i], then one fma (`grouped_wgrad_fp8.promote_outer`, pinned). The
+step's scale rows travel with its operands: the load warp brings s_dy[slot, o0:o0 + 128] and s_x[slot,
+i0:i0 + 256] into the ring slot by TMA (1.5 KiB), so a promotion reads them from shared memory (vector
+loads at fixed offsets, no address or mask arithmetic, no global latency: with the scales gathered from
+global memory by the math warps, each half's promotion waited on them after its MMA). The x scales of a
+128-column half are 32 registers a thread in the accumulator's layout, so they are read where used
+rather than a step ahead. A
 group's last, partial step reads dyt through a descriptor whose extent ends at its last row (TMA
 zero-fills the rest). The Triton wgrad's fp32 operations in its order (its extra promotions add 0), so
 the same bits.
@@ -600,15 +604,22 @@ def _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS: gl.constexpr, SCALE_BLOCK: gl.
 def _wgrad_load_partition(
     dyt_ptr,
     xt_ptr,
+    dy_scale_ptr,
+    x_scale_ptr,
     offs_ptr,
     M,
     O,
     I,
     N,
+    S,
     stride_dyt,
     stride_xt,
+    stride_dys,
+    stride_xs,
     a_bufs,
     b_bufs,
+    sdy_bufs,
+    sx_bufs,
     ready,
     empty,
     BLOCK_O: gl.constexpr,
@@ -619,10 +630,12 @@ def _wgrad_load_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Each tile's dyt (BLOCK_O, BLOCK_RED) and xt (BLOCK_I, BLOCK_RED) boxes, one 128-row step of the
-    group a slot. A group whose row count is not a multiple of BLOCK_RED reads dyt through a descriptor
-    of its own whose extent ends at the group's last row (TMA zero-fills the last step's columns past
-    it, as the Triton kernel's), made anew for each of its tiles; xt's extent is the columns in use."""
+    """Each tile's dyt (BLOCK_O, BLOCK_RED) and xt (BLOCK_I, BLOCK_RED) boxes and the step's scale rows,
+    s_dy[slot, o0:o0 + BLOCK_O] and s_x[slot, i0:i0 + BLOCK_I] (zeros past O and I), one 128-row step of
+    the group a slot. A group whose row count is not a multiple of BLOCK_RED reads dyt through a
+    descriptor of its own whose extent ends at the group's last row (TMA zero-fills the last step's
+    columns past it, as the Triton kernel's), made anew for each of its tiles; xt's extent is the columns
+    in use."""
     offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
     num_pid_o = gl.cdiv(O, BLOCK_O)
     num_pid_i = gl.cdiv(I, BLOCK_I)
@@ -641,10 +654,16 @@ def _wgrad_load_partition(
         block_shape=[BLOCK_I, BLOCK_RED],
         layout=b_bufs.type.layout,
     )
-    nbytes: gl.constexpr = (BLOCK_O + BLOCK_I) * BLOCK_RED * dyt_ptr.dtype.element_ty.primitive_bitwidth // 8
+    sdy_desc = tma.make_tensor_descriptor(
+        dy_scale_ptr, shape=[S, O], strides=[stride_dys, 1], block_shape=[1, BLOCK_O], layout=sdy_bufs.type.layout
+    )
+    sx_desc = tma.make_tensor_descriptor(
+        x_scale_ptr, shape=[S, I], strides=[stride_xs, 1], block_shape=[1, BLOCK_I], layout=sx_bufs.type.layout
+    )
+    nbytes: gl.constexpr = (BLOCK_O + BLOCK_I) * (BLOCK_RED * dyt_ptr.dtype.element_ty.primitive_bitwidth // 8 + 4)
     it = 0
     for tile_id in range(gl.program_id(0), N * tiles_per_group, NUM_PROGRAMS):
-        g, o0, i0, rows, col_lo, _ = _wgrad_tile(
+        g, o0, i0, rows, col_lo, slot_lo = _wgrad_tile(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O, BLOCK_O,
             BLOCK_I,
         )  # fmt: skip
@@ -670,32 +689,30 @@ def _wgrad_load_partition(
             red0 = col_lo + step * BLOCK_RED
             tma.async_copy_global_to_shared(dy_desc, [o0, red0], ready.index(slot), a_bufs.index(slot))
             tma.async_copy_global_to_shared(x_desc, [i0, red0], ready.index(slot), b_bufs.index(slot))
+            tma.async_copy_global_to_shared(sdy_desc, [slot_lo + step, o0], ready.index(slot), sdy_bufs.index(slot))
+            tma.async_copy_global_to_shared(sx_desc, [slot_lo + step, i0], ready.index(slot), sx_bufs.index(slot))
             it += 1
 
 
 @gluon.jit
-def _wgrad_x_scales(x_scale_ptr, row, i0, I, inside, stride_xs, cols_layout: gl.constexpr, SUB: gl.constexpr):
-    """Scale row `row` of x's columns i0:i0 + SUB (0 past I and where not inside), in the accumulator's
-    column layout. Loaded where used, not a step ahead: 32 registers a thread each."""
-    offs = gl.arange(0, SUB, layout=cols_layout)
-    base = x_scale_ptr + row.to(gl.int64) * stride_xs + i0
-    return gl.load(base + offs, mask=(offs < I - i0) & inside, other=0.0)
+def _ring_scales(bufs, slot, start, length: gl.constexpr, layout: gl.constexpr):
+    """`length` scales from `start` of ring slot `slot`'s scale row (a (1, width) TMA box), in `layout`."""
+    width: gl.constexpr = bufs.shape[2]
+    return bufs.index(slot).reshape([width]).slice(start, length).load(layout)
 
 
 @gluon.jit
 def _wgrad_math_partition(
-    dy_scale_ptr,
-    x_scale_ptr,
     dw_ptr,
     offs_ptr,
     M,
     O,
     I,
     N,
-    stride_dys,
-    stride_xs,
     a_bufs,
     b_bufs,
+    sdy_bufs,
+    sx_bufs,
     c_smem,
     ready,
     empty,
@@ -734,31 +751,28 @@ def _wgrad_math_partition(
         c_desc = dw_ptr  # unused without EPI_TMA
     it = 0
     for tile_id in range(gl.program_id(0), N * tiles_per_group, NUM_PROGRAMS):
-        g, o0, i0, rows, _, slot_lo = _wgrad_tile(
+        g, o0, i0, rows, _, _ = _wgrad_tile(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O, BLOCK_O,
             BLOCK_I,
         )  # fmt: skip
         steps = gl.cdiv(rows, BLOCK_RED)
         offs_o = o0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
-        mask_o = offs_o < O
-        sdy_ptrs = dy_scale_ptr + offs_o
         hi_ok = i0 + SUB < I
         prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         if HALVES == 2:
             acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        for step in range(steps):
+        for _ in range(steps):
             slot = it % STAGES
-            row = slot_lo + step
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
             prod = warpgroup_mma(
                 a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
             )
-            # The step's scales where used (dy's 2 registers a thread, x's 32 a half; a step ahead they
-            # would not fit beside the accumulators), their latency behind this warp group's own MMA.
-            s_dy = gl.load(sdy_ptrs + row.to(gl.int64) * stride_dys, mask=mask_o, other=0.0)
-            s_x = _wgrad_x_scales(x_scale_ptr, row, i0, I, True, stride_xs, cols_layout, SUB)
+            # The step's scales from the slot, where used (dy's 2 registers a thread, x's 32 a half: a
+            # step ahead they would not fit beside the accumulators), behind this warp group's own MMA.
+            s_dy = _ring_scales(sdy_bufs, slot, HALF * ROWS, ROWS, rows_layout)
+            s_x = _ring_scales(sx_bufs, slot, 0, SUB, cols_layout)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
             if HALVES == 1:
                 _release(empty, it, STAGES)
@@ -773,7 +787,7 @@ def _wgrad_math_partition(
                         use_acc=False,
                         is_async=True,
                     )
-                    s_x = _wgrad_x_scales(x_scale_ptr, row, i0 + SUB, I, True, stride_xs, cols_layout, SUB)
+                    s_x = _ring_scales(sx_bufs, slot, SUB, SUB, cols_layout)
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
                     acc1 = promote_outer(acc1, prod, s_dy, s_x, True)
                 _release(empty, it, STAGES)
@@ -807,6 +821,7 @@ def grouped_wgrad_fp8_block_ws_kernel(
     O,
     I,
     N,
+    S,
     stride_dyt,
     stride_xt,
     stride_dys,
@@ -842,24 +857,26 @@ def grouped_wgrad_fp8_block_ws_kernel(
     a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         dyt_ptr.dtype.element_ty, dw_ptr.dtype.element_ty, BLOCK_O, BLOCK_I, BLOCK_RED, STAGES
     )
+    # Each slot's scale rows, (1, BLOCK_O) of s_dy and (1, BLOCK_I) of s_x, beside its operands.
+    scale_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sdy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_O], scale_layout)
+    sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_I], scale_layout)
     # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
     gl.warp_specialize(
         [
             (
                 _wgrad_math_partition,
                 (
-                    dy_scale_ptr,
-                    x_scale_ptr,
                     dw_ptr,
                     offs_ptr,
                     M,
                     O,
                     I,
                     N,
-                    stride_dys,
-                    stride_xs,
                     a_bufs,
                     b_bufs,
+                    sdy_bufs,
+                    sx_bufs,
                     c0_smem,
                     ready,
                     empty,
@@ -877,18 +894,16 @@ def grouped_wgrad_fp8_block_ws_kernel(
             (
                 _wgrad_math_partition,
                 (
-                    dy_scale_ptr,
-                    x_scale_ptr,
                     dw_ptr,
                     offs_ptr,
                     M,
                     O,
                     I,
                     N,
-                    stride_dys,
-                    stride_xs,
                     a_bufs,
                     b_bufs,
+                    sdy_bufs,
+                    sx_bufs,
                     c1_smem,
                     ready,
                     empty,
@@ -908,15 +923,22 @@ def grouped_wgrad_fp8_block_ws_kernel(
                 (
                     dyt_ptr,
                     xt_ptr,
+                    dy_scale_ptr,
+                    x_scale_ptr,
                     offs_ptr,
                     M,
                     O,
                     I,
                     N,
+                    S,
                     stride_dyt,
                     stride_xt,
+                    stride_dys,
+                    stride_xs,
                     a_bufs,
                     b_bufs,
+                    sdy_bufs,
+                    sx_bufs,
                     ready,
                     empty,
                     BLOCK_O,

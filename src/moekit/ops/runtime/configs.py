@@ -262,8 +262,10 @@ FP8_BLOCK_WS_STAGES: dict[int, int] = {2: 4, 4: 3}
 
 # fp8_block's wgrad on Hopper (the same kernel module's grouped_wgrad_fp8_block_ws_kernel): the forward's
 # layout with dw's (O, I) tile as its (rows, columns), 128 x 256, a step 128 rows of the group (one scale
-# block), stages as FP8_BLOCK_WS_STAGES (the same ring slot and staging tiles). Each 128-column half's
-# promotion needs that half's x scales in the accumulator's layout (32 registers a thread) beside the two
+# block). A ring slot is the forward's 48 KiB of operands plus the step's scale rows (1.5 KiB: s_dy's 128
+# and s_x's 256, through TMA), so beside the two staging tiles 3 slots fit in 16-bit outputs and 2 in fp32
+# (FP8_BLOCK_WGRAD_WS_STAGES; a fourth would pass Hopper's 227 KiB). Each 128-column half's promotion
+# needs that half's x scales in the accumulator's layout (32 registers a thread) beside the two
 # accumulators and the product: MATH_REGS 240 (the main loop without spills), the load warp 24
 # (2 x 240 + 24 of 504 a thread-slot, as 2 x 232 + 40).
 FP8_BLOCK_WGRAD_WS = dict(
@@ -276,6 +278,7 @@ FP8_BLOCK_WGRAD_WS = dict(
     num_warps=4,
     maxnreg=168,
 )
+FP8_BLOCK_WGRAD_WS_STAGES: dict[int, int] = {2: 3, 4: 2}
 
 
 # --------------------------------------------------------------------------------------------------

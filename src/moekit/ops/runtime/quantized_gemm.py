@@ -61,6 +61,7 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
 from moekit.ops.runtime.configs import (
     FP8_BLOCK_RED,
     FP8_BLOCK_WGRAD_WS,
+    FP8_BLOCK_WGRAD_WS_STAGES,
     FP8_BLOCK_WS,
     FP8_BLOCK_WS_STAGES,
     TRANSPOSE_TILES,
@@ -586,34 +587,39 @@ def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     return out.view(FP8_DTYPE)
 
 
-def hopper_wgrad_takes(recipe: str, device: torch.device, tma: bool, cfg: GemmConfig | None, N: int, O: int) -> bool:
+def hopper_wgrad_takes(
+    recipe: str, device: torch.device, tma: bool, cfg: GemmConfig | None, N: int, O: int, I: int
+) -> bool:
     """Whether the Gluon wgrad (`grouped_wgrad_fp8_block_ws_kernel`) runs this wgrad: `hopper_kernel_takes`'
     rule (fp8_block, a CUDA device of compute capability 9.0, not the interpreter, operands through TMA,
-    no fixed cfg: a given cfg is one of the Triton kernel's) and N * O < 2**31 (dw's rows as TMA row
-    coordinates of its (N * O, I) view)."""
+    no fixed cfg: a given cfg is one of the Triton kernel's), N * O < 2**31 (dw's rows as TMA row
+    coordinates of its (N * O, I) view) and O, I multiples of 4 (the contiguous fp32 scale rows, which
+    the kernel reads through TMA, need 16-byte row strides)."""
     if recipe != "fp8_block" or cfg is not None or not tma or INTERPRET or device.type != "cuda":
         return False
-    return cuda_capability(device) == (9, 0) and N * O < 2**31
+    return cuda_capability(device) == (9, 0) and N * O < 2**31 and O % 4 == 0 and I % 4 == 0
 
 
 def _wgrad_ws_launch(
     M: int, O: int, I: int, N: int, pitch: int, out_dtype: torch.dtype, device: torch.device
 ) -> LaunchPlan:
     """grouped_wgrad_fp8_block_ws_kernel for transposed operands (O, pitch) / (I, pitch), contiguous
-    (slots, O) / (slots, I) scales and a fresh (N, O, I) output; tensors as `_wgrad_launch`'s."""
+    (slots, O) / (slots, I) scales (slots = ceil(M / 128) + N) and a fresh (N, O, I) output; tensors as
+    `_wgrad_launch`'s."""
     cfg = FP8_BLOCK_WGRAD_WS
     out_size = torch.finfo(out_dtype).bits // 8
     nprog = grid_size(device, N * triton.cdiv(O, cfg["BLOCK_O"]) * triton.cdiv(I, cfg["BLOCK_I"]))
+    slots = triton.cdiv(M, cfg["BLOCK_RED"]) + N
     return LaunchPlan(
         _WGRAD_FP8_BLOCK_WS,
         (nprog,),
-        (M, O, I, N, pitch, pitch, O, I),
+        (M, O, I, N, slots, pitch, pitch, O, I),
         dict(
             # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) dw.
             EPI_TMA=(I * out_size) % 16 == 0,
             BLOCK_GROUPS=block_groups(N + 1),
             NUM_PROGRAMS=nprog,
-            STAGES=FP8_BLOCK_WS_STAGES[out_size],
+            STAGES=FP8_BLOCK_WGRAD_WS_STAGES[out_size],
             **cfg,
         ),
     )
@@ -637,7 +643,7 @@ def _plan_wgrad(
     pitch = segment_pitch(M, N)
     dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
     tma, arch = use_tma(forced_tma, True, dyt, xt)
-    if hopper_wgrad_takes(recipe, device, tma, cfg, N, O):
+    if hopper_wgrad_takes(recipe, device, tma, cfg, N, O, I):
         return _wgrad_ws_launch(M, O, I, N, pitch, out_dtype, device)
     with device_ctx(device):
         if cfg is None:
