@@ -97,9 +97,7 @@ def main() -> None:
             form = ("row+col" if rowwise else "col") + ("_segments" if segments else "")
             name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"
             pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
-            for tma in (True, False):
-                slots = {**constexprs, **common, "TMA": tma}
-                cases.append((name + ("_tma" if tma else ""), kernels.quantize_slots_kernel, slots, warps, pointers))
+            cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
     most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]

@@ -369,65 +369,6 @@ def quantize_tiles_kernel(
 
 
 @triton.jit
-def _slot_chunks(x_ptr, rows, cols, stride_x, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, TMA: tl.constexpr):
-    """The slots kernel's TMA descriptor of x (rows, cols), (CHUNK, BLOCK_C) boxes; x_ptr without TMA."""
-    if TMA:
-        return tl.make_tensor_descriptor(x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[CHUNK, BLOCK_C])
-    else:
-        return x_ptr
-
-
-@triton.jit
-def _slot_chunk(x_ptr, x_desc, elem, mask, rmask, live, row0, col0, TMA: tl.constexpr):
-    """A (CHUNK, BLOCK_C) chunk of x in float32 from row row0 and column col0 (elements `elem` where
-    `mask`), zeros outside x, outside the slot's group (rmask) and for a padding slot (not live)."""
-    if TMA:
-        x = x_desc.load([row0.to(tl.int32), col0]).to(tl.float32)
-        return tl.where(rmask[:, None] & live, x, 0.0)
-    else:
-        return tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _columnwise_chunk(
-    k,
-    x_ptr,
-    x_desc,
-    col_data_ptr,
-    mult,
-    any_nan,
-    j0,
-    count,
-    r0,
-    c,
-    cmask,
-    qc,
-    live,
-    seg0,
-    stride_x,
-    pitch,
-    SEGMENTS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """Walk 2 of the slots kernel at chunk k: the chunk's columnwise bytes (column multipliers `mult`),
-    stored as (M, X) rows or into the FP8 wgrad's segment layout."""
-    i = tl.arange(0, CHUNK)
-    rmask = j0 + k + i < count
-    r64 = r0 + k + i
-    elem = r64[:, None] * stride_x + c[None, :]
-    mask = rmask[:, None] & cmask[None, :]
-    x = _slot_chunk(x_ptr, x_desc, elem, mask, rmask, live, r0 + k, qc * BLOCK_C, TMA)
-    q = _e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
-    if SEGMENTS:
-        _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
-    else:
-        tl.store(col_data_ptr + elem, q, mask=mask)
-
-
-@triton.jit
 def quantize_slots_kernel(
     x_ptr,
     offs_ptr,
@@ -455,7 +396,6 @@ def quantize_slots_kernel(
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     """The columnwise form (mxfp8, fp8_block), with or without the rowwise one: program (slot, q) owns
     columns [q * BLOCK_C, + BLOCK_C) of one slot (SLOT_ROWS = the format's block of rows, of one group:
@@ -469,12 +409,7 @@ def quantize_slots_kernel(
     operand layout (`_segment_store`; CHUNK a multiple of 16). Why two walks: a column's scale needs all
     of the slot's rows before any of its bytes, and holding the whole slot (and both forms'
     intermediates) costs the registers that decide how many programs share an SM; a chunk's registers
-    do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1.
-
-    TMA: both walks read x's chunks through a TMA descriptor ((CHUNK, BLOCK_C) boxes; zeros past x's
-    rows and columns, the rows outside the slot's group zeroed after the load), so the loads in flight
-    of the pipelined walk wait in shared memory rather than registers; the same values as the pointer
-    loads (masked, zeros), so the same bytes. Needs x's base and row stride 16-byte aligned."""
+    do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
@@ -495,14 +430,13 @@ def quantize_slots_kernel(
         c = qc * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < cols
         i = tl.arange(0, CHUNK)
-        x_desc = _slot_chunks(x_ptr, rows, cols, stride_x, CHUNK, BLOCK_C, TMA)
         amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)
         for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
             rmask = j0 + k + i < count
             r64 = r0 + k + i
             elem = r64[:, None] * stride_x + c[None, :]
             mask = rmask[:, None] & cmask[None, :]
-            x = _slot_chunk(x_ptr, x_desc, elem, mask, rmask, live, r0 + k, qc * BLOCK_C, TMA)
+            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
             a = _abs_for_amax(x)
             amax_ic = tl.maximum(amax_ic, a)
             if ROWWISE:
@@ -517,13 +451,17 @@ def quantize_slots_kernel(
         else:
             mult, scale_inv = _fp32_scales(amax_c)
             tl.store(col_scales, scale_inv, mask=cmask)
-        args = (x_ptr, x_desc, col_data_ptr, mult, any_nan, j0, count, r0, c, cmask, qc, live, seg0, stride_x, pitch)
-        if TMA:  # walk 2's loads pipelined too: in flight in shared memory
-            for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
-                _columnwise_chunk(k, *args, SEGMENTS, CHUNK, BLOCK_C, HW_E4M3, TMA)
-        else:
-            for k in tl.range(0, SLOT_ROWS, CHUNK):
-                _columnwise_chunk(k, *args, SEGMENTS, CHUNK, BLOCK_C, HW_E4M3, TMA)
+        for k in tl.range(0, SLOT_ROWS, CHUNK):
+            rmask = j0 + k + i < count
+            r64 = r0 + k + i
+            elem = r64[:, None] * stride_x + c[None, :]
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            q = _e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+            if SEGMENTS:
+                _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
+            else:
+                tl.store(col_data_ptr + elem, q, mask=mask)
 
 
 @triton.jit

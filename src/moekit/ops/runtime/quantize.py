@@ -59,7 +59,6 @@ from moekit.ops.runtime.launch import (
     empty,
     plan_launch,
     tensor_key,
-    tma_ok,
     unavailable_reason,
 )
 from moekit.ops.runtime.quantize_torch import segment_pitch
@@ -139,7 +138,6 @@ def _plan(
                     HAS_NOOP=has_noop,
                     BLOCK_GROUPS=block_groups(num_groups),
                     HW_E4M3=hw_e4m3,
-                    TMA=arch != "sm80" and tma_ok(x2),
                     num_warps=warps,
                 ),
             )
