@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -397,11 +398,66 @@ def run_on_kernel(run, kernel: str):
     return result["out"]
 
 
-def compile_in_subprocess(script: str, *args: str) -> dict:
-    """Run `script` (python -c) with `args` in a fresh interpreter without TRITON_INTERPRET (Gluon's
-    standard functions cannot be compiled where the interpreter has replaced them) and return the JSON
-    object its last line prints; a failing script fails the test with its stderr's end."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+# The compile server's loop (`compile_in_subprocess`): each request, one JSON line on stdin, is a
+# script and its argv; the script runs as `python -c` would run it (a fresh `__main__` namespace, argv
+# set), its printed output captured; one JSON line answers on a private copy of the original stdout,
+# so that nothing a compiler writes to file descriptor 1 can be mistaken for an answer.
+_COMPILE_SERVER = """
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.argv = ["-c", *request["args"]]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(request["script"], "<compile script>", "exec"), {"__name__": "__main__"})
+        answer = {"ok": True, "stdout": out.getvalue()}
+    except BaseException:
+        answer = {"ok": False, "stdout": out.getvalue(), "error": traceback.format_exc()}
+    answers.write(json.dumps(answer) + "\\n")
+    answers.flush()
+"""
+
+_server: subprocess.Popen | None = None
+
+
+def _compile_server() -> subprocess.Popen:
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _server = subprocess.Popen(
+            [sys.executable, "-c", _COMPILE_SERVER],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    return _server
+
+
+def compile_in_subprocess(script: str, *args: str, timeout: float = 300.0) -> dict:
+    """Run `script` with `args` (as `python -c script args` would) in a Python process without
+    TRITON_INTERPRET (Gluon's standard functions cannot be compiled where the interpreter has replaced
+    them) and return the JSON object its output's last line prints; a failing script fails the test
+    with its traceback's end. The process is this test process's compile server, started at the first
+    call and kept for the next ones: each compile pays for its own work, not for importing torch and
+    triton again (a second each). A script that takes longer than `timeout` seconds fails the test and
+    the server is killed (the next call starts another)."""
+    global _server
+    server = _compile_server()
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps({"script": script, "args": list(args)}) + "\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], timeout)
+    if not ready:
+        server.kill()
+        _server = None
+        pytest.fail(f"the compile script took more than {timeout:.0f} s")
+    line = server.stdout.readline()
+    assert line, "the compile server ended without answering"
+    answer = json.loads(line)
+    assert answer["ok"], answer.get("error", "")[-3000:]
+    return json.loads(answer["stdout"].strip().splitlines()[-1])

@@ -655,20 +655,7 @@ def test_triton_glu_configs_fit_sm90_shared_memory(kind, dtype_name, ffn, block)
     where the Hopper kernels do not run: float32 among others), compiled for sm_90, ask for at most
     Hopper's 227 KB of shared memory per block. (float32 once asked for 352 KB and failed to launch.)
     In its own process: the kernels are compiled, not interpreted."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _TRITON_GLU_SHARED_SM90, json.dumps([kind, dtype_name, ffn, block])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])["shared"]
+    shared = compile_in_subprocess(_TRITON_GLU_SHARED_SM90, json.dumps([kind, dtype_name, ffn, block]))["shared"]
     assert 0 < shared <= 227 * 1024, shared
 
 

@@ -14,16 +14,13 @@ notes/grouped_mlp.md); the op stands on its own.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("moekit.ops.runtime.glu")
 
-from helpers import CUDA  # noqa: E402
+from helpers import CUDA, compile_in_subprocess  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 from moekit.ops.runtime import launch  # noqa: E402
 
@@ -162,13 +159,7 @@ def test_gather_kernel_compiles_for_sm90(gather, glu_block, paired, transposed, 
     slot by 8 cp.async copies of 16 bytes a thread (64 columns of 128 rows over 128 threads), one
     counted arrival, the weights by 2 TMA boxes under one expect, a proxy fence before wgmma, the load
     partition at 40 registers. Without GATHER x still comes by TMA (3 boxes) and no cp.async is issued."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([gather, glu_block, paired, transposed, dtype])
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_GATHER_FOR_SM90, args], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_in_subprocess(_COMPILE_GATHER_FOR_SM90, json.dumps([gather, glu_block, paired, transposed, dtype]))
     assert got["num_warps"] == 16 and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024
     if gather:
         assert (got["cp_async_16"], got["noinc"], got["fence"], got["tma"]) == (8, 1, 1, 2), got

@@ -20,11 +20,20 @@ Legend: M routed rows, N groups (experts), I in_features, O out_features."""
 # ruff: noqa: E741  (I and O are the legend's feature sizes)
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import moekit
-from helpers import assert_no_host_sync, fp8_product_floor, rel_err, run_on_kernel, tolerance_floor
+from helpers import (
+    assert_no_host_sync,
+    compile_in_subprocess,
+    fp8_product_floor,
+    rel_err,
+    run_on_kernel,
+    tolerance_floor,
+)
 from moekit.grouped_tensor import FP8_DTYPE, RECIPES, dequantize_columnwise
 from moekit.ops import library
 from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
@@ -559,22 +568,9 @@ def test_hopper_wgrad_kernel_compiles_for_sm90(out_ty, epi_tma, max_spills, tmp_
     serialization by ptxas (C7514 / C7515) and no spills in the main loops (each math warp group's: the
     shortest loops of the SASS that hold wgmma) but the named few. In its own process (Gluon cannot compile where
     TRITON_INTERPRET=1 is set)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_WGRAD_FOR_SM90, json.dumps([out_ty, epi_tma]), str(tmp_path / "k.ptx"),
-         str(tmp_path / "k.cubin")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_in_subprocess(
+        _COMPILE_WGRAD_FOR_SM90, json.dumps([out_ty, epi_tma]), str(tmp_path / "k.ptx"), str(tmp_path / "k.cubin")
+    )
     assert 0 < got["shared"] <= 227 * 1024
     assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
     assert got["waits"] == ["0"] * 4, got["waits"]
