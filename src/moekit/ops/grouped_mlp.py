@@ -63,6 +63,7 @@ from moekit.ops.runtime.backends import (
     GemmBackend,
     backend_named,
     fused_mlp_of,
+    gated_quantize_unavailable_reason,
     select_backend,
     select_quantizer,
     use_triton_rows,
@@ -177,6 +178,8 @@ def _quantized(
     w1_q, w1_t = quantized_weight(w1s, recipe, quantizer, caches[0], fc1_fp8 and grad and x.requires_grad)
     dgrad2 = fc2_fp8 and grad and any(t.requires_grad for t in before_fc2)
     w2_q, w2_t = quantized_weight(w2s, recipe, quantizer, caches[1], dgrad2)
+    ffn = a_like.shape[1]
+    gated_triton = gated_on_kernel(probs, use_triton_rows(fc1_impl, x))
     spec = QuantizedMlpSpec(
         recipe=recipe,
         quantizer=quantizer,
@@ -188,7 +191,9 @@ def _quantized(
         fc2_fp8_wgrad=fc2_fp8 and fp8_wgrad_compute(fc2_impl, recipe, a_like),
         glu_interleave_size=glu_interleave_size,
         activation=activation,
-        gated_triton=gated_on_kernel(probs, use_triton_rows(fc1_impl, x)),
+        gated_triton=gated_triton,
+        gated_quantize=gated_triton
+        and gated_quantize_unavailable_reason(recipe, ffn, check_interleave(ffn, glu_interleave_size)) is None,
         n_w1=len(w1s),
         n_b1=len(b1s),
         n_w2=len(w2s),

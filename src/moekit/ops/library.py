@@ -501,6 +501,43 @@ def _(
 held_gated_backward = _entry(_held_gated_backward_op, _held_gated_backward)
 
 
+def _gated_quantize(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, offs: torch.Tensor, glu_block: int,
+                    activation: str, recipe: str, gate_limit: float, up_limit: float, a_data: torch.Tensor,
+                    a_scale: torch.Tensor, h_data: torch.Tensor, h_scale: torch.Tensor) -> None:  # fmt: skip
+    """The rowwise quantizations of the gated activation of h and of h's held form, into the given
+    storage (`moekit.ops.runtime.gated.gated_quantize_into`); the storage is declared mutated, as
+    `group_quantize_into`'s."""
+    backends.gated_quantize_into(
+        h_M2F, probs_M, offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
+    )
+
+
+_gated_quantize_op = torch.library.custom_op(
+    "moekit::gated_quantize", _gated_quantize, mutates_args=("a_data", "a_scale", "h_data", "h_scale")
+)
+
+
+@_gated_quantize_op.register_fake
+def _(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    gate_limit: float,
+    up_limit: float,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+gated_quantize_into = _entry(_gated_quantize_op, _gated_quantize)
+
+
 # --------------------------------------------------------------------------------------------------
 # Row movement
 # --------------------------------------------------------------------------------------------------

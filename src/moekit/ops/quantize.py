@@ -389,6 +389,48 @@ def group_quantize(
     return out
 
 
+def group_quantize_gated(
+    h_M2F: torch.Tensor,
+    offs: GroupOffsets,
+    recipe: str,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    gate_limit: float,
+    up_limit: float,
+) -> tuple[GroupedTensor, GroupedTensor]:
+    """(a_q, h_q): `group_quantize(a, offs, recipe)` of a = the gated activation of h (* probs) in h's
+    dtype, and `group_quantize(held_h, offs, recipe)` of h's held form (clamps gate_limit / up_limit, 0
+    for none), both rowwise, the same bytes, from one read of h by moekit's gated kernel (neither a nor
+    the held form is written in h's dtype). For the quantized MLP's forward, on checked arguments, where
+    `gated_quantize_unavailable_reason` found the recipe and GLU layout within the kernel's reach."""
+    info = recipe_named(recipe)
+    rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
+    a_store = _allocate(info, (rows, ffn), h_M2F.device, offs.num_groups, True, False)
+    h_store = _allocate(info, (rows, 2 * ffn), h_M2F.device, offs.num_groups, True, False)
+    a_data, a_scale = a_store["row_data"], a_store["row_scale"]
+    h_data, h_scale = h_store["row_data"], h_store["row_scale"]
+    assert a_data is not None and a_scale is not None and h_data is not None and h_scale is not None  # rowwise
+    library.gated_quantize_into(
+        h_M2F, probs_M, offs.offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
+    )
+    first_dims = offs.offs[1:] - offs.offs[:-1]
+
+    def grouped(data: torch.Tensor, scale: torch.Tensor) -> GroupedTensor:
+        return GroupedTensor.quantized(
+            info.name,
+            h_M2F.dtype,
+            data.shape,
+            first_dims,
+            offs.offs,
+            host_first_dims=_host_dims(offs),
+            rowwise_data=data,
+            rowwise_scale_inv=scale,
+        )
+
+    return grouped(a_data, a_scale), grouped(h_data, h_scale)
+
+
 class SegmentedColumns(NamedTuple):
     """The columnwise quantization of (M, X) rows in N groups, its data in the FP8 wgrad's operand
     layout rather than (M, X) rows: the form `group_quantize_for_wgrad` gives the FP8 wgrad

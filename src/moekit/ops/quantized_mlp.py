@@ -61,7 +61,9 @@ import torch
 
 from moekit.grouped_tensor import GroupedTensor
 from moekit.ops import library
+from moekit.ops.activations import activation_named
 from moekit.ops.glu import (
+    check_interleave,
     from_held,
     gated_activation,
     gated_activation_backward,
@@ -79,7 +81,7 @@ from moekit.ops.grouped_linear import (
     stored_transposed,
     unstacked,
 )
-from moekit.ops.quantize import dequantize_with, group_quantize, group_quantize_for_wgrad
+from moekit.ops.quantize import dequantize_with, group_quantize, group_quantize_for_wgrad, group_quantize_gated
 from moekit.ops.splits import GroupOffsets
 
 
@@ -88,7 +90,9 @@ class QuantizedMlpSpec:
     """What the nodes need besides tensors: the recipe and the quantizer (a backend name, as
     `select_quantizer` gives it), each linear's backend and FP8 paths (`fp8_compute`, `fp8_wgrad_compute`
     for fc1 and fc2), the activation with its GLU block, whether the gated activation runs on moekit's
-    kernel (`gated_on_kernel`), and how many tensors each parameter comes in (1 grouped tensor or N)."""
+    kernel (`gated_on_kernel`) and whether it also quantizes its output and h in that pass
+    (`gated_quantize`: `moekit.ops.quantize.group_quantize_gated`), and how many tensors each parameter
+    comes in (1 grouped tensor or N)."""
 
     recipe: str
     quantizer: str
@@ -101,6 +105,7 @@ class QuantizedMlpSpec:
     glu_interleave_size: int | None
     activation: str
     gated_triton: bool
+    gated_quantize: bool
     n_w1: int
     n_b1: int
     n_w2: int
@@ -255,12 +260,21 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         recipe, quantizer = spec.recipe, spec.quantizer
         glu_block, activation = spec.glu_interleave_size, spec.activation
         go = GroupOffsets.of(offs, host_offs, h_M2F.shape[0])
-        a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, spec.gated_triton)
         # h is held as its rowwise quantization only, and only where a gradient may be asked for.
         held = grad_enabled and any(ctx.needs_input_grad)
-        h_q = group_quantize(to_held(h_M2F, glu_block, activation), go, recipe, backend=quantizer) if held else None
-        a_q = group_quantize(a_MF, go, recipe, backend=quantizer)
-        del a_MF
+        h_q: GroupedTensor | None
+        if held and spec.gated_quantize:
+            # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
+            act = activation_named(activation)
+            a_q, h_q = group_quantize_gated(
+                h_M2F, go, recipe, probs_M, check_interleave(h_M2F.shape[1] // 2, glu_block), activation,
+                act.gate_limit or 0.0, act.up_limit or 0.0,
+            )  # fmt: skip
+        else:
+            a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, spec.gated_triton)
+            h_q = group_quantize(to_held(h_M2F, glu_block, activation), go, recipe, backend=quantizer) if held else None
+            a_q = group_quantize(a_MF, go, recipe, backend=quantizer)
+            del a_MF
         scale = probs_M if b2 is not None else None
         y_MH = quantized_forward_product(
             spec.fc2_backend, quantizer, recipe, spec.fc2_fp8, a_q, w2_q, offs, host_offs, b2, scale, h_M2F.dtype

@@ -7,6 +7,10 @@ Legend: M rows, F ffn size (the activation's output features).
     gated_forward_kernel    out[r, c] = ACT(gate(h)[r, c], up(h)[r, c]) (* probs[r])
     gated_backward_kernel   dh = ACT_GRAD(gate, up, d_out (* probs)) in h's order, and with NEED_DPROBS
                             d probs[r] = sum over c of ACT(gate, up)[r, c] * d_out[r, c]
+    gated_quantize_kernel   the quantized MLP's forward between its GEMMs in one pass over h: the rowwise
+                            quantizations of out (fc2's operand) and of h's held form (what the
+                            backward keeps), as `quantize_tiles_kernel` would write them from out and
+                            from h, neither written in h's dtype
 
 Gate and up of activation column c sit at h's columns (c // GLU_BLOCK) * 2 * GLU_BLOCK + c % GLU_BLOCK
 and GLU_BLOCK further (GLU_BLOCK = F: the `[gate | up]` order; `moekit.ops.glu`). Both compute in fp32
@@ -25,7 +29,7 @@ clamped to it (`moekit.ops.glu.from_held`). The same values as dequantizing h fi
 import triton
 import triton.language as tl
 
-from moekit.ops.kernels.quantize import bf16_rne, e4m3_value, e8m0_value
+from moekit.ops.kernels.quantize import abs_for_amax, bf16_rne, e4m3_value, e8m0_value, rowwise_blocks
 
 
 @triton.jit
@@ -188,3 +192,115 @@ def gated_backward_kernel(
         tl.store(dh_rows + up_c[None, :], d_u.to(dh_ptr.dtype.element_ty), mask=mask)
     if NEED_DPROBS:
         tl.store(d_probs_ptr + offs_r, d_probs, mask=mask_r)
+
+
+@triton.jit
+def _held_values(v, is_gate, limit_ty: tl.constexpr, HELD_GATE_LIMIT: tl.constexpr, HELD_UP_LIMIT: tl.constexpr):
+    """h's held form (`moekit.ops.glu.to_held`) of fp32 values v of h (is_gate: which are gates): past a
+    clamp, twice the limit with the value's sign; the limits rounded to h's dtype first, as the torch
+    form compares and writes them in h's dtype."""
+    if HELD_GATE_LIMIT > 0:
+        g_lim = tl.full((), HELD_GATE_LIMIT, tl.float32).to(limit_ty).to(tl.float32)
+        g_two = tl.full((), 2 * HELD_GATE_LIMIT, tl.float32).to(limit_ty).to(tl.float32)
+        v = tl.where(is_gate & (v > g_lim), g_two, v)
+    if HELD_UP_LIMIT > 0:
+        u_lim = tl.full((), HELD_UP_LIMIT, tl.float32).to(limit_ty).to(tl.float32)
+        u_two = tl.full((), 2 * HELD_UP_LIMIT, tl.float32).to(limit_ty).to(tl.float32)
+        v = tl.where(~is_gate & (tl.abs(v) > u_lim), tl.where(v > 0, u_two, -u_two), v)
+    return v
+
+
+@triton.jit
+def _quantize_run(v, hcol0, valid, r64, rmask, data_ptr, scale_ptr, stride_data, stride_scale,
+                  MX: tl.constexpr, TILE_K: tl.constexpr, HW_E4M3: tl.constexpr):  # fmt: skip
+    """Store the rowwise bytes and scales of v (rows, RUN) fp32, the columns hcol0 + [0, RUN) of its
+    tensor (hcol0 a multiple of TILE_K) of which the first `valid` exist: whole 1 x TILE_K blocks, a
+    last partial one only where the row ends (zeros past it, as the quantize kernels read them); no
+    block past `valid` is written (it may be another run's)."""
+    RUN: tl.constexpr = v.shape[1]
+    NB: tl.constexpr = RUN // TILE_K
+    cmask = tl.arange(0, RUN) < valid
+    cb = hcol0 // TILE_K + tl.arange(0, NB)
+    cbmask = tl.arange(0, NB) * TILE_K < valid
+    q = rowwise_blocks(v, abs_for_amax(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, MX, TILE_K, HW_E4M3)
+    cols = hcol0 + tl.arange(0, RUN)
+    tl.store(data_ptr + r64[:, None] * stride_data + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def gated_quantize_kernel(
+    h_ptr,
+    probs_ptr,
+    offs_ptr,
+    a_data_ptr,
+    a_scale_ptr,
+    h_data_ptr,
+    h_scale_ptr,
+    rows,
+    ffn,
+    num_groups,
+    stride_h,
+    stride_a_scale,
+    stride_h_scale,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    ACT: tl.constexpr,
+    MX: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    RUNS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One (BLOCK_ROWS, BLOCK_C) tile of out's columns a program: out = ACT(gate, up) (* probs) rounded
+    once to h's dtype (`gated_forward_kernel`'s values), then quantized in 1 x TILE_K blocks (E8M0 with
+    MX, else fp32 scale_inv) into a_data (rows, F) and a_scale (rows, cdiv(F, TILE_K)); and h's held form
+    quantized the same way into h_data (rows, 2F) and h_scale (rows, cdiv(2F, TILE_K)). Rows from
+    offs[num_groups] on are padding: read as zeros (data 0, scale 1), as group_quantize reads them.
+
+    The tile's h columns form whole scale blocks in one of two ways (the host picks, RUNS):
+    - RUNS: the gates of the tile's columns are one run of h's columns starting at a multiple of TILE_K,
+      and so are the ups (GLU_BLOCK a multiple of TILE_K and of BLOCK_C, or F itself with F a multiple of
+      TILE_K): each run is quantized as it is.
+    - otherwise (TILE_K a multiple of 2 * GLU_BLOCK, BLOCK_C of GLU_BLOCK): the tile's columns are the h
+      columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved; read again as one tile in h's order
+      (the second read of the same bytes, from the cache) and quantized."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    rmask = offs_r < rows
+    live = rmask & (offs_r < tl.load(offs_ptr + num_groups))
+    c0 = pid_c * BLOCK_C
+    offs_c = c0 + tl.arange(0, BLOCK_C)
+    cmask = offs_c < ffn
+    mask = live[:, None] & cmask[None, :]
+    gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
+    h_rows = h_ptr + offs_r[:, None] * stride_h
+    h_ty = h_ptr.dtype.element_ty
+    g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = ACT(g, u)
+    if HAS_PROBS:
+        out = out * tl.load(probs_ptr + offs_r, mask=live, other=0.0).to(tl.float32)[:, None]
+    out = tl.where(mask, out.to(h_ty).to(tl.float32), 0.0)
+    valid = ffn - c0
+    _quantize_run(out, c0, valid, offs_r, rmask, a_data_ptr, a_scale_ptr, ffn, stride_a_scale, MX, TILE_K, HW_E4M3)
+    if RUNS:
+        is_gate = tl.full((BLOCK_ROWS, BLOCK_C), True, tl.int1)
+        g = _held_values(g, is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
+        u = _held_values(u, ~is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
+        gate0 = (c0 // GLU_BLOCK) * 2 * GLU_BLOCK + c0 % GLU_BLOCK
+        args = (h_data_ptr, h_scale_ptr, 2 * ffn, stride_h_scale)
+        _quantize_run(g, gate0, valid, offs_r, rmask, *args, MX, TILE_K, HW_E4M3)
+        _quantize_run(u, gate0 + GLU_BLOCK, valid, offs_r, rmask, *args, MX, TILE_K, HW_E4M3)
+    else:
+        hcols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
+        hmask = hcols < 2 * ffn
+        v = tl.load(h_rows + hcols[None, :], mask=live[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        is_gate = ((hcols // GLU_BLOCK) % 2 == 0)[None, :]
+        v = _held_values(v, is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
+        _quantize_run(
+            v, 2 * c0, 2 * valid, offs_r, rmask, h_data_ptr, h_scale_ptr, 2 * ffn, stride_h_scale, MX, TILE_K, HW_E4M3
+        )

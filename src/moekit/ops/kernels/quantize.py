@@ -54,7 +54,7 @@ FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _abs_for_amax(x):
+def abs_for_amax(x):
     """|x| with NaN read as inf: a block holding a NaN gets a non-finite amax (tl.max drops NaN on some
     targets)."""
     return tl.where(x != x, float("inf"), tl.abs(x))
@@ -231,7 +231,7 @@ def _program_order(column_programs, BAND: tl.constexpr):
 
 
 @triton.jit
-def _rowwise_blocks(
+def rowwise_blocks(
     x,
     a,
     r64,
@@ -244,7 +244,7 @@ def _rowwise_blocks(
     TILE_K: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """The rowwise bytes of a (rows, BLOCK_C) tile x (a: its `_abs_for_amax`), 1 x TILE_K blocks along
+    """The rowwise bytes of a (rows, BLOCK_C) tile x (a: its `abs_for_amax`), 1 x TILE_K blocks along
     its rows; stores their scales at row_scale[row, cb] (rows r64 where rmask, column blocks cb where
     cbmask). The blocks' maxima reduce a (rows, NB, TILE_K) view of the tile, which keeps its layout."""
     BLOCK_R: tl.constexpr = x.shape[0]
@@ -303,13 +303,13 @@ def _tiles_step(
     # not wait for offs[N] (rowwise rows).
     x = tl.load(x_ptr + elem, mask=mask, other=0.0).to(tl.float32)
     x = tl.where(lmask[:, None], x, 0.0)
-    a = _abs_for_amax(x)
+    a = abs_for_amax(x)
     if TILE:
         amax_t = tl.max(tl.max(a, axis=1), axis=0)
         q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
     if ROWWISE:
-        q = _rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
+        q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
 
 
@@ -437,10 +437,10 @@ def quantize_slots_kernel(
             elem = r64[:, None] * stride_x + c[None, :]
             mask = rmask[:, None] & cmask[None, :]
             x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-            a = _abs_for_amax(x)
+            a = abs_for_amax(x)
             amax_ic = tl.maximum(amax_ic, a)
             if ROWWISE:
-                q = _rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
+                q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
                 tl.store(row_data_ptr + elem, q, mask=mask)
         amax_c = tl.max(amax_ic, axis=0)
         col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
@@ -498,7 +498,7 @@ def quantize_rows_kernel(
             # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
             x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
             x = tl.where(live[:, None], x, 0.0)
-            amax = tl.max(_abs_for_amax(x), axis=1)
+            amax = tl.max(abs_for_amax(x), axis=1)
             scale, scale_inv = _fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
             q = _e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
@@ -509,7 +509,7 @@ def quantize_rows_kernel(
                 c = k0 + tl.arange(0, BLOCK_COLS)
                 mask = live[:, None] & (c < cols)[None, :]
                 x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-                amax = tl.maximum(amax, tl.max(_abs_for_amax(x.to(tl.float32)), axis=1))
+                amax = tl.maximum(amax, tl.max(abs_for_amax(x.to(tl.float32)), axis=1))
             scale, scale_inv = _fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
             for k0 in range(0, cols, BLOCK_COLS):
@@ -602,7 +602,7 @@ def amax_spans_kernel(
         )
         live = g < num_groups
         x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
-        a = _abs_for_amax(x)
+        a = abs_for_amax(x)
         col_at = col_amax_ptr + g.to(tl.int64) * cols + c
         tl.atomic_max(col_at, tl.max(a, axis=0).to(tl.int32, bitcast=True), mask=cmask & live, sem="relaxed")
         if ROWWISE:

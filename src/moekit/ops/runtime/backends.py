@@ -696,6 +696,34 @@ def held_gated_backward(
     )
 
 
+def gated_quantize_unavailable_reason(recipe: str, ffn: int, glu_block: int) -> str | None:
+    """Why moekit's gated-activation kernel cannot quantize its output and h itself for `recipe` at this
+    GLU layout (`moekit.ops.runtime.gated.gated_quantize_unavailable_reason`); None if it can. Asked
+    only where the gated kernel runs (so triton imports)."""
+    return _runtime().gated.gated_quantize_unavailable_reason(recipe, ffn, glu_block)
+
+
+def gated_quantize_into(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    gate_limit: float,
+    up_limit: float,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+) -> None:
+    """moekit's gated-activation kernel writing the rowwise quantizations of its output and of h's held
+    form (`moekit.ops.runtime.gated.gated_quantize_into`)."""
+    _runtime().gated.gated_quantize_into(
+        h_M2F, probs_M, offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
+    )
+
+
 def set_autotune(enabled: bool) -> None:
     """Turn the Triton kernels' configuration search on (default) or off. With it on, the first call of
     each problem class times the few candidate configurations of `moekit.ops.runtime.configs` (one host

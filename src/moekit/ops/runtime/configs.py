@@ -451,3 +451,13 @@ GATED_TILES: dict[Arch, tuple[int, int, int]] = {
     "sm80": (16, 256, 4),
     "interpreter": (4, 8, 4),
 }
+
+# The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
+# warps), BLOCK_C the widest tile of activation columns tried (the host halves it until the tile's h
+# columns form whole scale blocks, never below what a scale block needs). As GATED_TILES: 16 rows of
+# 256 columns, gate and up, 16 KB of bf16 read a program.
+GATED_QUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (16, 256, 4),
+    "sm80": (16, 256, 4),
+    "interpreter": (4, 64, 4),  # 64: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile
+}

@@ -5,6 +5,10 @@ Legend: M rows, F ffn size.
 
 `held_gated_forward` / `held_gated_backward` take h held in FP8 (the quantized MLP's backward): its
 rowwise quantization's data and scales, dequantized in the kernels' loads (`HeldH`).
+
+`gated_quantize_into`: the quantized MLP's forward between its GEMMs, one launch: the activation's
+rowwise quantization (fc2's operand) and h's held form's (what the backward keeps) from one read of h,
+where the recipe's blocks allow (`gated_quantize_unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import torch
 import triton
 
 from moekit.grouped_tensor import recipe_named
-from moekit.ops.kernels.gated import gated_backward_kernel, gated_forward_kernel
-from moekit.ops.runtime.configs import GATED_TILES
+from moekit.ops.kernels.gated import gated_backward_kernel, gated_forward_kernel, gated_quantize_kernel
+from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES
 from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -27,9 +31,11 @@ from moekit.ops.runtime.launch import (
     plan_launch,
     tensor_key,
 )
+from moekit.ops.runtime.quantize import hw_e4m3
 
 _FORWARD = Launcher(gated_forward_kernel)
 _BACKWARD = Launcher(gated_backward_kernel)
+_QUANTIZE = Launcher(gated_quantize_kernel)
 
 
 class HeldH(NamedTuple):
@@ -237,3 +243,90 @@ def _backward(
             d_probs if d_probs is not None else dh,
         )
     return dh, d_probs
+
+
+def gated_quantize_unavailable_reason(recipe: str, ffn: int, glu_block: int) -> str | None:
+    """Why `gated_quantize_into` cannot write this recipe's rowwise forms of the activation and of h
+    (F = ffn columns, gates and ups in GLU blocks of glu_block); None if it can. Its programs hold whole
+    scale blocks of h: the gates of a tile of columns are one run of whole blocks, and so are the ups
+    (glu_block a multiple of the block), or a block holds whole gate/up pairs (the block a multiple of
+    2 * glu_block)."""
+    tile_k = recipe_named(recipe).block_cols
+    if tile_k is None:
+        return f"{recipe}'s scales span whole rows: a program of column tiles cannot make them"
+    if glu_block % tile_k and tile_k % (2 * glu_block):
+        return (
+            f"h's {tile_k}-column scale blocks of {recipe} cut across its GLU blocks of {glu_block} "
+            f"(F = {ffn}): neither a multiple of the other's pair"
+        )
+    return None
+
+
+def _quantize_plan(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str, recipe: str,
+                   gate_limit: float, up_limit: float, a_scale: torch.Tensor,
+                   h_scale: torch.Tensor, num_groups: int) -> LaunchPlan:  # fmt: skip
+    rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
+    info = recipe_named(recipe)
+    tile_k = info.block_cols
+    assert tile_k is not None  # gated_quantize_unavailable_reason
+    block_rows, widest, warps = GATED_QUANTIZE_TILES[arch_of(h_M2F.device)]
+    # Whole scale blocks of the activation's columns a tile (so of its pairs' h columns, interleaved),
+    # and with runs a tile inside one GLU block (all of F in the [gate | up] order).
+    runs = glu_block % tile_k == 0
+    block_c = max(widest, tile_k)
+    while runs and glu_block != ffn and glu_block % block_c:
+        block_c //= 2
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
+    ints = (rows, ffn, num_groups, h_M2F.stride(0), a_scale.stride(0), h_scale.stride(0))
+    constexprs = dict(
+        GLU_BLOCK=glu_block,
+        HAS_PROBS=probs_M is not None,
+        ACT=jit_pair(activation)["ACT"],
+        MX=info.scale_dtype != torch.float32,
+        TILE_K=tile_k,
+        HELD_GATE_LIMIT=gate_limit,
+        HELD_UP_LIMIT=up_limit,
+        RUNS=runs,
+        HW_E4M3=hw_e4m3(h_M2F.device),
+        BLOCK_ROWS=block_rows,
+        BLOCK_C=block_c,
+        num_warps=warps,
+    )
+    return LaunchPlan(_QUANTIZE, grid, ints, constexprs)
+
+
+def gated_quantize_into(
+    h_M2F: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    gate_limit: float,
+    up_limit: float,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+) -> None:
+    """Write `group_quantize`'s rowwise form of a = ACT(gate(h), up(h)) (* probs) (F columns, in h's
+    dtype as `gated_forward` gives it) into a_data / a_scale, and of h's held form (`moekit.ops.glu.to_held`
+    with the clamps gate_limit / up_limit, 0 for none) into h_data / h_scale, in one launch; offs (N + 1,)
+    the groups' device offsets (rows past offs[N] are padding: zeros). h_M2F (M, 2F) with unit column
+    stride; the storage contiguous, shaped as `group_quantize` allocates it; the layout one that
+    `gated_quantize_unavailable_reason` accepts."""
+    rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
+    if rows == 0 or ffn == 0:
+        return
+    num_groups = offs.shape[0] - 1
+    key = (tensor_key(h_M2F), tensor_key(probs_M), glu_block, activation, recipe, gate_limit, up_limit, num_groups)
+    plan = plan_launch(
+        "gated_quantize",
+        key,
+        lambda: _quantize_plan(
+            h_M2F, probs_M, glu_block, activation, recipe, gate_limit, up_limit, a_scale, h_scale, num_groups
+        ),
+    )
+    with device_ctx(h_M2F.device):
+        probs = probs_M if probs_M is not None else h_M2F
+        plan(h_M2F, probs, offs, _u8(a_data), _u8(a_scale), _u8(h_data), _u8(h_scale))

@@ -93,7 +93,7 @@ def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -
     return triton.cdiv(x.shape[0], tile_rows) + num_groups
 
 
-def _hw_e4m3(device: torch.device) -> bool:
+def hw_e4m3(device: torch.device) -> bool:
     """Whether the kernels encode E4M3 by the hardware's conversion (CUDA sm_89+, whose cvt.rn.satfinite
     rounds and saturates by the same rule; the NaN sign is set apart) rather than by integer arithmetic
     (the interpreter, whose fp8 cast follows other rules, and older GPUs without the instruction)."""
@@ -107,7 +107,7 @@ def _plan(
     rows, cols = x2.shape
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
-    hw_e4m3 = _hw_e4m3(x2.device)
+    hw = hw_e4m3(x2.device)
     if info.block_cols is not None and info.block_rows is not None:  # mxfp8, fp8_block: a tile = a block of each form
         tile_m, tile_k = info.block_rows, info.block_cols
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for a weight's tiles.
@@ -137,7 +137,7 @@ def _plan(
                     BAND=band,
                     HAS_NOOP=has_noop,
                     BLOCK_GROUPS=block_groups(num_groups),
-                    HW_E4M3=hw_e4m3,
+                    HW_E4M3=hw,
                     num_warps=warps,
                 ),
             )
@@ -166,7 +166,7 @@ def _plan(
                 STAGES=stages,
                 HAS_NOOP=has_noop,
                 BLOCK_GROUPS=block_groups(num_groups),
-                HW_E4M3=hw_e4m3,
+                HW_E4M3=hw,
                 num_warps=warps,
             ),
         )
@@ -182,7 +182,7 @@ def _plan(
             if segments:  # a span's rows start at a multiple of 16 of its segment (the kernel's SEGMENTS)
                 span = triton.cdiv(span, 16) * 16
             grid = (_num_spans(rows, num_groups, span), triton.cdiv(triton.cdiv(cols, block_cols), steps))
-            spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw_e4m3)
+            spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw)
             spans.update(SEGMENTS=segments, num_warps=warps)
             spans_plan = LaunchPlan(_SPANS, grid, (*ints, pitch), spans)
     elif rowwise and rows:
@@ -198,7 +198,7 @@ def _plan(
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
             ONE_PASS=one_pass,
-            HW_E4M3=hw_e4m3,
+            HW_E4M3=hw,
             num_warps=warps,
         )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
