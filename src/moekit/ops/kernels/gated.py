@@ -265,40 +265,47 @@ def gated_quantize_kernel(
       and so are the ups (GLU_BLOCK a multiple of TILE_K and of BLOCK_C, or F itself with F a multiple of
       TILE_K): each run is quantized as it is.
     - otherwise (TILE_K a multiple of 2 * GLU_BLOCK, BLOCK_C of GLU_BLOCK): the tile's columns are the h
-      columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved; read again as one tile in h's order
-      (the second read of the same bytes, from the cache) and quantized."""
+      columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved: read as one tile in h's order, split
+      into gates and ups for the activation, and quantized as it is."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     rmask = offs_r < rows
     live = rmask & (offs_r < tl.load(offs_ptr + num_groups))
     c0 = pid_c * BLOCK_C
-    offs_c = c0 + tl.arange(0, BLOCK_C)
-    cmask = offs_c < ffn
-    mask = live[:, None] & cmask[None, :]
-    gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
+    valid = ffn - c0
+    cols = tl.arange(0, BLOCK_C)
+    mask = live[:, None] & (cols < valid)[None, :]
     h_rows = h_ptr + offs_r[:, None] * stride_h
     h_ty = h_ptr.dtype.element_ty
-    g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Every load is of contiguous columns (16-byte vectors), never gathered through gate/up indices.
+    if RUNS:
+        gate0 = (c0 // GLU_BLOCK) * 2 * GLU_BLOCK + c0 % GLU_BLOCK
+        g = tl.load(h_rows + gate0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + gate0 + GLU_BLOCK + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        # The tile's pairs are h's columns [2 c0, 2 c0 + 2 BLOCK_C): read once, split into gates and ups.
+        hcols = tl.arange(0, 2 * BLOCK_C)
+        v = tl.load(h_rows + 2 * c0 + hcols[None, :], mask=live[:, None] & (hcols < 2 * valid)[None, :], other=0.0).to(
+            tl.float32
+        )
+        pairs = tl.permute(tl.reshape(v, (BLOCK_ROWS, BLOCK_C // GLU_BLOCK, 2, GLU_BLOCK)), (0, 1, 3, 2))
+        g3, u3 = tl.split(pairs)
+        g = tl.reshape(g3, (BLOCK_ROWS, BLOCK_C))
+        u = tl.reshape(u3, (BLOCK_ROWS, BLOCK_C))
     out = ACT(g, u)
     if HAS_PROBS:
         out = out * tl.load(probs_ptr + offs_r, mask=live, other=0.0).to(tl.float32)[:, None]
     out = tl.where(mask, out.to(h_ty).to(tl.float32), 0.0)
-    valid = ffn - c0
     _quantize_run(out, c0, valid, offs_r, rmask, a_data_ptr, a_scale_ptr, ffn, stride_a_scale, MX, TILE_K, HW_E4M3)
     if RUNS:
         is_gate = tl.full((BLOCK_ROWS, BLOCK_C), True, tl.int1)
         g = _held_values(g, is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
         u = _held_values(u, ~is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
-        gate0 = (c0 // GLU_BLOCK) * 2 * GLU_BLOCK + c0 % GLU_BLOCK
         args = (h_data_ptr, h_scale_ptr, 2 * ffn, stride_h_scale)
         _quantize_run(g, gate0, valid, offs_r, rmask, *args, MX, TILE_K, HW_E4M3)
         _quantize_run(u, gate0 + GLU_BLOCK, valid, offs_r, rmask, *args, MX, TILE_K, HW_E4M3)
     else:
-        hcols = 2 * c0 + tl.arange(0, 2 * BLOCK_C)
-        hmask = hcols < 2 * ffn
-        v = tl.load(h_rows + hcols[None, :], mask=live[:, None] & hmask[None, :], other=0.0).to(tl.float32)
         is_gate = ((hcols // GLU_BLOCK) % 2 == 0)[None, :]
         v = _held_values(v, is_gate, h_ty, HELD_GATE_LIMIT, HELD_UP_LIMIT)
         _quantize_run(
