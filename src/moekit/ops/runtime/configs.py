@@ -454,10 +454,11 @@ GATED_TILES: dict[Arch, tuple[int, int, int]] = {
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
 # warps), BLOCK_C the widest tile of activation columns tried (the host halves it until the tile's h
-# columns form whole scale blocks, never below what a scale block needs). As GATED_TILES: 16 rows of
-# 256 columns, gate and up, 16 KB of bf16 read a program.
+# columns form whole scale blocks, never below what a scale block needs). sm90: 8 rows of 256 columns,
+# the fastest or within 5% of it at DeepSeek-V3 and Qwen3-30B-A3B widths for fp8_block and mxfp8, runs and
+# interleaved pairs alike, among 4-32 rows x 128-512 columns x 4-8 warps (benchmarks/README.md).
 GATED_QUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (16, 256, 4),
-    "sm80": (16, 256, 4),
+    "sm90": (8, 256, 4),
+    "sm80": (8, 256, 4),
     "interpreter": (4, 64, 4),  # 64: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile
 }
