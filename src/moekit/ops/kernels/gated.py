@@ -278,11 +278,13 @@ def gated_quantize_kernel(
     mask = live[:, None] & (cols < valid)[None, :]
     h_rows = h_ptr + offs_r[:, None] * stride_h
     h_ty = h_ptr.dtype.element_ty
-    # Every load is of contiguous columns (16-byte vectors), never gathered through gate/up indices.
     if RUNS:
+        # Through each column's gate and up index (as gated_forward_kernel): on the H200 faster than the
+        # same runs addressed as gate0 + arange (benchmarks/README.md, the gated quantize A/B).
         gate0 = (c0 // GLU_BLOCK) * 2 * GLU_BLOCK + c0 % GLU_BLOCK
-        g = tl.load(h_rows + gate0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_rows + gate0 + GLU_BLOCK + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate_c, up_c = _gate_up_columns(c0 + cols, GLU_BLOCK)
+        g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
         # The tile's pairs are h's columns [2 c0, 2 c0 + 2 BLOCK_C): read once, split into gates and ups.
         hcols = tl.arange(0, 2 * BLOCK_C)
