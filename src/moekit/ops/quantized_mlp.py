@@ -41,8 +41,11 @@ forward's a is computed from h itself. An activation with clamps (gpt-oss's) has
 with it). On moekit's gated kernels
 (`gated_on_kernel`) h' is never written out: the kernels read h's FP8 data and scales and dequantize in
 the load (`held_gated_activation`, `held_gated_activation_backward`); elsewhere one pass of the
-quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the same values. The
-forward's gated kernel does not quantize h in its pass: one `group_quantize` of h follows it.
+quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the same values. In the
+forward, where the gated kernel runs and the recipe's scale blocks fit the GLU layout (fp8_block and
+mxfp8; `spec.gated_quantize`), one pass over h writes Q(a) and Q(held h) (`group_quantize_gated`): neither
+a nor the held form exists in h's dtype. Elsewhere the activation, then `group_quantize` of held h and
+of a: the same bytes.
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
 where the backend has them, the reference path otherwise; the FP8 wgrad's columnwise operands Qc made in

@@ -453,12 +453,13 @@ GATED_TILES: dict[Arch, tuple[int, int, int]] = {
 }
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
-# warps), BLOCK_C the widest tile of activation columns tried (the host halves it until the tile's h
-# columns form whole scale blocks, never below what a scale block needs). sm90: 8 rows of 256 columns,
-# the fastest or within 5% of it at DeepSeek-V3 and Qwen3-30B-A3B widths for fp8_block and mxfp8, runs and
-# interleaved pairs alike, among 4-32 rows x 128-512 columns x 4-8 warps (benchmarks/README.md).
-GATED_QUANTIZE_TILES: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (8, 256, 4),
-    "sm80": (8, 256, 4),
-    "interpreter": (4, 64, 4),  # 64: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile
+# warps) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False: interleaved
+# pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a tile's h columns
+# form whole scale blocks, never below one block). sm90: the fastest of the session's sweep over 4-32 rows
+# x 128-512 columns x 4-8 warps at DeepSeek-V3 and Qwen3-30B-A3B widths (benchmarks/README.md).
+# Under the interpreter 64 columns: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile.
+GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
+    "sm90": {True: (16, 256, 4), False: (8, 256, 4)},
+    "sm80": {True: (16, 256, 4), False: (8, 256, 4)},
+    "interpreter": {True: (4, 64, 4), False: (4, 64, 4)},
 }

@@ -269,10 +269,10 @@ def _quantize_plan(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block:
     info = recipe_named(recipe)
     tile_k = info.block_cols
     assert tile_k is not None  # gated_quantize_unavailable_reason
-    block_rows, widest, warps = GATED_QUANTIZE_TILES[arch_of(h_M2F.device)]
     # Whole scale blocks of the activation's columns a tile (so of its pairs' h columns, interleaved),
     # and with runs a tile inside one GLU block (all of F in the [gate | up] order).
     runs = glu_block % tile_k == 0
+    block_rows, widest, warps = GATED_QUANTIZE_TILES[arch_of(h_M2F.device)][runs]
     block_c = max(widest, tile_k)
     while runs and glu_block != ffn and glu_block % block_c:
         block_c //= 2
