@@ -60,8 +60,7 @@ def _check(recipe: str, ffn: int, k: int | None, activation: str, dtype: torch.d
     h, probs, offs = _rows(device, dtype, rows, ffn, activation)
     act = activation_named(activation)
     limits = (act.gate_limit or 0.0, act.up_limit or 0.0)
-    # Against the quantize kernels it replaces (on the CPU the torch path's bytes too; on CUDA the torch
-    # path's NaN scales carry the GPU division's payload, 0x7fffffff, where the kernels write 0x7fc00000).
+    # Against the quantize kernels it replaces (the torch path's bytes: tests/ops/test_quantize.py).
     want_a = group_quantize(gated_activation(h, probs, k, activation, True), offs, recipe, backend="triton")
     want_h = group_quantize(to_held(h, k, activation), offs, recipe, backend="triton")
     got_a, got_h = group_quantize_gated(h, offs, recipe, probs, glu, activation, *limits)

@@ -718,6 +718,19 @@ def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_torch_path_on_cuda_writes_the_cpu_bytes(recipe):
+    """The torch path on CUDA writes the CPU's bytes, NaN scales included (the NaN itself as scale_inv,
+    0x7fc00000, not the GPU division's 1 / NaN, 0x7fffffff)."""
+    x = data_with_specials(90, 70, seed=90, dtype=torch.bfloat16)
+    want = moekit.group_quantize(x, [40, 0, 37, 3], recipe, columnwise=True, backend="torch")
+    offs = torch.tensor([40, 0, 37, 3], device="cuda")
+    got = moekit.group_quantize(x.cuda(), offs, recipe, columnwise=True, backend="torch")
+    assert_same_bytes(got, want, recipe)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("forms", [(True, False), (False, True), (True, True)], ids=["rowwise", "columnwise", "both"])
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_cuda_each_form_matches_the_cpu_path_at_width(recipe, forms):

@@ -56,11 +56,12 @@ def e8m0_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp32_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, scale_inv) of fp32 block maxima: min(448 / amax, fp32 max) and 1 / scale, each one
-    correctly rounded fp32 division; amax 0 -> 1, non-finite -> NaN."""
+    correctly rounded fp32 division; amax 0 -> 1, non-finite -> NaN (the NaN itself as scale_inv, not
+    1 / NaN, whose bits are the device's: 0x7fffffff on CUDA, so that every device stores 0x7fc00000)."""
     scale = (torch.full_like(amax, FP8_MAX) / amax).clamp(max=_FLOAT32_MAX)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     scale = torch.where(torch.isinf(amax), torch.full_like(scale, float("nan")), scale)
-    return scale, torch.ones_like(scale) / scale
+    return scale, torch.where(torch.isnan(scale), scale, torch.ones_like(scale) / scale)
 
 
 def scales_of(recipe: Recipe, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
