@@ -39,7 +39,7 @@ The scale rules (the same in `moekit.ops.runtime.quantize_torch`, bit for bit):
 E4M3 encoding: round to nearest even, saturating to +-448, NaN to 0x7f | sign: torch's float8_e4m3fn
 conversion exactly. On CUDA sm_89+ (constexpr HW_E4M3, set by the host) by the hardware's conversion
 (cvt.rn.satfinite, the same rounding and saturation) with the NaNs' sign set apart, in the quantize
-kernels only for tiles that hold a non-finite block maximum (`_e4m3_tile`: nowhere else can a NaN
+kernels only for tiles that hold a non-finite block maximum (`e4m3_tile`: nowhere else can a NaN
 arise); elsewhere by integer arithmetic on the fp32 bits (Triton 3.6's interpreter converts to fp8 by
 other rules). Both give every device the same bytes.
 """
@@ -109,10 +109,10 @@ def _e8m0_scales(amax):
 
 
 @triton.jit
-def _fp32_scales(amax):
+def fp32_scales(amax):
     """(scale, scale_inv) of block maxima amax >= 0: min(448 / amax, fp32 max) and its inverse, both
     correctly rounded; amax 0 -> 1, non-finite -> NaN."""
-    zero = tl.zeros_like(amax)
+    zero = tl.where(amax == 0.0, 0.0, 0.0)  # zeros in amax's layout (tl.zeros_like has none in Gluon)
     scale = tl.minimum(tl.math.div_rn(zero + FP8_MAX, tl.where(amax == 0.0, 1.0, amax)), FLOAT32_MAX)
     scale = tl.where(amax == 0.0, 1.0, scale)
     scale = tl.where(amax == float("inf"), float("nan"), scale)
@@ -122,7 +122,7 @@ def _fp32_scales(amax):
 
 
 @triton.jit
-def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
+def e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
     """`_e4m3`'s bytes of fp32 x * s. With HW_E4M3 the NaN fix-up (four integer ops and a select an
     element) runs only where `any_nan` (a scalar: the tile holds a non-finite block maximum): x * s is
     NaN only in a block whose maximum is non-finite (finite x times a finite scale is finite, at most
@@ -142,17 +142,17 @@ def _e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
 @triton.jit
 def _quantize_tile(x, amax, scale_ptrs, scale_mask, tile_amax, MX: tl.constexpr, HW_E4M3: tl.constexpr):
     """The E4M3 bytes of x under the scales of block maxima `amax` (broadcast against x); stores the
-    scales (E8M0 bytes, or fp32 scale_inv) at scale_ptrs. The NaN fix-up of `_e4m3_tile` is decided
+    scales (E8M0 bytes, or fp32 scale_inv) at scale_ptrs. The NaN fix-up of `e4m3_tile` is decided
     once for the tile: tile_amax is the largest of its block maxima (inf: a block holds an inf or NaN)."""
     any_nan = tile_amax == float("inf")
     if MX:
         byte, recip = _e8m0_scales(amax)
         tl.store(scale_ptrs, byte, mask=scale_mask)
-        return _e4m3_tile(x, recip, any_nan, HW_E4M3)
+        return e4m3_tile(x, recip, any_nan, HW_E4M3)
     else:
-        scale, scale_inv = _fp32_scales(amax)
+        scale, scale_inv = fp32_scales(amax)
         tl.store(scale_ptrs, scale_inv, mask=scale_mask)
-        return _e4m3_tile(x, scale, any_nan, HW_E4M3)
+        return e4m3_tile(x, scale, any_nan, HW_E4M3)
 
 
 @triton.jit
@@ -449,7 +449,7 @@ def quantize_slots_kernel(
             byte, mult = _e8m0_scales(amax_c)
             tl.store(col_scales, byte, mask=cmask)
         else:
-            mult, scale_inv = _fp32_scales(amax_c)
+            mult, scale_inv = fp32_scales(amax_c)
             tl.store(col_scales, scale_inv, mask=cmask)
         for k in tl.range(0, SLOT_ROWS, CHUNK):
             rmask = j0 + k + i < count
@@ -457,7 +457,7 @@ def quantize_slots_kernel(
             elem = r64[:, None] * stride_x + c[None, :]
             mask = rmask[:, None] & cmask[None, :]
             x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
-            q = _e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+            q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             if SEGMENTS:
                 _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
             else:
@@ -499,9 +499,9 @@ def quantize_rows_kernel(
             x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
             x = tl.where(live[:, None], x, 0.0)
             amax = tl.max(abs_for_amax(x), axis=1)
-            scale, scale_inv = _fp32_scales(amax)
+            scale, scale_inv = fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-            q = _e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
+            q = e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
             tl.store(data_ptr + elem, q, mask=rmask[:, None] & cmask)
         else:
             amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
@@ -510,7 +510,7 @@ def quantize_rows_kernel(
                 mask = live[:, None] & (c < cols)[None, :]
                 x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
                 amax = tl.maximum(amax, tl.max(abs_for_amax(x.to(tl.float32)), axis=1))
-            scale, scale_inv = _fp32_scales(amax)
+            scale, scale_inv = fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
             for k0 in range(0, cols, BLOCK_COLS):
                 c = k0 + tl.arange(0, BLOCK_COLS)
@@ -644,16 +644,16 @@ def _spans_step(
     x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
     col_at = g.to(tl.int64) * cols + c
     col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
-    scale, scale_inv = _fp32_scales(col_amax)
+    scale, scale_inv = fp32_scales(col_amax)
     tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
-    q_col = _e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
+    q_col = e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
     if SEGMENTS:
         j0, count, seg0, pitch = seg
         _segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
     else:
         tl.store(col_data_ptr + elem, q_col, mask=mask)
     if ROWWISE:
-        tl.store(row_data_ptr + elem, _e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
+        tl.store(row_data_ptr + elem, e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
 
 
 @triton.jit
@@ -700,7 +700,7 @@ def quantize_spans_kernel(
         row_amax = tl.zeros((SPAN,), dtype=tl.float32)
         if ROWWISE:
             row_amax = tl.load(row_amax_ptr + r64, mask=rmask & live, other=0).to(tl.float32, bitcast=True)
-        scale_r, scale_inv_r = _fp32_scales(row_amax)
+        scale_r, scale_inv_r = fp32_scales(row_amax)
         if ROWWISE:
             tl.store(row_scale_ptr + r64, scale_inv_r, mask=rmask & (k == 0))
         row_nan = tl.max(row_amax, axis=0) == float("inf")

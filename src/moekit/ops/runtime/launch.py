@@ -353,6 +353,12 @@ def pick_config(
     return best
 
 
+def forget_plans() -> None:
+    """Drop every kept plan: after a configuration table changed (tests and tuning compare kernels
+    or entries in one process), the next call of each problem plans again from the tables."""
+    _PLANS.clear()
+
+
 def planned_count() -> int:
     """Plans kept (tests check that a problem is planned once)."""
     return len(_PLANS)

@@ -36,12 +36,14 @@ from moekit.ops.kernels.quantize import (
     quantize_tiles_kernel,
     transpose_weight_kernel,
 )
+from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel
 from moekit.ops.runtime.configs import (
     DEQUANTIZE_TILES,
     QUANTIZE_AMAX_SPANS,
     QUANTIZE_CHUNKS,
     QUANTIZE_ONE_PASS_ROWS,
     QUANTIZE_SLOTS,
+    QUANTIZE_SLOTS_TMA,
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
     TRANSPOSE_TILES,
@@ -57,14 +59,17 @@ from moekit.ops.runtime.launch import (
     device_ctx,
     device_index,
     empty,
+    grid_size,
     plan_launch,
     tensor_key,
+    tma_ok,
     unavailable_reason,
 )
 from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _TILES = Launcher(quantize_tiles_kernel)
 _SLOTS = Launcher(quantize_slots_kernel)
+_SLOTS_TMA = Launcher(quantize_slots_tma_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _AMAX = Launcher(amax_spans_kernel)
 _SPANS = Launcher(quantize_spans_kernel)
@@ -114,6 +119,9 @@ def _plan(
         stride_scale = triton.cdiv(cols, tile_k)
         if columnwise:
             layout = "segments" if segments else "rows"
+            tma_slots = _slots_tma_plan(info, x, x2, num_groups, forms, pitch, stride_scale)
+            if tma_slots is not None:
+                return QuantizePlan(None, tma_slots, None, None, None)
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
                 raise RuntimeError(
@@ -203,6 +211,50 @@ def _plan(
         )
         row_plan = LaunchPlan(_ROWS, (triton.cdiv(rows, block_rows),), ints, chunks)
     return QuantizePlan(None, None, row_plan, amax_plan, spans_plan)
+
+
+def _slots_tma_plan(
+    info: Recipe,
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    num_groups: int,
+    forms: tuple[bool, bool, bool, bool],
+    pitch: int,
+    stride_scale: int,
+) -> LaunchPlan | None:
+    """The Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`, the Triton
+    slots kernel's arguments and bytes), or None where it does not apply: another recipe, an
+    architecture without a `QUANTIZE_SLOTS_TMA` entry, a weight, x not in bf16/fp16 or not TMA-aligned,
+    nothing to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
+    rowwise, _, has_noop, segments = forms
+    layout = "segments" if segments else "rows"
+    entry = QUANTIZE_SLOTS_TMA.get(arch_of(x2.device), {}).get(layout)
+    takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
+    if entry is None or not takes or x.dim() != 2 or x2.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not tma_ok(x2) or x2.shape[0] >= 2**31 - 2**20:
+        return None
+    chunk, warps, stages, per_sm, slots_fastest = entry
+    num_slots = _num_slots(info, x, 128, num_groups)
+    work = num_slots * triton.cdiv(x2.shape[1], 128)
+    if not work:
+        return None
+    return LaunchPlan(
+        _SLOTS_TMA,
+        (grid_size(x2.device, work, per_sm),),
+        (x2.shape[0], x2.shape[1], num_groups, x2.stride(0), stride_scale, pitch, num_slots),
+        dict(
+            ROWWISE=rowwise,
+            SEGMENTS=segments,
+            CHUNK=chunk,
+            STAGES=stages,
+            SLOTS_FASTEST=slots_fastest,
+            HAS_NOOP=has_noop,
+            BLOCK_GROUPS=block_groups(num_groups),
+            HW_E4M3=hw_e4m3(x2.device),
+            num_warps=warps,
+        ),
+    )
 
 
 def _num_spans(rows: int, num_groups: int, span: int) -> int:

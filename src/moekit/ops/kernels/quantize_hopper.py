@@ -1,0 +1,256 @@
+"""Gluon kernel of grouped FP8 quantization for Hopper (sm_90): fp8_block's columnwise form (jit code
+only; host code in `moekit.ops.runtime.quantize`, the formats in `moekit.grouped_tensor`).
+
+Legend as in `moekit.ops.kernels.quantize`: M rows (N groups of them, then padding rows), X columns; a
+slot is one block of 128 rows of one group, a strip its 128 columns [q * 128, + 128).
+
+    quantize_slots_tma_kernel   `quantize_slots_kernel`'s problem for fp8_block (128 x 1 columnwise
+                                blocks, with or without the 1 x 128 rowwise ones; (M, X) rows or the
+                                FP8 wgrad's segments), its bytes: each strip read once from memory
+                                into shared memory by one TMA box, then walked twice there
+
+Why: a column's scale needs every row of its slot before any of its bytes, so a strip is read twice.
+`quantize_slots_kernel` reads it twice from memory (the second walk from L2) in row chunks held in
+registers, which bounds the bytes in flight an SM by registers (three programs of 4 warps an SM on
+sm_90: latency-bound, 0.37-0.51 of the HBM copy). Here the strip (32 KiB of bf16) lands in shared
+memory by one TMA box and both walks read it there; a persistent program keeps STAGES strips in
+flight (the next ones load while it walks the current one), so the bytes in flight are shared memory,
+not registers.
+
+A program takes the work items (slot, strip) pid, pid + P, ... (slots fastest or strips fastest:
+SLOTS_FASTEST). Each item's box is loaded whatever the slot holds (TMA fills rows past M with zeros);
+rows outside the slot's group are masked out in the walks, so a slot that reaches into the next
+group's rows, a padding slot (read as zeros, as the Triton kernel reads them) and an unused slot (its
+column scales 1, nothing else written) need no branch around the ring. Before a stage is loaded again
+every warp has finished reading it (a CTA barrier, then the proxy fence).
+
+Walk 1, chunks of CHUNK rows in a row-major register layout (16 consecutive columns a thread): the
+elementwise running maximum of |x| (columns), and with ROWWISE each row's 1 x 128 block (the strip's
+row) quantized and stored at once. Walk 2: the columnwise bytes, as (M, X) rows (the same layout, 16-byte
+stores) or, SEGMENTS, into the FP8 wgrad's (X, pitch) layout, read from shared memory in a column-major
+register layout (16 consecutive rows of one column a thread), so that each thread stores 16 consecutive
+bytes of a destination row. The scale and E4M3 rules are `moekit.ops.kernels.quantize`'s own jit
+functions, called from Gluon: the bytes are `quantize_slots_kernel`'s.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from moekit.ops.kernels.grouped_wgrad_fp8 import segment_starts
+from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
+from moekit.ops.kernels.schedule import gluon_group_ids
+
+
+@gluon.jit
+def _work_item(w, strips, SLOTS_FASTEST: gl.constexpr, num_slots):
+    """(slot, strip) of work item w."""
+    if SLOTS_FASTEST:
+        return w % num_slots, w // num_slots
+    else:
+        return w // strips, w % strips
+
+
+@gluon.jit
+def _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS: gl.constexpr, SLOT_ROWS: gl.constexpr):
+    """(live, count, j0, r0, seg0) of a slot: whether its group is a real one (not the padding rows),
+    its group's row count (the padding rows' for group N), its first row within the group, its first
+    row in x, and (SEGMENTS) its first column in the wgrad layout (0 otherwise)."""
+    starts = gl.load(slot_offs_ptr + 1 + gi, mask=gi < num_groups, other=2**62)
+    g = gl.sum((starts <= slot).to(gl.int32), axis=0)
+    live = g < num_groups
+    group_start = gl.load(offs_ptr + g)
+    count = gl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
+    j0 = (slot - gl.load(slot_offs_ptr + g)) * SLOT_ROWS
+    seg0 = j0 * 0
+    if SEGMENTS:
+        starts_v, _ = segment_starts(offs_ptr, gi, rows, num_groups)
+        seg0 = gl.sum(gl.where(gi == g, starts_v, 0), axis=0) + j0
+    return live, count, j0, group_start + j0, seg0
+
+
+@gluon.jit
+def _issue(
+    desc,
+    bufs,
+    ready,
+    w,
+    n_work,
+    strips,
+    num_slots,
+    offs_ptr,
+    slot_offs_ptr,
+    rows,
+    num_groups,
+    gi,
+    stage,
+    SLOTS_FASTEST: gl.constexpr,
+    SLOT_ROWS: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    NBYTES: gl.constexpr,
+):
+    """Load work item w's strip into ring stage `stage` (nothing past the last item)."""
+    if w < n_work:
+        slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
+        _, _, _, r0, _ = _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, False, SLOT_ROWS)
+        mbarrier.expect(ready.index(stage), NBYTES)
+        tma.async_copy_global_to_shared(desc, [r0.to(gl.int32), q * BLOCK_C], ready.index(stage), bufs.index(stage))
+
+
+@gluon.jit
+def quantize_slots_tma_kernel(
+    x_ptr,
+    offs_ptr,
+    slot_offs_ptr,
+    noop_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    rows,
+    cols,
+    num_groups,
+    stride_x,
+    stride_row_scale,
+    pitch,
+    num_slots,
+    ROWWISE: gl.constexpr,
+    SEGMENTS: gl.constexpr,
+    CHUNK: gl.constexpr,
+    STAGES: gl.constexpr,
+    SLOTS_FASTEST: gl.constexpr,
+    HAS_NOOP: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    HW_E4M3: gl.constexpr,
+):
+    """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
+    16-byte aligned base and row stride; the arguments, outputs and bytes of `quantize_slots_kernel`
+    with TILE_K = SLOT_ROWS = BLOCK_C = 128 (num_slots: its slot programs, ceil(M / 128) + N). A
+    persistent launch: the programs take the num_slots x ceil(cols / 128) work items in turn."""
+    SLOT_ROWS: gl.constexpr = 128
+    BLOCK_C: gl.constexpr = 128
+    gl.static_assert(SLOT_ROWS % CHUNK == 0 and CHUNK % 16 == 0, "chunks of 16-row multiples")
+    run = True
+    if HAS_NOOP:
+        run = gl.load(noop_ptr) != 1.0
+    if run:
+        NW: gl.constexpr = gl.num_warps()
+        # Row-major chunks: 8 threads x 16 columns a row; column-major (SEGMENTS' walk 2): 16 rows a thread.
+        L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+        LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, NW], [0, 1])
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        NBYTES: gl.constexpr = SLOT_ROWS * BLOCK_C * dtype.primitive_bitwidth // 8
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, BLOCK_C], dtype)
+        bufs = gl.allocate_shared_memory(dtype, [STAGES, SLOT_ROWS, BLOCK_C], smem_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        desc = tma.make_tensor_descriptor(
+            x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[SLOT_ROWS, BLOCK_C], layout=smem_layout
+        )
+        gi = gluon_group_ids(BLOCK_GROUPS)
+        strips = gl.cdiv(cols, BLOCK_C)
+        n_work = num_slots * strips
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        for s in gl.static_range(STAGES):
+            _issue(
+                desc,
+                bufs,
+                ready,
+                pid + s * nprog,
+                n_work,
+                strips,
+                num_slots,
+                offs_ptr,
+                slot_offs_ptr,
+                rows,
+                num_groups,
+                gi,
+                s,
+                SLOTS_FASTEST,
+                SLOT_ROWS,
+                BLOCK_C,
+                NBYTES,
+            )
+        i = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, L))
+        c_in = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, L))
+        it = 0
+        for w in range(pid, n_work, nprog):
+            stage = it % STAGES
+            slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
+            live, count, j0, r0, seg0 = _slot_of(
+                slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
+            )
+            c = q * BLOCK_C + c_in
+            cmask = c < cols
+            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            strip = bufs.index(stage)
+            amax_ic = gl.zeros([CHUNK, BLOCK_C], gl.float32, L)
+            for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+                rmask = j0 + k + i < count
+                x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+                x = gl.where((rmask & live)[:, None], x, 0.0)
+                a = abs_for_amax(x)
+                amax_ic = gl.maximum(amax_ic, a)
+                if ROWWISE:
+                    r64 = (r0 + k + i).to(gl.int64)
+                    amax_r = gl.max(a, axis=1)
+                    scale, scale_inv = fp32_scales(amax_r)
+                    gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
+                    qb = e4m3_tile(x, scale[:, None], gl.max(amax_r, axis=0) == float("inf"), HW_E4M3)
+                    elem = r64[:, None] * stride_x + c[None, :]
+                    gl.store(row_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+            amax_c = gl.max(amax_ic, axis=0)
+            mult, scale_inv_c = fp32_scales(amax_c)
+            gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
+            any_nan = gl.max(amax_c, axis=0) == float("inf")
+            if SEGMENTS:
+                iT = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LT))
+                cT = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LT))
+                multT = gl.convert_layout(mult, gl.SliceLayout(0, LT))
+                for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+                    keep = (j0 + k + iT < count) & live
+                    x = strip.slice(k, CHUNK).load(LT).to(gl.float32)
+                    x = gl.where(keep[:, None], x, 0.0)
+                    qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
+                    # Rows past the group's last row are zeros up to the segment's end, nothing past it.
+                    smask = live & (j0 + k + iT < gl.cdiv(count, 16) * 16)
+                    dst = (seg0 + k) // 16 * 16 + iT
+                    ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
+                    gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
+            else:
+                for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+                    rmask = j0 + k + i < count
+                    x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+                    x = gl.where((rmask & live)[:, None], x, 0.0)
+                    qb = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+                    elem = (r0 + k + i).to(gl.int64)[:, None] * stride_x + c[None, :]
+                    gl.store(col_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+            # Every warp is done with this stage before it is loaded again.
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(
+                desc,
+                bufs,
+                ready,
+                w + STAGES * nprog,
+                n_work,
+                strips,
+                num_slots,
+                offs_ptr,
+                slot_offs_ptr,
+                rows,
+                num_groups,
+                gi,
+                stage,
+                SLOTS_FASTEST,
+                SLOT_ROWS,
+                BLOCK_C,
+                NBYTES,
+            )
+            it += 1
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))

@@ -1,0 +1,182 @@
+"""fp8_block's columnwise form by the Gluon kernel on Hopper (`moekit.ops.kernels.quantize_hopper`,
+`quantize_slots_tma_kernel`): the same bytes as the Triton slots kernel, which the other quantize tests
+check against the torch path and float64.
+
+On the CPU: the kernel compiles for sm_90 (in a subprocess without the interpreter) with 16-byte stores
+of every form and shared memory for its configured programs an SM. On the GPU (-m gpu): every output
+byte equal to the Triton kernel's (the configuration table's entry removed, plans forgotten) for both
+layouts, with and without the rowwise form, bf16 and fp16, at layer sizes with skewed splits, empty
+groups, one-row groups, padding rows holding NaN, specials (inf, NaN, zero and tiny rows) and widths not
+multiples of 128; outputs NaN-poisoned; the noop flag; no host sync; which kernel ran (profiler names).
+
+Legend: M rows, N groups, X columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from helpers import assert_no_host_sync, compile_in_subprocess
+from moekit.ops.quantize import group_quantize_for_wgrad
+from moekit.ops.runtime import configs
+from moekit.ops.runtime.launch import forget_plans
+
+_COMPILE_FOR_SM90 = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel as K
+from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
+
+out = {}
+for layout, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["sm90"].items():
+    for rowwise in (False, True):
+        const = dict(ROWWISE=rowwise, SEGMENTS=layout == "segments", CHUNK=chunk, STAGES=stages,
+                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, BLOCK_GROUPS=256, HW_E4M3=True)
+        ptr = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32",
+               "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}
+        sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in K.arg_names}
+        # What Triton specializes at launch for a 16-byte aligned x of 16 | X columns.
+        div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(K.arg_names)
+                 if n.endswith("_ptr") or n in ("rows", "cols", "stride_x", "pitch")}
+        src = GluonASTSource(fn=K, signature=sig, attrs=div16,
+                             constexprs={(K.arg_names.index(k),): v for k, v in const.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        stores = sorted(set(re.findall(r"st\\.global[\\w.]*", compiled.asm["ptx"])))
+        out[f"{layout}-{rowwise}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm, stores=stores)
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm90_with_16_byte_stores():
+    """Every configured layout, with and without the rowwise form: the data leave by 16-byte stores (the
+    scales by 4-byte ones, no byte stores), and the configured programs an SM fit its shared memory."""
+    got = compile_in_subprocess(_COMPILE_FOR_SM90)
+    assert len(got) == 2 * len(configs.QUANTIZE_SLOTS_TMA["sm90"])
+    for case, info in got.items():
+        assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
+        assert "st.global.v4.b32" in info["stores"], case
+        assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------------
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU"
+)
+
+# (m_splits, M, X): skewed with empty groups first / middle / last and padding rows; one-row and
+# 129-row groups (a slot of one row, a slot past a block); DeepSeek-V3's width; a width that is not a
+# multiple of 128 (a partial last strip; 16-byte rows); many groups.
+SHAPES = [
+    pytest.param([0, 700, 512, 0, 900, 333, 1100, 0], 4096, 1024, id="skewed-empty-padding"),
+    pytest.param([1, 129, 0, 3000, 127, 1], 3300, 7168, id="one-row-odd-slots-H7168"),
+    pytest.param([5000, 3, 2800], 8192, 2888, id="partial-strip-X2888"),
+    pytest.param([257] * 64, 16448, 768, id="64-groups"),
+]
+
+
+def rows_with_specials(M: int, X: int, used: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows and columns of different magnitudes, a zero row, a tiny row, a huge row, an inf and a NaN;
+    padding rows NaN (read as zeros)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, X, device="cuda", generator=gen) * torch.logspace(-2, 1, X, device="cuda")
+    x[3] *= 1000.0
+    x[4] = 0.0
+    x[5] *= 1e-30
+    x[20, 5] = float("inf")
+    x[25, 7] = float("nan")
+    x[used:] = float("nan")
+    return x.to(dtype)
+
+
+def storage_bytes(obj, m_splits: list[int]) -> list[torch.Tensor]:
+    """Every output tensor of a GroupedTensor, or of SegmentedColumns the columns in use (the segments,
+    each rounded up to 16; the columns past them are unspecified), as bytes on the CPU."""
+    if isinstance(obj, moekit.GroupedTensor):
+        tensors = [t for t in obj.storage()[2:6] if t is not None]
+    else:
+        tensors = [obj.data[:, : sum(-(-n // 16) * 16 for n in m_splits)], obj.scale_inv]
+    return [t.view(torch.uint8).cpu() if t.element_size() == 1 else t.view(torch.int32).cpu() for t in tensors]
+
+
+def kernels_run(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "quantize_slots" in e.name}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m_splits, M, X", SHAPES)
+def test_bytes_equal_the_triton_slots_kernel(m_splits, M, X, dtype, monkeypatch):
+    x = rows_with_specials(M, X, sum(m_splits), dtype, seed=M + X)
+    offs = torch.tensor(m_splits, device="cuda")
+    cases = {
+        "rows": lambda: [moekit.group_quantize(x, offs, "fp8_block", columnwise=True, backend="triton")],
+        "rows-columnwise-alone": lambda: [
+            moekit.group_quantize(x, offs, "fp8_block", rowwise=False, columnwise=True, backend="triton")
+        ],
+        "segments": lambda: [
+            t for t in group_quantize_for_wgrad(x, offs, "fp8_block", rowwise=True, backend="triton") if t is not None
+        ],
+        "segments-columnwise-alone": lambda: [
+            t for t in group_quantize_for_wgrad(x, offs, "fp8_block", backend="triton") if t is not None
+        ],
+    }
+    forget_plans()
+    torch.cuda.empty_cache()
+    got = {}
+    for name, run in cases.items():
+        # Fresh allocations are uninitialised; poison the caching allocator's blocks first.
+        torch.full((64 << 20,), -1, dtype=torch.int32, device="cuda")
+        assert kernels_run(run) == {"quantize_slots_tma_kernel"}, name
+        got[name] = [b for out in run() for b in storage_bytes(out, m_splits)]
+    monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {})
+    forget_plans()
+    try:
+        for name, run in cases.items():
+            assert kernels_run(run) == {"quantize_slots_kernel"}, name
+            want = [b for out in run() for b in storage_bytes(out, m_splits)]
+            assert len(want) == len(got[name]), name
+            for i, (a, b) in enumerate(zip(got[name], want, strict=True)):
+                assert a.shape == b.shape and torch.equal(a, b), f"{name} output {i}: {(a != b).sum()} differ"
+    finally:
+        forget_plans()
+
+
+def same(a, b, m_splits: list[int]) -> bool:
+    return all(torch.equal(u, v) for u, v in zip(storage_bytes(a, m_splits), storage_bytes(b, m_splits), strict=True))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_out_and_noop_flag_and_no_host_sync():
+    """out= into NaN-poisoned storage writes the allocating call's bytes; the noop flag at 1.0 leaves
+    out byte-identical; neither syncs with the host."""
+    m_splits = [0, 700, 512, 0, 900, 333, 1100, 0]
+    x = rows_with_specials(4096, 2048, sum(m_splits), torch.bfloat16, seed=7)
+    offs = torch.tensor(m_splits, device="cuda")
+    forget_plans()
+    want = moekit.group_quantize(x, offs, "fp8_block", columnwise=True, backend="triton")
+    out = moekit.group_quantize(x, offs, "fp8_block", columnwise=True, backend="triton")
+    for t in out.storage()[2:6]:
+        t.view(torch.uint8).fill_(0xFF)
+    noop = torch.zeros((), device="cuda")
+    assert_no_host_sync(
+        lambda: moekit.group_quantize(x, offs, "fp8_block", columnwise=True, out=out, noop_flag=noop, backend="triton")
+    )
+    assert [
+        torch.equal(a, b) for a, b in zip(storage_bytes(out, m_splits), storage_bytes(want, m_splits), strict=True)
+    ] == [True] * 4
+    noop.fill_(1.0)
+    moekit.group_quantize(x * 2, offs, "fp8_block", columnwise=True, out=out, noop_flag=noop, backend="triton")
+    assert [
+        torch.equal(a, b) for a, b in zip(storage_bytes(out, m_splits), storage_bytes(want, m_splits), strict=True)
+    ] == [True] * 4
