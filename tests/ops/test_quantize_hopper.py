@@ -31,9 +31,9 @@ from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel as K
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
 
 out = {}
-for layout, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["sm90"].items():
+for layout, (chunk, warps, stages, per_sm, slots_fastest, lean) in QUANTIZE_SLOTS_TMA["sm90"].items():
     for rowwise in (False, True):
-        const = dict(ROWWISE=rowwise, SEGMENTS=layout == "segments", CHUNK=chunk, STAGES=stages,
+        const = dict(LEAN=lean, ROWWISE=rowwise, SEGMENTS=layout == "segments", CHUNK=chunk, STAGES=stages,
                      SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, BLOCK_GROUPS=256, HW_E4M3=True)
         ptr = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32",
                "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}

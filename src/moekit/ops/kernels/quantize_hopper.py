@@ -35,6 +35,7 @@ functions, called from Gluon: the bytes are `quantize_slots_kernel`'s.
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -100,6 +101,109 @@ def _issue(
 
 
 @gluon.jit
+def _nan_max(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _amax_of(a, axis: gl.constexpr, LEAN: gl.constexpr):
+    """The maximum along `axis` of |x| values (LEAN: NaN propagated, then read as inf; else a NaN was
+    already read as inf)."""
+    if LEAN:
+        m = gl.reduce(a, axis, _nan_max)
+        return gl.where(m != m, float("inf"), m)
+    else:
+        return gl.max(a, axis=axis)
+
+
+@gluon.jit
+def _walks(
+    strip,
+    count,
+    j0,
+    r0,
+    seg0,
+    slot,
+    q,
+    live,
+    cols,
+    stride_x,
+    stride_row_scale,
+    pitch,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    MASKED: gl.constexpr,
+    LEAN: gl.constexpr,
+    ROWWISE: gl.constexpr,
+    SEGMENTS: gl.constexpr,
+    CHUNK: gl.constexpr,
+    SLOT_ROWS: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    HW_E4M3: gl.constexpr,
+):
+    """Both walks over one strip in shared memory. MASKED: rows past the group's end (or a padding slot's)
+    are read as zeros and not stored; without it every row of the strip is the group's (a whole slot).
+    LEAN: the maxima fold |x| with a NaN-propagating max (one instruction an element) and read a NaN
+    maximum as inf once a block, instead of reading each NaN as inf (`abs_for_amax`)."""
+    NW: gl.constexpr = gl.num_warps()
+    # Row-major chunks: 8 threads x 16 columns a row; column-major (SEGMENTS' walk 2): 16 rows a thread.
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+    LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, NW], [0, 1])
+    i = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, L))
+    c = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, L))
+    cmask = c < cols
+    amax_ic = gl.zeros([CHUNK, BLOCK_C], gl.float32, L)
+    for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+        rmask = j0 + k + i < count
+        x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+        if MASKED:
+            x = gl.where((rmask & live)[:, None], x, 0.0)
+        if LEAN:
+            a = gl.abs(x)
+            amax_ic = _nan_max(amax_ic, a)
+        else:
+            a = abs_for_amax(x)
+            amax_ic = gl.maximum(amax_ic, a)
+        if ROWWISE:
+            r64 = (r0 + k + i).to(gl.int64)
+            amax_r = _amax_of(a, 1, LEAN)
+            scale, scale_inv = fp32_scales(amax_r)
+            gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
+            qb = e4m3_tile(x, scale[:, None], gl.max(amax_r, axis=0) == float("inf"), HW_E4M3)
+            elem = r64[:, None] * stride_x + c[None, :]
+            gl.store(row_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+    amax_c = _amax_of(amax_ic, 0, LEAN)
+    mult, scale_inv_c = fp32_scales(amax_c)
+    gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
+    any_nan = gl.max(amax_c, axis=0) == float("inf")
+    if SEGMENTS:
+        iT = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LT))
+        cT = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LT))
+        multT = gl.convert_layout(mult, gl.SliceLayout(0, LT))
+        for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+            x = strip.slice(k, CHUNK).load(LT).to(gl.float32)
+            if MASKED:
+                x = gl.where(((j0 + k + iT < count) & live)[:, None], x, 0.0)
+            qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
+            # Rows past the group's last row are zeros up to the segment's end, nothing past it.
+            smask = live & (j0 + k + iT < gl.cdiv(count, 16) * 16)
+            dst = (seg0 + k) // 16 * 16 + iT
+            ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
+            gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
+    else:
+        for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+            rmask = j0 + k + i < count
+            x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+            if MASKED:
+                x = gl.where((rmask & live)[:, None], x, 0.0)
+            qb = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+            elem = (r0 + k + i).to(gl.int64)[:, None] * stride_x + c[None, :]
+            gl.store(col_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+
+
+@gluon.jit
 def quantize_slots_tma_kernel(
     x_ptr,
     offs_ptr,
@@ -124,6 +228,7 @@ def quantize_slots_tma_kernel(
     HAS_NOOP: gl.constexpr,
     BLOCK_GROUPS: gl.constexpr,
     HW_E4M3: gl.constexpr,
+    LEAN: gl.constexpr,
 ):
     """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
     16-byte aligned base and row stride; the arguments, outputs and bytes of `quantize_slots_kernel`
@@ -136,10 +241,6 @@ def quantize_slots_tma_kernel(
     if HAS_NOOP:
         run = gl.load(noop_ptr) != 1.0
     if run:
-        NW: gl.constexpr = gl.num_warps()
-        # Row-major chunks: 8 threads x 16 columns a row; column-major (SEGMENTS' walk 2): 16 rows a thread.
-        L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, NW], [0, 1])
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         NBYTES: gl.constexpr = SLOT_ROWS * BLOCK_C * dtype.primitive_bitwidth // 8
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, BLOCK_C], dtype)
@@ -175,8 +276,6 @@ def quantize_slots_tma_kernel(
                 BLOCK_C,
                 NBYTES,
             )
-        i = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, L))
-        c_in = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, L))
         it = 0
         for w in range(pid, n_work, nprog):
             stage = it % STAGES
@@ -184,51 +283,63 @@ def quantize_slots_tma_kernel(
             live, count, j0, r0, seg0 = _slot_of(
                 slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
             )
-            c = q * BLOCK_C + c_in
-            cmask = c < cols
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
             strip = bufs.index(stage)
-            amax_ic = gl.zeros([CHUNK, BLOCK_C], gl.float32, L)
-            for k in gl.static_range(0, SLOT_ROWS, CHUNK):
-                rmask = j0 + k + i < count
-                x = strip.slice(k, CHUNK).load(L).to(gl.float32)
-                x = gl.where((rmask & live)[:, None], x, 0.0)
-                a = abs_for_amax(x)
-                amax_ic = gl.maximum(amax_ic, a)
-                if ROWWISE:
-                    r64 = (r0 + k + i).to(gl.int64)
-                    amax_r = gl.max(a, axis=1)
-                    scale, scale_inv = fp32_scales(amax_r)
-                    gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
-                    qb = e4m3_tile(x, scale[:, None], gl.max(amax_r, axis=0) == float("inf"), HW_E4M3)
-                    elem = r64[:, None] * stride_x + c[None, :]
-                    gl.store(row_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
-            amax_c = gl.max(amax_ic, axis=0)
-            mult, scale_inv_c = fp32_scales(amax_c)
-            gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
-            any_nan = gl.max(amax_c, axis=0) == float("inf")
-            if SEGMENTS:
-                iT = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LT))
-                cT = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LT))
-                multT = gl.convert_layout(mult, gl.SliceLayout(0, LT))
-                for k in gl.static_range(0, SLOT_ROWS, CHUNK):
-                    keep = (j0 + k + iT < count) & live
-                    x = strip.slice(k, CHUNK).load(LT).to(gl.float32)
-                    x = gl.where(keep[:, None], x, 0.0)
-                    qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
-                    # Rows past the group's last row are zeros up to the segment's end, nothing past it.
-                    smask = live & (j0 + k + iT < gl.cdiv(count, 16) * 16)
-                    dst = (seg0 + k) // 16 * 16 + iT
-                    ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
-                    gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
+            if LEAN and live and j0 + SLOT_ROWS <= count:
+                # A whole slot of a real group: no row masks.
+                _walks(
+                    strip,
+                    count,
+                    j0,
+                    r0,
+                    seg0,
+                    slot,
+                    q,
+                    live,
+                    cols,
+                    stride_x,
+                    stride_row_scale,
+                    pitch,
+                    row_data_ptr,
+                    row_scale_ptr,
+                    col_data_ptr,
+                    col_scale_ptr,
+                    False,
+                    True,
+                    ROWWISE,
+                    SEGMENTS,
+                    CHUNK,
+                    SLOT_ROWS,
+                    BLOCK_C,
+                    HW_E4M3,
+                )
             else:
-                for k in gl.static_range(0, SLOT_ROWS, CHUNK):
-                    rmask = j0 + k + i < count
-                    x = strip.slice(k, CHUNK).load(L).to(gl.float32)
-                    x = gl.where((rmask & live)[:, None], x, 0.0)
-                    qb = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
-                    elem = (r0 + k + i).to(gl.int64)[:, None] * stride_x + c[None, :]
-                    gl.store(col_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+                _walks(
+                    strip,
+                    count,
+                    j0,
+                    r0,
+                    seg0,
+                    slot,
+                    q,
+                    live,
+                    cols,
+                    stride_x,
+                    stride_row_scale,
+                    pitch,
+                    row_data_ptr,
+                    row_scale_ptr,
+                    col_data_ptr,
+                    col_scale_ptr,
+                    True,
+                    LEAN,
+                    ROWWISE,
+                    SEGMENTS,
+                    CHUNK,
+                    SLOT_ROWS,
+                    BLOCK_C,
+                    HW_E4M3,
+                )
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()

@@ -361,12 +361,13 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 }
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`): per layout
 # ("rows": (M, X), "segments": the FP8 wgrad's), (CHUNK rows a walk step, warps, STAGES strips of 128 x 128
-# in flight a program, programs an SM, slots fastest). Only architectures listed here run it; elsewhere
-# (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes.
-QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
+# in flight a program, programs an SM, slots fastest, lean: NaN-propagating maxima and unmasked whole
+# slots). Only architectures listed here run it; elsewhere (and for x that TMA cannot take)
+# `quantize_slots_kernel` writes the same bytes.
+QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, bool]]] = {
     "sm90": {
-        "rows": (32, 4, 3, 2, False),
-        "segments": (32, 4, 3, 2, True),
+        "rows": (32, 4, 3, 2, False, True),
+        "segments": (32, 4, 3, 2, True, True),
     },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
