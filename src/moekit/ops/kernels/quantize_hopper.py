@@ -90,14 +90,20 @@ def _issue(
     SLOTS_FASTEST: gl.constexpr,
     SLOT_ROWS: gl.constexpr,
     BLOCK_C: gl.constexpr,
+    CHUNK: gl.constexpr,
     NBYTES: gl.constexpr,
 ):
-    """Load work item w's strip into ring stage `stage` (nothing past the last item)."""
+    """Load work item w's strip into ring stage `stage` (nothing past the last item): one box of CHUNK
+    rows a buffer, all on the stage's barrier."""
     if w < n_work:
         slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
         _, _, _, r0, _ = _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, False, SLOT_ROWS)
         mbarrier.expect(ready.index(stage), NBYTES)
-        tma.async_copy_global_to_shared(desc, [r0.to(gl.int32), q * BLOCK_C], ready.index(stage), bufs.index(stage))
+        NCH: gl.constexpr = SLOT_ROWS // CHUNK
+        for kk in gl.static_range(NCH):
+            tma.async_copy_global_to_shared(
+                desc, [(r0 + kk * CHUNK).to(gl.int32), q * BLOCK_C], ready.index(stage), bufs.index(stage * NCH + kk)
+            )
 
 
 @gluon.jit
@@ -118,7 +124,8 @@ def _amax_of(a, axis: gl.constexpr, LEAN: gl.constexpr):
 
 @gluon.jit
 def _walks(
-    strip,
+    bufs,
+    base,
     count,
     j0,
     r0,
@@ -155,9 +162,10 @@ def _walks(
     c = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, L))
     cmask = c < cols
     amax_ic = gl.zeros([CHUNK, BLOCK_C], gl.float32, L)
-    for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+    for kk in range(SLOT_ROWS // CHUNK):
+        k = kk * CHUNK
         rmask = j0 + k + i < count
-        x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+        x = bufs.index(base + kk).load(L).to(gl.float32)
         if MASKED:
             x = gl.where((rmask & live)[:, None], x, 0.0)
         if LEAN:
@@ -182,8 +190,9 @@ def _walks(
         iT = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LT))
         cT = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LT))
         multT = gl.convert_layout(mult, gl.SliceLayout(0, LT))
-        for k in gl.static_range(0, SLOT_ROWS, CHUNK):
-            x = strip.slice(k, CHUNK).load(LT).to(gl.float32)
+        for kk in range(SLOT_ROWS // CHUNK):
+            k = kk * CHUNK
+            x = bufs.index(base + kk).load(LT).to(gl.float32)
             if MASKED:
                 x = gl.where(((j0 + k + iT < count) & live)[:, None], x, 0.0)
             qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
@@ -193,9 +202,10 @@ def _walks(
             ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
             gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
     else:
-        for k in gl.static_range(0, SLOT_ROWS, CHUNK):
+        for kk in range(SLOT_ROWS // CHUNK):
+            k = kk * CHUNK
             rmask = j0 + k + i < count
-            x = strip.slice(k, CHUNK).load(L).to(gl.float32)
+            x = bufs.index(base + kk).load(L).to(gl.float32)
             if MASKED:
                 x = gl.where((rmask & live)[:, None], x, 0.0)
             qb = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
@@ -243,13 +253,14 @@ def quantize_slots_tma_kernel(
     if run:
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         NBYTES: gl.constexpr = SLOT_ROWS * BLOCK_C * dtype.primitive_bitwidth // 8
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, BLOCK_C], dtype)
-        bufs = gl.allocate_shared_memory(dtype, [STAGES, SLOT_ROWS, BLOCK_C], smem_layout)
+        NCH: gl.constexpr = SLOT_ROWS // CHUNK
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, BLOCK_C], dtype)
+        bufs = gl.allocate_shared_memory(dtype, [STAGES * NCH, CHUNK, BLOCK_C], smem_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
         desc = tma.make_tensor_descriptor(
-            x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[SLOT_ROWS, BLOCK_C], layout=smem_layout
+            x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[CHUNK, BLOCK_C], layout=smem_layout
         )
         gi = gluon_group_ids(BLOCK_GROUPS)
         strips = gl.cdiv(cols, BLOCK_C)
@@ -274,6 +285,7 @@ def quantize_slots_tma_kernel(
                 SLOTS_FASTEST,
                 SLOT_ROWS,
                 BLOCK_C,
+                CHUNK,
                 NBYTES,
             )
         it = 0
@@ -284,11 +296,11 @@ def quantize_slots_tma_kernel(
                 slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
             )
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            strip = bufs.index(stage)
             if LEAN and live and j0 + SLOT_ROWS <= count:
                 # A whole slot of a real group: no row masks.
                 _walks(
-                    strip,
+                    bufs,
+                    stage * (SLOT_ROWS // CHUNK),
                     count,
                     j0,
                     r0,
@@ -315,7 +327,8 @@ def quantize_slots_tma_kernel(
                 )
             else:
                 _walks(
-                    strip,
+                    bufs,
+                    stage * (SLOT_ROWS // CHUNK),
                     count,
                     j0,
                     r0,
@@ -360,6 +373,7 @@ def quantize_slots_tma_kernel(
                 SLOTS_FASTEST,
                 SLOT_ROWS,
                 BLOCK_C,
+                CHUNK,
                 NBYTES,
             )
             it += 1
