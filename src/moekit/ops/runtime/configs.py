@@ -366,8 +366,8 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # `quantize_slots_kernel` writes the same bytes.
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, bool]]] = {
     "sm90": {
-        "rows": (32, 4, 3, 2, False, True),
-        "segments": (32, 4, 3, 2, True, True),
+        "rows": (16, 4, 2, 3, False, True),
+        "segments": (16, 4, 2, 3, True, True),
     },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
