@@ -227,8 +227,8 @@ def _slots_tma_plan(
     architecture without a `QUANTIZE_SLOTS_TMA` entry, a weight, x not in bf16/fp16 or not TMA-aligned,
     nothing to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
     rowwise, _, has_noop, segments = forms
-    layout = "segments" if segments else "rows"
-    entry = QUANTIZE_SLOTS_TMA.get(arch_of(x2.device), {}).get(layout)
+    form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
+    entry = QUANTIZE_SLOTS_TMA.get(arch_of(x2.device), {}).get(form)
     takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
     if entry is None or not takes or x.dim() != 2 or x2.dtype not in (torch.bfloat16, torch.float16):
         return None
