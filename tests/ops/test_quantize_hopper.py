@@ -31,9 +31,9 @@ from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel as K
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
 
 out = {}
-for form, (chunk, warps, stages, per_sm, slots_fastest, lean) in QUANTIZE_SLOTS_TMA["sm90"].items():
+for form, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["sm90"].items():
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
-        const = dict(LEAN=lean, ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
+        const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
                      SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, BLOCK_GROUPS=256, HW_E4M3=True)
         ptr = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32",
                "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}
@@ -51,8 +51,9 @@ print(json.dumps(out))
 
 
 def test_compiles_for_sm90_with_16_byte_stores():
-    """Every configured form (the (M, X) layout with and without the rowwise form): the data leave by 16-byte stores (the
-    scales by 4-byte ones, no byte stores), and the configured programs an SM fit its shared memory."""
+    """Every configured form (the (M, X) layout with and without the rowwise form): the data leave by
+    16-byte stores (the scales by 4-byte ones, no byte stores), and the configured programs an SM fit
+    its shared memory."""
     got = compile_in_subprocess(_COMPILE_FOR_SM90)
     assert len(got) == len(configs.QUANTIZE_SLOTS_TMA["sm90"]) + 1
     for case, info in got.items():

@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from moekit.ops.kernels.grouped_wgrad_fp8 import segment_starts
-from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
+from moekit.ops.kernels.quantize import e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids
 
 
@@ -112,14 +112,11 @@ def _nan_max(a, b):
 
 
 @gluon.jit
-def _amax_of(a, axis: gl.constexpr, LEAN: gl.constexpr):
-    """The maximum along `axis` of |x| values (LEAN: NaN propagated, then read as inf; else a NaN was
-    already read as inf)."""
-    if LEAN:
-        m = gl.reduce(a, axis, _nan_max)
-        return gl.where(m != m, float("inf"), m)
-    else:
-        return gl.max(a, axis=axis)
+def _amax_of(a, axis: gl.constexpr):
+    """The maximum along `axis` of |x| values, a NaN propagated and then read as inf (the block maxima
+    of `moekit.ops.kernels.quantize.abs_for_amax`, one instruction an element instead of three)."""
+    m = gl.reduce(a, axis, _nan_max)
+    return gl.where(m != m, float("inf"), m)
 
 
 @gluon.jit
@@ -142,7 +139,6 @@ def _walks(
     col_data_ptr,
     col_scale_ptr,
     MASKED: gl.constexpr,
-    LEAN: gl.constexpr,
     ROWWISE: gl.constexpr,
     SEGMENTS: gl.constexpr,
     CHUNK: gl.constexpr,
@@ -151,9 +147,9 @@ def _walks(
     HW_E4M3: gl.constexpr,
 ):
     """Both walks over one strip in shared memory. MASKED: rows past the group's end (or a padding slot's)
-    are read as zeros and not stored; without it every row of the strip is the group's (a whole slot).
-    LEAN: the maxima fold |x| with a NaN-propagating max (one instruction an element) and read a NaN
-    maximum as inf once a block, instead of reading each NaN as inf (`abs_for_amax`)."""
+    are read as zeros and not stored; without it every row of the strip is the group's (a whole slot,
+    no select an element). The maxima fold |x| with a NaN-propagating max and read a NaN maximum as inf
+    once a block (`_amax_of`)."""
     NW: gl.constexpr = gl.num_warps()
     # Row-major chunks: 8 threads x 16 columns a row; column-major (SEGMENTS' walk 2): 16 rows a thread.
     L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
@@ -168,21 +164,17 @@ def _walks(
         x = bufs.index(base + kk).load(L).to(gl.float32)
         if MASKED:
             x = gl.where((rmask & live)[:, None], x, 0.0)
-        if LEAN:
-            a = gl.abs(x)
-            amax_ic = _nan_max(amax_ic, a)
-        else:
-            a = abs_for_amax(x)
-            amax_ic = gl.maximum(amax_ic, a)
+        a = gl.abs(x)
+        amax_ic = _nan_max(amax_ic, a)
         if ROWWISE:
             r64 = (r0 + k + i).to(gl.int64)
-            amax_r = _amax_of(a, 1, LEAN)
+            amax_r = _amax_of(a, 1)
             scale, scale_inv = fp32_scales(amax_r)
             gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
             qb = e4m3_tile(x, scale[:, None], gl.max(amax_r, axis=0) == float("inf"), HW_E4M3)
             elem = r64[:, None] * stride_x + c[None, :]
             gl.store(row_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
-    amax_c = _amax_of(amax_ic, 0, LEAN)
+    amax_c = _amax_of(amax_ic, 0)
     mult, scale_inv_c = fp32_scales(amax_c)
     gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
     any_nan = gl.max(amax_c, axis=0) == float("inf")
@@ -238,7 +230,6 @@ def quantize_slots_tma_kernel(
     HAS_NOOP: gl.constexpr,
     BLOCK_GROUPS: gl.constexpr,
     HW_E4M3: gl.constexpr,
-    LEAN: gl.constexpr,
 ):
     """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
     16-byte aligned base and row stride; the arguments, outputs and bytes of `quantize_slots_kernel`
@@ -296,7 +287,7 @@ def quantize_slots_tma_kernel(
                 slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
             )
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            if LEAN and live and j0 + SLOT_ROWS <= count:
+            if live and j0 + SLOT_ROWS <= count:
                 # A whole slot of a real group: no row masks.
                 _walks(
                     bufs,
@@ -317,7 +308,6 @@ def quantize_slots_tma_kernel(
                     col_data_ptr,
                     col_scale_ptr,
                     False,
-                    True,
                     ROWWISE,
                     SEGMENTS,
                     CHUNK,
@@ -345,7 +335,6 @@ def quantize_slots_tma_kernel(
                     col_data_ptr,
                     col_scale_ptr,
                     True,
-                    LEAN,
                     ROWWISE,
                     SEGMENTS,
                     CHUNK,

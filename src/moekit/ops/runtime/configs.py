@@ -362,16 +362,15 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:
 # "rows" ((M, X) columnwise data, with or without the rowwise form), "segments" (the FP8 wgrad's layout
 # with the rowwise form), "segments-columnwise" (that layout alone) -> (CHUNK rows a walk step, warps,
-# strips of 128 x 128 in flight a program, programs an SM, slots fastest, lean: NaN-propagating maxima
-# and unmasked whole slots). Many small programs beat few large ones (each walks its strip alone, so
-# the others' loads and stores hide its latency): the H200 sweep picked these per form. Only
-# architectures listed here run it; elsewhere (and for x that TMA cannot take) `quantize_slots_kernel`
-# writes the same bytes.
-QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, bool]]] = {
+# strips of 128 x 128 in flight a program, programs an SM, slots fastest). Many small programs beat a
+# few large ones (each walks its strip alone; the others' loads and stores hide its latency); the H200
+# sweeps that chose each entry are in notes/quantize.md. Only architectures listed here run it;
+# elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes.
+QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
     "sm90": {
-        "rows": (16, 2, 1, 6, False, True),
-        "segments": (16, 4, 1, 4, True, True),
-        "segments-columnwise": (32, 2, 1, 6, True, True),
+        "rows": (16, 2, 1, 6, False),
+        "segments": (16, 4, 2, 3, True),
+        "segments-columnwise": (32, 2, 1, 6, True),
     },
 }
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {

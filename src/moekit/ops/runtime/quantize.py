@@ -234,7 +234,7 @@ def _slots_tma_plan(
         return None
     if not tma_ok(x2) or x2.shape[0] >= 2**31 - 2**20:
         return None
-    chunk, warps, stages, per_sm, slots_fastest, lean = entry
+    chunk, warps, stages, per_sm, slots_fastest = entry
     num_slots = _num_slots(info, x, 128, num_groups)
     work = num_slots * triton.cdiv(x2.shape[1], 128)
     if not work:
@@ -252,7 +252,6 @@ def _slots_tma_plan(
             HAS_NOOP=has_noop,
             BLOCK_GROUPS=block_groups(num_groups),
             HW_E4M3=hw_e4m3(x2.device),
-            LEAN=lean,
             num_warps=warps,
         ),
     )
