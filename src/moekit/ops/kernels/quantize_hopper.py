@@ -123,21 +123,9 @@ def _amax_of(a, axis: gl.constexpr):
 def _walks(
     bufs,
     base,
-    count,
-    j0,
-    r0,
-    seg0,
-    slot,
-    q,
-    live,
-    cols,
-    stride_x,
-    stride_row_scale,
-    pitch,
-    row_data_ptr,
-    row_scale_ptr,
-    col_data_ptr,
-    col_scale_ptr,
+    item,
+    sizes,
+    outputs,
     MASKED: gl.constexpr,
     ROWWISE: gl.constexpr,
     SEGMENTS: gl.constexpr,
@@ -149,7 +137,11 @@ def _walks(
     """Both walks over one strip in shared memory. MASKED: rows past the group's end (or a padding slot's)
     are read as zeros and not stored; without it every row of the strip is the group's (a whole slot,
     no select an element). The maxima fold |x| with a NaN-propagating max and read a NaN maximum as inf
-    once a block (`_amax_of`)."""
+    once a block (`_amax_of`). item: the work item's (count, j0, r0, seg0, slot, q, live) (`_slot_of`,
+    `_work_item`); sizes: (cols, stride_x, stride_row_scale, pitch); outputs: the four output pointers."""
+    count, j0, r0, seg0, slot, q, live = item
+    cols, stride_x, stride_row_scale, pitch = sizes
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr = outputs
     NW: gl.constexpr = gl.num_warps()
     # Row-major chunks: 8 threads x 16 columns a row; column-major (SEGMENTS' walk 2): 16 rows a thread.
     L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
@@ -279,6 +271,8 @@ def quantize_slots_tma_kernel(
                 CHUNK,
                 NBYTES,
             )
+        sizes = (cols, stride_x, stride_row_scale, pitch)
+        outputs = (row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr)
         it = 0
         for w in range(pid, n_work, nprog):
             stage = it % STAGES
@@ -287,61 +281,12 @@ def quantize_slots_tma_kernel(
                 slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
             )
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            if live and j0 + SLOT_ROWS <= count:
-                # A whole slot of a real group: no row masks.
-                _walks(
-                    bufs,
-                    stage * (SLOT_ROWS // CHUNK),
-                    count,
-                    j0,
-                    r0,
-                    seg0,
-                    slot,
-                    q,
-                    live,
-                    cols,
-                    stride_x,
-                    stride_row_scale,
-                    pitch,
-                    row_data_ptr,
-                    row_scale_ptr,
-                    col_data_ptr,
-                    col_scale_ptr,
-                    False,
-                    ROWWISE,
-                    SEGMENTS,
-                    CHUNK,
-                    SLOT_ROWS,
-                    BLOCK_C,
-                    HW_E4M3,
-                )
+            item = (count, j0, r0, seg0, slot, q, live)
+            base = stage * (SLOT_ROWS // CHUNK)
+            if live and j0 + SLOT_ROWS <= count:  # a whole slot of a real group: no row masks
+                _walks(bufs, base, item, sizes, outputs, False, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
             else:
-                _walks(
-                    bufs,
-                    stage * (SLOT_ROWS // CHUNK),
-                    count,
-                    j0,
-                    r0,
-                    seg0,
-                    slot,
-                    q,
-                    live,
-                    cols,
-                    stride_x,
-                    stride_row_scale,
-                    pitch,
-                    row_data_ptr,
-                    row_scale_ptr,
-                    col_data_ptr,
-                    col_scale_ptr,
-                    True,
-                    ROWWISE,
-                    SEGMENTS,
-                    CHUNK,
-                    SLOT_ROWS,
-                    BLOCK_C,
-                    HW_E4M3,
-                )
+                _walks(bufs, base, item, sizes, outputs, True, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()
