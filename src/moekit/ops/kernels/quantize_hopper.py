@@ -74,19 +74,10 @@ def _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS: gl.c
 
 @gluon.jit
 def _issue(
-    desc,
-    bufs,
-    ready,
+    ring,
     w,
-    n_work,
-    strips,
-    num_slots,
-    offs_ptr,
-    slot_offs_ptr,
-    rows,
-    num_groups,
-    gi,
     stage,
+    work,
     SLOTS_FASTEST: gl.constexpr,
     SLOT_ROWS: gl.constexpr,
     BLOCK_C: gl.constexpr,
@@ -94,7 +85,10 @@ def _issue(
     NBYTES: gl.constexpr,
 ):
     """Load work item w's strip into ring stage `stage` (nothing past the last item): one box of CHUNK
-    rows a buffer, all on the stage's barrier."""
+    rows a buffer, all on the stage's barrier. ring: (x's descriptor, buffers, ready barriers); work:
+    (items, strips, slots, offs_ptr, slot_offs_ptr, rows, groups, the group vector)."""
+    desc, bufs, ready = ring
+    n_work, strips, num_slots, offs_ptr, slot_offs_ptr, rows, num_groups, gi = work
     if w < n_work:
         slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
         _, _, _, r0, _ = _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, False, SLOT_ROWS)
@@ -250,27 +244,10 @@ def quantize_slots_tma_kernel(
         n_work = num_slots * strips
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
+        ring = (desc, bufs, ready)
+        work = (n_work, strips, num_slots, offs_ptr, slot_offs_ptr, rows, num_groups, gi)
         for s in gl.static_range(STAGES):
-            _issue(
-                desc,
-                bufs,
-                ready,
-                pid + s * nprog,
-                n_work,
-                strips,
-                num_slots,
-                offs_ptr,
-                slot_offs_ptr,
-                rows,
-                num_groups,
-                gi,
-                s,
-                SLOTS_FASTEST,
-                SLOT_ROWS,
-                BLOCK_C,
-                CHUNK,
-                NBYTES,
-            )
+            _issue(ring, pid + s * nprog, s, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
         sizes = (cols, stride_x, stride_row_scale, pitch)
         outputs = (row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr)
         it = 0
@@ -290,26 +267,7 @@ def quantize_slots_tma_kernel(
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()
-            _issue(
-                desc,
-                bufs,
-                ready,
-                w + STAGES * nprog,
-                n_work,
-                strips,
-                num_slots,
-                offs_ptr,
-                slot_offs_ptr,
-                rows,
-                num_groups,
-                gi,
-                stage,
-                SLOTS_FASTEST,
-                SLOT_ROWS,
-                BLOCK_C,
-                CHUNK,
-                NBYTES,
-            )
+            _issue(ring, w + STAGES * nprog, stage, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
             it += 1
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
