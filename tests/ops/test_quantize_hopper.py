@@ -78,19 +78,22 @@ SHAPES = [
     pytest.param([1, 129, 0, 3000, 127, 1], 3300, 7168, id="one-row-odd-slots-H7168"),
     pytest.param([5000, 3, 2800], 8192, 2888, id="partial-strip-X2888"),
     pytest.param([257] * 64, 16448, 768, id="64-groups"),
+    pytest.param([0, 0, 0], 300, 256, id="nothing-routed-all-padding"),
+    pytest.param([1], 1, 128, id="one-row"),
 ]
 
 
 def rows_with_specials(M: int, X: int, used: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows and columns of different magnitudes, a zero row, a tiny row, a huge row, an inf and a NaN;
-    padding rows NaN (read as zeros)."""
+    """Rows and columns of different magnitudes, a zero row, a tiny row, a huge row, an inf and a NaN
+    (where there are 26 rows); padding rows NaN (read as zeros)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, X, device="cuda", generator=gen) * torch.logspace(-2, 1, X, device="cuda")
-    x[3] *= 1000.0
-    x[4] = 0.0
-    x[5] *= 1e-30
-    x[20, 5] = float("inf")
-    x[25, 7] = float("nan")
+    if M >= 26:
+        x[3] *= 1000.0
+        x[4] = 0.0
+        x[5] *= 1e-30
+        x[20, 5] = float("inf")
+        x[25, 7] = float("nan")
     x[used:] = float("nan")
     return x.to(dtype)
 
