@@ -7,9 +7,10 @@ Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) we
 One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
 gives its rows' rowwise and its columns' columnwise scales; fp8_block's columnwise form on Hopper by
 the Gluon kernel `moekit.ops.kernels.quantize_hopper.quantize_slots_tma_kernel` where
-`QUANTIZE_SLOTS_TMA` has an entry for the form and x is TMA-aligned bf16/fp16, the same bytes); for fp8_rowwise one (rowwise alone: whole
-rows) or, with the columnwise form, two over the same tiles (the maxima of whole rows and whole groups
-into a zeroed int32 buffer, then both forms' bytes) plus that buffer's memset. The outputs' arguments
+`QUANTIZE_SLOTS_TMA` has an entry for the form and x is TMA-aligned bf16/fp16, the same bytes); for
+fp8_rowwise one (rowwise alone: whole rows) or, with the columnwise form, two over the same tiles (the
+maxima of whole rows and whole groups into a zeroed int32 buffer, then both forms' bytes) plus that
+buffer's memset. The outputs' arguments
 and their layouts are `moekit.ops.runtime.quantize_torch.group_quantize_into`'s, whose bytes these
 kernels reproduce; with `col_segments` the columnwise data goes straight into the FP8 wgrad's operand
 layout (the kernels' SEGMENTS stores), so that the wgrad skips its own transpose of it.
