@@ -67,6 +67,12 @@ markdown summary is printed and written next to it.
     python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy \
         --baseline benchmarks/results/h200_quantized_99508e5.json   # group_quantize, before beside after
 
+`--kernels` adds to each layer record where one step's time goes: one more forward+backward after the
+timing under torch.profiler, the device time of its kernels summed by name (`kernels`: name, ms,
+launches, largest first; `kernel_ms`: their sum). On the CPU (smoke) the operators' own CPU time
+instead (`kernels_of: "cpu ops"`): it proves the code runs, not where a GPU's time goes. `--shapes` also
+takes bench_moe_layer's SONICMOE_SHAPES by name (the fine-grained shapes of the SonicMoE comparison).
+
 `--roofs` picks the roofs measured (default all four; the quantize part needs only hbm_copy).
 `--baseline` adds an earlier run's CUDA-graph GB/s per group_quantize cell as a "before" column (its
 fractions are of that run's own HBM copy).
@@ -338,6 +344,31 @@ def layer_record(shape: LayerShape, column: Column, flops: int) -> dict:
     }
 
 
+def kernel_profile(step: Callable[[], object], device: torch.device, top: int = 40) -> dict:
+    """One call of `step` under torch.profiler: the device time of its kernels (CUDA) or the operators'
+    own CPU time (elsewhere) summed by name, largest first (the `top` largest kept), and their sum."""
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    _sync(device)
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step()
+        _sync(device)
+    totals: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        entry = totals.setdefault(event.key[:160], [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += event.count
+    kernels = sorted(({"name": k, "ms": v[0], "launches": v[1]} for k, v in totals.items()), key=lambda r: -r["ms"])
+    return {
+        "kernels_of": "cuda kernels" if cuda else "cpu ops",
+        "kernel_ms": sum(r["ms"] for r in kernels),
+        "kernels": kernels[:top],
+    }
+
+
 def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Budget) -> list[dict]:
     device = args.device
     M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
@@ -402,6 +433,14 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
             t.grad = None
         runner.release_memory(device)
     runner.time_rounds(timed, args.rounds, _median_of_steps(args.steps, device, grads))
+    if args.kernels:
+        for rec, step in timed:
+            try:
+                rec.update(kernel_profile(step, device))
+            except Exception as exc:  # the timing stands without the profile
+                rec["kernels_error"] = runner.error_reason(exc)
+            for t in grads:
+                t.grad = None
     base = next((r for r in records if r["column"] == "plain_bf16" and r.get("tflops")), None)
     for r in records:
         if base and r.get("tflops"):
@@ -820,7 +859,11 @@ def summary_markdown(payload: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=runner.DEFAULT_OUT, help="directory of quantized.{json,md}")
-    parser.add_argument("--shapes", default=None, help=f"comma list of shape names (default: {','.join(SHAPE_NAMES)})")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma list of shape names (default: {','.join(SHAPE_NAMES)}; also SonicMoE's by name)",
+    )
     parser.add_argument(
         "--parts", default=",".join(PARTS), help="comma list of quantize, gemm, layer (roofs always run)"
     )
@@ -851,14 +894,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--roofs", default=",".join(ROOFS), help=f"comma list of the roofs measured (default: {','.join(ROOFS)})"
     )
+    parser.add_argument(
+        "--kernels", action="store_true", help="the layer part also profiles one step per column (kernels by name)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
     args = parser.parse_args(argv)
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.device.type == "cpu" and not args.smoke:
         raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
     args.dtype = torch.bfloat16
-    pool = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shape_list = runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool])
+    pool = SMOKE_SHAPES if args.smoke else SHAPES + bench_moe_layer.SONICMOE_SHAPES
+    default = SMOKE_SHAPES if args.smoke else SHAPES  # SonicMoE's shapes only when named
+    args.shape_list = (
+        runner.select_by_name(pool, args.shapes, "shapes", [s.name for s in pool]) if args.shapes else list(default)
+    )
     args.part_list = runner.select_by_name(PARTS, args.parts, "parts", PARTS)
     args.column_list = runner.select_by_name(COLUMNS, args.columns, "columns", COLUMNS)
     args.recipe_list = runner.select_by_name(RECIPES, args.recipes, "recipes", RECIPES)

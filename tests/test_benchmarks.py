@@ -200,6 +200,19 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     assert "| smoke | fc1 | wgrad | skipped |" in summary
 
 
+def test_bench_quantized_kernels_profile_one_step_per_column(tmp_path):
+    """--kernels: each timed layer column also gets one profiled step, its kernels (here the CPU's
+    operators) summed by name, largest first, and their total."""
+    extra = ("--parts", "layer", "--shapes", "smoke", "--columns", "moekit_bf16,moekit_fp8_block", "--kernels")
+    payload = _run_quantized(tmp_path, *extra, "--roofs", "hbm_copy", "--rounds", "1", "--steps", "1")
+    assert [r["column"] for r in payload["layer"]] == ["moekit_bf16", "moekit_fp8_block"]
+    for r in payload["layer"]:
+        assert r["status"] == "ok" and r["kernels_of"] == "cpu ops" and "kernels_error" not in r, r
+        times = [k["ms"] for k in r["kernels"]]
+        assert times and times == sorted(times, reverse=True) and all(k["launches"] > 0 for k in r["kernels"])
+        assert r["kernel_ms"] >= sum(times) * (1 - 1e-9) > 0
+
+
 def test_bench_quantized_budget_skips_cells_with_the_reason(tmp_path):
     payload = _run_quantized(tmp_path, "--budget-s", "0", "--shapes", "smoke", "--recipes", "mxfp8")
     cells = payload["quantize"] + payload["gemm"] + payload["layer"]
