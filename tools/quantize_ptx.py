@@ -1,5 +1,6 @@
 """Compile moekit's group_quantize kernels for sm_90 on any machine (no GPU) at the sm90 configurations of
-`moekit.ops.runtime.configs` and print, per kernel and form: registers and spills (ptxas -v), shared
+`moekit.ops.runtime.configs` (the Gluon columnwise kernel's `QUANTIZE_SLOTS_TMA` too) and print, per
+kernel and form: registers and spills (ptxas -v), shared
 memory, shuffles, barriers, and the global access widths (16-byte `ld/st.global.v4.b32`, `cp.async`),
 i.e. what bounds its programs an SM and its bytes in flight (notes/quantize.md).
 
@@ -24,8 +25,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from moekit.ops.kernels import quantize as kernels  # noqa: E402
+from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel  # noqa: E402
 from moekit.ops.runtime import configs  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -55,7 +58,7 @@ def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, poi
         else:
             signature[arg] = pointers.get(arg, "*u8") if arg.endswith("_ptr") else "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(
+    source = (GluonASTSource if kernel is quantize_slots_tma_kernel else ASTSource)(
         fn=kernel,
         signature=signature,
         constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
@@ -99,6 +102,12 @@ def main() -> None:
             pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
             cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
+    for form, (chunk, warps, stages, _, slots_fastest) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
+        for rowwise in (True, False) if form == "rows" else (form == "segments",):
+            constexprs = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages)
+            constexprs.update(SLOTS_FASTEST=slots_fastest, **common)
+            name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}"
+            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, fp32))
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
     most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]
     for cols in (7168, 4096, 2880, 2048):
