@@ -3,11 +3,12 @@
 check against the torch path and float64.
 
 On the CPU: the kernel compiles for sm_90 (in a subprocess without the interpreter) with 16-byte stores
-of every form and shared memory for its configured programs an SM. On the GPU (-m gpu): every output
-byte equal to the Triton kernel's (the configuration table's entry removed, plans forgotten) for both
-layouts, with and without the rowwise form, bf16 and fp16, at layer sizes with skewed splits, empty
-groups, one-row groups, padding rows holding NaN, specials (inf, NaN, zero and tiny rows) and widths not
-multiples of 128; outputs NaN-poisoned; the noop flag; no host sync; which kernel ran (profiler names).
+of every form and shared memory for its configured programs an SM; which problems the runtime gives
+it. On the GPU (-m gpu): every output byte equal to the Triton kernel's (the configuration table's
+entry removed, plans forgotten) for both layouts, with and without the rowwise form, bf16 and fp16, at
+layer sizes with skewed splits, empty groups, one-row groups, padding rows holding NaN, specials (inf,
+NaN, zero and tiny rows) and widths not multiples of 128; outputs NaN-poisoned; the noop flag; no host
+sync; which kernel ran (profiler names).
 
 Legend: M rows, N groups, X columns."""
 
@@ -18,9 +19,12 @@ import torch
 
 import moekit
 from helpers import assert_no_host_sync, compile_in_subprocess
+from moekit.grouped_tensor import recipe_named
 from moekit.ops.quantize import group_quantize_for_wgrad
 from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import forget_plans
+
+quantize_runtime = pytest.importorskip("moekit.ops.runtime.quantize")
 
 _COMPILE_FOR_SM90 = """
 import json, re, sys
@@ -60,6 +64,39 @@ def test_compiles_for_sm90_with_16_byte_stores():
         assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
         assert "st.global.v4.b32" in info["stores"], case
         assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
+
+
+FORMS = {"rows": (True, False), "segments": (True, True), "segments-columnwise": (False, True)}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_which_problems_the_kernel_takes(form):
+    """The runtime gives the Gluon kernel exactly fp8_block's columnwise form of 2-D bf16/fp16 rows that
+    TMA can read, on an architecture whose table has the form (sm90); every other problem keeps the
+    Triton slots kernel. Checked on CPU tensors: the choice reads shapes, strides, dtypes and addresses."""
+    rowwise, segments = FORMS[form]
+    block = recipe_named("fp8_block")
+
+    def entry(x, recipe=block, arch="sm90"):
+        return quantize_runtime.hopper_slots_entry(recipe, x, arch, rowwise, segments)
+
+    x = torch.zeros(300, 256, dtype=torch.bfloat16)
+    assert entry(x) == configs.QUANTIZE_SLOTS_TMA["sm90"][form]
+    assert entry(x.half()) == configs.QUANTIZE_SLOTS_TMA["sm90"][form]
+    assert entry(torch.zeros(3, 72, dtype=torch.bfloat16)) is not None  # 144-byte rows, a partial strip
+    refused = {
+        "mxfp8": entry(x, recipe_named("mxfp8")),
+        "fp8_rowwise": entry(x, recipe_named("fp8_rowwise")),
+        "sm80": entry(x, arch="sm80"),
+        "interpreter": entry(x, arch="interpreter"),
+        "fp32": entry(x.float()),
+        "weight": entry(torch.zeros(4, 128, 256, dtype=torch.bfloat16)),
+        "70 columns (140-byte rows)": entry(torch.zeros(300, 70, dtype=torch.bfloat16)),
+        "base 2 bytes past 16": entry(torch.zeros(300 * 256 + 1, dtype=torch.bfloat16)[1:].view(300, 256)),
+        "column stride 2": entry(torch.zeros(300, 512, dtype=torch.bfloat16)[:, ::2]),
+        "no rows": entry(torch.zeros(0, 256, dtype=torch.bfloat16)),
+    }
+    assert {k: v for k, v in refused.items() if v is not None} == {}
 
 
 # --------------------------------------------------------------------------------------------------

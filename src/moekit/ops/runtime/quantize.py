@@ -50,6 +50,7 @@ from moekit.ops.runtime.configs import (
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
     TRANSPOSE_TILES,
+    Arch,
 )
 from moekit.ops.runtime.device import capability
 from moekit.ops.runtime.launch import (
@@ -216,6 +217,24 @@ def _plan(
     return QuantizePlan(None, None, row_plan, amax_plan, spans_plan)
 
 
+def hopper_slots_entry(
+    info: Recipe, x: torch.Tensor, arch: Arch, rowwise: bool, segments: bool
+) -> tuple[int, int, int, int, bool] | None:
+    """The `QUANTIZE_SLOTS_TMA` entry the Gluon kernel runs the columnwise form of x (with the rowwise
+    form if `rowwise`; into the wgrad's segments if `segments`) with on `arch`, or None where it does not
+    take the problem and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks,
+    fp32 scales), an architecture or form without an entry, a weight (3-D x), x not bf16/fp16, not
+    TMA-aligned (16-byte base and row stride) or empty, rows past TMA's int32 coordinates."""
+    form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
+    entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get(form)
+    takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
+    if entry is None or not takes or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not tma_ok(x) or x.stride(1) != 1 or x.shape[0] >= 2**31 - 2**20:
+        return None
+    return entry
+
+
 def _slots_tma_plan(
     info: Recipe,
     x: torch.Tensor,
@@ -226,16 +245,11 @@ def _slots_tma_plan(
     stride_scale: int,
 ) -> LaunchPlan | None:
     """The Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`, the Triton
-    slots kernel's arguments and bytes), or None where it does not apply: another recipe, an
-    architecture without a `QUANTIZE_SLOTS_TMA` entry, a weight, x not in bf16/fp16 or not TMA-aligned,
-    nothing to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
+    slots kernel's arguments and bytes), or None where it does not apply (`hopper_slots_entry`) or there
+    is nothing to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
     rowwise, _, has_noop, segments = forms
-    form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
-    entry = QUANTIZE_SLOTS_TMA.get(arch_of(x2.device), {}).get(form)
-    takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
-    if entry is None or not takes or x.dim() != 2 or x2.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if not tma_ok(x2) or x2.shape[0] >= 2**31 - 2**20:
+    entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments)
+    if entry is None:
         return None
     chunk, warps, stages, per_sm, slots_fastest = entry
     num_slots = _num_slots(info, x, 128, num_groups)
