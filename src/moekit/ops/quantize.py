@@ -414,21 +414,28 @@ def group_quantize_gated(
     library.gated_quantize_into(
         h_M2F, probs_M, offs.offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
     )
-    first_dims = offs.offs[1:] - offs.offs[:-1]
+    return (
+        rowwise_grouped(info.name, h_M2F.dtype, offs, a_data, a_scale),
+        rowwise_grouped(info.name, h_M2F.dtype, offs, h_data, h_scale),
+    )
 
-    def grouped(data: torch.Tensor, scale: torch.Tensor) -> GroupedTensor:
-        return GroupedTensor.quantized(
-            info.name,
-            h_M2F.dtype,
-            data.shape,
-            first_dims,
-            offs.offs,
-            host_first_dims=_host_dims(offs),
-            rowwise_data=data,
-            rowwise_scale_inv=scale,
-        )
 
-    return grouped(a_data, a_scale), grouped(h_data, h_scale)
+def rowwise_grouped(
+    recipe: str, dtype: torch.dtype, offs: GroupOffsets, data: torch.Tensor, scale_inv: torch.Tensor
+) -> GroupedTensor:
+    """The rowwise-only GroupedTensor of `recipe` over existing FP8 data (M, X) and its scales, grouped by
+    `offs` (first dims from its device tensor, and from its host copy where it has one): how the
+    quantized MLP's nodes hand `group_quantize_gated`'s forms from one node to the other."""
+    return GroupedTensor.quantized(
+        recipe,
+        dtype,
+        tuple(data.shape),
+        offs.offs[1:] - offs.offs[:-1],
+        offs.offs,
+        host_first_dims=_host_dims(offs),
+        rowwise_data=data,
+        rowwise_scale_inv=scale_inv,
+    )
 
 
 class SegmentedColumns(NamedTuple):

@@ -5,6 +5,7 @@ the rows' size.
 Legend: M routed rows, N experts, H hidden size, F ffn size.
 
     node 1    h = Q(x) Q(w1)^T + b1             (M, 2F) in x's dtype
+              [gated pass: Q(a), Q(held h) from h]  (below)
               held: x itself, the offsets, fc1's weight quantization (the cache's tensors)
     node 2    a = act(gate(h), up(h)) * probs   (M, F), from h as the GEMM gave it
               y = Q(a) Q(w2)^T + b2 * probs     (M, H)
@@ -18,8 +19,8 @@ Legend: M routed rows, N experts, H hidden size, F ffn size.
     node 1's backward
               dx = Q(dh) Qc(w1); dw1 = Qc(dh)^T Qc(x)          Qc(x) made here, from the saved x
 
-h itself, node 1's output and node 2's input, is saved by neither node: it is freed once node 2's
-forward has quantized it.
+h itself is saved by neither node: it is freed once it is quantized, in node 2's forward or, where
+the gated pass quantizes (below), in node 1's before fc2 runs.
 
 Why not the composition `grouped_linear`, `glu`, `grouped_linear`: composed, each piece holds what its
 own backward needs, which is x's columnwise FP8 (fc1's wgrad operand, H bytes a row), h in x's dtype
@@ -43,9 +44,11 @@ with it). On moekit's gated kernels
 the load (`held_gated_activation`, `held_gated_activation_backward`); elsewhere one pass of the
 quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the same values. In the
 forward, where the gated kernel runs and the recipe's scale blocks fit the GLU layout (fp8_block and
-mxfp8; `spec.gated_quantize`), one pass over h writes Q(a) and Q(held h) (`group_quantize_gated`): neither
-a nor the held form exists in h's dtype. Elsewhere the activation, then `group_quantize` of held h and
-of a: the same bytes.
+mxfp8; `spec.gated_quantize`) and h is held, node 1 makes Q(a) and Q(held h) in one pass over h
+(`group_quantize_gated`): neither a nor the held form exists in h's dtype, and h does not cross the
+node boundary (node 2 gets the FP8 forms and a carrier for h's gradient: where an fc1 GEMM epilogue
+writing them would go). Elsewhere node 2 runs the activation, then `group_quantize` of held h and of
+a: the same bytes.
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
 where the backend has them, the reference path otherwise; the FP8 wgrad's columnwise operands Qc made in
@@ -84,7 +87,13 @@ from moekit.ops.grouped_linear import (
     stored_transposed,
     unstacked,
 )
-from moekit.ops.quantize import dequantize_with, group_quantize, group_quantize_for_wgrad, group_quantize_gated
+from moekit.ops.quantize import (
+    dequantize_with,
+    group_quantize,
+    group_quantize_for_wgrad,
+    group_quantize_gated,
+    rowwise_grouped,
+)
 from moekit.ops.splits import GroupOffsets
 
 
@@ -115,10 +124,10 @@ class QuantizedMlpSpec:
     n_b2: int
 
 
-# Positions of the nodes' inputs (needs_input_grad). Node 1: x, then fc1's parameters; node 2: h, probs,
-# then fc2's parameters.
-_X1, _PARAMS1 = 6, 7
-_H2, _PROBS2, _PARAMS2 = 7, 8, 9
+# Positions of the nodes' inputs (needs_input_grad). Node 1: x, then fc1's parameters; node 2: h (or its
+# gradient carrier), probs, then fc2's parameters.
+_X1, _PARAMS1 = 8, 9
+_H2, _PROBS2, _PARAMS2 = 7, 12, 13
 
 
 @dataclass(frozen=True)
@@ -163,11 +172,18 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
 class _QuantizedFc1Fn(torch.autograd.Function):
     """Node 1, fc1: h = Q(x) Q(w1)^T + b1, holding x itself (not its FP8 copy), quantized columnwise in
     the backward for the wgrad. Inputs: spec, offs, host_offs, fc1's weight quantization and its
-    transposed copy's data and scales (None without the FP8 dgrad), x (M, H), then w1 and b1 as tensor
-    lists. Its backward runs after node 2's has freed what that one held, so x's rows (gathered again
-    by moe_experts' hooks when the backward asks for them) and dh are not alive together with FP8 h and
+    transposed copy's data and scales (None without the FP8 dgrad), probs (M,) or None, detached: read
+    only where this node quantizes the activation), x (M, H), then w1 and b1 as tensor lists. Its
+    backward runs after node 2's has freed what that one held, so x's rows (gathered again by
+    moe_experts' hooks when the backward asks for them) and dh are not alive together with FP8 h and
     dy's quantizations. The weight's quantization is saved as tensors, so autograd refuses a backward
-    after a cache rewrote it in place (as `grouped_linear`'s node)."""
+    after a cache rewrote it in place (as `grouped_linear`'s node).
+
+    Outputs: where it quantizes (`quantizes_activation`: the gated pass writes both FP8 forms and h is
+    held), h's gradient carrier (an (M, 2F) view of one element: node 2 reads nothing of it and returns
+    h's gradient for it) and the rowwise data and scales of Q(a) and Q(held h), which node 2 takes as
+    they are (not differentiable); otherwise h itself and four Nones. h never crosses to node 2 in the
+    first case, which is where an fc1 epilogue writing the FP8 forms itself fits."""
 
     @staticmethod
     def forward(
@@ -178,25 +194,41 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         w1_q: GroupedTensor,
         w1t_data: torch.Tensor | None,
         w1t_scale: torch.Tensor | None,
+        quantizes: bool,
+        probs_M: torch.Tensor | None,
         x_MH: torch.Tensor,
         *params: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor | None, ...]:
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
         b1 = stacked(b1s, 2, "fc1 bias")
         recipe, quantizer = spec.recipe, spec.quantizer
-        x_q = group_quantize(x_MH, GroupOffsets.of(offs, host_offs, x_MH.shape[0]), recipe, backend=quantizer)
+        go = GroupOffsets.of(offs, host_offs, x_MH.shape[0])
+        x_q = group_quantize(x_MH, go, recipe, backend=quantizer)
         h_M2F = quantized_forward_product(
             spec.fc1_backend, quantizer, recipe, spec.fc1_fp8, x_q, w1_q, offs, host_offs, b1, None, x_MH.dtype
         )
+        del x_q
         ctx.spec, ctx.host_offs = spec, host_offs
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in w1s), tuple(b.dim() for b in b1s)
         ctx.w_transposed, ctx.w_layout = stored_transposed(w1s[0]), _Layout.of(w1_q)
         # x is saved as the tensor given (moe_experts' hooks replace its sorted rows by a reference to x).
         ctx.save_for_backward(x_MH, offs, w1t_data, w1t_scale, *w1_q.storage())
-        return h_M2F
+        if not quantizes:
+            return h_M2F, None, None, None, None
+        # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
+        act = activation_named(spec.activation)
+        glu_block = check_interleave(h_M2F.shape[1] // 2, spec.glu_interleave_size)
+        a_q, h_q = group_quantize_gated(
+            h_M2F, go, recipe, probs_M, glu_block, spec.activation, act.gate_limit or 0.0, act.up_limit or 0.0
+        )
+        carrier = h_M2F.new_zeros(1).expand(h_M2F.shape)
+        del h_M2F
+        forms = (a_q.rowwise_data, a_q.rowwise_scale_inv, h_q.rowwise_data, h_q.rowwise_scale_inv)
+        ctx.mark_non_differentiable(*forms)
+        return (carrier, *forms)
 
     @staticmethod
-    def backward(ctx: Any, dh_M2F: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dh_M2F: torch.Tensor, *forms_grads: Any) -> tuple[torch.Tensor | None, ...]:
         x_MH, offs, w1t_data, w1t_scale, *stored = ctx.saved_tensors
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc1_backend
@@ -234,7 +266,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 dx = quantized_dgrad_product(
                     backend, quantizer, recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, offs, host_offs
                 )
-        return (None,) * 6 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
+        return (None,) * 8 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
 class _QuantizedGatedFc2Fn(torch.autograd.Function):
@@ -242,7 +274,8 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
     rowwise FP8 quantization only (module docstring); its backward returns h's gradient. Inputs: spec,
     grad_enabled (whether grad mode was on at the call: the forward runs with it off, and nothing is
     held without it), offs, host_offs, fc2's weight quantization and its transposed copy's data and
-    scales, h (M, 2F), probs (M,) or None, then w2 and b2 as tensor lists."""
+    scales, node 1's outputs (h (M, 2F) and four Nones, or h's gradient carrier and the rowwise data and
+    scales of Q(a) and Q(held h)), probs (M,) or None, then w2 and b2 as tensor lists."""
 
     @staticmethod
     def forward(
@@ -255,6 +288,10 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         w2t_data: torch.Tensor | None,
         w2t_scale: torch.Tensor | None,
         h_M2F: torch.Tensor,
+        a_data: torch.Tensor | None,
+        a_scale: torch.Tensor | None,
+        h_data: torch.Tensor | None,
+        h_scale: torch.Tensor | None,
         probs_M: torch.Tensor | None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
@@ -263,17 +300,16 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         recipe, quantizer = spec.recipe, spec.quantizer
         glu_block, activation = spec.glu_interleave_size, spec.activation
         go = GroupOffsets.of(offs, host_offs, h_M2F.shape[0])
-        # h is held as its rowwise quantization only, and only where a gradient may be asked for.
-        held = grad_enabled and any(ctx.needs_input_grad)
         h_q: GroupedTensor | None
-        if held and spec.gated_quantize:
-            # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
-            act = activation_named(activation)
-            a_q, h_q = group_quantize_gated(
-                h_M2F, go, recipe, probs_M, check_interleave(h_M2F.shape[1] // 2, glu_block), activation,
-                act.gate_limit or 0.0, act.up_limit or 0.0,
-            )  # fmt: skip
+        if a_data is not None:  # node 1 quantized the activation and h (h_M2F is the carrier)
+            assert a_scale is not None and h_data is not None and h_scale is not None  # node 1's four outputs
+            a_q, h_q = (
+                rowwise_grouped(recipe, h_M2F.dtype, go, a_data, a_scale),
+                rowwise_grouped(recipe, h_M2F.dtype, go, h_data, h_scale),
+            )
         else:
+            # h is held as its rowwise quantization only, and only where a gradient may be asked for.
+            held = grad_enabled and any(ctx.needs_input_grad)
             a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, spec.gated_triton)
             h_q = group_quantize(to_held(h_M2F, glu_block, activation), go, recipe, backend=quantizer) if held else None
             a_q = group_quantize(a_MF, go, recipe, backend=quantizer)
@@ -314,7 +350,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             d_probs = bias_scale_grad(dy_bias_MH, b2, go, probs_M)
         del dy_bias_MH
         if not (need_w or need_da):
-            return (None,) * 9 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
+            return (None,) * 13 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
@@ -353,7 +389,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
                 d_probs = d_probs_act if d_probs is None else d_probs + d_probs_act
         return (
             (None,) * 7
-            + (dh if need_h else None, d_probs if need_probs else None)
+            + (dh if need_h else None, None, None, None, None, d_probs if need_probs else None)
             + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         )
 
@@ -378,6 +414,12 @@ def quantized_mlp(
     FP8 copy."""
     if spec.gated_triton and probs_M is not None:
         probs_M = probs_M.contiguous()
-    h_M2F = _QuantizedFc1Fn.apply(spec, offs, host_offs, *fc1_quantized, x_MH, *w1s, *b1s)
     grad = torch.is_grad_enabled()
-    return _QuantizedGatedFc2Fn.apply(spec, grad, offs, host_offs, *fc2_quantized, h_M2F, probs_M, *w2s, *b2s)
+    # Node 1 quantizes the activation and h in the gated pass only where h is held (a gradient may be
+    # asked for); without it node 2 quantizes a alone.
+    inputs = (x_MH, probs_M, *w1s, *b1s, *w2s, *b2s)
+    held = grad and any(t is not None and t.requires_grad for t in inputs)
+    quantizes = spec.gated_quantize and held
+    probs_read = probs_M.detach() if probs_M is not None and quantizes else None
+    fc1_out = _QuantizedFc1Fn.apply(spec, offs, host_offs, *fc1_quantized, quantizes, probs_read, x_MH, *w1s, *b1s)
+    return _QuantizedGatedFc2Fn.apply(spec, grad, offs, host_offs, *fc2_quantized, *fc1_out, probs_M, *w2s, *b2s)
