@@ -7,30 +7,33 @@ slot is one block of 128 rows of one group, a strip its 128 columns [q * 128, + 
     quantize_slots_tma_kernel   `quantize_slots_kernel`'s problem for fp8_block (128 x 1 columnwise
                                 blocks, with or without the 1 x 128 rowwise ones; (M, X) rows or the
                                 FP8 wgrad's segments), its bytes: each strip read once from memory
-                                into shared memory by one TMA box, then walked twice there
+                                into shared memory by TMA, then walked twice there
 
 Why: a column's scale needs every row of its slot before any of its bytes, so a strip is read twice.
 `quantize_slots_kernel` reads it twice from memory (the second walk from L2) in row chunks held in
-registers, which bounds the bytes in flight an SM by registers (three programs of 4 warps an SM on
-sm_90: latency-bound, 0.37-0.51 of the HBM copy). Here the strip (32 KiB of bf16) lands in shared
-memory by one TMA box and both walks read it there; a persistent program keeps STAGES strips in
-flight (the next ones load while it walks the current one), so the bytes in flight are shared memory,
-not registers.
+registers, which bounds its bytes in flight an SM by registers. Here the strip (32 KiB of bf16) lands
+in shared memory (CHUNK-row TMA boxes, all on one barrier) and both walks read it there; a persistent
+program keeps STAGES strips in flight (the next ones load while it walks the current one), so the
+bytes in flight are shared memory, not registers. The walks are loops over the chunks, not unrolled,
+so a program needs few registers and many small programs share an SM (`QUANTIZE_SLOTS_TMA`: what
+overlaps one program's walks is the others' loads and stores).
 
 A program takes the work items (slot, strip) pid, pid + P, ... (slots fastest or strips fastest:
-SLOTS_FASTEST). Each item's box is loaded whatever the slot holds (TMA fills rows past M with zeros);
-rows outside the slot's group are masked out in the walks, so a slot that reaches into the next
+SLOTS_FASTEST). Each item's boxes are loaded whatever the slot holds (TMA fills rows past M with
+zeros); rows outside the slot's group are masked out in the walks, so a slot that reaches into the next
 group's rows, a padding slot (read as zeros, as the Triton kernel reads them) and an unused slot (its
-column scales 1, nothing else written) need no branch around the ring. Before a stage is loaded again
-every warp has finished reading it (a CTA barrier, then the proxy fence).
+column scales 1, nothing else written) need no branch around the ring; a whole slot of a real group
+(every slot but a group's last) takes a copy of the walks without the per-element row masks. Before a
+stage is loaded again every warp has finished reading it (a CTA barrier, then the proxy fence).
 
 Walk 1, chunks of CHUNK rows in a row-major register layout (16 consecutive columns a thread): the
-elementwise running maximum of |x| (columns), and with ROWWISE each row's 1 x 128 block (the strip's
-row) quantized and stored at once. Walk 2: the columnwise bytes, as (M, X) rows (the same layout, 16-byte
-stores) or, SEGMENTS, into the FP8 wgrad's (X, pitch) layout, read from shared memory in a column-major
-register layout (16 consecutive rows of one column a thread), so that each thread stores 16 consecutive
-bytes of a destination row. The scale and E4M3 rules are `moekit.ops.kernels.quantize`'s own jit
-functions, called from Gluon: the bytes are `quantize_slots_kernel`'s.
+elementwise running maximum of |x| (columns; a NaN-propagating max, the NaN read as inf once a block),
+and with ROWWISE each row's 1 x 128 block (the strip's row) quantized and stored at once. Walk 2: the
+columnwise bytes, as (M, X) rows (the same layout, 16-byte stores) or, SEGMENTS, into the FP8 wgrad's
+(X, pitch) layout, read from shared memory in a column-major register layout (16 consecutive rows of
+one column a thread), so that each thread stores 16 consecutive bytes of a destination row. The scale
+and E4M3 rules are `moekit.ops.kernels.quantize`'s own jit functions, called from Gluon: the bytes are
+`quantize_slots_kernel`'s.
 """
 
 from __future__ import annotations
