@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moekit
 from helpers import rand
@@ -147,6 +148,44 @@ def test_quantized_mlp_is_bit_identical_with_and_without_it(recipe, monkeypatch)
     assert len(calls) == 1
     for f, s in zip(fused, apart, strict=True):
         assert torch.equal(f, s)
+
+
+class _ZerosOfForms(TorchDispatchMode):
+    """Records every zero-filled float8 tensor made while active (what autograd's materialized gradients
+    of FP8 outputs would be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn and "zero" in str(func):
+            self.made.append(tuple(out.shape))
+        return out
+
+
+@needs_interpreter
+def test_the_fp8_forms_cross_the_node_boundary_without_gradients(monkeypatch):
+    """Where the gated pass quantizes, node 1 hands node 2 the FP8 forms and a carrier of h's gradient:
+    the backward makes no zero gradients of the FP8 forms' sizes (autograd would materialize them for
+    node 1's non-differentiable outputs), and without a gradient asked node 2 quantizes a alone (the
+    pass does not run)."""
+    rows, hidden, ffn, n = 21, 32, 128, 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).requires_grad_()
+    w1 = (torch.randn(n, 2 * ffn, hidden, generator=gen) / hidden**0.5).requires_grad_()
+    w2 = (torch.randn(n, hidden, ffn, generator=gen) / ffn**0.5).requires_grad_()
+    calls = []
+    real_pass = library.gated_quantize_into
+    monkeypatch.setattr(library, "gated_quantize_into", lambda *a: calls.append(1) or real_pass(*a))
+    y = moekit.grouped_mlp(x, w1, w2, [9, 0, 10], backend="triton", quantization="fp8_block")
+    with _ZerosOfForms() as zeros:
+        y.sum().backward()
+    assert calls and zeros.made == [] and x.grad is not None and w1.grad is not None
+    with torch.no_grad():
+        moekit.grouped_mlp(x, w1, w2, [9, 0, 10], backend="triton", quantization="fp8_block")
+    assert len(calls) == 1
 
 
 @pytest.mark.gpu

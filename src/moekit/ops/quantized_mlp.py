@@ -172,15 +172,15 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
 class _QuantizedFc1Fn(torch.autograd.Function):
     """Node 1, fc1: h = Q(x) Q(w1)^T + b1, holding x itself (not its FP8 copy), quantized columnwise in
     the backward for the wgrad. Inputs: spec, offs, host_offs, fc1's weight quantization and its
-    transposed copy's data and scales (None without the FP8 dgrad), probs (M,) or None, detached: read
-    only where this node quantizes the activation), x (M, H), then w1 and b1 as tensor lists. Its
-    backward runs after node 2's has freed what that one held, so x's rows (gathered again by
-    moe_experts' hooks when the backward asks for them) and dh are not alive together with FP8 h and
-    dy's quantizations. The weight's quantization is saved as tensors, so autograd refuses a backward
+    transposed copy's data and scales (None without the FP8 dgrad), whether it quantizes the activation
+    (below), probs (M,) or None (detached: read only where it quantizes), x (M, H), then w1 and b1 as
+    tensor lists. Its backward runs after node 2's has freed what that one held, so x's rows (gathered
+    again by moe_experts' hooks when the backward asks for them) and dh are not alive together with FP8
+    h and dy's quantizations. The weight's quantization is saved as tensors, so autograd refuses a backward
     after a cache rewrote it in place (as `grouped_linear`'s node).
 
-    Outputs: where it quantizes (`quantizes_activation`: the gated pass writes both FP8 forms and h is
-    held), h's gradient carrier (an (M, 2F) view of one element: node 2 reads nothing of it and returns
+    Outputs: where it quantizes (the gated pass writes both FP8 forms, and h is held: `quantized_mlp`
+    decides), h's gradient carrier (an (M, 2F) view of one element: node 2 reads nothing of it and returns
     h's gradient for it) and the rowwise data and scales of Q(a) and Q(held h), which node 2 takes as
     they are (not differentiable); otherwise h itself and four Nones. h never crosses to node 2 in the
     first case, which is where an fc1 epilogue writing the FP8 forms itself fits."""
@@ -213,6 +213,9 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         ctx.w_transposed, ctx.w_layout = stored_transposed(w1s[0]), _Layout.of(w1_q)
         # x is saved as the tensor given (moe_experts' hooks replace its sorted rows by a reference to x).
         ctx.save_for_backward(x_MH, offs, w1t_data, w1t_scale, *w1_q.storage())
+        # The FP8 outputs get no gradient: without this autograd would hand the backward zeros of their
+        # sizes (materialized), written for nothing.
+        ctx.set_materialize_grads(False)
         if not quantizes:
             return h_M2F, None, None, None, None
         # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
@@ -228,7 +231,9 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         return (carrier, *forms)
 
     @staticmethod
-    def backward(ctx: Any, dh_M2F: torch.Tensor, *forms_grads: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dh_M2F: torch.Tensor | None, *forms_grads: Any) -> tuple[torch.Tensor | None, ...]:
+        if dh_M2F is None:  # no gradient reached h (grads are not materialized here)
+            return (None,) * (_X1 + 1 + len(ctx.w_dims) + len(ctx.b_dims))
         x_MH, offs, w1t_data, w1t_scale, *stored = ctx.saved_tensors
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc1_backend
