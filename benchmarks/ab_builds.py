@@ -11,6 +11,7 @@ source, so the two never share binaries.
 
     python benchmarks/ab_builds.py --a src --b /tmp/variant/src --rounds 2 --out ab.json
     python benchmarks/ab_builds.py --a src --b src --smoke --out /tmp/ab.json   # CPU: the plumbing
+    python benchmarks/ab_builds.py --a /tmp/old/src --b src --op layer --quantization fp8_block --out ab.json
 
 The JSON records the machine and versions (`runner.machine`), build A's commit (`--commit`, else
 `MOEKIT_BENCH_COMMIT`, else git) as `git_commit`, build B's (`--commit-b`) as `b_commit`, and, per
@@ -60,8 +61,10 @@ def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
             yield f"{shape.name}/{dist}", step, leaves
 
 
-def _layer_cells(shape_names: str | None, smoke: bool, device, dtype):
-    """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four)."""
+def _layer_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str | None = None):
+    """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four); with
+    `quantization`, as MoELayer runs it: the weights' caches kept across steps and refreshed in place at
+    every step (`track_versions=False`), so the weights' quantization is timed in every step."""
     import bench_moe_layer as layer
     import runner
     import torch
@@ -79,12 +82,16 @@ def _layer_cells(shape_names: str | None, smoke: bool, device, dtype):
             leaves[3].requires_grad_(True)
             gen = torch.Generator(device=device).manual_seed(1)
             dy = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+            kw: dict = {}
+            if quantization:
+                caches = tuple(moekit.QuantizedWeightCache(track_versions=False) for _ in range(2))
+                kw = dict(quantization=quantization, weight_caches=caches)
 
-            def step(leaves=leaves, dy=dy, ids=ids):
+            def step(leaves=leaves, dy=dy, ids=ids, kw=kw):
                 for t in leaves:
                     t.grad = None
                 x, w, w1, w2 = leaves
-                y = moekit.moe_experts(x, ids, w, w1, w2, backend="triton")
+                y = moekit.moe_experts(x, ids, w, w1, w2, backend="triton", **kw)
                 y.backward(dy)
                 return y
 
@@ -141,7 +148,7 @@ def _case_cells(shape_names: str | None, smoke: bool, device, dtype):
         yield name, step, leaves
 
 
-def probe(op: str, shape_names: str | None, steps: int, smoke: bool) -> dict:
+def probe(op: str, shape_names: str | None, steps: int, smoke: bool, quantization: str | None = None) -> dict:
     """In this process (moekit from PYTHONPATH): per cell, kernel times, step time and the results' hash."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -149,8 +156,11 @@ def probe(op: str, shape_names: str | None, steps: int, smoke: bool) -> dict:
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
     cells = {}
-    make = {"mlp": _mlp_cells, "layer": _layer_cells, "cases": _case_cells}[op]
-    for cell, step, leaves in make(shape_names, smoke, device, dtype):
+    if op == "layer":
+        cells_of = _layer_cells(shape_names, smoke, device, dtype, quantization)
+    else:
+        cells_of = {"mlp": _mlp_cells, "cases": _case_cells}[op](shape_names, smoke, device, dtype)
+    for cell, step, leaves in cells_of:
         digest = hashlib.sha1()
         for t in (step(), *(t.grad for t in leaves)):
             digest.update(t.detach().float().cpu().numpy().tobytes())
@@ -185,6 +195,7 @@ def run_build(src: Path, args: argparse.Namespace) -> dict:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     command = [sys.executable, str(Path(__file__).resolve()), "--probe", "--steps", str(args.steps), "--op", args.op]
     command += (["--shapes", args.shapes] if args.shapes else []) + (["--smoke"] if args.smoke else [])
+    command += ["--quantization", args.quantization] if args.quantization else []
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PROBE_TAG)]
     if proc.returncode != 0 or not lines:
@@ -225,6 +236,12 @@ def main(argv=None) -> dict | None:
         help="grouped_mlp at the MLP shapes, moe_experts at the layer shapes, or grouped_mlp at CASES (hashes only)",
     )
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8_block", "fp8_rowwise", "mxfp8"),
+        default=None,
+        help="--op layer: moe_experts with this quantization (weights' caches refreshed every step)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
     parser.add_argument("--commit-b", default=None, help="the commit build B is (recorded as b_commit)")
@@ -233,8 +250,12 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
-        print(PROBE_TAG + json.dumps(probe(args.op, args.shapes, args.steps, args.smoke)), flush=True)
+        print(
+            PROBE_TAG + json.dumps(probe(args.op, args.shapes, args.steps, args.smoke, args.quantization)), flush=True
+        )
         return None
+    if args.quantization and args.op != "layer":
+        parser.error("--quantization is for --op layer")
     for name in ("a", "b"):
         src = getattr(args, name)
         if src is None or not (src / "moekit" / "__init__.py").is_file():
@@ -267,6 +288,7 @@ def main(argv=None) -> dict | None:
             "steps": args.steps,
             "smoke": args.smoke,
             "op": args.op,
+            "quantization": args.quantization,
             "order": ["a", "b"] * args.rounds,
         },
         "cells": cells,

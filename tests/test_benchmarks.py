@@ -388,6 +388,27 @@ def test_ab_builds_smoke_same_build_is_bit_identical(tmp_path):
     assert all(c["bit_identical"] for c in payload["cells"].values())
 
 
+def test_ab_builds_smoke_quantized_layer(tmp_path):
+    """--op layer --quantization: moe_experts with fp8_block and refreshed weight caches in each build's
+    processes (here one build against itself: bit-identical), the recipe recorded."""
+    out = tmp_path / "ab.json"
+    src = str(BENCHMARKS.parent / "src")
+    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
+    command += ["--op", "layer", "--quantization", "fp8_block", "--shapes", "smoke", "--out", str(out)]
+    command += ["--commit", "abc1234-test", "--timeout", "900"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["quantization"] == "fp8_block" and payload["meta"]["op"] == "layer"
+    assert set(payload["cells"]) == {"smoke/balanced", "smoke/skewed"}
+    assert all(c["bit_identical"] for c in payload["cells"].values())
+    refused = subprocess.run(
+        command[:-8] + ["--op", "mlp", "--quantization", "fp8_block"], env=env, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--quantization is for --op layer" in refused.stderr
+
+
 def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
     ab = _load("ab_builds")
 
