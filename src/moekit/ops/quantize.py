@@ -414,23 +414,30 @@ def group_quantize_gated(
     library.gated_quantize_into(
         h_M2F, probs_M, offs.offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
     )
+    first_dims = offs.offs[1:] - offs.offs[:-1]
     return (
-        rowwise_grouped(info.name, h_M2F.dtype, offs, a_data, a_scale),
-        rowwise_grouped(info.name, h_M2F.dtype, offs, h_data, h_scale),
+        rowwise_grouped(info.name, h_M2F.dtype, offs, first_dims, a_data, a_scale),
+        rowwise_grouped(info.name, h_M2F.dtype, offs, first_dims, h_data, h_scale),
     )
 
 
 def rowwise_grouped(
-    recipe: str, dtype: torch.dtype, offs: GroupOffsets, data: torch.Tensor, scale_inv: torch.Tensor
+    recipe: str,
+    dtype: torch.dtype,
+    offs: GroupOffsets,
+    first_dims: torch.Tensor,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
 ) -> GroupedTensor:
     """The rowwise-only GroupedTensor of `recipe` over existing FP8 data (M, X) and its scales, grouped by
-    `offs` (first dims from its device tensor, and from its host copy where it has one): how the
-    quantized MLP's nodes hand `group_quantize_gated`'s forms from one node to the other."""
+    `offs` (first_dims: its device tensor's differences, made once by the caller for the tensors it
+    builds; the host copy's where it has one): how the quantized MLP's nodes hand
+    `group_quantize_gated`'s forms from one node to the other."""
     return GroupedTensor.quantized(
         recipe,
         dtype,
         tuple(data.shape),
-        offs.offs[1:] - offs.offs[:-1],
+        first_dims,
         offs.offs,
         host_first_dims=_host_dims(offs),
         rowwise_data=data,

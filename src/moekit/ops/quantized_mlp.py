@@ -308,9 +308,10 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         h_q: GroupedTensor | None
         if a_data is not None:  # node 1 quantized the activation and h (h_M2F is the carrier)
             assert a_scale is not None and h_data is not None and h_scale is not None  # node 1's four outputs
+            first_dims = offs[1:] - offs[:-1]
             a_q, h_q = (
-                rowwise_grouped(recipe, h_M2F.dtype, go, a_data, a_scale),
-                rowwise_grouped(recipe, h_M2F.dtype, go, h_data, h_scale),
+                rowwise_grouped(recipe, h_M2F.dtype, go, first_dims, a_data, a_scale),
+                rowwise_grouped(recipe, h_M2F.dtype, go, first_dims, h_data, h_scale),
             )
         else:
             # h is held as its rowwise quantization only, and only where a gradient may be asked for.
