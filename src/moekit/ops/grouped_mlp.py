@@ -64,6 +64,7 @@ from moekit.ops.runtime.backends import (
     backend_named,
     fused_mlp_of,
     gated_quantize_unavailable_reason,
+    quantized_gated_fc1_of,
     select_backend,
     select_quantizer,
     use_triton_rows,
@@ -180,6 +181,20 @@ def _quantized(
     w2_q, w2_t = quantized_weight(w2s, recipe, quantizer, caches[1], dgrad2)
     ffn = a_like.shape[1]
     gated_triton = gated_on_kernel(probs, use_triton_rows(fc1_impl, x))
+    glu_block = check_interleave(ffn, glu_interleave_size)
+    gated_quantize = gated_triton and gated_quantize_unavailable_reason(recipe, ffn, glu_block) is None
+    # fc1's GEMM writing both FP8 forms itself, where the backend has that kernel for this problem.
+    gated_fc1 = quantized_gated_fc1_of(fc1_impl)
+    act = activation_named(activation)
+    fc1_gated_epilogue = (
+        gated_quantize
+        and fc1_fp8
+        and gated_fc1 is not None
+        and gated_fc1.quantized_gated_fc1_unavailable_reason(
+            recipe, x, ffn, glu_block, act.gate_limit or 0.0, act.up_limit or 0.0
+        )
+        is None
+    )
     spec = QuantizedMlpSpec(
         recipe=recipe,
         quantizer=quantizer,
@@ -192,8 +207,8 @@ def _quantized(
         glu_interleave_size=glu_interleave_size,
         activation=activation,
         gated_triton=gated_triton,
-        gated_quantize=gated_triton
-        and gated_quantize_unavailable_reason(recipe, ffn, check_interleave(ffn, glu_interleave_size)) is None,
+        gated_quantize=gated_quantize,
+        fc1_gated_epilogue=fc1_gated_epilogue,
         n_w1=len(w1s),
         n_b1=len(b1s),
         n_w2=len(w2s),

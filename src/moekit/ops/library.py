@@ -34,6 +34,7 @@ from moekit.ops.runtime.backends import (
     QuantizedGemm,
     backend_named,
     fused_mlp_of,
+    quantized_gated_fc1_of,
     quantized_gemm_of,
     quantizer_of,
     without_padding,
@@ -265,6 +266,52 @@ def _(
 quantized_linear_forward = _entry(_quantized_forward_op, _quantized_forward)
 quantized_linear_dgrad = _entry(_quantized_dgrad_op, _quantized_dgrad)
 quantized_linear_wgrad = _entry(_quantized_wgrad_op, _quantized_wgrad)
+
+
+def _quantized_gated_fc1(backend: str, x_data: torch.Tensor, x_scale: torch.Tensor, w_data: torch.Tensor,
+                         w_scale: torch.Tensor, offs: torch.Tensor, bias_N2F: torch.Tensor | None,
+                         probs_M: torch.Tensor | None, glu_block: int, activation: str, dtype: torch.dtype,
+                         a_data: torch.Tensor, a_scale: torch.Tensor, h_data: torch.Tensor,
+                         h_scale: torch.Tensor) -> None:  # fmt: skip
+    """fc1's FP8 GEMM with the gated activation and the rowwise quantizations of its output and of h in
+    one kernel, into the given storage (`moekit.ops.runtime.backends.QuantizedGatedFc1`); the storage is
+    declared mutated, as `group_quantize_into`'s."""
+    fc1 = quantized_gated_fc1_of(backend_named(backend))
+    if fc1 is None:
+        raise ValueError(f"backend {backend!r} has no FP8 fc1 with a gated epilogue")
+    fc1.quantized_gated_fc1_into(
+        x_data, x_scale, w_data, w_scale, offs, bias_N2F, probs_M, glu_block, activation, dtype, a_data, a_scale,
+        h_data, h_scale,
+    )  # fmt: skip
+
+
+_quantized_gated_fc1_op = torch.library.custom_op(
+    "moekit::quantized_gated_fc1", _quantized_gated_fc1, mutates_args=("a_data", "a_scale", "h_data", "h_scale")
+)
+
+
+@_quantized_gated_fc1_op.register_fake
+def _(
+    backend: str,
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    dtype: torch.dtype,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+quantized_gated_fc1_into = _entry(_quantized_gated_fc1_op, _quantized_gated_fc1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -406,11 +406,7 @@ def group_quantize_gated(
     `gated_quantize_unavailable_reason` found the recipe and GLU layout within the kernel's reach."""
     info = recipe_named(recipe)
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    a_store = _allocate(info, (rows, ffn), h_M2F.device, offs.num_groups, True, False)
-    h_store = _allocate(info, (rows, 2 * ffn), h_M2F.device, offs.num_groups, True, False)
-    a_data, a_scale = a_store["row_data"], a_store["row_scale"]
-    h_data, h_scale = h_store["row_data"], h_store["row_scale"]
-    assert a_data is not None and a_scale is not None and h_data is not None and h_scale is not None  # rowwise
+    a_data, a_scale, h_data, h_scale = gated_forms_storage(info.name, rows, ffn, h_M2F.device, offs.num_groups)
     library.gated_quantize_into(
         h_M2F, probs_M, offs.offs, glu_block, activation, recipe, gate_limit, up_limit, a_data, a_scale, h_data, h_scale
     )
@@ -419,6 +415,21 @@ def group_quantize_gated(
         rowwise_grouped(info.name, h_M2F.dtype, offs, first_dims, a_data, a_scale),
         rowwise_grouped(info.name, h_M2F.dtype, offs, first_dims, h_data, h_scale),
     )
+
+
+def gated_forms_storage(
+    recipe: str, rows: int, ffn: int, device: torch.device, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a_data, a_scale, h_data, h_scale): fresh storage of the rowwise forms of an activation (rows, ffn)
+    and of h (rows, 2 * ffn), as `group_quantize` allocates them; what the quantized MLP's fc1 fills in
+    its forward (`group_quantize_gated`, or fc1's GEMM with the gated epilogue)."""
+    info = recipe_named(recipe)
+    a_store = _allocate(info, (rows, ffn), device, num_groups, True, False)
+    h_store = _allocate(info, (rows, 2 * ffn), device, num_groups, True, False)
+    a_data, a_scale = a_store["row_data"], a_store["row_scale"]
+    h_data, h_scale = h_store["row_data"], h_store["row_scale"]
+    assert a_data is not None and a_scale is not None and h_data is not None and h_scale is not None  # rowwise
+    return a_data, a_scale, h_data, h_scale
 
 
 def rowwise_grouped(

@@ -89,6 +89,7 @@ from moekit.ops.grouped_linear import (
 )
 from moekit.ops.quantize import (
     dequantize_with,
+    gated_forms_storage,
     group_quantize,
     group_quantize_for_wgrad,
     group_quantize_gated,
@@ -103,8 +104,10 @@ class QuantizedMlpSpec:
     `select_quantizer` gives it), each linear's backend and FP8 paths (`fp8_compute`, `fp8_wgrad_compute`
     for fc1 and fc2), the activation with its GLU block, whether the gated activation runs on moekit's
     kernel (`gated_on_kernel`) and whether it also quantizes its output and h in that pass
-    (`gated_quantize`: `moekit.ops.quantize.group_quantize_gated`), and how many tensors each parameter
-    comes in (1 grouped tensor or N)."""
+    (`gated_quantize`: `moekit.ops.quantize.group_quantize_gated`), whether fc1's FP8 GEMM makes both
+    quantizations in its epilogue instead, h never written (`fc1_gated_epilogue`: the backend's
+    `QuantizedGatedFc1` capability takes this problem), and how many tensors each parameter comes in (1
+    grouped tensor or N)."""
 
     recipe: str
     quantizer: str
@@ -118,6 +121,7 @@ class QuantizedMlpSpec:
     activation: str
     gated_triton: bool
     gated_quantize: bool
+    fc1_gated_epilogue: bool
     n_w1: int
     n_b1: int
     n_w2: int
@@ -204,9 +208,21 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         recipe, quantizer = spec.recipe, spec.quantizer
         go = GroupOffsets.of(offs, host_offs, x_MH.shape[0])
         x_q = group_quantize(x_MH, go, recipe, backend=quantizer)
-        h_M2F = quantized_forward_product(
-            spec.fc1_backend, quantizer, recipe, spec.fc1_fp8, x_q, w1_q, offs, host_offs, b1, None, x_MH.dtype
-        )
+        rows, ffn = x_MH.shape[0], w1_q.shape[1] // 2
+        glu_block = check_interleave(ffn, spec.glu_interleave_size)
+        if quantizes and spec.fc1_gated_epilogue:
+            # One kernel: fc1's GEMM writes the two FP8 forms itself; h is never written.
+            forms = gated_forms_storage(recipe, rows, ffn, x_MH.device, go.num_groups)
+            library.quantized_gated_fc1_into(
+                spec.fc1_backend, x_q.rowwise_data, x_q.rowwise_scale_inv, w1_q.rowwise_data,
+                w1_q.rowwise_scale_inv, offs, b1.contiguous() if b1 is not None else None, probs_M, glu_block,
+                spec.activation, x_MH.dtype, *forms,
+            )  # fmt: skip
+            h_M2F = None
+        else:
+            h_M2F = quantized_forward_product(
+                spec.fc1_backend, quantizer, recipe, spec.fc1_fp8, x_q, w1_q, offs, host_offs, b1, None, x_MH.dtype
+            )
         del x_q
         ctx.spec, ctx.host_offs = spec, host_offs
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in w1s), tuple(b.dim() for b in b1s)
@@ -218,15 +234,15 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if not quantizes:
             return h_M2F, None, None, None, None
-        # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
-        act = activation_named(spec.activation)
-        glu_block = check_interleave(h_M2F.shape[1] // 2, spec.glu_interleave_size)
-        a_q, h_q = group_quantize_gated(
-            h_M2F, go, recipe, probs_M, glu_block, spec.activation, act.gate_limit or 0.0, act.up_limit or 0.0
-        )
-        carrier = h_M2F.new_zeros(1).expand(h_M2F.shape)
-        del h_M2F
-        forms = (a_q.rowwise_data, a_q.rowwise_scale_inv, h_q.rowwise_data, h_q.rowwise_scale_inv)
+        if h_M2F is not None:
+            # Both quantizations from one read of h, neither a nor h's held form written in h's dtype.
+            act = activation_named(spec.activation)
+            a_q, h_q = group_quantize_gated(
+                h_M2F, go, recipe, probs_M, glu_block, spec.activation, act.gate_limit or 0.0, act.up_limit or 0.0
+            )
+            del h_M2F
+            forms = (a_q.rowwise_data, a_q.rowwise_scale_inv, h_q.rowwise_data, h_q.rowwise_scale_inv)
+        carrier = x_MH.new_zeros(1).expand(rows, 2 * ffn)
         ctx.mark_non_differentiable(*forms)
         return (carrier, *forms)
 

@@ -96,6 +96,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
 from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
+from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
 
@@ -151,19 +152,24 @@ def _load_partition(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
 ):
-    """Each tile's A and B boxes, one reduction step a slot; none for padding tiles."""
+    """Each tile's A and B boxes, one reduction step a slot; none for padding tiles. With GLU_BLOCK > 0
+    (the gated kernel: COLS = F activation columns, tiles of BLOCK_C / 2 of them) the B box is two boxes
+    of BLOCK_C / 2 weight rows, the tile's gate rows and its up rows (`glu_weight_rows`)."""
+    SCHED_C: gl.constexpr = BLOCK_C // 2 if GLU_BLOCK > 0 else BLOCK_C
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, SCHED_C
     )
     a_desc = tma.make_tensor_descriptor(
         a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
     )
+    W_ROWS = 2 * COLS if GLU_BLOCK > 0 else COLS  # weight rows a group
     b_desc = tma.make_tensor_descriptor(
         b_ptr,
-        shape=[N * COLS, RED],
+        shape=[N * W_ROWS, RED],
         strides=[stride_br, 1],
-        block_shape=[BLOCK_C, BLOCK_RED],
+        block_shape=[SCHED_C, BLOCK_RED],
         layout=b_bufs.type.layout,
     )
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -171,32 +177,52 @@ def _load_partition(
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, row_lo, row_hi, row0, c0, _ = tile_coords(
-            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SCHED_C, GROUP_M
         )
-        b_row = g * COLS + c0
+        if GLU_BLOCK > 0:
+            b_row = g * W_ROWS + glu_weight_rows(c0, GLU_BLOCK)
+        else:
+            b_row = g * COLS + c0
         for step in range(red_steps * (g < N).to(gl.int32)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
             tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [b_row, red0], ready.index(slot), b_bufs.index(slot))
+            if GLU_BLOCK > 0:
+                b_slot = b_bufs.index(slot)
+                tma.async_copy_global_to_shared(
+                    b_desc, [b_row, red0], ready.index(slot), b_slot.slice(0, SCHED_C, dim=0)
+                )
+                tma.async_copy_global_to_shared(
+                    b_desc, [b_row + GLU_BLOCK, red0], ready.index(slot), b_slot.slice(SCHED_C, SCHED_C, dim=0)
+                )
+            else:
+                tma.async_copy_global_to_shared(b_desc, [b_row, red0], ready.index(slot), b_bufs.index(slot))
             it += 1
 
 
 @gluon.jit
+def glu_weight_rows(c0, GLU_BLOCK: gl.constexpr):
+    """fc1's weight row (h's column) of the gate of activation column c0; its up is GLU_BLOCK further
+    (`moekit.ops.glu`: GLU blocks of GLU_BLOCK gates then GLU_BLOCK ups, GLU_BLOCK = F for [gate | up])."""
+    return (c0 // GLU_BLOCK) * (2 * GLU_BLOCK) + c0 % GLU_BLOCK
+
+
+@gluon.jit
 def _step_scales(
-    sa_ptrs, sb_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES: gl.constexpr
+    sa_ptrs, sb_ptr, sb_hi_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES: gl.constexpr
 ):
     """The factors of step `step` for the tile's (up to) two 128-column halves, sa[rows, step] * sb[g, column
-    block, step] each (the Triton kernel's product, in its order; the second equals the first where
-    HALVES == 1, unused); 0 for rows outside the tile's group, on padding tiles (not real), for a second
-    half past COLS (not hi_ok) and past the last step."""
+    block, step] each (the Triton kernel's product, in its order; sb_ptr / sb_hi_ptr: the halves' weight
+    scale blocks at step 0; the second equals the first where HALVES == 1, unused); 0 for rows outside
+    the tile's group, on padding tiles (not real), for a second half past COLS (not hi_ok) and past the
+    last step."""
     inside = step < red_steps
     sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
     s0 = sa * gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
     if HALVES == 2:
-        s1 = sa * gl.load(sb_ptr + stride_bs_col + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
+        s1 = sa * gl.load(sb_hi_ptr + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
     else:
         s1 = s0
     return s0, s1
@@ -270,6 +296,74 @@ def _epilogue_part(
 
 
 @gluon.jit
+def _main_loop(
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    it,
+    sa_ptrs,
+    sb_ptr,
+    sb_hi_ptr,
+    mask_sa,
+    real,
+    hi_ok,
+    red_steps,
+    stride_bs_red,
+    HALF: gl.constexpr,
+    ROWS: gl.constexpr,
+    SUB: gl.constexpr,
+    HALVES: gl.constexpr,
+    STAGES: gl.constexpr,
+    mma_layout: gl.constexpr,
+):
+    """One warp group's reduction of one tile over the ring (the module docstring's loop), from ring
+    position `it`: (acc0, acc1, it after the tile), acc1 the second 128-column half's accumulator (acc0
+    again where HALVES == 1). sa_ptrs: the warp group's rows' scales at step 0; sb_ptr / sb_hi_ptr: the
+    halves' weight scale blocks at step 0 (`_step_scales`)."""
+    prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+    acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+    scale0, scale1 = _step_scales(sa_ptrs, sb_ptr, sb_hi_ptr, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES)
+    if HALVES == 2:
+        acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+    else:
+        acc1 = acc0
+    for step in range(red_steps * real.to(gl.int32)):
+        slot = it % STAGES
+        mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+        a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
+        # A fresh product (the registers of the last one, promoted already), this warp group's rows.
+        prod = warpgroup_mma(
+            a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
+        )
+        # The next step's scales, a step ahead of their use (their latency behind the MMAs).
+        next0, next1 = _step_scales(
+            sa_ptrs, sb_ptr, sb_hi_ptr, step + 1, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES
+        )
+        prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+        if HALVES == 1:
+            _release(empty, it, STAGES)
+        # Beside the other warp group's MMA.
+        acc0 = promote(acc0, prod, scale0, True)
+        if HALVES == 2:
+            if hi_ok:  # the second half holds columns below COLS
+                prod = warpgroup_mma(
+                    a_rows,
+                    b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
+                    prod,
+                    use_acc=False,
+                    is_async=True,
+                )
+                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                acc1 = promote(acc1, prod, scale1, True)
+            _release(empty, it, STAGES)
+            scale1 = next1
+        scale0 = next0
+        it += 1
+    return acc0, acc1, it
+
+
+@gluon.jit
 def _math_partition(
     a_scale_ptr,
     b_scale_ptr,
@@ -337,48 +431,13 @@ def _math_partition(
         # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
         # accumulator's columns lie in one weight scale block: one weight scale a step each.
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
-        sa_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_asm
         sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
-        prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         hi_ok = real & (c0 + SUB < COLS)
-        scale0, scale1 = _step_scales(
-            sa_ptrs, sb_ptr, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
-        )
-        if HALVES == 2:
-            acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        for step in range(red_steps * real.to(gl.int32)):
-            slot = it % STAGES
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
-            # A fresh product (the registers of the last one, promoted already), this warp group's rows.
-            prod = warpgroup_mma(
-                a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
-            )
-            # The next step's scales, a step ahead of their use (their latency behind the MMAs).
-            next0, next1 = _step_scales(
-                sa_ptrs, sb_ptr, step + 1, red_steps, mask_sa, real, hi_ok, stride_bs_red, stride_bs_col, HALVES
-            )
-            prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-            if HALVES == 1:
-                _release(empty, it, STAGES)
-            # Beside the other warp group's MMA.
-            acc0 = promote(acc0, prod, scale0, True)
-            if HALVES == 2:
-                if hi_ok:  # the second half holds columns below COLS
-                    prod = warpgroup_mma(
-                        a_rows,
-                        b_bufs.index(slot).slice(SUB, SUB, dim=0).permute((1, 0)),
-                        prod,
-                        use_acc=False,
-                        is_async=True,
-                    )
-                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-                    acc1 = promote(acc1, prod, scale1, True)
-                _release(empty, it, STAGES)
-                scale1 = next1
-            scale0 = next0
-            it += 1
+        acc0, acc1, it = _main_loop(
+            a_bufs, b_bufs, ready, empty, it, a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr,
+            sb_ptr + stride_bs_col, mask_sa, real, hi_ok, red_steps, stride_bs_red, HALF, ROWS, SUB, HALVES, STAGES,
+            mma_layout,
+        )  # fmt: skip
 
         _epilogue_part(
             acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
@@ -552,12 +611,264 @@ def grouped_mm_fp8_block_ws_kernel(
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,
+                    0,
                 ),
             ),
         ],
         [4, 1],
         [MATH_REGS, LOAD_REGS],
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# fc1 with the gated activation and both rowwise quantizations in its epilogue
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _quantized_block(v, r64, mask_m, data_ptr, scale_ptr, stride_data, stride_scale, col0, offs_j):
+    """fp8_block's rowwise form of v (ROWS, 128) fp32, the columns col0 + [0, 128) of its tensor (col0 a
+    multiple of 128: one 1 x 128 block a row): the scale_inv at scale[r, col0 / 128] and the E4M3 bytes,
+    for the rows r64 where mask_m. `group_quantize`'s bytes (the block maxima with NaN read as inf,
+    `fp32_scales`, `e4m3_tile` with its NaN fix-up)."""
+    amax = gl.max(abs_for_amax(v), axis=1)
+    scale, scale_inv = fp32_scales(amax)
+    gl.store(scale_ptr + r64 * stride_scale + col0 // 128, scale_inv, mask=mask_m)
+    q = e4m3_tile(v, gl.expand_dims(scale, 1), True, True)
+    ptrs = data_ptr + gl.expand_dims(r64 * stride_data, 1) + gl.expand_dims(col0 + offs_j, 0)
+    gl.store(ptrs, q, mask=gl.expand_dims(mask_m, 1))
+
+
+@gluon.jit
+def _glu_epilogue(
+    acc_g,
+    acc_u,
+    real,
+    g,
+    N,
+    offs_m,
+    c0,
+    gate_col,
+    row_lo,
+    row_hi,
+    bias_ptr,
+    probs_ptr,
+    a_data_ptr,
+    a_scale_ptr,
+    h_data_ptr,
+    h_scale_ptr,
+    F,
+    stride_bias_g,
+    stride_a_scale,
+    stride_h_scale,
+    h_ty: gl.constexpr,
+    ACT: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    cols_layout: gl.constexpr,
+):
+    """One warp group's rows of a gated tile: the gate and up accumulators of activation columns c0 +
+    [0, 128) (h's columns gate_col + [0, 128) and GLU_BLOCK further) made into h's values as the plain
+    epilogue makes them (padding tiles zeros, the bias, h's dtype), then `gated_quantize_kernel`'s
+    outputs from those values: h's rowwise form (two blocks; h is its own held form: no clamps) and
+    a = ACT(gate, up) (* probs) rounded to h's dtype, quantized rowwise. Stored for the rows of the
+    tile's group (on padding tiles the padding rows: zeros, scale 1). h itself is never written."""
+    SUB: gl.constexpr = acc_g.shape[1]
+    offs_j = gl.arange(0, SUB, layout=cols_layout)
+    mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+    r64 = offs_m.to(gl.int64)
+    acc_g = gl.where(real, acc_g, 0.0)
+    acc_u = gl.where(real, acc_u, 0.0)
+    if HAS_BIAS:
+        all_c = offs_j < SUB
+        acc_g = with_bias(
+            acc_g, bias_ptr, bias_ptr, g, N, offs_m, gate_col + offs_j, mask_m, all_c, stride_bias_g, False
+        )
+        acc_u = with_bias(
+            acc_u, bias_ptr, bias_ptr, g, N, offs_m, gate_col + GLU_BLOCK + offs_j, mask_m, all_c, stride_bias_g, False
+        )
+    gate = acc_g.to(h_ty).to(gl.float32)
+    up = acc_u.to(h_ty).to(gl.float32)
+    _quantized_block(gate, r64, mask_m, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col, offs_j)
+    _quantized_block(up, r64, mask_m, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col + GLU_BLOCK, offs_j)
+    out = ACT(gate, up)
+    live = mask_m & real
+    if HAS_PROBS:
+        out = out * gl.expand_dims(gl.load(probs_ptr + r64, mask=live, other=0.0).to(gl.float32), 1)
+    out = gl.where(gl.expand_dims(live, 1), out.to(h_ty).to(gl.float32), 0.0)
+    _quantized_block(out, r64, mask_m, a_data_ptr, a_scale_ptr, F, stride_a_scale, c0, offs_j)
+
+
+@gluon.jit
+def _glu_math_partition(
+    x_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    a_data_ptr,
+    a_scale_ptr,
+    h_data_ptr,
+    h_scale_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_bias_g,
+    stride_xsm,
+    stride_wsg,
+    stride_ws_red,
+    stride_ws_col,
+    stride_a_scale,
+    stride_h_scale,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    h_ty: gl.constexpr,
+    ACT: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One warp group of the gated kernel: `_main_loop` over tiles of BLOCK_C / 2 activation columns (the
+    ring's gate half and up half of the weight rows, one weight scale block each), then `_glu_epilogue`."""
+    SUB: gl.constexpr = BLOCK_C // 2
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, SUB
+    )
+    ROWS: gl.constexpr = BLOCK_M // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 32]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    red_steps = gl.cdiv(H, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SUB, GROUP_M
+        )
+        real = g < N
+        offs_m = row0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+        mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
+        gate_col = glu_weight_rows(c0, GLU_BLOCK)
+        sb_ptr = w_scale_ptr + g.to(gl.int64) * stride_wsg + (gate_col // BLOCK_RED) * stride_ws_col
+        acc_g, acc_u, it = _main_loop(
+            a_bufs, b_bufs, ready, empty, it, x_scale_ptr + offs_m.to(gl.int64) * stride_xsm, sb_ptr,
+            sb_ptr + (GLU_BLOCK // BLOCK_RED) * stride_ws_col, mask_sa, real, real, red_steps, stride_ws_red, HALF,
+            ROWS, SUB, 2, STAGES, mma_layout,
+        )  # fmt: skip
+        _glu_epilogue(
+            acc_g, acc_u, real, g, N, offs_m, c0, gate_col, row_lo, row_hi, bias_ptr, probs_ptr, a_data_ptr,
+            a_scale_ptr, h_data_ptr, h_scale_ptr, F, stride_bias_g, stride_a_scale, stride_h_scale, h_ty, ACT,
+            GLU_BLOCK, HAS_BIAS, HAS_PROBS, cols_layout,
+        )  # fmt: skip
+
+
+@gluon.jit
+def grouped_glu_fp8_block_ws_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    probs_ptr,
+    offs_ptr,
+    a_data_ptr,
+    a_scale_ptr,
+    h_data_ptr,
+    h_scale_ptr,
+    M,
+    F,
+    H,
+    N,
+    stride_xm,
+    stride_wr,
+    stride_bias_g,
+    stride_xsm,
+    stride_wsg,
+    stride_ws_red,
+    stride_ws_col,
+    stride_a_scale,
+    stride_h_scale,
+    h_ty: gl.constexpr,
+    ACT: gl.constexpr,
+    GLU_BLOCK: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_PROBS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """fc1 of the quantized MLP with the gated activation and both rowwise quantizations in its epilogue:
+    h = dequant(x) @ dequant(w1[g])^T (+ b1[g]) as `grouped_mm_fp8_block_ws_kernel` computes it (its main
+    loop: the same fp32 values), then, h never written, `gated_quantize_kernel`'s outputs from h's values:
+    a = ACT(gate(h), up(h)) (* probs) in h's dtype quantized rowwise into a_data (M, F) / a_scale (M,
+    F / 128), and h (its own held form) quantized rowwise into h_data (M, 2F) / h_scale (M, 2F / 128). The
+    same bytes as that GEMM followed by `gated_quantize_kernel`; rows past offs[N] zeros with scale 1.
+
+    x: (M, H) float8 with fp8_block scales (x_scale[r, j] at r * stride_xsm + j); w: (N, 2F, H) float8,
+    contiguous (row stride stride_wr), gates and ups in GLU blocks of GLU_BLOCK rows (a multiple of 128;
+    F for [gate | up]), scales of w[g]'s block (row // 128, j) at g * stride_wsg + j * stride_ws_red +
+    (row // 128) * stride_ws_col. bias (N, 2F) in h_ty (row stride stride_bias_g); probs (M,). a_data /
+    h_data as bytes (uint8 views), row-major; the scales fp32, row strides stride_a_scale /
+    stride_h_scale. A tile is 128 rows by 128 activation columns, whose 128 gate rows and 128 up rows of
+    the weight (each one weight scale block) are the ring's 256-row box: the two accumulators of
+    `_math_partition`'s 256-column tile are the gate and the up of the same columns. Configuration as
+    `grouped_mm_fp8_block_ws_kernel`'s with BLOCK_C = 256; no output staging tiles are used."""
+    gl.static_assert(BLOCK_C == 2 * BLOCK_RED, "a tile's gate rows and up rows are one weight scale block each")
+    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
+    gl.static_assert(GLU_BLOCK % BLOCK_RED == 0, "GLU blocks of whole weight scale blocks")
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
+        x_ptr.dtype.element_ty, gl.uint8, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
+    )
+    gl.warp_specialize(
+        [
+            (
+                _glu_math_partition,
+                (
+                    x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
+                    h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
+                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, ready, empty, 0, h_ty, ACT, GLU_BLOCK, HAS_BIAS,
+                    HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                ),
+            ),
+            (
+                _glu_math_partition,
+                (
+                    x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
+                    h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
+                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, ready, empty, 1, h_ty, ACT, GLU_BLOCK, HAS_BIAS,
+                    HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    x_ptr, w_ptr, offs_ptr, M, F, H, N, stride_xm, stride_wr, a_bufs, b_bufs, ready, empty, BLOCK_M,
+                    BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, GLU_BLOCK,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -225,6 +225,40 @@ class QuantizedGemm(Protocol):
         offs.rows rows (`moekit.ops.runtime.quantize_torch.segment_transposed`)."""
 
 
+@runtime_checkable
+class QuantizedGatedFc1(Protocol):
+    """fc1 of the quantized MLP in one kernel: its FP8 GEMM with the gated activation and the rowwise
+    quantizations of the activation and of h in the epilogue, h never written
+    (`moekit.ops.runtime.quantized_gemm.quantized_glu_forward_into` for the contract: the bytes of the FP8
+    forward followed by the gated quantize pass)."""
+
+    def quantized_gated_fc1_unavailable_reason(
+        self, recipe: str, x: torch.Tensor, ffn: int, glu_block: int, gate_limit: float, up_limit: float
+    ) -> str | None:
+        """Why this backend cannot run fc1 this way for input x (M, H) (its dtype is h's), F = ffn in GLU
+        blocks of glu_block, the activation's clamps; None if it can."""
+
+    def quantized_gated_fc1_into(
+        self,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: torch.Tensor,
+        bias_N2F: torch.Tensor | None,
+        probs_M: torch.Tensor | None,
+        glu_block: int,
+        activation: str,
+        dtype: torch.dtype,
+        a_data: torch.Tensor,
+        a_scale: torch.Tensor,
+        h_data: torch.Tensor,
+        h_scale: torch.Tensor,
+    ) -> None:
+        """The rowwise forms of a = ACT(gate(h), up(h)) (* probs) and of h = Q(x) Q(w1)^T (+ b1) into the
+        given storage."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Group bookkeeping of the torch paths
 # --------------------------------------------------------------------------------------------------
@@ -605,6 +639,39 @@ class TritonBackend:
             segmented_rows=offs.rows if segmented else None,
         )
 
+    # The QuantizedGatedFc1 capability: fc1's Gluon fp8_block kernel with the gated epilogue (Hopper).
+    def quantized_gated_fc1_unavailable_reason(
+        self, recipe: str, x: torch.Tensor, ffn: int, glu_block: int, gate_limit: float, up_limit: float
+    ) -> str | None:
+        runtime = triton_runtime()
+        if runtime is None:
+            return "triton cannot be imported (pip install triton)"
+        return runtime.quantized_gemm.fp8_glu_unavailable_reason(
+            recipe, x.device, x.dtype, x.shape[-1], ffn, glu_block, gate_limit, up_limit
+        )
+
+    def quantized_gated_fc1_into(
+        self,
+        x_data: torch.Tensor,
+        x_scale: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        offs: torch.Tensor,
+        bias_N2F: torch.Tensor | None,
+        probs_M: torch.Tensor | None,
+        glu_block: int,
+        activation: str,
+        dtype: torch.dtype,
+        a_data: torch.Tensor,
+        a_scale: torch.Tensor,
+        h_data: torch.Tensor,
+        h_scale: torch.Tensor,
+    ) -> None:
+        _runtime().quantized_gemm.quantized_glu_forward_into(
+            x_data, x_scale, w_data, w_scale, offs, bias_N2F, probs_M, glu_block, activation, dtype, a_data, a_scale,
+            h_data, h_scale,
+        )  # fmt: skip
+
 
 def gather_sum_rows(
     src_SD: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, use_triton: bool
@@ -814,6 +881,11 @@ def quantized_gemm_of(backend: GemmBackend) -> QuantizedGemm | None:
     """The backend's QuantizedGemm capability (FP8 compute of the quantized paths), or None where it has
     none (the loop and torch backends: their quantized products take the reference path)."""
     return backend if isinstance(backend, QuantizedGemm) else None
+
+
+def quantized_gated_fc1_of(backend: GemmBackend) -> QuantizedGatedFc1 | None:
+    """The backend's QuantizedGatedFc1 capability, or None where it has none."""
+    return backend if isinstance(backend, QuantizedGatedFc1) else None
 
 
 def fused_mlp_of(backend: GemmBackend) -> FusedMLP | None:

@@ -49,10 +49,15 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
-from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel, grouped_wgrad_fp8_block_ws_kernel
+from moekit.ops.kernels.grouped_gemm_fp8_hopper import (
+    grouped_glu_fp8_block_ws_kernel,
+    grouped_mm_fp8_block_ws_kernel,
+    grouped_wgrad_fp8_block_ws_kernel,
+)
 from moekit.ops.kernels.grouped_wgrad_fp8 import (
     grouped_wgrad_fp8_block_kernel,
     grouped_wgrad_fp8_kernel,
@@ -71,6 +76,7 @@ from moekit.ops.runtime.configs import (
 )
 from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.runtime.gemm import check_bias, check_offs, mm_schedule
+from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -419,6 +425,127 @@ def quantized_gemm_dgrad(
     docstring). Other arguments as `quantized_gemm_forward`'s.
     """
     return _mm("dgrad", recipe, dy_data, dy_scale, wt_data, wt_scale, offs, out_dtype, None, None, cfg, use_tma)
+
+
+# --------------------------------------------------------------------------------------------------
+# fc1 with the gated activation and both rowwise quantizations in its epilogue (kernels'
+# grouped_glu_fp8_block_ws_kernel)
+# --------------------------------------------------------------------------------------------------
+
+_GLU_FP8_BLOCK_WS = Launcher(grouped_glu_fp8_block_ws_kernel)
+_H_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def fp8_glu_unavailable_reason(
+    recipe: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden: int,
+    ffn: int,
+    glu_block: int,
+    gate_limit: float,
+    up_limit: float,
+) -> str | None:
+    """Why `quantized_glu_forward_into` cannot run fc1 of this MLP (x (M, hidden) in `dtype`, h (M, 2 *
+    ffn) in GLU blocks of glu_block, the activation's clamps gate_limit / up_limit, 0 for none); None if
+    it can. It is the Gluon fp8_block kernel's (sm_90, not the interpreter) with a gated epilogue that
+    holds the 128 gate and 128 up columns of each 1 x 128 scale block of a and of h: fp8_block, GLU
+    blocks of whole 128-column blocks, h its own held form (no clamps), x's FP8 rows TMA-aligned, a
+    16-bit h."""
+    if recipe != "fp8_block":
+        return f"the gated FP8 epilogue computes fp8_block, not {recipe!r}"
+    if device.type != "cuda" or INTERPRET or cuda_capability(device) != (9, 0):
+        return "the gated FP8 epilogue is a Gluon kernel of sm_90 (Hopper)"
+    if dtype not in _H_TYPES:
+        return f"the gated FP8 epilogue writes h's values in bfloat16 or float16, not {dtype}"
+    if glu_block % FP8_BLOCK_RED:
+        return f"GLU blocks of {glu_block} columns (F = {ffn}) cut across fp8_block's {FP8_BLOCK_RED}-column blocks"
+    if gate_limit or up_limit:
+        return "a clamped activation holds h in a clamped form, which the epilogue does not make"
+    if hidden == 0 or hidden % 16:
+        return f"x's FP8 rows of {hidden} bytes are not a TMA operand (a positive multiple of 16)"
+    return None
+
+
+def _glu_launch(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, probs: torch.Tensor | None, glu_block: int,
+    activation: str, dtype: torch.dtype, a_scale: torch.Tensor, h_scale: torch.Tensor,
+) -> LaunchPlan:  # fmt: skip
+    """grouped_glu_fp8_block_ws_kernel for x (M, H) FP8 rows, a contiguous w (N, 2F, H), contiguous
+    fp8_block scales and fresh outputs; tensors as `quantized_glu_forward_into` passes them."""
+    M, H = x.shape
+    N, F = w.shape[0], w.shape[1] // 2
+    cfg = FP8_BLOCK_WS
+    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(F, cfg["BLOCK_C"] // 2)
+    nprog = grid_size(x.device, bound)
+    col_blocks, red_blocks = 2 * F // FP8_BLOCK_RED, triton.cdiv(H, FP8_BLOCK_RED)
+    ints: tuple[int, ...] = (M, F, H, N, x.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0)
+    ints += (red_blocks, col_blocks * red_blocks, 1, red_blocks, a_scale.stride(0), h_scale.stride(0))
+    return LaunchPlan(
+        _GLU_FP8_BLOCK_WS,
+        (nprog,),
+        ints,
+        dict(
+            h_ty=_H_TYPES[dtype],
+            ACT=jit_pair(activation)["ACT"],
+            GLU_BLOCK=glu_block,
+            HAS_BIAS=bias is not None,
+            HAS_PROBS=probs is not None,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            STAGES=FP8_BLOCK_WS_STAGES[2],
+            **cfg,
+        ),
+    )
+
+
+def quantized_glu_forward_into(
+    x_data: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    bias_N2F: torch.Tensor | None,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    dtype: torch.dtype,
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+) -> None:
+    """fc1 of the quantized MLP, fp8_block, with its gated activation and both rowwise quantizations in
+    the epilogue, h never written: into a_data (M, F) / a_scale (M, F / 128) the rowwise form of a =
+    ACT(gate(h), up(h)) (* probs) in h's dtype, into h_data (M, 2F) / h_scale (M, 2F / 128) the rowwise
+    form of h = Q(x) Q(w1)^T (+ b1); the bytes of `quantized_gemm_forward` followed by
+    `moekit.ops.runtime.gated.gated_quantize_into`. x_data (M, H) / x_scale: x's rowwise quantization;
+    w_data (N, 2F, H) / w_scale: fc1's; offs (N + 1,) device offsets (rows past offs[N]: zeros, scale 1);
+    bias (N, 2F) in `dtype` (h's, x's before quantization) and the storage as those functions take
+    them; the problem one that `fp8_glu_unavailable_reason` accepts (checked arguments: the quantized
+    MLP's). Scales with unit column stride, the weight's contiguous."""
+    M = x_data.shape[0]
+    N, F = w_data.shape[0], w_data.shape[1] // 2
+    if M == 0 or F == 0:
+        return
+    if N == 0:  # every row is padding
+        for data, scale in ((a_data, a_scale), (h_data, h_scale)):
+            data.view(torch.uint8).zero_()
+            scale.fill_(1.0)
+        return
+    key = (tensor_key(x_data), tensor_key(w_data), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
+    key += (tensor_key(a_scale), tensor_key(h_scale), glu_block, activation, dtype)
+    plan = plan_launch(
+        "grouped_glu_fp8",
+        key,
+        lambda: _glu_launch(x_data, w_data, bias_N2F, probs_M, glu_block, activation, dtype, a_scale, h_scale),
+    )
+    with device_ctx(x_data.device):
+        plan(
+            x_data, x_scale, w_data, w_scale, bias_N2F if bias_N2F is not None else x_scale,
+            probs_M if probs_M is not None else x_scale, offs, a_data.view(torch.uint8), a_scale,
+            h_data.view(torch.uint8), h_scale,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
