@@ -454,8 +454,6 @@ def fp8_glu_unavailable_reason(
     16-bit h."""
     if recipe != "fp8_block":
         return f"the gated FP8 epilogue computes fp8_block, not {recipe!r}"
-    if device.type != "cuda" or INTERPRET or cuda_capability(device) != (9, 0):
-        return "the gated FP8 epilogue is a Gluon kernel of sm_90 (Hopper)"
     if dtype not in _H_TYPES:
         return f"the gated FP8 epilogue writes h's values in bfloat16 or float16, not {dtype}"
     if glu_block % FP8_BLOCK_RED:
@@ -464,6 +462,8 @@ def fp8_glu_unavailable_reason(
         return "a clamped activation holds h in a clamped form, which the epilogue does not make"
     if hidden == 0 or hidden % 16:
         return f"x's FP8 rows of {hidden} bytes are not a TMA operand (a positive multiple of 16)"
+    if device.type != "cuda" or INTERPRET or cuda_capability(device) != (9, 0):
+        return "the gated FP8 epilogue is a Gluon kernel of sm_90 (Hopper)"
     return None
 
 
