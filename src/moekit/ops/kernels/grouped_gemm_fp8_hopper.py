@@ -626,17 +626,32 @@ def grouped_mm_fp8_block_ws_kernel(
 
 
 @gluon.jit
-def _quantized_block(v, r64, mask_m, data_ptr, scale_ptr, stride_data, stride_scale, col0, offs_j):
+def _quantized_block(
+    v, offs_m, rows0, mask_m, data_ptr, scale_ptr, stride_data, stride_scale, col0, row_lo, row_hi, c_smem
+):
     """fp8_block's rowwise form of v (ROWS, 128) fp32, the columns col0 + [0, 128) of its tensor (col0 a
     multiple of 128: one 1 x 128 block a row): the scale_inv at scale[r, col0 / 128] and the E4M3 bytes,
-    for the rows r64 where mask_m. `group_quantize`'s bytes (the block maxima with NaN read as inf,
-    `fp32_scales`, `e4m3_tile` with its NaN fix-up)."""
+    for the rows of [row_lo, row_hi) (v's rows: offs_m = rows0 + [0, ROWS); mask_m those in range).
+    `group_quantize`'s bytes (the block maxima with NaN read as inf, `fp32_scales`, `e4m3_tile` with its
+    NaN fix-up). The bytes leave through the warp group's staging tile c_smem: written in the
+    accumulator's layout, read back 16 consecutive bytes a thread and stored as 16-byte vectors (stored
+    straight from the accumulator's layout they are single bytes, eight rows apart in each warp's store)."""
+    ROWS: gl.constexpr = v.shape[0]
+    SUB: gl.constexpr = v.shape[1]
     amax = gl.max(abs_for_amax(v), axis=1)
     scale, scale_inv = fp32_scales(amax)
-    gl.store(scale_ptr + r64 * stride_scale + col0 // 128, scale_inv, mask=mask_m)
+    gl.store(scale_ptr + offs_m.to(gl.int64) * stride_scale + col0 // 128, scale_inv, mask=mask_m)
     q = e4m3_tile(v, gl.expand_dims(scale, 1), True, True)
-    ptrs = data_ptr + gl.expand_dims(r64 * stride_data, 1) + gl.expand_dims(col0 + offs_j, 0)
-    gl.store(ptrs, q, mask=gl.expand_dims(mask_m, 1))
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // SUB, SUB // 16], [gl.num_warps(), 1], [1, 0])
+    gl.thread_barrier()  # every warp is past its reads of the staging tile's last use
+    c_smem.store(q)
+    gl.thread_barrier()
+    qb = c_smem.load(store_layout)
+    rows = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+    # col0 is a multiple of 128 (the docstring's contract): 16-byte runs from 16-byte aligned columns.
+    cols = gl.max_contiguous(gl.multiple_of(col0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, store_layout)), 16), 16)
+    ptrs = data_ptr + gl.expand_dims(rows.to(gl.int64) * stride_data, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, qb, mask=gl.expand_dims((rows >= row_lo) & (rows < row_hi), 1))
 
 
 @gluon.jit
@@ -647,6 +662,7 @@ def _glu_epilogue(
     g,
     N,
     offs_m,
+    rows0,
     c0,
     gate_col,
     row_lo,
@@ -661,6 +677,7 @@ def _glu_epilogue(
     stride_bias_g,
     stride_a_scale,
     stride_h_scale,
+    c_smem,
     h_ty: gl.constexpr,
     ACT: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
@@ -677,7 +694,8 @@ def _glu_epilogue(
     SUB: gl.constexpr = acc_g.shape[1]
     offs_j = gl.arange(0, SUB, layout=cols_layout)
     mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-    r64 = offs_m.to(gl.int64)
+    rows = (offs_m, rows0, mask_m)
+    tile = (row_lo, row_hi, c_smem)
     acc_g = gl.where(real, acc_g, 0.0)
     acc_u = gl.where(real, acc_u, 0.0)
     if HAS_BIAS:
@@ -690,14 +708,14 @@ def _glu_epilogue(
         )
     gate = acc_g.to(h_ty).to(gl.float32)
     up = acc_u.to(h_ty).to(gl.float32)
-    _quantized_block(gate, r64, mask_m, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col, offs_j)
-    _quantized_block(up, r64, mask_m, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col + GLU_BLOCK, offs_j)
+    _quantized_block(gate, *rows, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col, *tile)
+    _quantized_block(up, *rows, h_data_ptr, h_scale_ptr, 2 * F, stride_h_scale, gate_col + GLU_BLOCK, *tile)
     out = ACT(gate, up)
     live = mask_m & real
     if HAS_PROBS:
-        out = out * gl.expand_dims(gl.load(probs_ptr + r64, mask=live, other=0.0).to(gl.float32), 1)
+        out = out * gl.expand_dims(gl.load(probs_ptr + offs_m.to(gl.int64), mask=live, other=0.0).to(gl.float32), 1)
     out = gl.where(gl.expand_dims(live, 1), out.to(h_ty).to(gl.float32), 0.0)
-    _quantized_block(out, r64, mask_m, a_data_ptr, a_scale_ptr, F, stride_a_scale, c0, offs_j)
+    _quantized_block(out, *rows, a_data_ptr, a_scale_ptr, F, stride_a_scale, c0, *tile)
 
 
 @gluon.jit
@@ -724,6 +742,7 @@ def _glu_math_partition(
     stride_h_scale,
     a_bufs,
     b_bufs,
+    c_smem,
     ready,
     empty,
     HALF: gl.constexpr,
@@ -759,7 +778,8 @@ def _glu_math_partition(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SUB, GROUP_M
         )
         real = g < N
-        offs_m = row0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+        rows0 = row0 + HALF * ROWS
+        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
         gate_col = glu_weight_rows(c0, GLU_BLOCK)
         sb_ptr = w_scale_ptr + g.to(gl.int64) * stride_wsg + (gate_col // BLOCK_RED) * stride_ws_col
@@ -769,8 +789,8 @@ def _glu_math_partition(
             ROWS, SUB, 2, STAGES, mma_layout,
         )  # fmt: skip
         _glu_epilogue(
-            acc_g, acc_u, real, g, N, offs_m, c0, gate_col, row_lo, row_hi, bias_ptr, probs_ptr, a_data_ptr,
-            a_scale_ptr, h_data_ptr, h_scale_ptr, F, stride_bias_g, stride_a_scale, stride_h_scale, h_ty, ACT,
+            acc_g, acc_u, real, g, N, offs_m, rows0, c0, gate_col, row_lo, row_hi, bias_ptr, probs_ptr, a_data_ptr,
+            a_scale_ptr, h_data_ptr, h_scale_ptr, F, stride_bias_g, stride_a_scale, stride_h_scale, c_smem, h_ty, ACT,
             GLU_BLOCK, HAS_BIAS, HAS_PROBS, cols_layout,
         )  # fmt: skip
 
@@ -831,7 +851,8 @@ def grouped_glu_fp8_block_ws_kernel(
     stride_h_scale. A tile is 128 rows by 128 activation columns, whose 128 gate rows and 128 up rows of
     the weight (each one weight scale block) are the ring's 256-row box: the two accumulators of
     `_math_partition`'s 256-column tile are the gate and the up of the same columns. Configuration as
-    `grouped_mm_fp8_block_ws_kernel`'s with BLOCK_C = 256; no output staging tiles are used."""
+    `grouped_mm_fp8_block_ws_kernel`'s with BLOCK_C = 256; each math warp group's staging tile carries its
+    FP8 bytes into 16-byte stores."""
     gl.static_assert(BLOCK_C == 2 * BLOCK_RED, "a tile's gate rows and up rows are one weight scale block each")
     gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
     gl.static_assert(GLU_BLOCK % BLOCK_RED == 0, "GLU blocks of whole weight scale blocks")
@@ -845,8 +866,8 @@ def grouped_glu_fp8_block_ws_kernel(
                 (
                     x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
                     h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
-                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, ready, empty, 0, h_ty, ACT, GLU_BLOCK, HAS_BIAS,
-                    HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, c0_smem, ready, empty, 0, h_ty, ACT, GLU_BLOCK,
+                    HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
                 ),
             ),
             (
@@ -854,8 +875,8 @@ def grouped_glu_fp8_block_ws_kernel(
                 (
                     x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
                     h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
-                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, ready, empty, 1, h_ty, ACT, GLU_BLOCK, HAS_BIAS,
-                    HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, c1_smem, ready, empty, 1, h_ty, ACT, GLU_BLOCK,
+                    HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
                 ),
             ),
             (
