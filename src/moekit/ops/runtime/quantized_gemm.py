@@ -69,6 +69,7 @@ from moekit.ops.runtime.configs import (
     FP8_BLOCK_WGRAD_WS_STAGES,
     FP8_BLOCK_WS,
     FP8_BLOCK_WS_STAGES,
+    GATED_FC1_EPILOGUE,
     TRANSPOSE_TILES,
     GemmConfig,
     fp8_gemm_candidates,
@@ -451,7 +452,9 @@ def fp8_glu_unavailable_reason(
     it can. It is the Gluon fp8_block kernel's (sm_90, not the interpreter) with a gated epilogue that
     holds the 128 gate and 128 up columns of each 1 x 128 scale block of a and of h: fp8_block, GLU
     blocks of whole 128-column blocks, h its own held form (no clamps), x's FP8 rows TMA-aligned, a
-    16-bit h."""
+    16-bit h; and `configs.GATED_FC1_EPILOGUE` choosing it over the GEMM and the gated pass apart for
+    the architecture (the same bytes either way; off on sm90, where it was measured slower).
+    `quantized_glu_forward_into` itself runs wherever the kernel can (tests call it directly)."""
     if recipe != "fp8_block":
         return f"the gated FP8 epilogue computes fp8_block, not {recipe!r}"
     if dtype not in _H_TYPES:
@@ -464,6 +467,10 @@ def fp8_glu_unavailable_reason(
         return f"x's FP8 rows of {hidden} bytes are not a TMA operand (a positive multiple of 16)"
     if device.type != "cuda" or INTERPRET or cuda_capability(device) != (9, 0):
         return "the gated FP8 epilogue is a Gluon kernel of sm_90 (Hopper)"
+    if not GATED_FC1_EPILOGUE.get(arch_of(device), False):
+        return (
+            f"configs.GATED_FC1_EPILOGUE keeps fc1's GEMM and the gated pass apart on {arch_of(device)} (faster there)"
+        )
     return None
 
 
