@@ -46,9 +46,10 @@ quantizer (`dequantize_with`) gives h' as an (M, 2F) tensor of the backward, the
 forward, where the gated kernel runs and the recipe's scale blocks fit the GLU layout (fp8_block and
 mxfp8; `spec.gated_quantize`) and h is held, node 1 makes Q(a) and Q(held h) in one pass over h
 (`group_quantize_gated`): neither a nor the held form exists in h's dtype, and h does not cross the
-node boundary (node 2 gets the FP8 forms and a carrier for h's gradient: where an fc1 GEMM epilogue
-writing them would go). Elsewhere node 2 runs the activation, then `group_quantize` of held h and of
-a: the same bytes.
+node boundary (node 2 gets the FP8 forms and a carrier for h's gradient). Where the backend's
+`QuantizedGatedFc1` takes the problem (`spec.fc1_gated_epilogue`: fp8_block on Hopper, when the config
+table chooses it), fc1's GEMM writes both forms in its epilogue and h is never written at all.
+Elsewhere node 2 runs the activation, then `group_quantize` of held h and of a: the same bytes.
 
 Every product keeps grouped_linear's choice of path (`fp8_compute`, `fp8_wgrad_compute`: FP8 kernels
 where the backend has them, the reference path otherwise; the FP8 wgrad's columnwise operands Qc made in
@@ -187,7 +188,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
     decides), h's gradient carrier (an (M, 2F) view of one element: node 2 reads nothing of it and returns
     h's gradient for it) and the rowwise data and scales of Q(a) and Q(held h), which node 2 takes as
     they are (not differentiable); otherwise h itself and four Nones. h never crosses to node 2 in the
-    first case, which is where an fc1 epilogue writing the FP8 forms itself fits."""
+    first case; with `spec.fc1_gated_epilogue` the GEMM writes the FP8 forms itself (h never exists)."""
 
     @staticmethod
     def forward(
