@@ -3,8 +3,9 @@ at the README's four MLP shapes (`--op mlp`), or moe_experts forward+backward at
 layer shapes (`--op layer`), balanced and skewed, each build in its own processes, alternating (A, B,
 A, B, ...), so that a change is timed against the code it replaces on one machine.
 
-For each build and cell: the CUDA time of every kernel (torch.profiler, median over the profiled
-steps, and calls per step), the whole step's time (CUDA events, median), and a hash of the output and
+For each build and cell: the CUDA time of every kernel either build launches (torch.profiler, the
+median call and a step's share: median call x calls per step), the whole step's time (CUDA events,
+median), and a hash of the output and
 every gradient, so that a change meant to be bit-identical is checked to be. A build is a source
 tree holding `moekit/` (e.g. a copy of `src/` with one kernel edited); Triton's cache keys on the
 source, so the two never share binaries.
@@ -204,16 +205,23 @@ def run_build(src: Path, args: argparse.Namespace) -> dict:
 
 
 def compare(runs: dict[str, list[dict]]) -> dict:
-    """Per cell: each build's per-round times of every kernel, the B / A ratio, bit-equality."""
+    """Per cell: each build's per-round times of every kernel either build launched (`{b}_ms`: the median
+    call; `{b}_step_ms`: a step's share, the median call times the calls a step, 0 where the build does
+    not launch it), the B / A ratio of the steps' shares (where both builds launch it: a change that
+    moves work into another kernel shows as one kernel's ratio below 1 and another's appearing), and
+    bit-equality."""
     cells = {}
     for cell in runs["a"][0]:
         hashes = {r[cell]["hash"] for build in runs.values() for r in build}
+        names = dict.fromkeys(name for build in runs.values() for r in build for name in r[cell]["kernels"])
         kernels = {}
-        for name in runs["a"][0][cell]["kernels"]:
-            times = {b: [r[cell]["kernels"].get(name, {}).get("ms") for r in runs[b]] for b in runs}
-            entry = {f"{b}_ms": t for b, t in times.items()}
-            if all(t is not None for ts in times.values() for t in ts):
-                entry["b_over_a"] = statistics.mean(times["b"]) / statistics.mean(times["a"])
+        for name in names:
+            got = {b: [r[cell]["kernels"].get(name) for r in runs[b]] for b in runs}
+            entry: dict = {f"{b}_ms": [k["ms"] if k else None for k in ks] for b, ks in got.items()}
+            shares = {b: [k["ms"] * k["calls_per_step"] if k else 0.0 for k in ks] for b, ks in got.items()}
+            entry.update({f"{b}_step_ms": ts for b, ts in shares.items()})
+            if all(k is not None for ks in got.values() for k in ks):
+                entry["b_over_a"] = statistics.mean(shares["b"]) / statistics.mean(shares["a"])
             kernels[name] = entry
         steps = {b: [r[cell].get("step_ms") for r in runs[b]] for b in runs}
         step = {f"{b}_step_ms": t for b, t in steps.items()}
@@ -300,7 +308,13 @@ def main(argv=None) -> dict | None:
             if "b_over_a" in k and ("glu" in n or "grouped" in n or "wgrad" in n)
         )
         step = f"step {c['step_b_over_a']:.3f}" if "step_b_over_a" in c else ""
-        print(f"{cell:28} {'same' if c['bit_identical'] else 'DIFFER'}  {step}  B/A: {ratios}")
+        only = "  ".join(
+            f"{'+' if b == 'b' else '-'}{n[:22]} {statistics.mean(k[f'{b}_step_ms']):.3f} ms"
+            for n, k in c["kernels"].items()
+            for b, other in (("a", "b"), ("b", "a"))
+            if not any(k[f"{other}_step_ms"]) and any(k[f"{b}_step_ms"])
+        )
+        print(f"{cell:28} {'same' if c['bit_identical'] else 'DIFFER'}  {step}  B/A: {ratios}  {only}".rstrip())
     if args.out:
         runner.write_json(args.out, payload)
     return payload

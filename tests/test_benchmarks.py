@@ -418,6 +418,14 @@ def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
     same = ab.compare({"a": [run("h", 2.0), run("h", 4.0)], "b": [run("h", 2.5), run("h", 2.0)]})["cell"]
     assert same["bit_identical"] and same["kernels"]["glu_forward_kernel"]["b_over_a"] == 0.75
     assert same["kernels"]["glu_forward_kernel"]["a_ms"] == [2.0, 4.0]
+    # A kernel only build B launches is listed (A's share 0, no ratio); the ratio is of a step's share.
+    before, after = run("h", 1.0), run("h", 1.5)
+    before["cell"]["kernels"]["glu_forward_kernel"]["calls_per_step"] = 2
+    after["cell"]["kernels"]["new_kernel"] = {"ms": 0.5, "calls_per_step": 1}
+    cell = ab.compare({"a": [before], "b": [after]})["cell"]
+    assert cell["kernels"]["glu_forward_kernel"]["b_over_a"] == 0.75  # 1.5 x 1 against 1.0 x 2
+    assert cell["kernels"]["new_kernel"]["a_step_ms"] == [0.0] and cell["kernels"]["new_kernel"]["b_step_ms"] == [0.5]
+    assert "b_over_a" not in cell["kernels"]["new_kernel"]
     differ = ab.compare({"a": [run("h", 1.0)], "b": [run("other", 1.0)]})["cell"]
     assert not differ["bit_identical"]
     with pytest.raises(SystemExit):
