@@ -213,7 +213,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         glu_block = check_interleave(ffn, spec.glu_interleave_size)
         if quantizes and spec.fc1_gated_epilogue:
             # One kernel: fc1's GEMM writes the two FP8 forms itself; h is never written.
-            forms = gated_forms_storage(recipe, rows, ffn, x_MH.device, go.num_groups)
+            forms: tuple[torch.Tensor | None, ...] = gated_forms_storage(recipe, rows, ffn, x_MH.device, go.num_groups)
             library.quantized_gated_fc1_into(
                 spec.fc1_backend, x_q.rowwise_data, x_q.rowwise_scale_inv, w1_q.rowwise_data,
                 w1_q.rowwise_scale_inv, offs, b1.contiguous() if b1 is not None else None, probs_M, glu_block,

@@ -540,7 +540,7 @@ def quantized_glu_forward_into(
             data.view(torch.uint8).zero_()
             scale.fill_(1.0)
         return
-    key = (tensor_key(x_data), tensor_key(w_data), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
+    key: tuple = (tensor_key(x_data), tensor_key(w_data), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
     key += (tensor_key(a_scale), tensor_key(h_scale), glu_block, activation, dtype)
     plan = plan_launch(
         "grouped_glu_fp8",
