@@ -435,12 +435,16 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
     runner.time_rounds(timed, args.rounds, _median_of_steps(args.steps, device, grads))
     if args.kernels:
         for rec, step in timed:
+            # As before every timed step: without it the profiled backward would add its gradients to
+            # the last timed step's (one elementwise add a leaf that the timed steps never run).
+            for t in grads:
+                t.grad = None
             try:
                 rec.update(kernel_profile(step, device))
             except Exception as exc:  # the timing stands without the profile
                 rec["kernels_error"] = runner.error_reason(exc)
-            for t in grads:
-                t.grad = None
+        for t in grads:
+            t.grad = None
     base = next((r for r in records if r["column"] == "plain_bf16" and r.get("tflops")), None)
     for r in records:
         if base and r.get("tflops"):

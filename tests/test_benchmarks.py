@@ -202,7 +202,7 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
 
 def test_bench_quantized_kernels_profile_one_step_per_column(tmp_path):
     """--kernels: each timed layer column also gets one profiled step, its kernels (here the CPU's
-    operators) summed by name, largest first, and their total."""
+    operators) summed by name, largest first, and their total; the step starts without gradients."""
     extra = ("--parts", "layer", "--shapes", "smoke", "--columns", "moekit_bf16,moekit_fp8_block", "--kernels")
     payload = _run_quantized(tmp_path, *extra, "--roofs", "hbm_copy", "--rounds", "1", "--steps", "1")
     assert [r["column"] for r in payload["layer"]] == ["moekit_bf16", "moekit_fp8_block"]
@@ -211,6 +211,8 @@ def test_bench_quantized_kernels_profile_one_step_per_column(tmp_path):
         times = [k["ms"] for k in r["kernels"]]
         assert times and times == sorted(times, reverse=True) and all(k["launches"] > 0 for k in r["kernels"])
         assert r["kernel_ms"] >= sum(times) * (1 - 1e-9) > 0
+        # The profiled step starts without gradients, as every timed step: no accumulating adds.
+        assert not [k for k in r["kernels"] if k["name"] == "aten::add_"], r["kernels"]
 
 
 def test_bench_quantized_budget_skips_cells_with_the_reason(tmp_path):
