@@ -407,6 +407,8 @@ def profile_moekit(args, shape: LayerShape) -> None:
     fn = moekit_layer(args.backend)
 
     def step():
+        for t in leaves:  # as every timed step: no accumulation onto the last step's gradients
+            t.grad = None
         fn(leaves[0], leaves[1], leaves[2], ids, leaves[3]).backward(dy)
 
     step()
