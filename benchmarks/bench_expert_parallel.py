@@ -65,7 +65,13 @@ def _variants(layer, mesh, solo_mesh, tokens):
 
 
 def _module_step(module, x, d_y):
+    """One forward+backward from cleared gradients (set to None, as a training step's zero_grad and as
+    the captured graph's step): without it each step would add its gradients to the last one's."""
+    leaves = [x, *module.parameters()]
+
     def step():
+        for t in leaves:
+            t.grad = None
         module(x).backward(d_y)
 
     return step
