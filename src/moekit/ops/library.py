@@ -31,6 +31,7 @@ import torch
 from moekit.ops.runtime import backends
 from moekit.ops.runtime.backends import (
     FusedMLP,
+    QuantizedGatedFc1,
     QuantizedGemm,
     backend_named,
     fused_mlp_of,
@@ -57,6 +58,13 @@ def _quantized(backend: str) -> QuantizedGemm:
     if quantized is None:
         raise ValueError(f"backend {backend!r} has no FP8 GEMM kernels")
     return quantized
+
+
+def _gated_fc1(backend: str) -> QuantizedGatedFc1:
+    gated_fc1 = quantized_gated_fc1_of(backend_named(backend))
+    if gated_fc1 is None:
+        raise ValueError(f"backend {backend!r} has no FP8 fc1 with a gated epilogue")
+    return gated_fc1
 
 
 def _entry(op: Callable[..., Any], impl: Callable[..., _R]) -> Callable[..., _R]:
@@ -276,10 +284,7 @@ def _quantized_gated_fc1(backend: str, x_data: torch.Tensor, x_scale: torch.Tens
     """fc1's FP8 GEMM with the gated activation and the rowwise quantizations of its output and of h in
     one kernel, into the given storage (`moekit.ops.runtime.backends.QuantizedGatedFc1`); the storage is
     declared mutated, as `group_quantize_into`'s."""
-    fc1 = quantized_gated_fc1_of(backend_named(backend))
-    if fc1 is None:
-        raise ValueError(f"backend {backend!r} has no FP8 fc1 with a gated epilogue")
-    fc1.quantized_gated_fc1_into(
+    _gated_fc1(backend).quantized_gated_fc1_into(
         x_data, x_scale, w_data, w_scale, offs, bias_N2F, probs_M, glu_block, activation, dtype, a_data, a_scale,
         h_data, h_scale,
     )  # fmt: skip

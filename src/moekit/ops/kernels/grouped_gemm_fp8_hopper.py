@@ -179,10 +179,7 @@ def _load_partition(
         g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SCHED_C, GROUP_M
         )
-        if GLU_BLOCK > 0:
-            b_row = g * W_ROWS + glu_weight_rows(c0, GLU_BLOCK)
-        else:
-            b_row = g * COLS + c0
+        b_row = g * W_ROWS + (glu_weight_rows(c0, GLU_BLOCK) if GLU_BLOCK > 0 else c0)
         for step in range(red_steps * (g < N).to(gl.int32)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)

@@ -650,27 +650,12 @@ class TritonBackend:
             recipe, x.device, x.dtype, x.shape[-1], ffn, glu_block, gate_limit, up_limit
         )
 
-    def quantized_gated_fc1_into(
-        self,
-        x_data: torch.Tensor,
-        x_scale: torch.Tensor,
-        w_data: torch.Tensor,
-        w_scale: torch.Tensor,
-        offs: torch.Tensor,
-        bias_N2F: torch.Tensor | None,
-        probs_M: torch.Tensor | None,
-        glu_block: int,
-        activation: str,
-        dtype: torch.dtype,
-        a_data: torch.Tensor,
-        a_scale: torch.Tensor,
-        h_data: torch.Tensor,
-        h_scale: torch.Tensor,
-    ) -> None:
-        _runtime().quantized_gemm.quantized_glu_forward_into(
-            x_data, x_scale, w_data, w_scale, offs, bias_N2F, probs_M, glu_block, activation, dtype, a_data, a_scale,
-            h_data, h_scale,
-        )  # fmt: skip
+    @property
+    def quantized_gated_fc1_into(self) -> Callable[..., None]:
+        runtime = triton_runtime()
+        if runtime is None:
+            raise ValueError("triton cannot be imported (pip install triton)")
+        return runtime.quantized_gemm.quantized_glu_forward_into
 
 
 def gather_sum_rows(
