@@ -23,9 +23,9 @@ import moekit
 from helpers import assert_no_host_sync, rand, rel_err
 from moekit import reference
 from moekit.grouped_tensor import recipe_named, rowwise_scale_shape
-from moekit.ops import moe_experts as moe_experts_module
 from moekit.ops.glu import from_held, to_held
 from moekit.ops.quantize import QuantizedWeightCache
+from moekit.ops.rows import ExpertRoute
 from moekit.ops.runtime.backends import quantized_gemm_of, select_backend, triton_unavailable_reason
 
 RECIPES = ["fp8_block", "fp8_rowwise", "mxfp8"]
@@ -144,12 +144,11 @@ def test_moe_experts_within_the_fp8_bound(recipe, hidden, ffn, num_experts, toke
 # --------------------------------------------------------------------------------------------------
 
 
-def _held_by_layer(inputs: dict, recipe: str, backend: str, monkeypatch) -> tuple[dict, list, list, dict]:
+def _held_by_layer(inputs: dict, recipe: str, backend: str) -> tuple[dict, list, dict]:
     """({storage address: (bytes, dtype, shape)} of what one moe_experts forward saves for its backward,
     the caller's tensors and the weight caches' excluded; weak references to those tensors; the
-    (M, 2F)-shaped ones' dtypes; the leaves and y). Tensors saved inside the grouped MLP pass the layer's
-    own saved-tensor hooks first (the innermost hooks are the ones autograd calls): what those hooks keep
-    as a tensor is held, what they replace (the sorted copy of x, by a reference to x) is not."""
+    (M, 2F)-shaped ones' dtypes; the leaves and y). The quantized layer moves its rows inside its nodes
+    (an ExpertRoute: no saved-tensor hooks of its own), so every tensor it saves passes these hooks."""
     leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
     caches = (QuantizedWeightCache(), QuantizedWeightCache())
     given = {t.untyped_storage().data_ptr() for t in leaves.values()}
@@ -161,20 +160,6 @@ def _held_by_layer(inputs: dict, recipe: str, backend: str, monkeypatch) -> tupl
             held[ptr] = (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape))
             refs.append(weakref.ref(t))
 
-    inner_hooks = moe_experts_module._regathering_hooks
-
-    def counting_hooks(*args):
-        pack, unpack = inner_hooks(*args)
-
-        def counted_pack(t):
-            packed = pack(t)
-            if isinstance(packed, torch.Tensor):
-                count(packed)
-            return packed
-
-        return counted_pack, unpack
-
-    monkeypatch.setattr(moe_experts_module, "_regathering_hooks", counting_hooks)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: count(t) or t, lambda t: t):
         y = moekit.moe_experts(**leaves, quantization=recipe, backend=backend, weight_caches=caches)
     for cache in caches:  # the weights' quantizations: kept across steps, not per call
@@ -191,7 +176,7 @@ def _held_by_layer(inputs: dict, recipe: str, backend: str, monkeypatch) -> tupl
     "backend",
     ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))],
 )
-def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
+def test_quantized_layer_holds_h_in_fp8_only(recipe, backend):
     """Between forward and backward the quantized layer holds h's rowwise FP8 quantization (data and
     scales) and the routing metadata, nothing else: not x's FP8 copy (made again in the backward from
     x, which the layer holds as a reference to the caller's rows), not a, not h in x's dtype. The bound
@@ -210,7 +195,7 @@ def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
         fc1_bias=inputs["b1"].float(),
         fc2_bias=inputs["b2"].float(),
     )
-    held, refs, leaves = _held_by_layer(inputs, recipe, backend, monkeypatch)
+    held, refs, leaves = _held_by_layer(inputs, recipe, backend)
     info = recipe_named(recipe)
     scales = torch.Size(rowwise_scale_shape(info, (rows, 2 * ffn))).numel() * info.scale_dtype.itemsize
     # probs (M,) fp32; the sorted order's int64 maps: token_of_row (M, 1), copy_of_row (M, 1), row_map
@@ -235,9 +220,10 @@ def test_quantized_layer_holds_h_in_fp8_only(recipe, backend, monkeypatch):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_x_is_gathered_again_after_fp8_h_is_freed(recipe, monkeypatch):
-    """The backward's order: fc1's node gathers x's sorted rows again (moe_experts' hooks unpack them)
-    only after the activation's node has run its backward and freed FP8 h, so the two are never alive
-    together (nor x's rows with dy's quantizations)."""
+    """The backward's order: fc1's node gathers x's sorted rows again (its route's `to_rows` on the token
+    rows) only after the activation's node has run its backward and freed FP8 h, so the two are never
+    alive together (nor x's rows with dy's quantizations); and the forward never gathers x's rows in
+    x's dtype (fc1's operand is quantized from the token rows, its bytes gathered)."""
     tokens, top_k, experts, hidden, ffn = 24, 2, 3, 32, 48
     g = torch.Generator().manual_seed(2)
     leaves = dict(
@@ -248,27 +234,24 @@ def test_x_is_gathered_again_after_fp8_h_is_freed(recipe, monkeypatch):
         fc2_weight=(rand(experts, hidden, ffn, seed=3) / ffn**0.5).requires_grad_(True),
     )
     h_refs, alive_at_gather = [], []
-    inner_hooks = moe_experts_module._regathering_hooks
+    to_rows = ExpertRoute.to_rows
 
-    def watching_hooks(*args):
-        pack, unpack = inner_hooks(*args)
+    def watched_to_rows(route, t):
+        if t.untyped_storage().data_ptr() == leaves["x"].untyped_storage().data_ptr():  # x's rows
+            gc.collect()
+            alive_at_gather.append(sum(r() is not None for r in h_refs))
+        return to_rows(route, t)
 
-        def watched_pack(t):
-            if t.dtype == torch.float8_e4m3fn and tuple(t.shape) == (tokens * top_k, 2 * ffn):
-                h_refs.append(weakref.ref(t))
-            return pack(t)
+    def watched_pack(t):
+        if t.dtype == torch.float8_e4m3fn and tuple(t.shape) == (tokens * top_k, 2 * ffn):
+            h_refs.append(weakref.ref(t))
+        return t
 
-        def watched_unpack(packed):
-            if not isinstance(packed, torch.Tensor):  # x's sorted rows, about to be gathered again
-                gc.collect()
-                alive_at_gather.append(sum(r() is not None for r in h_refs))
-            return unpack(packed)
-
-        return watched_pack, watched_unpack
-
-    monkeypatch.setattr(moe_experts_module, "_regathering_hooks", watching_hooks)
-    y = moekit.moe_experts(**leaves, quantization=recipe, backend="torch")
+    monkeypatch.setattr(ExpertRoute, "to_rows", watched_to_rows)
+    with torch.autograd.graph.saved_tensors_hooks(watched_pack, lambda t: t):
+        y = moekit.moe_experts(**leaves, quantization=recipe, backend="torch")
     assert len(h_refs) == 1 and h_refs[0]() is not None  # FP8 h, held
+    assert alive_at_gather == [], "the forward gathered x's rows in x's dtype"
     y.backward(rand(tokens, hidden, seed=4))
     assert alive_at_gather == [0], f"FP8 h alive when x was gathered again: {alive_at_gather}"
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
@@ -360,6 +343,53 @@ def test_straight_through_semantics(recipe):
     moekit.grouped_linear(x.detach(), w.detach(), m_splits, b_leaf, backend="torch").backward(dy)
     assert torch.equal(b.grad, b_leaf.grad)
     assert y[65:].eq(0).all() and x.grad[65:].eq(0).all()  # padding rows
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))],
+)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layer_moves_rows_as_permute_grouped_mlp_unpermute(recipe, backend):
+    """moe_experts' quantized nodes move the rows themselves (fc1's operand quantized from the token rows,
+    its bytes gathered; y summed back in node 2): output and every gradient bit for bit the composition
+    `permute`, `grouped_mlp(quantization=...)`, `unpermute` on the same rows, with an expert left empty
+    and an odd width. The interleaved clamped activation with biases covers the held form's clamps."""
+    tokens, top_k, experts, hidden, ffn = 23, 3, 5, 40, 48
+    g = torch.Generator().manual_seed(7)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, 2] = -1.0  # expert 2 gets no token
+    inputs = dict(
+        x=rand(tokens, hidden, seed=1),
+        topk_weights=torch.rand(tokens, top_k, generator=g),
+        fc1_weight=rand(experts, 2 * ffn, hidden, seed=2) / hidden**0.5,
+        fc2_weight=rand(experts, hidden, ffn, seed=3) / ffn**0.5,
+        fc1_bias=rand(experts, 2 * ffn, seed=4),
+        fc2_bias=rand(experts, hidden, seed=5),
+    )
+    ids = scores.topk(top_k, dim=-1).indices
+    options = dict(activation="clamped_swiglu", glu_interleave_size=1, backend=backend, quantization=recipe)
+    dy = rand(tokens, hidden, seed=6)
+    results = []
+    for composed in (False, True):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        biases = dict(fc1_bias=leaves["fc1_bias"], fc2_bias=leaves["fc2_bias"])
+        if composed:
+            x_sorted, counts, row_map = moekit.permute(leaves["x"], ids, experts)
+            probs = leaves["topk_weights"].reshape(-1)[row_map.reshape(-1).argsort()]
+            y_sorted = moekit.grouped_mlp(
+                x_sorted, leaves["fc1_weight"], leaves["fc2_weight"], counts, probs=probs, **biases, **options
+            )
+            y = moekit.unpermute(y_sorted, row_map)
+        else:
+            y = moekit.moe_experts(
+                leaves["x"], ids, leaves["topk_weights"], leaves["fc1_weight"], leaves["fc2_weight"], **biases,
+                **options,
+            )  # fmt: skip
+        y.backward(dy)
+        results.append([y, *(leaves[k].grad for k in inputs)])
+    for name, a, b in zip(["out", *inputs], *results, strict=True):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum()} values differ"
 
 
 def test_quantization_is_an_argument_and_none_is_unquantized():

@@ -18,8 +18,9 @@ from test_moe_experts import _require_triton, check, make_inputs
 from helpers import assert_no_host_sync, rand
 from moekit.ops import moe_experts as moe_experts_module
 from moekit.ops.activations import ACTIVATIONS
-from moekit.ops.grouped_mlp import ExpertRoute, FusedSpec, fused_mlp
+from moekit.ops.grouped_mlp import FusedSpec, fused_mlp
 from moekit.ops.routing import sort_by_expert
+from moekit.ops.rows import ExpertRoute
 from moekit.reference import moe_experts_reference
 
 

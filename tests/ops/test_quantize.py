@@ -15,7 +15,12 @@ import torch
 import moekit
 from helpers import assert_no_host_sync, rand, rel_err
 from moekit.grouped_tensor import RECIPES, GroupedTensor
-from moekit.ops.quantize import TRANSPOSED_RECIPES, group_quantize_reference, transposed_weight
+from moekit.ops.quantize import (
+    TRANSPOSED_RECIPES,
+    group_quantize_gathered,
+    group_quantize_reference,
+    transposed_weight,
+)
 from moekit.ops.runtime.backends import triton_unavailable_reason
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS, QUANTIZE_TILES
 from moekit.ops.splits import GroupOffsets
@@ -633,6 +638,38 @@ def test_triton_backend_refused_where_it_cannot_run():
 
 
 # --------------------------------------------------------------------------------------------------
+# Quantized from the token rows, then gathered (the layer's fc1 operand)
+# --------------------------------------------------------------------------------------------------
+
+# (tokens, index rows' sources, m_splits over the gathered rows, cols): tokens read many times and
+# never, empty groups, one row, nothing routed, widths whose rows are 1, 2 or 4-byte multiples.
+GATHERED = [
+    pytest.param(40, [3, 3, 0, 39, 7] * 13 + [1], [20, 0, 41, 5], 150, id="repeats-empty-group-150"),
+    pytest.param(33, list(range(32, -1, -1)) * 2, [0, 66], 257, id="every-token-twice-odd-width"),
+    pytest.param(5, [4], [1], 130, id="one-row"),
+    pytest.param(0, [], [0, 0], 64, id="no-tokens"),
+]
+
+
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("tokens, sources, m_splits, cols", GATHERED)
+def test_quantized_then_gathered_is_gathered_then_quantized(tokens, sources, m_splits, cols, recipe, use_triton):
+    """`group_quantize_gathered(x, index, offs)`: byte for byte `group_quantize(x[index], offs)` for
+    rows that all lie in groups (a rowwise block never leaves its row), specials included (the NaN's
+    and inf's blocks), the bytes moved by the row kernel (integer words) or torch."""
+    x = data_with_specials(tokens, cols, seed=tokens + cols)
+    index = torch.tensor(sources, dtype=torch.int64).reshape(-1, 1)
+    offs_host = [0]
+    for count in m_splits:
+        offs_host.append(offs_host[-1] + count)
+    offs = GroupOffsets(torch.tensor(offs_host), tuple(offs_host), len(sources))
+    got = group_quantize_gathered(x, index, offs, recipe, "triton" if use_triton else "torch", use_triton)
+    want = moekit.group_quantize(x[index.view(-1)], m_splits, recipe, backend="torch")
+    assert_same_bytes(got, want, f"{recipe} {m_splits}")
+
+
+# --------------------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------------------
 
@@ -714,6 +751,25 @@ def test_cuda_kernels_match_the_cpu_path(recipe, dtype):
     want = moekit.group_quantize(w, None, recipe, columnwise=columnwise, backend="torch")
     got = moekit.group_quantize(w.cuda(), None, recipe, columnwise=columnwise, backend="triton")
     assert_same_bytes(got, want, f"{recipe} {dtype} weight")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_cuda_quantized_then_gathered_matches_the_cpu_path(recipe):
+    """The layer's fc1 operand on the GPU (the Triton quantizer on the token rows, the row kernel moving
+    the bytes as integer words): the CPU path's bytes for the gathered rows."""
+    tokens, top_k, experts, cols = 3000, 8, 32, 7168
+    ids = (torch.arange(tokens * top_k) % experts).reshape(tokens, top_k)
+    index = ids.reshape(-1).argsort(stable=True).div(top_k, rounding_mode="floor").reshape(-1, 1)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    x = data_with_specials(tokens, cols, seed=3, dtype=torch.bfloat16)
+    want = moekit.group_quantize(x[index.view(-1)], counts, recipe, backend="torch")
+    offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).cuda()
+    got = group_quantize_gathered(
+        x.cuda(), index.cuda(), GroupOffsets(offs, None, tokens * top_k), recipe, "triton", True
+    )
+    assert_same_bytes(got, want, recipe)
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ from moekit.ops.grouped_linear import (
 )
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.quantized_mlp import QuantizedMlpSpec, quantized_mlp
-from moekit.ops.routing import ExpertOrder
+from moekit.ops.rows import ExpertRoute
 from moekit.ops.runtime.backends import (
     FusedMLP,
     GemmBackend,
@@ -145,18 +145,20 @@ def grouped_mlp(
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         return fused_mlp(spec, offs.offs, None, x.shape[0], row_major(x), probs, w1s, b1s, w2s, b2s)
     if quantization is not None:
-        return _quantized(x, probs, offs, quantization, backend, fc1_impl, fc2_impl, (w1s, b1s, w2s, b2s),
-                          glu_interleave_size, activation, (cache1, cache2))  # fmt: skip
+        return quantized_mlp_of_backends(x, probs, offs, None, quantization, backend, fc1_impl, fc2_impl,
+                                         (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
+                                         (cache1, cache2))  # fmt: skip
     h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend)
     a = apply_glu(h, probs, glu_interleave_size, activation, use_triton_rows(fc1_impl, x))
     scale = probs if probs is not None and b2s else None
     return grouped_linear(a, fc2_weight, offs, fc2_bias, backend=backend, bias_scale=scale)
 
 
-def _quantized(
+def quantized_mlp_of_backends(
     x: torch.Tensor,
     probs: torch.Tensor | None,
     offs: GroupOffsets,
+    route: ExpertRoute | None,
     recipe: str,
     backend: str,
     fc1_impl: GemmBackend,
@@ -166,10 +168,11 @@ def _quantized(
     activation: str,
     caches: tuple[QuantizedWeightCache | None, QuantizedWeightCache | None],
 ) -> torch.Tensor:
-    """The quantized MLP's nodes (`moekit.ops.quantized_mlp`) with grouped_linear's choices: the quantizer
-    it would pick, each linear's FP8 paths (`fp8_compute`, `fp8_wgrad_compute`, fc2's for an (M, F)
-    input), the weights' quantizations from the caches, with their transposed copies where an FP8 dgrad
-    may run (fc1's where x may get a gradient, fc2's where anything before it may)."""
+    """The quantized MLP's nodes (`moekit.ops.quantized_mlp`) on checked arguments, x (M, H) sorted by expert, or
+    (T, H) token rows with a route (`moe_experts`: probs then in sorted order, (M,)), with grouped_linear's choices:
+    the quantizer it would pick, each linear's FP8 paths (`fp8_compute`, `fp8_wgrad_compute`, fc2's for an (M, F)
+    input), the weights' quantizations from the caches, with their transposed copies where an FP8 dgrad may run
+    (fc1's where x may get a gradient, fc2's where anything before it may)."""
     w1s, b1s, w2s, b2s = params
     a_like = x.new_empty(0, w2s[0].shape[-1])
     quantizer = select_quantizer(backend, x).name
@@ -217,7 +220,7 @@ def _quantized(
     host_offs = list(offs.host) if offs.host is not None else None
     fc1_q = (w1_q, *((w1_t.data, w1_t.scale_inv) if w1_t is not None else (None, None)))
     fc2_q = (w2_q, *((w2_t.data, w2_t.scale_inv) if w2_t is not None else (None, None)))
-    return quantized_mlp(spec, offs.offs, host_offs, fc1_q, fc2_q, row_major(x), probs, w1s, b1s, w2s, b2s)
+    return quantized_mlp(spec, offs.offs, host_offs, route, fc1_q, fc2_q, row_major(x), probs, w1s, b1s, w2s, b2s)
 
 
 def grouped_mlp_reference(
@@ -259,50 +262,6 @@ class FusedSpec:
     activation: str
     n_w1: int
     n_w2: int
-
-
-@dataclass(frozen=True)
-class ExpertRoute:
-    """The rows of a layer between token order and expert order (`moe_experts`): node 1 gathers x's tokens
-    into expert order and the router weights into sorted order; node 2 sums each token's K rows back.
-    Every move is the row primitive (`library.gather_sum_rows`), each backward the other direction.
-    token_of_row (M, 1), row_map (T, K), copy_of_row (M, 1): as `ExpertOrder`'s (copy_of_row, needed by
-    the forward only, is not kept for the backward)."""
-
-    token_of_row: torch.Tensor
-    row_map: torch.Tensor
-    copy_of_row: torch.Tensor | None
-    use_triton: bool
-
-    @staticmethod
-    def of(order: ExpertOrder, use_triton: bool) -> ExpertRoute:
-        return ExpertRoute(order.token_of_row, order.row_map, order.copy_of_row, use_triton)
-
-    def to_rows(self, t_TX: torch.Tensor) -> torch.Tensor:
-        """(M, X): the token rows of each sorted row (x in the forward, d out in the backward)."""
-        return library.gather_sum_rows(t_TX, self.token_of_row, None, self.use_triton)
-
-    def to_tokens(self, t_MX: torch.Tensor) -> torch.Tensor:
-        """(T, X): each token's K sorted rows summed, in k order (y in the forward, dx in the backward)."""
-        return library.gather_sum_rows(t_MX, self.row_map, None, self.use_triton)
-
-    def sorted_weights(self, weights_TK: torch.Tensor) -> torch.Tensor:
-        """(M,): the router weight of each sorted row."""
-        assert self.copy_of_row is not None, "a route rebuilt for the backward has no copy_of_row"
-        return weights_TK.reshape(-1).index_select(0, self.copy_of_row.view(-1))
-
-    def weight_grads(self, d_probs_M: torch.Tensor) -> torch.Tensor:
-        """(T, K): each copy's weight gradient, read once at its row (a permutation: no scatter)."""
-        return d_probs_M.index_select(0, self.row_map.view(-1)).view(self.row_map.shape)
-
-    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the backward needs of the route, for a node's save_for_backward (freed with the graph)."""
-        return self.token_of_row, self.row_map
-
-    @staticmethod
-    def from_saved(tensors: tuple[torch.Tensor, ...], use_triton: bool | None) -> ExpertRoute | None:
-        """The route of `saved()`'s tensors (use_triton None: no route)."""
-        return None if use_triton is None else ExpertRoute(tensors[0], tensors[1], None, use_triton)
 
 
 # Positions of the nodes' inputs (their needs_input_grad).

@@ -16,7 +16,9 @@ computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_
 Where the backend has the fused MLP kernels (eager), the layer is the grouped MLP's two fused nodes with
 an `ExpertRoute` (`moekit.ops.grouped_mlp`): the gather happens inside node 1 and the combine inside
 node 2, two autograd nodes in all, and x is saved as the (T, H) token rows (gathered again in the
-backward), not as the K times larger (M, H) sorted copy. Elsewhere (other backends, torch.compile) the
+backward), not as the K times larger (M, H) sorted copy. With `quantization` the quantized MLP's two nodes
+take an `ExpertRoute` the same way (eager): node 1 quantizes the token rows and gathers the FP8 bytes, so
+x is never gathered in its own dtype in the forward. Elsewhere (other backends, torch.compile) the
 steps above compose row movements (`moekit.ops.rows.move_rows`) around `grouped_mlp`, whose saved sorted
 input passes through saved-tensor hooks that replace it by a reference to x (gathered again in the
 backward): no (M, H) tensor is held between forward and backward either way.
@@ -41,12 +43,12 @@ from moekit.ops import library
 from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave, glu_reference
 from moekit.ops.grouped_linear import Weight, probe_weight, row_major, tensor_list
-from moekit.ops.grouped_mlp import ExpertRoute, FusedSpec, check_mlp_params, fused_mlp, grouped_mlp
+from moekit.ops.grouped_mlp import FusedSpec, check_mlp_params, fused_mlp, grouped_mlp, quantized_mlp_of_backends
 from moekit.ops.quantize import QuantizedWeightCache, check_quantization
 from moekit.ops.routing import check_expert_ids, sort_by_expert
-from moekit.ops.rows import move_rows
+from moekit.ops.rows import ExpertRoute, move_rows
 from moekit.ops.runtime.backends import fused_mlp_of, select_backend, use_triton_rows
-from moekit.ops.splits import GroupOffsets
+from moekit.ops.splits import GroupOffsets, resolve_splits
 from moekit.validation import check_float_tensor, check_same_device
 
 # The layer's memory contract: what it holds between forward and backward is at most this fraction of
@@ -205,10 +207,26 @@ def moe_experts(
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
         route = ExpertRoute.of(order, use_triton)
         return fused_mlp(spec, order.offs, route, kept, row_major(x), topk_weights, w1s, b1s, w2s, b2s)
-    x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
     # The weights in sorted order: a permutation, so this gather's backward (index_add_) writes each
     # weight's gradient exactly once: exact and deterministic.
     probs_M = topk_weights.reshape(-1).index_select(0, order.copy_of_row.view(-1))
+    rows = order.token_of_row.shape[0]
+    # On an accelerator the offsets on the device; on the CPU from the counts, read on the host for free
+    # (then the torch backend knows there are no padding rows to zero).
+    offs = (
+        resolve_splits(order.counts(), num_experts, rows, x.device)
+        if order.offs.device.type == "cpu"
+        else GroupOffsets(offs=order.offs, host=None, rows=rows)
+    )
+    if quantization is not None and not compiling:
+        # The quantized nodes move the rows themselves (an ExpertRoute): fc1's operand is quantized from the
+        # token rows and its FP8 bytes gathered, so no (M, H) tensor of x's dtype is written in the forward.
+        route = ExpertRoute.of(order, use_triton)
+        caches = weight_caches if weight_caches is not None else (None, None)
+        return quantized_mlp_of_backends(x, probs_M, offs, route, quantization, backend, fc1_impl, fc2_impl,
+                                         (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
+                                         caches)  # fmt: skip
+    x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
     mlp_kwargs: dict[str, Any] = dict(
         probs=probs_M,
         fc1_bias=fc1_bias,
@@ -224,17 +242,9 @@ def moe_experts(
         # gather in the backward); saved-tensor hooks are not traced.
         y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, order.counts(), **mlp_kwargs)
     else:
-        # On an accelerator, the offsets as grouped_mlp takes them (it need not rebuild them from counts);
-        # on the CPU the counts, which it reads on the host for free (then the torch backend knows there
-        # are no padding rows to zero).
-        splits = (
-            order.counts()
-            if order.offs.device.type == "cpu"
-            else GroupOffsets(offs=order.offs, host=None, rows=x_sorted_MH.shape[0])
-        )
         pack, unpack = _regathering_hooks(x, x_sorted_MH, order.token_of_row, use_triton)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, splits, **mlp_kwargs)
+            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offs, **mlp_kwargs)
     del x_sorted_MH
     return move_rows(y_sorted_MH, order.row_map, order.token_of_row, use_triton)
 

@@ -456,6 +456,44 @@ def rowwise_grouped(
     )
 
 
+def group_quantize_gathered(
+    x_TX: torch.Tensor,
+    index_M1: torch.Tensor,
+    offs: GroupOffsets,
+    recipe: str,
+    backend: str,
+    use_triton: bool,
+) -> GroupedTensor:
+    """The rowwise quantization of the gathered rows x[index] (M, X), grouped by `offs`, made from x's own
+    T rows: one quantization of x (T rows, one group) and a gather of its FP8 bytes and scales. A rowwise
+    scale block never leaves its row and a row's bytes do not depend on its group, so these are
+    `group_quantize(x[index], offs, recipe)`'s bytes wherever every gathered row lies in a group (no
+    padding rows: `moe_experts`' routes, where offs[-1] = M). Why: the gathered rows are K times x's; this
+    reads x's bf16 once and moves 1-byte data where the gather-then-quantize order moves 2-byte rows twice
+    (the gather's write, the quantizer's read). index_M1: (M, 1) integer rows of x; use_triton: the row
+    kernel moves the bytes (`moekit.ops.runtime.backends.use_triton_rows`). On checked arguments."""
+    tokens = x_TX.shape[0]
+    if tokens:  # one launch (arange's step)
+        one_group = torch.arange(0, 2 * tokens, tokens, dtype=torch.int64, device=x_TX.device)
+    else:
+        one_group = torch.zeros(2, dtype=torch.int64, device=x_TX.device)
+    x_q = group_quantize(x_TX, GroupOffsets(one_group, (0, tokens), tokens), recipe, backend=backend)
+    assert x_q.rowwise_data is not None and x_q.rowwise_scale_inv is not None  # rowwise
+    data = _gather_bytes(x_q.rowwise_data, index_M1, use_triton)
+    scale = _gather_bytes(x_q.rowwise_scale_inv, index_M1, use_triton)
+    return rowwise_grouped(recipe, x_TX.dtype, offs, offs.offs[1:] - offs.offs[:-1], data, scale)
+
+
+def _gather_bytes(t: torch.Tensor, index_M1: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """t[index] for a contiguous 2-D t of any dtype, bit for bit: its rows moved as the widest integer
+    words their byte count allows (the row kernel copies integers as they are)."""
+    row_bytes = t.shape[1] * t.element_size()
+    word = next(w for w in (torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
+    words = t.view(torch.uint8).view(word)
+    moved = library.gather_sum_rows(words, index_M1, None, use_triton)
+    return moved.view(torch.uint8).view(t.dtype)
+
+
 class SegmentedColumns(NamedTuple):
     """The columnwise quantization of (M, X) rows in N groups, its data in the FP8 wgrad's operand
     layout rather than (M, X) rows: the form `group_quantize_for_wgrad` gives the FP8 wgrad

@@ -27,13 +27,22 @@ own backward needs, which is x's columnwise FP8 (fc1's wgrad operand, H bytes a 
 (the activation's backward, 2F values a row) and a's columnwise FP8 (fc2's wgrad operand, F bytes a
 row). Node 2 knows that a is a function of h: it holds h once, in FP8 (2F bytes a row and the recipe's
 scales), and computes a and its columnwise quantization again in its backward. Node 1 knows that x is
-the caller's tensor: it holds x and quantizes it columnwise in its backward. x itself costs nothing in
-`moe_experts`, whose saved-tensor hooks turn the saved sorted rows into a reference to the token rows,
-gathered again when the backward asks for them; node 1 saves x as the very tensor it was given so that
-the hooks recognise it. Why two nodes rather than one: autograd unpacks a node's saved tensors all at
-once, at the start of its backward; in one node x's gathered rows (M, H) would be alive through the
-whole backward, beside dy, a' and dh. Split, node 2's backward runs first and frees FP8 h and dy's
-quantizations before node 1's gathers x (as the fused path's two nodes, `moekit.ops.grouped_mlp`).
+the caller's tensor: it holds x and quantizes it columnwise in its backward.
+
+In `moe_experts` the nodes move the rows themselves (an `ExpertRoute`, as the fused bf16 path's nodes):
+node 1 takes the (T, H) token rows, quantizes them rowwise (T rows, not M = T*K) and gathers the FP8
+bytes and scales into expert order (`group_quantize_gathered`: the same bytes as quantizing the gathered
+rows, since a rowwise block never leaves its row), so no (M, H) tensor in x's dtype is written in the
+forward; it holds the token rows (the caller's tensor: nothing) and gathers their sorted rows again in
+its backward for Qc(x), then sums dx back into token order. Node 2 sums each token's K rows of y, and
+its backward gathers d out's rows. Elsewhere (grouped_mlp's callers, torch.compile's trace of
+moe_experts) x is the sorted rows, saved as the very tensor given so that moe_experts' saved-tensor
+hooks can replace it by a reference to the token rows.
+
+Why two nodes rather than one: autograd unpacks a node's saved tensors all at once, at the start of its
+backward; in one node x's gathered rows (M, H) would be alive through the whole backward, beside dy,
+a' and dh. Split, node 2's backward runs first and frees FP8 h and dy's quantizations before node 1's
+gathers x (as the fused path's two nodes, `moekit.ops.grouped_mlp`).
 
 The activation's backward and the recomputed a read h' (FP8 values, dequantized): the quantization
 error of h reaches dh and fc2's wgrad (as DeepSeek-V3's FP8 training holds the SwiGLU input), while the
@@ -94,8 +103,10 @@ from moekit.ops.quantize import (
     group_quantize,
     group_quantize_for_wgrad,
     group_quantize_gated,
+    group_quantize_gathered,
     rowwise_grouped,
 )
+from moekit.ops.rows import ExpertRoute
 from moekit.ops.splits import GroupOffsets
 
 
@@ -131,8 +142,8 @@ class QuantizedMlpSpec:
 
 # Positions of the nodes' inputs (needs_input_grad). Node 1: x, then fc1's parameters; node 2: h (or its
 # gradient carrier), probs, then fc2's parameters.
-_X1, _PARAMS1 = 8, 9
-_H2, _PROBS2, _PARAMS2 = 7, 12, 13
+_X1, _PARAMS1 = 9, 10
+_H2, _PROBS2, _PARAMS2 = 8, 13, 14
 
 
 @dataclass(frozen=True)
@@ -176,11 +187,14 @@ def _storage_of(t: GroupedTensor | None) -> tuple[torch.Tensor | None, ...]:
 
 class _QuantizedFc1Fn(torch.autograd.Function):
     """Node 1, fc1: h = Q(x) Q(w1)^T + b1, holding x itself (not its FP8 copy), quantized columnwise in
-    the backward for the wgrad. Inputs: spec, offs, host_offs, fc1's weight quantization and its
+    the backward for the wgrad. Inputs: spec, offs, host_offs, route (or None), fc1's weight quantization and its
     transposed copy's data and scales (None without the FP8 dgrad), whether it quantizes the activation
     (below), probs (M,) or None (detached: read only where it quantizes), x (M, H), then w1 and b1 as
-    tensor lists. Its backward runs after node 2's has freed what that one held, so x's rows (gathered
-    again by moe_experts' hooks when the backward asks for them) and dh are not alive together with FP8
+    tensor lists. With a route x is the (T, H) token rows: fc1's operand Q(x[token of each row]) is
+    quantized from the token rows and its bytes gathered (`group_quantize_gathered`: the same bytes, the
+    sorted bf16 rows never written), the backward gathers x's rows for Qc(x) and sums dx back into token
+    order. Its backward runs after node 2's has freed what that one held, so x's sorted rows (gathered
+    again in the backward: by the route, or by moe_experts' hooks) and dh are not alive together with FP8
     h and dy's quantizations. The weight's quantization is saved as tensors, so autograd refuses a backward
     after a cache rewrote it in place (as `grouped_linear`'s node).
 
@@ -196,6 +210,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         spec: QuantizedMlpSpec,
         offs: torch.Tensor,
         host_offs: list[int] | None,
+        route: ExpertRoute | None,
         w1_q: GroupedTensor,
         w1t_data: torch.Tensor | None,
         w1t_scale: torch.Tensor | None,
@@ -207,9 +222,13 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
         b1 = stacked(b1s, 2, "fc1 bias")
         recipe, quantizer = spec.recipe, spec.quantizer
-        go = GroupOffsets.of(offs, host_offs, x_MH.shape[0])
-        x_q = group_quantize(x_MH, go, recipe, backend=quantizer)
-        rows, ffn = x_MH.shape[0], w1_q.shape[1] // 2
+        rows = x_MH.shape[0] if route is None else route.token_of_row.shape[0]
+        go = GroupOffsets.of(offs, host_offs, rows)
+        if route is None:
+            x_q = group_quantize(x_MH, go, recipe, backend=quantizer)
+        else:  # x_MH is the token rows (T, H)
+            x_q = group_quantize_gathered(x_MH, route.token_of_row, go, recipe, quantizer, route.use_triton)
+        ffn = w1_q.shape[1] // 2
         glu_block = check_interleave(ffn, spec.glu_interleave_size)
         if quantizes and spec.fc1_gated_epilogue:
             # One kernel: fc1's GEMM writes the two FP8 forms itself; h is never written.
@@ -229,7 +248,8 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in w1s), tuple(b.dim() for b in b1s)
         ctx.w_transposed, ctx.w_layout = stored_transposed(w1s[0]), _Layout.of(w1_q)
         # x is saved as the tensor given (moe_experts' hooks replace its sorted rows by a reference to x).
-        ctx.save_for_backward(x_MH, offs, w1t_data, w1t_scale, *w1_q.storage())
+        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
+        ctx.save_for_backward(x_MH, offs, w1t_data, w1t_scale, *route_tensors, *w1_q.storage())
         # The FP8 outputs get no gradient: without this autograd would hand the backward zeros of their
         # sizes (materialized), written for nothing.
         ctx.set_materialize_grads(False)
@@ -252,6 +272,8 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         if dh_M2F is None:  # no gradient reached h (grads are not materialized here)
             return (None,) * (_X1 + 1 + len(ctx.w_dims) + len(ctx.b_dims))
         x_MH, offs, w1t_data, w1t_scale, *stored = ctx.saved_tensors
+        route = ExpertRoute.from_saved(tuple(stored[:2]), ctx.use_triton)
+        stored = stored[2:] if route is not None else stored
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc1_backend
         w1_q = ctx.w_layout.rebuilt(stored)
@@ -275,6 +297,8 @@ class _QuantizedFc1Fn(torch.autograd.Function):
             del dh_M2F
             if need_w:
                 assert dh_cols is not None  # need_w
+                if route is not None:  # x_MH is the token rows: the sorted rows gathered again
+                    x_MH = route.to_rows(x_MH)
                 _, x_cols = group_quantize_for_wgrad(x_MH, go, recipe, segments=segments, backend=quantizer)
                 assert x_cols is not None  # columnwise
                 del x_MH
@@ -288,16 +312,20 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 dx = quantized_dgrad_product(
                     backend, quantizer, recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, offs, host_offs
                 )
-        return (None,) * 8 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
+                if route is not None:
+                    dx = route.to_tokens(dx)
+        return (None,) * _X1 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
 class _QuantizedGatedFc2Fn(torch.autograd.Function):
     """Node 2, the activation and fc2: a = act(h) * probs, y = Q(a) Q(w2)^T + b2 * probs, holding h's
     rowwise FP8 quantization only (module docstring); its backward returns h's gradient. Inputs: spec,
     grad_enabled (whether grad mode was on at the call: the forward runs with it off, and nothing is
-    held without it), offs, host_offs, fc2's weight quantization and its transposed copy's data and
-    scales, node 1's outputs (h (M, 2F) and four Nones, or h's gradient carrier and the rowwise data and
-    scales of Q(a) and Q(held h)), probs (M,) or None, then w2 and b2 as tensor lists."""
+    held without it), offs, host_offs, route (or None: with a route each token's K rows of y are summed
+    back into token order, and the backward gathers d out's rows), fc2's weight quantization and its
+    transposed copy's data and scales, node 1's outputs (h (M, 2F) and four Nones, or h's gradient
+    carrier and the rowwise data and scales of Q(a) and Q(held h)), probs (M,) or None, then w2 and b2 as
+    tensor lists."""
 
     @staticmethod
     def forward(
@@ -306,6 +334,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         grad_enabled: bool,
         offs: torch.Tensor,
         host_offs: list[int] | None,
+        route: ExpertRoute | None,
         w2_q: GroupedTensor,
         w2t_data: torch.Tensor | None,
         w2t_scale: torch.Tensor | None,
@@ -346,12 +375,16 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         ctx.w_transposed = stored_transposed(w2s[0])
         ctx.layouts = (_Layout.of(h_q) if h_q is not None else None, _Layout.of(w2_q))
         h_storage = h_q.storage() if h_q is not None else (None,) * 7
-        ctx.save_for_backward(probs_M, offs, b2, w2t_data, w2t_scale, *h_storage, *w2_q.storage())
-        return y_MH
+        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
+        ctx.save_for_backward(probs_M, offs, b2, w2t_data, w2t_scale, *route_tensors, *h_storage, *w2_q.storage())
+        return y_MH if route is None else route.to_tokens(y_MH)
 
     @staticmethod
-    def backward(ctx: Any, dy_MH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         probs_M, offs, b2, w2t_data, w2t_scale, *stored = ctx.saved_tensors
+        route = ExpertRoute.from_saved(tuple(stored[:2]), ctx.use_triton)
+        stored = stored[2:] if route is not None else stored
+        dy_MH = d_out if route is None else route.to_rows(d_out)
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc2_backend
         h_layout, w2_layout = ctx.layouts
@@ -373,7 +406,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             d_probs = bias_scale_grad(dy_bias_MH, b2, go, probs_M)
         del dy_bias_MH
         if not (need_w or need_da):
-            return (None,) * 13 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
+            return (None,) * _PARAMS2 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
@@ -411,7 +444,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             if d_probs_act is not None:
                 d_probs = d_probs_act if d_probs is None else d_probs + d_probs_act
         return (
-            (None,) * 7
+            (None,) * _H2
             + (dh if need_h else None, None, None, None, None, d_probs if need_probs else None)
             + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         )
@@ -421,6 +454,7 @@ def quantized_mlp(
     spec: QuantizedMlpSpec,
     offs: torch.Tensor,
     host_offs: list[int] | None,
+    route: ExpertRoute | None,
     fc1_quantized: tuple[GroupedTensor, torch.Tensor | None, torch.Tensor | None],
     fc2_quantized: tuple[GroupedTensor, torch.Tensor | None, torch.Tensor | None],
     x_MH: torch.Tensor,
@@ -431,7 +465,8 @@ def quantized_mlp(
     b2s: list[torch.Tensor],
 ) -> torch.Tensor:
     """y (M, H) of the quantized MLP over x (M, H) sorted by expert (`offs`, `host_offs`), on checked
-    arguments (`grouped_mlp`'s), in the two nodes. fc1_quantized / fc2_quantized: each weight's
+    arguments (`grouped_mlp`'s), in the two nodes; with a route (`moe_experts`) x is (T, H) in token
+    order, node 1 gathers its rows, node 2 sums them back, and y is (T, H). fc1_quantized / fc2_quantized: each weight's
     quantization and its `TransposedWeight`'s data and scales (None where the FP8 dgrad does not run).
     h, node 1's output and node 2's input, is held by neither: freed once node 2's forward has made its
     FP8 copy."""
@@ -444,5 +479,7 @@ def quantized_mlp(
     held = grad and any(t is not None and t.requires_grad for t in inputs)
     quantizes = spec.gated_quantize and held
     probs_read = probs_M.detach() if probs_M is not None and quantizes else None
-    fc1_out = _QuantizedFc1Fn.apply(spec, offs, host_offs, *fc1_quantized, quantizes, probs_read, x_MH, *w1s, *b1s)
-    return _QuantizedGatedFc2Fn.apply(spec, grad, offs, host_offs, *fc2_quantized, *fc1_out, probs_M, *w2s, *b2s)
+    fc1_out = _QuantizedFc1Fn.apply(
+        spec, offs, host_offs, route, *fc1_quantized, quantizes, probs_read, x_MH, *w1s, *b1s
+    )
+    return _QuantizedGatedFc2Fn.apply(spec, grad, offs, host_offs, route, *fc2_quantized, *fc1_out, probs_M, *w2s, *b2s)

@@ -14,6 +14,7 @@ expert parallelism's dispatch and `permute`/`unpermute` all move rows with it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +61,50 @@ class _MoveRowsFn(torch.autograd.Function):
             rows = src.index_select(0, index_fwd.reshape(-1)).view(*index_fwd.shape, -1)
             d_weight = (rows.to(acc_t) * d_out.to(acc_t)[:, None, :]).sum(-1).to(weight_fwd.dtype)
         return d_src, None, d_weight, None, None, None
+
+
+@dataclass(frozen=True)
+class ExpertRoute:
+    """The rows of a layer between token order and expert order (`moekit.ops.moe_experts`): node 1 gathers x's tokens
+    into expert order and the router weights into sorted order; node 2 sums each token's K rows back.
+    Every move is the row primitive (`library.gather_sum_rows`), each backward the other direction.
+    token_of_row (M, 1), row_map (T, K), copy_of_row (M, 1): as `ExpertOrder`'s (copy_of_row, needed by
+    the forward only, is not kept for the backward)."""
+
+    token_of_row: torch.Tensor
+    row_map: torch.Tensor
+    copy_of_row: torch.Tensor | None
+    use_triton: bool
+
+    @staticmethod
+    def of(order: ExpertOrder, use_triton: bool) -> ExpertRoute:
+        return ExpertRoute(order.token_of_row, order.row_map, order.copy_of_row, use_triton)
+
+    def to_rows(self, t_TX: torch.Tensor) -> torch.Tensor:
+        """(M, X): the token rows of each sorted row (x in the forward, d out in the backward)."""
+        return library.gather_sum_rows(t_TX, self.token_of_row, None, self.use_triton)
+
+    def to_tokens(self, t_MX: torch.Tensor) -> torch.Tensor:
+        """(T, X): each token's K sorted rows summed, in k order (y in the forward, dx in the backward)."""
+        return library.gather_sum_rows(t_MX, self.row_map, None, self.use_triton)
+
+    def sorted_weights(self, weights_TK: torch.Tensor) -> torch.Tensor:
+        """(M,): the router weight of each sorted row."""
+        assert self.copy_of_row is not None, "a route rebuilt for the backward has no copy_of_row"
+        return weights_TK.reshape(-1).index_select(0, self.copy_of_row.view(-1))
+
+    def weight_grads(self, d_probs_M: torch.Tensor) -> torch.Tensor:
+        """(T, K): each copy's weight gradient, read once at its row (a permutation: no scatter)."""
+        return d_probs_M.index_select(0, self.row_map.view(-1)).view(self.row_map.shape)
+
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the backward needs of the route, for a node's save_for_backward (freed with the graph)."""
+        return self.token_of_row, self.row_map
+
+    @staticmethod
+    def from_saved(tensors: tuple[torch.Tensor, ...], use_triton: bool | None) -> ExpertRoute | None:
+        """The route of `saved()`'s tensors (use_triton None: no route)."""
+        return None if use_triton is None else ExpertRoute(tensors[0], tensors[1], None, use_triton)
 
 
 def move_rows(

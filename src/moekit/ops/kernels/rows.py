@@ -23,14 +23,17 @@ def gather_sum_rows_kernel(
     stride_src,
     stride_out,
     HAS_WEIGHT: tl.constexpr,
+    COPY: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """out[r, :] = sum over j of src[index[r, j], :] (times weight[r, j] with HAS_WEIGHT), j in
     ascending order, fp32 accumulator, one rounding at the store. One program owns a (BLOCK_ROWS,
     BLOCK_D) tile of out and is the only writer of it, so the summation order is fixed: no atomics,
-    bit-identical results run to run. With rows_per_out = 1 and no weight this is a plain row gather
-    (exact in any dtype). index and weight: (num_out_rows, rows_per_out), contiguous."""
+    bit-identical results run to run. COPY (rows_per_out = 1, no weight): a plain row gather, the
+    values stored as loaded (no fp32 round trip), so any dtype moves bit for bit (FP8 data and scales
+    viewed as integers, NaN payloads included). index and weight: (num_out_rows, rows_per_out),
+    contiguous."""
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_r = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -40,6 +43,12 @@ def gather_sum_rows_kernel(
     mask_rd = mask_r[:, None] & mask_d[None, :]
     # int64 offsets: rows x stride passes 2^31 elements at real sizes (262144 rows x 7168 features).
     offs_r64 = offs_r.to(tl.int64)
+    out_ptrs = out_ptr + offs_r64[:, None] * stride_out + offs_d[None, :]
+    if COPY:
+        src_rows = tl.load(index_ptr + offs_r64, mask=mask_r, other=0).to(tl.int64)
+        vals = tl.load(src_ptr + src_rows[:, None] * stride_src + offs_d[None, :], mask=mask_rd)
+        tl.store(out_ptrs, vals, mask=mask_rd)
+        return
     acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
     for j in range(0, rows_per_out):
         src_rows = tl.load(index_ptr + offs_r64 * rows_per_out + j, mask=mask_r, other=0).to(tl.int64)
@@ -49,7 +58,7 @@ def gather_sum_rows_kernel(
             acc += vals.to(tl.float32) * w[:, None]
         else:
             acc += vals.to(tl.float32)
-    tl.store(out_ptr + offs_r64[:, None] * stride_out + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_rd)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_rd)
 
 
 @triton.jit

@@ -658,19 +658,28 @@ class TritonBackend:
         return runtime.quantized_gemm.quantized_glu_forward_into
 
 
+# Integer dtypes the row kernel gathers as they are (J = 1, no weight): FP8 data and scales move as
+# integer views of their bytes.
+_GATHER_BYTES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def gather_sum_rows(
     src_SD: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, use_triton: bool
 ) -> torch.Tensor:
     """(rows of index, D): out[r] = sum over j of (weight[r, j] *) src[index[r, j]], j in ascending order,
     sums in fp32 (float64 for float64 src), one rounding, in src's dtype. With use_triton, moekit's row
-    kernel for the kernels' dtypes; otherwise (and for other dtypes, e.g. float64 router weights) torch's
+    kernel for the kernels' dtypes (and the integer dtypes of _GATHER_BYTES for a plain gather);
+    otherwise (and for other dtypes, e.g. float64 router weights) torch's
     gather and a fixed-order sum over j: the same values (a gather is exact, the sums run in one order)."""
     src_SD, index = src_SD.contiguous(), index.contiguous()
-    if use_triton and src_SD.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    gather = index.shape[1] == 1 and weight is None
+    if use_triton and (
+        src_SD.dtype in (torch.float32, torch.bfloat16, torch.float16) or (gather and src_SD.dtype in _GATHER_BYTES)
+    ):
         return _runtime().rows.gather_sum_rows(src_SD, index, weight)
     num_out, per_out = index.shape
     gathered = src_SD.index_select(0, index.reshape(-1))
-    if per_out == 1 and weight is None:
+    if gather:
         return gathered
     acc_t = torch.promote_types(src_SD.dtype, torch.float32)
     gathered = gathered.view(num_out, per_out, src_SD.shape[1]).to(acc_t)

@@ -23,13 +23,15 @@ def _plan_gather_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tenso
     block_rows, block_d = rows_tile(num_features)
     grid = (triton.cdiv(num_out, block_rows), triton.cdiv(num_features, block_d))
     ints = (num_out, num_features, per_out, src.stride(0), num_features)
-    constexprs = dict(HAS_WEIGHT=weight is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
+    copy = per_out == 1 and weight is None
+    constexprs = dict(HAS_WEIGHT=weight is not None, COPY=copy, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
     return LaunchPlan(_GATHER_SUM, grid, ints, constexprs)
 
 
 def gather_sum_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """out (rows of index, D): out[r] = sum over j of (weight[r, j] *) src[index[r, j]], j in ascending
-    order, fp32 sums, one rounding, in src's dtype. src (S, D) with unit column stride; index (rows, J)
+    order, fp32 sums, one rounding, in src's dtype (J = 1 without weight: a gather, the values as they
+    are, in any dtype the kernel can load). src (S, D) with unit column stride; index (rows, J)
     integer, contiguous, every value in [0, S) (not checked: the values stay on the device); weight
     (rows, J) float or None. Deterministic: each output element has one writer."""
     num_out, per_out = index.shape
