@@ -1,0 +1,141 @@
+"""Configuration sweep of the gated activation's kernels alone (`moekit.ops.kernels.gated`): the forward
+and backward over h in x's dtype (the composed MLP's activation) and over h held in FP8 (the quantized
+MLP's backward: a' recomputed for fc2's wgrad, and dh), at the widths of real models.
+
+Each cell varies `configs.GATED_TILES` for the GPU's architecture (BLOCK_ROWS, BLOCK_C, warps), times
+the kernel with triton's do_bench (median, L2 flushed) and reads it against its floor bytes (h read
+once, the output written once; the backward also reads d out) and the HBM copy bandwidth of the same
+run. Every configuration's outputs must be the bits of the table's current entry (`same_bits`; the
+backward's d probs, a sum whose order follows BLOCK_C, is compared within fp32 rounding).
+
+    python benchmarks/sweep_gated.py --out results.json [--shapes deepseek-v3-ep8,qwen3-30b-a3b]
+        [--kernels held_forward,held_backward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from runner import machine, write_json
+from triton.testing import do_bench
+
+import moekit
+from moekit.ops.glu import (
+    gated_activation,
+    gated_activation_backward,
+    held_gated_activation,
+    held_gated_activation_backward,
+)
+from moekit.ops.runtime import configs
+from moekit.ops.runtime.launch import arch_of, forget_plans
+
+# (routed rows M, ffn F) of the layer benchmark's shapes: M = tokens x top-k.
+SHAPES = {
+    "deepseek-v3-ep8": (131072, 2048),
+    "qwen3-30b-a3b": (262144, 768),
+    "mixtral-8x7b": (32768, 14336),
+    "gpt-oss-20b": (65536, 2880),
+}
+ROWS, COLS, WARPS = (4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)
+
+
+def hbm_copy_gbs() -> float:
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / do_bench(lambda: dst.copy_(src)) / 1e6
+
+
+def kernels(rows: int, ffn: int) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (call, floor bytes) at one shape, bf16, [gate | up], swiglu with probs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16, generator=g)
+    probs = torch.rand(rows, device="cuda", generator=g)
+    d_out = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16, generator=g)
+    offs = torch.tensor([0, rows], device="cuda")
+    h_q = moekit.group_quantize(h, offs, "fp8_block")
+    elems = rows * ffn
+    scales = rows * (2 * ffn // 128) * 4
+    return {
+        "forward": (lambda: gated_activation(h, probs, None, "swiglu", True), 4 * elems + 2 * elems),
+        "backward": (
+            lambda: gated_activation_backward(h, probs, d_out, None, "swiglu", True, True),
+            4 * elems + 2 * elems + 4 * elems,
+        ),
+        "held_forward": (lambda: held_gated_activation(h_q, probs, None, "swiglu"), 2 * elems + scales + 2 * elems),
+        "held_backward": (
+            lambda: held_gated_activation_backward(h_q, probs, d_out, None, "swiglu", True),
+            2 * elems + scales + 2 * elems + 4 * elems,
+        ),
+    }
+
+
+def bits(out: object) -> list[torch.Tensor]:
+    tensors = out if isinstance(out, tuple) else (out,)
+    return [t.clone() for t in tensors if t is not None]
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    exact = torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    if len(got) > 1:  # d probs: a sum whose order follows BLOCK_C
+        exact = exact and torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+    return exact
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--kernels", default="forward,backward,held_forward,held_backward")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_gated needs a CUDA device")
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
+    arch = arch_of(torch.device("cuda"))
+    default = configs.GATED_TILES[arch]
+    hbm = hbm_copy_gbs()
+    print(f"hbm copy {hbm:.0f} GB/s; {arch} default {default}", flush=True)
+    cells = []
+    for name in names:
+        rows, ffn = SHAPES[name]
+        for kernel, (call, floor) in kernels(rows, ffn).items():
+            if kernel not in args.kernels.split(","):
+                continue
+            configs.GATED_TILES[arch] = default
+            forget_plans()
+            want = bits(call())
+            for cfg in itertools.product(ROWS, COLS, WARPS):
+                configs.GATED_TILES[arch] = cfg
+                forget_plans()
+                try:
+                    ok = same(bits(call()), want)
+                    ms = do_bench(call, warmup=5, rep=25)
+                except Exception as exc:  # a configuration that does not compile or launch
+                    cells.append(dict(shape=name, kernel=kernel, config=list(cfg), error=str(exc)[:200]))
+                    continue
+                gbs = floor / ms / 1e6
+                cells.append(
+                    dict(shape=name, kernel=kernel, config=list(cfg), ms=ms, gb_per_s=gbs, of_copy=gbs / hbm,
+                         same_bits=ok, default=cfg == default)
+                )  # fmt: skip
+            best = min((c for c in cells if c["shape"] == name and c["kernel"] == kernel and "ms" in c),
+                       key=lambda c: c["ms"])  # fmt: skip
+            here = next(c for c in cells if c["shape"] == name and c["kernel"] == kernel and c.get("default"))
+            print(
+                f"{name:16s} {kernel:14s} default {here['ms']:.3f} ms ({here['of_copy']:.2f} of copy); best "
+                f"{best['config']} {best['ms']:.3f} ms ({best['of_copy']:.2f}); all same bits: "
+                f"{all(c.get('same_bits', True) for c in cells if c['shape'] == name and c['kernel'] == kernel)}",
+                flush=True,
+            )
+    configs.GATED_TILES[arch] = default
+    write_json(args.out, dict(meta={**machine(torch.device("cuda")), "hbm_copy_gb_per_s": hbm}, cells=cells))
+
+
+if __name__ == "__main__":
+    main()
