@@ -2,7 +2,8 @@
 and backward over h in x's dtype (the composed MLP's activation) and over h held in FP8 (the quantized
 MLP's backward: a' recomputed for fc2's wgrad, and dh), at the widths of real models.
 
-Each cell varies `configs.GATED_TILES` for the GPU's architecture (BLOCK_ROWS, BLOCK_C, warps), times
+Each cell varies `configs.GATED_TILES`' entry for the GPU's architecture and the kernel's reading of h
+(held in FP8 or not): (BLOCK_ROWS, BLOCK_C, warps); it times
 the kernel with triton's do_bench (median, L2 flushed) and reads it against its floor bytes (h read
 once, the output written once; the backward also reads d out) and the HBM copy bandwidth of the same
 run. Every configuration's output (a, or dh) must be the bits of the table's current entry
@@ -102,25 +103,29 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     arch = arch_of(torch.device("cuda"))
-    default = configs.GATED_TILES[arch]
+    table = configs.GATED_TILES[arch]
+    defaults = dict(table)
     grid = list(itertools.product(ROWS, COLS, WARPS))
     if args.configs:
         grid = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
-    if default not in grid:
-        grid.append(default)
+    for default in defaults.values():
+        if default not in grid:
+            grid.append(default)
     hbm = hbm_copy_gbs()
-    print(f"hbm copy {hbm:.0f} GB/s; {arch} default {default}", flush=True)
+    print(f"hbm copy {hbm:.0f} GB/s; {arch} defaults {defaults}", flush=True)
     cells = []
     for name in names:
         rows, ffn = SHAPES[name]
         for kernel, (call, floor) in kernels(rows, ffn).items():
             if kernel not in args.kernels.split(","):
                 continue
-            configs.GATED_TILES[arch] = default
+            held = kernel.startswith("held_")
+            default = defaults[held]
+            table[held] = default
             forget_plans()
             want = bits(call())
             for cfg in grid:
-                configs.GATED_TILES[arch] = cfg
+                table[held] = cfg
                 forget_plans()
                 try:
                     ok, d_probs_rel = same(bits(call()), want)
@@ -145,7 +150,7 @@ def main() -> None:
             # After every kernel, so that a run cut by a time limit keeps what it measured (marked partial).
             meta = {**machine(torch.device("cuda")), "hbm_copy_gb_per_s": hbm, "grid": grid}
             write_json(args.out, dict(meta=meta, cells=cells, partial=True))
-    configs.GATED_TILES[arch] = default
+    table.update(defaults)
     write_json(args.out, dict(meta=meta, cells=cells))
 
 

@@ -108,7 +108,7 @@ def test_interpreter_launches_take_tritons_path():
     index = torch.tensor([[2], [0]])
     out = torch.full((2, 3), float("nan"))
     plan = triton_launch.LaunchPlan(
-        launcher, (1, 1), (2, 3, 1, 3, 3), dict(HAS_WEIGHT=False, BLOCK_ROWS=2, BLOCK_D=4, num_warps=4)
+        launcher, (1, 1), (2, 3, 1, 3, 3), dict(HAS_WEIGHT=False, COPY=True, BLOCK_ROWS=2, BLOCK_D=4, num_warps=4)
     )
     plan(src, index, src, out)
     assert torch.equal(out, src[[2, 0]])

@@ -457,13 +457,18 @@ ROUTING_TILES: dict[Arch, RoutingTiles] = {
 # The gated activation on its own (kernels.gated): (BLOCK_ROWS, BLOCK_C, warps)
 # --------------------------------------------------------------------------------------------------
 
-# About 4096 activation columns a program (gate and up: 16 KB of bf16 read per tile, enough bytes in
-# flight to stream at HBM speed); the backward walks a row's F columns in BLOCK_C steps. Tiny tiles
-# under the interpreter, so that CPU tests cover several row tiles and several column steps of a row.
-GATED_TILES: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (16, 256, 4),
-    "sm80": (16, 256, 4),
-    "interpreter": (4, 8, 4),
+# By whether h is read held in FP8 (the quantized MLP's backward: its bytes and rowwise scales,
+# dequantized in the load) or in its own dtype. In its own dtype, about 4096 activation columns a
+# program (gate and up: 16 KB of bf16 read per tile, enough bytes in flight to stream at HBM speed); the
+# backward walks a row's F columns in BLOCK_C steps. Held in FP8, sm90: 4 rows x 256 columns, the
+# fastest of both kernels in a sweep at four real widths on the H200, 1.3-2.4x the 16-row tile for the
+# backward at every width, the forward within 16% of each width's best (benchmarks/README.md, the gated
+# sweep). Tiny tiles under the interpreter, so that CPU tests cover several row tiles and several column
+# steps of a row.
+GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
+    "sm90": {False: (16, 256, 4), True: (4, 256, 4)},
+    "sm80": {False: (16, 256, 4), True: (16, 256, 4)},
+    "interpreter": {False: (4, 8, 4), True: (4, 8, 4)},
 }
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,

@@ -80,7 +80,7 @@ def _plan_forward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)]
+    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)][held.scaled]
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), ffn)
     constexprs = dict(
@@ -154,7 +154,7 @@ def _plan_backward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)]
+    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)][held.scaled]
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), d_out_MF.stride(0), 2 * ffn)
     constexprs = dict(
         GLU_BLOCK=glu_block,
