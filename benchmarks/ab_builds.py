@@ -63,16 +63,18 @@ def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
 
 
 def _layer_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str | None = None):
-    """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four); with
-    `quantization`, as MoELayer runs it: the weights' caches kept across steps and refreshed in place at
-    every step (`track_versions=False`), so the weights' quantization is timed in every step."""
+    """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four, or any of
+    its shapes and SonicMoE's by name); with `quantization`, as MoELayer runs it: the weights' caches kept
+    across steps and refreshed in place at every step (`track_versions=False`), so the weights'
+    quantization is timed in every step."""
     import bench_moe_layer as layer
     import runner
     import torch
 
     import moekit
 
-    pool = layer.SMOKE_SHAPES if smoke else layer.SHAPES[:4]
+    named = layer.SHAPES + layer.SONICMOE_SHAPES
+    pool = layer.SMOKE_SHAPES if smoke else (named if shape_names else layer.SHAPES[:4])
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool
     for shape in shapes:
         for dist in runner.DISTS:

@@ -328,6 +328,32 @@ def test_triton_backend_is_bit_identical_run_to_run():
         assert torch.equal(a, b)
 
 
+def _run_layer(inputs: dict, backend: str, dy: torch.Tensor) -> list[torch.Tensor]:
+    leaves = _leaves(inputs)
+    y = moekit.moe_experts(**leaves, backend=backend)
+    y.backward(dy)
+    return [y.detach(), *(t.grad for t in leaves.values() if t.is_floating_point())]
+
+
+def test_fc1_reading_token_rows_in_its_loads_gives_the_same_bits(monkeypatch):
+    """Where the backend says fc1 should read x's token rows in its loads (`gathered_fc1_pays`: narrow
+    experts on sm_90), node 1 calls `glu_forward_gathered` on the token rows instead of gathering them
+    first: output and every gradient bit for bit the same. (Under the interpreter the op gathers first
+    itself; the GATHER kernel is compared on the GPU.)"""
+    _require_triton()
+    from moekit.ops.runtime import glu as runtime_glu
+
+    inputs = make_inputs(15, 5, 2, bias=True, seed=21)
+    dy = rand(15, H, seed=22)
+    calls = []
+    want = _run_layer(inputs, "triton", dy)
+    monkeypatch.setattr(runtime_glu, "gathered_fc1_pays", lambda *args: calls.append(args) or True)
+    got = _run_layer(inputs, "triton", dy)
+    assert calls, "node 1 did not ask whether reading the token rows pays"
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------------------------------
 # What is kept for the backward
 # --------------------------------------------------------------------------------------------------
@@ -528,6 +554,32 @@ def test_moe_experts_bf16_matches_float64(backend, pool, nan_poison):
     for e in set(range(MOE_N)) - set(pool or range(MOE_N)):
         for name in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
             assert torch.count_nonzero(res[name][e]) == 0, f"expert {e} has no tokens but d {name}[{e}] != 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ffn", [256, 768])
+def test_fc1_gathering_in_its_loads_matches_gathering_first_on_the_gpu(ffn, monkeypatch):
+    """The layer with fc1 reading x's token rows in its loads (the Hopper kernel's GATHER variant, where
+    `configs.GATHERED_FC1_MAX_FFN` takes F) and with the rows gathered first (the table's entry at 0):
+    output and every gradient bit for bit, an expert left empty."""
+    require_backend("triton", MOE_H, 2 * ffn)
+    from moekit.ops.runtime import configs
+
+    inputs = {
+        k: v.to(BF16) if v.is_floating_point() else v for k, v in _moe_inputs([0, 2, 3, 4, 5, 6, 7], 3, True).items()
+    }
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    inputs["fc1_weight"] = torch.randn(MOE_N, 2 * ffn, MOE_H, device=CUDA, dtype=BF16, generator=g) / MOE_H**0.5
+    inputs["fc2_weight"] = torch.randn(MOE_N, MOE_H, ffn, device=CUDA, dtype=BF16, generator=g) / ffn**0.5
+    inputs["fc1_bias"] = torch.randn(MOE_N, 2 * ffn, device=CUDA, dtype=BF16, generator=g)
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16, generator=g)
+    results = []
+    for widest in (1024, 0):
+        monkeypatch.setitem(configs.GATHERED_FC1_MAX_FFN, "sm90", widest)
+        results.append(_run_layer(inputs, "triton", dy))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -336,17 +336,30 @@ class _Fc1Node(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         w1s, b1s = params[: spec.n_w1], params[spec.n_w1 :]
+        w1, b1 = stacked(w1s, 3, "fc1 weight"), stacked(b1s, 2, "fc1 bias")
+        assert w1 is not None  # check_mlp_params: fc1 has weights
+        glu_block, activation = spec.glu_interleave_size, spec.activation
+        # With a route whose h is held whole, fc1 reads x's token rows in its loads where the backend says
+        # that beats gathering them first (narrow experts); the same bits either way.
+        in_loads = (
+            route is not None
+            and kept == route.token_of_row.shape[0]
+            and _fused(spec).gathered_fc1_pays(x, w1, glu_block)
+        )
         if route is None:
             x_MH, probs_M = x, probs
         else:
             assert probs is not None  # a route's probs: the router weights (T, K)
-            x_MH, probs_M = route.to_rows(x), route.sorted_weights(probs)
-        w1, b1 = stacked(w1s, 3, "fc1 weight"), stacked(b1s, 2, "fc1 bias")
-        assert w1 is not None  # check_mlp_params: fc1 has weights
-        rows = x_MH.shape[0]
-        glu_block, activation = spec.glu_interleave_size, spec.activation
+            x_MH, probs_M = (x if in_loads else route.to_rows(x)), route.sorted_weights(probs)
+        rows = x_MH.shape[0] if route is None else route.token_of_row.shape[0]
         if kept == rows:
-            h, act = library.glu_forward(spec.backend, x_MH, w1, offs, b1, probs_M, glu_block, activation)
+            if in_loads:
+                assert route is not None  # in_loads
+                h, act = library.glu_forward_gathered(
+                    spec.backend, x, route.token_of_row, w1, offs, b1, probs_M, glu_block, activation
+                )
+            else:
+                h, act = library.glu_forward(spec.backend, x_MH, w1, offs, b1, probs_M, glu_block, activation)
             h_head = None
             ctx.mark_non_differentiable(act)
         else:

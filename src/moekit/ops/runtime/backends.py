@@ -87,6 +87,10 @@ class FusedMLP(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h (M, 2F), act (M, F)): fc1 + bias + activation (* probs) in one kernel."""
 
+    def gathered_fc1_pays(self, x_TH: torch.Tensor, w1_N2FH: torch.Tensor, glu_interleave_size: int | None) -> bool:
+        """Whether the layer's fc1 reads x's token rows in its loads (`glu_forward_gathered`'s kernel)
+        rather than gathering them first: the same bits either way, a choice of speed."""
+
     def glu_forward_gathered(
         self,
         x_TH: torch.Tensor,
@@ -539,6 +543,10 @@ class TritonBackend:
     @property
     def glu_forward_gathered(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         return _runtime().glu.glu_forward_gathered
+
+    @property
+    def gathered_fc1_pays(self) -> Callable[..., bool]:
+        return _runtime().glu.gathered_fc1_pays
 
     @property
     def glu_backward_partials(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

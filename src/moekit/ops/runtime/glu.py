@@ -33,6 +33,7 @@ from moekit.ops.kernels import activations as jit_activations
 from moekit.ops.kernels.glu import glu_backward_kernel, glu_forward_kernel
 from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
 from moekit.ops.runtime.configs import (
+    GATHERED_FC1_MAX_FFN,
     WS_BACKWARD,
     WS_FORWARD,
     WS_FORWARD_GATHER,
@@ -47,6 +48,7 @@ from moekit.ops.runtime.launch import (
     Launcher,
     LaunchPlan,
     Plan,
+    arch_of,
     block_groups,
     device_ctx,
     device_index,
@@ -428,6 +430,15 @@ def gathered_kernel_takes(
     transposed = transposed_weight(w1_N2FH, "fc1_weight")
     hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, x_TH, _stored(w1_N2FH), blocks_innermost=transposed)
     return hopper_kernels_take("fwd", x_TH, w1_N2FH, ffn, glu_block, hopper_tma, None)
+
+
+def gathered_fc1_pays(x_TH: torch.Tensor, w1_N2FH: torch.Tensor, glu_interleave_size: int | None) -> bool:
+    """Whether the layer's fc1 should read x's token rows in its loads: the GATHER variant takes the call
+    (`gathered_kernel_takes`) and F is within `configs.GATHERED_FC1_MAX_FFN` for the device's
+    architecture (where reading the rows by cp.async costs less than gathering them first)."""
+    ffn = w1_N2FH.shape[1] // 2
+    widest = GATHERED_FC1_MAX_FFN.get(arch_of(x_TH.device), 0)
+    return ffn <= widest and gathered_kernel_takes(x_TH, w1_N2FH, glu_interleave_size)
 
 
 def glu_forward_gathered(
