@@ -236,7 +236,7 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 # here, or F above it, gathers first. The gather costs one (M, H) write and read whatever F is, while
 # the GATHER variant's cp.async main loop is slower than TMA's by a share of fc1's own time (which
 # grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B).
-GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 1024}
+GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
 # the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
 # loop and the epilogue 240 of the 168 per thread of 12 warps.
