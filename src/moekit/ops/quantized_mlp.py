@@ -384,6 +384,7 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         probs_M, offs, b2, w2t_data, w2t_scale, *stored = ctx.saved_tensors
         route = ExpertRoute.from_saved(tuple(stored[:2]), ctx.use_triton)
         stored = stored[2:] if route is not None else stored
+        dy_MH = d_out if route is None else route.to_rows(d_out)
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc2_backend
         h_layout, w2_layout = ctx.layouts
@@ -391,20 +392,12 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         need_h, need_probs = need[_H2], need[_PROBS2] and probs_M is not None
         need_w, need_b = any(need[_PARAMS2 : _PARAMS2 + spec.n_w2]), any(need[_PARAMS2 + spec.n_w2 :])
         need_da = need_h or need_probs  # a's gradient: h's, and d probs' activation term
-        # dy's sorted rows in x's dtype, where anything reads them: the bias terms, the columnwise form
-        # (fc2's wgrad), and without a route the rowwise form (with a route, quantized from d out's token
-        # rows and its bytes gathered, as node 1's x).
-        rows_read = b2 is not None or need_w or (need_da and route is None)
-        dy_MH = None
-        if rows_read:
-            dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
-        go = GroupOffsets.of(offs, host_offs, d_out.shape[0] if route is None else route.token_of_row.shape[0])
+        dy_MH = row_major(dy_MH)
+        go = GroupOffsets.of(offs, host_offs, dy_MH.shape[0])
         dh = d_probs = dw = db = None
         glu_block, activation, on_kernel = spec.glu_interleave_size, spec.activation, spec.gated_triton
         # The bias sums and d probs' bias term from dy itself (padding rows zeroed).
-        dy_bias_MH = (
-            library.without_padding_rows(dy_MH, offs, host_offs) if dy_MH is not None and b2 is not None else None
-        )
+        dy_bias_MH = library.without_padding_rows(dy_MH, offs, host_offs) if b2 is not None else None
         if need_b:
             scale = probs_M if b2 is not None else None
             db = library.grouped_linear_dbias(backend, dy_bias_MH, offs, host_offs, scale)
@@ -418,17 +411,9 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
         segments = spec.fc2_fp8_wgrad
-        dy_q = dy_cols = None
-        rowwise_here = need_da and route is None
-        if dy_MH is not None and (rowwise_here or need_w):
-            dy_q, dy_cols = group_quantize_for_wgrad(
-                dy_MH, go, recipe, rowwise=rowwise_here, columnwise=need_w, segments=segments, backend=quantizer
-            )
-        del dy_MH
-        if need_da and route is not None:
-            dy_q = group_quantize_gathered(
-                row_major(d_out), route.token_of_row, go, recipe, quantizer, route.use_triton
-            )
+        dy_q, dy_cols = group_quantize_for_wgrad(
+            dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, backend=quantizer
+        )
         if need_w:
             assert dy_cols is not None  # columnwise
             # The wgrad's operand a, computed again from the held h and quantized columnwise.
