@@ -9,9 +9,9 @@
                  capabilities the fused paths and quantization ask for (backends.py)
     library.py   every launch as a torch.library custom op with a fake implementation
     the ops      activations (the registry), glu, grouped_linear, grouped_mlp (and quantized_mlp, its
-                 quantized node), moe_experts, rows
-                 (move_rows, permute, unpermute), routing (sort_by_expert), splits, quantize
-                 (group_quantize, group_dequantize, the quantized weights layers keep); each public op
+                 quantized nodes), moe_experts, rows (move_rows, the layer's ExpertRoute, permute,
+                 unpermute), routing (sort_by_expert), splits, quantize (group_quantize,
+                 group_dequantize, the quantized weights layers keep); each public op
                  with its reference beside it (float64; quantize's: the same bytes, group by group)
 
 Shape legend of the whole package. Internal tensor names may carry their shape as a suffix (`x_MI`,

@@ -14,7 +14,7 @@ computed as `unpermute(grouped_mlp(x_sorted, ..., probs=w in sorted order), row_
 4. Combine: `out[t] = sum_k y_sorted[row_map[t, k]]` (the weights are already in y_sorted).
 
 Where the backend has the fused MLP kernels (eager), the layer is the grouped MLP's two fused nodes with
-an `ExpertRoute` (`moekit.ops.grouped_mlp`): the gather happens inside node 1 and the combine inside
+an `ExpertRoute` (`moekit.ops.rows`): the gather happens inside node 1 and the combine inside
 node 2, two autograd nodes in all, and x is saved as the (T, H) token rows (gathered again in the
 backward), not as the K times larger (M, H) sorted copy. With `quantization` the quantized MLP's two nodes
 take an `ExpertRoute` the same way (eager): node 1 quantizes the token rows and gathers the FP8 bytes, so
