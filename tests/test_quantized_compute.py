@@ -392,6 +392,32 @@ def test_layer_moves_rows_as_permute_grouped_mlp_unpermute(recipe, backend):
         assert torch.equal(a, b), f"{name}: {(a != b).sum()} values differ"
 
 
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))],
+)
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_quantized_layer_takes_no_tokens_and_one_token(tokens, backend):
+    """The route's edges: no token (every expert empty: the outputs and x's gradient are empty, the
+    weights' gradients zero) and one token (two experts of four used), for every recipe."""
+    g = torch.Generator().manual_seed(9)
+    for recipe in RECIPES:
+        x = rand(tokens, 40, seed=1).requires_grad_(True)
+        ids = torch.tensor([[2, 0]] * tokens, dtype=torch.int64).reshape(tokens, 2)
+        weights = torch.rand(tokens, 2, generator=g).requires_grad_(True)
+        w1 = (rand(4, 48, 40, seed=2) / 40**0.5).requires_grad_(True)
+        w2 = (rand(4, 40, 24, seed=3) / 24**0.5).requires_grad_(True)
+        y = moekit.moe_experts(x, ids, weights, w1, w2, quantization=recipe, backend=backend)
+        y.backward(rand(tokens, 40, seed=4))
+        assert y.shape == (tokens, 40) and x.grad.shape == (tokens, 40) and weights.grad.shape == (tokens, 2)
+        assert torch.isfinite(y).all() and torch.isfinite(w1.grad).all() and torch.isfinite(w2.grad).all()
+        used = w1.grad.flatten(1).abs().sum(1) > 0
+        assert used.tolist() == ([True, False, True, False] if tokens else [False] * 4), recipe
+        if tokens:
+            y64 = reference.moe_experts_reference(x.double(), ids, weights.double(), w1.double(), w2.double())
+            assert rel_err(y, y64) <= BOUND, recipe
+
+
 def test_quantization_is_an_argument_and_none_is_unquantized():
     inputs = mlp_inputs(48, 40, [10, 20], 2)
     x, w1, w2 = inputs["x"].float(), inputs["w1"].float(), inputs["w2"].float()
