@@ -210,23 +210,6 @@ def moe_experts(
     # The weights in sorted order: a permutation, so this gather's backward (index_add_) writes each
     # weight's gradient exactly once: exact and deterministic.
     probs_M = topk_weights.reshape(-1).index_select(0, order.copy_of_row.view(-1))
-    rows = order.token_of_row.shape[0]
-    # On an accelerator the offsets on the device; on the CPU from the counts, read on the host for free
-    # (then the torch backend knows there are no padding rows to zero).
-    offs = (
-        resolve_splits(order.counts(), num_experts, rows, x.device)
-        if order.offs.device.type == "cpu"
-        else GroupOffsets(offs=order.offs, host=None, rows=rows)
-    )
-    if quantization is not None and not compiling:
-        # The quantized nodes move the rows themselves (an ExpertRoute): fc1's operand is quantized from the
-        # token rows and its FP8 bytes gathered, so no (M, H) tensor of x's dtype is written in the forward.
-        route = ExpertRoute.of(order, use_triton)
-        caches = weight_caches if weight_caches is not None else (None, None)
-        return quantized_mlp_of_backends(x, probs_M, offs, route, quantization, backend, fc1_impl, fc2_impl,
-                                         (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
-                                         caches)  # fmt: skip
-    x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
     mlp_kwargs: dict[str, Any] = dict(
         probs=probs_M,
         fc1_bias=fc1_bias,
@@ -240,11 +223,29 @@ def moe_experts(
     if compiling:
         # The traced graph decides itself what to keep (AOTAutograd's partitioner may recompute the
         # gather in the backward); saved-tensor hooks are not traced.
+        x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
         y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, order.counts(), **mlp_kwargs)
-    else:
-        pack, unpack = _regathering_hooks(x, x_sorted_MH, order.token_of_row, use_triton)
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offs, **mlp_kwargs)
+        return move_rows(y_sorted_MH, order.row_map, order.token_of_row, use_triton)
+    rows = order.token_of_row.shape[0]
+    # On an accelerator the offsets on the device; on the CPU from the counts, read on the host for free
+    # (then the torch backend knows there are no padding rows to zero).
+    offs = (
+        resolve_splits(order.counts(), num_experts, rows, x.device)
+        if order.offs.device.type == "cpu"
+        else GroupOffsets(offs=order.offs, host=None, rows=rows)
+    )
+    if quantization is not None:
+        # The quantized nodes move the rows themselves (an ExpertRoute): fc1's operand is quantized from the
+        # token rows and its FP8 bytes gathered, so no (M, H) tensor of x's dtype is written in the forward.
+        route = ExpertRoute.of(order, use_triton)
+        caches = weight_caches if weight_caches is not None else (None, None)
+        return quantized_mlp_of_backends(x, probs_M, offs, route, quantization, backend, fc1_impl, fc2_impl,
+                                         (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
+                                         caches)  # fmt: skip
+    x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
+    pack, unpack = _regathering_hooks(x, x_sorted_MH, order.token_of_row, use_triton)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y_sorted_MH = grouped_mlp(x_sorted_MH, fc1_weight, fc2_weight, offs, **mlp_kwargs)
     del x_sorted_MH
     return move_rows(y_sorted_MH, order.row_map, order.token_of_row, use_triton)
 
