@@ -339,21 +339,17 @@ class _Fc1Node(torch.autograd.Function):
         w1, b1 = stacked(w1s, 3, "fc1 weight"), stacked(b1s, 2, "fc1 bias")
         assert w1 is not None  # check_mlp_params: fc1 has weights
         glu_block, activation = spec.glu_interleave_size, spec.activation
+        rows = x.shape[0] if route is None else route.token_of_row.shape[0]
         # With a route whose h is held whole, fc1 reads x's token rows in its loads where the backend says
         # that beats gathering them first (narrow experts); the same bits either way.
-        in_loads = (
-            route is not None
-            and kept == route.token_of_row.shape[0]
-            and _fused(spec).gathered_fc1_pays(x, w1, glu_block)
-        )
-        if route is None:
-            x_MH, probs_M = x, probs
-        else:
+        in_loads = route is not None and kept == rows and _fused(spec).gathered_fc1_pays(x, w1, glu_block)
+        x_MH: torch.Tensor | None = x
+        probs_M = probs
+        if route is not None:
             assert probs is not None  # a route's probs: the router weights (T, K)
-            x_MH, probs_M = (x if in_loads else route.to_rows(x)), route.sorted_weights(probs)
-        rows = x_MH.shape[0] if route is None else route.token_of_row.shape[0]
+            x_MH, probs_M = (None if in_loads else route.to_rows(x)), route.sorted_weights(probs)
         if kept == rows:
-            if in_loads:
+            if x_MH is None:  # in_loads
                 assert route is not None  # in_loads
                 h, act = library.glu_forward_gathered(
                     spec.backend, x, route.token_of_row, w1, offs, b1, probs_M, glu_block, activation
@@ -367,6 +363,7 @@ class _Fc1Node(torch.autograd.Function):
             # as one launch (a row's h and act depend on its x, probs and expert only). The tail's h is
             # dropped. `out` is not part of the custom op: this node runs in eager only.
             assert probs_M is not None  # h is split for a route only (moe_experts), which has router weights
+            assert x_MH is not None  # fc1 reads the token rows itself only where h is held whole
             fused, ffn = _fused(spec), w1.shape[1] // 2
             offs_head, offs_tail = _split_offsets(offs, kept, rows)
             h_head, act = x_MH.new_empty(kept, 2 * ffn), x_MH.new_empty(rows, ffn)

@@ -135,12 +135,7 @@ def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOf
         num, rows = x.shape[0], x.shape[1]
         if num == 0:
             raise ValueError("the weight has no members (N = 0); group_quantize needs at least one")
-        host = tuple(i * rows for i in range(num + 1))
-        if rows:  # one launch (arange's step), not arange then a product
-            offs = torch.arange(0, (num + 1) * rows, rows, dtype=torch.int64, device=x.device)
-        else:
-            offs = torch.zeros(num + 1, dtype=torch.int64, device=x.device)
-        return GroupOffsets(offs=offs, host=host, rows=num * rows)
+        return _equal_groups(num, rows, x.device)
     if x.dim() != 2:
         raise ValueError(
             f"x must be 2-D (rows, cols) with m_splits, or an (N, rows, cols) weight with m_splits=None; got "
@@ -150,6 +145,16 @@ def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOf
     if num == 0:
         raise ValueError("m_splits has no groups; group_quantize needs at least one")
     return resolve_splits(m_splits, num, x.shape[0], x.device)
+
+
+def _equal_groups(num: int, rows: int, device: torch.device) -> GroupOffsets:
+    """`num` groups of `rows` rows each, the offsets on the device and the host."""
+    host = tuple(i * rows for i in range(num + 1))
+    if rows:  # one launch (arange's step), not arange then a product
+        offs = torch.arange(0, (num + 1) * rows, rows, dtype=torch.int64, device=device)
+    else:
+        offs = torch.zeros(num + 1, dtype=torch.int64, device=device)
+    return GroupOffsets(offs=offs, host=host, rows=num * rows)
 
 
 def _slot_offsets(info: Recipe, x: torch.Tensor, offs: GroupOffsets) -> torch.Tensor:
@@ -472,12 +477,7 @@ def group_quantize_gathered(
     reads x's bf16 once and moves 1-byte data where the gather-then-quantize order moves 2-byte rows twice
     (the gather's write, the quantizer's read). index_M1: (M, 1) integer rows of x; use_triton: the row
     kernel moves the bytes (`moekit.ops.runtime.backends.use_triton_rows`). On checked arguments."""
-    tokens = x_TX.shape[0]
-    if tokens:  # one launch (arange's step)
-        one_group = torch.arange(0, 2 * tokens, tokens, dtype=torch.int64, device=x_TX.device)
-    else:
-        one_group = torch.zeros(2, dtype=torch.int64, device=x_TX.device)
-    x_q = group_quantize(x_TX, GroupOffsets(one_group, (0, tokens), tokens), recipe, backend=backend)
+    x_q = group_quantize(x_TX, _equal_groups(1, x_TX.shape[0], x_TX.device), recipe, backend=backend)
     assert x_q.rowwise_data is not None and x_q.rowwise_scale_inv is not None  # rowwise
     data = _gather_bytes(x_q.rowwise_data, index_M1, use_triton)
     scale = _gather_bytes(x_q.rowwise_scale_inv, index_M1, use_triton)
