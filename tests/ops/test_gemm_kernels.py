@@ -230,6 +230,71 @@ def test_interpreter_wgrad_ragged_tails(nan_outputs):
         assert_close(dw[g], rdw[g], tdw[g], torch.float32)
 
 
+def gathered_wgrad_problem(splits, pad, T, O, I, dtype, device, seed=1):
+    """Operands of a wgrad over sum(splits) + pad routed rows whose dy and x rows are read through row
+    maps: dy_T (T, O) and x_T (T, I) source rows (row T - 1 NaN: no valid map entry points at it), maps
+    into them (padding entries point at the NaN row: they must not be read), and the gathered
+    (M, O) / (M, I) operands with NaN padding rows."""
+    gen = torch.Generator().manual_seed(seed)
+    used = sum(splits)
+    M = used + pad
+    dy_T = torch.randn(T, O, generator=gen).to(device=device, dtype=dtype)
+    x_T = torch.randn(T, I, generator=gen).to(device=device, dtype=dtype)
+    dy_T[T - 1] = float("nan")
+    x_T[T - 1] = float("nan")
+    dy_rows = torch.randint(0, T - 1, (M,), generator=gen)
+    x_rows = torch.randint(0, T - 1, (M,), generator=gen)
+    dy_rows[used:] = T - 1
+    x_rows[used:] = T - 1
+    dy_rows, x_rows = dy_rows.to(device), x_rows.to(device)
+    return dy_T, x_T, dy_rows, x_rows, dy_T[dy_rows], x_T[x_rows]
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "use_tma,flatten", [(True, True), (True, False), (False, True)], ids=["tma-flat", "tma-nested", "ptr"]
+)
+@pytest.mark.parametrize("gathered", ["x", "dy", "both"])
+def test_interpreter_wgrad_gathered_rows(use_tma, flatten, gathered, nan_outputs):
+    """wgrad with an operand read through a row map (x's token rows in the layer's fc1 wgrad, d out's in
+    fc2's): bit for bit the wgrad of the gathered rows (same configuration), within the rule of float64.
+    Groups: ragged, empty, whole K steps, one row, ragged into the padding (whose map entries point at a
+    NaN row, never to be read); the non-gathered operand's padding rows are NaN too."""
+    cfg = configs.GemmConfig(16, 32, 16, 2, 1, 4, flatten, use_tma)
+    splits = [35, 0, 32, 1, 24]
+    dy_T, x_T, dy_rows, x_rows, dy_M, x_M = gathered_wgrad_problem(splits, 9, 50, 96, 64, torch.float32, "cpu")
+    offs = offs_of(splits, "cpu")
+    maps = {
+        "x": dict(x_rows=x_rows),
+        "dy": dict(dy_rows=dy_rows.to(torch.int32)),
+        "both": dict(dy_rows=dy_rows, x_rows=x_rows),
+    }[gathered]
+    dy_in = dy_T if "dy_rows" in maps else dy_M
+    x_in = x_T if "x_rows" in maps else x_M
+    dw = gg.grouped_gemm_wgrad(dy_in, x_in, offs, cfg=cfg, use_tma=use_tma, **maps)
+    assert torch.equal(dw, gg.grouped_gemm_wgrad(dy_M, x_M, offs, cfg=cfg, use_tma=use_tma))
+    used = sum(splits)
+    rdw, _ = ref_wgrad(dy_M[:used], x_M[:used], splits)
+    tdw, _ = ref_wgrad(dy_M[:used], x_M[:used], splits, dtype=torch.float32)
+    assert (dw[1] == 0).all()
+    for g in (0, 2, 3, 4):
+        assert_close(dw[g], rdw[g], tdw[g], torch.float32)
+
+
+def test_wgrad_row_maps_are_checked():
+    x, dy = torch.randn(10, 8), torch.randn(6, 4)
+    offs = offs_of([3, 3], "cpu")
+    rows = torch.arange(6)
+    with pytest.raises(ValueError, match="x_rows must be int32 or int64"):
+        gg.grouped_gemm_wgrad(dy, x, offs, x_rows=rows.float())
+    with pytest.raises(ValueError, match=r"x_rows must be \(M,\) or \(M, 1\)"):
+        gg.grouped_gemm_wgrad(dy, x, offs, x_rows=rows.view(2, 3))
+    with pytest.raises(ValueError, match="must have the same number of rows"):
+        gg.grouped_gemm_wgrad(dy, x, offs, x_rows=rows[:5])
+    with pytest.raises(ValueError, match="must have the same number of rows"):
+        gg.grouped_gemm_wgrad(dy, x, offs)
+
+
 @cpu_only
 def test_interpreter_many_tiles_per_program(nan_outputs):
     # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
@@ -344,6 +409,30 @@ def test_gpu_every_candidate(op, nan_outputs):
         else:
             assert (out[used:] == 0).all(), cfg
             assert_close(out[:used], ref64, ref_bf16, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gathered", ["x", "dy"])
+def test_gpu_wgrad_gathered_rows_bit_for_bit(gathered, nan_outputs):
+    """On the GPU (TMA for the other operand, cp.async pointer loads for the gathered one): the wgrad of
+    the rows read through a row map equals the wgrad of the gathered rows bit for bit, at the layer's
+    shapes (fc1: O = 2F, I = H, x gathered; fc2: O = H, I = F, dy gathered), ragged, empty and one-row
+    groups, padding map entries pointing at a NaN row."""
+    splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
+    O, I = (512, 2048) if gathered == "x" else (2048, 256)
+    dy_T, x_T, dy_rows, x_rows, dy_M, x_M = gathered_wgrad_problem(splits, 37, 3000, O, I, torch.bfloat16, "cuda")
+    offs = offs_of(splits, "cuda")
+    if gathered == "x":
+        dw = gg.grouped_gemm_wgrad(dy_M, x_T, offs, x_rows=x_rows)
+    else:
+        dw = gg.grouped_gemm_wgrad(dy_T, x_M, offs, dy_rows=dy_rows)
+    assert torch.equal(dw, gg.grouped_gemm_wgrad(dy_M, x_M, offs))
+    used = sum(splits)
+    ref64, ref_bf16 = (ref_wgrad(dy_M[:used], x_M[:used], splits, dtype=d)[0] for d in (torch.float64, torch.bfloat16))
+    for g in range(len(splits)):
+        if splits[g]:
+            assert_close(dw[g], ref64[g], ref_bf16[g], torch.bfloat16)
 
 
 @gpu

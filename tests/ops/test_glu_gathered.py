@@ -115,16 +115,20 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekit.ops.kernels.glu_hopper import glu_forward_ws_kernel as kernel
-from moekit.ops.runtime.configs import WS_FORWARD, WS_FORWARD_GATHER
+from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
+from moekit.ops.runtime import configs
 from moekit.ops.runtime.glu import jit_pair
 
-gather, glu_block, paired, transposed, dtype = json.loads(sys.argv[1])
-config = dict(WS_FORWARD_GATHER if gather else WS_FORWARD)
+kind, gather, glu_block, paired, transposed, dtype = json.loads(sys.argv[1])
+kernel = glu_forward_ws_kernel if kind == "forward" else glu_backward_ws_kernel
+name = ("WS_FORWARD" if kind == "forward" else "WS_BACKWARD") + ("_GATHER" if gather else "")
+config = dict(getattr(configs, name))
 options = {"num_warps": config.pop("num_warps"), "maxnreg": config.pop("maxnreg")}
-const = dict(config, **jit_pair("swiglu"), GLU_BLOCK=glu_block, HAS_PROBS=True, HAS_BIAS=True, PAIRED=paired,
+const = dict(config, **jit_pair("swiglu"), GLU_BLOCK=glu_block, HAS_PROBS=True,
              BLOCK_GROUPS=256, NUM_PROGRAMS=132, W_TRANSPOSED=transposed)
-ptr = {"probs_ptr": "*fp32", "offs_ptr": "*i64", "idx_ptr": "*i64"}
+if kind == "forward":
+    const.update(HAS_BIAS=True, PAIRED=paired)
+ptr = {"probs_ptr": "*fp32", "dprobs_ptr": "*fp32", "offs_ptr": "*i64", "idx_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else ptr.get(n, "*" + dtype) if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
 # As the launcher specialises them: 16-byte aligned pointers, strides divisible by 16.
@@ -134,38 +138,55 @@ src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.ind
                      attrs=attrs)
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 ptx = compiled.asm["ptx"]
+load_regs = config["LOAD_REGS"]
 print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
                   "cp_async_16": ptx.count("cp.async.cg.shared.global"),
                   "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
                   "fence": ptx.count("fence.proxy.async.shared::cta"), "tma": ptx.count("cp.async.bulk.tensor.2d"),
                   "expect": ptx.count("mbarrier.arrive.expect_tx"), "setmaxnreg": "setmaxnreg" in ptx,
-                  "load_regs": "setmaxnreg.inc.sync.aligned.u32 \\t40;" in ptx}))
+                  "load_regs": f"setmaxnreg.dec.sync.aligned.u32 \t{load_regs};" in ptx
+                  or f"setmaxnreg.inc.sync.aligned.u32 \t{load_regs};" in ptx}))
 """
 
 
 @pytest.mark.parametrize(
-    "gather,glu_block,paired,transposed,dtype",
+    "kind,gather,glu_block,paired,transposed,dtype",
     [
-        (True, 768, False, False, "bf16"),
-        (True, 768, False, False, "fp16"),
-        (True, 4, True, True, "bf16"),
-        (True, 2880, False, True, "bf16"),
-        (False, 768, False, False, "bf16"),
+        ("forward", True, 768, False, False, "bf16"),
+        ("forward", True, 768, False, False, "fp16"),
+        ("forward", True, 4, True, True, "bf16"),
+        ("forward", True, 2880, False, True, "bf16"),
+        ("forward", False, 768, False, False, "bf16"),
+        ("backward", True, 256, False, False, "bf16"),
+        ("backward", True, 1, False, True, "fp16"),
+        ("backward", False, 256, False, False, "bf16"),
     ],
-    ids=["gather-gate|up-bf16", "gather-gate|up-fp16", "gather-k4-transposed", "gather-gptoss", "tma-x"],
+    ids=[
+        "fwd-gather-gate|up-bf16",
+        "fwd-gather-gate|up-fp16",
+        "fwd-gather-k4-transposed",
+        "fwd-gather-gptoss",
+        "fwd-tma-x",
+        "bwd-gather-gate|up-bf16",
+        "bwd-gather-k1-transposed-fp16",
+        "bwd-tma-dy",
+    ],
 )
-def test_gather_kernel_compiles_for_sm90(gather, glu_block, paired, transposed, dtype):
-    """The GATHER forward compiles for sm_90 into the same 16 warps inside 227 KB of shared memory: x's
-    slot by 8 cp.async copies of 16 bytes a thread (64 columns of 128 rows over 128 threads), one
-    counted arrival, the weights by 2 TMA boxes under one expect, a proxy fence before wgmma, the load
-    partition at 40 registers. Without GATHER x still comes by TMA (3 boxes) and no cp.async is issued."""
-    got = compile_in_subprocess(_COMPILE_GATHER_FOR_SM90, json.dumps([gather, glu_block, paired, transposed, dtype]))
-    assert got["num_warps"] == 16 and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024
+def test_gather_kernels_compile_for_sm90(kind, gather, glu_block, paired, transposed, dtype):
+    """The GATHER variants compile for sm_90 into the TMA kernels' warps (forward 16, backward 12) inside
+    227 KB of shared memory: the gathered slot (x's, or d out's) by 8 cp.async copies of 16 bytes a
+    thread (64 columns of 128 rows over 128 threads), one counted arrival, the weights by 2 TMA boxes
+    under one expect, a proxy fence before wgmma, the load partition at 40 registers. Without GATHER
+    the rows still come by TMA and no cp.async is issued."""
+    args = json.dumps([kind, gather, glu_block, paired, transposed, dtype])
+    got = compile_in_subprocess(_COMPILE_GATHER_FOR_SM90, args)
+    warps = 16 if kind == "forward" else 12
+    assert got["num_warps"] == warps and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024, got
     if gather:
         assert (got["cp_async_16"], got["noinc"], got["fence"], got["tma"]) == (8, 1, 1, 2), got
         assert got["expect"] == 1 and got["load_regs"], got
-    else:
-        assert (got["cp_async_16"], got["noinc"], got["fence"], got["tma"]) == (0, 0, 0, 3), got
+    else:  # three boxes a slot (the backward's loop is emitted in more than one copy)
+        assert (got["cp_async_16"], got["noinc"], got["fence"]) == (0, 0, 0) and got["tma"] >= 3, got
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,3 +247,36 @@ def test_gpu_gathered_forward_is_gather_then_kernel(case, dtype, nan_poison):
     rglu.glu_forward_gathered(x, tokens[lo:], w1, offs_tail, b1, p[lo:] if p is not None else None, k, "swiglu",
                               out=(h_out, act_out))  # fmt: skip
     assert torch.equal(h_out, h_ref[lo:]) and torch.equal(act_out, act_ref[lo:])
+
+
+@pytest.mark.gpu
+@on_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(GATHER_CASES), ids=list(GATHER_CASES))
+def test_gpu_gathered_backward_is_gather_then_kernel(case, dtype, nan_poison):
+    """glu_backward_gathered_partials on the backward's GATHER kernel == d out's rows gathered, then the
+    Hopper backward, bit for bit: dh, act_p and the d probs partials, NaN-poisoned outputs; padding rows
+    zero although their tokens lie far out of d out."""
+    T, splits, pad, H, F, k, _, transposed, form = GATHER_CASES[case]
+    splits = qwen_splits(T) if splits is None else splits
+    d_out, tokens, valid, _, offs, _, p = problem(T, splits, pad, H, F, dtype, CUDA, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    w2 = (torch.randn(len(splits), H, F, generator=gen) / F**0.5).to(CUDA, dtype)
+    if transposed:  # gpt-oss's storage: a transposed view of an (N, F, H) tensor
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    h = torch.randn(tokens.shape[0], 2 * F, generator=gen).to(CUDA, dtype)
+    if form.startswith("M-"):
+        tokens = tokens.view(-1)
+    tokens = tokens.to(torch.int32 if form.endswith("int32") else torch.int64)
+    dy_MH = d_out[valid.view(-1)]
+    # The Hopper backward needs 64 | H where w2 is stored (N, H, F) (odd_H_200 runs the Triton kernel).
+    hopper = rglu.hopper_kernels_take("bwd", dy_MH, w2, F, F if k is None else k, True, None)
+    takes = rglu.gathered_backward_kernel_takes(d_out, w2, k)
+    assert takes == (hopper and H % 16 == 0) and (hopper or case == "odd_H_200")
+    tokens = tokens if takes else valid.view(tokens.shape).to(tokens.dtype)
+    dh, act_p, part = rglu.glu_backward_gathered_partials(d_out, tokens, w2, h, offs, p, k, "swiglu")
+    dh_ref, act_ref, part_ref = rglu.glu_backward_partials(dy_MH, w2, h, offs, p, k, "swiglu")
+    rows = sum(splits)
+    assert torch.equal(dh[:rows], dh_ref[:rows]) and torch.equal(act_p[:rows], act_ref[:rows])
+    assert torch.equal(part[:, :rows], part_ref[:, :rows])
+    assert torch.count_nonzero(dh[rows:]) == 0 and torch.count_nonzero(act_p[rows:]) == 0

@@ -335,21 +335,34 @@ def _run_layer(inputs: dict, backend: str, dy: torch.Tensor) -> list[torch.Tenso
     return [y.detach(), *(t.grad for t in leaves.values() if t.is_floating_point())]
 
 
-def test_fc1_reading_token_rows_in_its_loads_gives_the_same_bits(monkeypatch):
-    """Where the backend says fc1 should read x's token rows in its loads (`gathered_fc1_pays`: narrow
-    experts on sm_90), node 1 calls `glu_forward_gathered` on the token rows instead of gathering them
-    first: output and every gradient bit for bit the same. (Under the interpreter the op gathers first
-    itself; the GATHER kernel is compared on the GPU.)"""
+@pytest.mark.parametrize("kernel", ["fc1", "wgrad", "dout"])
+def test_kernels_reading_token_rows_in_their_loads_give_the_same_bits(kernel, monkeypatch):
+    """Where the backend says a kernel should read token rows in its loads (`gathered_fc1_pays`,
+    `gathered_wgrad_pays`, `gathered_backward_pays`: narrow experts on sm_90), the nodes hand it the
+    token rows and the token map instead of gathering them first (fc1 + activation:
+    `glu_forward_gathered`; fc1's weight gradient: `wgrad_gathered` of x; fc2's backward:
+    `glu_backward_gathered` and `wgrad_gathered` of d out, which needs the layer without fc2 bias):
+    output and every gradient bit for bit the same. (Under the interpreter the fused ops gather first
+    themselves and the wgrad kernel reads through the map; the Hopper kernels are compared on the
+    GPU.)"""
     _require_triton()
+    from moekit.ops.runtime import gemm as runtime_gemm
     from moekit.ops.runtime import glu as runtime_glu
 
     inputs = make_inputs(15, 5, 2, bias=True, seed=21)
+    if kernel == "dout":
+        del inputs["fc2_bias"]
     dy = rand(15, H, seed=22)
     calls = []
     want = _run_layer(inputs, "triton", dy)
-    monkeypatch.setattr(runtime_glu, "gathered_fc1_pays", lambda *args: calls.append(args) or True)
+    module, name = {
+        "fc1": (runtime_glu, "gathered_fc1_pays"),
+        "wgrad": (runtime_gemm, "gathered_wgrad_pays"),
+        "dout": (runtime_glu, "gathered_backward_pays"),
+    }[kernel]
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or True)
     got = _run_layer(inputs, "triton", dy)
-    assert calls, "node 1 did not ask whether reading the token rows pays"
+    assert calls, f"node 1 did not ask {name}"
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
@@ -560,9 +573,10 @@ def test_moe_experts_bf16_matches_float64(backend, pool, nan_poison):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("ffn", [256, 768])
 def test_fc1_gathering_in_its_loads_matches_gathering_first_on_the_gpu(ffn, monkeypatch):
-    """The layer with fc1 reading x's token rows in its loads (the Hopper kernel's GATHER variant, where
-    `configs.GATHERED_FC1_MAX_FFN` takes F) and with the rows gathered first (the table's entry at 0):
-    output and every gradient bit for bit, an expert left empty."""
+    """The layer with fc1 and its weight gradient reading x's token rows in their loads (the Hopper
+    kernel's GATHER variant and the wgrad kernel's row map, where `configs.GATHERED_FC1_MAX_FFN` and
+    `configs.GATHERED_WGRAD_MAX_FFN` take F) and with the rows gathered first (the tables' entries at
+    0): output and every gradient bit for bit, an expert left empty."""
     require_backend("triton", MOE_H, 2 * ffn)
     from moekit.ops.runtime import configs
 
@@ -577,6 +591,7 @@ def test_fc1_gathering_in_its_loads_matches_gathering_first_on_the_gpu(ffn, monk
     results = []
     for widest in (1024, 0):
         monkeypatch.setitem(configs.GATHERED_FC1_MAX_FFN, "sm90", widest)
+        monkeypatch.setitem(configs.GATHERED_WGRAD_MAX_FFN, "sm90", widest)
         results.append(_run_layer(inputs, "triton", dy))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)

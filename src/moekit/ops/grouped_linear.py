@@ -174,13 +174,23 @@ def wgrad_in_layout(
     offs: torch.Tensor,
     host_offs: list[int] | None,
     transposed: bool,
+    dy_rows: torch.Tensor | None = None,
+    x_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight gradient (N, O, I), dense in the layout of the weight's tensor: where the weight is a
     transposed view (`transposed`, from `stored_transposed`), x^T dy is computed as (N, I, O) and
     returned as its transposed view. The gradient that reaches the stored (N, I, O) parameter through
     the view is then dense in that parameter's layout, which autograd's gradient accumulation keeps as
     it is; a row-major (N, O, I) gradient would be copied into the parameter's layout there, a copy of
-    the whole weight per backward."""
+    the whole weight per backward.
+
+    dy_rows / x_rows: dy's / x's row of each routed row ((M,) or (M, 1)), the operand then holding the
+    rows it maps into (the tokens): the gradient of the gathered rows dy_MO[dy_rows] / x_MI[x_rows], read
+    in the kernel's loads (backends with the FusedMLP capability; host_offs unused)."""
+    if dy_rows is not None or x_rows is not None:
+        if transposed:
+            return library.wgrad_gathered(backend, x_MI, dy_MO, offs, x_rows, dy_rows).transpose(1, 2)
+        return library.wgrad_gathered(backend, dy_MO, x_MI, offs, dy_rows, x_rows)
     if transposed:
         return library.grouped_linear_wgrad(backend, x_MI, dy_MO, offs, host_offs).transpose(1, 2)
     return library.grouped_linear_wgrad(backend, dy_MO, x_MI, offs, host_offs)

@@ -401,9 +401,14 @@ class _Fc1Node(torch.autograd.Function):
             # The weight gradient first: x's sorted rows (gathered again for a route) are released before
             # dx is allocated, so the backward's peak holds one of them, not both.
             if any(need[_FC1_PARAMS : _FC1_PARAMS + spec.n_w1]):
-                x_MH = x if route is None else route.to_rows(x)
-                dw1 = wgrad_in_layout(spec.backend, dh_M2F, x_MH, offs, None, stored_transposed(w1s[0]))
-                del x_MH
+                transposed = stored_transposed(w1s[0])
+                if route is not None and _fused(spec).gathered_wgrad_pays(x, dh_M2F.shape[1] // 2):
+                    # The kernel reads x's token rows itself: the same bits, no (M, H) copy.
+                    dw1 = wgrad_in_layout(spec.backend, dh_M2F, x, offs, None, transposed, x_rows=route.token_of_row)
+                else:
+                    x_MH = x if route is None else route.to_rows(x)
+                    dw1 = wgrad_in_layout(spec.backend, dh_M2F, x_MH, offs, None, transposed)
+                    del x_MH
             if any(need[_FC1_PARAMS + spec.n_w1 :]):
                 db1 = library.grouped_linear_dbias(spec.backend, dh_M2F, offs, None, None)
             if need[_FC1_X]:
@@ -465,19 +470,37 @@ class _Fc2Node(torch.autograd.Function):
         w2s = tuple(rest[: spec.n_w2])
         w2 = stacked(w2s, 3, "fc2 weight")
         assert w2 is not None  # check_mlp_params: fc2 has weights
-        dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
-        if not ctx.recomputes:
+        glu_block, activation = spec.glu_interleave_size, spec.activation
+        # With a route, h held whole and no fc2 bias (whose gradient and d probs term read dy's sorted rows),
+        # the backward's kernels read d out's token rows in their loads where the backend says that beats
+        # gathering them first (narrow experts); the same bits either way.
+        in_loads = (
+            route is not None
+            and not ctx.recomputes
+            and b2 is None
+            and _fused(spec).gathered_backward_pays(d_out, w2, glu_block)
+        )
+        dy_rows = None
+        if in_loads:
+            assert route is not None  # in_loads
+            dy_MH, dy_rows = row_major(d_out), route.token_of_row
+            dh, act_p, dprobs = library.glu_backward_gathered(
+                spec.backend, dy_MH, dy_rows, w2, h_held, offs, probs_M, glu_block, activation
+            )
+        elif not ctx.recomputes:
+            dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
             dh, act_p, dprobs = library.glu_backward(
-                spec.backend, dy_MH, w2, h_held, offs, probs_M, spec.glu_interleave_size, spec.activation
+                spec.backend, dy_MH, w2, h_held, offs, probs_M, glu_block, activation
             )
         else:
+            dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
             x, *fc1_params = rest[spec.n_w2 :]
             fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
             dh, act_p, dprobs = _glu_backward_recomputing(spec, dy_MH, w2, h_held, offs, probs_M, route, fc1)
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
-            dw2 = wgrad_in_layout(spec.backend, dy_MH, act_p, offs, None, stored_transposed(w2))
+            dw2 = wgrad_in_layout(spec.backend, dy_MH, act_p, offs, None, stored_transposed(w2), dy_rows=dy_rows)
         if probs_M is not None and need_probs and b2 is not None:
             # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
             # r]> (y = ... + b2 * p).

@@ -343,6 +343,14 @@ def _glu_forward_gathered(backend: str, x_TH: torch.Tensor, token_of_row: torch.
     )
 
 
+def _wgrad_gathered(backend: str, dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+                    dy_rows: torch.Tensor | None,
+                    x_rows: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """(N, O, I) per-group dy^T x of the routed rows dy[dy_rows], x[x_rows] (an operand without a row map:
+    its own rows), read by the kernel (`moekit.ops.runtime.gemm.grouped_gemm_wgrad`)."""
+    return _fused(backend).wgrad_gathered(dy, x, offs, dy_rows, x_rows)
+
+
 def _glu_backward(backend: str, dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F: torch.Tensor,
                   offs: torch.Tensor, probs_M: torch.Tensor | None, glu_interleave_size: int | None,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -352,6 +360,19 @@ def _glu_backward(backend: str, dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F
     )
     # A fixed-shape sum over the column tiles: a fixed order, deterministic.
     return dh, act_p, (part.sum(0) if part is not None else dy_MH.new_empty(0, dtype=torch.float32))
+
+
+def _glu_backward_gathered(backend: str, d_out_TH: torch.Tensor, token_of_row: torch.Tensor,
+                           w2_NHF: torch.Tensor, h_M2F: torch.Tensor, offs: torch.Tensor,
+                           probs_M: torch.Tensor | None, glu_interleave_size: int | None,
+                           activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`_glu_backward` of the routed rows d_out_TH[token_of_row] (M, H), the same bits; the kernel reads the
+    token rows where it can, else they are gathered first
+    (`moekit.ops.runtime.glu.glu_backward_gathered_partials`)."""
+    dh, act_p, part = _fused(backend).glu_backward_gathered_partials(
+        d_out_TH, token_of_row, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
+    )
+    return dh, act_p, (part.sum(0) if part is not None else d_out_TH.new_empty(0, dtype=torch.float32))
 
 
 def _dbias_and_dot(backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor,
@@ -365,6 +386,10 @@ _glu_forward_gathered_op = torch.library.custom_op(
     "moekit::glu_forward_gathered", _glu_forward_gathered, mutates_args=()
 )
 _glu_backward_op = torch.library.custom_op("moekit::glu_backward", _glu_backward, mutates_args=())
+_wgrad_gathered_op = torch.library.custom_op("moekit::wgrad_gathered", _wgrad_gathered, mutates_args=())
+_glu_backward_gathered_op = torch.library.custom_op(
+    "moekit::glu_backward_gathered", _glu_backward_gathered, mutates_args=()
+)
 _dbias_and_dot_op = torch.library.custom_op("moekit::dbias_and_dot", _dbias_and_dot, mutates_args=())
 
 
@@ -415,6 +440,35 @@ def _(
     return dy_MH.new_empty(rows, 2 * ffn), dy_MH.new_empty(rows, ffn), dprobs
 
 
+@_glu_backward_gathered_op.register_fake
+def _(
+    backend: str,
+    d_out_TH: torch.Tensor,
+    token_of_row: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, ffn = token_of_row.shape[0], w2_NHF.shape[2]
+    dprobs = d_out_TH.new_empty(rows if probs_M is not None else 0, dtype=torch.float32)
+    return d_out_TH.new_empty(rows, 2 * ffn), d_out_TH.new_empty(rows, ffn), dprobs
+
+
+@_wgrad_gathered_op.register_fake
+def _(
+    backend: str,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    dy_rows: torch.Tensor | None,
+    x_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    return dy.new_empty(offs.shape[0] - 1, dy.shape[1], x.shape[1])
+
+
 @_dbias_and_dot_op.register_fake
 def _(
     backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
@@ -425,6 +479,8 @@ def _(
 glu_forward = _entry(_glu_forward_op, _glu_forward)
 glu_forward_gathered = _entry(_glu_forward_gathered_op, _glu_forward_gathered)
 dbias_and_dot = _entry(_dbias_and_dot_op, _dbias_and_dot)
+wgrad_gathered = _entry(_wgrad_gathered_op, _wgrad_gathered)
+_glu_backward_gathered_entry = _entry(_glu_backward_gathered_op, _glu_backward_gathered)
 _glu_backward_entry = _entry(_glu_backward_op, _glu_backward)
 
 
@@ -441,6 +497,25 @@ def glu_backward(
     """(dh (M, 2F), act_p (M, F), d probs (M,) fp32 or None)."""
     dh, act_p, dprobs = _glu_backward_entry(
         backend, dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
+    )
+    return dh, act_p, (dprobs if probs_M is not None else None)
+
+
+def glu_backward_gathered(
+    backend: str,
+    d_out_TH: torch.Tensor,
+    token_of_row: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`glu_backward` of the routed rows d_out_TH[token_of_row]: (dh (M, 2F), act_p (M, F), d probs (M,)
+    fp32 or None)."""
+    dh, act_p, dprobs = _glu_backward_gathered_entry(
+        backend, d_out_TH, token_of_row, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
     )
     return dh, act_p, (dprobs if probs_M is not None else None)
 

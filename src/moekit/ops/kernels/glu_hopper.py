@@ -133,6 +133,42 @@ def _interleave(gate, up, GLU_BLOCK: gl.constexpr, layout: gl.constexpr):
 
 # The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
 # of worker partitions; each uses its own part of them.
+@gluon.constexpr_function
+def _gather_layout(elem_bytes, block_red, num_warps):
+    """The layout of a gathered slot: BLOCK_RED columns of a row as 16-byte pieces across a warp's lanes,
+    rows across the warps."""
+    vec = 16 // elem_bytes
+    return gl.BlockedLayout([1, vec], [32 * vec // block_red, block_red // vec], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _gathered_rows(
+    src_ptr, idx_ptr, stride_src, row0, row_lo, row_hi, real, BLOCK_M: gl.constexpr, layout: gl.constexpr
+):
+    """(row addresses (BLOCK_M, 1), row mask (BLOCK_M, 1)) of a tile's routed rows row0 + i, each the
+    source row idx[row] (the token of a sorted row), read once a tile. Only the tile's own expert's rows
+    (never idx past offs[N]); the others copy nothing and read as zeros."""
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
+    token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
+    return gl.expand_dims(src_ptr + token.to(gl.int64) * stride_src, 1), gl.expand_dims(mask_m, 1)
+
+
+@gluon.jit
+def _gather_slot(buf, rows, mask_rows, red0, width, bar, BLOCK_RED: gl.constexpr, layout: gl.constexpr):
+    """Copy the reduction columns red0 : red0 + BLOCK_RED of the tile's gathered rows into a ring slot by
+    cp.async (one 16-byte copy per thread per 8 columns of 16-bit data), then arrive on the slot's
+    barrier when they land (counted arrivals: the barrier expects one per thread of the partition)."""
+    elem_bytes: gl.constexpr = buf.dtype.primitive_bitwidth // 8
+    VEC: gl.constexpr = 16 // elem_bytes
+    red_c = gl.expand_dims(red0 + gl.arange(0, BLOCK_RED, layout=gl.SliceLayout(0, layout)), 0)
+    # The column mask in whole 16-byte pieces (8 | width as TMA's 16-byte rows need): one predicate per
+    # copy whatever the width's divisibility, so each copy stays 16 bytes wide.
+    mask_c = red_c // VEC < width // VEC
+    async_copy.async_copy_global_to_shared(buf, rows + red_c, mask=mask_rows & mask_c)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
 @gluon.jit
 def _load_partition(
     x_ptr,
@@ -186,14 +222,8 @@ def _load_partition(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if GATHER:
-        # BLOCK_RED columns of a row as 16-byte pieces across a warp's lanes, rows across the warps.
-        VEC: gl.constexpr = 16 // elem_bytes
-        gather_layout: gl.constexpr = gl.BlockedLayout(
-            [1, VEC], [32 * VEC // BLOCK_RED, BLOCK_RED // VEC], [gl.num_warps(), 1], [1, 0]
-        )
-        cols = gl.arange(0, BLOCK_RED, layout=gl.SliceLayout(0, gather_layout))
-    else:
+    gather_layout: gl.constexpr = _gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
+    if not GATHER:
         x_desc = tma.make_tensor_descriptor(
             x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
         )
@@ -223,15 +253,12 @@ def _load_partition(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
         )
         if GATHER:
-            # The tile's own rows only (never idx past offs[N]): zeros elsewhere, as the rows of
-            # padding tiles. A row's products depend on its own x only, and the other rows of the
-            # tile (another expert's, or padding) are never stored, so h and act are the bits of the
-            # TMA path over the gathered rows.
-            offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
-            mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & (g < N)
-            token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
-            x_rows = gl.expand_dims(x_ptr + token.to(gl.int64) * stride_xm, 1)
-            mask_rows = gl.expand_dims(mask_m, 1)
+            # Zeros outside the tile's own rows, as the rows of padding tiles. A row's products depend
+            # on its own x only, and the other rows of the tile (another expert's, or padding) are never
+            # stored, so h and act are the bits of the TMA path over the gathered rows.
+            x_rows, mask_rows = _gathered_rows(
+                x_ptr, idx_ptr, stride_xm, row0, row_lo, row_hi, g < N, BLOCK_M, gather_layout
+            )
         else:
             # Padding tiles point past the last row (TMA reads zeros there).
             x_row0 = gl.where(g < N, row0, M)
@@ -242,13 +269,9 @@ def _load_partition(
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
             if GATHER:
-                red_c = gl.expand_dims(red0 + cols, 0)
-                # The column mask in whole 16-byte pieces (8 | H as TMA's 16-byte rows need): one
-                # predicate per copy whatever H's divisibility, so each copy stays 16 bytes wide.
-                mask_c = red_c // VEC < H // VEC
-                async_copy.async_copy_global_to_shared(a_bufs.index(slot), x_rows + red_c, mask=mask_rows & mask_c)
-                # Counted arrivals (the barrier expects one per thread of this partition).
-                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                _gather_slot(
+                    a_bufs.index(slot), x_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, gather_layout
+                )
             else:
                 tma.async_copy_global_to_shared(x_desc, [x_row0, red0], ready.index(slot), a_bufs.index(slot))
             if W_TRANSPOSED:
@@ -710,6 +733,7 @@ def _bwd_load_partition(
     dy_ptr,
     w_ptr,
     offs_ptr,
+    idx_ptr,
     M,
     F,
     H,
@@ -729,16 +753,21 @@ def _bwd_load_partition(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """dy's rows and the two (BLOCK_RED, BLOCK_C) boxes of w2[g] of each tile, one reduction step a
     slot, into the ring; it runs ahead across tiles, so the next tile's first slots fill while the
-    other partition runs this tile's epilogue."""
+    other partition runs this tile's epilogue. dy's rows by TMA, or with GATHER by cp.async from d
+    out's token rows idx[r], as the forward's x."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
-    dy_desc = tma.make_tensor_descriptor(
-        dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
-    )
+    elem_bytes: gl.constexpr = dy_ptr.dtype.element_ty.primitive_bitwidth // 8
+    gather_layout: gl.constexpr = _gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
+    if not GATHER:
+        dy_desc = tma.make_tensor_descriptor(
+            dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+        )
     if W_TRANSPOSED:  # the 2-D view (N * F, H) of the (N, F, H) tensor under w2
         w_desc = tma.make_tensor_descriptor(
             w_ptr,
@@ -755,21 +784,35 @@ def _bwd_load_partition(
             block_shape=[BLOCK_RED, BLOCK_C],
             layout=b0_bufs.type.layout,
         )
-    nbytes: gl.constexpr = (BLOCK_M + 2 * BLOCK_C) * BLOCK_RED * dy_ptr.dtype.element_ty.primitive_bitwidth // 8
+    # A slot's TMA bytes: the two weight boxes, and dy's box unless its rows are gathered.
+    DY_BOX_ROWS: gl.constexpr = 0 if GATHER else BLOCK_M
+    nbytes: gl.constexpr = (DY_BOX_ROWS + 2 * BLOCK_C) * BLOCK_RED * elem_bytes
     red_steps = gl.cdiv(H, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, 2 * BLOCK_C, GROUP_M
         )
-        # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
-        dy_row0 = gl.where(g < N, row0, M)
+        if GATHER:
+            # Zeros outside the tile's own rows: their dA, dh, act_p and d probs are never stored, so
+            # the stored rows are the bits of the TMA path over the gathered rows.
+            dy_rows, mask_rows = _gathered_rows(
+                dy_ptr, idx_ptr, stride_dym, row0, row_lo, row_hi, g < N, BLOCK_M, gather_layout
+            )
+        else:
+            # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
+            dy_row0 = gl.where(g < N, row0, M)
         for step in range(red_steps):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
-            tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
+            if GATHER:
+                _gather_slot(
+                    a_bufs.index(slot), dy_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, gather_layout
+                )
+            else:
+                tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
             if W_TRANSPOSED:
                 # Rows past F are the next expert's (zeros past the last): they feed only columns
                 # past F, of which nothing is stored.
@@ -928,6 +971,7 @@ def _bwd_mma_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     EPI_COLS: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """dA of each tile in two fp32 accumulators of BLOCK_C columns over the ring, then the epilogue:
     each accumulator goes through da_smem and is read back EPI_COLS columns at a time in a
@@ -991,6 +1035,9 @@ def _bwd_mma_partition(
         for step in range(red_steps):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            if GATHER:
+                # dy's tile came by cp.async (the generic proxy); wgmma reads it through the async proxy.
+                fence_async_shared()
             if W_TRANSPOSED:  # (BLOCK_C, BLOCK_RED) boxes of the (N, F, H) storage: K-major B
                 acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
                 acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
@@ -1082,6 +1129,7 @@ def glu_backward_ws_kernel(
     probs_ptr,
     dprobs_ptr,
     offs_ptr,
+    idx_ptr,
     M,
     F,
     H,
@@ -1104,6 +1152,8 @@ def glu_backward_ws_kernel(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     EPI_COLS: gl.constexpr,
+    GATHER: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
     """fc2's dgrad dA = dy @ w2[g] with the activation's backward, as glu_backward_kernel: dh (M, 2F)
@@ -1113,7 +1163,11 @@ def glu_backward_ws_kernel(
     (N, H, F), experts contiguous (stride H * stride_wr), unit last stride, needs BLOCK_RED | H (the
     2-D view (N * H, F) of w2 must not reach into the next expert); or with W_TRANSPOSED the
     (N, F, H) tensor under a transposed view of it (experts F * stride_wr apart). Needs k = F,
-    BLOCK_C | k, EPI_COLS | k below BLOCK_C, or k | 8. num_warps = 8 (the mma partition)."""
+    BLOCK_C | k, EPI_COLS | k below BLOCK_C, or k | 8. num_warps = 8 (the mma partition).
+
+    GATHER: dy is d out (T, H) and routed row r reads its row idx[r] (idx: (M,) int32 or int64, read
+    for the rows before offs[N] only, values in [0, T)), as the forward's GATHER; the load partition is
+    LOAD_WARPS = 4 warps. Otherwise idx is not read (any pointer) and LOAD_WARPS = 1."""
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     # The weight boxes: (BLOCK_C, BLOCK_RED) of fc2's transposed storage, else (BLOCK_RED, BLOCK_C).
@@ -1127,8 +1181,10 @@ def glu_backward_ws_kernel(
     da_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_C], da_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # With GATHER a slot is also waiting for every load thread's cp.async arrival.
+    ready_count: gl.constexpr = 1 + LOAD_WARPS * 32 if GATHER else 1
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=ready_count)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize(
         [
@@ -1167,6 +1223,7 @@ def glu_backward_ws_kernel(
                     NUM_PROGRAMS,
                     STAGES,
                     EPI_COLS,
+                    GATHER,
                 ),
             ),
             (
@@ -1175,6 +1232,7 @@ def glu_backward_ws_kernel(
                     dy_ptr,
                     w_ptr,
                     offs_ptr,
+                    idx_ptr,
                     M,
                     F,
                     H,
@@ -1194,9 +1252,10 @@ def glu_backward_ws_kernel(
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,
+                    GATHER,
                 ),
             ),
         ],
-        [1],
+        [LOAD_WARPS],
         [LOAD_REGS],
     )

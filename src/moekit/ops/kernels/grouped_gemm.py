@@ -251,11 +251,23 @@ def wgrad_tile(
 
 
 @triton.jit
+def _wgrad_rows(idx_ptr, offs_m, mask_m, GATHER: tl.constexpr):
+    """The rows of an operand that the routed rows offs_m stand for: themselves, or with GATHER their
+    entries of the row map idx (row 0 where masked: such loads are masked too)."""
+    if GATHER:
+        return tl.load(idx_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        return offs_m.to(tl.int64)
+
+
+@triton.jit
 def _wgrad_load(
     dy_desc,
     x_desc,
     dy_ptr,
     x_ptr,
+    dy_idx_ptr,
+    x_idx_ptr,
     r0,
     o0,
     i0,
@@ -265,30 +277,37 @@ def _wgrad_load(
     stride_dym,
     stride_xm,
     USE_TMA: tl.constexpr,
+    GATHER_DY: tl.constexpr,
+    GATHER_X: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """One reduction step of wgrad operands: a = dy[r0:r0+BLOCK_M, o0:o0+BLOCK_O]^T (BLOCK_O, BLOCK_M),
-    b = x[r0:r0+BLOCK_M, i0:i0+BLOCK_I] (BLOCK_M, BLOCK_I). Rows at or past row_hi must add nothing:
-    the pointer path masks them, with TMA the descriptors' row extents make them zeros (see
+    b = x[r0:r0+BLOCK_M, i0:i0+BLOCK_I] (BLOCK_M, BLOCK_I); with GATHER_DY (GATHER_X) routed row r of
+    dy (x) is its row dy_idx[r] (x_idx[r]). Rows at or past row_hi must add nothing: the pointer loads
+    (every gathered operand) mask them, with TMA the descriptors' row extents make them zeros (see
     wgrad_kernel)."""
-    if USE_TMA:
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_hi
+    if USE_TMA and not GATHER_DY:
         a = dy_desc.load([r0, o0]).T
-        b = x_desc.load([r0, i0])
     else:
-        offs_m = r0 + tl.arange(0, BLOCK_M)
         offs_o = o0 + tl.arange(0, BLOCK_O)
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        mask_m = offs_m < row_hi
+        rows_dy = _wgrad_rows(dy_idx_ptr, offs_m, mask_m, GATHER_DY)
         a = tl.load(
-            dy_ptr + offs_m.to(tl.int64)[None, :] * stride_dym + offs_o[:, None],
+            dy_ptr + rows_dy[None, :] * stride_dym + offs_o[:, None],
             mask=mask_m[None, :] & (offs_o[:, None] < O),
             other=0.0,
         )
+    if USE_TMA and not GATHER_X:
+        b = x_desc.load([r0, i0])
+    else:
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        rows_x = _wgrad_rows(x_idx_ptr, offs_m, mask_m, GATHER_X)
         b = tl.load(
-            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_i[None, :],
+            x_ptr + rows_x[:, None] * stride_xm + offs_i[None, :],
             mask=mask_m[:, None] & (offs_i[None, :] < I),
             other=0.0,
         )
@@ -362,6 +381,8 @@ def wgrad_kernel(
     x_ptr,
     dw_ptr,
     offs_ptr,
+    dy_idx_ptr,
+    x_idx_ptr,
     M,
     O,
     I,
@@ -371,6 +392,8 @@ def wgrad_kernel(
     stride_dwg,
     stride_dwo,
     USE_TMA: tl.constexpr,
+    GATHER_DY: tl.constexpr,
+    GATHER_X: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_O: tl.constexpr,
@@ -388,6 +411,13 @@ def wgrad_kernel(
     (stride_dwg, stride_dwo, 1). Tiles: BLOCK_O x BLOCK_I, reducing over rows BLOCK_M at a time.
     Every group owns the same (o, i) tile grid; its reduction runs over its own rows (none for an
     empty group, whose dw is zeros).
+
+    GATHER_DY / GATHER_X: the operand's routed row r is its row dy_idx[r] / x_idx[r] (an (M,) int32 or
+    int64 row map; the operand then has rows of its own, e.g. x's token rows, and its row extent is not
+    M), read by pointer loads masked at the group's end; the row map is read only below offs[N]. The
+    other operand keeps its TMA loads through one whole-tensor descriptor ending at offs[N]: the
+    masked zeros of the gathered one cancel the rows it reads past a group's end. Otherwise dy_idx and
+    x_idx are not read (any pointer).
 
     The last step of a group whose row count is not a multiple of BLOCK_M reaches past the group's
     end into the next group's rows or the padding rows (which may hold anything); they must add
@@ -429,20 +459,23 @@ def wgrad_kernel(
         row_lo = 0
         row_hi = 0
         desc_g = -1
-        if USE_TMA:
+        if USE_TMA and not GATHER_DY:
             # Whole-tensor descriptors, built once: a group whose row count is a multiple of
-            # BLOCK_M never reads past its end, so it needs no descriptor of its own.
+            # BLOCK_M never reads past its end, so it needs no descriptor of its own, nor does any
+            # group where x's rows are gathered (masked). Rows past offs[N] read as zeros.
             dy_full = tl.make_tensor_descriptor(
-                dy_ptr, shape=[M, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
+                dy_ptr, shape=[tl.maximum(rows_used, 1), O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
             )
+        else:
+            dy_full = None
+        if USE_TMA and not GATHER_X:
             # Rows past offs[N] (padding, may be NaN) read as zeros.
             x_desc = tl.make_tensor_descriptor(
                 x_ptr, shape=[tl.maximum(rows_used, 1), I], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_I]
             )
-            dy_desc = dy_full
         else:
-            dy_desc = None
             x_desc = None
+        dy_desc = dy_full
         acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
         for _ in range(0, total_steps):
             if step == 0:
@@ -451,7 +484,7 @@ def wgrad_kernel(
                     tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
                 )
                 tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
-                if USE_TMA:
+                if USE_TMA and not (GATHER_DY or GATHER_X):
                     if (row_hi - row_lo) % BLOCK_M == 0:
                         dy_desc = dy_full
                         desc_g = -1
@@ -471,6 +504,8 @@ def wgrad_kernel(
                 x_desc,
                 dy_ptr,
                 x_ptr,
+                dy_idx_ptr,
+                x_idx_ptr,
                 row_lo + step * BLOCK_M,
                 o0,
                 i0,
@@ -480,6 +515,8 @@ def wgrad_kernel(
                 stride_dym,
                 stride_xm,
                 USE_TMA,
+                GATHER_DY,
+                GATHER_X,
                 UPCAST,
                 BLOCK_O,
                 BLOCK_I,
@@ -500,16 +537,16 @@ def wgrad_kernel(
             g, o0, i0, row_lo, row_hi = wgrad_tile(
                 tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
             )
-            if USE_TMA:
+            dy_desc = None
+            x_desc = None
+            if USE_TMA and not GATHER_DY:
                 dy_desc = tl.make_tensor_descriptor(
                     dy_ptr, shape=[tl.maximum(row_hi, 1), O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O]
                 )
+            if USE_TMA and not GATHER_X:
                 x_desc = tl.make_tensor_descriptor(
                     x_ptr, shape=[tl.maximum(row_hi, 1), I], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_I]
                 )
-            else:
-                dy_desc = None
-                x_desc = None
             acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
             for step in range(tl.cdiv(row_hi - row_lo, BLOCK_M)):
                 a, b = _wgrad_load(
@@ -517,6 +554,8 @@ def wgrad_kernel(
                     x_desc,
                     dy_ptr,
                     x_ptr,
+                    dy_idx_ptr,
+                    x_idx_ptr,
                     row_lo + step * BLOCK_M,
                     o0,
                     i0,
@@ -526,6 +565,8 @@ def wgrad_kernel(
                     stride_dym,
                     stride_xm,
                     USE_TMA,
+                    GATHER_DY,
+                    GATHER_X,
                     UPCAST,
                     BLOCK_O,
                     BLOCK_I,

@@ -106,6 +106,21 @@ class FusedMLP(Protocol):
         """`glu_forward` of the rows x_TH[token_of_row] (M, H), bit for bit; the rows are read where the
         kernel can gather them, else gathered first."""
 
+    def gathered_wgrad_pays(self, x_TH: torch.Tensor, ffn: int) -> bool:
+        """Whether the layer's fc1 weight gradient reads x's token rows through the row map in its loads
+        (`wgrad_gathered`) rather than gathering them first: the same bits either way, a choice of speed."""
+
+    def wgrad_gathered(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        offs: torch.Tensor,
+        dy_rows: torch.Tensor | None,
+        x_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """dw (N, O, I) of the routed rows dy[dy_rows] (M, O) and x[x_rows] (M, I) (an operand without a
+        row map: its own M rows), bit for bit the wgrad of the gathered rows, read in the kernel's loads."""
+
     def glu_backward_partials(
         self,
         dy_MH: torch.Tensor,
@@ -118,6 +133,27 @@ class FusedMLP(Protocol):
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(dh (M, 2F), act_p (M, F), d probs partials or None): fc2's dgrad + the activation's backward."""
+
+    def gathered_backward_pays(
+        self, d_out_TH: torch.Tensor, w2_NHF: torch.Tensor, glu_interleave_size: int | None
+    ) -> bool:
+        """Whether the layer's fc2 backward reads d out's token rows in its loads
+        (`glu_backward_gathered_partials`, `wgrad_gathered`) rather than gathering them first: the same
+        bits either way, a choice of speed."""
+
+    def glu_backward_gathered_partials(
+        self,
+        d_out_TH: torch.Tensor,
+        token_of_row: torch.Tensor,
+        w2_NHF: torch.Tensor,
+        h_M2F: torch.Tensor,
+        offs: torch.Tensor,
+        probs_M: torch.Tensor | None,
+        glu_interleave_size: int | None,
+        activation: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`glu_backward_partials` of the rows d_out_TH[token_of_row] (M, H), bit for bit; the rows are read
+        where the kernel can gather them, else gathered first."""
 
     def dbias_and_dot(
         self, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
@@ -549,8 +585,30 @@ class TritonBackend:
         return _runtime().glu.gathered_fc1_pays
 
     @property
+    def gathered_wgrad_pays(self) -> Callable[..., bool]:
+        return _runtime().gemm.gathered_wgrad_pays
+
+    def wgrad_gathered(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        offs: torch.Tensor,
+        dy_rows: torch.Tensor | None,
+        x_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return _runtime().gemm.grouped_gemm_wgrad(dy, x, offs, dy_rows=dy_rows, x_rows=x_rows)
+
+    @property
     def glu_backward_partials(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         return _runtime().glu.glu_backward_partials
+
+    @property
+    def gathered_backward_pays(self) -> Callable[..., bool]:
+        return _runtime().glu.gathered_backward_pays
+
+    @property
+    def glu_backward_gathered_partials(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        return _runtime().glu.glu_backward_gathered_partials
 
     @property
     def dbias_and_dot(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -237,12 +237,37 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 # the GATHER variant's cp.async main loop is slower than TMA's by a share of fc1's own time (which
 # grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B).
 GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
+# The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
+# rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows, cp.async) instead of
+# gathering them into an (M, H) tensor first: the same trade as the forward's, the gather's (M, H)
+# write and read against the pointer loads' share of the wgrad's time (benchmarks/README.md, the
+# gathered wgrad A/B).
+GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
+# The widest F at which the layer's fc2 backward (moe_experts' node 2) reads d out's token rows in its
+# loads (the Hopper backward's GATHER variant and fc2's weight gradient through the row map) instead of
+# gathering them into an (M, H) tensor first, for both; the same trade (benchmarks/README.md, the
+# gathered backward A/B).
+GATHERED_DOUT_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
 # the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
 # loop and the epilogue 240 of the 168 per thread of 12 warps.
 WS_BACKWARD = dict(
-    BLOCK_M=128, BLOCK_C=128, BLOCK_RED=64, GROUP_M=8, STAGES=3, EPI_COLS=16, LOAD_REGS=24, num_warps=8, maxnreg=168
+    BLOCK_M=128,
+    BLOCK_C=128,
+    BLOCK_RED=64,
+    GROUP_M=8,
+    STAGES=3,
+    EPI_COLS=16,
+    GATHER=False,
+    LOAD_WARPS=1,
+    LOAD_REGS=24,
+    num_warps=8,
+    maxnreg=168,
 )
+# The backward with d out's rows gathered by cp.async (`WS_BACKWARD` with these), as the forward's: the
+# load partition's whole warp group with 40 registers (8 row addresses a thread), which leaves the 8
+# warps of the main loop and the epilogue 232 registers instead of 240.
+WS_BACKWARD_GATHER = dict(WS_BACKWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 
 
 # fp8_block's forward / dgrad on Hopper (kernels.grouped_gemm_fp8_hopper, Gluon): one configuration, sm90

@@ -28,7 +28,7 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.runtime.configs import ROW_SUM_TILES, GemmConfig, gemm_candidates
+from moekit.ops.runtime.configs import GATHERED_WGRAD_MAX_FFN, ROW_SUM_TILES, GemmConfig, gemm_candidates
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -271,19 +271,24 @@ def grouped_gemm_dgrad(
     return _mm("dgrad", dy_MO, w_NOI, offs, None, None, cfg, use_tma)
 
 
-def _wgrad_launch(dy: torch.Tensor, x: torch.Tensor, num_groups: int, cfg: GemmConfig, tma: bool) -> LaunchPlan:
-    """wgrad_kernel for row-major dy (M, O), x (M, I) and a fresh dw (N, O, I); tensors: (dy, x, dw, offs)."""
-    M, O = dy.shape
-    I = x.shape[1]
+def _wgrad_launch(
+    dy: torch.Tensor, x: torch.Tensor, rows: int, num_groups: int, cfg: GemmConfig, tma: bool, gather: tuple[bool, bool]
+) -> LaunchPlan:
+    """wgrad_kernel for row-major dy, x and a fresh dw (N, O, I) over `rows` routed rows, dy's (x's) read
+    through a row map where gather[0] (gather[1]); tensors: (dy, x, dw, offs, dy's map, x's map), a map
+    that is not read replaced by offs."""
+    O, I = dy.shape[1], x.shape[1]
     bound = num_groups * triton.cdiv(O, cfg.block_rows) * triton.cdiv(I, cfg.block_cols)
     nprog = grid_size(dy.device, bound)
     epi_tma = bool(cfg.epi_tma and tma and (I * dy.element_size()) % 16 == 0)
     return LaunchPlan(
         _WGRAD,
         (nprog,),
-        (M, O, I, num_groups, dy.stride(0), x.stride(0), O * I, I),
+        (rows, O, I, num_groups, dy.stride(0), x.stride(0), O * I, I),
         dict(
             USE_TMA=tma,
+            GATHER_DY=gather[0],
+            GATHER_X=gather[1],
             UPCAST=INTERPRET,
             DOT_PRECISION=dot_precision(dy.dtype),
             BLOCK_O=cfg.block_rows,
@@ -300,12 +305,37 @@ def _wgrad_launch(dy: torch.Tensor, x: torch.Tensor, num_groups: int, cfg: GemmC
     )
 
 
+def _row_map(rows: torch.Tensor | None, what: str, operand: torch.Tensor) -> torch.Tensor | None:
+    """A wgrad operand's row map as the kernel reads it ((M,) contiguous int32/int64 on the operand's
+    device), checked with one-line errors."""
+    if rows is None:
+        return None
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} must be int32 or int64, got {rows.dtype}")
+    if rows.dim() not in (1, 2) or (rows.dim() == 2 and rows.shape[1] != 1):
+        raise ValueError(f"{what} must be (M,) or (M, 1), got shape {tuple(rows.shape)}")
+    if rows.device != operand.device:
+        raise ValueError(f"{what} is on {rows.device}, its operand on {operand.device}")
+    return rows.reshape(-1).contiguous()
+
+
 def _plan_wgrad(
-    dy_MO: torch.Tensor, x_MI: torch.Tensor, offs: torch.Tensor, cfg: GemmConfig | None, forced_tma: bool | None
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    offs: torch.Tensor,
+    maps: tuple[torch.Tensor | None, torch.Tensor | None],
+    cfg: GemmConfig | None,
+    forced_tma: bool | None,
 ) -> Plan:
     check_triton_device(dy_MO)
-    if dy_MO.dim() != 2 or x_MI.dim() != 2 or dy_MO.shape[0] != x_MI.shape[0]:
+    if dy_MO.dim() != 2 or x_MI.dim() != 2:
         raise ValueError(f"dy {tuple(dy_MO.shape)} and x {tuple(x_MI.shape)} must be (M, O) and (M, I)")
+    # The routed rows: a row map's length where an operand is read through one, else the operand's rows.
+    lengths = {m.shape[0] if m is not None else t.shape[0] for m, t in zip(maps, (dy_MO, x_MI), strict=True)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"dy {tuple(dy_MO.shape)} and x {tuple(x_MI.shape)} (or their row maps) must have the same number of rows"
+        )
     if dy_MO.dtype != x_MI.dtype or dy_MO.device != x_MI.device:
         raise ValueError(f"dy is {dy_MO.dtype} on {dy_MO.device}, x is {x_MI.dtype} on {x_MI.device}")
     # Operands at unit column stride: .contiguous() on both where either is not (a no-op for one that
@@ -317,21 +347,25 @@ def _plan_wgrad(
         raise ValueError(f"offs must be a 1-D tensor of N+1 group offsets, got shape {tuple(offs.shape)}")
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, dy.device)
-    M, O = dy.shape
-    I = x.shape[1]
+    M = lengths.pop()
+    O, I = dy.shape[1], x.shape[1]
     if N == 0 or O == 0 or I == 0:
         return Plan(None, I, contiguous)
     tma, arch = use_tma(forced_tma, M > 0, dy, x)
+    gather = (maps[0] is not None, maps[1] is not None)
     with device_ctx(dy.device):
         if cfg is None:
 
             def trial(c: GemmConfig) -> None:
                 dw = empty((N, O, I), dy.device, dy.dtype)
-                _wgrad_launch(dy, x, N, c, tma)(dy, x, dw, offs)
+                tensors = (m if m is not None else offs for m in maps)
+                _wgrad_launch(dy, x, M, N, c, tma, gather)(dy, x, dw, offs, *tensors)
 
+            # The problem does not name the gathers: a gathered call and a plain one of the same shapes share
+            # one configuration, so they give the same bits (the same products in the same order).
             problem = ("wgrad", dy.dtype, O, I, N, next_power_of_2(M), tma)
             cfg = pick_config(problem, gemm_candidates("wgrad", dy.dtype, tma, arch, I), trial, dy.device)
-    return Plan(_wgrad_launch(dy, x, N, cfg, tma), I, contiguous)
+    return Plan(_wgrad_launch(dy, x, M, N, cfg, tma, gather), I, contiguous)
 
 
 def grouped_gemm_wgrad(
@@ -339,6 +373,8 @@ def grouped_gemm_wgrad(
     x_MI: torch.Tensor,
     offs: torch.Tensor,
     *,
+    dy_rows: torch.Tensor | None = None,
+    x_rows: torch.Tensor | None = None,
     cfg: GemmConfig | None = None,
     use_tma: bool | None = None,
 ) -> torch.Tensor:
@@ -347,17 +383,32 @@ def grouped_gemm_wgrad(
     dy_MO: (M, O), x_MI: (M, I), same dtype; offs: (N+1,) int64 device tensor (N = its length - 1).
     Groups with no rows get zeros. Rows r >= offs[N] take part in nothing. cfg, use_tma as in
     grouped_gemm_forward.
+
+    dy_rows / x_rows: an (M,) int32/int64 row map: routed row r of dy (x) is dy_MO[dy_rows[r]]
+    (x_MI[x_rows[r]]), and that operand may have any number of rows: the wgrad of the gathered rows,
+    bit for bit, without writing them (the kernel reads them; `moe_experts` passes x's token rows and
+    each sorted row's token). Values must be valid rows below offs[N] (not checked: they stay on the
+    device); entries at or past offs[N] are not read.
     """
+    maps = (_row_map(dy_rows, "dy_rows", dy_MO), _row_map(x_rows, "x_rows", x_MI))
     key = (tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma, dot_precision(dy_MO.dtype))
-    plan = plan_launch("wgrad", key, lambda: _plan_wgrad(dy_MO, x_MI, offs, cfg, use_tma))
+    key += tuple(tensor_key(m) for m in maps)
+    plan = plan_launch("wgrad", key, lambda: _plan_wgrad(dy_MO, x_MI, offs, maps, cfg, use_tma))
     dy = dy_MO.contiguous() if plan.contiguous else dy_MO
     x = x_MI.contiguous() if plan.contiguous else x_MI
     N = offs.shape[0] - 1
     dw = empty((N, dy.shape[1], x.shape[1]), dy.device, dy.dtype)
     if plan.launch is not None:
         with device_ctx(dy.device):
-            plan.launch(dy, x, dw, offs)
+            plan.launch(dy, x, dw, offs, *(m if m is not None else offs for m in maps))
     return dw
+
+
+def gathered_wgrad_pays(x_TH: torch.Tensor, ffn: int) -> bool:
+    """Whether the layer's fc1 weight gradient should read x's token rows x_TH through the row map in its
+    loads rather than gather them first: F within `configs.GATHERED_WGRAD_MAX_FFN` for the device's
+    architecture (the same bits either way)."""
+    return ffn <= GATHERED_WGRAD_MAX_FFN.get(arch_of(x_TH.device), 0)
 
 
 def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None = None) -> torch.Tensor:

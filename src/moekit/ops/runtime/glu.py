@@ -33,8 +33,10 @@ from moekit.ops.kernels import activations as jit_activations
 from moekit.ops.kernels.glu import glu_backward_kernel, glu_forward_kernel
 from moekit.ops.kernels.glu_hopper import glu_backward_ws_kernel, glu_forward_ws_kernel
 from moekit.ops.runtime.configs import (
+    GATHERED_DOUT_MAX_FFN,
     GATHERED_FC1_MAX_FFN,
     WS_BACKWARD,
+    WS_BACKWARD_GATHER,
     WS_FORWARD,
     WS_FORWARD_GATHER,
     Arch,
@@ -549,9 +551,14 @@ def _backward_ws_launch(
     probs_M: torch.Tensor | None,
     glu_block: int,
     activation: str,
+    gathered_rows: int | None = None,
 ) -> LaunchPlan:
-    """glu_backward_ws_kernel; tensors as `_backward_launch`'s."""
+    """glu_backward_ws_kernel; tensors as `_backward_launch`'s, then the token of each row (`offs` where
+    the rows are not gathered: not read). gathered_rows as `_forward_ws_launch`'s: None for dy_MH in
+    expert order; M, the rows of the token map, where dy_MH is d out (T, H) and the kernel gathers."""
     M, H = dy_MH.shape
+    if gathered_rows is not None:
+        M = gathered_rows
     N, _, ffn = w2_NHF.shape
     bound = (triton.cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
     nprog = grid_size(dy_MH.device, bound)
@@ -564,7 +571,7 @@ def _backward_ws_launch(
         HAS_PROBS=probs_M is not None,
         BLOCK_GROUPS=block_groups(N + 2),
         NUM_PROGRAMS=nprog,
-        **WS_BACKWARD,
+        **(WS_BACKWARD if gathered_rows is None else WS_BACKWARD_GATHER),
     )
     return LaunchPlan(_BACKWARD_WS, (nprog,), ints, constexprs)
 
@@ -649,6 +656,8 @@ def glu_backward_partials(
     if plan.launch is None:
         return dh, act, (torch.zeros(0, M, device=dy_MH.device) if probs_M is not None else None)
     part = empty((plan.cols, M), dy_MH.device, torch.float32) if probs_M is not None else None
+    # The Hopper kernel's token map: not read where the rows are not gathered.
+    tokens = (offs,) if plan.launch.launcher is _BACKWARD_WS else ()
     with device_ctx(dy_MH.device):
         plan.launch(
             dy_MH,
@@ -659,6 +668,89 @@ def glu_backward_partials(
             probs_M if probs_M is not None else dh,
             part if part is not None else dh,
             offs,
+            *tokens,
+        )
+    return dh, act, part
+
+
+def gathered_backward_kernel_takes(
+    d_out_TH: torch.Tensor, w2_NHF: torch.Tensor, glu_interleave_size: int | None, use_tma: bool = True
+) -> bool:
+    """Whether `glu_backward_gathered_partials` runs the Hopper backward's GATHER variant (d out's token
+    rows read by the kernel) rather than gathering the rows first: wherever `hopper_kernels_take` takes
+    the backward, d_out_TH standing for the gathered rows, with `gathered_kernel_takes`' alignment of
+    the rows for cp.async."""
+    ffn = w2_NHF.shape[2]
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    if d_out_TH.dim() != 2 or ffn == 0 or d_out_TH.stride(0) % 16 != 0 or d_out_TH.data_ptr() % 16 != 0:
+        return False
+    hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, d_out_TH, _stored(w2_NHF))
+    return hopper_kernels_take("bwd", d_out_TH, w2_NHF, ffn, glu_block, hopper_tma, None)
+
+
+def gathered_backward_pays(d_out_TH: torch.Tensor, w2_NHF: torch.Tensor, glu_interleave_size: int | None) -> bool:
+    """Whether the layer's fc2 backward should read d out's token rows in its loads (the backward's GATHER
+    variant and fc2's weight gradient through the row map): the GATHER variant takes the call and F is
+    within `configs.GATHERED_DOUT_MAX_FFN` for the device's architecture."""
+    ffn = w2_NHF.shape[2]
+    widest = GATHERED_DOUT_MAX_FFN.get(arch_of(d_out_TH.device), 0)
+    return ffn <= widest and gathered_backward_kernel_takes(d_out_TH, w2_NHF, glu_interleave_size)
+
+
+def glu_backward_gathered_partials(
+    d_out_TH: torch.Tensor,
+    token_of_row: torch.Tensor,
+    w2_NHF: torch.Tensor,
+    h_M2F: torch.Tensor,
+    offs: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    glu_interleave_size: int | None,
+    activation: str,
+    *,
+    use_tma: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`glu_backward_partials` of the routed rows d_out_TH[token_of_row] (M rows in expert order), by
+    definition and bit for bit: (dh (M, 2F), act_p (M, F), d probs partials or None).
+
+    d_out_TH (T, H) row-major, the layer's output gradient; token_of_row as `glu_forward_gathered`'s
+    (values in [0, T), not checked). Where `gathered_backward_kernel_takes` the call, the Hopper kernel
+    reads the token rows itself; elsewhere they are gathered first (moekit's row kernel, exact) and
+    `glu_backward_partials` runs on them. use_tma=False forces the gather-first path (tests)."""
+    if d_out_TH.dim() != 2 or d_out_TH.stride(1) != 1:
+        raise ValueError(f"d_out_TH must be 2-D (tokens, hidden), row-major, got shape {tuple(d_out_TH.shape)}")
+    index = _token_map(token_of_row, d_out_TH)
+    if not gathered_backward_kernel_takes(d_out_TH, w2_NHF, glu_interleave_size, use_tma):
+        dy_MH = gather_sum_rows(d_out_TH, index)
+        return glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation)
+    M, ffn = index.shape[0], w2_NHF.shape[2]
+    dh, act = empty((M, 2 * ffn), d_out_TH.device, d_out_TH.dtype), empty((M, ffn), d_out_TH.device, d_out_TH.dtype)
+    if M == 0:
+        return dh, act, (torch.zeros(0, M, device=d_out_TH.device) if probs_M is not None else None)
+    tokens = index.view(-1)
+    key: tuple = (tensor_key(d_out_TH), tensor_key(tokens), tensor_key(w2_NHF), tensor_key(h_M2F), tensor_key(offs))
+    key += (tensor_key(probs_M), glu_interleave_size, activation)
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    plan = plan_launch(
+        "glu_bwd_gathered",
+        key,
+        lambda: Plan(
+            _backward_ws_launch(d_out_TH, w2_NHF, h_M2F, probs_M, glu_block, activation, M),
+            triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"]),
+        ),
+    )
+    assert plan.launch is not None  # M and F are not 0
+    part = empty((plan.cols, M), d_out_TH.device, torch.float32) if probs_M is not None else None
+    with device_ctx(d_out_TH.device):
+        plan.launch(
+            d_out_TH,
+            w2_NHF,
+            h_M2F,
+            dh,
+            act,
+            probs_M if probs_M is not None else dh,
+            part if part is not None else dh,
+            offs,
+            tokens,
         )
     return dh, act, part
 
