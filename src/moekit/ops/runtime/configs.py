@@ -243,6 +243,11 @@ GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # write and read against the pointer loads' share of the wgrad's time (benchmarks/README.md, the
 # gathered wgrad A/B).
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
+# Pipeline stages a wgrad launch adds where an operand's rows come through a row map: the software
+# pipeliner gives the map's load a stage of its own ahead of the rows' cp.async, so at the table's 3
+# stages the rows would be prefetched one step ahead (the TMA loads: two). Stages do not change the
+# tile or the reduction order: a gathered launch gives the bits of the plain one.
+GATHERED_WGRAD_EXTRA_STAGES = 2
 # The widest F at which the layer's fc2 backward (moe_experts' node 2) reads d out's token rows in its
 # loads (the Hopper backward's GATHER variant and fc2's weight gradient through the row map) instead of
 # gathering them into an (M, H) tensor first, for both; the same trade (benchmarks/README.md, the

@@ -28,7 +28,13 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.runtime.configs import GATHERED_WGRAD_MAX_FFN, ROW_SUM_TILES, GemmConfig, gemm_candidates
+from moekit.ops.runtime.configs import (
+    GATHERED_WGRAD_EXTRA_STAGES,
+    GATHERED_WGRAD_MAX_FFN,
+    ROW_SUM_TILES,
+    GemmConfig,
+    gemm_candidates,
+)
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -299,7 +305,7 @@ def _wgrad_launch(
             NUM_PROGRAMS=nprog,
             FLATTEN=cfg.flatten,
             EPI_TMA=epi_tma,
-            num_stages=cfg.stages,
+            num_stages=cfg.stages + (GATHERED_WGRAD_EXTRA_STAGES if any(gather) else 0),
             num_warps=cfg.warps,
         ),
     )
