@@ -239,19 +239,20 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows, cp.async) instead of
-# gathering them into an (M, H) tensor first: the same trade as the forward's, the gather's (M, H)
-# write and read against the pointer loads' share of the wgrad's time (benchmarks/README.md, the
-# gathered wgrad A/B).
-GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
+# gathering them into an (M, H) tensor first. 0 on sm90: the gathered operand there is the wide one
+# (64 rows x 256 columns a step), and its cp.async loads make the wgrad 1.8x slower, more than the
+# (M, H) gather costs at every width measured (benchmarks/README.md, the gathered backward A/B).
+GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 0}
 # Pipeline stages a wgrad launch adds where an operand's rows come through a row map: the software
 # pipeliner gives the map's load a stage of its own ahead of the rows' cp.async, so at the table's 3
 # stages the rows would be prefetched one step ahead (the TMA loads: two). Stages do not change the
 # tile or the reduction order: a gathered launch gives the bits of the plain one.
 GATHERED_WGRAD_EXTRA_STAGES = 2
 # The widest F at which the layer's fc2 backward (moe_experts' node 2) reads d out's token rows in its
-# loads (the Hopper backward's GATHER variant and fc2's weight gradient through the row map) instead of
-# gathering them into an (M, H) tensor first, for both; the same trade (benchmarks/README.md, the
-# gathered backward A/B).
+# loads (the Hopper backward's GATHER variant, 1.0-1.1x its TMA time, and fc2's weight gradient through
+# the row map, 1.2-1.3x) instead of gathering them into an (M, H) tensor first, for both: the gather's
+# (M, H) write and read against those shares, which grow with F (benchmarks/README.md, the gathered
+# backward A/B).
 GATHERED_DOUT_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
 # the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
