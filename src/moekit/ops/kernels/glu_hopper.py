@@ -62,7 +62,8 @@ dh chunks of 16 activation columns lie in one block (k = F or 16 | k) or, for k 
 consecutive columns of h split (and dh joined) in registers. Blocks that neither divide nor are
 divided by the tile (k = 3, 24, 192, ...) run the Triton kernels (`runtime.glu.hopper_layout_ok`).
 
-The backward has two partitions: the load warp, and 8 warps that run a 128 x 256 main loop (two
+The backward has two partitions: the load warp (with GATHER its warp group, d out's token rows read
+by cp.async as the forward's x), and 8 warps that run a 128 x 256 main loop (two
 accumulators over one dy box and two w2 boxes, the plain GEMM's tile: 128 x 128 tiles read a third
 more from L2) and then the tile's epilogue themselves, each accumulator through one fp32 staging
 tile in shared memory, with h loaded by pointer ahead of the math. The load warp fills the ring

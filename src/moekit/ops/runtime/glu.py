@@ -13,9 +13,10 @@ Both give the same bits, so which one runs is a matter of speed only, never of r
 row: by definition `glu_forward` of the gathered rows x[token_of_row]. Where the Hopper kernel takes the
 call it reads the token rows itself (its GATHER variant, no (M, H) copy of x); elsewhere the rows are
 gathered first and `glu_forward` runs on them. Both give the same bits (a gather is exact, and the
-gathered kernel computes the same products in the same order). `moe_experts` gathers first and runs
-`glu_forward`: its cp.async loads make the GATHER kernel's main loop slower than the TMA kernel's by more
-than the gather costs, except at the narrowest experts (notes/grouped_mlp.md).
+gathered kernel computes the same products in the same order). `moe_experts` takes it where
+`gathered_fc1_pays` (narrow experts: elsewhere the GATHER kernel's cp.async main loop is slower than the
+TMA kernel's by more than the gather costs; notes/grouped_mlp.md). `glu_backward_gathered_partials` is
+the backward's counterpart over d out's token rows (`gathered_backward_pays`).
 
 The activation is a name of the registry (`moekit.ops.activations`); its jit pair is the function of
 that name and `<name>_grad` in `moekit.ops.kernels.activations`, passed to the kernels as constexprs.
