@@ -53,6 +53,7 @@ from moekit.ops.runtime.launch import (
     tensor_key,
     use_tma,
 )
+from moekit.ops.runtime.rows import checked_row_map
 
 _GROUPED_MM = Launcher(grouped_mm_kernel)
 _WGRAD = Launcher(wgrad_kernel)
@@ -311,20 +312,6 @@ def _wgrad_launch(
     )
 
 
-def _row_map(rows: torch.Tensor | None, what: str, operand: torch.Tensor) -> torch.Tensor | None:
-    """A wgrad operand's row map as the kernel reads it ((M,) contiguous int32/int64 on the operand's
-    device), checked with one-line errors."""
-    if rows is None:
-        return None
-    if rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} must be int32 or int64, got {rows.dtype}")
-    if rows.dim() not in (1, 2) or (rows.dim() == 2 and rows.shape[1] != 1):
-        raise ValueError(f"{what} must be (M,) or (M, 1), got shape {tuple(rows.shape)}")
-    if rows.device != operand.device:
-        raise ValueError(f"{what} is on {rows.device}, its operand on {operand.device}")
-    return rows.reshape(-1).contiguous()
-
-
 def _plan_wgrad(
     dy_MO: torch.Tensor,
     x_MI: torch.Tensor,
@@ -396,9 +383,12 @@ def grouped_gemm_wgrad(
     each sorted row's token). Values must be valid rows below offs[N] (not checked: they stay on the
     device); entries at or past offs[N] are not read.
     """
-    maps = (_row_map(dy_rows, "dy_rows", dy_MO), _row_map(x_rows, "x_rows", x_MI))
-    key = (tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma, dot_precision(dy_MO.dtype))
-    key += tuple(tensor_key(m) for m in maps)
+    maps = (
+        None if dy_rows is None else checked_row_map(dy_rows, "dy_rows", dy_MO, "dy").view(-1),
+        None if x_rows is None else checked_row_map(x_rows, "x_rows", x_MI, "x").view(-1),
+    )
+    key: tuple = (tensor_key(dy_MO), tensor_key(x_MI), tensor_key(offs), cfg, use_tma, dot_precision(dy_MO.dtype))
+    key += (tensor_key(maps[0]), tensor_key(maps[1]))
     plan = plan_launch("wgrad", key, lambda: _plan_wgrad(dy_MO, x_MI, offs, maps, cfg, use_tma))
     dy = dy_MO.contiguous() if plan.contiguous else dy_MO
     x = x_MI.contiguous() if plan.contiguous else x_MI

@@ -64,7 +64,7 @@ from moekit.ops.runtime.launch import (
     tensor_key,
     use_tma,
 )
-from moekit.ops.runtime.rows import gather_sum_rows
+from moekit.ops.runtime.rows import checked_row_map, gather_sum_rows
 
 _FORWARD = Launcher(glu_forward_kernel)
 _BACKWARD = Launcher(glu_backward_kernel)
@@ -405,15 +405,11 @@ def glu_forward(
     return h, act
 
 
-def _token_map(token_of_row: torch.Tensor, x_TH: torch.Tensor) -> torch.Tensor:
-    """token_of_row as the (M, 1) contiguous integer map both paths read; one-line errors otherwise."""
-    if token_of_row.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"token_of_row must be int32 or int64, got {token_of_row.dtype}")
-    if token_of_row.dim() not in (1, 2) or (token_of_row.dim() == 2 and token_of_row.shape[1] != 1):
-        raise ValueError(f"token_of_row must be (M,) or (M, 1), got shape {tuple(token_of_row.shape)}")
-    if token_of_row.device != x_TH.device:
-        raise ValueError(f"token_of_row is on {token_of_row.device}, x_TH on {x_TH.device}")
-    return token_of_row.reshape(-1, 1).contiguous()
+def _cp_async_rows(rows_TH: torch.Tensor) -> bool:
+    """Whether a GATHER kernel's 16-byte cp.async copies can read these token rows: 2-D, a row stride that
+    is a multiple of 16 elements on a 16-byte aligned base (Triton proves the copies' alignment only from
+    those, its argument specialisation)."""
+    return rows_TH.dim() == 2 and rows_TH.stride(0) % 16 == 0 and rows_TH.data_ptr() % 16 == 0
 
 
 def gathered_kernel_takes(
@@ -428,7 +424,7 @@ def gathered_kernel_takes(
     (2048, 2880, 4096, 7168)."""
     ffn = w1_N2FH.shape[1] // 2
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    if x_TH.dim() != 2 or ffn == 0 or x_TH.stride(0) % 16 != 0 or x_TH.data_ptr() % 16 != 0:
+    if ffn == 0 or not _cp_async_rows(x_TH):
         return False
     transposed = transposed_weight(w1_N2FH, "fc1_weight")
     hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, x_TH, _stored(w1_N2FH), blocks_innermost=transposed)
@@ -471,7 +467,7 @@ def glu_forward_gathered(
     """
     if x_TH.dim() != 2 or x_TH.stride(1) != 1:
         raise ValueError(f"x_TH must be 2-D (tokens, hidden), row-major, got shape {tuple(x_TH.shape)}")
-    index = _token_map(token_of_row, x_TH)
+    index = checked_row_map(token_of_row, "token_of_row", x_TH, "x_TH")
     M = index.shape[0]
     if not gathered_kernel_takes(x_TH, w1_N2FH, glu_interleave_size, use_tma):
         x_MH = gather_sum_rows(x_TH, index)
@@ -683,7 +679,7 @@ def gathered_backward_kernel_takes(
     the rows for cp.async."""
     ffn = w2_NHF.shape[2]
     glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    if d_out_TH.dim() != 2 or ffn == 0 or d_out_TH.stride(0) % 16 != 0 or d_out_TH.data_ptr() % 16 != 0:
+    if ffn == 0 or not _cp_async_rows(d_out_TH):
         return False
     hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, d_out_TH, _stored(w2_NHF))
     return hopper_kernels_take("bwd", d_out_TH, w2_NHF, ffn, glu_block, hopper_tma, None)
@@ -719,7 +715,7 @@ def glu_backward_gathered_partials(
     `glu_backward_partials` runs on them. use_tma=False forces the gather-first path (tests)."""
     if d_out_TH.dim() != 2 or d_out_TH.stride(1) != 1:
         raise ValueError(f"d_out_TH must be 2-D (tokens, hidden), row-major, got shape {tuple(d_out_TH.shape)}")
-    index = _token_map(token_of_row, d_out_TH)
+    index = checked_row_map(token_of_row, "token_of_row", d_out_TH, "d_out_TH")
     if not gathered_backward_kernel_takes(d_out_TH, w2_NHF, glu_interleave_size, use_tma):
         dy_MH = gather_sum_rows(d_out_TH, index)
         return glu_backward_partials(dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation)

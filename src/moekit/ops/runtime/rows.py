@@ -47,6 +47,19 @@ def gather_sum_rows(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
     return out
 
 
+def checked_row_map(rows: torch.Tensor, name: str, source: torch.Tensor, source_name: str) -> torch.Tensor:
+    """A row map (each routed row's row of `source`, e.g. its token) as the kernels read it: (M, 1)
+    contiguous int32/int64 on the source's device; one-line errors naming `name` otherwise. The values
+    are not checked (they stay on the device)."""
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {rows.dtype}")
+    if rows.dim() not in (1, 2) or (rows.dim() == 2 and rows.shape[1] != 1):
+        raise ValueError(f"{name} must be (M,) or (M, 1), got shape {tuple(rows.shape)}")
+    if rows.device != source.device:
+        raise ValueError(f"{name} is on {rows.device}, {source_name} on {source.device}")
+    return rows.reshape(-1, 1).contiguous()
+
+
 def zero_rows_from(t: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """Rows [end, rows) of t (rows, columns), unit column stride, become zeros in place; `end` is (1,)
     int64 on t's device and never read by the host. Costs the padding rows' bytes, not a pass over t."""
