@@ -281,6 +281,19 @@ def test_interpreter_wgrad_gathered_rows(use_tma, flatten, gathered, nan_outputs
         assert_close(dw[g], rdw[g], tdw[g], torch.float32)
 
 
+@cpu_only
+def test_interpreter_wgrad_gathered_no_rows_and_one_row(nan_outputs):
+    """Edges of the gathered wgrad: no routed rows at all (an empty map: every group's gradient zeros,
+    the source rows never read), and one routed row in one group."""
+    x_T, dy = torch.randn(7, 16), torch.randn(0, 8)
+    dw = gg.grouped_gemm_wgrad(dy, x_T, offs_of([0, 0, 0], "cpu"), x_rows=torch.zeros(0, dtype=torch.int64))
+    assert dw.shape == (3, 8, 16) and (dw == 0).all()
+    dy1, rows = torch.randn(1, 8), torch.tensor([5])
+    dw = gg.grouped_gemm_wgrad(dy1, x_T, offs_of([0, 1], "cpu"), x_rows=rows)
+    assert (dw[0] == 0).all()
+    assert_close(dw[1], dy1.double().T @ x_T[5:6].double(), dy1.T @ x_T[5:6], torch.float32)
+
+
 def test_wgrad_row_maps_are_checked():
     x, dy = torch.randn(10, 8), torch.randn(6, 4)
     offs = offs_of([3, 3], "cpu")
