@@ -480,35 +480,35 @@ class _Fc2Node(torch.autograd.Function):
             and b2 is None
             and _fused(spec).gathered_backward_pays(d_out, w2, glu_block)
         )
+        # dy: fc2's output gradient as its kernels read it, the (M, H) rows in expert order, or d out's (T, H)
+        # token rows read through dy_rows.
         dy_rows = None
         if in_loads:
             assert route is not None  # in_loads
-            dy_MH, dy_rows = row_major(d_out), route.token_of_row
+            dy, dy_rows = row_major(d_out), route.token_of_row
             dh, act_p, dprobs = library.glu_backward_gathered(
-                spec.backend, dy_MH, dy_rows, w2, h_held, offs, probs_M, glu_block, activation
+                spec.backend, dy, dy_rows, w2, h_held, offs, probs_M, glu_block, activation
             )
         elif not ctx.recomputes:
-            dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
-            dh, act_p, dprobs = library.glu_backward(
-                spec.backend, dy_MH, w2, h_held, offs, probs_M, glu_block, activation
-            )
+            dy = row_major(d_out if route is None else route.to_rows(d_out))
+            dh, act_p, dprobs = library.glu_backward(spec.backend, dy, w2, h_held, offs, probs_M, glu_block, activation)
         else:
-            dy_MH = row_major(d_out if route is None else route.to_rows(d_out))
+            dy = row_major(d_out if route is None else route.to_rows(d_out))
             x, *fc1_params = rest[spec.n_w2 :]
             fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
-            dh, act_p, dprobs = _glu_backward_recomputing(spec, dy_MH, w2, h_held, offs, probs_M, route, fc1)
+            dh, act_p, dprobs = _glu_backward_recomputing(spec, dy, w2, h_held, offs, probs_M, route, fc1)
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
-            dw2 = wgrad_in_layout(spec.backend, dy_MH, act_p, offs, None, stored_transposed(w2), dy_rows=dy_rows)
+            dw2 = wgrad_in_layout(spec.backend, dy, act_p, offs, None, stored_transposed(w2), dy_rows=dy_rows)
         if probs_M is not None and need_probs and b2 is not None:
             # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
             # r]> (y = ... + b2 * p).
-            db2, bias_dot = library.dbias_and_dot(spec.backend, dy_MH, offs, b2, probs_M)
+            db2, bias_dot = library.dbias_and_dot(spec.backend, dy, offs, b2, probs_M)
             assert dprobs is not None  # the fused backward gives d probs where there are probs
             dprobs = dprobs + bias_dot
         elif any(need[_FC2_PARAMS + spec.n_w2 :]):
-            db2 = library.grouped_linear_dbias(spec.backend, dy_MH, offs, None, probs_M)
+            db2 = library.grouped_linear_dbias(spec.backend, dy, offs, None, probs_M)
         if probs_M is not None and need_probs:
             assert dprobs is not None  # the fused backward gives d probs where there are probs
             d_probs = dprobs.to(probs_M.dtype)
