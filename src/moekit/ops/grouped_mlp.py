@@ -378,8 +378,7 @@ class _Fc1Node(torch.autograd.Function):
             ctx.mark_non_differentiable(probs_M)
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.b1_dims = spec, tuple(b.dim() for b in b1s)
-        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
-        ctx.route_len = len(route_tensors)
+        ctx.use_triton, route_tensors = ExpertRoute.to_save(route)
         # x is saved as the caller's tensor itself (token order for a route): saved-tensor hooks may replace it.
         ctx.save_for_backward(x, offs, *route_tensors, *w1s)
         return h, act, probs_M, h_head
@@ -393,8 +392,7 @@ class _Fc1Node(torch.autograd.Function):
         _d_h_head: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
         x, offs, *rest = ctx.saved_tensors
-        route = ExpertRoute.from_saved(tuple(rest[: ctx.route_len]), ctx.use_triton)
-        w1s = rest[ctx.route_len :]
+        route, w1s = ExpertRoute.from_saved(rest, ctx.use_triton)
         spec, need = ctx.spec, ctx.needs_input_grad
         dx = d_probs = dw1 = db1 = None
         if dh_M2F is not None:
@@ -453,8 +451,7 @@ class _Fc2Node(torch.autograd.Function):
         scale = probs_M if b2 is not None else None
         y_MH = library.grouped_linear_forward(spec.backend, act, w2, offs, None, b2, scale)
         ctx.spec, ctx.recomputes, ctx.b2_dims = spec, fc1 is not None, tuple(b.dim() for b in b2s)
-        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
-        ctx.route_len = len(route_tensors)
+        ctx.use_triton, route_tensors = ExpertRoute.to_save(route)
         held = h if fc1 is None else h_head
         fc1_tensors = () if fc1 is None else (fc1.x, *fc1.w1s, *fc1.b1s)
         ctx.save_for_backward(held, offs, probs_M, b2, *route_tensors, *w2s, *fc1_tensors)
@@ -465,8 +462,7 @@ class _Fc2Node(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec, need = ctx.spec, ctx.needs_input_grad
         h_held, offs, probs_M, b2, *rest = ctx.saved_tensors
-        route = ExpertRoute.from_saved(tuple(rest[: ctx.route_len]), ctx.use_triton)
-        rest = rest[ctx.route_len :]
+        route, rest = ExpertRoute.from_saved(rest, ctx.use_triton)
         w2s = tuple(rest[: spec.n_w2])
         w2 = stacked(w2s, 3, "fc2 weight")
         assert w2 is not None  # check_mlp_params: fc2 has weights
@@ -489,14 +485,16 @@ class _Fc2Node(torch.autograd.Function):
             dh, act_p, dprobs = library.glu_backward_gathered(
                 spec.backend, dy, dy_rows, w2, h_held, offs, probs_M, glu_block, activation
             )
-        elif not ctx.recomputes:
-            dy = row_major(d_out if route is None else route.to_rows(d_out))
-            dh, act_p, dprobs = library.glu_backward(spec.backend, dy, w2, h_held, offs, probs_M, glu_block, activation)
         else:
             dy = row_major(d_out if route is None else route.to_rows(d_out))
-            x, *fc1_params = rest[spec.n_w2 :]
-            fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
-            dh, act_p, dprobs = _glu_backward_recomputing(spec, dy, w2, h_held, offs, probs_M, route, fc1)
+            if not ctx.recomputes:
+                dh, act_p, dprobs = library.glu_backward(
+                    spec.backend, dy, w2, h_held, offs, probs_M, glu_block, activation
+                )
+            else:
+                x, *fc1_params = rest[spec.n_w2 :]
+                fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
+                dh, act_p, dprobs = _glu_backward_recomputing(spec, dy, w2, h_held, offs, probs_M, route, fc1)
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):

@@ -358,8 +358,13 @@ def _glu_backward(backend: str, dy_MH: torch.Tensor, w2_NHF: torch.Tensor, h_M2F
     dh, act_p, part = _fused(backend).glu_backward_partials(
         dy_MH, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
     )
-    # A fixed-shape sum over the column tiles: a fixed order, deterministic.
-    return dh, act_p, (part.sum(0) if part is not None else dy_MH.new_empty(0, dtype=torch.float32))
+    return dh, act_p, _summed_partials(part, dy_MH)
+
+
+def _summed_partials(part: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """d probs (M,) fp32 from the fused backward's (F tiles, M) partials, or (0,) without probs (an op
+    returns tensors). A fixed-shape sum over the column tiles: a fixed order, deterministic."""
+    return part.sum(0) if part is not None else like.new_empty(0, dtype=torch.float32)
 
 
 def _glu_backward_gathered(backend: str, d_out_TH: torch.Tensor, token_of_row: torch.Tensor,
@@ -372,7 +377,7 @@ def _glu_backward_gathered(backend: str, d_out_TH: torch.Tensor, token_of_row: t
     dh, act_p, part = _fused(backend).glu_backward_gathered_partials(
         d_out_TH, token_of_row, w2_NHF, h_M2F, offs, probs_M, glu_interleave_size, activation
     )
-    return dh, act_p, (part.sum(0) if part is not None else d_out_TH.new_empty(0, dtype=torch.float32))
+    return dh, act_p, _summed_partials(part, d_out_TH)
 
 
 def _dbias_and_dot(backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor,

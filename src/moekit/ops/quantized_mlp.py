@@ -248,7 +248,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in w1s), tuple(b.dim() for b in b1s)
         ctx.w_transposed, ctx.w_layout = stored_transposed(w1s[0]), _Layout.of(w1_q)
         # x is saved as the tensor given (moe_experts' hooks replace its sorted rows by a reference to x).
-        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
+        ctx.use_triton, route_tensors = ExpertRoute.to_save(route)
         ctx.save_for_backward(x_MH, offs, w1t_data, w1t_scale, *route_tensors, *w1_q.storage())
         # The FP8 outputs get no gradient: without this autograd would hand the backward zeros of their
         # sizes (materialized), written for nothing.
@@ -272,8 +272,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         if dh_M2F is None:  # no gradient reached h (grads are not materialized here)
             return (None,) * (_X1 + 1 + len(ctx.w_dims) + len(ctx.b_dims))
         x_MH, offs, w1t_data, w1t_scale, *stored = ctx.saved_tensors
-        route = ExpertRoute.from_saved(tuple(stored[:2]), ctx.use_triton)
-        stored = stored[2:] if route is not None else stored
+        route, stored = ExpertRoute.from_saved(stored, ctx.use_triton)
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc1_backend
         w1_q = ctx.w_layout.rebuilt(stored)
@@ -375,15 +374,14 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         ctx.w_transposed = stored_transposed(w2s[0])
         ctx.layouts = (_Layout.of(h_q) if h_q is not None else None, _Layout.of(w2_q))
         h_storage = h_q.storage() if h_q is not None else (None,) * 7
-        ctx.use_triton, route_tensors = (None, ()) if route is None else (route.use_triton, route.saved())
+        ctx.use_triton, route_tensors = ExpertRoute.to_save(route)
         ctx.save_for_backward(probs_M, offs, b2, w2t_data, w2t_scale, *route_tensors, *h_storage, *w2_q.storage())
         return y_MH if route is None else route.to_tokens(y_MH)
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         probs_M, offs, b2, w2t_data, w2t_scale, *stored = ctx.saved_tensors
-        route = ExpertRoute.from_saved(tuple(stored[:2]), ctx.use_triton)
-        stored = stored[2:] if route is not None else stored
+        route, stored = ExpertRoute.from_saved(stored, ctx.use_triton)
         dy_MH = d_out if route is None else route.to_rows(d_out)
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc2_backend

@@ -14,6 +14,7 @@ expert parallelism's dispatch and `permute`/`unpermute` all move rows with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,14 +98,21 @@ class ExpertRoute:
         """(T, K): each copy's weight gradient, read once at its row (a permutation: no scatter)."""
         return d_probs_M.index_select(0, self.row_map.view(-1)).view(self.row_map.shape)
 
-    def saved(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the backward needs of the route, for a node's save_for_backward (freed with the graph)."""
-        return self.token_of_row, self.row_map
+    @staticmethod
+    def to_save(route: ExpertRoute | None) -> tuple[bool | None, tuple[torch.Tensor, ...]]:
+        """What a node keeps of its route for the backward: (use_triton for its ctx, the tensors for its
+        save_for_backward, freed with the graph); (None, ()) without a route."""
+        return (None, ()) if route is None else (route.use_triton, (route.token_of_row, route.row_map))
 
     @staticmethod
-    def from_saved(tensors: tuple[torch.Tensor, ...], use_triton: bool | None) -> ExpertRoute | None:
-        """The route of `saved()`'s tensors (use_triton None: no route)."""
-        return None if use_triton is None else ExpertRoute(tensors[0], tensors[1], None, use_triton)
+    def from_saved(
+        saved: Sequence[torch.Tensor], use_triton: bool | None
+    ) -> tuple[ExpertRoute | None, list[torch.Tensor]]:
+        """The route `to_save` kept at the head of a node's saved tensors (use_triton None: no route), and
+        the saved tensors after it."""
+        if use_triton is None:
+            return None, list(saved)
+        return ExpertRoute(saved[0], saved[1], None, use_triton), list(saved[2:])
 
 
 def move_rows(

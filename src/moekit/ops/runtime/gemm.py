@@ -52,6 +52,7 @@ from moekit.ops.runtime.launch import (
     plan_launch,
     tensor_key,
     use_tma,
+    within_widest,
 )
 from moekit.ops.runtime.rows import checked_row_map
 
@@ -404,7 +405,7 @@ def gathered_wgrad_pays(x_TH: torch.Tensor, ffn: int) -> bool:
     """Whether the layer's fc1 weight gradient should read x's token rows x_TH through the row map in its
     loads rather than gather them first: F within `configs.GATHERED_WGRAD_MAX_FFN` for the device's
     architecture (the same bits either way)."""
-    return ffn <= GATHERED_WGRAD_MAX_FFN.get(arch_of(x_TH.device), 0)
+    return within_widest(GATHERED_WGRAD_MAX_FFN, x_TH.device, ffn)
 
 
 def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,7 +51,6 @@ from moekit.ops.runtime.launch import (
     Launcher,
     LaunchPlan,
     Plan,
-    arch_of,
     block_groups,
     device_ctx,
     device_index,
@@ -63,6 +62,7 @@ from moekit.ops.runtime.launch import (
     plan_launch,
     tensor_key,
     use_tma,
+    within_widest,
 )
 from moekit.ops.runtime.rows import checked_row_map, gather_sum_rows
 
@@ -405,39 +405,39 @@ def glu_forward(
     return h, act
 
 
-def _cp_async_rows(rows_TH: torch.Tensor) -> bool:
-    """Whether a GATHER kernel's 16-byte cp.async copies can read these token rows: 2-D, a row stride that
-    is a multiple of 16 elements on a 16-byte aligned base (Triton proves the copies' alignment only from
-    those, its argument specialisation)."""
-    return rows_TH.dim() == 2 and rows_TH.stride(0) % 16 == 0 and rows_TH.data_ptr() % 16 == 0
+def _gather_variant_takes(
+    kind: str, rows_TH: torch.Tensor, weight: torch.Tensor, ffn: int, glu_interleave_size: int | None, use_tma: bool
+) -> bool:
+    """Whether the Hopper kernel `kind` ("fwd": x's rows, w1; "bwd": d out's rows, w2) runs its GATHER
+    variant over the token rows rows_TH: wherever `hopper_kernels_take` takes the call, rows_TH standing
+    for the gathered rows (the same dtype, device and H), and rows_TH's row stride a multiple of 16
+    elements on a 16-byte aligned base: Triton proves the 16-byte alignment of the copies' addresses only
+    from those (its argument specialisation), and cp.async's 16-byte copies do not compile without it (an
+    sm_90 compile error at H = 200, 400-byte rows, on the H200). Every real model's H qualifies (2048,
+    2880, 4096, 7168)."""
+    if ffn == 0 or rows_TH.dim() != 2 or rows_TH.stride(0) % 16 != 0 or rows_TH.data_ptr() % 16 != 0:
+        return False
+    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
+    blocks_innermost = kind == "fwd" and transposed_weight(weight, "fc1_weight")
+    hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, rows_TH, _stored(weight), blocks_innermost=blocks_innermost)
+    return hopper_kernels_take(kind, rows_TH, weight, ffn, glu_block, hopper_tma, None)
 
 
 def gathered_kernel_takes(
     x_TH: torch.Tensor, w1_N2FH: torch.Tensor, glu_interleave_size: int | None, use_tma: bool = True
 ) -> bool:
     """Whether `glu_forward_gathered` runs the Hopper kernel's GATHER variant (x's token rows read by the
-    kernel) rather than gathering the rows first: wherever `hopper_kernels_take` takes the forward, x_TH
-    standing for the gathered rows (the same dtype, device and H), and x_TH's row stride a multiple of
-    16 elements on a 16-byte aligned base: Triton proves the 16-byte alignment of the copies' addresses
-    only from those (its argument specialisation), and cp.async's 16-byte copies do not compile without
-    it (an sm_90 compile error at H = 200, 400-byte rows, on the H200). Every real model's H qualifies
-    (2048, 2880, 4096, 7168)."""
-    ffn = w1_N2FH.shape[1] // 2
-    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    if ffn == 0 or not _cp_async_rows(x_TH):
-        return False
-    transposed = transposed_weight(w1_N2FH, "fc1_weight")
-    hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, x_TH, _stored(w1_N2FH), blocks_innermost=transposed)
-    return hopper_kernels_take("fwd", x_TH, w1_N2FH, ffn, glu_block, hopper_tma, None)
+    kernel) rather than gathering the rows first (`_gather_variant_takes`)."""
+    return _gather_variant_takes("fwd", x_TH, w1_N2FH, w1_N2FH.shape[1] // 2, glu_interleave_size, use_tma)
 
 
 def gathered_fc1_pays(x_TH: torch.Tensor, w1_N2FH: torch.Tensor, glu_interleave_size: int | None) -> bool:
     """Whether the layer's fc1 should read x's token rows in its loads: the GATHER variant takes the call
     (`gathered_kernel_takes`) and F is within `configs.GATHERED_FC1_MAX_FFN` for the device's
     architecture (where reading the rows by cp.async costs less than gathering them first)."""
-    ffn = w1_N2FH.shape[1] // 2
-    widest = GATHERED_FC1_MAX_FFN.get(arch_of(x_TH.device), 0)
-    return ffn <= widest and gathered_kernel_takes(x_TH, w1_N2FH, glu_interleave_size)
+    return within_widest(GATHERED_FC1_MAX_FFN, x_TH.device, w1_N2FH.shape[1] // 2) and gathered_kernel_takes(
+        x_TH, w1_N2FH, glu_interleave_size
+    )
 
 
 def glu_forward_gathered(
@@ -674,24 +674,17 @@ def gathered_backward_kernel_takes(
     d_out_TH: torch.Tensor, w2_NHF: torch.Tensor, glu_interleave_size: int | None, use_tma: bool = True
 ) -> bool:
     """Whether `glu_backward_gathered_partials` runs the Hopper backward's GATHER variant (d out's token
-    rows read by the kernel) rather than gathering the rows first: wherever `hopper_kernels_take` takes
-    the backward, d_out_TH standing for the gathered rows, with `gathered_kernel_takes`' alignment of
-    the rows for cp.async."""
-    ffn = w2_NHF.shape[2]
-    glu_block = ffn if glu_interleave_size is None else glu_interleave_size
-    if ffn == 0 or not _cp_async_rows(d_out_TH):
-        return False
-    hopper_tma, _, _ = _use_tma(use_tma, ffn, glu_block, d_out_TH, _stored(w2_NHF))
-    return hopper_kernels_take("bwd", d_out_TH, w2_NHF, ffn, glu_block, hopper_tma, None)
+    rows read by the kernel) rather than gathering the rows first (`_gather_variant_takes`)."""
+    return _gather_variant_takes("bwd", d_out_TH, w2_NHF, w2_NHF.shape[2], glu_interleave_size, use_tma)
 
 
 def gathered_backward_pays(d_out_TH: torch.Tensor, w2_NHF: torch.Tensor, glu_interleave_size: int | None) -> bool:
     """Whether the layer's fc2 backward should read d out's token rows in its loads (the backward's GATHER
     variant and fc2's weight gradient through the row map): the GATHER variant takes the call and F is
     within `configs.GATHERED_DOUT_MAX_FFN` for the device's architecture."""
-    ffn = w2_NHF.shape[2]
-    widest = GATHERED_DOUT_MAX_FFN.get(arch_of(d_out_TH.device), 0)
-    return ffn <= widest and gathered_backward_kernel_takes(d_out_TH, w2_NHF, glu_interleave_size)
+    return within_widest(GATHERED_DOUT_MAX_FFN, d_out_TH.device, w2_NHF.shape[2]) and gathered_backward_kernel_takes(
+        d_out_TH, w2_NHF, glu_interleave_size
+    )
 
 
 def glu_backward_gathered_partials(

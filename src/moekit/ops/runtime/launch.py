@@ -214,6 +214,12 @@ def arch_of(device: torch.device) -> Arch:
     return "sm90" if capability(device_index(device))[0] >= 9 else "sm80"
 
 
+def within_widest(widest_by_arch: dict[Arch, int], device: torch.device, width: int) -> bool:
+    """Whether `width` (an expert's F) is within a `configs` table of the widest F at which a gathered
+    kernel pays, for the table of `device`'s architecture (an architecture absent from it: never)."""
+    return width <= widest_by_arch.get(arch_of(device), 0)
+
+
 def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
