@@ -247,11 +247,6 @@ def make_inputs(shape: LayerShape, device, dtype, seed: int = 0) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def outputs_and_grads(fn_fwd, dy, leaves: dict) -> dict:
     for t in leaves.values():
         t.grad = None
@@ -337,10 +332,10 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
                 r["status"], r["reason"] = "unavailable", reasons[impl]
             continue
         try:
-            _sync(device)
+            runner.sync(device)
             t0 = time.perf_counter()
             got = outputs_and_grads(fwd, dy, impl_leaves)  # first call: compilation, autotuning, JIT
-            _sync(device)
+            runner.sync(device)
             first_call_s = round(time.perf_counter() - t0, 3)
             if impl == "sonicmoe":  # its fc1 gradient back to moekit's gate|up layout for the comparison
                 got["fc1_weight"] = moekit.deinterleave_glu(got["fc1_weight"], 1, dim=1)
@@ -364,6 +359,16 @@ def bench_cell(args, cfg: runner.BenchConfig, shape: LayerShape, dist: str, impl
         runner.time_rounds(
             [(r, fn) for r, fn in timed if r["op"] == op], args.rounds, lambda fn: runner.time_ms(fn, cfg, grads)
         )
+    if args.kernels:
+        for r, fn in timed:
+            for t in grads:  # as before every timed call: the backward does not accumulate
+                t.grad = None
+            try:
+                r.update(runner.kernel_profile(fn, device))
+            except Exception as exc:  # the timing stands without the profile
+                r["kernels_error"] = runner.error_reason(exc)
+        for t in grads:
+            t.grad = None
     runner.ratios_to(records, "plain")
     for r in records:
         r["expert_counts_min_max"] = [int(counts.min()), int(counts.max())]
@@ -391,38 +396,6 @@ def skipped_records(shape: LayerShape, dist: str, reason: str) -> list[dict]:
     ]
 
 
-def profile_moekit(args, shape: LayerShape) -> None:
-    """The CUDA kernels (and CPU time) of one moekit forward+backward, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    base = make_inputs(shape, args.device, args.dtype)
-    ids, weights = make_routing(shape, "balanced", args.device, args.dtype)
-    leaves = [
-        base["x"].requires_grad_(True),
-        base["w1"].requires_grad_(True),
-        base["w2"].requires_grad_(True),
-        weights.requires_grad_(True),
-    ]
-    dy = torch.randn_like(base["x"])
-    fn = moekit_layer(args.backend)
-
-    def step():
-        for t in leaves:  # as every timed step: no accumulation onto the last step's gradients
-            t.grad = None
-        fn(leaves[0], leaves[1], leaves[2], ids, leaves[3]).backward(dy)
-
-    step()
-    _sync(args.device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(3):
-            step()
-        _sync(args.device)
-    sort_by = "cuda_time_total" if args.device.type == "cuda" else "cpu_time_total"
-    print(f"\nprofile of 3 moekit forward+backward at {shape.name}:")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=25, max_name_column_width=60))
-
-
 def print_record(r: dict) -> None:
     t = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TF" if r["ms"] else " " * 21
     ratio = f" x{r['x_plain']:.2f}" if r.get("x_plain") else "      "
@@ -430,6 +403,16 @@ def print_record(r: dict) -> None:
     mem = f" held {held / 2**30:5.2f} GiB peak+ {r['peak_extra_bytes'] / 2**30:5.2f} GiB" if held is not None else ""
     note = f"  [{r['status']}: {r['reason'][:120]}]" if r["reason"] else ""
     print(f"  {r['shape']:<16} {r['dist']:<8} {r['op']:<16} {r['impl']:<7} {t}{ratio}{mem}{note}", flush=True)
+
+
+def print_kernels(records: list[dict], top: int = 12) -> None:
+    """Each profiled cell's largest kernels (names cut to 70 characters)."""
+    for r in records:
+        if not r.get("kernels"):
+            continue
+        print(f"\n{r['shape']} {r['dist']} {r['op']} {r['impl']}: {r['kernel_ms']:.3f} ms of {r['kernels_of']}")
+        for k in r["kernels"][:top]:
+            print(f"  {k['ms']:8.3f} ms {k['launches']:4d}x  {k['name'][:70]}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -545,10 +528,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="start no new cell after this many seconds (the rest are recorded as skipped)",
     )
     parser.add_argument(
-        "--profile",
-        default=None,
-        metavar="SHAPE",
-        help="also print the CUDA kernels of one moekit forward+backward at this shape (balanced)",
+        "--kernels",
+        action="store_true",
+        help="also profile one call of every timed cell (torch.profiler): its kernels' device time by name",
     )
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     args = parser.parse_args(argv)
@@ -641,9 +623,8 @@ def main(argv=None) -> dict:
         shapes=[asdict(s) for s in args.shape_list],
     )
     print_table(records, roofs)
-    if args.profile:
-        known = SHAPES + OTHER_SHAPES + SONICMOE_SHAPES + SMOKE_SHAPES
-        profile_moekit(args, next(s for s in known if s.name == args.profile))
+    if args.kernels:
+        print_kernels(records)
     payload = {"meta": env, "records": records}
     runner.write_json(args.out / f"{NAME}.json", payload)
     if args.plot:

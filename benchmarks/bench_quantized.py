@@ -144,11 +144,6 @@ class Budget:
         return f"not run: {self.elapsed():.0f} s into the run, past --budget-s {self.seconds:g}"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_of_steps(steps: int, device: torch.device, grads=None) -> Callable[[Callable[[], object]], float]:
     return lambda fn: statistics.median(runner.time_steps(fn, steps, device, grads))
 
@@ -344,31 +339,6 @@ def layer_record(shape: LayerShape, column: Column, flops: int) -> dict:
     }
 
 
-def kernel_profile(step: Callable[[], object], device: torch.device, top: int = 40) -> dict:
-    """One call of `step` under torch.profiler: the device time of its kernels (CUDA) or the operators'
-    own CPU time (elsewhere) summed by name, largest first (the `top` largest kept), and their sum."""
-    cuda = device.type == "cuda"
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    _sync(device)
-    with torch.profiler.profile(activities=[activity]) as prof:
-        step()
-        _sync(device)
-    totals: dict[str, list[float]] = {}
-    for event in prof.key_averages():
-        us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
-            continue
-        entry = totals.setdefault(event.key[:160], [0.0, 0])
-        entry[0] += us / 1e3
-        entry[1] += event.count
-    kernels = sorted(({"name": k, "ms": v[0], "launches": v[1]} for k, v in totals.items()), key=lambda r: -r["ms"])
-    return {
-        "kernels_of": "cuda kernels" if cuda else "cpu ops",
-        "kernel_ms": sum(r["ms"] for r in kernels),
-        "kernels": kernels[:top],
-    }
-
-
 def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Budget) -> list[dict]:
     device = args.device
     M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
@@ -384,7 +354,7 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
     grads = list(leaves.values())
     t0 = time.monotonic()
     ref = reference_output(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
-    _sync(device)
+    runner.sync(device)
     reference_s = time.monotonic() - t0
     records, timed = [], []
     for column in columns:
@@ -414,11 +384,11 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
         try:
             for t in grads:
                 t.grad = None
-            _sync(device)
+            runner.sync(device)
             t0 = time.monotonic()
             y = fwd()
             y.backward(dy)
-            _sync(device)
+            runner.sync(device)
             rec["first_call_s"] = round(time.monotonic() - t0, 3)
             rec["rel_err_fro"] = rel_fro(y, ref)
             del y
@@ -440,7 +410,7 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
             for t in grads:
                 t.grad = None
             try:
-                rec.update(kernel_profile(step, device))
+                rec.update(runner.kernel_profile(step, device))
             except Exception as exc:  # the timing stands without the profile
                 rec["kernels_error"] = runner.error_reason(exc)
         for t in grads:
@@ -539,10 +509,10 @@ def bench_quantize_cell(
         return moekit.group_quantize(x, splits, recipe, rowwise=True, columnwise=columnwise, out=out)
 
     try:
-        _sync(device)
+        runner.sync(device)
         t0 = time.monotonic()
         expected = quantize()
-        _sync(device)
+        runner.sync(device)
         first_call_s = time.monotonic() - t0
     except Exception as exc:
         mark(MODES, "error", runner.error_reason(exc))
@@ -574,14 +544,14 @@ def bench_quantize_cell(
             torch.cuda.current_stream(device).wait_stream(side)
             zero_bytes(graph_out)  # what the replay writes, not what the warm-up left
             graph = torch.cuda.CUDAGraph()
-            _sync(device)
+            runner.sync(device)
             t0 = time.monotonic()
             with torch.cuda.graph(graph):
                 quantize(out=graph_out)
-            _sync(device)
+            runner.sync(device)
             recs["graph"]["capture_s"] = round(time.monotonic() - t0, 3)
             graph.replay()
-            _sync(device)
+            runner.sync(device)
             recs["graph"].update(status="ok", same_bytes_as_alloc=same_bytes(graph_out, expected))
             timed.append((recs["graph"], graph.replay))
         except Exception as exc:

@@ -407,6 +407,37 @@ def failed_check_reason(check: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_profile(step: Callable[[], object], device: torch.device, top: int = 40) -> dict:
+    """One call of `step` under torch.profiler: the device time of its kernels (CUDA) or the operators'
+    own CPU time (elsewhere) summed by name, largest first (the `top` largest kept), and their sum."""
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    sync(device)
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step()
+        sync(device)
+    totals: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        entry = totals.setdefault(event.key[:160], [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += event.count
+    kernels = sorted(({"name": k, "ms": v[0], "launches": v[1]} for k, v in totals.items()), key=lambda r: -r["ms"])
+    return {
+        "kernels_of": "cuda kernels" if cuda else "cpu ops",
+        "kernel_ms": sum(r["ms"] for r in kernels),
+        "kernels": kernels[:top],
+    }
+
+
 def error_reason(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""

@@ -626,6 +626,26 @@ def test_bench_moe_layer_reports_sonicmoe_skipped_with_its_reason(tmp_path):
     )
 
 
+def test_bench_moe_layer_kernels_profile_every_timed_cell(tmp_path):
+    """--kernels: every timed column gets one profiled call per op (forward, forward+backward), its
+    kernels (here the CPU's operators) by name, largest first, and their total; the backward's call
+    starts without gradients, as every timed one (no accumulating add: without the router each leaf
+    gets one gradient)."""
+    payload = _run_layer(tmp_path, "--dists", "balanced", "--impls", "moekit", "--kernels")
+    ok = [r for r in payload["records"] if r["status"] == "ok"]
+    assert {(r["impl"], r["op"]) for r in ok} == {
+        (i, op) for i in ("moekit", "plain") for op in ("forward", "forward+backward")
+    }
+    for r in ok:
+        assert r["kernels_of"] == "cpu ops" and "kernels_error" not in r, r
+        times = [k["ms"] for k in r["kernels"]]
+        assert times and times == sorted(times, reverse=True) and all(k["launches"] > 0 for k in r["kernels"])
+        assert r["kernel_ms"] >= sum(times) * (1 - 1e-9) > 0
+        assert not [k for k in r["kernels"] if k["name"] == "aten::add_"], r["kernels"]
+    by = {(r["impl"], r["op"]): r for r in ok}
+    assert by[("moekit", "forward+backward")]["kernel_ms"] > by[("moekit", "forward")]["kernel_ms"]
+
+
 def test_sonicmoe_column_passes_its_layouts(monkeypatch):
     """The sonicmoe column's call, against a stand-in `sonicmoe` computing what SonicMoE's own
     reference (its benchmarks/moe-cute.py) computes from the same arguments: fc1 (2F, H, E) with gate
