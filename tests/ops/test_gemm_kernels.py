@@ -448,6 +448,71 @@ def test_gpu_wgrad_gathered_rows_bit_for_bit(gathered, nan_outputs):
             assert_close(dw[g], ref64[g], ref_bf16[g], torch.bfloat16)
 
 
+_COMPILE_WGRAD_FOR_SM90 = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.grouped_gemm_hopper import wgrad_gathered_ws_kernel as kernel
+from moekit.ops.runtime.configs import WGRAD_GATHERED_WS
+
+dtype, idx = json.loads(sys.argv[1])
+options = {k: WGRAD_GATHERED_WS[k] for k in ("num_warps", "maxnreg")}
+const = {k: v for k, v in WGRAD_GATHERED_WS.items() if k not in options}
+const.update(NUM_PROGRAMS=132)
+pointer = {"offs_ptr": "*i64", "unused_ptr": "*i64", "idx_ptr": idx}
+sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in const}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()},
+                     attrs=attrs)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+                  "wgmma": re.findall(r"wgmma\\.mma_async\\S*", ptx),
+                  "cp_async_16": len(re.findall(r"cp\\.async\\.\\w+\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10",
+                                                ptx)),
+                  "setmaxnreg": "setmaxnreg" in ptx}))
+"""
+
+
+@pytest.mark.parametrize("dtype,idx", [("*bf16", "*i64"), ("*fp16", "*i32")])
+def test_hopper_gathered_wgrad_compiles_for_sm90(dtype, idx):
+    """The Gluon gathered wgrad's configuration compiles for sm_90 (in its own process, as the fused
+    MLP's kernels): 12 warps (8 for the main loop, the load partition's warp group), inside 227 KB of
+    shared memory, m64n128k16 wgmma on both operands MN-major, x's rows by 16-byte cp.async copies."""
+    got = compile_in_subprocess(_COMPILE_WGRAD_FOR_SM90, json.dumps([dtype, idx]))
+    assert got["num_warps"] == 12 and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024
+    kind = dtype.strip("*").replace("fp16", "f16")
+    assert got["wgmma"] and set(got["wgmma"]) == {f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{kind}.{kind}"}
+    assert got["cp_async_16"] > 0, got
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("O,I", [(512, 2048), (200, 264)], ids=["fc1", "odd"])
+def test_gpu_wgrad_gathered_runs_the_hopper_kernel(O, I, nan_outputs):
+    """On sm_90 the gathered wgrad of x's rows runs the Gluon kernel (profiled, no host sync) and gives the
+    Triton wgrad's bits over the gathered rows, at fc1's shape and at sizes no tile divides; x rows
+    cp.async cannot copy 16 bytes at a time (a row stride of 8 mod 16 elements) run the Triton kernel,
+    with the same bits."""
+    from helpers import run_on_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon wgrad runs on sm_90")
+    splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
+    dy_T, x_T, _, x_rows, dy_M, x_M = gathered_wgrad_problem(splits, 37, 3000, O, I, torch.bfloat16, "cuda")
+    offs = offs_of(splits, "cuda")
+    dw = run_on_kernel(lambda: gg.grouped_gemm_wgrad(dy_M, x_T, offs, x_rows=x_rows), "wgrad_gathered_ws_kernel")
+    assert torch.equal(dw, gg.grouped_gemm_wgrad(dy_M, x_M, offs))
+    wide = torch.full((x_T.shape[0], I + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wide[:, :I] = x_T
+    x_odd = wide[:, :I]  # row stride I + 8: 16-byte rows, not 16-element ones
+    assert not gg.hopper_wgrad_takes(dy_M, x_odd, (False, True), None, True)
+    odd = run_on_kernel(lambda: gg.grouped_gemm_wgrad(dy_M, x_odd, offs, x_rows=x_rows), "wgrad_kernel")
+    assert torch.equal(odd, dw)
+
+
 @gpu
 @needs_cuda
 def test_gpu_fp32(nan_outputs):

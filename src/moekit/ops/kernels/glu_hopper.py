@@ -79,7 +79,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -87,6 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from moekit.ops.kernels.gather_hopper import gather_layout, gather_slot, gathered_rows
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
 
@@ -134,42 +134,6 @@ def _interleave(gate, up, GLU_BLOCK: gl.constexpr, layout: gl.constexpr):
 
 # The two worker partitions take the same parameters, as Gluon's warp-specialization tutorial asks
 # of worker partitions; each uses its own part of them.
-@gluon.constexpr_function
-def _gather_layout(elem_bytes, block_red, num_warps):
-    """The layout of a gathered slot: BLOCK_RED columns of a row as 16-byte pieces across a warp's lanes,
-    rows across the warps."""
-    vec = 16 // elem_bytes
-    return gl.BlockedLayout([1, vec], [32 * vec // block_red, block_red // vec], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _gathered_rows(
-    src_ptr, idx_ptr, stride_src, row0, row_lo, row_hi, real, BLOCK_M: gl.constexpr, layout: gl.constexpr
-):
-    """(row addresses (BLOCK_M, 1), row mask (BLOCK_M, 1)) of a tile's routed rows row0 + i, each the
-    source row idx[row] (the token of a sorted row), read once a tile. Only the tile's own expert's rows
-    (never idx past offs[N]); the others copy nothing and read as zeros."""
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
-    token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
-    return gl.expand_dims(src_ptr + token.to(gl.int64) * stride_src, 1), gl.expand_dims(mask_m, 1)
-
-
-@gluon.jit
-def _gather_slot(buf, rows, mask_rows, red0, width, bar, BLOCK_RED: gl.constexpr, layout: gl.constexpr):
-    """Copy the reduction columns red0 : red0 + BLOCK_RED of the tile's gathered rows into a ring slot by
-    cp.async (one 16-byte copy per thread per 8 columns of 16-bit data), then arrive on the slot's
-    barrier when they land (counted arrivals: the barrier expects one per thread of the partition)."""
-    elem_bytes: gl.constexpr = buf.dtype.primitive_bitwidth // 8
-    VEC: gl.constexpr = 16 // elem_bytes
-    red_c = gl.expand_dims(red0 + gl.arange(0, BLOCK_RED, layout=gl.SliceLayout(0, layout)), 0)
-    # The column mask in whole 16-byte pieces (8 | width as TMA's 16-byte rows need): one predicate per
-    # copy whatever the width's divisibility, so each copy stays 16 bytes wide.
-    mask_c = red_c // VEC < width // VEC
-    async_copy.async_copy_global_to_shared(buf, rows + red_c, mask=mask_rows & mask_c)
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
 @gluon.jit
 def _load_partition(
     x_ptr,
@@ -223,7 +187,7 @@ def _load_partition(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, BLOCK_C
     )
     elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    gather_layout: gl.constexpr = _gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
+    slot_layout: gl.constexpr = gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
     if not GATHER:
         x_desc = tma.make_tensor_descriptor(
             x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -257,8 +221,8 @@ def _load_partition(
             # Zeros outside the tile's own rows, as the rows of padding tiles. A row's products depend
             # on its own x only, and the other rows of the tile (another expert's, or padding) are never
             # stored, so h and act are the bits of the TMA path over the gathered rows.
-            x_rows, mask_rows = _gathered_rows(
-                x_ptr, idx_ptr, stride_xm, row0, row_lo, row_hi, g < N, BLOCK_M, gather_layout
+            x_rows, mask_rows = gathered_rows(
+                x_ptr, idx_ptr, stride_xm, row0, row_lo, row_hi, g < N, BLOCK_M, slot_layout
             )
         else:
             # Padding tiles point past the last row (TMA reads zeros there).
@@ -270,9 +234,7 @@ def _load_partition(
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
             if GATHER:
-                _gather_slot(
-                    a_bufs.index(slot), x_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, gather_layout
-                )
+                gather_slot(a_bufs.index(slot), x_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, slot_layout)
             else:
                 tma.async_copy_global_to_shared(x_desc, [x_row0, red0], ready.index(slot), a_bufs.index(slot))
             if W_TRANSPOSED:
@@ -764,7 +726,7 @@ def _bwd_load_partition(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, 2 * BLOCK_C
     )
     elem_bytes: gl.constexpr = dy_ptr.dtype.element_ty.primitive_bitwidth // 8
-    gather_layout: gl.constexpr = _gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
+    slot_layout: gl.constexpr = gather_layout(elem_bytes, BLOCK_RED, gl.num_warps())
     if not GATHER:
         dy_desc = tma.make_tensor_descriptor(
             dy_ptr, shape=[M, H], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
@@ -797,8 +759,8 @@ def _bwd_load_partition(
         if GATHER:
             # Zeros outside the tile's own rows: their dA, dh, act_p and d probs are never stored, so
             # the stored rows are the bits of the TMA path over the gathered rows.
-            dy_rows, mask_rows = _gathered_rows(
-                dy_ptr, idx_ptr, stride_dym, row0, row_lo, row_hi, g < N, BLOCK_M, gather_layout
+            dy_rows, mask_rows = gathered_rows(
+                dy_ptr, idx_ptr, stride_dym, row0, row_lo, row_hi, g < N, BLOCK_M, slot_layout
             )
         else:
             # Padding tiles point past the last row (TMA reads zeros there), so their dA is zero.
@@ -809,9 +771,7 @@ def _bwd_load_partition(
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
             if GATHER:
-                _gather_slot(
-                    a_bufs.index(slot), dy_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, gather_layout
-                )
+                gather_slot(a_bufs.index(slot), dy_rows, mask_rows, red0, H, ready.index(slot), BLOCK_RED, slot_layout)
             else:
                 tma.async_copy_global_to_shared(dy_desc, [dy_row0, red0], ready.index(slot), a_bufs.index(slot))
             if W_TRANSPOSED:

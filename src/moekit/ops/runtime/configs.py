@@ -243,6 +243,22 @@ GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # (64 rows x 256 columns a step), and its cp.async loads make the wgrad 1.8x slower, more than the
 # (M, H) gather costs at every width measured (benchmarks/README.md, the gathered backward A/B).
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 0}
+# The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
+# 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
+# 8 row addresses a thread: 40 registers) while dy's boxes come by TMA; 4 slots of 48 KiB (dy 16, x 32)
+# fit beside nothing else (the epilogue stores from registers); the 8 warps of the main loop 232
+# registers of the 168 a thread of 12 warps.
+WGRAD_GATHERED_WS = dict(
+    BLOCK_O=128,
+    BLOCK_I=256,
+    BLOCK_M=64,
+    GROUP_O=8,
+    STAGES=4,
+    LOAD_WARPS=4,
+    LOAD_REGS=40,
+    num_warps=8,
+    maxnreg=168,
+)
 # Pipeline stages a wgrad launch adds where an operand's rows come through a row map: the software
 # pipeliner gives the map's load a stage of its own ahead of the rows' cp.async, so at the table's 3
 # stages the rows would be prefetched one step ahead (the TMA loads: two). Stages do not change the

@@ -28,13 +28,16 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
+from moekit.ops.kernels.grouped_gemm_hopper import wgrad_gathered_ws_kernel
 from moekit.ops.runtime.configs import (
     GATHERED_WGRAD_EXTRA_STAGES,
     GATHERED_WGRAD_MAX_FFN,
     ROW_SUM_TILES,
+    WGRAD_GATHERED_WS,
     GemmConfig,
     gemm_candidates,
 )
+from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.runtime.launch import (
     INTERPRET,
     Launcher,
@@ -58,6 +61,7 @@ from moekit.ops.runtime.rows import checked_row_map
 
 _GROUPED_MM = Launcher(grouped_mm_kernel)
 _WGRAD = Launcher(wgrad_kernel)
+_WGRAD_GATHERED_WS = Launcher(wgrad_gathered_ws_kernel)
 _ROW_SUM = Launcher(group_row_sum_kernel)
 
 
@@ -313,6 +317,33 @@ def _wgrad_launch(
     )
 
 
+def hopper_wgrad_takes(
+    dy: torch.Tensor, x: torch.Tensor, gather: tuple[bool, bool], cfg: GemmConfig | None, tma: bool
+) -> bool:
+    """Whether the Gluon wgrad (`wgrad_gathered_ws_kernel`) runs a wgrad whose x rows come through a row
+    map (and dy's do not): an sm_90 CUDA device (not the interpreter), 16-bit operands through TMA
+    (`tma`), no fixed cfg (a given cfg names one of the Triton kernel's configurations), and x's rows
+    copyable 16 bytes at a time (row stride a multiple of 16 elements on a 16-byte aligned base, I a
+    multiple of 8: the alignment Triton must prove for cp.async's 16-byte copies). Elsewhere the
+    Triton kernel reads the rows by pointer loads, with the same bits."""
+    if gather != (False, True) or cfg is not None or not tma or INTERPRET or dy.device.type != "cuda":
+        return False
+    if dy.dtype not in (torch.bfloat16, torch.float16) or cuda_capability(dy.device) != (9, 0):
+        return False
+    return x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0
+
+
+def _wgrad_ws_launch(dy: torch.Tensor, x: torch.Tensor, rows: int, num_groups: int) -> LaunchPlan:
+    """wgrad_gathered_ws_kernel over `rows` routed rows, tensors as `_wgrad_launch`'s (dy's map slot not
+    read)."""
+    O, I = dy.shape[1], x.shape[1]
+    cfg = WGRAD_GATHERED_WS
+    bound = num_groups * triton.cdiv(O, cfg["BLOCK_O"]) * triton.cdiv(I, cfg["BLOCK_I"])
+    nprog = grid_size(dy.device, bound)
+    ints = (rows, O, I, num_groups, dy.stride(0), x.stride(0))
+    return LaunchPlan(_WGRAD_GATHERED_WS, (nprog,), ints, dict(NUM_PROGRAMS=nprog, **cfg))
+
+
 def _plan_wgrad(
     dy_MO: torch.Tensor,
     x_MI: torch.Tensor,
@@ -347,6 +378,8 @@ def _plan_wgrad(
         return Plan(None, I, contiguous)
     tma, arch = use_tma(forced_tma, M > 0, dy, x)
     gather = (maps[0] is not None, maps[1] is not None)
+    if hopper_wgrad_takes(dy, x, gather, cfg, tma):
+        return Plan(_wgrad_ws_launch(dy, x, M, N), I, contiguous)
     with device_ctx(dy.device):
         if cfg is None:
 
