@@ -29,16 +29,31 @@ def gather_layout(elem_bytes, block_red, num_warps):
 
 
 @gluon.jit
+def routed_tokens(idx_ptr, row0, row_lo, row_hi, real, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """(tokens (BLOCK_M,) int32, row mask (BLOCK_M,)) of the routed rows row0 + i, in the row layout of
+    `layout`: idx[row] (the source row, below 2**31) for the rows in [row_lo, row_hi) when `real`, 0 for
+    the others, whose idx entries are not read (never past offs[N])."""
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
+    token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
+    return token.to(gl.int32), mask_m
+
+
+@gluon.jit
+def token_rows(src_ptr, stride_src, token, mask_m):
+    """(row addresses (BLOCK_M, 1), row mask (BLOCK_M, 1)) of `routed_tokens`' rows of src."""
+    return gl.expand_dims(src_ptr + token.to(gl.int64) * stride_src, 1), gl.expand_dims(mask_m, 1)
+
+
+@gluon.jit
 def gathered_rows(
     src_ptr, idx_ptr, stride_src, row0, row_lo, row_hi, real, BLOCK_M: gl.constexpr, layout: gl.constexpr
 ):
     """(row addresses (BLOCK_M, 1), row mask (BLOCK_M, 1)) of a tile's routed rows row0 + i, each the
-    source row idx[row] (the token of a sorted row), read once a tile. Only the tile's own expert's rows
-    (never idx past offs[N]); the others copy nothing and read as zeros."""
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    mask_m = (offs_m >= row_lo) & (offs_m < row_hi) & real
-    token = gl.load(idx_ptr + offs_m, mask=mask_m, other=0)
-    return gl.expand_dims(src_ptr + token.to(gl.int64) * stride_src, 1), gl.expand_dims(mask_m, 1)
+    source row idx[row] (the token of a sorted row): `routed_tokens` then `token_rows`. Only the tile's
+    own expert's rows; the others copy nothing and read as zeros."""
+    token, mask_m = routed_tokens(idx_ptr, row0, row_lo, row_hi, real, BLOCK_M, layout)
+    return token_rows(src_ptr, stride_src, token, mask_m)
 
 
 @gluon.jit

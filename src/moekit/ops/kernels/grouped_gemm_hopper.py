@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moekit.ops.kernels.gather_hopper import gather_layout, gather_slot, gathered_rows
+from moekit.ops.kernels.gather_hopper import gather_layout, gather_slot, routed_tokens, token_rows
 from moekit.ops.kernels.grouped_gemm import wgrad_tile
 
 
@@ -93,15 +93,22 @@ def _wgrad_load_partition(
         g, o0, i0, row_lo, row_hi = wgrad_tile(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
         )
+        token, mask_m = routed_tokens(idx_ptr, row_lo, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
         for step in range(gl.cdiv(row_hi - row_lo, BLOCK_M)):
+            r0 = row_lo + step * BLOCK_M
+            # The next step's row map entries, loading while this step waits for its slot and issues its
+            # copies: a step's rows change every step (the reduction runs over them), and a load of the
+            # map on the copies' path would cost the partition its latency every step.
+            token_next, mask_next = routed_tokens(idx_ptr, r0 + BLOCK_M, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
-            r0 = row_lo + step * BLOCK_M
             tma.async_copy_global_to_shared(dy_desc, [r0, o0], ready.index(slot), a_bufs.index(slot))
-            rows, mask_rows = gathered_rows(x_ptr, idx_ptr, stride_xm, r0, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
+            rows, mask_rows = token_rows(x_ptr, stride_xm, token, mask_m)
             gather_slot(b0_bufs.index(slot), rows, mask_rows, i0, I, ready.index(slot), HALF_I, slot_layout)
             gather_slot(b1_bufs.index(slot), rows, mask_rows, i0 + HALF_I, I, ready.index(slot), HALF_I, slot_layout)
+            token = token_next
+            mask_m = mask_next
             it += 1
 
 

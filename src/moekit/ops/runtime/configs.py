@@ -245,9 +245,10 @@ GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 0}
 # The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
 # 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
-# 8 row addresses a thread: 40 registers) while dy's boxes come by TMA; 4 slots of 48 KiB (dy 16, x 32)
-# fit beside nothing else (the epilogue stores from registers); the 8 warps of the main loop 232
-# registers of the 168 a thread of 12 warps.
+# 8 rows a thread, this step's row addresses and the next step's map entries: 56 registers, none
+# spilled; 40 spilled 64 bytes) while dy's boxes come by TMA; 4 slots of 48 KiB (dy 16, x 32) fit beside
+# nothing else (the epilogue stores from registers); the 8 warps of the main loop get 224 registers of
+# the 168 a thread of 12 warps (ptxas: no spills).
 WGRAD_GATHERED_WS = dict(
     BLOCK_O=128,
     BLOCK_I=256,
@@ -255,7 +256,7 @@ WGRAD_GATHERED_WS = dict(
     GROUP_O=8,
     STAGES=4,
     LOAD_WARPS=4,
-    LOAD_REGS=40,
+    LOAD_REGS=56,
     num_warps=8,
     maxnreg=168,
 )
