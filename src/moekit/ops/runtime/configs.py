@@ -238,11 +238,12 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
 # grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B).
 GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
-# rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows, cp.async) instead of
-# gathering them into an (M, H) tensor first. 0 on sm90: the gathered operand there is the wide one
-# (64 rows x 256 columns a step), and its cp.async loads make the wgrad 1.8x slower, more than the
-# (M, H) gather costs at every width measured (benchmarks/README.md, the gathered backward A/B).
-GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 0}
+# rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
+# `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad runs at
+# about 1.4x the TMA wgrad's time (the copy's bytes by cp.async), the gather costs one (M, H) write and
+# read whatever F is: at F 256 the step gains 1.5-2.5 %, at F 768 and 1024 it loses 2-3.5 %
+# (benchmarks/README.md, the gathered wgrad A/B); F 512 was not measured and stays with the gather.
+GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 256}
 # The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
 # 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
 # 8 rows a thread, this step's row addresses and the next step's map entries: 56 registers, none
