@@ -415,7 +415,8 @@ def grouped_gemm_wgrad(
     (x_MI[x_rows[r]]), and that operand may have any number of rows: the wgrad of the gathered rows,
     bit for bit, without writing them (the kernel reads them; `moe_experts` passes x's token rows and
     each sorted row's token). Values must be valid rows below offs[N] (not checked: they stay on the
-    device); entries at or past offs[N] are not read.
+    device); entries at or past offs[N] are not read. On sm_90 x's rows come through the Gluon kernel
+    where `hopper_wgrad_takes` says so (the same bits as the Triton kernel's).
     """
     maps = (
         None if dy_rows is None else checked_row_map(dy_rows, "dy_rows", dy_MO, "dy").view(-1),
