@@ -50,10 +50,17 @@ from moekit.ops.kernels.grouped_gemm import wgrad_tile
 
 
 @gluon.jit
+def _tile_grid(O, I, BLOCK_O: gl.constexpr, BLOCK_I: gl.constexpr):
+    """(o tiles, i tiles, tiles a group) of dw's (O, I) grid, which every group owns whole."""
+    num_pid_o = gl.cdiv(O, BLOCK_O)
+    num_pid_i = gl.cdiv(I, BLOCK_I)
+    return num_pid_o, num_pid_i, num_pid_o * num_pid_i
+
+
+@gluon.jit
 def _wgrad_load_partition(
     dy_ptr,
     x_ptr,
-    dw_ptr,
     offs_ptr,
     idx_ptr,
     M,
@@ -76,9 +83,7 @@ def _wgrad_load_partition(
 ):
     """Each step's dy box by TMA and its x rows (the row map's entries of the step's routed rows) by
     cp.async, two halves of HALF_I columns, each thread's copies arriving on the slot's barrier."""
-    num_pid_o = gl.cdiv(O, BLOCK_O)
-    num_pid_i = gl.cdiv(I, BLOCK_I)
-    tiles_per_group = num_pid_o * num_pid_i
+    num_pid_o, num_pid_i, tiles_per_group = _tile_grid(O, I, BLOCK_O, BLOCK_I)
     HALF_I: gl.constexpr = BLOCK_I // 2
     elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
     slot_layout: gl.constexpr = gather_layout(elem_bytes, HALF_I, gl.num_warps())
@@ -124,17 +129,12 @@ def _store_half(acc, dw_ptr, g, offs_o, i0, O, I, cols_layout: gl.constexpr):
 
 @gluon.jit
 def _wgrad_mma_partition(
-    dy_ptr,
-    x_ptr,
     dw_ptr,
     offs_ptr,
-    idx_ptr,
     M,
     O,
     I,
     N,
-    stride_dym,
-    stride_xm,
     a_bufs,
     b0_bufs,
     b1_bufs,
@@ -149,9 +149,7 @@ def _wgrad_mma_partition(
 ):
     """The tile's two (BLOCK_O, BLOCK_I / 2) accumulators over the ring, one step's MMAs kept in flight
     while the next slot's are issued; then the tile's stores."""
-    num_pid_o = gl.cdiv(O, BLOCK_O)
-    num_pid_i = gl.cdiv(I, BLOCK_I)
-    tiles_per_group = num_pid_o * num_pid_i
+    num_pid_o, num_pid_i, tiles_per_group = _tile_grid(O, I, BLOCK_O, BLOCK_I)
     HALF_I: gl.constexpr = BLOCK_I // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, HALF_I, 16]
@@ -242,17 +240,12 @@ def wgrad_gathered_ws_kernel(
             (
                 _wgrad_mma_partition,
                 (
-                    dy_ptr,
-                    x_ptr,
                     dw_ptr,
                     offs_ptr,
-                    idx_ptr,
                     M,
                     O,
                     I,
                     N,
-                    stride_dym,
-                    stride_xm,
                     a_bufs,
                     b0_bufs,
                     b1_bufs,
@@ -271,7 +264,6 @@ def wgrad_gathered_ws_kernel(
                 (
                     dy_ptr,
                     x_ptr,
-                    dw_ptr,
                     offs_ptr,
                     idx_ptr,
                     M,
