@@ -448,6 +448,142 @@ def test_gpu_wgrad_gathered_rows_bit_for_bit(gathered, nan_outputs):
             assert_close(dw[g], ref64[g], ref_bf16[g], torch.bfloat16)
 
 
+# (op, weight stored (N, O, I) or under a transposed view of (N, I, O), bias, bias row scale, O, I, splits):
+# the layer's products (fc2's forward, fc1's dgrad) and sizes no tile divides, ragged, empty and one-row
+# groups, a last group ending inside a tile.
+MM_WS_CASES = {
+    "fwd": ("fwd", False, False, False, 2048, 256, [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]),
+    "fwd_bias_scale_odd": ("fwd", False, True, True, 200, 320, [0, 700, 1, 0, 377, 901, 64]),
+    "fwd_transposed": ("fwd", True, False, False, 1536, 512, [129, 0, 3000, 1, 17]),
+    "dgrad": ("dgrad", False, False, False, 512, 2048, [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]),
+    "dgrad_odd_cols": ("dgrad", False, False, False, 320, 200, [0, 700, 1, 0, 377, 901, 64]),
+    "dgrad_transposed": ("dgrad", True, False, False, 1536, 320, [129, 0, 3000, 1, 17]),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(MM_WS_CASES), ids=list(MM_WS_CASES))
+def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
+    """On sm_90 the forward and the dgrad run the Gluon kernel (profiled, no host sync) and give the Triton
+    kernel's bits (its first candidate: the same tile), within the tolerance rule of the float64
+    reference, padding rows (NaN inputs) exact zeros, at every stagger of its configuration."""
+    from helpers import run_on_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward/dgrad runs on sm_90")
+    op, transposed, bias, scale, O, I, splits = MM_WS_CASES[case]
+    M = sum(splits) + 100
+    x, w, dy, b, s = make_problem(M, len(splits), O, I, splits, dtype, "cuda", bias, scale)
+    if transposed:  # an (N, I, O) tensor under its transposed view, as transformers stores experts
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    offs = offs_of(splits, "cuda")
+    used = sum(splits)
+    cols = O if op == "fwd" else I
+    if op == "fwd":
+        run = lambda cfg=None: gg.grouped_gemm_forward(x, w, offs, b, s, cfg=cfg)  # noqa: E731
+        ref = lambda d: ref_forward(x[:used], w, splits, b, s, dtype=d)  # noqa: E731
+    else:
+        run = lambda cfg=None: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg)  # noqa: E731
+        ref = lambda d: ref_dgrad(dy[:used], w, splits, dtype=d)  # noqa: E731
+    triton_out = run(configs.gemm_candidates(op, dtype, True, "sm90", cols)[0])
+    default = configs.MM_WS["STAGGER"]
+    try:
+        for stagger in (0, 1, 2):
+            configs.MM_WS["STAGGER"] = stagger
+            launch.forget_plans()
+            out = run_on_kernel(run, "grouped_mm_ws_kernel")
+            assert torch.equal(out, triton_out), stagger
+    finally:
+        configs.MM_WS["STAGGER"] = default
+        launch.forget_plans()
+    assert (out[used:] == 0).all()
+    assert_close(out[:used], ref(torch.float64), ref(dtype), dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "op,O,I,dtype",
+    [("dgrad", 200, 512, torch.bfloat16), ("fwd", 128, 512, torch.bfloat16), ("fwd", 512, 256, torch.float32)],
+    ids=["dgrad-reduction-not-64", "fwd-128-columns", "fwd-fp32"],
+)
+def test_gpu_products_the_hopper_kernel_does_not_take_run_triton(op, O, I, dtype, nan_outputs):
+    """Products the Gluon forward/dgrad does not take run the Triton kernel, correctly: a dgrad whose
+    reduction (O) is not a multiple of 64 (a box would reach the next expert's rows), outputs of 128
+    columns or fewer, fp32."""
+    from helpers import run_on_kernel
+
+    splits = [300, 0, 211]
+    M = sum(splits)
+    offs = offs_of(splits, "cuda")
+    x, w, dy, _, _ = make_problem(M, len(splits), O, I, splits, dtype, "cuda")
+    a, cols = (x, O) if op == "fwd" else (dy, I)
+    assert not gg.hopper_mm_takes(a, w, cols, op == "fwd", None, True)
+    if op == "fwd":
+        out = run_on_kernel(lambda: gg.grouped_gemm_forward(x, w, offs), "grouped_mm_kernel")
+        assert_close(out, ref_forward(x, w, splits), ref_forward(x, w, splits, dtype=dtype), dtype)
+    else:
+        out = run_on_kernel(lambda: gg.grouped_gemm_dgrad(dy, w, offs), "grouped_mm_kernel")
+        assert_close(out, ref_dgrad(dy, w, splits), ref_dgrad(dy, w, splits, dtype=dtype), dtype)
+
+
+_COMPILE_MM_WS_FOR_SM90 = """
+import json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
+from moekit.ops.runtime.configs import MM_WS
+
+dtype, trans_b, bias, scale, epi_tma, stagger = json.loads(sys.argv[1])
+options = {k: MM_WS[k] for k in ("num_warps", "maxnreg")}
+const = {k: v for k, v in MM_WS.items() if k not in options}
+const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, STAGGER=stagger, BLOCK_GROUPS=256,
+             NUM_PROGRAMS=132)
+pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
+sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
+       for n in kernel.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in const}
+src = GluonASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()},
+                     attrs=attrs)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+ptx = compiled.asm["ptx"]
+with open(sys.argv[2], "w") as f:
+    f.write(ptx)
+log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", "/dev/null"],
+                     capture_output=True, text=True).stderr
+print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+                  "wgmma": sorted(set(re.findall(r"wgmma\\.mma_async\\S*", ptx))),
+                  "spills": re.findall(r"(\\d+) bytes spill stores", log),
+                  "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "dtype,trans_b,bias,scale,epi_tma,stagger",
+    [
+        ("*bf16", True, False, False, True, 0),
+        ("*bf16", False, False, False, True, 2),
+        ("*fp16", True, True, True, False, 1),
+    ],
+    ids=["fwd", "dgrad-stagger2", "fwd-fp16-bias-scale-pointer-stores"],
+)
+def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, stagger, tmp_path):
+    """The Gluon forward/dgrad compiles for sm_90a (in its own process, as the other Gluon kernels): 12
+    warps (two math warp groups and the load warp's), inside 227 KB of shared memory, m64n128k16 wgmma
+    only, no wgmma serialized by ptxas (C7514 / C7515) and no spills at the configuration's registers."""
+    args = json.dumps([dtype, trans_b, bias, scale, epi_tma, stagger])
+    got = compile_in_subprocess(_COMPILE_MM_WS_FOR_SM90, args, str(tmp_path / "k.ptx"))
+    assert got["num_warps"] == 12 and 0 < got["shared"] <= 227 * 1024
+    kind = dtype.strip("*").replace("fp16", "f16")
+    assert got["wgmma"] == [f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{kind}.{kind}"]
+    assert not got["serialized"], got["serialized"]
+    assert got["spills"] and set(got["spills"]) == {"0"}, got["spills"]
+
+
 _COMPILE_WGRAD_FOR_SM90 = """
 import json, re, sys
 import triton

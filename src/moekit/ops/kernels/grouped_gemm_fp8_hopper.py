@@ -86,7 +86,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -95,6 +94,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
+from moekit.ops.kernels.grouped_gemm_hopper import release_slot, tile_epilogue
 from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
 from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
@@ -226,73 +226,6 @@ def _step_scales(
 
 
 @gluon.jit
-def _release(empty, it, STAGES: gl.constexpr):
-    """This warp group's arrival on ring slot `it`'s empty barrier (which expects one from each math warp
-    group), once all its warps are past the wait on their MMAs that read the slot."""
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(it % STAGES), count=1)
-
-
-@gluon.jit
-def _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
-    """Masked pointer stores of a tile's rows of its group and columns below COLS."""
-    mask = gl.expand_dims((offs_m >= row_lo) & (offs_m < row_hi), 1) & gl.expand_dims(offs_c < COLS, 0)
-    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_c, 0)
-    gl.store(ptrs, out, mask=mask)
-
-
-@gluon.jit
-def _epilogue_part(
-    acc,
-    real,
-    g,
-    N,
-    offs_m,
-    c0,
-    rows0,
-    row_lo,
-    row_hi,
-    c_ptr,
-    c_desc,
-    c_smem,
-    bias_ptr,
-    scale_ptr,
-    COLS,
-    stride_cm,
-    stride_bias_g,
-    HAS_BIAS: gl.constexpr,
-    HAS_SCALE: gl.constexpr,
-    EPI_TMA: gl.constexpr,
-    cols_layout: gl.constexpr,
-):
-    """One (ROWS, SUB) accumulator of columns c0: onwards: the Triton kernel's epilogue
-    (`grouped_gemm.fwd_epilogue`) in its order (padding rows exact zeros whatever they hold, then the
-    bias, none on padding tiles, then the output dtype), stored by TMA (rows all in the group: through
-    the warp group's staging tile, asynchronously) or by masked pointer stores."""
-    ROWS: gl.constexpr = acc.shape[0]
-    SUB: gl.constexpr = acc.shape[1]
-    offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
-    acc = gl.where(real, acc, 0.0)
-    if HAS_BIAS:
-        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
-    out = acc.to(c_ptr.dtype.element_ty)
-    if EPI_TMA:
-        if rows0 + ROWS <= row_hi:
-            # The previous store has read the staging tile (every warp waits past it).
-            tma.store_wait(0)
-            gl.thread_barrier()
-            c_smem.store(out)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
-        else:
-            _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
-    else:
-        _store_pointer(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
-
-
-@gluon.jit
 def _main_loop(
     a_bufs,
     b_bufs,
@@ -339,7 +272,7 @@ def _main_loop(
         )
         prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
         if HALVES == 1:
-            _release(empty, it, STAGES)
+            release_slot(empty, it, STAGES)
         # Beside the other warp group's MMA.
         acc0 = promote(acc0, prod, scale0, True)
         if HALVES == 2:
@@ -353,7 +286,7 @@ def _main_loop(
                 )
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
                 acc1 = promote(acc1, prod, scale1, True)
-            _release(empty, it, STAGES)
+            release_slot(empty, it, STAGES)
             scale1 = next1
         scale0 = next0
         it += 1
@@ -436,12 +369,12 @@ def _math_partition(
             mma_layout,
         )  # fmt: skip
 
-        _epilogue_part(
+        tile_epilogue(
             acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
             stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
         if HALVES == 2 and c0 + SUB < COLS:  # the second half holds columns below COLS
-            _epilogue_part(
+            tile_epilogue(
                 acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
                 COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
             )  # fmt: skip
@@ -1104,7 +1037,7 @@ def _wgrad_math_partition(
             s_x = _ring_scales(sx_bufs, slot, 0, SUB, cols_layout)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
             if HALVES == 1:
-                _release(empty, it, STAGES)
+                release_slot(empty, it, STAGES)
             # Beside the other warp group's MMA.
             acc0 = promote_outer(acc0, prod, s_dy, s_x, True)
             if HALVES == 2:
@@ -1119,18 +1052,18 @@ def _wgrad_math_partition(
                     s_x = _ring_scales(sx_bufs, slot, SUB, SUB, cols_layout)
                     prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
                     acc1 = promote_outer(acc1, prod, s_dy, s_x, True)
-                _release(empty, it, STAGES)
+                release_slot(empty, it, STAGES)
             it += 1
 
         # dw[g] as rows g * O + o of an (N * O, I) matrix: TMA stores of the 64-row blocks inside O.
         offs_m = g * O + offs_o
         rows0 = g * O + o0 + HALF * ROWS
-        _epilogue_part(
+        tile_epilogue(
             acc0, True, g, N, offs_m, i0, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr, I, I, 0,
             False, False, EPI_TMA, cols_layout,
         )  # fmt: skip
         if HALVES == 2 and hi_ok:
-            _epilogue_part(
+            tile_epilogue(
                 acc1, True, g, N, offs_m, i0 + SUB, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr,
                 I, I, 0, False, False, EPI_TMA, cols_layout,
             )  # fmt: skip

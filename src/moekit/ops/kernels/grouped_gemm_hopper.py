@@ -3,11 +3,55 @@
 `moekit.ops.runtime.gemm`).
 
 Legend as in `moekit.ops.kernels.grouped_gemm`: M routed rows, N groups (experts), I in_features,
-O out_features; a wgrad tile is (BLOCK_O, BLOCK_I) of dw and reduces over its group's rows BLOCK_M at
-a time.
+O out_features; a forward/dgrad tile is BLOCK_M rows by BLOCK_C columns of the output (COLS wide),
+reduced over RED in steps of BLOCK_RED; a wgrad tile is (BLOCK_O, BLOCK_I) of dw and reduces over its
+group's rows BLOCK_M at a time.
 
+    grouped_mm_ws_kernel       c[r] = a[r] @ op(w[g]) (+ bias[g] (* bias_scale[r]))
+                               a (M, RED), w (N, B_ROWS, B_COLS) -> c (M, COLS): grouped_mm_kernel's
+                               forward (TRANS_B) and dgrad
     wgrad_gathered_ws_kernel   dw[g] = dy[rows of g]^T @ x[idx[rows of g]]
                                dy (M, O) in expert order, x (T, I) token rows, idx (M,) -> dw (N, O, I)
+
+The shared pieces of the warp-specialised row-tiled kernels (this module's and
+`moekit.ops.kernels.grouped_gemm_fp8_hopper`'s): `release_slot` (a math warp group's arrival on a ring
+slot's empty barrier) and `tile_epilogue` (a math warp group's rows of a tile: padding zeros, bias,
+output dtype, TMA or masked pointer stores).
+
+## grouped_mm_ws_kernel
+
+Why: at the fused MLP's short reductions (fc2's forward reduces over F, fc1's dgrad over 2F: 4-16
+steps of 64) the Triton kernel's fixed cost per tile (the accumulator's drain, the epilogue, the
+restart of the wgmma chain: about two reduction steps, notes/grouped_gemm.md) is a third of a tile's
+time, and Triton 3.6 does not warp-specialise the loop on Hopper. Here the loads run in a warp of
+their own, ahead across tiles, and each of two math warp groups owns 64 rows of the 128 x 256 tile
+with its own epilogue, so neither waits for the other's:
+
+    load      (1 warp)   the tile's (BLOCK_M, BLOCK_RED) box of a and two boxes of the weight (the
+                         tile's two column halves), one reduction step a ring slot, running ahead
+    math 0/1  (4 warps   wgmma of its 64 rows into two (64, BLOCK_C / 2) fp32 accumulators, each
+               each)     step's MMAs in flight while the next slot's are issued; then its rows'
+                         epilogue (`tile_epilogue`: TMA stores through its staging tile, drained
+                         during the next tile's main loop, or masked pointer stores at a group's
+                         last rows)
+
+With STAGGER > 0 math warp group 1 starts once group 0 has issued its first STAGGER steps, so that
+one group's epilogue falls beside the other's MMAs rather than both at once (the ring must hold the
+lag: STAGGER < STAGES).
+
+The weight is read through its 2-D view, the groups one after the other: (N * COLS, RED) boxes
+(BLOCK_C / 2, BLOCK_RED), K-major, permuted for wgmma (TRANS_B: w[g] stored (COLS, RED), the forward),
+or (N * RED, COLS) boxes (BLOCK_RED, BLOCK_C / 2), MN-major, which wgmma takes as they are (w[g]
+stored (RED, COLS), the dgrad). Rows of a K-major box past COLS are the next group's (or zeros past the
+last) and feed only columns that are never stored; an MN-major box's rows must stay in the group: RED
+a multiple of BLOCK_RED (the host checks). Columns past RED read as zeros (TMA fills them) in both.
+Padding tiles (the rows offs[N]:M) load nothing, run no step and store zeros.
+
+Both operands through TMA, fp32 accumulation of m64n128k16 wgmma chains in k order, the Triton kernel's
+epilogue (`grouped_gemm.with_bias`) in its order: the products the Triton kernel's sm_90 tile computes
+(128 x 256, 64-deep steps), so the same bits.
+
+## wgrad_gathered_ws_kernel
 
 Why: the layer's fc1 weight gradient needs x's rows in expert order, the (M, H) copy the forward never
 wrote. The Triton wgrad can read them through the row map (`wgrad_kernel`'s GATHER_X), but its pointer
@@ -46,7 +90,438 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from moekit.ops.kernels.gather_hopper import gather_layout, gather_slot, routed_tokens, token_rows
-from moekit.ops.kernels.grouped_gemm import wgrad_tile
+from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
+from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
+
+
+@gluon.jit
+def release_slot(empty, it, STAGES: gl.constexpr):
+    """This warp group's arrival on ring slot `it`'s empty barrier (which expects one from each math warp
+    group), once all its warps are past the wait on their MMAs that read the slot."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
+    """Masked pointer stores of a tile's rows of its group and columns below COLS."""
+    mask = gl.expand_dims((offs_m >= row_lo) & (offs_m < row_hi), 1) & gl.expand_dims(offs_c < COLS, 0)
+    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_c, 0)
+    gl.store(ptrs, out, mask=mask)
+
+
+@gluon.jit
+def tile_epilogue(
+    acc,
+    real,
+    g,
+    N,
+    offs_m,
+    c0,
+    rows0,
+    row_lo,
+    row_hi,
+    c_ptr,
+    c_desc,
+    c_smem,
+    bias_ptr,
+    scale_ptr,
+    COLS,
+    stride_cm,
+    stride_bias_g,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    cols_layout: gl.constexpr,
+):
+    """One (ROWS, SUB) accumulator of columns c0: onwards: the Triton kernel's epilogue
+    (`grouped_gemm.fwd_epilogue`) in its order (padding rows exact zeros whatever they hold, then the
+    bias, none on padding tiles, then the output dtype), stored by TMA (rows all in the group: through
+    the warp group's staging tile, asynchronously) or by masked pointer stores."""
+    ROWS: gl.constexpr = acc.shape[0]
+    SUB: gl.constexpr = acc.shape[1]
+    offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
+    acc = gl.where(real, acc, 0.0)
+    if HAS_BIAS:
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if EPI_TMA:
+        if rows0 + ROWS <= row_hi:
+            # The previous store has read the staging tile (every warp waits past it).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            c_smem.store(out)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+        else:
+            store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+    else:
+        store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_mm_ws_kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _mm_load_partition(
+    a_ptr,
+    b_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    a_bufs,
+    b0_bufs,
+    b1_bufs,
+    ready,
+    empty,
+    TRANS_B: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Each tile's a box and its two weight boxes (the tile's column halves), one reduction step a slot;
+    none for padding tiles."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    SUB: gl.constexpr = BLOCK_C // 2
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
+    )
+    if TRANS_B:  # the 2-D view (N * COLS, RED): K-major boxes
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr,
+            shape=[N * COLS, RED],
+            strides=[stride_br, 1],
+            block_shape=[SUB, BLOCK_RED],
+            layout=b0_bufs.type.layout,
+        )
+    else:  # the 2-D view (N * RED, COLS): MN-major boxes
+        b_desc = tma.make_tensor_descriptor(
+            b_ptr,
+            shape=[N * RED, COLS],
+            strides=[stride_br, 1],
+            block_shape=[BLOCK_RED, SUB],
+            layout=b0_bufs.type.layout,
+        )
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        for step in range(red_steps * (g < N).to(gl.int32)):
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            red0 = step * BLOCK_RED
+            tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
+            if TRANS_B:
+                tma.async_copy_global_to_shared(b_desc, [g * COLS + c0, red0], ready.index(slot), b0_bufs.index(slot))
+                tma.async_copy_global_to_shared(
+                    b_desc, [g * COLS + c0 + SUB, red0], ready.index(slot), b1_bufs.index(slot)
+                )
+            else:
+                tma.async_copy_global_to_shared(b_desc, [g * RED + red0, c0], ready.index(slot), b0_bufs.index(slot))
+                tma.async_copy_global_to_shared(
+                    b_desc, [g * RED + red0, c0 + SUB], ready.index(slot), b1_bufs.index(slot)
+                )
+            it += 1
+
+
+@gluon.jit
+def _mm_math_partition(
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_cm,
+    stride_bias_g,
+    a_bufs,
+    b0_bufs,
+    b1_bufs,
+    c_smem,
+    ready,
+    empty,
+    go,
+    HALF: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    STAGGER: gl.constexpr,
+):
+    """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile, two (BLOCK_M / 2, BLOCK_C / 2)
+    accumulators over the ring (a step's MMAs in flight while the next slot's are issued), then those
+    rows' epilogue."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    ROWS: gl.constexpr = BLOCK_M // 2
+    SUB: gl.constexpr = BLOCK_C // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 16]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    if EPI_TMA:
+        c_desc = tma.make_tensor_descriptor(
+            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
+        )
+    else:
+        c_desc = c_ptr  # unused without EPI_TMA
+    if STAGGER > 0 and HALF == 1:
+        mbarrier.wait(go, 0)
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        real = g < N
+        rows0 = row0 + HALF * ROWS
+        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
+        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        steps = red_steps * real.to(gl.int32)
+        for step in range(steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
+            if TRANS_B:  # (SUB, BLOCK_RED) K-major boxes
+                acc0 = warpgroup_mma(a_rows, b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+                acc1 = warpgroup_mma(a_rows, b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            else:  # (BLOCK_RED, SUB) MN-major boxes
+                acc0 = warpgroup_mma(a_rows, b0_bufs.index(slot), acc0, is_async=True)
+                acc1 = warpgroup_mma(a_rows, b1_bufs.index(slot), acc1, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            if step > 0:
+                release_slot(empty, it - 1, STAGES)
+            if STAGGER > 0 and HALF == 0:
+                if it == STAGGER - 1:
+                    mbarrier.arrive(go, count=1)
+            it += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        if steps > 0:
+            release_slot(empty, it - 1, STAGES)
+        tile_epilogue(
+            acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        )  # fmt: skip
+        if c0 + SUB < COLS:  # the second half holds columns below COLS
+            tile_epilogue(
+                acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
+                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+            )  # fmt: skip
+    if STAGGER > 0 and HALF == 0:
+        if it < STAGGER:  # fewer steps in all than the stagger: group 1 must not wait for ever
+            mbarrier.arrive(go, count=1)
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_mm_ws_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    STAGGER: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """c (M, COLS) = a (M, RED) @ op(w[g]) (+ bias[g] (* bias_scale[r])) per group, padding rows zero:
+    `grouped_mm_kernel`'s forward (TRANS_B: w[g] stored (COLS, RED)) and dgrad (w[g] stored (RED, COLS)).
+
+    a: (M, RED) bf16/fp16, row stride stride_am, unit column stride. b: the weight, groups one after the
+    other with rows stride_br apart (the 2-D view (N * COLS, RED) with TRANS_B, else (N * RED, COLS) and
+    RED a multiple of BLOCK_RED), unit last stride. c: (M, COLS) in a's dtype, row stride stride_cm
+    (EPI_TMA: TMA stores of the 64-row blocks inside a group, needs a 16-byte aligned row stride and
+    base). bias (N, COLS) row stride stride_bias_g and its per-row scale (M,) as the Triton kernel's.
+    offs: (N + 1,) int64 device offsets. TMA-aligned a and b (16-byte row strides and bases), a
+    non-empty reduction, the view's rows below 2**31. BLOCK_M = 128 (two warp groups of 64 rows);
+    num_warps = 4 (math warp group 0; group 1 and the load warp are workers with MATH_REGS and
+    LOAD_REGS registers a thread).
+    """
+    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
+    gl.static_assert(STAGGER < STAGES, "the ring holds the lag of math warp group 1")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    SUB: gl.constexpr = BLOCK_C // 2
+    B_ROWS: gl.constexpr = SUB if TRANS_B else BLOCK_RED
+    B_COLS: gl.constexpr = BLOCK_RED if TRANS_B else SUB
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([B_ROWS, B_COLS], dtype)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
+    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
+    c0_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # A slot is ready on the load warp's expect and its bytes; free once both math warp groups' MMAs
+    # on it are done.
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(go, count=1)
+    # The two math partitions' argument tuples differ only in their staging tile and index, yet are
+    # written out: a tuple built in the kernel would not keep its constexprs.
+    gl.warp_specialize(
+        [
+            (
+                _mm_math_partition,
+                (
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    go,
+                    0,
+                    TRANS_B,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    STAGGER,
+                ),
+            ),
+            (
+                _mm_math_partition,
+                (
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    go,
+                    1,
+                    TRANS_B,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    STAGGER,
+                ),
+            ),
+            (
+                _mm_load_partition,
+                (
+                    a_ptr,
+                    b_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_am,
+                    stride_br,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    ready,
+                    empty,
+                    TRANS_B,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# wgrad_gathered_ws_kernel
+# --------------------------------------------------------------------------------------------------
 
 
 @gluon.jit

@@ -261,6 +261,25 @@ WGRAD_GATHERED_WS = dict(
     num_warps=8,
     maxnreg=168,
 )
+# The forward / dgrad on Hopper (kernels.grouped_gemm_hopper.grouped_mm_ws_kernel, Gluon): the Triton
+# kernel's sm_90 tile (128 x 256, 64-deep steps, the same bits) with the loads in a warp of their own and
+# each of two math warp groups (64 rows, two 64 x 128 fp32 accumulators: 128 registers a thread) storing
+# its own rows. 4 slots of 48 KiB beside the two warp groups' 16 KiB staging tiles (224 KiB of Hopper's
+# 227); 12 warps of 168 registers a thread at launch, then 224 for each math warp group and 56 for the
+# load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56).
+# STAGGER: math warp group 1 starts that many steps behind group 0 (0: together).
+MM_WS = dict(
+    BLOCK_M=128,
+    BLOCK_C=256,
+    BLOCK_RED=64,
+    GROUP_M=8,
+    STAGES=4,
+    STAGGER=0,
+    MATH_REGS=224,
+    LOAD_REGS=56,
+    num_warps=4,
+    maxnreg=168,
+)
 # Pipeline stages a wgrad launch adds where an operand's rows come through a row map: the software
 # pipeliner gives the map's load a stage of its own ahead of the rows' cp.async, so at the table's 3
 # stages the rows would be prefetched one step ahead (the TMA loads: two). Stages do not change the

@@ -28,10 +28,11 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.kernels.grouped_gemm_hopper import wgrad_gathered_ws_kernel
+from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel, wgrad_gathered_ws_kernel
 from moekit.ops.runtime.configs import (
     GATHERED_WGRAD_EXTRA_STAGES,
     GATHERED_WGRAD_MAX_FFN,
+    MM_WS,
     ROW_SUM_TILES,
     WGRAD_GATHERED_WS,
     GemmConfig,
@@ -60,6 +61,7 @@ from moekit.ops.runtime.launch import (
 from moekit.ops.runtime.rows import checked_row_map
 
 _GROUPED_MM = Launcher(grouped_mm_kernel)
+_GROUPED_MM_WS = Launcher(grouped_mm_ws_kernel)
 _WGRAD = Launcher(wgrad_kernel)
 _WGRAD_GATHERED_WS = Launcher(wgrad_gathered_ws_kernel)
 _ROW_SUM = Launcher(group_row_sum_kernel)
@@ -182,6 +184,57 @@ def _mm_launch(
     )
 
 
+def hopper_mm_takes(
+    a: torch.Tensor, b: torch.Tensor, cols: int, trans_b: bool, cfg: GemmConfig | None, tma: bool
+) -> bool:
+    """Whether the Gluon forward/dgrad (`grouped_mm_ws_kernel`) runs a product of the row operand a and
+    the weight b (N, b_rows, b_cols) as the kernel reads it (`_weight_operand`): an sm_90 CUDA device (not
+    the interpreter), 16-bit operands through TMA (`tma`: aligned bases and row strides, a non-empty
+    reduction), no fixed cfg (a given cfg names one of the Triton kernel's configurations), more output
+    columns than half its tile (narrower outputs take the Triton kernel's 128-column tile), the groups one
+    after the other in b (its 2-D view), fewer than 2**31 rows in that view, and where b[g] is (RED, COLS)
+    (the dgrad of an (N, O, I) weight) RED a multiple of the kernel's reduction step (a box must not reach
+    the next group's rows). Elsewhere the Triton kernel runs, with the same bits."""
+    if cfg is not None or not tma or INTERPRET or a.device.type != "cuda":
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or cuda_capability(a.device) != (9, 0):
+        return False
+    if cols <= MM_WS["BLOCK_C"] // 2:
+        return False
+    N, b_rows, _ = b.shape
+    if b.stride(0) != b_rows * b.stride(1) or N * b_rows >= 2**31:
+        return False
+    return trans_b or b_rows % MM_WS["BLOCK_RED"] == 0
+
+
+def _mm_ws_launch(
+    a: torch.Tensor, b: torch.Tensor, out_cols: int, bias: torch.Tensor | None, has_scale: bool, trans_b: bool
+) -> LaunchPlan:
+    """grouped_mm_ws_kernel for a (M, red) row-major input, a fresh (M, out_cols) output and b as
+    `_mm_launch`'s; the same tensors."""
+    M = a.shape[0]
+    N = b.shape[0]
+    cfg = MM_WS
+    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(out_cols, cfg["BLOCK_C"])
+    nprog = grid_size(a.device, bound)
+    ints = (M, out_cols, a.shape[1], N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
+    return LaunchPlan(
+        _GROUPED_MM_WS,
+        (nprog,),
+        ints,
+        dict(
+            TRANS_B=trans_b,
+            HAS_BIAS=bias is not None,
+            HAS_SCALE=has_scale,
+            # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
+            EPI_TMA=(out_cols * a.element_size()) % 16 == 0,
+            BLOCK_GROUPS=block_groups(N + 2),
+            NUM_PROGRAMS=nprog,
+            **cfg,
+        ),
+    )
+
+
 def _plan_mm(
     op: str,
     a: torch.Tensor,
@@ -206,6 +259,8 @@ def _plan_mm(
     if M == 0 or cols == 0 or N == 0:
         return Plan(None, cols, contiguous, zero=N == 0)
     tma, arch = use_tma(forced_tma, red > 0, a, b)
+    if hopper_mm_takes(a, b, cols, trans_b, cfg, tma):
+        return Plan(_mm_ws_launch(a, b, cols, bias, scale is not None, trans_b), cols, contiguous)
     with device_ctx(a.device):
         if cfg is None:
 

@@ -1,0 +1,143 @@
+"""The grouped forward and dgrad the fused MLP runs as plain products (fc2's forward: act (M, F) @ w2[g]^T
+-> (M, H); fc1's dgrad: dh (M, 2F) @ w1[g] -> (M, H)), Hopper's warp-specialised Gluon kernel
+(`grouped_mm_ws_kernel`, at each `--stagger` value of `configs.MM_WS`) against every candidate of the
+Triton kernel (`configs.gemm_candidates`), at the layer benchmark's fine-grained shapes, balanced
+routing (equal groups). Every result must be the Triton kernel's bits (`equal`). Times: CUDA events, the
+median of the repetitions after one warm-up call; the variants interleaved in `--rounds` rounds (each
+keeps its median of the rounds), the dense 8192^3 bf16 matmul's TFLOP/s measured in the same run as the
+roof.
+
+    python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16] [--stagger 0,1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from runner import machine, write_json
+
+from moekit.ops.runtime import gemm
+from moekit.ops.runtime.configs import gemm_candidates
+from moekit.ops.runtime.launch import arch_of, forget_plans
+
+# name: (tokens T, top-k K, experts N, hidden H, ffn F): the layer benchmark's shapes.
+SHAPES = {
+    "sonicmoe-e256-k16": (32768, 16, 256, 4096, 256),
+    "sonicmoe-7b": (24576, 8, 128, 1536, 256),
+    "sonicmoe": (32768, 8, 128, 4096, 512),
+    "sonicmoe-e64-k4": (32768, 4, 64, 4096, 1024),
+    "qwen3-30b-a3b": (32768, 8, 128, 2048, 768),
+}
+SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    if not torch.cuda.is_available():  # --smoke: the plumbing only
+        return 0.0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def dense_roof(reps: int) -> float | None:
+    """TFLOP/s of a dense 8192^3 bf16 matmul (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ a, reps)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def sweep_shape(name: str, staggers: list[int], reps: int, rounds: int, device: str) -> dict[str, dict[str, object]]:
+    T, K, N, H, F = (SHAPES | SMOKE_SHAPES)[name]
+    M = T * K
+    # The interpreter's bfloat16 dot is wrong: float32 there (--smoke, which runs the Triton kernel only).
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    offs = torch.linspace(0, M, N + 1, device=device).round().to(torch.int64)
+    act = torch.randn(M, F, device=device, dtype=dtype, generator=gen)
+    dh = torch.randn(M, 2 * F, device=device, dtype=dtype, generator=gen)
+    w1 = torch.randn(N, 2 * F, H, device=device, dtype=dtype, generator=gen) / H**0.5
+    w2 = torch.randn(N, H, F, device=device, dtype=dtype, generator=gen) / F**0.5
+    products = {
+        "fc2_fwd": (lambda cfg=None: gemm.grouped_gemm_forward(act, w2, offs, cfg=cfg), 2 * M * F * H),
+        "fc1_dgrad": (lambda cfg=None: gemm.grouped_gemm_dgrad(dh, w1, offs, cfg=cfg), 2 * M * 2 * F * H),
+    }
+    default_stagger = gemm.MM_WS["STAGGER"]
+    cells = {}
+    for kind, (run, flops) in products.items():
+        op = "fwd" if kind == "fc2_fwd" else "dgrad"
+        candidates = gemm_candidates(op, dtype, True, arch_of(act.device), H)
+        variants: dict[str, Callable[[], torch.Tensor]] = {
+            f"triton{i}": (lambda c=c: run(c)) for i, c in enumerate(candidates)
+        }
+        if device == "cuda":
+            for s in staggers:
+
+                def ws(s=s):
+                    gemm.MM_WS["STAGGER"] = s
+                    forget_plans()
+                    return run()
+
+                variants[f"ws_stagger{s}"] = ws
+        reference = run(candidates[0])
+        record: dict[str, object] = {"flops": flops}
+        times: dict[str, list[float]] = {label: [] for label in variants}
+        for _ in range(rounds):
+            for label, fn in variants.items():
+                if label.startswith("ws_"):
+                    fn()  # sets the stagger and plans; then time the planned launch
+                    planned = run
+                else:
+                    planned = fn
+                times[label].append(median_ms(planned, reps))
+        for label, fn in variants.items():
+            ms = statistics.median(times[label])
+            record[f"{label}_ms"] = ms
+            record[f"{label}_tflops"] = flops / ms / 1e9 if ms else None
+            record[f"{label}_equal"] = bool(torch.equal(fn(), reference))
+        gemm.MM_WS["STAGGER"] = default_stagger
+        forget_plans()
+        cells[f"{name}/{kind}"] = record
+        print(name, kind, {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--stagger", default="0,1,2", help="comma list of configs.MM_WS STAGGER values")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("sweep_grouped_mm.py needs a CUDA device (or --smoke)")
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    staggers = [int(s) for s in args.stagger.split(",") if s]
+    cells: dict[str, dict[str, object]] = {}
+    roof = dense_roof(args.reps)
+    for name in list(pool) if args.smoke else args.shapes.split(","):
+        if name not in pool:
+            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
+        cells.update(sweep_shape(name, staggers, args.reps, args.rounds, "cpu" if args.smoke else "cuda"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    write_json(args.out, {"meta": machine(), "dense_bf16_tflops": roof, "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
