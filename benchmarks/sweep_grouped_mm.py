@@ -1,18 +1,18 @@
 """The grouped forward and dgrad the fused MLP runs as plain products (fc2's forward: act (M, F) @ w2[g]^T
 -> (M, H); fc1's dgrad: dh (M, 2F) @ w1[g] -> (M, H)), Hopper's warp-specialised Gluon kernel
-(`grouped_mm_ws_kernel`, at each `--stagger` value of `configs.MM_WS`) against every candidate of the
-Triton kernel (`configs.gemm_candidates`), at the layer benchmark's fine-grained shapes, balanced
-routing (equal groups). Every result must be the Triton kernel's bits (`equal`). Times: CUDA events, the
-median of the repetitions after one warm-up call; the variants interleaved in `--rounds` rounds (each
-keeps its median of the rounds), the dense 8192^3 bf16 matmul's TFLOP/s measured in the same run as the
-roof.
+(`grouped_mm_ws_kernel`) against every candidate of the Triton kernel (`configs.gemm_candidates`), at
+the layer benchmark's fine-grained shapes, balanced routing (equal groups). Every result must be the
+Triton kernel's bits (`equal`). Times: CUDA events, the median of the repetitions after one warm-up
+call; the variants interleaved in `--rounds` rounds (each keeps its median of the rounds), the dense
+8192^3 bf16 matmul's TFLOP/s measured in the same run as the roof.
 
-    python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16] [--stagger 0,1,2]
+    python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +22,7 @@ from runner import machine, write_json
 
 from moekit.ops.runtime import gemm
 from moekit.ops.runtime.configs import gemm_candidates
-from moekit.ops.runtime.launch import arch_of, forget_plans
+from moekit.ops.runtime.launch import arch_of
 
 # name: (tokens T, top-k K, experts N, hidden H, ffn F): the layer benchmark's shapes.
 SHAPES = {
@@ -60,7 +60,7 @@ def dense_roof(reps: int) -> float | None:
     return 2 * 8192**3 / ms / 1e9
 
 
-def sweep_shape(name: str, staggers: list[int], reps: int, rounds: int, device: str) -> dict[str, dict[str, object]]:
+def sweep_shape(name: str, reps: int, rounds: int, device: str) -> dict[str, dict[str, object]]:
     T, K, N, H, F = (SHAPES | SMOKE_SHAPES)[name]
     M = T * K
     # The interpreter's bfloat16 dot is wrong: float32 there (--smoke, which runs the Triton kernel only).
@@ -75,41 +75,26 @@ def sweep_shape(name: str, staggers: list[int], reps: int, rounds: int, device: 
         "fc2_fwd": (lambda cfg=None: gemm.grouped_gemm_forward(act, w2, offs, cfg=cfg), 2 * M * F * H),
         "fc1_dgrad": (lambda cfg=None: gemm.grouped_gemm_dgrad(dh, w1, offs, cfg=cfg), 2 * M * 2 * F * H),
     }
-    default_stagger = gemm.MM_WS["STAGGER"]
     cells = {}
     for kind, (run, flops) in products.items():
         op = "fwd" if kind == "fc2_fwd" else "dgrad"
         candidates = gemm_candidates(op, dtype, True, arch_of(act.device), H)
         variants: dict[str, Callable[[], torch.Tensor]] = {
-            f"triton{i}": (lambda c=c: run(c)) for i, c in enumerate(candidates)
+            f"triton{i}": functools.partial(run, c) for i, c in enumerate(candidates)
         }
         if device == "cuda":
-            for s in staggers:
-
-                def ws(s=s):
-                    gemm.MM_WS["STAGGER"] = s
-                    forget_plans()
-                    return run()
-
-                variants[f"ws_stagger{s}"] = ws
+            variants["ws"] = run  # no cfg: the Gluon kernel where `gemm.hopper_mm_takes`
         reference = run(candidates[0])
         record: dict[str, object] = {"flops": flops}
         times: dict[str, list[float]] = {label: [] for label in variants}
         for _ in range(rounds):
             for label, fn in variants.items():
-                if label.startswith("ws_"):
-                    fn()  # sets the stagger and plans; then time the planned launch
-                    planned = run
-                else:
-                    planned = fn
-                times[label].append(median_ms(planned, reps))
+                times[label].append(median_ms(fn, reps))
         for label, fn in variants.items():
             ms = statistics.median(times[label])
             record[f"{label}_ms"] = ms
             record[f"{label}_tflops"] = flops / ms / 1e9 if ms else None
             record[f"{label}_equal"] = bool(torch.equal(fn(), reference))
-        gemm.MM_WS["STAGGER"] = default_stagger
-        forget_plans()
         cells[f"{name}/{kind}"] = record
         print(name, kind, {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
     return cells
@@ -119,7 +104,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--stagger", default="0,1,2", help="comma list of configs.MM_WS STAGGER values")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
@@ -127,13 +111,12 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_grouped_mm.py needs a CUDA device (or --smoke)")
     pool = SMOKE_SHAPES if args.smoke else SHAPES
-    staggers = [int(s) for s in args.stagger.split(",") if s]
     cells: dict[str, dict[str, object]] = {}
     roof = dense_roof(args.reps)
     for name in list(pool) if args.smoke else args.shapes.split(","):
         if name not in pool:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
-        cells.update(sweep_shape(name, staggers, args.reps, args.rounds, "cpu" if args.smoke else "cuda"))
+        cells.update(sweep_shape(name, args.reps, args.rounds, "cpu" if args.smoke else "cuda"))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     write_json(args.out, {"meta": machine(), "dense_bf16_tflops": roof, "cells": cells})

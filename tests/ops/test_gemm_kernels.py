@@ -468,7 +468,7 @@ MM_WS_CASES = {
 def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
     """On sm_90 the forward and the dgrad run the Gluon kernel (profiled, no host sync) and give the Triton
     kernel's bits (its first candidate: the same tile), within the tolerance rule of the float64
-    reference, padding rows (NaN inputs) exact zeros, at every stagger of its configuration."""
+    reference, padding rows (NaN inputs) exact zeros."""
     from helpers import run_on_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -487,17 +487,8 @@ def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
     else:
         run = lambda cfg=None: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg)  # noqa: E731
         ref = lambda d: ref_dgrad(dy[:used], w, splits, dtype=d)  # noqa: E731
-    triton_out = run(configs.gemm_candidates(op, dtype, True, "sm90", cols)[0])
-    default = configs.MM_WS["STAGGER"]
-    try:
-        for stagger in (0, 1, 2):
-            configs.MM_WS["STAGGER"] = stagger
-            launch.forget_plans()
-            out = run_on_kernel(run, "grouped_mm_ws_kernel")
-            assert torch.equal(out, triton_out), stagger
-    finally:
-        configs.MM_WS["STAGGER"] = default
-        launch.forget_plans()
+    out = run_on_kernel(run, "grouped_mm_ws_kernel")
+    assert torch.equal(out, run(configs.gemm_candidates(op, dtype, True, "sm90", cols)[0]))
     assert (out[used:] == 0).all()
     assert_close(out[:used], ref(torch.float64), ref(dtype), dtype)
 
@@ -538,11 +529,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
 from moekit.ops.runtime.configs import MM_WS
 
-dtype, trans_b, bias, scale, epi_tma, stagger = json.loads(sys.argv[1])
+dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
 options = {k: MM_WS[k] for k in ("num_warps", "maxnreg")}
 const = {k: v for k, v in MM_WS.items() if k not in options}
-const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, STAGGER=stagger, BLOCK_GROUPS=256,
-             NUM_PROGRAMS=132)
+const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
 pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
@@ -563,19 +553,19 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 
 
 @pytest.mark.parametrize(
-    "dtype,trans_b,bias,scale,epi_tma,stagger",
+    "dtype,trans_b,bias,scale,epi_tma",
     [
-        ("*bf16", True, False, False, True, 0),
-        ("*bf16", False, False, False, True, 2),
-        ("*fp16", True, True, True, False, 1),
+        ("*bf16", True, False, False, True),
+        ("*bf16", False, False, False, True),
+        ("*fp16", True, True, True, False),
     ],
-    ids=["fwd", "dgrad-stagger2", "fwd-fp16-bias-scale-pointer-stores"],
+    ids=["fwd", "dgrad", "fwd-fp16-bias-scale-pointer-stores"],
 )
-def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, stagger, tmp_path):
+def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, tmp_path):
     """The Gluon forward/dgrad compiles for sm_90a (in its own process, as the other Gluon kernels): 12
     warps (two math warp groups and the load warp's), inside 227 KB of shared memory, m64n128k16 wgmma
     only, no wgmma serialized by ptxas (C7514 / C7515) and no spills at the configuration's registers."""
-    args = json.dumps([dtype, trans_b, bias, scale, epi_tma, stagger])
+    args = json.dumps([dtype, trans_b, bias, scale, epi_tma])
     got = compile_in_subprocess(_COMPILE_MM_WS_FOR_SM90, args, str(tmp_path / "k.ptx"))
     assert got["num_warps"] == 12 and 0 < got["shared"] <= 227 * 1024
     kind = dtype.strip("*").replace("fp16", "f16")

@@ -35,10 +35,6 @@ with its own epilogue, so neither waits for the other's:
                          during the next tile's main loop, or masked pointer stores at a group's
                          last rows)
 
-With STAGGER > 0 math warp group 1 starts once group 0 has issued its first STAGGER steps, so that
-one group's epilogue falls beside the other's MMAs rather than both at once (the ring must hold the
-lag: STAGGER < STAGES).
-
 The weight is read through its 2-D view, the groups one after the other: (N * COLS, RED) boxes
 (BLOCK_C / 2, BLOCK_RED), K-major, permuted for wgmma (TRANS_B: w[g] stored (COLS, RED), the forward),
 or (N * RED, COLS) boxes (BLOCK_RED, BLOCK_C / 2), MN-major, which wgmma takes as they are (w[g]
@@ -260,7 +256,6 @@ def _mm_math_partition(
     c_smem,
     ready,
     empty,
-    go,
     HALF: gl.constexpr,
     TRANS_B: gl.constexpr,
     HAS_BIAS: gl.constexpr,
@@ -273,7 +268,6 @@ def _mm_math_partition(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
-    STAGGER: gl.constexpr,
 ):
     """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile, two (BLOCK_M / 2, BLOCK_C / 2)
     accumulators over the ring (a step's MMAs in flight while the next slot's are issued), then those
@@ -294,8 +288,6 @@ def _mm_math_partition(
         )
     else:
         c_desc = c_ptr  # unused without EPI_TMA
-    if STAGGER > 0 and HALF == 1:
-        mbarrier.wait(go, 0)
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -322,9 +314,6 @@ def _mm_math_partition(
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
             if step > 0:
                 release_slot(empty, it - 1, STAGES)
-            if STAGGER > 0 and HALF == 0:
-                if it == STAGGER - 1:
-                    mbarrier.arrive(go, count=1)
             it += 1
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         if steps > 0:
@@ -338,9 +327,6 @@ def _mm_math_partition(
                 acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
                 COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
             )  # fmt: skip
-    if STAGGER > 0 and HALF == 0:
-        if it < STAGGER:  # fewer steps in all than the stagger: group 1 must not wait for ever
-            mbarrier.arrive(go, count=1)
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -372,7 +358,6 @@ def grouped_mm_ws_kernel(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
-    STAGGER: gl.constexpr,
     MATH_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
@@ -390,7 +375,6 @@ def grouped_mm_ws_kernel(
     LOAD_REGS registers a thread).
     """
     gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
-    gl.static_assert(STAGGER < STAGES, "the ring holds the lag of math warp group 1")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     SUB: gl.constexpr = BLOCK_C // 2
     B_ROWS: gl.constexpr = SUB if TRANS_B else BLOCK_RED
@@ -405,13 +389,11 @@ def grouped_mm_ws_kernel(
     c1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     # A slot is ready on the load warp's expect and its bytes; free once both math warp groups' MMAs
     # on it are done.
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(go, count=1)
     # The two math partitions' argument tuples differ only in their staging tile and index, yet are
     # written out: a tuple built in the kernel would not keep its constexprs.
     gl.warp_specialize(
@@ -435,7 +417,6 @@ def grouped_mm_ws_kernel(
                     c0_smem,
                     ready,
                     empty,
-                    go,
                     0,
                     TRANS_B,
                     HAS_BIAS,
@@ -448,7 +429,6 @@ def grouped_mm_ws_kernel(
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,
-                    STAGGER,
                 ),
             ),
             (
@@ -470,7 +450,6 @@ def grouped_mm_ws_kernel(
                     c1_smem,
                     ready,
                     empty,
-                    go,
                     1,
                     TRANS_B,
                     HAS_BIAS,
@@ -483,7 +462,6 @@ def grouped_mm_ws_kernel(
                     BLOCK_GROUPS,
                     NUM_PROGRAMS,
                     STAGES,
-                    STAGGER,
                 ),
             ),
             (

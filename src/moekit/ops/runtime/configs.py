@@ -266,15 +266,15 @@ WGRAD_GATHERED_WS = dict(
 # each of two math warp groups (64 rows, two 64 x 128 fp32 accumulators: 128 registers a thread) storing
 # its own rows. 4 slots of 48 KiB beside the two warp groups' 16 KiB staging tiles (224 KiB of Hopper's
 # 227); 12 warps of 168 registers a thread at launch, then 224 for each math warp group and 56 for the
-# load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56).
-# STAGGER: math warp group 1 starts that many steps behind group 0 (0: together).
+# load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56). Both
+# math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
+# would fall beside the other's MMAs, ran 0-18% slower (benchmarks/README.md, the Gluon forward/dgrad).
 MM_WS = dict(
     BLOCK_M=128,
     BLOCK_C=256,
     BLOCK_RED=64,
     GROUP_M=8,
     STAGES=4,
-    STAGGER=0,
     MATH_REGS=224,
     LOAD_REGS=56,
     num_warps=4,
