@@ -3,10 +3,13 @@ dy_rows: the layer's fc1 wgrad over x's token rows, fc2's over d out's) against 
 gathered rows, at the layer's widths, for several values of `configs.GATHERED_WGRAD_EXTRA_STAGES`
 (the pipeline stages a gathered launch adds). Every gathered result must be the plain one's bits
 (`equal`), and other (O, I) tiles of the gathered launch (`--tiles`, the same reduction step), and fc1's
-with x as the narrow a operand (its (N, H, 2F) transposed). Times: CUDA events, the median of the
+with x as the narrow a operand (its (N, H, 2F) transposed). On sm_90 a gathered x runs the Gluon kernel
+(`configs.WGRAD_GATHERED_WS`): `--ws-forms` times it with its tile split along O (256 x 128, "split_o")
+and along I (128 x 256, "split_i"). Times: CUDA events, the median of the
 repetitions after one warm-up call.
 
     python benchmarks/sweep_wgrad_gathered.py --out results.json [--extra 0,2,3] [--tiles 128x128] [--reps 10]
+        [--ws-forms split_o,split_i]
 """
 
 from __future__ import annotations
@@ -61,8 +64,15 @@ def tile_config(tile: str, x: torch.Tensor) -> GemmConfig:
     return dataclasses.replace(base, block_rows=rows, block_cols=cols)
 
 
+# The Gluon gathered wgrad's forms (`--ws-forms`): its configuration's tile and split.
+WS_FORMS = {
+    "split_o": dict(BLOCK_O=256, BLOCK_I=128, SPLIT_O=True),
+    "split_i": dict(BLOCK_O=128, BLOCK_I=256, SPLIT_O=False),
+}
+
+
 def sweep_shape(
-    name: str, extras: list[int], tiles: list[str], reps: int, device: str = "cuda"
+    name: str, extras: list[int], tiles: list[str], reps: int, device: str = "cuda", ws_forms: list[str] = ()
 ) -> dict[str, dict[str, object]]:
     """The shape's fc1 and fc2 wgrads, plain and gathered: at each extra stage count (the table's tile),
     and at each other tile (the table's extra stages). fc1's also with x as the a operand (the narrow
@@ -95,16 +105,21 @@ def sweep_shape(
     for kind, (plain, gathered) in products.items():
         record: dict[str, object] = {"plain_ms": median_ms(plain, reps)}
         reference = plain()
-        variants: dict[str, tuple[int, GemmConfig | None]] = {f"extra{e}": (e, None) for e in extras}
-        variants.update({f"tile{t}": (default_extra, tile_config(t, x_T)) for t in tiles})
-        for label, (extra, cfg) in variants.items():
+        variants: dict[str, tuple[int, GemmConfig | None, str | None]] = {f"extra{e}": (e, None, None) for e in extras}
+        variants.update({f"tile{t}": (default_extra, tile_config(t, x_T), None) for t in tiles})
+        if kind == "fc1_x":
+            variants.update({f"ws_{f}": (default_extra, None, f) for f in ws_forms})
+        default_ws = dict(gemm.WGRAD_GATHERED_WS)
+        for label, (extra, cfg, form) in variants.items():
             gemm.GATHERED_WGRAD_EXTRA_STAGES = extra
+            gemm.WGRAD_GATHERED_WS.update(WS_FORMS[form] if form else default_ws)
             forget_plans()
             record[f"gathered_{label}_ms"] = median_ms(functools.partial(gathered, cfg), reps)
             record[f"gathered_{label}_equal"] = bool(torch.equal(gathered(cfg), reference))
             if kind == "fc1_x_as_a":
                 record[f"gathered_{label}_with_copy_ms"] = median_ms(functools.partial(_copied, gathered, cfg), reps)
         gemm.GATHERED_WGRAD_EXTRA_STAGES = default_extra
+        gemm.WGRAD_GATHERED_WS.update(default_ws)
         forget_plans()
         cells[f"{name}/{kind}"] = record
         print(name, kind, record, flush=True)
@@ -119,6 +134,9 @@ def main() -> None:
     parser.add_argument(
         "--tiles", default="", help="comma list of other (O, I) tiles of the gathered launch, e.g. 128x128"
     )
+    parser.add_argument(
+        "--ws-forms", default="", help=f"comma list of the Gluon kernel's forms for fc1's x: {','.join(WS_FORMS)}"
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
     args = parser.parse_args()
@@ -131,7 +149,10 @@ def main() -> None:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
         extras = [int(e) for e in args.extra.split(",") if e]
         tiles = [t for t in args.tiles.split(",") if t]
-        cells.update(sweep_shape(name, extras, tiles, args.reps, "cpu" if args.smoke else "cuda"))
+        forms = [f for f in args.ws_forms.split(",") if f]
+        if any(f not in WS_FORMS for f in forms):
+            raise SystemExit(f"--ws-forms: expected some of {sorted(WS_FORMS)}, got {args.ws_forms!r}")
+        cells.update(sweep_shape(name, extras, tiles, args.reps, "cpu" if args.smoke else "cuda", forms))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     write_json(args.out, {"meta": machine(), "cells": cells})

@@ -510,6 +510,13 @@ def _tile_grid(O, I, BLOCK_O: gl.constexpr, BLOCK_I: gl.constexpr):
     return num_pid_o, num_pid_i, num_pid_o * num_pid_i
 
 
+@gluon.constexpr_function
+def _wgrad_split(split_o):
+    """(SO, SI): how a gathered wgrad tile's two accumulators split it: along O (SPLIT_O: two dy boxes, one
+    x slot) or along I (two x slots, one dy box)."""
+    return (2, 1) if split_o else (1, 2)
+
+
 @gluon.jit
 def _wgrad_load_partition(
     dy_ptr,
@@ -522,9 +529,8 @@ def _wgrad_load_partition(
     N,
     stride_dym,
     stride_xm,
-    a_bufs,
-    b0_bufs,
-    b1_bufs,
+    dy_bufs,
+    x_bufs,
     ready,
     empty,
     BLOCK_O: gl.constexpr,
@@ -533,17 +539,21 @@ def _wgrad_load_partition(
     GROUP_O: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    SPLIT_O: gl.constexpr,
 ):
-    """Each step's dy box by TMA and its x rows (the row map's entries of the step's routed rows) by
-    cp.async, two halves of HALF_I columns, each thread's copies arriving on the slot's barrier."""
+    """Each step's dy boxes by TMA and its x rows (the row map's entries of the step's routed rows) by
+    cp.async, each thread's copies arriving on the slot's barrier."""
     num_pid_o, num_pid_i, tiles_per_group = _tile_grid(O, I, BLOCK_O, BLOCK_I)
-    HALF_I: gl.constexpr = BLOCK_I // 2
+    SO: gl.constexpr = _wgrad_split(SPLIT_O)[0]
+    SI: gl.constexpr = _wgrad_split(SPLIT_O)[1]
+    PART_O: gl.constexpr = BLOCK_O // SO
+    PART_I: gl.constexpr = BLOCK_I // SI
     elem_bytes: gl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    slot_layout: gl.constexpr = gather_layout(elem_bytes, HALF_I, gl.num_warps())
+    slot_layout: gl.constexpr = gather_layout(elem_bytes, PART_I, gl.num_warps())
     # Rows past offs[N] (padding, may hold anything) read as zeros.
     rows_used = gl.minimum(gl.maximum(gl.load(offs_ptr + N).to(gl.int32), 1), gl.maximum(M, 1))
     dy_desc = tma.make_tensor_descriptor(
-        dy_ptr, shape=[rows_used, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_O], layout=a_bufs.type.layout
+        dy_ptr, shape=[rows_used, O], strides=[stride_dym, 1], block_shape=[BLOCK_M, PART_O], layout=dy_bufs.type.layout
     )
     nbytes: gl.constexpr = BLOCK_M * BLOCK_O * elem_bytes
     it = 0
@@ -561,10 +571,16 @@ def _wgrad_load_partition(
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
-            tma.async_copy_global_to_shared(dy_desc, [r0, o0], ready.index(slot), a_bufs.index(slot))
+            for h in gl.static_range(SO):
+                tma.async_copy_global_to_shared(
+                    dy_desc, [r0, o0 + h * PART_O], ready.index(slot), dy_bufs.index(slot * SO + h)
+                )
             rows, mask_rows = token_rows(x_ptr, stride_xm, token, mask_m)
-            gather_slot(b0_bufs.index(slot), rows, mask_rows, i0, I, ready.index(slot), HALF_I, slot_layout)
-            gather_slot(b1_bufs.index(slot), rows, mask_rows, i0 + HALF_I, I, ready.index(slot), HALF_I, slot_layout)
+            for h in gl.static_range(SI):
+                gather_slot(
+                    x_bufs.index(slot * SI + h), rows, mask_rows, i0 + h * PART_I, I, ready.index(slot), PART_I,
+                    slot_layout,
+                )  # fmt: skip
             token = token_next
             mask_m = mask_next
             it += 1
@@ -588,9 +604,8 @@ def _wgrad_mma_partition(
     O,
     I,
     N,
-    a_bufs,
-    b0_bufs,
-    b1_bufs,
+    dy_bufs,
+    x_bufs,
     ready,
     empty,
     BLOCK_O: gl.constexpr,
@@ -599,13 +614,17 @@ def _wgrad_mma_partition(
     GROUP_O: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    SPLIT_O: gl.constexpr,
 ):
-    """The tile's two (BLOCK_O, BLOCK_I / 2) accumulators over the ring, one step's MMAs kept in flight
-    while the next slot's are issued; then the tile's stores."""
+    """The tile's two (BLOCK_O / SO, BLOCK_I / SI) accumulators over the ring, one step's MMAs kept in
+    flight while the next slot's are issued; then the tile's stores."""
     num_pid_o, num_pid_i, tiles_per_group = _tile_grid(O, I, BLOCK_O, BLOCK_I)
-    HALF_I: gl.constexpr = BLOCK_I // 2
+    SO: gl.constexpr = _wgrad_split(SPLIT_O)[0]
+    SI: gl.constexpr = _wgrad_split(SPLIT_O)[1]
+    PART_O: gl.constexpr = BLOCK_O // SO
+    PART_I: gl.constexpr = BLOCK_I // SI
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, HALF_I, 16]
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, PART_I, 16]
     )
     it = 0
     for tile_id in range(gl.program_id(0), N * tiles_per_group, NUM_PROGRAMS):
@@ -613,16 +632,18 @@ def _wgrad_mma_partition(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
         )
         steps = gl.cdiv(row_hi - row_lo, BLOCK_M)
-        acc0 = gl.zeros([BLOCK_O, HALF_I], gl.float32, mma_layout)
-        acc1 = gl.zeros([BLOCK_O, HALF_I], gl.float32, mma_layout)
+        acc0 = gl.zeros([PART_O, PART_I], gl.float32, mma_layout)
+        acc1 = gl.zeros([PART_O, PART_I], gl.float32, mma_layout)
         for step in range(steps):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             # x's rows came by cp.async (the generic proxy); wgmma reads them through the async proxy.
             fence_async_shared()
-            a = a_bufs.index(slot).permute((1, 0))  # dy's (BLOCK_M, BLOCK_O) box as the MN-major A
-            acc0 = warpgroup_mma(a, b0_bufs.index(slot), acc0, is_async=True)
-            acc1 = warpgroup_mma(a, b1_bufs.index(slot), acc1, is_async=True)
+            # dy's (BLOCK_M, PART_O) boxes as the MN-major A, x's rows as they lie.
+            acc0 = warpgroup_mma(dy_bufs.index(slot * SO).permute((1, 0)), x_bufs.index(slot * SI), acc0, is_async=True)
+            acc1 = warpgroup_mma(
+                dy_bufs.index(slot * SO + SO - 1).permute((1, 0)), x_bufs.index(slot * SI + SI - 1), acc1, is_async=True
+            )
             # The previous slot's two products are done once at most these two are in flight.
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
             if step > 0:
@@ -633,10 +654,10 @@ def _wgrad_mma_partition(
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             gl.thread_barrier()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        offs_o = o0 + gl.arange(0, BLOCK_O, layout=gl.SliceLayout(1, mma_layout))
+        offs_o = o0 + gl.arange(0, PART_O, layout=gl.SliceLayout(1, mma_layout))
         cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         _store_half(acc0, dw_ptr, g, offs_o, i0, O, I, cols_layout)
-        _store_half(acc1, dw_ptr, g, offs_o, i0 + HALF_I, O, I, cols_layout)
+        _store_half(acc1, dw_ptr, g, offs_o + (SO - 1) * PART_O, i0 + (SI - 1) * PART_I, O, I, cols_layout)
 
 
 @gluon.jit
@@ -661,6 +682,7 @@ def wgrad_gathered_ws_kernel(
     STAGES: gl.constexpr,
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
+    SPLIT_O: gl.constexpr,
 ):
     """dw[g] (O, I) = dy[rows of g]^T @ x[idx[rows of g]] for every group in one launch.
 
@@ -669,23 +691,25 @@ def wgrad_gathered_ws_kernel(
     aligned base, I a multiple of 8 (16-byte copies). idx: (M,) int32 or int64, read below offs[N]
     only, values in [0, T). dw: a contiguous (N, O, I) in dy's dtype. offs: (N + 1,) int64 device
     offsets. unused_ptr: the slot of the Triton wgrad's dy row map (not read), so both kernels take one
-    argument list. num_warps = 8 (the mma partition; BLOCK_O = 128, two warp groups of 64 rows), the
-    load partition LOAD_WARPS = 4 warps with LOAD_REGS registers a thread.
+    argument list. num_warps = 8 (the mma partition: two warp groups of 64 rows of each accumulator), the
+    load partition LOAD_WARPS = 4 warps with LOAD_REGS registers a thread. The tile's two accumulators
+    split it along O (SPLIT_O: BLOCK_O = 256, two dy boxes and one x slot of BLOCK_I columns a step) or
+    along I (BLOCK_O = 128: one dy box, two x slots of BLOCK_I / 2 columns).
     """
-    gl.static_assert(BLOCK_O == 128, "two warp groups of 64 dw rows")
+    SO: gl.constexpr = _wgrad_split(SPLIT_O)[0]
+    SI: gl.constexpr = _wgrad_split(SPLIT_O)[1]
+    gl.static_assert(BLOCK_O // SO == 128, "two warp groups of 64 dw rows an accumulator")
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
-    HALF_I: gl.constexpr = BLOCK_I // 2
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_O], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_I], dtype)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_O], a_layout)
-    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF_I], b_layout)
-    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HALF_I], b_layout)
+    dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_O // SO], dtype)
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_I // SI], dtype)
+    dy_bufs = gl.allocate_shared_memory(dtype, [STAGES * SO, BLOCK_M, BLOCK_O // SO], dy_layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES * SI, BLOCK_M, BLOCK_I // SI], x_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # A slot is ready when dy's TMA bytes have landed after the expect's arrival and every load
-    # thread's two cp.async arrivals (one a half).
+    # thread's cp.async arrivals (one an x slot).
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1 + 2 * LOAD_WARPS * 32)
+        mbarrier.init(ready.index(i), count=1 + SI * LOAD_WARPS * 32)
         mbarrier.init(empty.index(i), count=1)
     # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
     gl.warp_specialize(
@@ -699,9 +723,8 @@ def wgrad_gathered_ws_kernel(
                     O,
                     I,
                     N,
-                    a_bufs,
-                    b0_bufs,
-                    b1_bufs,
+                    dy_bufs,
+                    x_bufs,
                     ready,
                     empty,
                     BLOCK_O,
@@ -710,6 +733,7 @@ def wgrad_gathered_ws_kernel(
                     GROUP_O,
                     NUM_PROGRAMS,
                     STAGES,
+                    SPLIT_O,
                 ),
             ),
             (
@@ -725,9 +749,8 @@ def wgrad_gathered_ws_kernel(
                     N,
                     stride_dym,
                     stride_xm,
-                    a_bufs,
-                    b0_bufs,
-                    b1_bufs,
+                    dy_bufs,
+                    x_bufs,
                     ready,
                     empty,
                     BLOCK_O,
@@ -736,6 +759,7 @@ def wgrad_gathered_ws_kernel(
                     GROUP_O,
                     NUM_PROGRAMS,
                     STAGES,
+                    SPLIT_O,
                 ),
             ),
         ],

@@ -250,9 +250,12 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 256}
 # spilled; 40 spilled 64 bytes) while dy's boxes come by TMA; 4 slots of 48 KiB (dy 16, x 32) fit beside
 # nothing else (the epilogue stores from registers); the 8 warps of the main loop get 224 registers of
 # the 168 a thread of 12 warps (ptxas: no spills).
+# SPLIT_O: the tile 256 x 128 instead (two dy boxes of 128 columns, one x slot of 128): half the
+# copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128.
 WGRAD_GATHERED_WS = dict(
-    BLOCK_O=128,
-    BLOCK_I=256,
+    BLOCK_O=256,
+    BLOCK_I=128,
+    SPLIT_O=True,
     BLOCK_M=64,
     GROUP_O=8,
     STAGES=4,
@@ -564,3 +567,28 @@ GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
 # GEMM and the pass apart (benchmarks/README.md, the gated fc1 A/B); an architecture absent here keeps
 # them apart.
 GATED_FC1_EPILOGUE: dict[Arch, bool] = {"sm90": False}
+
+
+# --------------------------------------------------------------------------------------------------
+# The router's top-k + softmax (kernels.topk)
+# --------------------------------------------------------------------------------------------------
+
+# The most experts the kernels take: a row's logits live in registers as int64 (8 bytes each), padded to
+# the next power of two; wider rows go through torch ops (backend="auto") or are refused ("triton").
+TOPK_MAX_EXPERTS = 1024
+
+# (elements a program holds, most rows a program, warps): a program takes
+# min(most rows, max(1, elements / next_power_of_2(N))) rows of N logits, and the backward the same rows
+# of d logits. The sm90/sm80 entries are first guesses, not yet timed. Under the interpreter a few rows
+# a program, so that CPU tests cover several programs and a partial last one.
+TOPK_TILES: dict[Arch, tuple[int, int, int]] = {
+    "sm90": (2048, 16, 4),
+    "sm80": (2048, 16, 4),
+    "interpreter": (256, 4, 4),
+}
+
+
+def topk_tile(arch: Arch, block_n: int) -> tuple[int, int]:
+    """(BLOCK_T rows a program, warps) of the top-k kernels for rows padded to block_n columns."""
+    elements, most_rows, warps = TOPK_TILES[arch]
+    return min(most_rows, max(1, elements // block_n)), warps
