@@ -240,9 +240,9 @@ GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
 # `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad runs at
-# about 1.4x the TMA wgrad's time (the copy's bytes by cp.async), the gather costs one (M, H) write and
-# read whatever F is: at F 256 the step gains 1.5-2.5 %, at F 768 and 1024 it loses 2-3.5 %
-# (benchmarks/README.md, the gathered wgrad A/B); F 512 was not measured and stays with the gather.
+# about 1.35-1.4x the TMA wgrad's time, the gather costs one (M, H) write and read whatever F is: at F
+# 256 the step gains 2.3-3.1 %, at F 512 it is even (0.993-1.001), at F 768 and 1024 it loses 1-2.7 %
+# (benchmarks/README.md, the gathered wgrad A/Bs, the latest with the tile split along O).
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 256}
 # The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
 # 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
@@ -251,7 +251,9 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 256}
 # nothing else (the epilogue stores from registers); the 8 warps of the main loop get 224 registers of
 # the 168 a thread of 12 warps (ptxas: no spills).
 # SPLIT_O: the tile 256 x 128 instead (two dy boxes of 128 columns, one x slot of 128): half the
-# copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128.
+# copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128; 1.05-1.09x
+# the 128 x 256 form at F 256-512 (benchmarks/README.md, the gathered wgrad split along O), still about
+# 1.35x the TMA wgrad over the gathered copy: the copy's bytes are not what bounds it.
 WGRAD_GATHERED_WS = dict(
     BLOCK_O=256,
     BLOCK_I=128,
