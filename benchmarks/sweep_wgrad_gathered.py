@@ -68,6 +68,8 @@ def tile_config(tile: str, x: torch.Tensor) -> GemmConfig:
 WS_FORMS = {
     "split_o": dict(BLOCK_O=256, BLOCK_I=128, SPLIT_O=True),
     "split_i": dict(BLOCK_O=128, BLOCK_I=256, SPLIT_O=False),
+    # Split along O with a copy partition of two warp groups (16 warps: 128 registers a thread at launch).
+    "split_o_load8": dict(BLOCK_O=256, BLOCK_I=128, SPLIT_O=True, LOAD_WARPS=8, maxnreg=128),
 }
 
 
@@ -109,7 +111,7 @@ def sweep_shape(
         variants.update({f"tile{t}": (default_extra, tile_config(t, x_T), None) for t in tiles})
         if kind == "fc1_x":
             variants.update({f"ws_{f}": (default_extra, None, f) for f in ws_forms})
-        default_ws = dict(gemm.WGRAD_GATHERED_WS)
+        default_ws = dict(gemm.WGRAD_GATHERED_WS)  # every key a form sets is in the table
         for label, (extra, cfg, form) in variants.items():
             gemm.GATHERED_WGRAD_EXTRA_STAGES = extra
             gemm.WGRAD_GATHERED_WS.update(WS_FORMS[form] if form else default_ws)
