@@ -17,14 +17,17 @@ probabilities from Dirichlet(1) expert shares (seed runner.SKEW_SEED), as the ML
 skewed splits. Weights: a softmax over K of random logits, in the tokens' dtype.
 
 Router included (`--router`): the cell draws a router weight (N, H) instead of the routing, and every
-column routes inside its timed call with SonicMoE's rule (`softmax_topk`: logits = x @ router_w.T in
-x's dtype, the top-K logits, a softmax over those K in fp32 = softmax over all N experts, top-K,
-renormalised; the weights cast to x's dtype for moekit, plain and Liger). The router weight is then a
-leaf whose gradient is compared too, and the FLOPs count the router GEMM (2*T*H*N forward). "skewed"
-under --router: the tokens share an offset along which the logits gain log(Dirichlet(1) shares) per
-expert (SonicMoE's router has no bias), so the counts differ from the experts-only skew (see each
-record's expert_counts_min_max). Ties among bf16 logits may route a few tokens to different experts
-in SonicMoE's kernel and torch.topk: a small error vs plain, not the O(1) of a wrong weight layout.
+column routes inside its timed call with SonicMoE's rule: logits = x @ router_w.T in x's dtype, the
+top-K logits, a softmax over those K in fp32 = softmax over all N experts, top-K, renormalised; the
+weights cast to x's dtype for moekit, plain and Liger. plain and Liger route with torch
+(`softmax_topk`: torch.topk and a softmax); the moekit column with moekit's own router op
+(`moekit_softmax_topk`: `moekit.topk_softmax`, one kernel each way on CUDA), as a moekit user would.
+The router weight is then a leaf whose gradient is compared too, and the FLOPs count the router GEMM
+(2*T*H*N forward). "skewed" under --router: the tokens share an offset along which the logits gain
+log(Dirichlet(1) shares) per expert (SonicMoE's router has no bias), so the counts differ from the
+experts-only skew (see each record's expert_counts_min_max). Ties among bf16 logits may route a few
+tokens to different experts in SonicMoE's kernel, moekit's op (the lower expert first) and
+torch.topk (unspecified order): a small error vs plain, not the O(1) of a wrong weight layout.
 
 SonicMoE (Dao-AILab/sonic-moe, `moe_TC_softmax_topk_layer`: router + experts, SwiGLU, no bias) is a
 column under --router when importable on CUDA (the bundle of benchmarks/README.md; not on the package
@@ -158,11 +161,18 @@ def softmax_topk(x, router_w, top_k):
     return ids, top.softmax(-1, dtype=torch.float32).to(x.dtype)
 
 
-def with_router(fn, ids_dtype=torch.int64):
-    """An experts-only column with the router in front: (x, fc1, fc2, router_w, top_k) -> (T, H)."""
+def moekit_softmax_topk(x, router_w, top_k):
+    """The same rule with moekit's router op (`moekit.topk_softmax`: the top-k logits and their softmax in
+    fp32 in one kernel on CUDA, torch ops on the CPU). Weights returned in x's dtype."""
+    weights, ids = moekit.topk_softmax(F.linear(x, router_w), top_k)
+    return ids, weights.to(x.dtype)
+
+
+def with_router(fn, ids_dtype=torch.int64, route=softmax_topk):
+    """An experts-only column with the router `route` in front: (x, fc1, fc2, router_w, top_k) -> (T, H)."""
 
     def run(x, w1, w2, router_w, top_k):
-        ids, weights = softmax_topk(x, router_w, top_k)
+        ids, weights = route(x, router_w, top_k)
         return fn(x, w1, w2, ids.to(ids_dtype), weights)
 
     return run
@@ -566,7 +576,14 @@ def main(argv=None) -> dict:
         if args.device.type != "cuda" and impls["liger"] is not None:
             reasons["liger"] = "Liger's kernels run on CUDA only"
     if args.router:
-        impls = {name: with_router(fn, torch.int32 if name == "liger" else torch.int64) for name, fn in impls.items()}
+        impls = {
+            name: with_router(
+                fn,
+                torch.int32 if name == "liger" else torch.int64,
+                moekit_softmax_topk if name == "moekit" else softmax_topk,
+            )
+            for name, fn in impls.items()
+        }
     if "sonicmoe" in args.impl_list:
         if not args.router:
             impls["sonicmoe"] = None
@@ -614,7 +631,8 @@ def main(argv=None) -> dict:
         liger_autotune=os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0",
         router=args.router,
         routing_rule=(
-            "router included in every column: softmax over the top-K of x @ router_w.T (SonicMoE's rule)"
+            "router included in every column: softmax over the top-K of x @ router_w.T (SonicMoE's rule); "
+            "moekit routes with moekit.topk_softmax, plain and Liger with torch.topk"
             if args.router
             else "routing given (ids, weights), router not timed"
         ),

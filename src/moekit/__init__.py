@@ -37,6 +37,7 @@ _EXPORTS = {
     "save_safetensors": "moekit.checkpoint",
     "set_autotune": "moekit.ops.runtime.backends",
     "swiglu": "moekit.ops.glu",
+    "topk_softmax": "moekit.ops.topk",
     "unpermute": "moekit.ops.rows",
 }
 

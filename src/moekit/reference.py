@@ -10,6 +10,7 @@ from moekit.ops.grouped_mlp import grouped_mlp_reference
 from moekit.ops.moe_experts import moe_experts_reference
 from moekit.ops.quantize import group_quantize_reference
 from moekit.ops.rows import permute_reference, unpermute_reference
+from moekit.ops.topk import topk_softmax_reference
 
 __all__ = [
     "glu_reference",
@@ -18,5 +19,6 @@ __all__ = [
     "grouped_mlp_reference",
     "moe_experts_reference",
     "permute_reference",
+    "topk_softmax_reference",
     "unpermute_reference",
 ]

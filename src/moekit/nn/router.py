@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from moekit.ops.topk import topk_softmax
 from moekit.validation import check_bool, check_choice, check_compute_dtype, check_float, check_int, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -68,7 +69,9 @@ def inject_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tenso
 class TopKRouter(nn.Module):
     """Token-choice top-k router: a bias-free linear gate `weight (N, H)`, softmax or sigmoid scores
     computed in fp32 (float64 for float64 parameters), the top-k of them per token, optionally
-    renormalised to sum to 1.
+    renormalised to sum to 1. Softmax scores renormalised (the default) take their weights and ids from
+    `moekit.topk_softmax` on the fp32 logits (one kernel each way on CUDA), whose ties go to the lower
+    expert; the other settings use torch.topk on the scores.
 
     forward(x (T, H)) -> TopKRouting(weights (T, K), ids (T, K), scores (T, N)).
 
@@ -113,6 +116,12 @@ class TopKRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> TopKRouting:
         logits = nn.functional.linear(x_TH, self.weight)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.score_func == "softmax" and self.norm_topk_prob:
+            # The softmax over all N, top-k and renormalised is the softmax over the top-k logits:
+            # moekit's fused op (one kernel each way on CUDA; float64 logits and the CPU take torch
+            # ops). Ties go to the lower expert. The scores are still every expert's, for the loss.
+            weights, ids = topk_softmax(logits, self.top_k)
+            return TopKRouting(weights, ids, logits.softmax(-1))
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         weights, ids = scores.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -2,7 +2,8 @@
 
     kernels/     jit code only (Triton and Gluon): the tile schedule, the grouped GEMM, the fused MLP
                  (Triton, and warp-specialised Gluon for Hopper), the row kernel, the routing sort, the
-                 grouped FP8 quantization (quantize), and the activations' jit act/grad pairs
+                 router's top-k + softmax (topk), the grouped FP8 quantization (quantize), and the
+                 activations' jit act/grad pairs
     runtime/     device facts, every configuration table (configs.py), the one plan-and-launch recipe
                  (launch.py), the host side of each kernel family (quantize.py for quantization, and its
                  plain-torch twin quantize_torch.py), and the backends behind one Protocol with the
@@ -10,9 +11,10 @@
     library.py   every launch as a torch.library custom op with a fake implementation
     the ops      activations (the registry), glu, grouped_linear, grouped_mlp (and quantized_mlp, its
                  quantized nodes), moe_experts, rows (move_rows, the layer's ExpertRoute, permute,
-                 unpermute), routing (sort_by_expert), splits, quantize (group_quantize,
-                 group_dequantize, the quantized weights layers keep); each public op
-                 with its reference beside it (float64; quantize's: the same bytes, group by group)
+                 unpermute), routing (sort_by_expert), topk (topk_softmax, the router's top-k),
+                 splits, quantize (group_quantize, group_dequantize, the quantized weights layers
+                 keep); each public op with its reference beside it (float64; quantize's: the same
+                 bytes, group by group)
 
 Shape legend of the whole package. Internal tensor names may carry their shape as a suffix (`x_MI`,
 `w_NOI`, `row_map_TK`); each letter has this one meaning everywhere:

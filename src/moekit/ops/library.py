@@ -2,7 +2,7 @@
 torch.compile.
 
 Legend: M rows, N groups (experts), I/O a linear's in/out features, H hidden size, F ffn size, D features
-of a moved row, J rows summed into one.
+of a moved row, J rows summed into one, T tokens, K experts chosen per token.
 
 Every function of a backend that launches work (a Triton kernel, torch's grouped_mm, the loop backend's
 per-group matmuls) is one custom op here, whose fake implementation gives its outputs' shapes and dtypes.
@@ -691,6 +691,52 @@ def _(src_SD: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, us
 
 
 gather_sum_rows = _entry(_gather_sum_rows_op, _gather_sum_rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# The router's top-k + softmax (moekit's kernel; `backends.topk_uses_triton` says where)
+# --------------------------------------------------------------------------------------------------
+
+
+def _topk_softmax(logits_TN: torch.Tensor, top_k: int, ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, K) fp32, ids (T, K) in ids_dtype): the top-k logits of each row and the softmax over
+    them (`moekit.ops.runtime.topk.topk_softmax`)."""
+    return backends.topk_softmax(logits_TN, top_k, ids_dtype)
+
+
+_topk_softmax_op = torch.library.custom_op("moekit::topk_softmax", _topk_softmax, mutates_args=())
+
+
+@_topk_softmax_op.register_fake
+def _(logits_TN: torch.Tensor, top_k: int, ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens = logits_TN.shape[0]
+    return logits_TN.new_empty(num_tokens, top_k, dtype=torch.float32), logits_TN.new_empty(
+        num_tokens, top_k, dtype=ids_dtype
+    )
+
+
+topk_softmax = _entry(_topk_softmax_op, _topk_softmax)
+
+
+def _topk_softmax_backward(weights_TK: torch.Tensor, ids_TK: torch.Tensor, d_weights_TK: torch.Tensor,
+                           num_experts: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """d logits (T, N) in dtype of `topk_softmax`'s weights (`moekit.ops.runtime.topk.topk_softmax_backward`)."""
+    return backends.topk_softmax_backward(weights_TK, ids_TK, d_weights_TK, num_experts, dtype)
+
+
+_topk_softmax_backward_op = torch.library.custom_op(
+    "moekit::topk_softmax_backward", _topk_softmax_backward, mutates_args=()
+)
+
+
+@_topk_softmax_backward_op.register_fake
+def _(
+    weights_TK: torch.Tensor, ids_TK: torch.Tensor, d_weights_TK: torch.Tensor, num_experts: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return weights_TK.new_empty(weights_TK.shape[0], num_experts, dtype=dtype)
+
+
+topk_softmax_backward = _entry(_topk_softmax_backward_op, _topk_softmax_backward)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ capability (fc1 + activation in one kernel, fc2's dgrad + the activation's backw
 the bias sums with the d probs term in one pass); the fused paths of `grouped_mlp` and `moe_experts`
 ask a backend for it (`fused_mlp_of`), never for a name. Rows move with `gather_sum_rows`: moekit's row
 kernel wherever the Triton kernels run (`use_triton_rows`), plain torch elsewhere, with the same values.
+The ops that take a backend but run no grouped product (the gated activation on its own, the router's
+top-k) choose between moekit's kernel and torch ops with `kernel_chosen`.
 Every backend can quantize grouped tensors (the `GroupQuantizer` capability, `select_quantizer`): the
 loop and torch backends in plain torch (`moekit.ops.runtime.quantize_torch`), the triton backend with
 moekit's kernels (`moekit.ops.runtime.quantize`), byte for byte the same.
@@ -34,6 +36,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from moekit.ops.runtime import quantize_torch
+from moekit.ops.runtime.configs import TOPK_MAX_EXPERTS
 from moekit.ops.runtime.device import cuda_capability
 from moekit.ops.splits import GroupOffsets, compute_dtype
 from moekit.validation import check_bool
@@ -516,6 +519,7 @@ class TritonRuntime(NamedTuple):
     routing: ModuleType
     quantize: ModuleType
     quantized_gemm: ModuleType
+    topk: ModuleType
 
 
 _RUNTIME: list[TritonRuntime | None] = []
@@ -526,11 +530,11 @@ def triton_runtime() -> TritonRuntime | None:
     runs without triton through the other backends."""
     if not _RUNTIME:
         try:
-            from moekit.ops.runtime import gated, gemm, glu, launch, quantize, quantized_gemm, routing, rows
+            from moekit.ops.runtime import gated, gemm, glu, launch, quantize, quantized_gemm, routing, rows, topk
         except ImportError:
             _RUNTIME.append(None)
         else:
-            _RUNTIME.append(TritonRuntime(gated, gemm, glu, launch, rows, routing, quantize, quantized_gemm))
+            _RUNTIME.append(TritonRuntime(gated, gemm, glu, launch, rows, routing, quantize, quantized_gemm, topk))
     return _RUNTIME[0]
 
 
@@ -754,18 +758,52 @@ def gather_sum_rows(
     return gathered.sum(1).to(src_SD.dtype)
 
 
-def gated_uses_triton(backend: str, h: torch.Tensor) -> bool:
-    """Whether the gated activation on its own (`moekit.ops.glu.glu`) runs moekit's kernel for `backend`:
-    "triton" wherever moekit's kernels run (ValueError saying why elsewhere), "auto" on CUDA where they
-    run, "torch" and "loop" never (plain torch, the same math in another order)."""
+def kernel_chosen(backend: str, t: torch.Tensor, what: str, limit: str | None = None) -> bool:
+    """Whether an op that takes a `backend` but runs no grouped product (the gated activation on its own,
+    the router's top-k) runs moekit's kernel on `t`: "triton" wherever the kernel runs (ValueError saying
+    why elsewhere), "auto" on CUDA where it runs, "torch" and "loop" never (plain torch, the same math in
+    another order). `what` names the op in the error; `limit` says why this kernel cannot take these
+    operands although moekit's kernels run here (None: it can)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend in ("torch", "loop"):
         return False
-    why = triton_unavailable_reason(h.device, h.dtype)
+    why = triton_unavailable_reason(t.device, t.dtype) or limit
     if backend == "triton" and why is not None:
-        raise ValueError(f"backend='triton' cannot run the activation here: {why}")
-    return why is None and (backend == "triton" or h.device.type == "cuda")
+        raise ValueError(f"backend='triton' cannot run {what} here: {why}")
+    return why is None and (backend == "triton" or t.device.type == "cuda")
+
+
+def gated_uses_triton(backend: str, h: torch.Tensor) -> bool:
+    """Whether the gated activation on its own (`moekit.ops.glu.glu`) runs moekit's kernel for `backend`
+    (`kernel_chosen`)."""
+    return kernel_chosen(backend, h, "the activation")
+
+
+def topk_uses_triton(backend: str, logits_TN: torch.Tensor) -> bool:
+    """Whether the router's top-k (`moekit.ops.topk.topk_softmax`) runs moekit's kernel for `backend`
+    (`kernel_chosen`); the kernel holds a row in registers, so it takes at most
+    `configs.TOPK_MAX_EXPERTS` experts."""
+    num_experts = logits_TN.shape[-1]
+    limit = None
+    if num_experts > TOPK_MAX_EXPERTS:
+        limit = (
+            f"logits has {num_experts} experts (columns), more than the {TOPK_MAX_EXPERTS} moekit's top-k "
+            "kernel takes; use backend='torch'"
+        )
+    return kernel_chosen(backend, logits_TN, "the router's top-k", limit)
+
+
+def topk_softmax(logits_TN: torch.Tensor, top_k: int, ids_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """moekit's top-k + softmax kernel (`moekit.ops.runtime.topk.topk_softmax`)."""
+    return _runtime().topk.topk_softmax(logits_TN, top_k, ids_dtype)
+
+
+def topk_softmax_backward(
+    weights_TK: torch.Tensor, ids_TK: torch.Tensor, d_weights_TK: torch.Tensor, num_experts: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """moekit's top-k + softmax backward kernel (`moekit.ops.runtime.topk.topk_softmax_backward`)."""
+    return _runtime().topk.topk_softmax_backward(weights_TK, ids_TK, d_weights_TK, num_experts, dtype)
 
 
 def gated_forward(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int, activation: str) -> torch.Tensor:

@@ -575,22 +575,25 @@ GATED_FC1_EPILOGUE: dict[Arch, bool] = {"sm90": False}
 # The router's top-k + softmax (kernels.topk)
 # --------------------------------------------------------------------------------------------------
 
-# The most experts the kernels take: a row's logits live in registers as int64 (8 bytes each), padded to
-# the next power of two; wider rows go through torch ops (backend="auto") or are refused ("triton").
+# The most experts the kernels take: a row's logits live in registers (as int32 keys), padded to the next
+# power of two; wider rows go through torch ops (backend="auto") or are refused ("triton").
 TOPK_MAX_EXPERTS = 1024
 
-# (elements a program holds, most rows a program, warps): a program takes
-# min(most rows, max(1, elements / next_power_of_2(N))) rows of N logits, and the backward the same rows
-# of d logits. The sm90/sm80 entries are first guesses, not yet timed. Under the interpreter a few rows
-# a program, so that CPU tests cover several programs and a partial last one.
-TOPK_TILES: dict[Arch, tuple[int, int, int]] = {
-    "sm90": (2048, 16, 4),
-    "sm80": (2048, 16, 4),
-    "interpreter": (256, 4, 4),
+# By the row's padded width BLOCK_N: (BLOCK_T rows a program, warps) of the forward, then of the backward.
+# Small programs, mostly of one warp: a row's reductions stay within a warp (no shared memory), and an
+# SM holds many programs, whose rounds interleave. sm90 at 128, 256 and 512: the fastest of the tiles
+# swept (1-8 rows, 1-4 warps) on the H200 at T 32768 in bf16 (notes/moe_experts.md); 64 was swept with
+# an earlier form of the forward, 1024 and sm80 are guesses, not timed. Narrower rows than 64 take 64's
+# entry. Under the interpreter a few rows a program, so that CPU tests cover several programs and a
+# partial last one.
+TOPK_TILES: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
+    "sm90": {64: (16, 1, 16, 1), 128: (2, 1, 8, 2), 256: (4, 1, 4, 1), 512: (1, 1, 4, 1), 1024: (1, 2, 2, 2)},
+    "sm80": {64: (16, 1, 16, 1), 128: (2, 1, 8, 2), 256: (4, 1, 4, 1), 512: (1, 1, 4, 1), 1024: (1, 2, 2, 2)},
+    "interpreter": {n: (4, 4, 4, 4) for n in (64, 128, 256, 512, 1024)},
 }
 
 
-def topk_tile(arch: Arch, block_n: int) -> tuple[int, int]:
-    """(BLOCK_T rows a program, warps) of the top-k kernels for rows padded to block_n columns."""
-    elements, most_rows, warps = TOPK_TILES[arch]
-    return min(most_rows, max(1, elements // block_n)), warps
+def topk_tiles(arch: Arch, block_n: int) -> tuple[int, int, int, int]:
+    """(forward BLOCK_T, forward warps, backward BLOCK_T, backward warps) of the top-k kernels for rows
+    padded to block_n columns (a power of two up to TOPK_MAX_EXPERTS)."""
+    return TOPK_TILES[arch][max(block_n, 64)]
