@@ -184,6 +184,25 @@ def time_ms(fn: Callable[[], object], cfg: BenchConfig, grad_to_none: Sequence[t
     return statistics.median(times)
 
 
+def event_median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of `reps` calls of `fn` after one warm-up call, each between two CUDA events
+    (no L2 flush: the kernel sweeps' repeated calls of one product); 0.0 without CUDA (--smoke: the
+    plumbing only)."""
+    fn()
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def measure_roof(cfg: BenchConfig) -> dict:
     """The dense matmul roof of this process: bf16 8192^3 on CUDA (smaller and cfg's dtype on CPU)."""
     size = 8192 if cfg.device.type == "cuda" else 256

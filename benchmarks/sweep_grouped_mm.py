@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import machine, write_json
+from runner import event_median_ms, machine, write_json
 
 from moekit.ops.runtime import gemm
 from moekit.ops.runtime.configs import gemm_candidates
@@ -35,28 +35,12 @@ SHAPES = {
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 
 
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    if not torch.cuda.is_available():  # --smoke: the plumbing only
-        return 0.0
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def dense_roof(reps: int) -> float | None:
     """TFLOP/s of a dense 8192^3 bf16 matmul (None on the CPU)."""
     if not torch.cuda.is_available():
         return None
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ a, reps)
+    ms = event_median_ms(lambda: a @ a, reps)
     return 2 * 8192**3 / ms / 1e9
 
 
@@ -89,7 +73,7 @@ def sweep_shape(name: str, reps: int, rounds: int, device: str) -> dict[str, dic
         times: dict[str, list[float]] = {label: [] for label in variants}
         for _ in range(rounds):
             for label, fn in variants.items():
-                times[label].append(median_ms(fn, reps))
+                times[label].append(event_median_ms(fn, reps))
         for label, fn in variants.items():
             ms = statistics.median(times[label])
             record[f"{label}_ms"] = ms

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import machine, write_json
+from runner import event_median_ms, machine, write_json
 
 from moekit.ops.runtime import gemm
 from moekit.ops.runtime.configs import GemmConfig, gemm_candidates
@@ -34,22 +34,6 @@ SHAPES = {
     "sonicmoe": (32768, 8, 128, 4096, 512),
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    if not torch.cuda.is_available():  # --smoke: the plumbing only
-        return 0.0
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _copied(fn: Callable[..., torch.Tensor], cfg: GemmConfig | None) -> torch.Tensor:
@@ -105,7 +89,7 @@ def sweep_shape(
     default_extra = gemm.GATHERED_WGRAD_EXTRA_STAGES
     cells = {}
     for kind, (plain, gathered) in products.items():
-        record: dict[str, object] = {"plain_ms": median_ms(plain, reps)}
+        record: dict[str, object] = {"plain_ms": event_median_ms(plain, reps)}
         reference = plain()
         variants: dict[str, tuple[int, GemmConfig | None, str | None]] = {f"extra{e}": (e, None, None) for e in extras}
         variants.update({f"tile{t}": (default_extra, tile_config(t, x_T), None) for t in tiles})
@@ -116,10 +100,12 @@ def sweep_shape(
             gemm.GATHERED_WGRAD_EXTRA_STAGES = extra
             gemm.WGRAD_GATHERED_WS.update(WS_FORMS[form] if form else default_ws)
             forget_plans()
-            record[f"gathered_{label}_ms"] = median_ms(functools.partial(gathered, cfg), reps)
+            record[f"gathered_{label}_ms"] = event_median_ms(functools.partial(gathered, cfg), reps)
             record[f"gathered_{label}_equal"] = bool(torch.equal(gathered(cfg), reference))
             if kind == "fc1_x_as_a":
-                record[f"gathered_{label}_with_copy_ms"] = median_ms(functools.partial(_copied, gathered, cfg), reps)
+                record[f"gathered_{label}_with_copy_ms"] = event_median_ms(
+                    functools.partial(_copied, gathered, cfg), reps
+                )
         gemm.GATHERED_WGRAD_EXTRA_STAGES = default_extra
         gemm.WGRAD_GATHERED_WS.update(default_ws)
         forget_plans()

@@ -94,7 +94,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
-from moekit.ops.kernels.grouped_gemm_hopper import release_slot, tile_epilogue
+from moekit.ops.kernels.grouped_gemm_hopper import half_tile, output_desc, release_slot, store_halves
 from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
 from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
@@ -343,21 +343,13 @@ def _math_partition(
     )
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    if EPI_TMA:
-        c_desc = tma.make_tensor_descriptor(
-            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
-        )
-    else:
-        c_desc = c_ptr  # unused without EPI_TMA
+    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0, _ = tile_coords(
-            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
+            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
         )
-        real = g < N
-        rows0 = row0 + HALF * ROWS
-        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
         # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
         # accumulator's columns lie in one weight scale block: one weight scale a step each.
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
@@ -369,15 +361,10 @@ def _math_partition(
             mma_layout,
         )  # fmt: skip
 
-        tile_epilogue(
-            acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
-            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        store_halves(
+            acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, HALVES, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
-        if HALVES == 2 and c0 + SUB < COLS:  # the second half holds columns below COLS
-            tile_epilogue(
-                acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
-                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
-            )  # fmt: skip
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -1058,15 +1045,10 @@ def _wgrad_math_partition(
         # dw[g] as rows g * O + o of an (N * O, I) matrix: TMA stores of the 64-row blocks inside O.
         offs_m = g * O + offs_o
         rows0 = g * O + o0 + HALF * ROWS
-        tile_epilogue(
-            acc0, True, g, N, offs_m, i0, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr, I, I, 0,
-            False, False, EPI_TMA, cols_layout,
+        store_halves(
+            acc0, acc1, True, g, N, offs_m, i0, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr, I, I,
+            0, HALVES, False, False, EPI_TMA, cols_layout,
         )  # fmt: skip
-        if HALVES == 2 and hi_ok:
-            tile_epilogue(
-                acc1, True, g, N, offs_m, i0 + SUB, rows0, g * O, g * O + O, dw_ptr, c_desc, c_smem, dw_ptr, dw_ptr,
-                I, I, 0, False, False, EPI_TMA, cols_layout,
-            )  # fmt: skip
     if EPI_TMA:
         tma.store_wait(0)
 

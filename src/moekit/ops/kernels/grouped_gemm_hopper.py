@@ -157,6 +157,82 @@ def tile_epilogue(
         store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
 
 
+@gluon.jit
+def output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA: gl.constexpr):
+    """The (M, COLS) output's TMA descriptor whose boxes are a math warp group's staging tile c_smem (for
+    `tile_epilogue`'s stores); without EPI_TMA c_ptr itself, which the epilogue never uses as one."""
+    if EPI_TMA:
+        return tma.make_tensor_descriptor(
+            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=c_smem.shape, layout=c_smem.type.layout
+        )
+    else:
+        return c_ptr
+
+
+@gluon.jit
+def half_tile(
+    tile_id,
+    num_pid_c,
+    row_start,
+    row_end,
+    tile_end,
+    N,
+    HALF: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    rows_layout: gl.constexpr,
+):
+    """Where math warp group HALF's rows of flat tile `tile_id` (`moekit.ops.kernels.schedule`'s tile
+    space) lie: (group g, real (g < N: not the padding rows), the group's rows [row_lo, row_hi), the
+    tile's first column c0, the warp group's first row rows0 and its BLOCK_M / 2 rows offs_m)."""
+    g, row_lo, row_hi, row0, c0, _ = tile_coords(
+        tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+    )
+    rows0 = row0 + HALF * (BLOCK_M // 2)
+    return g, g < N, row_lo, row_hi, c0, rows0, rows0 + gl.arange(0, BLOCK_M // 2, layout=rows_layout)
+
+
+@gluon.jit
+def store_halves(
+    acc0,
+    acc1,
+    real,
+    g,
+    N,
+    offs_m,
+    c0,
+    rows0,
+    row_lo,
+    row_hi,
+    c_ptr,
+    c_desc,
+    c_smem,
+    bias_ptr,
+    scale_ptr,
+    COLS,
+    stride_cm,
+    stride_bias_g,
+    HALVES: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    cols_layout: gl.constexpr,
+):
+    """`tile_epilogue` of a math warp group's accumulators: acc0 at columns c0 onwards and, with HALVES
+    == 2, acc1 at the next acc0.shape[1] columns where those start below COLS."""
+    SUB: gl.constexpr = acc0.shape[1]
+    tile_epilogue(
+        acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+        stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+    )  # fmt: skip
+    if HALVES == 2 and c0 + SUB < COLS:  # the second half holds columns below COLS
+        tile_epilogue(
+            acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
+            COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------
 # grouped_mm_ws_kernel
 # --------------------------------------------------------------------------------------------------
@@ -282,21 +358,13 @@ def _mm_math_partition(
     )
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    if EPI_TMA:
-        c_desc = tma.make_tensor_descriptor(
-            c_ptr, shape=[M, COLS], strides=[stride_cm, 1], block_shape=[ROWS, SUB], layout=c_smem.type.layout
-        )
-    else:
-        c_desc = c_ptr  # unused without EPI_TMA
+    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0, _ = tile_coords(
-            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
+            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
         )
-        real = g < N
-        rows0 = row0 + HALF * ROWS
-        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
         acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         steps = red_steps * real.to(gl.int32)
@@ -318,15 +386,10 @@ def _mm_math_partition(
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         if steps > 0:
             release_slot(empty, it - 1, STAGES)
-        tile_epilogue(
-            acc0, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
-            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        store_halves(
+            acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, 2, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
-        if c0 + SUB < COLS:  # the second half holds columns below COLS
-            tile_epilogue(
-                acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
-                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
-            )  # fmt: skip
     if EPI_TMA:
         tma.store_wait(0)
 
