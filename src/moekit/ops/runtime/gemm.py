@@ -54,6 +54,7 @@ from moekit.ops.runtime.launch import (
     next_power_of_2,
     pick_config,
     plan_launch,
+    row_tiled_grid,
     tensor_key,
     use_tma,
     within_widest,
@@ -133,8 +134,7 @@ def mm_schedule(M: int, N: int, out_cols: int, out_size: int, cfg: GemmConfig, t
     under `cfg`, with (tma) or without TMA operand loads. NUM_PROGRAMS is the launch's grid size: one
     program per multiprocessor at most, fewer when the tile bound (each group's row tiles, plus a
     partial tile per group and the padding pseudo-group) is smaller."""
-    bound = (triton.cdiv(M, cfg.block_rows) + N + 1) * triton.cdiv(out_cols, cfg.block_cols)
-    nprog = grid_size(device, bound, cfg.programs_per_sm)
+    nprog = row_tiled_grid(device, M, N, out_cols, cfg.block_rows, cfg.block_cols, cfg.programs_per_sm)
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = bool(cfg.epi_tma and tma and (out_cols * out_size) % 16 == 0)
     return dict(
@@ -215,8 +215,7 @@ def _mm_ws_launch(
     M = a.shape[0]
     N = b.shape[0]
     cfg = MM_WS
-    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(out_cols, cfg["BLOCK_C"])
-    nprog = grid_size(a.device, bound)
+    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C"])
     ints = (M, out_cols, a.shape[1], N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
         _GROUPED_MM_WS,

@@ -56,10 +56,10 @@ from moekit.ops.runtime.launch import (
     device_index,
     dot_precision,
     empty,
-    grid_size,
     next_power_of_2,
     pick_config,
     plan_launch,
+    row_tiled_grid,
     tensor_key,
     use_tma,
     within_widest,
@@ -238,8 +238,7 @@ def _forward_launch(
     M, H = x_MH.shape
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
-    bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
-    nprog = grid_size(x_MH.device, bound, c.programs_per_sm)
+    nprog = row_tiled_grid(x_MH.device, M, N, ffn, c.block_rows, c.block_cols, c.programs_per_sm)
     box_blocks, box_rows = _weight_box(glu_block, ffn, c.block_cols)
     ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), *w1_N2FH.stride(), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
@@ -284,8 +283,7 @@ def _forward_ws_launch(
         M = gathered_rows
     N, two_f, _ = w1_N2FH.shape
     ffn = two_f // 2
-    bound = (triton.cdiv(M, WS_FORWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, WS_FORWARD["BLOCK_C"])
-    nprog = grid_size(x_MH.device, bound)
+    nprog = row_tiled_grid(x_MH.device, M, N, ffn, WS_FORWARD["BLOCK_M"], WS_FORWARD["BLOCK_C"])
     w1 = _stored(w1_N2FH)  # (N, 2F, H), or the (N, H, 2F) tensor under a transposed view
     ints: tuple[int, ...] = (M, ffn, H, N, x_MH.stride(0), w1.stride(1), two_f, ffn)
     ints += (bias_N2F.stride(0) if bias_N2F is not None else 0,)
@@ -518,8 +516,7 @@ def _backward_launch(
     """glu_backward_kernel; tensors: (dy, w2, h, dh, act_p, probs or dh, partials or dh, offs)."""
     M, H = dy_MH.shape
     N, _, ffn = w2_NHF.shape
-    bound = (triton.cdiv(M, c.block_rows) + N + 1) * triton.cdiv(ffn, c.block_cols)
-    nprog = grid_size(dy_MH.device, bound, c.programs_per_sm)
+    nprog = row_tiled_grid(dy_MH.device, M, N, ffn, c.block_rows, c.block_cols, c.programs_per_sm)
     w2 = _stored(w2_NHF)  # (N, H, F), or the (N, F, H) tensor under a transposed view
     ints = (M, ffn, H, N, dy_MH.stride(0), w2.stride(0), w2.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
     return LaunchPlan(
@@ -557,8 +554,7 @@ def _backward_ws_launch(
     if gathered_rows is not None:
         M = gathered_rows
     N, _, ffn = w2_NHF.shape
-    bound = (triton.cdiv(M, WS_BACKWARD["BLOCK_M"]) + N + 1) * triton.cdiv(ffn, 2 * WS_BACKWARD["BLOCK_C"])
-    nprog = grid_size(dy_MH.device, bound)
+    nprog = row_tiled_grid(dy_MH.device, M, N, ffn, WS_BACKWARD["BLOCK_M"], 2 * WS_BACKWARD["BLOCK_C"])
     w2 = _stored(w2_NHF)  # (N, H, F), or the (N, F, H) tensor under a transposed view
     ints = (M, ffn, H, N, dy_MH.stride(0), w2.stride(1), h_M2F.stride(0), 2 * ffn, ffn)
     constexprs = dict(

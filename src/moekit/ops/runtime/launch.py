@@ -244,6 +244,17 @@ def grid_size(device: torch.device, bound: int, per_sm: int = 1) -> int:
     return max(1, min(sms * per_sm, bound))
 
 
+def row_tiled_grid(
+    device: torch.device, M: int, N: int, cols: int, block_rows: int, block_cols: int, per_sm: int = 1
+) -> int:
+    """`grid_size` of a persistent row-tiled kernel (`moekit.ops.kernels.schedule.tile_schedule`'s tile
+    space) over M rows in N groups and `cols` output columns, tiles of block_rows x block_cols: its tiles
+    are at most each group's row tiles, plus a partial tile per group and the padding pseudo-group, times
+    the column tiles."""
+    bound = (triton.cdiv(M, block_rows) + N + 1) * triton.cdiv(cols, block_cols)
+    return grid_size(device, bound, per_sm)
+
+
 @functools.cache
 def block_groups(n: int) -> int:
     """BLOCK_GROUPS of a kernel's group vector for n groups: the per-group vectors are tiny next to a tile,

@@ -91,6 +91,7 @@ from moekit.ops.runtime.launch import (
     next_power_of_2,
     pick_config,
     plan_launch,
+    row_tiled_grid,
     tensor_key,
     unavailable_reason,
     use_tma,
@@ -251,8 +252,7 @@ def _ws_launch(
     N = w.shape[0]
     cfg = FP8_BLOCK_WS
     out_size = torch.finfo(out_dtype).bits // 8
-    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(out_cols, cfg["BLOCK_C"])
-    nprog = grid_size(a.device, bound)
+    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C"])
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
     epi_tma = (out_cols * out_size) % 16 == 0
     col_blocks, red_blocks = triton.cdiv(out_cols, FP8_BLOCK_RED), triton.cdiv(red, FP8_BLOCK_RED)
@@ -483,8 +483,7 @@ def _glu_launch(
     M, H = x.shape
     N, F = w.shape[0], w.shape[1] // 2
     cfg = FP8_BLOCK_WS
-    bound = (triton.cdiv(M, cfg["BLOCK_M"]) + N + 1) * triton.cdiv(F, cfg["BLOCK_C"] // 2)
-    nprog = grid_size(x.device, bound)
+    nprog = row_tiled_grid(x.device, M, N, F, cfg["BLOCK_M"], cfg["BLOCK_C"] // 2)
     col_blocks, red_blocks = 2 * F // FP8_BLOCK_RED, triton.cdiv(H, FP8_BLOCK_RED)
     ints: tuple[int, ...] = (M, F, H, N, x.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0)
     ints += (red_blocks, col_blocks * red_blocks, 1, red_blocks, a_scale.stride(0), h_scale.stride(0))
