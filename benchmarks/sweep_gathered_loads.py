@@ -1,0 +1,132 @@
+"""The kernels that read their rows through a row map (cp.async copies of routed rows) against the same
+kernels' TMA forms on the gathered rows, with a third form that separates the two causes of a gap: the
+row map set to the identity over the already-gathered rows, so the copies read exactly the TMA form's
+addresses. tokens vs identity is the row pattern (routed tokens spread over x), identity vs TMA is the
+copy mechanism (cp.async from a load warp group, counted arrivals, the proxy fence).
+
+Kinds: fc1's forward with the gated activation (`glu_forward` / `glu_forward_gathered`), fc1's weight
+gradient over x's rows (`grouped_gemm_wgrad`'s x_rows), fc2's backward over d out's rows
+(`glu_backward_partials` / `glu_backward_gathered_partials`) and fc2's weight gradient over d out's rows
+(dy_rows). The routing is a layer's: router logits, top-k, rows sorted by expert (stable), so an
+expert's rows are increasing tokens. Every gathered result must equal the TMA form's bits (`equal`).
+Times: CUDA events, the median of the repetitions after one warm-up call.
+
+    python benchmarks/sweep_gathered_loads.py --out results.json [--shapes sonicmoe-e256-k16] [--reps 10]
+        [--only fc1_fwd:tma]   (one cell, e.g. under a profiler)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from runner import event_median_ms, machine, write_json
+
+from moekit.ops.runtime import gemm, glu
+
+# name: (tokens T, top-k K, experts N, hidden H, ffn F)
+SHAPES = {
+    "sonicmoe-e256-k16": (32768, 16, 256, 4096, 256),
+    "qwen3-30b-a3b": (32768, 8, 128, 2048, 768),
+    "sonicmoe-e64-k4": (32768, 4, 64, 4096, 1024),
+}
+ACTIVATION = "swiglu"
+FORMS = ("tma", "tokens", "identity")
+
+
+def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_of_row (M,) int64, offs (N + 1,) int64) of a top-K routing of random logits, the rows
+    sorted by expert (stable: an expert's rows are increasing tokens)."""
+    logits = torch.randn(T, N, device=device, generator=gen)
+    flat = logits.topk(K, dim=1).indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=N)
+    offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return order // K, offs
+
+
+def cells_of(name: str, only: str | None, reps: int) -> dict[str, dict[str, object]]:
+    T, K, N, H, F = SHAPES[name]
+    M = T * K
+    dtype, device = torch.bfloat16, "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, offs = routed(T, K, N, device, gen)
+    identity = torch.arange(M, device=device)
+    x_T = torch.randn(T, H, device=device, dtype=dtype, generator=gen)
+    x_M = x_T[tokens]
+    w1 = torch.randn(N, 2 * F, H, device=device, dtype=dtype, generator=gen) / H**0.5
+    w2 = torch.randn(N, H, F, device=device, dtype=dtype, generator=gen) / F**0.5
+    probs = torch.rand(M, device=device, generator=gen, dtype=torch.float32).to(dtype)
+    h = torch.randn(M, 2 * F, device=device, dtype=dtype, generator=gen)
+    dh = torch.randn(M, 2 * F, device=device, dtype=dtype, generator=gen)
+    act = torch.randn(M, F, device=device, dtype=dtype, generator=gen)
+    # x_T / x_M stand for d out's token rows / its gathered rows in fc2's kinds (the same shape).
+    kinds: dict[str, dict[str, Callable[[], object]]] = {
+        "fc1_fwd": {
+            "tma": lambda: glu.glu_forward(x_M, w1, offs, None, probs, None, ACTIVATION),
+            "tokens": lambda: glu.glu_forward_gathered(x_T, tokens, w1, offs, None, probs, None, ACTIVATION),
+            "identity": lambda: glu.glu_forward_gathered(x_M, identity, w1, offs, None, probs, None, ACTIVATION),
+        },
+        "fc1_wgrad": {
+            "tma": lambda: gemm.grouped_gemm_wgrad(dh, x_M, offs),
+            "tokens": lambda: gemm.grouped_gemm_wgrad(dh, x_T, offs, x_rows=tokens),
+            "identity": lambda: gemm.grouped_gemm_wgrad(dh, x_M, offs, x_rows=identity),
+        },
+        "fc2_bwd": {
+            "tma": lambda: glu.glu_backward_partials(x_M, w2, h, offs, probs, None, ACTIVATION),
+            "tokens": lambda: glu.glu_backward_gathered_partials(x_T, tokens, w2, h, offs, probs, None, ACTIVATION),
+            "identity": lambda: glu.glu_backward_gathered_partials(x_M, identity, w2, h, offs, probs, None, ACTIVATION),
+        },
+        "fc2_wgrad": {
+            "tma": lambda: gemm.grouped_gemm_wgrad(x_M, act, offs),
+            "tokens": lambda: gemm.grouped_gemm_wgrad(x_T, act, offs, dy_rows=tokens),
+            "identity": lambda: gemm.grouped_gemm_wgrad(x_M, act, offs, dy_rows=identity),
+        },
+    }
+    flops = {"fc1_fwd": 2 * M * H * 2 * F, "fc1_wgrad": 2 * M * H * 2 * F, "fc2_bwd": 2 * M * H * F}
+    flops["fc2_wgrad"] = 2 * M * H * F
+    cells: dict[str, dict[str, object]] = {}
+    for kind, forms in kinds.items():
+        if only is not None and not only.startswith(kind + ":"):
+            continue
+        record: dict[str, object] = {"flops": flops[kind]}
+        reference = None if only is not None else forms["tma"]()
+        for form, fn in forms.items():
+            if only is not None and only != f"{kind}:{form}":
+                continue
+            ms = event_median_ms(fn, reps)
+            record[f"{form}_ms"] = ms
+            record[f"{form}_tflops"] = flops[kind] / ms / 1e9 if ms else None
+            if reference is not None and form != "tma":
+                got, ref = fn(), reference
+                pairs = zip(got, ref, strict=True) if isinstance(ref, tuple) else [(got, ref)]
+                record[f"{form}_equal"] = all(a is None and b is None or torch.equal(a, b) for a, b in pairs)
+        del reference
+        cells[f"{name}/{kind}"] = record
+        print(name, kind, {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--only", default=None, help="one cell, KIND:FORM (forms: " + ", ".join(FORMS) + ")")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_gathered_loads.py needs a CUDA device")
+    cells: dict[str, dict[str, object]] = {}
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(SHAPES)}")
+        cells.update(cells_of(name, args.only, args.reps))
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        write_json(args.out, {"meta": machine(torch.device("cuda")), "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
