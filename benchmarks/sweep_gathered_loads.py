@@ -9,10 +9,14 @@ gradient over x's rows (`grouped_gemm_wgrad`'s x_rows), fc2's backward over d ou
 (`glu_backward_partials` / `glu_backward_gathered_partials`) and fc2's weight gradient over d out's rows
 (dy_rows). The routing is a layer's: router logits, top-k, rows sorted by expert (stable), so an
 expert's rows are increasing tokens. Every gathered result must equal the TMA form's bits (`equal`).
-Times: CUDA events, the median of the repetitions after one warm-up call.
+fc2's forward and fc1's dgrad (`grouped_gemm_forward` / `grouped_gemm_dgrad`, rows in expert order)
+have the TMA form only. `--variants` repeats every cell with the Hopper kernels' configuration tables
+changed (`VARIANTS`: e.g. "red32", half the reduction step and twice the slots, the same shared memory),
+each variant's plans built afresh. Times: CUDA events, the median of the repetitions after one warm-up
+call.
 
     python benchmarks/sweep_gathered_loads.py --out results.json [--shapes sonicmoe-e256-k16] [--reps 10]
-        [--only fc1_fwd:tma]   (one cell, e.g. under a profiler)
+        [--variants base,red32] [--only fc1_fwd:tma]   (one cell, e.g. under a profiler)
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from pathlib import Path
 import torch
 from runner import event_median_ms, machine, write_json
 
-from moekit.ops.runtime import gemm, glu
+from moekit.ops.runtime import configs, gemm, glu
+from moekit.ops.runtime.launch import forget_plans
 
 # name: (tokens T, top-k K, experts N, hidden H, ffn F)
 SHAPES = {
@@ -34,6 +39,38 @@ SHAPES = {
 }
 ACTIVATION = "swiglu"
 FORMS = ("tma", "tokens", "identity")
+# Changes to the Hopper kernels' configuration tables (`configs`), by table name. "red32": 32-column
+# reduction steps with twice the slots (the same shared memory a slot ring), so that the ring holds
+# twice as many steps ahead of the two the main loop keeps (the one read and the one in flight).
+VARIANTS: dict[str, dict[str, dict[str, int]]] = {
+    "base": {},
+    "red32": {
+        "WS_FORWARD": dict(BLOCK_RED=32, STAGES=6),
+        "WS_FORWARD_GATHER": dict(BLOCK_RED=32, STAGES=6),
+        "WS_BACKWARD": dict(BLOCK_RED=32, STAGES=6),
+        "WS_BACKWARD_GATHER": dict(BLOCK_RED=32, STAGES=6),
+        "WGRAD_GATHERED_WS": dict(BLOCK_M=32, STAGES=8),
+        "MM_WS": dict(BLOCK_RED=32, STAGES=8),
+    },
+    # The same steps with fewer slots than the shared memory holds: how the time follows the ring's depth.
+    "red32_fewer": {
+        "WS_FORWARD": dict(BLOCK_RED=32, STAGES=5),
+        "WS_FORWARD_GATHER": dict(BLOCK_RED=32, STAGES=5),
+        "WS_BACKWARD": dict(BLOCK_RED=32, STAGES=5),
+        "WS_BACKWARD_GATHER": dict(BLOCK_RED=32, STAGES=5),
+        "WGRAD_GATHERED_WS": dict(BLOCK_M=32, STAGES=6),
+        "MM_WS": dict(BLOCK_RED=32, STAGES=6),
+    },
+}
+
+
+def apply_variant(name: str, saved: dict[str, dict[str, int]]) -> None:
+    """Put the tables back as `saved` holds them, then apply variant `name`; plans built afresh."""
+    for table, values in saved.items():
+        getattr(configs, table).update(values)
+    for table, values in VARIANTS[name].items():
+        getattr(configs, table).update(values)
+    forget_plans()
 
 
 def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +84,7 @@ def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[t
     return order // K, offs
 
 
-def cells_of(name: str, only: str | None, reps: int) -> dict[str, dict[str, object]]:
+def cells_of(name: str, only: str | None, reps: int, variants: list[str]) -> dict[str, dict[str, object]]:
     T, K, N, H, F = SHAPES[name]
     M = T * K
     dtype, device = torch.bfloat16, "cuda"
@@ -64,6 +101,8 @@ def cells_of(name: str, only: str | None, reps: int) -> dict[str, dict[str, obje
     act = torch.randn(M, F, device=device, dtype=dtype, generator=gen)
     # x_T / x_M stand for d out's token rows / its gathered rows in fc2's kinds (the same shape).
     kinds: dict[str, dict[str, Callable[[], object]]] = {
+        "fc2_fwd": {"tma": lambda: gemm.grouped_gemm_forward(act, w2, offs)},
+        "fc1_dgrad": {"tma": lambda: gemm.grouped_gemm_dgrad(dh, w1, offs)},
         "fc1_fwd": {
             "tma": lambda: glu.glu_forward(x_M, w1, offs, None, probs, None, ACTIVATION),
             "tokens": lambda: glu.glu_forward_gathered(x_T, tokens, w1, offs, None, probs, None, ACTIVATION),
@@ -86,23 +125,34 @@ def cells_of(name: str, only: str | None, reps: int) -> dict[str, dict[str, obje
         },
     }
     flops = {"fc1_fwd": 2 * M * H * 2 * F, "fc1_wgrad": 2 * M * H * 2 * F, "fc2_bwd": 2 * M * H * F}
-    flops["fc2_wgrad"] = 2 * M * H * F
+    flops.update(fc2_wgrad=2 * M * H * F, fc2_fwd=2 * M * H * F, fc1_dgrad=2 * M * H * 2 * F)
+    saved = {table: dict(getattr(configs, table)) for v in VARIANTS.values() for table in v}
     cells: dict[str, dict[str, object]] = {}
     for kind, forms in kinds.items():
         if only is not None and not only.startswith(kind + ":"):
             continue
         record: dict[str, object] = {"flops": flops[kind]}
+        apply_variant("base", saved)
+        # Every variant's bits against the base tables' TMA form.
         reference = None if only is not None else forms["tma"]()
-        for form, fn in forms.items():
-            if only is not None and only != f"{kind}:{form}":
-                continue
-            ms = event_median_ms(fn, reps)
-            record[f"{form}_ms"] = ms
-            record[f"{form}_tflops"] = flops[kind] / ms / 1e9 if ms else None
-            if reference is not None and form != "tma":
-                got, ref = fn(), reference
-                pairs = zip(got, ref, strict=True) if isinstance(ref, tuple) else [(got, ref)]
-                record[f"{form}_equal"] = all(a is None and b is None or torch.equal(a, b) for a, b in pairs)
+        for variant in variants:
+            apply_variant(variant, saved)
+            label = "" if variant == "base" else variant + "_"
+            for form, fn in forms.items():
+                if only is not None and only != f"{kind}:{form}":
+                    continue
+                try:
+                    ms = event_median_ms(fn, reps)
+                except Exception as exc:  # a variant the kernel refuses: recorded, the sweep goes on
+                    record[f"{label}{form}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    continue
+                record[f"{label}{form}_ms"] = ms
+                record[f"{label}{form}_tflops"] = flops[kind] / ms / 1e9 if ms else None
+                if reference is not None and (form != "tma" or variant != "base"):
+                    got, ref = fn(), reference
+                    pairs = zip(got, ref, strict=True) if isinstance(ref, tuple) else [(got, ref)]
+                    record[f"{label}{form}_equal"] = all(a is None and b is None or torch.equal(a, b) for a, b in pairs)
+        apply_variant("base", saved)
         del reference
         cells[f"{name}/{kind}"] = record
         print(name, kind, {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
@@ -114,18 +164,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--variants", default="base", help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--only", default=None, help="one cell, KIND:FORM (forms: " + ", ".join(FORMS) + ")")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gathered_loads.py needs a CUDA device")
+    variants = args.variants.split(",")
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {variant!r}; expected some of {sorted(VARIANTS)}")
     cells: dict[str, dict[str, object]] = {}
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(SHAPES)}")
-        cells.update(cells_of(name, args.only, args.reps))
+        cells.update(cells_of(name, args.only, args.reps, variants))
         torch.cuda.empty_cache()
     if args.out is not None:
-        write_json(args.out, {"meta": machine(torch.device("cuda")), "cells": cells})
+        meta = machine(torch.device("cuda"))
+        write_json(args.out, {"meta": meta, "variants": {v: VARIANTS[v] for v in variants}, "cells": cells})
 
 
 if __name__ == "__main__":
