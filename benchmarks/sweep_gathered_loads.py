@@ -52,6 +52,8 @@ VARIANTS: dict[str, dict[str, dict[str, int]]] = {
         "WGRAD_GATHERED_WS": dict(BLOCK_M=32, STAGES=8),
         "MM_WS": dict(BLOCK_RED=32, STAGES=8),
     },
+    # The gathered wgrad's copy partition as two warp groups (16 warps, 128 registers a thread at launch).
+    "load8": {"WGRAD_GATHERED_WS": dict(LOAD_WARPS=8, maxnreg=128)},
     # The same steps with fewer slots than the shared memory holds: how the time follows the ring's depth.
     "red32_fewer": {
         "WS_FORWARD": dict(BLOCK_RED=32, STAGES=5),
@@ -84,7 +86,9 @@ def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[t
     return order // K, offs
 
 
-def cells_of(name: str, only: str | None, reps: int, variants: list[str]) -> dict[str, dict[str, object]]:
+def cells_of(
+    name: str, only: str | None, reps: int, variants: list[str], kinds_wanted: list[str] | None
+) -> dict[str, dict[str, object]]:
     T, K, N, H, F = SHAPES[name]
     M = T * K
     dtype, device = torch.bfloat16, "cuda"
@@ -129,7 +133,7 @@ def cells_of(name: str, only: str | None, reps: int, variants: list[str]) -> dic
     saved = {table: dict(getattr(configs, table)) for v in VARIANTS.values() for table in v}
     cells: dict[str, dict[str, object]] = {}
     for kind, forms in kinds.items():
-        if only is not None and not only.startswith(kind + ":"):
+        if only is not None and not only.startswith(kind + ":") or kinds_wanted and kind not in kinds_wanted:
             continue
         record: dict[str, object] = {"flops": flops[kind]}
         apply_variant("base", saved)
@@ -164,6 +168,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--kinds", default="", help="comma list of the kinds to time (all by default)")
     parser.add_argument("--variants", default="base", help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--only", default=None, help="one cell, KIND:FORM (forms: " + ", ".join(FORMS) + ")")
     args = parser.parse_args()
@@ -177,7 +182,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         if name not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(SHAPES)}")
-        cells.update(cells_of(name, args.only, args.reps, variants))
+        cells.update(cells_of(name, args.only, args.reps, variants, [k for k in args.kinds.split(",") if k]))
         torch.cuda.empty_cache()
     if args.out is not None:
         meta = machine(torch.device("cuda"))

@@ -229,14 +229,20 @@ WS_FORWARD = dict(
 )
 # The forward with x's rows gathered by cp.async (`WS_FORWARD` with these): the load partition takes
 # its whole warp group, 128 threads forming a slot's 128 row addresses (8 rows a thread, their
-# 64-bit bases held for the tile), with 40 registers; the same 16 warps.
-WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40)
+# 64-bit bases held for the tile), with 40 registers; the same 16 warps. Steps of 32 reduction columns
+# in 5 slots (the same shared memory as 3 of 64): the main loop holds two slots (the one it reads and
+# the one in flight), so 3 slots of 64 left one step of copies ahead, and the copies' latency, not
+# their bytes, is what the main loop waited for (ncu: the mma warps at the ready barrier, the copy
+# warps at the empty one). The TMA form keeps 64-column steps: with 32 it was slower (more barrier
+# rounds a tile for the same bytes; benchmarks/README.md, the gathered loads sweep).
+WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40, BLOCK_RED=32, STAGES=5)
 # The widest F at which the layer's fc1 (moe_experts' fused node 1) reads x's token rows in its loads
 # (the GATHER variant) instead of gathering them into an (M, H) tensor first; an architecture absent
 # here, or F above it, gathers first. The gather costs one (M, H) write and read whatever F is, while
 # the GATHER variant's cp.async main loop is slower than TMA's by a share of fc1's own time (which
-# grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B).
-GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
+# grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B;
+# 768 since the variant's 32-column steps: 2.91 ms against 2.65 + the gather's ~0.5 at Qwen3-30B-A3B).
+GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 768}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
 # `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad runs at
