@@ -625,16 +625,12 @@ def _wgrad_load_partition(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, GROUP_O, BLOCK_O, BLOCK_I
         )
         token, mask_m = routed_tokens(idx_ptr, row_lo, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
-        token_next, mask_next = routed_tokens(idx_ptr, row_lo + BLOCK_M, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
         for step in range(gl.cdiv(row_hi - row_lo, BLOCK_M)):
             r0 = row_lo + step * BLOCK_M
-            # The row map entries two steps ahead, loading while this step and the next wait for their
-            # slots and issue their copies: a step's rows change every step (the reduction runs over
-            # them), and a map load one step ahead still came back after the step's copies were issued
-            # (the partition waited for it every step; ncu).
-            token_after, mask_after = routed_tokens(
-                idx_ptr, r0 + 2 * BLOCK_M, row_lo, row_hi, g < N, BLOCK_M, slot_layout
-            )
+            # The next step's row map entries, loading while this step waits for its slot and issues its
+            # copies: a step's rows change every step (the reduction runs over them), and a load of the
+            # map on the copies' path would cost the partition its latency every step.
+            token_next, mask_next = routed_tokens(idx_ptr, r0 + BLOCK_M, row_lo, row_hi, g < N, BLOCK_M, slot_layout)
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
@@ -650,8 +646,6 @@ def _wgrad_load_partition(
                 )  # fmt: skip
             token = token_next
             mask_m = mask_next
-            token_next = token_after
-            mask_next = mask_after
             it += 1
 
 

@@ -241,8 +241,9 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40, BL
 # here, or F above it, gathers first. The gather costs one (M, H) write and read whatever F is, while
 # the GATHER variant's cp.async main loop is slower than TMA's by a share of fc1's own time (which
 # grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B;
-# 768 since the variant's 32-column steps: 2.91 ms against 2.65 + the gather's ~0.5 at Qwen3-30B-A3B).
-GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 768}
+# with the variant's 32-column steps, 768 instead of 512 left the Qwen3-30B-A3B step (F 768) as it was,
+# 1.003-1.004x: kept at 512).
+GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
 # `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad runs at
@@ -260,6 +261,11 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 256}
 # copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128; 1.05-1.09x
 # the 128 x 256 form at F 256-512 (benchmarks/README.md, the gathered wgrad split along O), still about
 # 1.35x the TMA wgrad over the gathered copy: the copy's bytes are not what bounds it.
+# LOAD_WARPS 8: the copy partition as two warp groups (16 warps of 128 registers at launch; the main
+# loop's 8 warps then get 200, no spills), 4 rows a thread: the copy warps were busy nearly all the time
+# and seldom waited for a free slot (ncu), so the producer was what bounded the step; 0.91x the time
+# with 4 copy warps at E256/K16 and E64/K4, even at Qwen3-30B-A3B (benchmarks/README.md, the gathered
+# loads sweep). Smaller steps with more slots (32 rows, 8 slots) were slower (1.05-1.11x).
 WGRAD_GATHERED_WS = dict(
     BLOCK_O=256,
     BLOCK_I=128,
@@ -267,10 +273,10 @@ WGRAD_GATHERED_WS = dict(
     BLOCK_M=64,
     GROUP_O=8,
     STAGES=4,
-    LOAD_WARPS=4,
+    LOAD_WARPS=8,
     LOAD_REGS=56,
     num_warps=8,
-    maxnreg=168,
+    maxnreg=128,
 )
 # The forward / dgrad on Hopper (kernels.grouped_gemm_hopper.grouped_mm_ws_kernel, Gluon): the Triton
 # kernel's sm_90 tile (128 x 256, 64-deep steps, the same bits) with the loads in a warp of their own and
