@@ -17,6 +17,7 @@ call.
 
     python benchmarks/sweep_gathered_loads.py --out results.json [--shapes sonicmoe-e256-k16] [--reps 10]
         [--variants base,red32] [--only fc1_fwd:tma]   (one cell, e.g. under a profiler)
+    TRITON_INTERPRET=1 python benchmarks/sweep_gathered_loads.py --smoke   # CPU: the plumbing
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SHAPES = {
     "qwen3-30b-a3b": (32768, 8, 128, 2048, 768),
     "sonicmoe-e64-k4": (32768, 4, 64, 4096, 1024),
 }
+SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 ACTIVATION = "swiglu"
 FORMS = ("tma", "tokens", "identity")
 # Changes to the Hopper kernels' configuration tables (`configs`), by table name. "red32": 32-column
@@ -87,11 +89,12 @@ def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[t
 
 
 def cells_of(
-    name: str, only: str | None, reps: int, variants: list[str], kinds_wanted: list[str] | None
+    name: str, only: str | None, reps: int, variants: list[str], kinds_wanted: list[str] | None, device: str = "cuda"
 ) -> dict[str, dict[str, object]]:
-    T, K, N, H, F = SHAPES[name]
+    T, K, N, H, F = (SHAPES | SMOKE_SHAPES)[name]
     M = T * K
-    dtype, device = torch.bfloat16, "cuda"
+    # The interpreter's bfloat16 dot is wrong: float32 there (--smoke).
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, offs = routed(T, K, N, device, gen)
     identity = torch.arange(M, device=device)
@@ -171,21 +174,26 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="comma list of the kinds to time (all by default)")
     parser.add_argument("--variants", default="base", help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--only", default=None, help="one cell, KIND:FORM (forms: " + ", ".join(FORMS) + ")")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("sweep_gathered_loads.py needs a CUDA device")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("sweep_gathered_loads.py needs a CUDA device (or --smoke)")
     variants = args.variants.split(",")
     for variant in variants:
         if variant not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {variant!r}; expected some of {sorted(VARIANTS)}")
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    device = "cpu" if args.smoke else "cuda"
     cells: dict[str, dict[str, object]] = {}
-    for name in args.shapes.split(","):
-        if name not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(SHAPES)}")
-        cells.update(cells_of(name, args.only, args.reps, variants, [k for k in args.kinds.split(",") if k]))
-        torch.cuda.empty_cache()
+    for name in list(pool) if args.smoke else args.shapes.split(","):
+        if name not in pool:
+            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
+        kinds = [k for k in args.kinds.split(",") if k]
+        cells.update(cells_of(name, args.only, args.reps, variants, kinds, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.out is not None:
-        meta = machine(torch.device("cuda"))
+        meta = machine(torch.device(device))
         write_json(args.out, {"meta": meta, "variants": {v: VARIANTS[v] for v in variants}, "cells": cells})
 
 

@@ -81,6 +81,23 @@ def test_bench_routing_smoke_checks_both_paths(tmp_path):
     assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
 
 
+def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_path):
+    """sweep_gathered_loads.py on a tiny shape under the interpreter, with a table variant: every kind
+    is timed, and every form and variant gives the bits of the base tables' form over the gathered rows
+    (the `..._equal` entries)."""
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    command = [sys.executable, str(BENCHMARKS / "sweep_gathered_loads.py"), "--smoke", "--variants", "base,load8"]
+    proc = subprocess.run(command + ["--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert sorted(cells) == sorted(
+        f"smoke/{k}" for k in ("fc2_fwd", "fc1_dgrad", "fc1_fwd", "fc1_wgrad", "fc2_bwd", "fc2_wgrad")
+    )
+    checks = [v for cell in cells.values() for k, v in cell.items() if k.endswith("_equal")]
+    assert len(checks) == 2 * 1 + 4 * 5 and all(v is True for v in checks), cells
+
+
 def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):
     """bench_transformers.py --smoke with both models and activation checkpointing off and on: four
     cases, each with every variant timed and its logits near the baseline's; the top-level variants
