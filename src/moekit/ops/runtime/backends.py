@@ -946,9 +946,24 @@ def select_backend(backend: str, x: torch.Tensor, w_NOI: torch.Tensor) -> GemmBa
     return _BACKEND_OBJECTS["loop"]
 
 
+# (backend class, capability Protocol) -> whether the class has it.
+_CAPABILITIES: dict[tuple[type, type], bool] = {}
+
+
+def _has(backend: GemmBackend, capability: type) -> bool:
+    """isinstance(backend, capability), settled once per backend class: an isinstance check against a
+    runtime-checkable Protocol looks up every member on every call (3.5-7 us each on a CI-class CPU,
+    and a layer's step asks dozens of times), while a backend's capabilities are its class's methods."""
+    key = (type(backend), capability)
+    has = _CAPABILITIES.get(key)
+    if has is None:
+        has = _CAPABILITIES[key] = isinstance(backend, capability)
+    return has
+
+
 def quantizer_of(backend: GemmBackend) -> GroupQuantizer | None:
     """The backend's GroupQuantizer capability, or None where it has none."""
-    return backend if isinstance(backend, GroupQuantizer) else None
+    return backend if _has(backend, GroupQuantizer) else None
 
 
 def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
@@ -978,17 +993,17 @@ def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
 def quantized_gemm_of(backend: GemmBackend) -> QuantizedGemm | None:
     """The backend's QuantizedGemm capability (FP8 compute of the quantized paths), or None where it has
     none (the loop and torch backends: their quantized products take the reference path)."""
-    return backend if isinstance(backend, QuantizedGemm) else None
+    return backend if _has(backend, QuantizedGemm) else None
 
 
 def quantized_gated_fc1_of(backend: GemmBackend) -> QuantizedGatedFc1 | None:
     """The backend's QuantizedGatedFc1 capability, or None where it has none."""
-    return backend if isinstance(backend, QuantizedGatedFc1) else None
+    return backend if _has(backend, QuantizedGatedFc1) else None
 
 
 def fused_mlp_of(backend: GemmBackend) -> FusedMLP | None:
     """The backend's FusedMLP capability, or None where it has none."""
-    return backend if isinstance(backend, FusedMLP) else None
+    return backend if _has(backend, FusedMLP) else None
 
 
 def use_triton_rows(backend: GemmBackend, x: torch.Tensor) -> bool:
