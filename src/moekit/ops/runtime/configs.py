@@ -246,8 +246,8 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40, BL
 GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
-# `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad runs at
-# about 1.35-1.4x the TMA wgrad's time, the gather costs one (M, H) write and read whatever F is: at F
+# `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad ran at
+# about 1.35-1.4x the TMA wgrad's time (about 1.2x since its two copy warp groups), the gather costs one (M, H) write and read whatever F is: at F
 # 256 the step gains 2.3-3.1 %, at F 512 it is even (0.993-1.001), at F 768 and 1024 it loses 1-2.7 %
 # (benchmarks/README.md, the gathered wgrad A/Bs, the latest with the tile split along O). With two copy
 # warp groups (`WGRAD_GATHERED_WS`' LOAD_WARPS 8) F 512 pays too: the step 0.998x / 0.983x at SonicMoE's
@@ -267,7 +267,7 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # loop's 8 warps then get 200, no spills), 4 rows a thread: the copy warps were busy nearly all the time
 # and seldom waited for a free slot (ncu), so the producer was what bounded the step; 0.91x the time
 # with 4 copy warps at E256/K16 and E64/K4, even at Qwen3-30B-A3B (benchmarks/README.md, the gathered
-# loads sweep). Smaller steps with more slots (32 rows, 8 slots) were slower (1.05-1.11x).
+# loads sweep). Smaller steps with more slots (32 rows, 8 slots) were slower (1.03-1.11x).
 WGRAD_GATHERED_WS = dict(
     BLOCK_O=256,
     BLOCK_I=128,
