@@ -659,8 +659,14 @@ def test_bench_moe_layer_kernels_profile_every_timed_cell(tmp_path):
         assert times and times == sorted(times, reverse=True) and all(k["launches"] > 0 for k in r["kernels"])
         assert r["kernel_ms"] >= sum(times) * (1 - 1e-9) > 0
         assert not [k for k in r["kernels"] if k["name"] == "aten::add_"], r["kernels"]
+    # The backward's profile holds the autograd nodes' backward calls and the forward's none (named, not
+    # timed: one profiled call each, whose times a busy CPU can invert).
     by = {(r["impl"], r["op"]): r for r in ok}
-    assert by[("moekit", "forward+backward")]["kernel_ms"] > by[("moekit", "forward")]["kernel_ms"]
+    backward = {
+        op: [k["name"] for k in by[("moekit", op)]["kernels"] if k["name"].endswith("Backward")]
+        for op in ("forward", "forward+backward")
+    }
+    assert backward["forward+backward"] and not backward["forward"], backward
 
 
 def test_sonicmoe_column_passes_its_layouts(monkeypatch):

@@ -21,8 +21,8 @@ import torch
 pytest.importorskip("moekit.ops.runtime.glu")
 
 from helpers import CUDA, compile_in_subprocess  # noqa: E402
+from moekit.ops.runtime import configs, launch  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
-from moekit.ops.runtime import launch  # noqa: E402
 
 ON_CPU = launch.unavailable_reason("cpu", torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -174,8 +174,9 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 )
 def test_gather_kernels_compile_for_sm90(kind, gather, glu_block, paired, transposed, dtype):
     """The GATHER variants compile for sm_90 into the TMA kernels' warps (forward 16, backward 12) inside
-    227 KB of shared memory: the gathered slot (x's, or d out's) by 8 cp.async copies of 16 bytes a
-    thread (64 columns of 128 rows over 128 threads), one counted arrival, the weights by 2 TMA boxes
+    227 KB of shared memory: the gathered slot (x's, or d out's) by cp.async copies of 16 bytes, as many
+    a thread as the slot's BLOCK_M x BLOCK_RED 16-bit values over the load partition's threads (4 in the
+    forward's 32-column steps, 8 in the backward's 64), one counted arrival, the weights by 2 TMA boxes
     under one expect, a proxy fence before wgmma, the load partition at 40 registers. Without GATHER
     the rows still come by TMA and no cp.async is issued."""
     args = json.dumps([kind, gather, glu_block, paired, transposed, dtype])
@@ -183,7 +184,10 @@ def test_gather_kernels_compile_for_sm90(kind, gather, glu_block, paired, transp
     warps = 16 if kind == "forward" else 12
     assert got["num_warps"] == warps and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024, got
     if gather:
-        assert (got["cp_async_16"], got["noinc"], got["fence"], got["tma"]) == (8, 1, 1, 2), got
+        table = configs.WS_FORWARD_GATHER if kind == "forward" else configs.WS_BACKWARD_GATHER
+        copies = table["BLOCK_M"] * table["BLOCK_RED"] * 2 // 16 // (table["LOAD_WARPS"] * 32)
+        assert copies == (4 if kind == "forward" else 8)
+        assert (got["cp_async_16"], got["noinc"], got["fence"], got["tma"]) == (copies, 1, 1, 2), got
         assert got["expect"] == 1 and got["load_regs"], got
     else:  # three boxes a slot (the backward's loop is emitted in more than one copy)
         assert (got["cp_async_16"], got["noinc"], got["fence"]) == (0, 0, 0) and got["tma"] >= 3, got
