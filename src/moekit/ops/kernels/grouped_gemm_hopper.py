@@ -58,9 +58,8 @@ GATHER variants do, so the copy is never written and the main loop runs at the T
 
 Two partitions:
 
-    load   (4 warps)  each step's dy box (BLOCK_M rows x BLOCK_O columns, TMA) and the step's x rows,
-                      two halves of BLOCK_I / 2 columns (cp.async), into a ring of STAGES slots,
-                      running ahead across tiles
+    load   (LOAD_WARPS: 4 or 8 warps) each step's dy boxes (TMA) and the step's x rows (cp.async),
+                      into a ring of STAGES slots, running ahead across tiles
     mma    (8 warps)  two accumulators (the two halves of BLOCK_I) over the ring, wgmma with both
                       operands MN-major in shared memory (dy's box read transposed, x's rows as
                       they lie); at a tile's end the pointer stores of dw[g]'s tile
@@ -755,7 +754,8 @@ def wgrad_gathered_ws_kernel(
     only, values in [0, T). dw: a contiguous (N, O, I) in dy's dtype. offs: (N + 1,) int64 device
     offsets. unused_ptr: the slot of the Triton wgrad's dy row map (not read), so both kernels take one
     argument list. num_warps = 8 (the mma partition: two warp groups of 64 rows of each accumulator), the
-    load partition LOAD_WARPS = 4 warps with LOAD_REGS registers a thread. The tile's two accumulators
+    load partition LOAD_WARPS = 4 or 8 warps (one or two warp groups of copies) with LOAD_REGS registers a
+    thread. The tile's two accumulators
     split it along O (SPLIT_O: BLOCK_O = 256, two dy boxes and one x slot of BLOCK_I columns a step) or
     along I (BLOCK_O = 128: one dy box, two x slots of BLOCK_I / 2 columns).
     """
