@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -963,7 +963,7 @@ def _has(backend: GemmBackend, capability: type) -> bool:
 
 def quantizer_of(backend: GemmBackend) -> GroupQuantizer | None:
     """The backend's GroupQuantizer capability, or None where it has none."""
-    return backend if _has(backend, GroupQuantizer) else None
+    return cast(GroupQuantizer, backend) if _has(backend, GroupQuantizer) else None
 
 
 def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
@@ -993,17 +993,17 @@ def select_quantizer(backend: str, x: torch.Tensor) -> GemmBackend:
 def quantized_gemm_of(backend: GemmBackend) -> QuantizedGemm | None:
     """The backend's QuantizedGemm capability (FP8 compute of the quantized paths), or None where it has
     none (the loop and torch backends: their quantized products take the reference path)."""
-    return backend if _has(backend, QuantizedGemm) else None
+    return cast(QuantizedGemm, backend) if _has(backend, QuantizedGemm) else None
 
 
 def quantized_gated_fc1_of(backend: GemmBackend) -> QuantizedGatedFc1 | None:
     """The backend's QuantizedGatedFc1 capability, or None where it has none."""
-    return backend if _has(backend, QuantizedGatedFc1) else None
+    return cast(QuantizedGatedFc1, backend) if _has(backend, QuantizedGatedFc1) else None
 
 
 def fused_mlp_of(backend: GemmBackend) -> FusedMLP | None:
     """The backend's FusedMLP capability, or None where it has none."""
-    return backend if _has(backend, FusedMLP) else None
+    return cast(FusedMLP, backend) if _has(backend, FusedMLP) else None
 
 
 def use_triton_rows(backend: GemmBackend, x: torch.Tensor) -> bool:

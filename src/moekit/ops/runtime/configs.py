@@ -247,11 +247,11 @@ GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
 # `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad ran at
-# about 1.35-1.4x the TMA wgrad's time (about 1.2x since its two copy warp groups), the gather costs one (M, H) write and read whatever F is: at F
-# 256 the step gains 2.3-3.1 %, at F 512 it is even (0.993-1.001), at F 768 and 1024 it loses 1-2.7 %
-# (benchmarks/README.md, the gathered wgrad A/Bs, the latest with the tile split along O). With two copy
-# warp groups (`WGRAD_GATHERED_WS`' LOAD_WARPS 8) F 512 pays too: the step 0.998x / 0.983x at SonicMoE's
-# shape (E128/K8/F512), balanced / skewed.
+# about 1.35-1.4x the TMA wgrad's time (about 1.2x since its two copy warp groups), the gather costs
+# one (M, H) write and read whatever F is: at F 256 the step gained 2.3-3.1 %, at F 512 it was even
+# (0.993-1.001), at F 768 and 1024 it lost 1-2.7 % (benchmarks/README.md, the gathered wgrad A/Bs, the
+# latest with the tile split along O). With two copy warp groups (`WGRAD_GATHERED_WS`' LOAD_WARPS 8)
+# F 512 pays too: the step 0.998x / 0.983x at SonicMoE's shape (E128/K8/F512), balanced / skewed.
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
 # 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
