@@ -12,8 +12,8 @@ expert's rows are increasing tokens. Every gathered result must equal the TMA fo
 fc2's forward and fc1's dgrad (`grouped_gemm_forward` / `grouped_gemm_dgrad`, rows in expert order)
 have the TMA form only. `--variants` repeats every cell with the Hopper kernels' configuration tables
 changed (`VARIANTS`: e.g. "red32", half the reduction step and twice the slots, the same shared memory),
-each variant's plans built afresh. Times: CUDA events, the median of the repetitions after one warm-up
-call.
+each variant's plans built afresh, the variants timed in turn over `--rounds` rounds. Times: CUDA
+events, the median of the repetitions after one warm-up call, then the median of the rounds.
 
     python benchmarks/sweep_gathered_loads.py --out results.json [--shapes sonicmoe-e256-k16] [--reps 10]
         [--variants base,red32] [--only fc1_fwd:tma]   (one cell, e.g. under a profiler)
@@ -23,6 +23,7 @@ call.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,7 +90,13 @@ def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[t
 
 
 def cells_of(
-    name: str, only: str | None, reps: int, variants: list[str], kinds_wanted: list[str] | None, device: str = "cuda"
+    name: str,
+    only: str | None,
+    reps: int,
+    rounds: int,
+    variants: list[str],
+    kinds_wanted: list[str] | None,
+    device: str = "cuda",
 ) -> dict[str, dict[str, object]]:
     T, K, N, H, F = (SHAPES | SMOKE_SHAPES)[name]
     M = T * K
@@ -142,27 +149,36 @@ def cells_of(
         apply_variant("base", saved)
         # Every variant's bits against the base tables' TMA form.
         reference = None if only is not None else forms["tma"]()
-        for variant in variants:
-            apply_variant(variant, saved)
-            label = "" if variant == "base" else variant + "_"
-            for form, fn in forms.items():
-                if only is not None and only != f"{kind}:{form}":
-                    continue
-                try:
-                    ms = event_median_ms(fn, reps)
-                except Exception as exc:  # a variant the kernel refuses: recorded, the sweep goes on
-                    record[f"{label}{form}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    continue
-                record[f"{label}{form}_ms"] = ms
-                record[f"{label}{form}_tflops"] = flops[kind] / ms / 1e9 if ms else None
-                if reference is not None and (form != "tma" or variant != "base"):
-                    got, ref = fn(), reference
-                    pairs = zip(got, ref, strict=True) if isinstance(ref, tuple) else [(got, ref)]
-                    record[f"{label}{form}_equal"] = all(a is None and b is None or torch.equal(a, b) for a, b in pairs)
+        times: dict[str, list[float]] = {}
+        # Rounds over the variants in turn, so that a drift of the clocks during the run lands on all of
+        # them alike (in one pass, base first, an untouched kernel moved by up to 12 % between variants).
+        for round_ in range(rounds):
+            for variant in variants:
+                apply_variant(variant, saved)
+                label = "" if variant == "base" else variant + "_"
+                for form, fn in forms.items():
+                    if only is not None and only != f"{kind}:{form}" or f"{label}{form}_error" in record:
+                        continue
+                    try:
+                        times.setdefault(f"{label}{form}", []).append(event_median_ms(fn, reps))
+                    except Exception as exc:  # a variant the kernel refuses: recorded, the sweep goes on
+                        record[f"{label}{form}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        continue
+                    if round_ == 0 and reference is not None and (form != "tma" or variant != "base"):
+                        got, ref = fn(), reference
+                        pairs = zip(got, ref, strict=True) if isinstance(ref, tuple) else [(got, ref)]
+                        equal = all(a is None and b is None or torch.equal(a, b) for a, b in pairs)
+                        record[f"{label}{form}_equal"] = equal
+        for key, per_round in times.items():
+            ms = statistics.median(per_round)
+            record[f"{key}_ms"] = ms
+            record[f"{key}_ms_rounds"] = per_round
+            record[f"{key}_tflops"] = flops[kind] / ms / 1e9 if ms else None
         apply_variant("base", saved)
         del reference
         cells[f"{name}/{kind}"] = record
-        print(name, kind, {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
+        shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items() if not k.endswith("_rounds")}
+        print(name, kind, shown, flush=True)
     return cells
 
 
@@ -170,7 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="timed calls a form and round (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the variants (the median of rounds)")
     parser.add_argument("--kinds", default="", help="comma list of the kinds to time (all by default)")
     parser.add_argument("--variants", default="base", help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--only", default=None, help="one cell, KIND:FORM (forms: " + ", ".join(FORMS) + ")")
@@ -189,7 +206,7 @@ def main() -> None:
         if name not in pool:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
         kinds = [k for k in args.kinds.split(",") if k]
-        cells.update(cells_of(name, args.only, args.reps, variants, kinds, device))
+        cells.update(cells_of(name, args.only, args.reps, args.rounds, variants, kinds, device))
         if device == "cuda":
             torch.cuda.empty_cache()
     if args.out is not None:

@@ -88,6 +88,7 @@ def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_pa
     out = tmp_path / "sweep.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     command = [sys.executable, str(BENCHMARKS / "sweep_gathered_loads.py"), "--smoke", "--variants", "base,load8"]
+    command += ["--rounds", "2"]
     proc = subprocess.run(command + ["--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
@@ -96,6 +97,8 @@ def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_pa
     )
     checks = [v for cell in cells.values() for k, v in cell.items() if k.endswith("_equal")]
     assert len(checks) == 2 * 1 + 4 * 5 and all(v is True for v in checks), cells
+    rounds = [v for cell in cells.values() for k, v in cell.items() if k.endswith("_ms_rounds")]
+    assert len(rounds) == 2 * 2 + 4 * 6 and all(len(r) == 2 for r in rounds), cells
 
 
 def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):
