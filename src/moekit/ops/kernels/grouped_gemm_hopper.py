@@ -60,7 +60,7 @@ Two partitions:
 
     load   (LOAD_WARPS: 4 or 8 warps) each step's dy boxes (TMA) and the step's x rows (cp.async),
                       into a ring of STAGES slots, running ahead across tiles
-    mma    (8 warps)  two accumulators (the two halves of BLOCK_I) over the ring, wgmma with both
+    mma    (8 warps)  two accumulators (the tile's halves along O or I) over the ring, wgmma with both
                       operands MN-major in shared memory (dy's box read transposed, x's rows as
                       they lie); at a tile's end the pointer stores of dw[g]'s tile
 
@@ -754,10 +754,10 @@ def wgrad_gathered_ws_kernel(
     only, values in [0, T). dw: a contiguous (N, O, I) in dy's dtype. offs: (N + 1,) int64 device
     offsets. unused_ptr: the slot of the Triton wgrad's dy row map (not read), so both kernels take one
     argument list. num_warps = 8 (the mma partition: two warp groups of 64 rows of each accumulator), the
-    load partition LOAD_WARPS = 4 or 8 warps (one or two warp groups of copies) with LOAD_REGS registers a
-    thread. The tile's two accumulators
-    split it along O (SPLIT_O: BLOCK_O = 256, two dy boxes and one x slot of BLOCK_I columns a step) or
-    along I (BLOCK_O = 128: one dy box, two x slots of BLOCK_I / 2 columns).
+    load partition LOAD_WARPS = 4 or 8 warps (one or two warp groups of copies) with LOAD_REGS registers
+    a thread. The tile's two accumulators split it along O (SPLIT_O: BLOCK_O = 256, two dy boxes and one
+    x slot of BLOCK_I columns a step) or along I (BLOCK_O = 128: one dy box, two x slots of BLOCK_I / 2
+    columns).
     """
     SO: gl.constexpr = _wgrad_split(SPLIT_O)[0]
     SI: gl.constexpr = _wgrad_split(SPLIT_O)[1]
