@@ -21,7 +21,9 @@ column routes inside its timed call with SonicMoE's rule: logits = x @ router_w.
 top-K logits, a softmax over those K in fp32 = softmax over all N experts, top-K, renormalised; the
 weights cast to x's dtype for moekit, plain and Liger. plain and Liger route with torch
 (`softmax_topk`: torch.topk and a softmax); the moekit column with moekit's own router op
-(`moekit_softmax_topk`: `moekit.topk_softmax`, one kernel each way on CUDA), as a moekit user would.
+(`moekit_softmax_topk`: `moekit.topk_softmax`, one kernel each way on CUDA, with int32 ids as
+SonicMoE's router keeps them: what it saves for its backward is then the same size), as a moekit user
+would.
 The router weight is then a leaf whose gradient is compared too, and the FLOPs count the router GEMM
 (2*T*H*N forward). "skewed" under --router: the tokens share an offset along which the logits gain
 log(Dirichlet(1) shares) per expert (SonicMoE's router has no bias), so the counts differ from the
@@ -164,7 +166,7 @@ def softmax_topk(x, router_w, top_k):
 def moekit_softmax_topk(x, router_w, top_k):
     """The same rule with moekit's router op (`moekit.topk_softmax`: the top-k logits and their softmax in
     fp32 in one kernel on CUDA, torch ops on the CPU). Weights returned in x's dtype."""
-    weights, ids = moekit.topk_softmax(F.linear(x, router_w), top_k)
+    weights, ids = moekit.topk_softmax(F.linear(x, router_w), top_k, ids_dtype=torch.int32)
     return ids, weights.to(x.dtype)
 
 
@@ -579,7 +581,7 @@ def main(argv=None) -> dict:
         impls = {
             name: with_router(
                 fn,
-                torch.int32 if name == "liger" else torch.int64,
+                torch.int32 if name in ("liger", "moekit") else torch.int64,
                 moekit_softmax_topk if name == "moekit" else softmax_topk,
             )
             for name, fn in impls.items()

@@ -399,7 +399,8 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
 
 def test_fused_layer_saves_no_row_sized_copy_of_x():
     """Fused path (triton backend): of everything the layer saves for its backward, nothing is
-    (M, H); x itself is saved (the backward gathers it again), and the two nodes are the layer's."""
+    (M, H); x itself is saved (the backward gathers it again), the two nodes are the layer's, and the
+    saved row maps (token_of_row (M, 1), row_map (T, K)) are int32, half of torch's int64 indices."""
     _require_triton()
     num_tokens, top_k = 16, 2
     leaves = _leaves(make_inputs(num_tokens, 4, top_k, seed=14))
@@ -415,6 +416,12 @@ def test_fused_layer_saves_no_row_sized_copy_of_x():
     shapes = [tuple(t.shape) for t in saved]
     assert (num_tokens * top_k, H) not in shapes, shapes
     assert any(t is leaves["x"] for t in saved), "x itself is what the backward gathers again"
+    maps = [
+        t
+        for t in saved
+        if not t.is_floating_point() and tuple(t.shape) in ((num_tokens * top_k, 1), (num_tokens, top_k))
+    ]
+    assert len(maps) >= 2 and all(t.dtype == torch.int32 for t in maps), [(tuple(t.shape), t.dtype) for t in maps]
     y.backward(rand(num_tokens, H, seed=15))
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
 

@@ -24,10 +24,10 @@ CASES = {
 }
 
 
-def _route(ids: torch.Tensor, num_experts: int, use_triton: bool) -> ExpertOrder:
+def _route(ids: torch.Tensor, num_experts: int, use_triton: bool, index_dtype=torch.int64) -> ExpertOrder:
     if not use_triton:
-        return sort_by_expert(ids, num_experts)
-    routing = sort_by_expert(ids.to(TRITON_DEVICE), num_experts, use_triton=True)
+        return sort_by_expert(ids, num_experts, index_dtype=index_dtype)
+    routing = sort_by_expert(ids.to(TRITON_DEVICE), num_experts, use_triton=True, index_dtype=index_dtype)
     return ExpertOrder(*(t.cpu() for t in routing))
 
 
@@ -43,7 +43,7 @@ def _python_rule(flat: list[int], num_experts: int, top_k: int) -> dict[str, lis
     return {"offs": offs, "order": order, "inverse": inverse, "token_of_row": [c // top_k for c in order]}
 
 
-def _assert_routing(routing: ExpertOrder, ids: torch.Tensor, num_experts: int) -> None:
+def _assert_routing(routing: ExpertOrder, ids: torch.Tensor, num_experts: int, index_dtype=torch.int64) -> None:
     expected = _python_rule(ids.reshape(-1).tolist(), num_experts, ids.shape[1])
     assert routing.offs.tolist() == expected["offs"]
     assert routing.copy_of_row.view(-1).tolist() == expected["order"]
@@ -51,17 +51,20 @@ def _assert_routing(routing: ExpertOrder, ids: torch.Tensor, num_experts: int) -
     assert routing.token_of_row.view(-1).tolist() == expected["token_of_row"]
     assert routing.offs.shape == (num_experts + 1,) and routing.row_map.shape == ids.shape
     assert routing.copy_of_row.shape == routing.token_of_row.shape == (ids.numel(), 1)
-    for t in routing:
-        assert t.dtype == torch.int64
+    assert routing.offs.dtype == torch.int64
+    for t in routing[1:]:
+        assert t.dtype == index_dtype
 
 
 def _assert_paths_equal(ids: torch.Tensor, num_experts: int) -> None:
-    """Both paths give the Python rule's routing, so they are equal element for element."""
-    torch_path = _route(ids, num_experts, False)
-    triton_path = _route(ids, num_experts, True)
-    _assert_routing(torch_path, ids, num_experts)
-    for name, ours, theirs in zip(ExpertOrder._fields, triton_path, torch_path, strict=True):
-        assert torch.equal(ours, theirs), name
+    """Both paths give the Python rule's routing, so they are equal element for element, with int64
+    maps and with int32 ones (the same values)."""
+    for index_dtype in (torch.int64, torch.int32):
+        torch_path = _route(ids, num_experts, False, index_dtype)
+        triton_path = _route(ids, num_experts, True, index_dtype)
+        _assert_routing(torch_path, ids, num_experts, index_dtype)
+        for name, ours, theirs in zip(ExpertOrder._fields, triton_path, torch_path, strict=True):
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
@@ -210,6 +213,13 @@ def test_triton_route_refuses_what_it_cannot_route():
         sort_by_expert(torch.zeros(2, 2, device=TRITON_DEVICE), 3, use_triton=True)
     with pytest.raises(ValueError, match="num_experts must be an int >= 0"):
         sort_by_expert(torch.zeros(2, 2, dtype=torch.int64, device=TRITON_DEVICE), -1, use_triton=True)
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="unknown index_dtype torch.int16"):
+            sort_by_expert(torch.zeros(2, 2, dtype=torch.int64), 3, use_triton=use_triton, index_dtype=torch.int16)
+        # 2^31 routed rows (an expanded view: no memory) do not fit int32 maps; refused before any work.
+        with pytest.raises(ValueError, match="index_dtype int32 holds fewer than 2\\^31 rows, got 2147483648"):
+            wide = torch.zeros(1, 1, dtype=torch.int64).expand(2**31, 1)
+            sort_by_expert(wide, 3, use_triton=use_triton, index_dtype=torch.int32)
 
 
 def test_triton_route_is_three_launches_and_allocations_only(monkeypatch):

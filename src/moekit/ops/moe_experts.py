@@ -193,15 +193,17 @@ def moe_experts(
     use_triton = use_triton_rows(fc1_impl, x)
     compiling = torch.compiler.is_compiling()
     # The Triton counting sort wherever the row kernel runs (three launches instead of about nine); a
-    # traced graph takes the torch ops, which torch.compile knows.
-    order = sort_by_expert(topk_ids, num_experts, use_triton=use_triton and not compiling)
+    # traced graph takes the torch ops, which torch.compile knows. The maps in int32 where the rows fit
+    # (every consumer here reads them so): the layer holds two of them for the backward.
+    index_dtype = torch.int32 if topk_ids.numel() < 2**31 else torch.int64
+    order = sort_by_expert(topk_ids, num_experts, use_triton=use_triton and not compiling, index_dtype=index_dtype)
     fused = fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None
     if fused and not compiling and quantization is None:
         rows = order.token_of_row.shape[0]
         kept = rows
         if torch.is_grad_enabled():  # else nothing is held: h whole, one launch
-            # Saved per routed row besides h: row_map (T, K) and token_of_row (M, 1) int64, the probs (M,)
-            # in topk_weights' dtype.
+            # Saved per routed row besides h: row_map (T, K) and token_of_row (M, 1), the probs (M,) in
+            # topk_weights' dtype.
             meta_bytes_per_row = 2 * order.row_map.element_size() + topk_weights.element_size()
             kept = held_h_rows(rows, x.shape[1], ffn, x.element_size(), meta_bytes_per_row)
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))

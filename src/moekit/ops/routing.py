@@ -25,11 +25,14 @@ from typing import NamedTuple
 import torch
 
 from moekit.ops.runtime.backends import triton_runtime
-from moekit.validation import check_index_tensor, check_int
+from moekit.validation import check_choice, check_index_tensor, check_int
+
+INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 class ExpertOrder(NamedTuple):
-    """The routed copies in expert order, all int64 on the ids' device.
+    """The routed copies in expert order on the ids' device: offs int64, the three maps in the index
+    dtype `sort_by_expert` was asked for (int64 by default; int32 halves what a layer holds of them).
 
     offs: (N+1,) expert e's rows are offs[e]:offs[e+1] of the sorted order.
     copy_of_row: (M, 1) sorted row -> flat copy t*K + k.
@@ -70,22 +73,28 @@ def check_expert_ids(ids: torch.Tensor, num_experts: int, name: str) -> None:
             raise ValueError(f"{name} must lie in [0, {num_experts}); found values in [{lo}, {hi}]")
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, use_triton: bool = False) -> ExpertOrder:
+def sort_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, *, use_triton: bool = False, index_dtype: torch.dtype = torch.int64
+) -> ExpertOrder:
     """topk_ids: (T, K) integer experts of each token's copies -> `ExpertOrder` (device, no host read).
 
     use_triton=False runs torch ops, on any device. use_triton=True runs the Triton counting sort: CUDA
     tensors (or CPU ones under TRITON_INTERPRET=1, for tests), integer ids of 8 to 64 bits, fewer than
     2^31 rows; three kernel launches instead of about nine torch ops. Both give the same result for every
-    input."""
+    input. index_dtype: the maps' dtype, int64 (torch's index dtype, what scatter and gather take) or
+    int32 (what the row kernels read as well; fewer than 2^31 rows)."""
     check_index_tensor("topk_ids", topk_ids)
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a (tokens, top_k) tensor, got shape {tuple(topk_ids.shape)}")
     num_experts = check_int("num_experts", num_experts, minimum=0)
+    index_dtype = check_choice("index_dtype", index_dtype, INDEX_DTYPES)
+    if index_dtype == torch.int32 and topk_ids.numel() >= 2**31:
+        raise ValueError(f"index_dtype int32 holds fewer than 2^31 rows, got {topk_ids.numel()} routed rows")
     if use_triton:
         runtime = triton_runtime()
         if runtime is None:
             raise ValueError("use_triton=True needs triton, which cannot be imported")
-        return ExpertOrder(*runtime.routing.sort_by_expert(topk_ids, num_experts))
+        return ExpertOrder(*runtime.routing.sort_by_expert(topk_ids, num_experts, index_dtype))
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # int32 keys sort faster than int64 (radix passes); the expert count always fits.
@@ -96,4 +105,5 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, *, use_triton: bool
     rows = torch.arange(copy_of_row.numel(), device=copy_of_row.device)
     row_map = torch.empty_like(copy_of_row).scatter_(0, copy_of_row, rows)
     token_of_row = torch.div(copy_of_row, top_k, rounding_mode="floor")
-    return ExpertOrder(offs, copy_of_row[:, None], row_map.view(num_tokens, top_k), token_of_row[:, None])
+    maps = (copy_of_row[:, None], row_map.view(num_tokens, top_k), token_of_row[:, None])
+    return ExpertOrder(offs, *(m.to(index_dtype) for m in maps))

@@ -82,11 +82,12 @@ def _plan(
 
 
 def sort_by_expert(
-    topk_ids: torch.Tensor, num_experts: int
+    topk_ids: torch.Tensor, num_experts: int, index_dtype: torch.dtype = torch.int64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(offs (N+1,), copy_of_row (M, 1), row_map (T, K), token_of_row (M, 1)), all int64 on the ids'
-    device, as `moekit.ops.routing.sort_by_expert` defines them, in three launches and no host read.
-    topk_ids: (T, K) of an integer dtype of `ID_DTYPES`, on CUDA (or the CPU under the interpreter)."""
+    """(offs (N+1,) int64, copy_of_row (M, 1), row_map (T, K), token_of_row (M, 1) in index_dtype (int64
+    or int32, the caller's check)) on the ids' device, as `moekit.ops.routing.sort_by_expert` defines
+    them, in three launches and no host read. topk_ids: (T, K) of an integer dtype of `ID_DTYPES`, on
+    CUDA (or the CPU under the interpreter)."""
     if topk_ids.dtype not in ID_DTYPES:
         raise TypeError(
             f"topk_ids must be int8, int16, int32, int64 or uint8 for the Triton routing, got {topk_ids.dtype}"
@@ -106,9 +107,9 @@ def sort_by_expert(
     num_tokens, top_k = topk_ids.shape
     scratch = torch.empty(scratch_size, dtype=torch.int32, device=device)
     offs = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
-    copy_of_row = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
-    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    token_of_row = torch.empty((num_tokens * top_k, 1), dtype=torch.int64, device=device)
+    copy_of_row = torch.empty((num_tokens * top_k, 1), dtype=index_dtype, device=device)
+    row_map = torch.empty((num_tokens, top_k), dtype=index_dtype, device=device)
+    token_of_row = torch.empty((num_tokens * top_k, 1), dtype=index_dtype, device=device)
     with device_ctx(device):
         histogram(topk_ids, scratch)
         scan(scratch)
