@@ -101,6 +101,26 @@ def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_pa
     assert len(rounds) == 2 * 2 + 4 * 6 and all(len(r) == 2 for r in rounds), cells
 
 
+def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
+    """sweep_rows.py on a tiny shape under the interpreter: both kinds under every table variant (the
+    unrolled sums among them), each with the base table's bits, beside the copy and index_select; an
+    unknown variant is refused in one line."""
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    command = [sys.executable, str(BENCHMARKS / "sweep_rows.py"), "--smoke", "--rounds", "2"]
+    proc = subprocess.run(command + ["--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    variants = list(payload["variants"])
+    assert variants[0] == "base" and "unroll" in variants
+    cells = payload["cells"]
+    expected = {f"smoke/{kind}/{v}" for kind in ("gather", "combine") for v in variants}
+    assert set(cells) == expected | {"smoke/copy/torch", "smoke/gather/index_select"}
+    assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
+    bad = subprocess.run(command + ["--variants", "base,nope"], env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--variants: unknown variant 'nope'" in bad.stderr
+
+
 def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):
     """bench_transformers.py --smoke with both models and activation checkpointing off and on: four
     cases, each with every variant timed and its logits near the baseline's; the top-level variants

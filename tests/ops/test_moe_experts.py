@@ -23,6 +23,7 @@ from helpers import (
     LOWP_DTYPES,
     assert_no_host_sync,
     assert_no_nan,
+    assert_within_tolerance,
     capture_cuda_graph,
     check_against_reference,
     on_device,
@@ -33,7 +34,10 @@ from helpers import (
 )
 from moekit.ops import moe_experts as moe_experts_module
 from moekit.ops.activations import ACTIVATIONS
+from moekit.ops.runtime import configs
 from moekit.ops.runtime.backends import select_backend
+from moekit.ops.runtime.launch import forget_plans
+from moekit.ops.runtime.rows import gather_sum_rows
 from moekit.reference import grouped_mlp_reference, moe_experts_reference, unpermute_reference
 
 H, F = 16, 24
@@ -293,14 +297,49 @@ def test_sum_rows_kernel_matches_torch(num_out, per_out, width):
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(11, width, generator=gen)
     index = torch.randint(0, 11, (num_out, per_out), generator=gen)
-    from moekit.ops.runtime.rows import gather_sum_rows
-
     got = gather_sum_rows(src, index)
     expected = src.double()[index].sum(1)
     assert got.dtype == src.dtype
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
     if per_out == 1:
         assert torch.equal(got, src[index[:, 0]]), "a one-row sum is a gather: exact"
+
+
+ROW_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", ROW_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_sum_rows_kernel_unrolled_gives_the_loops_bits(weighted, dtype, device, monkeypatch, nan_poison):
+    """The row kernel's sum unrolled by 4 (`configs.ROWS["UNROLL_J"]`) against its loop, both within
+    the one tolerance rule of the float64 sums: the same sums in the same order, so the same bits (odd
+    width and rows; J of 1, 4 and 11, a remainder). The interpreter (CPU) runs the loop as written
+    whatever the factor, so there this checks the launch; the GPU compiles the unrolled loop."""
+    _require_triton()
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(23, 37, generator=gen).to(device, dtype)
+    for per_out in (1, 4, 11):
+        index = torch.randint(0, 23, (13, per_out), generator=gen).to(device)
+        weight = torch.rand(13, per_out, generator=gen).to(device) if weighted else None
+        results = []
+        for unroll in (1, 4):
+            monkeypatch.setitem(configs.ROWS, "UNROLL_J", unroll)
+            forget_plans()
+            results.append(gather_sum_rows(src, index, weight))
+        forget_plans()
+        scale = weight[:, :, None] if weight is not None else torch.ones((), device=device)
+        expected = (src.double()[index] * scale.double()).sum(1)
+        torch_lowp = (src[index].float() * scale).sum(1).to(dtype)
+        assert_within_tolerance(results[0], expected, torch_lowp, "gather_sum_rows", reduction_length=per_out)
+        assert torch.equal(results[0], results[1]), (per_out, weighted)
 
 
 @pytest.mark.parametrize(
@@ -585,8 +624,6 @@ def test_fc1_gathering_in_its_loads_matches_gathering_first_on_the_gpu(ffn, monk
     `configs.GATHERED_WGRAD_MAX_FFN` take F) and with the rows gathered first (the tables' entries at
     0): output and every gradient bit for bit, an expert left empty."""
     require_backend("triton", MOE_H, 2 * ffn)
-    from moekit.ops.runtime import configs
-
     inputs = {
         k: v.to(BF16) if v.is_floating_point() else v for k, v in _moe_inputs([0, 2, 3, 4, 5, 6, 7], 3, True).items()
     }

@@ -26,6 +26,7 @@ def gather_sum_rows_kernel(
     COPY: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    UNROLL_J: tl.constexpr = 1,
 ):
     """out[r, :] = sum over j of src[index[r, j], :] (times weight[r, j] with HAS_WEIGHT), j in
     ascending order, fp32 accumulator, one rounding at the store. One program owns a (BLOCK_ROWS,
@@ -33,7 +34,9 @@ def gather_sum_rows_kernel(
     bit-identical results run to run. COPY (rows_per_out = 1, no weight): a plain row gather, the
     values stored as loaded (no fp32 round trip), so any dtype moves bit for bit (FP8 data and scales
     viewed as integers, NaN payloads included). index and weight: (num_out_rows, rows_per_out),
-    contiguous."""
+    contiguous. UNROLL_J > 1 unrolls the loop over j by that factor, so that as many source rows'
+    loads can be in flight before their sums (the same sums in the same order: the same bits); 1 loads
+    one source row after another."""
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_r = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -50,7 +53,7 @@ def gather_sum_rows_kernel(
         tl.store(out_ptrs, vals, mask=mask_rd)
         return
     acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
-    for j in range(0, rows_per_out):
+    for j in tl.range(0, rows_per_out, loop_unroll_factor=UNROLL_J):
         src_rows = tl.load(index_ptr + offs_r64 * rows_per_out + j, mask=mask_r, other=0).to(tl.int64)
         vals = tl.load(src_ptr + src_rows[:, None] * stride_src + offs_d[None, :], mask=mask_rd, other=0.0)
         if HAS_WEIGHT:

@@ -380,12 +380,18 @@ FP8_BLOCK_WGRAD_WS_STAGES: dict[int, int] = {2: 3, 4: 2}
 # --------------------------------------------------------------------------------------------------
 
 
+# The row kernel (kernels.rows.gather_sum_rows_kernel): TILE_ELEMENTS elements a program (8 KiB of bf16
+# per block of source rows at 4096, enough bytes in flight to stream at HBM speed), at most MAX_BLOCK_D
+# columns of them, num_warps; UNROLL_J: the unroll factor of a sum's loop over its J source rows (top-k;
+# 1: not unrolled). `benchmarks/sweep_rows.py` times the alternatives.
+ROWS: dict[str, int] = dict(TILE_ELEMENTS=4096, MAX_BLOCK_D=1024, num_warps=4, UNROLL_J=1)
+
+
 def rows_tile(num_features: int) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCK_D) of the row kernel: about 4096 elements a program (8 KiB of bf16 per block of
-    source rows, enough bytes in flight to stream at HBM speed); narrow rows (the (M, 1) router weights)
-    get many rows a program."""
-    block_d = min(1 << max(num_features - 1, 0).bit_length(), 1024)
-    return max(1, 4096 // block_d), block_d
+    """(BLOCK_ROWS, BLOCK_D) of the row kernel: `ROWS`' elements a program; narrow rows (the (M, 1)
+    router weights) get many rows a program."""
+    block_d = min(1 << max(num_features - 1, 0).bit_length(), ROWS["MAX_BLOCK_D"])
+    return max(1, ROWS["TILE_ELEMENTS"] // block_d), block_d
 
 
 # The padding-row zeroing kernel (kernels.rows.zero_rows_from_kernel): (BLOCK_ROWS, BLOCK_COLS).

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from moekit.ops.kernels.rows import gather_sum_rows_kernel, zero_rows_from_kernel
-from moekit.ops.runtime.configs import ZERO_ROWS_TILE, rows_tile
+from moekit.ops.runtime.configs import ROWS, ZERO_ROWS_TILE, rows_tile
 from moekit.ops.runtime.launch import Launcher, LaunchPlan, device_ctx, plan_launch, tensor_key
 
 _GATHER_SUM = Launcher(gather_sum_rows_kernel)
@@ -24,7 +24,14 @@ def _plan_gather_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tenso
     grid = (triton.cdiv(num_out, block_rows), triton.cdiv(num_features, block_d))
     ints = (num_out, num_features, per_out, src.stride(0), num_features)
     copy = per_out == 1 and weight is None
-    constexprs = dict(HAS_WEIGHT=weight is not None, COPY=copy, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4)
+    constexprs = dict(
+        HAS_WEIGHT=weight is not None,
+        COPY=copy,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        UNROLL_J=1 if copy else ROWS["UNROLL_J"],
+        num_warps=ROWS["num_warps"],
+    )
     return LaunchPlan(_GATHER_SUM, grid, ints, constexprs)
 
 

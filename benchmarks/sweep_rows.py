@@ -1,0 +1,173 @@
+"""The row kernel (`gather_sum_rows`, the package's one row primitive) at a layer's routing, against the
+HBM copy of the same bytes, under variants of its configuration table (`configs.ROWS`).
+
+Kinds, at each shape's routing (router logits, top-k, rows sorted by expert with int32 maps, as
+`moe_experts` sorts them):
+- gather: x (T, H) -> (M, H), each routed row its token's row (J = 1: the plain copy path). The layer
+  runs it for fc1's operand where fc1 does not read the token rows in its loads, and again for fc1's
+  weight gradient.
+- combine: y (M, H) -> (T, H), each token the sum of its K rows in k order (J = K). The layer runs it
+  for its output and for dx.
+- copy: an (M, H) tensor copied by torch (`Tensor.copy_`): the bandwidth the two can hope for. A
+  gather writes (M, H) and reads (T, H) (each token row K times, from L2 or HBM); a combine reads
+  (M, H) and writes (T, H). `vs_copy` is the copy's time over the kind's, scaled by the bytes
+  each moves once: 1.0 is the copy's bandwidth.
+- index_select: torch's gather of the same rows, the baseline a user has.
+
+Every variant's output must equal the base table's bits (`equal`; the unrolled sum adds in the same
+order). Times: CUDA events, the median of `--reps` calls after a warm-up, the median over `--rounds`
+rounds in which the variants take turns.
+
+    python benchmarks/sweep_rows.py --out results.json [--shapes qwen3-30b-a3b] [--variants base,unroll]
+    TRITON_INTERPRET=1 python benchmarks/sweep_rows.py --smoke   # CPU: the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from runner import event_median_ms, machine, write_json
+
+from moekit.ops.routing import sort_by_expert
+from moekit.ops.runtime import configs
+from moekit.ops.runtime.launch import forget_plans
+from moekit.ops.runtime.rows import gather_sum_rows
+
+# name: (tokens T, top-k K, experts N, hidden H)
+SHAPES = {
+    "qwen3-30b-a3b": (32768, 8, 128, 2048),
+    "sonicmoe": (32768, 8, 128, 4096),
+    "sonicmoe-e256-k16": (32768, 16, 256, 4096),
+    "sonicmoe-e64-k4": (32768, 4, 64, 4096),
+    "sonicmoe-7b": (24576, 8, 128, 1536),
+}
+SMOKE_SHAPES = {"smoke": (40, 3, 5, 48)}
+KINDS = ("gather", "combine")
+
+# Changes to `configs.ROWS`: "unroll" the sum's loop over the K source rows unrolled by 8 (every row's
+# load in flight before the first sum), "unroll4" by 4; "tile8k_w8" twice the elements a program with
+# twice the warps (the same elements a thread, half the programs); "d512" at most 512 columns a program
+# (twice the rows); "tile2k" half the elements a program.
+VARIANTS: dict[str, dict[str, int]] = {
+    "base": {},
+    "unroll": dict(UNROLL_J=8),
+    "unroll4": dict(UNROLL_J=4),
+    "tile8k_w8": dict(TILE_ELEMENTS=8192, num_warps=8),
+    "tile8k_w8_unroll": dict(TILE_ELEMENTS=8192, num_warps=8, UNROLL_J=8),
+    "d512": dict(MAX_BLOCK_D=512),
+    "d512_unroll": dict(MAX_BLOCK_D=512, UNROLL_J=8),
+    "tile2k": dict(TILE_ELEMENTS=2048),
+}
+
+
+def apply_variant(name: str, saved: dict[str, int]) -> None:
+    """`configs.ROWS` as `saved` holds it, then variant `name` on top; plans built afresh."""
+    configs.ROWS.update(saved)
+    configs.ROWS.update(VARIANTS[name])
+    forget_plans()
+
+
+def routing_of(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_of_row (M, 1), row_map (T, K)) int32 of a top-K routing of random logits."""
+    ids = torch.randn(T, N, device=device, generator=gen).topk(K, dim=1).indices
+    order = sort_by_expert(ids, N, use_triton=True, index_dtype=torch.int32)
+    return order.token_of_row, order.row_map
+
+
+def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], reps: int, rounds: int, device: str):
+    T, K, N, H = shape
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: float32
+    token_of_row, row_map = routing_of(T, K, N, device, gen)
+    x = torch.randn(T, H, device=device, generator=gen).to(dtype)
+    y = torch.randn(T * K, H, device=device, generator=gen).to(dtype)
+    copy_dst = torch.empty_like(y)
+    calls = {
+        "gather": lambda: gather_sum_rows(x, token_of_row),
+        "combine": lambda: gather_sum_rows(y, row_map),
+    }
+    element = y.element_size()
+    moved = {  # bytes each kind moves once: the written tensor plus the read one
+        "gather": (T * K + T) * H * element,
+        "combine": (T * K + T) * H * element,
+        "copy": 2 * T * K * H * element,
+    }
+    saved = dict(configs.ROWS)
+    reference = {kind: None for kind in KINDS}
+    times: dict[tuple[str, str], list[float]] = {}
+    equal: dict[tuple[str, str], bool] = {}
+    try:
+        for _ in range(rounds):
+            times.setdefault(("copy", "torch"), []).append(event_median_ms(lambda: copy_dst.copy_(y), reps))
+            times.setdefault(("gather", "index_select"), []).append(
+                event_median_ms(lambda: x.index_select(0, token_of_row.view(-1)), reps)
+            )
+            for variant in variants:
+                apply_variant(variant, saved)
+                for kind in KINDS:
+                    out = calls[kind]()
+                    if reference[kind] is None:
+                        reference[kind] = out
+                    equal[(kind, variant)] = equal.get((kind, variant), True) and torch.equal(out, reference[kind])
+                    times.setdefault((kind, variant), []).append(event_median_ms(calls[kind], reps))
+    finally:
+        apply_variant("base", saved)
+    copy_ms = statistics.median(times[("copy", "torch")])
+    cells = {}
+    for (kind, variant), samples in times.items():
+        ms = statistics.median(samples)
+        gbs = moved[kind] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
+        copy_gbs = moved["copy"] / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0
+        cells[f"{name}/{kind}/{variant}"] = {
+            "ms": ms,
+            "ms_rounds": samples,
+            "gb_per_s": gbs,
+            "vs_copy": gbs / copy_gbs if copy_gbs > 0 else 0.0,
+            "equal": equal.get((kind, variant)),
+        }
+        share = cells[f"{name}/{kind}/{variant}"]["vs_copy"]
+        differ = "" if equal.get((kind, variant), True) else "  BITS DIFFER"
+        print(
+            f"{name:20s} {kind:8s} {variant:18s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {share:.2f} of the copy{differ}",
+            flush=True,
+        )
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--reps", type=int, default=10, help="timed calls a cell and round (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the variants (the median of rounds)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("sweep_rows.py needs a CUDA device (or --smoke)")
+    variants = args.variants.split(",")
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {variant!r}; expected some of {sorted(VARIANTS)}")
+    variants = ["base"] + [v for v in variants if v != "base"]  # first: the bits every variant is checked against
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    device = "cpu" if args.smoke else "cuda"
+    cells: dict[str, dict[str, object]] = {}
+    for name in list(pool) if args.smoke else args.shapes.split(","):
+        if name not in pool:
+            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
+        cells.update(cells_of(name, pool[name], variants, 1 if args.smoke else args.reps, args.rounds, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if any(cell["equal"] is False for cell in cells.values()):
+        raise SystemExit("a variant's bits differ from the base table's (see BITS DIFFER above)")
+    if args.out is not None:
+        meta = machine(torch.device(device))
+        write_json(args.out, {"meta": meta, "variants": {v: VARIANTS[v] for v in variants}, "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
