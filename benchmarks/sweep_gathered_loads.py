@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import event_median_ms, machine, write_json
+from runner import event_median_ms, machine, select_by_name, write_json
 
 from moekit.ops.runtime import configs, gemm, glu
 from moekit.ops.runtime.launch import forget_plans
@@ -196,16 +196,11 @@ def main() -> None:
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_gathered_loads.py needs a CUDA device (or --smoke)")
-    variants = args.variants.split(",")
-    for variant in variants:
-        if variant not in VARIANTS:
-            raise SystemExit(f"--variants: unknown variant {variant!r}; expected some of {sorted(VARIANTS)}")
+    variants = select_by_name(list(VARIANTS), args.variants, "variants", VARIANTS)
     pool = SMOKE_SHAPES if args.smoke else SHAPES
     device = "cpu" if args.smoke else "cuda"
     cells: dict[str, dict[str, object]] = {}
-    for name in list(pool) if args.smoke else args.shapes.split(","):
-        if name not in pool:
-            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
+    for name in select_by_name(list(pool), None if args.smoke else args.shapes, "shapes", pool):
         kinds = [k for k in args.kinds.split(",") if k]
         cells.update(cells_of(name, args.only, args.reps, args.rounds, variants, kinds, device))
         if device == "cuda":

@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from runner import event_median_ms, machine, write_json
+from runner import event_median_ms, machine, select_by_name, write_json
 
 from moekit.ops.routing import sort_by_expert
 from moekit.ops.runtime import configs
@@ -148,17 +148,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_rows.py needs a CUDA device (or --smoke)")
-    variants = args.variants.split(",")
-    for variant in variants:
-        if variant not in VARIANTS:
-            raise SystemExit(f"--variants: unknown variant {variant!r}; expected some of {sorted(VARIANTS)}")
-    variants = ["base"] + [v for v in variants if v != "base"]  # first: the bits every variant is checked against
+    # In VARIANTS' order, so "base" (the bits every variant is checked against) comes first.
+    variants = select_by_name(list(VARIANTS), "base," + args.variants, "variants", VARIANTS)
     pool = SMOKE_SHAPES if args.smoke else SHAPES
     device = "cpu" if args.smoke else "cuda"
     cells: dict[str, dict[str, object]] = {}
-    for name in list(pool) if args.smoke else args.shapes.split(","):
-        if name not in pool:
-            raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
+    for name in select_by_name(list(pool), None if args.smoke else args.shapes, "shapes", pool):
         cells.update(cells_of(name, pool[name], variants, 1 if args.smoke else args.reps, args.rounds, device))
         if device == "cuda":
             torch.cuda.empty_cache()
