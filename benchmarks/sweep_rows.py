@@ -9,9 +9,10 @@ Kinds, at each shape's routing (router logits, top-k, rows sorted by expert with
 - combine: y (M, H) -> (T, H), each token the sum of its K rows in k order (J = K). The layer runs it
   for its output and for dx.
 - copy: an (M, H) tensor copied by torch (`Tensor.copy_`): the bandwidth the two can hope for. A
-  gather writes (M, H) and reads (T, H) (each token row K times, from L2 or HBM); a combine reads
-  (M, H) and writes (T, H). `vs_copy` is the copy's time over the kind's, scaled by the bytes
-  each moves once: 1.0 is the copy's bandwidth.
+  gather writes (M, H) and reads each token row K times in expert order, mostly from HBM at real
+  sizes (x larger than L2): counted as (M, H) read and written, as the copy. A combine reads (M, H)
+  and writes (T, H). `vs_copy` is the kind's bandwidth so counted over the copy's: 1.0 is the
+  copy's bandwidth.
 - index_select: torch's gather of the same rows, the baseline a user has.
 
 Every variant's output must equal the base table's bits (`equal`; the unrolled sum adds in the same
@@ -91,7 +92,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
     }
     element = y.element_size()
     moved = {  # bytes each kind moves once: the written tensor plus the read one
-        "gather": (T * K + T) * H * element,
+        "gather": 2 * T * K * H * element,
         "combine": (T * K + T) * H * element,
         "copy": 2 * T * K * H * element,
     }
