@@ -305,11 +305,10 @@ MM_WS = dict(
 # tile or the reduction order: a gathered launch gives the bits of the plain one.
 GATHERED_WGRAD_EXTRA_STAGES = 2
 # The widest F at which the layer's fc2 backward (moe_experts' node 2) reads d out's token rows in its
-# loads (the Hopper backward's GATHER variant, 1.0-1.1x its TMA time, and fc2's weight gradient through
-# the row map, 1.2-1.3x) instead of gathering them into an (M, H) tensor first, for both: the gather's
-# (M, H) write and read against those shares, which grow with F (benchmarks/README.md, the gathered
-# backward A/Bs). At F 768 the two kernels take 1.09-1.15x their TMA time and the step is unchanged, and
-# the (M, H) tensor is off the peak (it lives beside h, dh and fc2's weight gradient there).
+# loads (the Hopper backward's GATHER variant and fc2's weight gradient through the row map, each slower
+# than its TMA form) instead of gathering them into an (M, H) tensor first: the gather's (M, H) write
+# and read against the kernels' extra time, which grows with F; and the (M, H) tensor would live beside
+# h, dh and fc2's weight gradient at the layer's peak (benchmarks/README.md, the gathered backward A/Bs).
 GATHERED_DOUT_MAX_FFN: dict[Arch, int] = {"sm90": 768}
 # Backward: a 128 x (128 + 128) tile, 3 slots of 64 reduction columns beside the fp32 staging tile,
 # the epilogue 16 columns at a time (32 spill), the load warp 24 registers and the 8 warps of the main
