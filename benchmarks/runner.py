@@ -203,6 +203,27 @@ def event_median_ms(fn: Callable[[], object], reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def saved_tables(variants: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """A copy of every configuration table (`moekit.ops.runtime.configs`) that `variants` (variant name
+    -> table name -> entries) changes, for `apply_tables` to put back."""
+    from moekit.ops.runtime import configs  # here, not at the top: importing it imports triton
+
+    return {table: dict(getattr(configs, table)) for changes in variants.values() for table in changes}
+
+
+def apply_tables(changes: dict[str, dict], saved: dict[str, dict]) -> None:
+    """The sweeps' table variants: the configuration tables as `saved` holds them, then `changes` (table
+    name -> entries) on top, every kept launch plan dropped so the next calls plan from the tables."""
+    from moekit.ops.runtime import configs
+    from moekit.ops.runtime.launch import forget_plans
+
+    for table, values in saved.items():
+        getattr(configs, table).update(values)
+    for table, values in changes.items():
+        getattr(configs, table).update(values)
+    forget_plans()
+
+
 def measure_roof(cfg: BenchConfig) -> dict:
     """The dense matmul roof of this process: bf16 8192^3 on CUDA (smaller and cfg's dtype on CPU)."""
     size = 8192 if cfg.device.type == "cuda" else 256

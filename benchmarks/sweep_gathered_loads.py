@@ -28,10 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import event_median_ms, machine, select_by_name, write_json
+from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
 
-from moekit.ops.runtime import configs, gemm, glu
-from moekit.ops.runtime.launch import forget_plans
+from moekit.ops.runtime import gemm, glu
 
 # name: (tokens T, top-k K, experts N, hidden H, ffn F)
 SHAPES = {
@@ -68,15 +67,6 @@ VARIANTS: dict[str, dict[str, dict[str, int]]] = {
     "load8": {"WGRAD_GATHERED_WS": dict(LOAD_WARPS=8, maxnreg=128)},
     "red32_fewer": _steps32(5, 6),
 }
-
-
-def apply_variant(name: str, saved: dict[str, dict[str, int]]) -> None:
-    """Put the tables back as `saved` holds them, then apply variant `name`; plans built afresh."""
-    for table, values in saved.items():
-        getattr(configs, table).update(values)
-    for table, values in VARIANTS[name].items():
-        getattr(configs, table).update(values)
-    forget_plans()
 
 
 def routed(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,13 +131,13 @@ def cells_of(
     }
     flops = {"fc1_fwd": 2 * M * H * 2 * F, "fc1_wgrad": 2 * M * H * 2 * F, "fc2_bwd": 2 * M * H * F}
     flops.update(fc2_wgrad=2 * M * H * F, fc2_fwd=2 * M * H * F, fc1_dgrad=2 * M * H * 2 * F)
-    saved = {table: dict(getattr(configs, table)) for v in VARIANTS.values() for table in v}
+    saved = saved_tables(VARIANTS)
     cells: dict[str, dict[str, object]] = {}
     for kind, forms in kinds.items():
         if only is not None and not only.startswith(kind + ":") or kinds_wanted and kind not in kinds_wanted:
             continue
         record: dict[str, object] = {"flops": flops[kind]}
-        apply_variant("base", saved)
+        apply_tables(VARIANTS["base"], saved)
         # Every variant's bits against the base tables' TMA form.
         reference = None if only is not None else forms["tma"]()
         times: dict[str, list[float]] = {}
@@ -155,7 +145,7 @@ def cells_of(
         # them alike (in one pass, base first, an untouched kernel moved by up to 12 % between variants).
         for round_ in range(rounds):
             for variant in variants:
-                apply_variant(variant, saved)
+                apply_tables(VARIANTS[variant], saved)
                 label = "" if variant == "base" else variant + "_"
                 for form, fn in forms.items():
                     if only is not None and only != f"{kind}:{form}" or f"{label}{form}_error" in record:
@@ -175,7 +165,7 @@ def cells_of(
             record[f"{key}_ms"] = ms
             record[f"{key}_ms_rounds"] = per_round
             record[f"{key}_tflops"] = flops[kind] / ms / 1e9 if ms else None
-        apply_variant("base", saved)
+        apply_tables(VARIANTS["base"], saved)
         del reference
         cells[f"{name}/{kind}"] = record
         shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items() if not k.endswith("_rounds")}

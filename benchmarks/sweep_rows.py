@@ -30,11 +30,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from runner import event_median_ms, machine, select_by_name, write_json
+from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
 
 from moekit.ops.routing import sort_by_expert
-from moekit.ops.runtime import configs
-from moekit.ops.runtime.launch import forget_plans
 from moekit.ops.runtime.rows import gather_sum_rows
 
 # name: (tokens T, top-k K, experts N, hidden H)
@@ -52,23 +50,16 @@ KINDS = ("gather", "combine")
 # load in flight before the first sum), "unroll4" by 4; "tile8k_w8" twice the elements a program with
 # twice the warps (the same elements a thread, half the programs); "d512" at most 512 columns a program
 # (twice the rows); "tile2k" half the elements a program.
-VARIANTS: dict[str, dict[str, int]] = {
+VARIANTS: dict[str, dict[str, dict[str, int]]] = {
     "base": {},
-    "unroll": dict(UNROLL_J=8),
-    "unroll4": dict(UNROLL_J=4),
-    "tile8k_w8": dict(TILE_ELEMENTS=8192, num_warps=8),
-    "tile8k_w8_unroll": dict(TILE_ELEMENTS=8192, num_warps=8, UNROLL_J=8),
-    "d512": dict(MAX_BLOCK_D=512),
-    "d512_unroll": dict(MAX_BLOCK_D=512, UNROLL_J=8),
-    "tile2k": dict(TILE_ELEMENTS=2048),
+    "unroll": {"ROWS": dict(UNROLL_J=8)},
+    "unroll4": {"ROWS": dict(UNROLL_J=4)},
+    "tile8k_w8": {"ROWS": dict(TILE_ELEMENTS=8192, num_warps=8)},
+    "tile8k_w8_unroll": {"ROWS": dict(TILE_ELEMENTS=8192, num_warps=8, UNROLL_J=8)},
+    "d512": {"ROWS": dict(MAX_BLOCK_D=512)},
+    "d512_unroll": {"ROWS": dict(MAX_BLOCK_D=512, UNROLL_J=8)},
+    "tile2k": {"ROWS": dict(TILE_ELEMENTS=2048)},
 }
-
-
-def apply_variant(name: str, saved: dict[str, int]) -> None:
-    """`configs.ROWS` as `saved` holds it, then variant `name` on top; plans built afresh."""
-    configs.ROWS.update(saved)
-    configs.ROWS.update(VARIANTS[name])
-    forget_plans()
 
 
 def routing_of(T: int, K: int, N: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +87,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
         "combine": (T * K + T) * H * element,
         "copy": 2 * T * K * H * element,
     }
-    saved = dict(configs.ROWS)
+    saved = saved_tables(VARIANTS)
     reference = {kind: None for kind in KINDS}
     times: dict[tuple[str, str], list[float]] = {}
     equal: dict[tuple[str, str], bool] = {}
@@ -107,7 +98,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
                 event_median_ms(lambda: x.index_select(0, token_of_row.view(-1)), reps)
             )
             for variant in variants:
-                apply_variant(variant, saved)
+                apply_tables(VARIANTS[variant], saved)
                 for kind in KINDS:
                     out = calls[kind]()
                     if reference[kind] is None:
@@ -115,7 +106,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
                     equal[(kind, variant)] = equal.get((kind, variant), True) and torch.equal(out, reference[kind])
                     times.setdefault((kind, variant), []).append(event_median_ms(calls[kind], reps))
     finally:
-        apply_variant("base", saved)
+        apply_tables(VARIANTS["base"], saved)
     copy_ms = statistics.median(times[("copy", "torch")])
     cells = {}
     for (kind, variant), samples in times.items():

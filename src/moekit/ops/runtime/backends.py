@@ -952,8 +952,8 @@ _CAPABILITIES: dict[tuple[type, type], bool] = {}
 
 def _has(backend: GemmBackend, capability: type) -> bool:
     """isinstance(backend, capability), settled once per backend class: an isinstance check against a
-    runtime-checkable Protocol looks up every member on every call (3.5-7 us each on a CI-class CPU,
-    and a layer's step asks dozens of times), while a backend's capabilities are its class's methods."""
+    runtime-checkable Protocol looks up every member on every call (a layer's step asks dozens of
+    times), while a backend's capabilities are its class's methods."""
     key = (type(backend), capability)
     has = _CAPABILITIES.get(key)
     if has is None:

@@ -240,18 +240,17 @@ WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40, BL
 # (the GATHER variant) instead of gathering them into an (M, H) tensor first; an architecture absent
 # here, or F above it, gathers first. The gather costs one (M, H) write and read whatever F is, while
 # the GATHER variant's cp.async main loop is slower than TMA's by a share of fc1's own time (which
-# grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/B;
-# with the variant's 32-column steps, 768 instead of 512 left the Qwen3-30B-A3B step (F 768) as it was,
-# 1.003-1.004x: kept at 512).
+# grows with F): the variant pays only at narrow experts (benchmarks/README.md, the gathered fc1 A/Bs;
+# with the variant's 32-column steps, 768 instead of 512 left the Qwen3-30B-A3B step (F 768) as it
+# was: kept at 512).
 GATHERED_FC1_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The widest F at which the layer's fc1 weight gradient (moe_experts' node 1 backward) reads x's token
 # rows through the row map in its loads (`gemm.grouped_gemm_wgrad`'s x_rows; on sm90 the Gluon kernel,
-# `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad ran at
-# about 1.35-1.4x the TMA wgrad's time (about 1.2x since its two copy warp groups), the gather costs
-# one (M, H) write and read whatever F is: at F 256 the step gained 2.3-3.1 %, at F 512 it was even
-# (0.993-1.001), at F 768 and 1024 it lost 1-2.7 % (benchmarks/README.md, the gathered wgrad A/Bs, the
-# latest with the tile split along O). With two copy warp groups (`WGRAD_GATHERED_WS`' LOAD_WARPS 8)
-# F 512 pays too: the step 0.998x / 0.983x at SonicMoE's shape (E128/K8/F512), balanced / skewed.
+# `WGRAD_GATHERED_WS`) instead of gathering them into an (M, H) tensor first. The gathered wgrad is
+# slower than the TMA wgrad by a share of its own time, which grows with F, while the gather costs one
+# (M, H) write and read whatever F is: the step gains at narrow experts and loses at wide ones. With
+# two copy warp groups (`WGRAD_GATHERED_WS`' LOAD_WARPS 8) F 512 pays too (benchmarks/README.md, the
+# gathered wgrad A/Bs).
 GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # The gathered wgrad on Hopper (kernels.grouped_gemm_hopper, Gluon): the Triton wgrad's sm90 tile (128 x
 # 256 of dw, 64-row steps, the same bits), x's rows copied by the load partition's warp group (cp.async,
@@ -265,9 +264,9 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # 1.35x the TMA wgrad over the gathered copy: the copy's bytes are not what bounds it.
 # LOAD_WARPS 8: the copy partition as two warp groups (16 warps of 128 registers at launch; the main
 # loop's 8 warps then get 200, no spills), 4 rows a thread: the copy warps were busy nearly all the time
-# and seldom waited for a free slot (ncu), so the producer was what bounded the step; 0.91x the time
-# with 4 copy warps at E256/K16 and E64/K4, even at Qwen3-30B-A3B (benchmarks/README.md, the gathered
-# loads sweep). Smaller steps with more slots (32 rows, 8 slots) were slower (1.03-1.11x).
+# and seldom waited for a free slot (ncu), so the producer was what bounded the step; faster than 4 copy
+# warps at the fine shapes (benchmarks/README.md, the gathered loads sweep). Smaller steps with more
+# slots (32 rows, 8 slots) were slower.
 WGRAD_GATHERED_WS = dict(
     BLOCK_O=256,
     BLOCK_I=128,
