@@ -105,9 +105,13 @@ def main() -> None:
     for form, (chunk, warps, stages, _, slots_fastest) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
         for rowwise in (True, False) if form == "rows" else (form == "segments",):
             constexprs = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages)
-            constexprs.update(SLOTS_FASTEST=slots_fastest, **common)
+            constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True)
             name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}"
-            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, fp32))
+            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**fp32, "rec_ptr": "*i32"}))
+    block_s, warps = configs.SLOT_RECORDS["sm90"]
+    for segments in (False, True):
+        consts = dict(SLOT_ROWS=128, SEGMENTS=segments, BLOCK_S=block_s, BLOCK_GROUPS=256)
+        cases.append((f"slot_records_seg{int(segments)}", kernels.slot_records_kernel, consts, warps, {"rec_ptr": "*i32"}))
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
     most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]
     for cols in (7168, 4096, 2880, 2048):

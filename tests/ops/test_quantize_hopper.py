@@ -20,6 +20,7 @@ import torch
 import moekit
 from helpers import assert_no_host_sync, compile_in_subprocess
 from moekit.grouped_tensor import recipe_named
+from moekit.ops.kernels.quantize import slot_records_kernel
 from moekit.ops.quantize import group_quantize_for_wgrad
 from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import forget_plans
@@ -38,8 +39,8 @@ out = {}
 for form, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["sm90"].items():
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
         const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
-                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, BLOCK_GROUPS=256, HW_E4M3=True)
-        ptr = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32",
+                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True)
+        ptr = {"x_ptr": "*bf16", "rec_ptr": "*i32", "noop_ptr": "*fp32",
                "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}
         sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in K.arg_names}
         # What Triton specializes at launch for a 16-byte aligned x of 16 | X columns.
@@ -64,6 +65,67 @@ def test_compiles_for_sm90_with_16_byte_stores():
         assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
         assert "st.global.v4.b32" in info["stores"], case
         assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
+
+
+def records_by_rule(m_splits: list[int], M: int, segments: bool) -> list[list[int]]:
+    """`slot_records_kernel`'s table by its docstring: slot s of group g (the padding rows' slots and
+    the unused ones after them: g = N) -> (r0, n, live, seg0)."""
+    N = len(m_splits)
+    offs = [0]
+    for m in m_splits:
+        offs.append(offs[-1] + m)
+    firsts = [0]
+    for m in m_splits:
+        firsts.append(firsts[-1] + -(-m // 128))
+    seg = [0]
+    for m in m_splits:
+        seg.append(seg[-1] + -(-m // 16) * 16)
+    table = []
+    for s in range(-(-M // 128) + N):
+        g = sum(first <= s for first in firsts[1:])
+        j0 = (s - firsts[g]) * 128
+        end = offs[g + 1] if g < N else M
+        table.append([offs[g] + j0, end - offs[g] - j0, int(g < N), seg[g] + j0 if segments else 0])
+    return table
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["rows", "segments"])
+@pytest.mark.parametrize(
+    "m_splits, M",
+    [
+        pytest.param([0, 700, 512, 0, 900, 333, 1100, 0], 4096, id="skewed-empty-padding"),
+        pytest.param([1, 129, 0, 3000, 127, 1], 3300, id="one-row-odd-slots"),
+        pytest.param([0, 0, 0], 300, id="all-padding"),
+        pytest.param([257] * 20, 5140, id="20-groups"),
+    ],
+)
+def test_slot_records_follow_the_rule(m_splits, M, segments):
+    """The table the Gluon kernel reads its slots' rows from (run under the interpreter on CPU): every
+    slot's first row, rows left in its group, whether the group is real, and its segment start, from
+    the device offsets and slot offsets (int64, as `group_quantize` makes them); entries past the table
+    poisoned and untouched."""
+    num_slots = -(-M // 128) + len(m_splits)
+    splits = torch.tensor(m_splits, dtype=torch.int64)
+    offs = torch.cat([splits.new_zeros(1), splits.cumsum(0)])
+    slot_offs = torch.cat([splits.new_zeros(1), ((splits + 127) // 128).cumsum(0)])
+    block_s, warps = configs.SLOT_RECORDS["interpreter"]
+    table = torch.full((num_slots + 3, 4), -7, dtype=torch.int32)
+    grid = (-(-num_slots // block_s),)
+    slot_records_kernel[grid](
+        offs,
+        slot_offs,
+        table,
+        M,
+        len(m_splits),
+        num_slots,
+        SLOT_ROWS=128,
+        SEGMENTS=segments,
+        BLOCK_S=block_s,
+        BLOCK_GROUPS=64,
+        num_warps=warps,
+    )
+    assert table[:num_slots].tolist() == records_by_rule(m_splits, M, segments)
+    assert (table[num_slots:] == -7).all()
 
 
 FORMS = {"rows": (True, False), "segments": (True, True), "segments-columnwise": (False, True)}

@@ -18,6 +18,8 @@ group (columnwise scales are kept per slot).
     quantize_spans_kernel       its second pass: both forms' data and scales from one more read of
                                 the same tiles (a column's scale needs the whole group's column before
                                 any of its bytes: two reads of x are this form's floor)
+    slot_records_kernel         each slot's rows (first row, rows left in its group, real group or not,
+                                segment start) as a table, for the Gluon slots kernel
     dequantize_kernel           data * scale of either form, every recipe: one pass, the product in
                                 fp32 rounded once to the output's dtype (the torch path's bytes)
 
@@ -211,6 +213,46 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
     dst = seg0 // 16 * 16 + i  # seg0 itself, written so that the compiler sees a multiple of 16
     ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + dst[None, :]
     tl.store(ptrs, tl.trans(q), mask=cmask[:, None] & smask[None, :])
+
+
+@triton.jit
+def slot_records_kernel(
+    offs_ptr,
+    slot_offs_ptr,
+    rec_ptr,
+    rows,
+    num_groups,
+    num_slots,
+    SLOT_ROWS: tl.constexpr,
+    SEGMENTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+):
+    """Each slot's rows as four int32 words, rec[slot] = (r0, n, live, seg0): its first row in x
+    (offs[g] + j0), its rows in the group from there (rows of g - j0: >= SLOT_ROWS for a whole slot,
+    <= 0 for an unused one), whether g is a real group (not the padding rows), and (SEGMENTS) its first
+    column in the FP8 wgrad's layout (the group's segment start + j0; 0 otherwise); g and j0 as
+    `_slot_rows`'. Why a table: a persistent kernel walking many slots a program (the Gluon
+    `quantize_slots_tma_kernel`) then finds a slot's rows with one independent load it can issue an item
+    ahead, instead of a chain of dependent loads and cross-warp reductions on its critical path."""
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    smask = s < num_slots
+    gi = tl.arange(0, BLOCK_GROUPS)
+    starts = tl.load(slot_offs_ptr + 1 + gi, mask=gi < num_groups, other=2**62)
+    g = tl.sum((starts[None, :] <= s[:, None]).to(tl.int32), axis=1)
+    live = g < num_groups
+    group_start = tl.load(offs_ptr + g, mask=smask, other=0)
+    count = tl.load(offs_ptr + g + 1, mask=smask & live, other=rows) - group_start
+    j0 = (s - tl.load(slot_offs_ptr + g, mask=smask, other=0)) * SLOT_ROWS
+    seg0 = j0 * 0
+    if SEGMENTS:
+        starts_v, _ = segment_starts(offs_ptr, gi, rows, num_groups)
+        seg0 = tl.sum(tl.where(gi[None, :] == g[:, None], starts_v[None, :], 0), axis=1) + j0
+    rec = rec_ptr + s.to(tl.int64) * 4
+    tl.store(rec, (group_start + j0).to(tl.int32), mask=smask)
+    tl.store(rec + 1, (count - j0).to(tl.int32), mask=smask)
+    tl.store(rec + 2, live.to(tl.int32), mask=smask)
+    tl.store(rec + 3, seg0.to(tl.int32), mask=smask)
 
 
 @triton.jit

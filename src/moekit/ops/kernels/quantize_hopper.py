@@ -19,7 +19,10 @@ so a program needs few registers and many small programs share an SM (`QUANTIZE_
 overlaps one program's walks is the others' loads and stores).
 
 A program takes the work items (slot, strip) pid, pid + P, ... (slots fastest or strips fastest:
-SLOTS_FASTEST). Each item's boxes are loaded whatever the slot holds (TMA fills rows past M with
+SLOTS_FASTEST). A slot's rows (first row, rows left in its group, real group or not, segment start)
+come from a table the host fills just before (`slot_records_kernel`): one independent load a slot,
+issued an item ahead, where finding the slot's group from the device offsets is a chain of dependent
+loads and cross-warp reductions that every warp of the program would wait on. Each item's boxes are loaded whatever the slot holds (TMA fills rows past M with
 zeros); rows outside the slot's group are masked out in the walks, so a slot that reaches into the next
 group's rows, a padding slot (read as zeros, as the Triton kernel reads them) and an unused slot (its
 column scales 1, nothing else written) need no branch around the ring; a whole slot of a real group
@@ -43,9 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from moekit.ops.kernels.grouped_wgrad_fp8 import segment_starts
 from moekit.ops.kernels.quantize import e4m3_tile, fp32_scales
-from moekit.ops.kernels.schedule import gluon_group_ids
 
 
 @gluon.jit
@@ -58,27 +59,22 @@ def _work_item(w, strips, SLOTS_FASTEST: gl.constexpr, num_slots):
 
 
 @gluon.jit
-def _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS: gl.constexpr, SLOT_ROWS: gl.constexpr):
-    """(live, count, j0, r0, seg0) of a slot: whether its group is a real one (not the padding rows),
-    its group's row count (the padding rows' for group N), its first row within the group, its first
-    row in x, and (SEGMENTS) its first column in the wgrad layout (0 otherwise)."""
-    starts = gl.load(slot_offs_ptr + 1 + gi, mask=gi < num_groups, other=2**62)
-    g = gl.sum((starts <= slot).to(gl.int32), axis=0)
-    live = g < num_groups
-    group_start = gl.load(offs_ptr + g)
-    count = gl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
-    j0 = (slot - gl.load(slot_offs_ptr + g)) * SLOT_ROWS
-    seg0 = j0 * 0
-    if SEGMENTS:
-        starts_v, _ = segment_starts(offs_ptr, gi, rows, num_groups)
-        seg0 = gl.sum(gl.where(gi == g, starts_v, 0), axis=0) + j0
-    return live, count, j0, group_start + j0, seg0
+def _record(rec_ptr, slot, valid):
+    """(r0, n, live, seg0) of a slot from `slot_records_kernel`'s table (zeros where not `valid`): four
+    independent loads, so that they can be issued an item before they are used."""
+    rec = rec_ptr + slot.to(gl.int64) * 4
+    r0 = gl.load(rec, mask=valid, other=0)
+    n = gl.load(rec + 1, mask=valid, other=0)
+    live = gl.load(rec + 2, mask=valid, other=0)
+    seg0 = gl.load(rec + 3, mask=valid, other=0)
+    return r0, n, live, seg0
 
 
 @gluon.jit
 def _issue(
     ring,
     w,
+    r0,
     stage,
     work,
     SLOTS_FASTEST: gl.constexpr,
@@ -87,19 +83,18 @@ def _issue(
     CHUNK: gl.constexpr,
     NBYTES: gl.constexpr,
 ):
-    """Load work item w's strip into ring stage `stage` (nothing past the last item): one box of CHUNK
-    rows a buffer, all on the stage's barrier. ring: (x's descriptor, buffers, ready barriers); work:
-    (items, strips, slots, offs_ptr, slot_offs_ptr, rows, groups, the group vector)."""
+    """Load work item w's strip (r0: its slot's first row; its strip: `_work_item`'s) into ring stage
+    `stage` (nothing past the last item): one box of CHUNK rows a buffer, all on the stage's barrier.
+    ring: (x's descriptor, buffers, ready barriers); work: (items, strips, slots)."""
     desc, bufs, ready = ring
-    n_work, strips, num_slots, offs_ptr, slot_offs_ptr, rows, num_groups, gi = work
+    n_work, strips, num_slots = work
     if w < n_work:
-        slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
-        _, _, _, r0, _ = _slot_of(slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, False, SLOT_ROWS)
+        _, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
         mbarrier.expect(ready.index(stage), NBYTES)
         NCH: gl.constexpr = SLOT_ROWS // CHUNK
         for kk in gl.static_range(NCH):
             tma.async_copy_global_to_shared(
-                desc, [(r0 + kk * CHUNK).to(gl.int32), q * BLOCK_C], ready.index(stage), bufs.index(stage * NCH + kk)
+                desc, [r0 + kk * CHUNK, q * BLOCK_C], ready.index(stage), bufs.index(stage * NCH + kk)
             )
 
 
@@ -134,9 +129,9 @@ def _walks(
     """Both walks over one strip in shared memory. MASKED: rows past the group's end (or a padding slot's)
     are read as zeros and not stored; without it every row of the strip is the group's (a whole slot,
     no select an element). The maxima fold |x| with a NaN-propagating max and read a NaN maximum as inf
-    once a block (`_amax_of`). item: the work item's (count, j0, r0, seg0, slot, q, live) (`_slot_of`,
+    once a block (`_amax_of`). item: the work item's (n, r0, seg0, slot, q, live) (`_record`,
     `_work_item`); sizes: (cols, stride_x, stride_row_scale, pitch); outputs: the four output pointers."""
-    count, j0, r0, seg0, slot, q, live = item
+    n, r0, seg0, slot, q, live = item
     cols, stride_x, stride_row_scale, pitch = sizes
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr = outputs
     NW: gl.constexpr = gl.num_warps()
@@ -149,7 +144,7 @@ def _walks(
     amax_ic = gl.zeros([CHUNK, BLOCK_C], gl.float32, L)
     for kk in range(SLOT_ROWS // CHUNK):
         k = kk * CHUNK
-        rmask = j0 + k + i < count
+        rmask = k + i < n
         x = bufs.index(base + kk).load(L).to(gl.float32)
         if MASKED:
             x = gl.where((rmask & live)[:, None], x, 0.0)
@@ -175,17 +170,17 @@ def _walks(
             k = kk * CHUNK
             x = bufs.index(base + kk).load(LT).to(gl.float32)
             if MASKED:
-                x = gl.where(((j0 + k + iT < count) & live)[:, None], x, 0.0)
+                x = gl.where(((k + iT < n) & live)[:, None], x, 0.0)
             qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
             # Rows past the group's last row are zeros up to the segment's end, nothing past it.
-            smask = live & (j0 + k + iT < gl.cdiv(count, 16) * 16)
+            smask = live & (k + iT < gl.cdiv(n, 16) * 16)
             dst = (seg0 + k) // 16 * 16 + iT
             ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
             gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
     else:
         for kk in range(SLOT_ROWS // CHUNK):
             k = kk * CHUNK
-            rmask = j0 + k + i < count
+            rmask = k + i < n
             x = bufs.index(base + kk).load(L).to(gl.float32)
             if MASKED:
                 x = gl.where((rmask & live)[:, None], x, 0.0)
@@ -195,10 +190,17 @@ def _walks(
 
 
 @gluon.jit
+def _first_row(rec_ptr, w, work, SLOTS_FASTEST: gl.constexpr):
+    """Work item w's slot's first row in x (`slot_records_kernel`'s r0; 0 past the last item)."""
+    n_work, strips, num_slots = work
+    slot, _ = _work_item(w, strips, SLOTS_FASTEST, num_slots)
+    return gl.load(rec_ptr + slot.to(gl.int64) * 4, mask=w < n_work, other=0)
+
+
+@gluon.jit
 def quantize_slots_tma_kernel(
     x_ptr,
-    offs_ptr,
-    slot_offs_ptr,
+    rec_ptr,
     noop_ptr,
     row_data_ptr,
     row_scale_ptr,
@@ -206,7 +208,6 @@ def quantize_slots_tma_kernel(
     col_scale_ptr,
     rows,
     cols,
-    num_groups,
     stride_x,
     stride_row_scale,
     pitch,
@@ -217,13 +218,15 @@ def quantize_slots_tma_kernel(
     STAGES: gl.constexpr,
     SLOTS_FASTEST: gl.constexpr,
     HAS_NOOP: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr,
     HW_E4M3: gl.constexpr,
 ):
     """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
-    16-byte aligned base and row stride; the arguments, outputs and bytes of `quantize_slots_kernel`
-    with TILE_K = SLOT_ROWS = BLOCK_C = 128 (num_slots: its slot programs, ceil(M / 128) + N). A
-    persistent launch: the programs take the num_slots x ceil(cols / 128) work items in turn."""
+    16-byte aligned base and row stride; the outputs and bytes of `quantize_slots_kernel` with TILE_K =
+    SLOT_ROWS = BLOCK_C = 128 (num_slots: its slot programs, ceil(M / 128) + N), each slot's rows read
+    from `slot_records_kernel`'s table (rec_ptr, SLOT_ROWS 128, the same SEGMENTS). A persistent launch:
+    the programs take the num_slots x ceil(cols / 128) work items in turn. Each iteration issues the
+    loads of its next item's record and of the first row of the item it loads next before it walks
+    its own strip, so their latency hides behind the walks."""
     SLOT_ROWS: gl.constexpr = 128
     BLOCK_C: gl.constexpr = 128
     gl.static_assert(SLOT_ROWS % CHUNK == 0 and CHUNK % 16 == 0, "chunks of 16-row multiples")
@@ -242,35 +245,49 @@ def quantize_slots_tma_kernel(
         desc = tma.make_tensor_descriptor(
             x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[CHUNK, BLOCK_C], layout=smem_layout
         )
-        gi = gluon_group_ids(BLOCK_GROUPS)
         strips = gl.cdiv(cols, BLOCK_C)
         n_work = num_slots * strips
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         ring = (desc, bufs, ready)
-        work = (n_work, strips, num_slots, offs_ptr, slot_offs_ptr, rows, num_groups, gi)
+        work = (n_work, strips, num_slots)
         for s in gl.static_range(STAGES):
-            _issue(ring, pid + s * nprog, s, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
+            w0 = pid + s * nprog
+            _issue(
+                ring,
+                w0,
+                _first_row(rec_ptr, w0, work, SLOTS_FASTEST),
+                s,
+                work,
+                SLOTS_FASTEST,
+                SLOT_ROWS,
+                BLOCK_C,
+                CHUNK,
+                NBYTES,
+            )
         sizes = (cols, stride_x, stride_row_scale, pitch)
         outputs = (row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr)
+        slot, _ = _work_item(pid, strips, SLOTS_FASTEST, num_slots)
+        r0, n, live, seg0 = _record(rec_ptr, slot, pid < n_work)
         it = 0
         for w in range(pid, n_work, nprog):
             stage = it % STAGES
             slot, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
-            live, count, j0, r0, seg0 = _slot_of(
-                slot, offs_ptr, slot_offs_ptr, rows, num_groups, gi, SEGMENTS, SLOT_ROWS
-            )
+            next_slot, _ = _work_item(w + nprog, strips, SLOTS_FASTEST, num_slots)
+            next_record = _record(rec_ptr, next_slot, w + nprog < n_work)
+            load_r0 = _first_row(rec_ptr, w + STAGES * nprog, work, SLOTS_FASTEST)
             mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
-            item = (count, j0, r0, seg0, slot, q, live)
+            item = (n, r0, seg0, slot, q, live != 0)
             base = stage * (SLOT_ROWS // CHUNK)
-            if live and j0 + SLOT_ROWS <= count:  # a whole slot of a real group: no row masks
+            if live != 0 and n >= SLOT_ROWS:  # a whole slot of a real group: no row masks
                 _walks(bufs, base, item, sizes, outputs, False, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
             else:
                 _walks(bufs, base, item, sizes, outputs, True, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()
-            _issue(ring, w + STAGES * nprog, stage, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
+            _issue(ring, w + STAGES * nprog, load_r0, stage, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
+            r0, n, live, seg0 = next_record
             it += 1
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))

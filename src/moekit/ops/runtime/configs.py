@@ -471,6 +471,13 @@ QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
         "segments-columnwise": (32, 2, 1, 6, True),
     },
 }
+# The table of the slots' rows the Gluon kernel reads (`slot_records_kernel`): (slots a program,
+# warps). A program compares its slots with every group's first slot, a (slots, BLOCK_GROUPS) tile.
+# Small under the interpreter so that CPU tests cover several programs.
+SLOT_RECORDS: dict[Arch, tuple[int, int]] = {
+    "sm90": (64, 4),
+    "interpreter": (8, 4),
+}
 QUANTIZE_CHUNKS: dict[Arch, tuple[int, int, int]] = {
     "sm90": (16, 512, 4),
     "sm80": (16, 512, 4),

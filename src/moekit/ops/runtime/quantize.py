@@ -37,6 +37,7 @@ from moekit.ops.kernels.quantize import (
     quantize_slots_kernel,
     quantize_spans_kernel,
     quantize_tiles_kernel,
+    slot_records_kernel,
     transpose_weight_kernel,
 )
 from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel
@@ -49,6 +50,7 @@ from moekit.ops.runtime.configs import (
     QUANTIZE_SLOTS_TMA,
     QUANTIZE_SPANS,
     QUANTIZE_TILES,
+    SLOT_RECORDS,
     TRANSPOSE_TILES,
     Arch,
 )
@@ -74,6 +76,7 @@ from moekit.ops.runtime.quantize_torch import segment_pitch
 _TILES = Launcher(quantize_tiles_kernel)
 _SLOTS = Launcher(quantize_slots_kernel)
 _SLOTS_TMA = Launcher(quantize_slots_tma_kernel)
+_SLOT_RECORDS = Launcher(slot_records_kernel)
 _ROWS = Launcher(quantize_rows_kernel)
 _AMAX = Launcher(amax_spans_kernel)
 _SPANS = Launcher(quantize_spans_kernel)
@@ -83,15 +86,18 @@ _TRANSPOSE = Launcher(transpose_weight_kernel)
 
 class QuantizePlan(NamedTuple):
     """The launches of one problem: mxfp8 and fp8_block's tiles (rowwise alone, a weight's blocks) or
-    slots (the columnwise form); fp8_rowwise's whole rows (rowwise only), or its two passes over spans
-    of a group's rows (the maxima, then the data) when the columnwise form is asked; None where there
-    is nothing to launch."""
+    slots (the columnwise form; on Hopper the Gluon kernel, after `records` fills its table of the
+    slots' rows); fp8_rowwise's whole rows (rowwise only), or its two passes over spans of a group's
+    rows (the maxima, then the data) when the columnwise form is asked; None where there is nothing to
+    launch."""
 
     tiles: LaunchPlan | None
     slots: LaunchPlan | None
     rows: LaunchPlan | None
     amax: LaunchPlan | None
     spans: LaunchPlan | None
+    records: LaunchPlan | None = None
+    record_slots: int = 0
 
 
 def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -> int:
@@ -125,7 +131,10 @@ def _plan(
             layout = "segments" if segments else "rows"
             tma_slots = _slots_tma_plan(info, x, x2, num_groups, forms, pitch, stride_scale)
             if tma_slots is not None:
-                return QuantizePlan(None, tma_slots, None, None, None)
+                slots_plan, records_plan = tma_slots
+                return QuantizePlan(
+                    None, slots_plan, None, None, None, records_plan, _num_slots(info, x, 128, num_groups)
+                )
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
                 raise RuntimeError(
@@ -243,10 +252,11 @@ def _slots_tma_plan(
     forms: tuple[bool, bool, bool, bool],
     pitch: int,
     stride_scale: int,
-) -> LaunchPlan | None:
+) -> tuple[LaunchPlan, LaunchPlan] | None:
     """The Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`, the Triton
-    slots kernel's arguments and bytes), or None where it does not apply (`hopper_slots_entry`) or there
-    is nothing to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
+    slots kernel's bytes) and the launch before it that fills its table of the slots' rows
+    (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
+    to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
     rowwise, _, has_noop, segments = forms
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments)
     if entry is None:
@@ -256,10 +266,10 @@ def _slots_tma_plan(
     work = num_slots * triton.cdiv(x2.shape[1], 128)
     if not work:
         return None
-    return LaunchPlan(
+    slots = LaunchPlan(
         _SLOTS_TMA,
         (grid_size(x2.device, work, per_sm),),
-        (x2.shape[0], x2.shape[1], num_groups, x2.stride(0), stride_scale, pitch, num_slots),
+        (x2.shape[0], x2.shape[1], x2.stride(0), stride_scale, pitch, num_slots),
         dict(
             ROWWISE=rowwise,
             SEGMENTS=segments,
@@ -267,11 +277,24 @@ def _slots_tma_plan(
             STAGES=stages,
             SLOTS_FASTEST=slots_fastest,
             HAS_NOOP=has_noop,
-            BLOCK_GROUPS=block_groups(num_groups),
             HW_E4M3=hw_e4m3(x2.device),
             num_warps=warps,
         ),
     )
+    block_s, records_warps = SLOT_RECORDS[arch_of(x2.device)]
+    records = LaunchPlan(
+        _SLOT_RECORDS,
+        (triton.cdiv(num_slots, block_s),),
+        (x2.shape[0], num_groups, num_slots),
+        dict(
+            SLOT_ROWS=128,
+            SEGMENTS=segments,
+            BLOCK_S=block_s,
+            BLOCK_GROUPS=block_groups(num_groups),
+            num_warps=records_warps,
+        ),
+    )
+    return slots, records
 
 
 def _num_spans(rows: int, num_groups: int, span: int) -> int:
@@ -325,7 +348,19 @@ def group_quantize_into(
     with device_ctx(x.device):
         if plan.tiles is not None:
             plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
-        if plan.slots is not None:
+        if plan.slots is not None and plan.records is not None:
+            records = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
+            plan.records(offs, slot_offs, records)
+            plan.slots(
+                x2,
+                records,
+                noop_arg,
+                _u8(row_data, x2),
+                _u8(row_scale, x2),
+                _u8(col_data, x2),
+                _u8(col_scale, x2),
+            )
+        elif plan.slots is not None:
             plan.slots(
                 x2,
                 offs,
