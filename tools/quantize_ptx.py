@@ -111,7 +111,8 @@ def main() -> None:
     block_s, warps = configs.SLOT_RECORDS["sm90"]
     for segments in (False, True):
         consts = dict(SLOT_ROWS=128, SEGMENTS=segments, BLOCK_S=block_s, BLOCK_GROUPS=256)
-        cases.append((f"slot_records_seg{int(segments)}", kernels.slot_records_kernel, consts, warps, {"rec_ptr": "*i32"}))
+        name = f"slot_records_seg{int(segments)}"
+        cases.append((name, kernels.slot_records_kernel, consts, warps, {"rec_ptr": "*i32"}))
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32"}
     most_cols, elements, warps = configs.QUANTIZE_ONE_PASS_ROWS["sm90"]
     for cols in (7168, 4096, 2880, 2048):

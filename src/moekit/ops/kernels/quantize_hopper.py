@@ -22,11 +22,12 @@ A program takes the work items (slot, strip) pid, pid + P, ... (slots fastest or
 SLOTS_FASTEST). A slot's rows (first row, rows left in its group, real group or not, segment start)
 come from a table the host fills just before (`slot_records_kernel`): one independent load a slot,
 issued an item ahead, where finding the slot's group from the device offsets is a chain of dependent
-loads and cross-warp reductions that every warp of the program would wait on. Each item's boxes are loaded whatever the slot holds (TMA fills rows past M with
-zeros); rows outside the slot's group are masked out in the walks, so a slot that reaches into the next
-group's rows, a padding slot (read as zeros, as the Triton kernel reads them) and an unused slot (its
-column scales 1, nothing else written) need no branch around the ring; a whole slot of a real group
-(every slot but a group's last) takes a copy of the walks without the per-element row masks. Before a
+loads and cross-warp reductions that every warp of the program would wait on. Each item's boxes are
+loaded whatever the slot holds (TMA fills rows past M with zeros); rows outside the slot's group are
+masked out in the walks, so a slot that reaches into the next group's rows, a padding slot (read as
+zeros, as the Triton kernel reads them) and an unused slot (its column scales 1, nothing else written)
+need no branch around the ring; a whole slot of a real group (every slot but a group's last) takes a
+copy of the walks without the per-element row masks. Before a
 stage is loaded again every warp has finished reading it (a CTA barrier, then the proxy fence).
 
 Walk 1, chunks of CHUNK rows in a row-major register layout (16 consecutive columns a thread): the

@@ -462,16 +462,18 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # with the rowwise form), "segments-columnwise" (that layout alone) -> (CHUNK rows a walk step, warps,
 # strips of 128 x 128 in flight a program, programs an SM, slots fastest). Many small programs beat a
 # few large ones (each walks its strip alone; the others' loads and stores hide its latency); the H200
-# sweeps that chose each entry are in notes/quantize.md. With the rowwise form, strips go fastest: the
-# programs running at one time then cover a few slots' whole width, so each row's scales (one float a
-# strip, side by side in memory) are written close together in time rather than one float per
-# 32-byte sector spread over the whole launch. Only architectures listed here run it;
+# sweeps that chose each entry are in notes/quantize.md; the segments' entries were chosen at splits
+# that are not multiples of 128 rows (what routing gives; the segments then start off 128-byte lines).
+# With the rowwise form, strips go fastest: the programs running at one time then cover a few slots'
+# whole width, so each row's scales (one float a strip, side by side in memory) are written close
+# together in time rather than one float per 32-byte sector spread over the whole launch. Only
+# architectures listed here run it;
 # elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes.
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
     "sm90": {
         "rows": (16, 2, 1, 6, False),
-        "segments": (16, 4, 2, 3, False),
-        "segments-columnwise": (32, 2, 1, 6, True),
+        "segments": (32, 4, 1, 4, False),
+        "segments-columnwise": (32, 4, 2, 3, True),
     },
 }
 # The table of the slots' rows the Gluon kernel reads (`slot_records_kernel`): (slots a program,
