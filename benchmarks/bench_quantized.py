@@ -13,7 +13,15 @@ roofs      the dense bf16 matmul 8192^3 (torch.mm, runner.measure_roof), the den
 quantize   moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=...) for each recipe
            (fp8_block, fp8_rowwise, mxfp8) on the activations x (M, H) bf16 of each layer shape (m_splits
            a device tensor of balanced counts) and on a (E, 2F, H) weight (m_splits=None), rowwise only
-           and rowwise+columnwise (fp8_block weights have no columnwise form: "unsupported"). Three
+           and rowwise+columnwise (fp8_block weights have no columnwise form: "unsupported"); and the
+           backward's wgrad operands as the FP8 wgrad takes them (`group_quantize_for_wgrad`, the
+           columnwise data written in the wgrad's segments layout): `segments` with both forms (dy,
+           dh), `segments_columnwise` the columnwise form alone (x, a); their bytes written count the
+           columnwise data's M x X (not the layout's padding columns), and they have no out= (a
+           backward's operands are fresh: "unsupported"), their graph replays the allocating call.
+           `--splits routed` takes the groups' counts from bench_moe_layer's balanced routing (random
+           draws: counts not multiples of 16 or 128, what ab_builds.py's layer cells and real routing
+           give) instead of equal counts. Three
            modes per cell, timed in interleaved rounds: `alloc` (a new GroupedTensor per call), `out`
            (out= an earlier result, rewritten in place) and `graph` (the out= call captured once in a
            torch.cuda.CUDAGraph and replayed; CUDA only). Bytes moved = x's bytes read + the fp8 data and
@@ -66,6 +74,8 @@ markdown summary is printed and written next to it.
     python benchmarks/bench_quantized.py --smoke --out /tmp/q       # tiny shapes, CPU, a few seconds
     python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy \
         --baseline benchmarks/results/h200_quantized_99508e5.json   # group_quantize, before beside after
+    python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy --recipes fp8_block \
+        --operands segments,segments_columnwise --splits routed    # the backward's wgrad operands
 
 `--kernels` adds to each layer record where one step's time goes: one more forward+backward after the
 timing under torch.profiler, the device time of its kernels summed by name (`kernels`: name, ms,
@@ -102,7 +112,7 @@ from bench_moe_layer import LayerShape, plain_layer
 import moekit
 from moekit import QuantizedWeightCache
 from moekit.ops import library
-from moekit.ops.quantize import transposed_weight
+from moekit.ops.quantize import group_quantize_for_wgrad, transposed_weight
 from moekit.ops.runtime.backends import backend_named, quantized_gemm_of
 
 NAME = "quantized"
@@ -113,7 +123,11 @@ GEMM_OPS = ("fwd", "dgrad", "wgrad")
 COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
 QUANTIZED_COLUMNS = {"moekit_fp8_block": "fp8_block", "moekit_fp8_rowwise": "fp8_rowwise"}
 RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
-OPERANDS = ("activations", "weight")
+OPERANDS = ("activations", "weight", "segments", "segments_columnwise")
+# The backward's operands of the FP8 wgrad (`group_quantize_for_wgrad`, columnwise data in the wgrad's
+# segments layout): both forms (dy, dh) and the columnwise form alone (x, a).
+SEGMENTS_ROWWISE = {"segments": True, "segments_columnwise": False}
+SPLITS = ("balanced", "routed")
 MODES = ("alloc", "out", "graph")
 SHAPE_NAMES = ("deepseek-v3-ep8", "mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b")
 SHAPES = tuple(s for name in SHAPE_NAMES for s in bench_moe_layer.SHAPES if s.name == name)
@@ -443,9 +457,24 @@ def print_layer_record(r: dict) -> None:
 
 
 def _written(gt) -> list[torch.Tensor]:
-    """The fp8 data and scales a quantization wrote (the forms asked for)."""
+    """The fp8 data and scales a quantization wrote (the forms asked for): a GroupedTensor's, or the
+    (rowwise GroupedTensor or None, SegmentedColumns, group counts) of `group_quantize_for_wgrad` (the
+    segments' data on the columns in use: `segment_bytes`)."""
+    if isinstance(gt, tuple):
+        rows, cols, counts = gt
+        return (_written(rows) if rows is not None else []) + [segment_bytes(cols, counts), cols.scale_inv]
     tensors = (gt.rowwise_data, gt.rowwise_scale_inv, gt.columnwise_data, gt.columnwise_scale_inv)
     return [t for t in tensors if t is not None]
+
+
+def segment_bytes(cols, counts: list[int]) -> torch.Tensor:
+    """The columns of SegmentedColumns' (X, pitch) data that the segments of groups of `counts` rows use
+    (the rest is unspecified). The segments' alignment is the build's (`SEGMENT_COLUMNS`; builds
+    before that constant aligned them to 16 columns, and ab_builds.py times both kinds)."""
+    from moekit.ops.runtime import quantize_torch
+
+    align = getattr(quantize_torch, "SEGMENT_COLUMNS", 16)
+    return cols.data[:, : sum(-(-n // align) * align for n in counts)]
 
 
 def zero_bytes(gt) -> None:
@@ -471,6 +500,7 @@ def bench_quantize_cell(
     args, shape: LayerShape, operand: str, x: torch.Tensor, splits, recipe: str, columnwise: bool, hbm, budget: Budget
 ) -> list[dict]:
     device = args.device
+    segments = operand in SEGMENTS_ROWWISE
     recs = {
         mode: {
             "bench": NAME,
@@ -479,8 +509,9 @@ def bench_quantize_cell(
             "operand": operand,
             "x_shape": list(x.shape),
             "recipe": recipe,
-            "rowwise": True,
+            "rowwise": SEGMENTS_ROWWISE.get(operand, True),
             "columnwise": columnwise,
+            "splits": args.splits if splits is not None else None,
             "mode": mode,
             "status": None,
             "reason": None,
@@ -505,7 +536,12 @@ def bench_quantize_cell(
         mark(MODES, "skipped", budget.reason())
         return records
 
+    counts = splits.tolist() if segments else None
+
     def quantize(out=None):
+        if segments:  # the backward's call: no out= (its operands are fresh)
+            rows, cols = group_quantize_for_wgrad(x, splits, recipe, rowwise=SEGMENTS_ROWWISE[operand])
+            return rows, cols, counts
         return moekit.group_quantize(x, splits, recipe, rowwise=True, columnwise=columnwise, out=out)
 
     try:
@@ -518,19 +554,24 @@ def bench_quantize_cell(
         mark(MODES, "error", runner.error_reason(exc))
         return records
     written = sum(t.nbytes for t in _written(expected))
+    if segments:  # the columnwise data's M x X bytes, not the segments' padding columns
+        written += x.nbytes // x.element_size() - segment_bytes(expected[1], counts).nbytes
     quantizer = quantizer_name(x)
     for r in records:
         r.update(bytes_read=x.nbytes, bytes_written=written, first_call_s=round(first_call_s, 3), quantizer=quantizer)
     recs["alloc"].update(status="ok", same_bytes_as_alloc=True)
     timed = [(recs["alloc"], quantize)]
-    try:
-        out = quantize()
-        zero_bytes(out)  # what the in-place call writes, not what the allocating call left
-        quantize(out=out)
-        recs["out"].update(status="ok", same_bytes_as_alloc=same_bytes(out, expected))
-        timed.append((recs["out"], lambda: quantize(out=out)))
-    except Exception as exc:
-        mark(["out"], "error", runner.error_reason(exc))
+    if segments:
+        mark(["out"], "unsupported", "group_quantize_for_wgrad has no out= (a backward's operands are fresh)")
+    else:
+        try:
+            out = quantize()
+            zero_bytes(out)  # what the in-place call writes, not what the allocating call left
+            quantize(out=out)
+            recs["out"].update(status="ok", same_bytes_as_alloc=same_bytes(out, expected))
+            timed.append((recs["out"], lambda: quantize(out=out)))
+        except Exception as exc:
+            mark(["out"], "error", runner.error_reason(exc))
     if device.type != "cuda":
         mark(["graph"], "skipped", "CUDA graphs need a CUDA device")
     else:
@@ -540,15 +581,21 @@ def bench_quantize_cell(
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # warm-up on a side stream, as capture wants
                 for _ in range(2):
-                    quantize(out=graph_out)
+                    quantize(out=None if segments else graph_out)
             torch.cuda.current_stream(device).wait_stream(side)
-            zero_bytes(graph_out)  # what the replay writes, not what the warm-up left
             graph = torch.cuda.CUDAGraph()
             runner.sync(device)
             t0 = time.monotonic()
-            with torch.cuda.graph(graph):
-                quantize(out=graph_out)
+            if segments:  # the allocating call captured: its outputs live in the graph's pool
+                with torch.cuda.graph(graph):
+                    graph_out = quantize()
+            else:
+                zero_bytes(graph_out)  # what the replay writes, not what the warm-up left
+                with torch.cuda.graph(graph):
+                    quantize(out=graph_out)
             runner.sync(device)
+            if segments:
+                zero_bytes(graph_out)  # what the replay writes, not what the capture left
             recs["graph"]["capture_s"] = round(time.monotonic() - t0, 3)
             graph.replay()
             runner.sync(device)
@@ -564,13 +611,26 @@ def bench_quantize_cell(
     return records  # the caller releases the graph and the outputs
 
 
+def group_counts(args, shape: LayerShape) -> torch.Tensor:
+    """The groups' row counts of the quantize part on the device: equal ("balanced") or those of
+    bench_moe_layer's balanced routing ("routed": random draws)."""
+    M = shape.tokens * shape.top_k
+    if args.splits == "balanced":
+        return torch.tensor(runner.balanced_splits(M, shape.experts), device=args.device)
+    ids, _ = bench_moe_layer.make_routing(shape, "balanced", args.device, args.dtype)
+    return torch.bincount(ids.reshape(-1), minlength=shape.experts)
+
+
 def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[dict]:
     device, dtype = args.device, args.dtype
     M = shape.tokens * shape.top_k
     gen = torch.Generator(device=device).manual_seed(2)
-    splits = torch.tensor(runner.balanced_splits(M, shape.experts), device=device)
+    splits = group_counts(args, shape)
+    rows = torch.randn(M, shape.hidden, device=device, dtype=dtype, generator=gen)
     operands = {
-        "activations": (torch.randn(M, shape.hidden, device=device, dtype=dtype, generator=gen), splits),
+        "activations": (rows, splits),
+        "segments": (rows, splits),
+        "segments_columnwise": (rows, splits),
         "weight": (
             (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, device=device, generator=gen) * 0.02).to(dtype),
             None,
@@ -580,7 +640,7 @@ def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[d
     for operand in args.operand_list:
         x, m_splits = operands[operand]
         for recipe in args.recipe_list:
-            for columnwise in (False, True):
+            for columnwise in (True,) if operand in SEGMENTS_ROWWISE else (False, True):
                 cell = bench_quantize_cell(args, shape, operand, x, m_splits, recipe, columnwise, hbm, budget)
                 for r in cell:
                     print_quantize_record(r)
@@ -592,12 +652,12 @@ def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[d
 
 
 def print_quantize_record(r: dict) -> None:
-    forms = "row+col" if r["columnwise"] else "row"
+    forms = "+".join(name for name, on in (("row", r["rowwise"]), ("col", r["columnwise"])) if on)
     t = f"{r['ms']:8.3f} ms {r['gb_per_s']:7.1f} GB/s" if r.get("ms") else " " * 24
     frac = f" {r['fraction_of_hbm']:.2f} HBM" if r.get("fraction_of_hbm") else ""
     same = "" if r.get("same_bytes_as_alloc") is None else f" same={r['same_bytes_as_alloc']}"
     note = f"  [{r['status']}: {r['reason'][:120]}]" if r.get("reason") else ""
-    print(f"  {r['shape']:<16} {r['operand']:<11} {r['recipe']:<11} {forms:<7} {r['mode']:<5} {t}{frac}{same}{note}")
+    print(f"  {r['shape']:<16} {r['operand']:<19} {r['recipe']:<11} {forms:<7} {r['mode']:<5} {t}{frac}{same}{note}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -787,17 +847,18 @@ def summary_markdown(payload: dict) -> str:
     before = payload.get("baseline", {}).get("graph", {})
     cells: dict[tuple, dict] = {}
     for r in payload.get("quantize", []):
-        cells.setdefault((r["shape"], r["operand"], r["recipe"], r["columnwise"]), {})[r["mode"]] = r
+        cells.setdefault((r["shape"], r["operand"], r["recipe"], r["rowwise"], r["columnwise"]), {})[r["mode"]] = r
 
     def bw(r):
         if r.get("gb_per_s"):
             return f"{r['gb_per_s']:.0f} ({_f(r.get('fraction_of_hbm'), '.2f')})"
         return f"{r['status']}: {(r['reason'] or '')[:60]}" if r.get("reason") else (r.get("status") or "-")
 
-    for (shape, operand, recipe, columnwise), modes in cells.items():
+    for (shape, operand, recipe, rowwise, columnwise), modes in cells.items():
         same = "/".join(str(modes[m].get("same_bytes_as_alloc")) for m in ("out", "graph"))
+        forms = "+".join(name for name, on in (("row", rowwise), ("col", columnwise)) if on)
         lines.append(
-            f"| {shape} | {operand} | {recipe} | {'row+col' if columnwise else 'row'} | "
+            f"| {shape} | {operand} | {recipe} | {forms} | "
             f"{bw(modes['alloc'])} | {bw(modes['out'])} | {bw(modes['graph'])} | {same} |"
             + (f" {before.get(f'{shape}/{operand}/{recipe}/{int(columnwise)}', '-')} |" if before else "")
         )
@@ -843,7 +904,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of the layer's columns")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma list of group_quantize's recipes")
-    parser.add_argument("--operands", default=",".join(OPERANDS), help="group_quantize on activations, weight")
+    parser.add_argument(
+        "--operands",
+        default=",".join(OPERANDS),
+        help="group_quantize on activations, weight; the wgrad's segments with both forms, columnwise alone",
+    )
+    parser.add_argument(
+        "--splits", choices=SPLITS, default="balanced", help="the quantize part's group counts (default balanced)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, smoke 2)")
     parser.add_argument("--steps", type=int, default=None, help="layer steps timed per round (default 5, smoke 2)")
     parser.add_argument(

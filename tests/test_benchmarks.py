@@ -190,10 +190,10 @@ def _run_quantized(out: Path, *extra: str) -> dict:
 
 def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     """bench_quantized.py --smoke: the roofs, every group_quantize cell (alloc and out= the same bytes;
-    the CUDA graph skipped with its reason), every FP8 grouped GEMM alone (torch's bf16 grouped mm
-    skipped off CUDA) and every layer column on CPU (bf16 within bf16's error of
-    the float64 reference, FP8 within FP8's; torchao skipped with its reason, its layer code run with a
-    bf16 stand-in)."""
+    the CUDA graph skipped with its reason; the wgrad's segments operands without out=), every FP8
+    grouped GEMM alone (torch's bf16 grouped mm skipped off CUDA) and every layer column on CPU (bf16
+    within bf16's error of the float64 reference, FP8 within FP8's; torchao skipped with its reason,
+    its layer code run with a bf16 stand-in)."""
     payload = _run_quantized(tmp_path)
     assert {name for name, r in payload["roofs"].items() if r["status"] == "ok"} == {
         "bf16_mm",
@@ -202,10 +202,13 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
         "hbm_copy",
     }
     quantize = payload["quantize"]
-    assert len(quantize) == 2 * 3 * 2 * 2 * 3  # shapes x recipes x operands x forms x modes
+    # shapes x recipes x (activations and weight in two forms each, the two segments operands in one) x modes
+    assert len(quantize) == 2 * 3 * (2 * 2 + 2) * 3
     for r in quantize:
         if r["recipe"] == "fp8_block" and r["operand"] == "weight" and r["columnwise"]:
             assert r["status"] == "unsupported", r
+        elif r["operand"].startswith("segments") and r["mode"] == "out":
+            assert r["status"] == "unsupported" and "out=" in r["reason"], r
         elif r["mode"] == "graph":
             assert r["status"] == "skipped" and "CUDA" in r["reason"], r
         else:
@@ -238,6 +241,18 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     summary = (tmp_path / "quantized.md").read_text()
     assert "| smoke | moekit_fp8_rowwise |" in summary and "| hbm_copy |" in summary
     assert "| smoke | fc1 | wgrad | skipped |" in summary
+
+
+def test_bench_quantized_routed_splits_take_the_routing_counts(tmp_path):
+    """--splits routed: the quantize part's groups are bench_moe_layer's balanced routing's counts
+    (random draws), recorded as such, and the segments operand writes the bytes of its first call."""
+    payload = _run_quantized(
+        tmp_path, "--parts", "quantize", "--roofs", "hbm_copy", "--splits", "routed", "--operands", "segments",
+        "--recipes", "fp8_block",
+    )  # fmt: skip
+    alloc = [r for r in payload["quantize"] if r["mode"] == "alloc"]
+    assert len(alloc) == 2 and all(r["splits"] == "routed" and r["status"] == "ok" for r in alloc), alloc
+    assert all(r["rowwise"] and r["columnwise"] and r["bytes_written"] > r["bytes_read"] // 2 for r in alloc), alloc
 
 
 def test_bench_quantized_kernels_profile_one_step_per_column(tmp_path):
