@@ -551,6 +551,8 @@ def glu_forward_ws_kernel(
     mbarrier.init(epi_ready, count=1)
     mbarrier.init(epi_free, count=1)
 
+    # The epilogue and load partitions take the same arguments, written out twice: a local tuple of
+    # them does not compile (Triton 3.6 cannot hold the activation's JITFunction in a tuple value).
     gl.warp_specialize(
         [
             (
