@@ -131,10 +131,7 @@ def _plan(
             layout = "segments" if segments else "rows"
             tma_slots = _slots_tma_plan(info, x, x2, num_groups, forms, pitch, stride_scale)
             if tma_slots is not None:
-                slots_plan, records_plan = tma_slots
-                return QuantizePlan(
-                    None, slots_plan, None, None, None, records_plan, _num_slots(info, x, 128, num_groups)
-                )
+                return tma_slots
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
                 raise RuntimeError(
@@ -252,9 +249,9 @@ def _slots_tma_plan(
     forms: tuple[bool, bool, bool, bool],
     pitch: int,
     stride_scale: int,
-) -> tuple[LaunchPlan, LaunchPlan] | None:
-    """The Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`, the Triton
-    slots kernel's bytes) and the launch before it that fills its table of the slots' rows
+) -> QuantizePlan | None:
+    """The plan of the Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`,
+    the Triton slots kernel's bytes) and of the launch before it that fills its table of the slots' rows
     (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
     to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
     rowwise, _, has_noop, segments = forms
@@ -294,7 +291,7 @@ def _slots_tma_plan(
             num_warps=records_warps,
         ),
     )
-    return slots, records
+    return QuantizePlan(None, slots, None, None, None, records, num_slots)
 
 
 def _num_spans(rows: int, num_groups: int, span: int) -> int:
@@ -348,23 +345,15 @@ def group_quantize_into(
     with device_ctx(x.device):
         if plan.tiles is not None:
             plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
-        if plan.slots is not None and plan.records is not None:
-            records = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
-            plan.records(offs, slot_offs, records)
+        if plan.slots is not None:
+            groups: tuple[torch.Tensor, ...] = (offs, slot_offs)
+            if plan.records is not None:  # the Gluon kernel reads its slots' rows from a table
+                table = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
+                plan.records(offs, slot_offs, table)
+                groups = (table,)
             plan.slots(
                 x2,
-                records,
-                noop_arg,
-                _u8(row_data, x2),
-                _u8(row_scale, x2),
-                _u8(col_data, x2),
-                _u8(col_scale, x2),
-            )
-        elif plan.slots is not None:
-            plan.slots(
-                x2,
-                offs,
-                slot_offs,
+                *groups,
                 noop_arg,
                 _u8(row_data, x2),
                 _u8(row_scale, x2),
