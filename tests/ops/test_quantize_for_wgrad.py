@@ -3,7 +3,7 @@
 the torch path's `segment_transposed`), and the wgrad, grouped_linear and the quantized MLP on it.
 
 The layout's contract is `segment_transpose(group_quantize(...).columnwise_data, offs)` byte for byte on
-every column in use (each group's segment, its tail of zeros up to 16 included); the scales and the
+every column in use (each group's segment, its tail of zeros up to 128 columns included); the scales and the
 rowwise form of the same launch are `group_quantize`'s bytes. Checked on bytes: padding rows hold NaN
 (never read: a NaN byte inside a segment shows), outputs are NaN-poisoned (an unwritten byte in use
 shows). Then the products on it: the same bytes give the same dw, bit for bit, as the (M, X) form
@@ -20,9 +20,10 @@ import torch
 import moekit
 from helpers import assert_no_host_sync, compile_in_subprocess
 from moekit.ops import library, quantized_mlp
+from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS as KERNEL_SEGMENT_COLUMNS
 from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
 from moekit.ops.runtime.backends import triton_unavailable_reason
-from moekit.ops.runtime.quantize_torch import segment_pitch
+from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS, segment_pitch
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
 
@@ -67,11 +68,22 @@ def check_segments(cols: SegmentedColumns, want_MX: torch.Tensor, splits: list[i
     assert got.shape == want.shape and got.is_contiguous(), what
     col = 0
     for g, count in enumerate(splits):
-        width = -(-count // 16) * 16
+        width = -(-count // SEGMENT_COLUMNS) * SEGMENT_COLUMNS
         assert torch.equal(got[:, col : col + width], want[:, col : col + width]), f"{what}: group {g}'s segment"
         assert torch.count_nonzero(got[:, col + count : col + width]) == 0, f"{what}: group {g}'s tail"
         col += width
     assert not (got[:, :col] == 0xFF).any(), f"{what}: a padding row's NaN inside a segment"
+
+
+def test_one_segment_width():
+    """The kernels and the host agree on the layout's segment width (two constants: the torch side
+    imports no triton), a whole 128-byte line, and the pitch has room for any split."""
+    assert int(KERNEL_SEGMENT_COLUMNS) == SEGMENT_COLUMNS == 128
+    for rows, groups in [(0, 1), (1, 1), (300, 7), (262144, 128)]:
+        pitch = segment_pitch(rows, groups)
+        assert pitch % SEGMENT_COLUMNS == 0
+        worst = rows + (SEGMENT_COLUMNS - 1) * groups  # each segment rounds its rows up by at most 127
+        assert pitch >= worst
 
 
 @cpu_only
@@ -142,7 +154,7 @@ def test_wgrad_refuses_operands_not_in_the_layout():
     with pytest.raises(ValueError, match="segmented_rows"):
         qg.quantized_gemm_wgrad(
             "fp8_rowwise", cols.data, cols.scale_inv, cols.data, cols.scale_inv, offs,
-            out_dtype=torch.float32, segmented_rows=41 + 16,
+            out_dtype=torch.float32, segmented_rows=40 + SEGMENT_COLUMNS,
         )  # fmt: skip
 
 

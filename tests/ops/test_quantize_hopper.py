@@ -24,6 +24,7 @@ from moekit.ops.kernels.quantize import slot_records_kernel
 from moekit.ops.quantize import group_quantize_for_wgrad
 from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import forget_plans
+from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 
 quantize_runtime = pytest.importorskip("moekit.ops.runtime.quantize")
 
@@ -79,7 +80,7 @@ def records_by_rule(m_splits: list[int], M: int, segments: bool) -> list[list[in
         firsts.append(firsts[-1] + -(-m // 128))
     seg = [0]
     for m in m_splits:
-        seg.append(seg[-1] + -(-m // 16) * 16)
+        seg.append(seg[-1] + -(-m // SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
     table = []
     for s in range(-(-M // 128) + N):
         g = sum(first <= s for first in firsts[1:])

@@ -37,6 +37,7 @@ from helpers import (
 from moekit.grouped_tensor import FP8_DTYPE, RECIPES, dequantize_columnwise
 from moekit.ops import library
 from moekit.ops.runtime.backends import backend_named, quantized_gemm_of, triton_unavailable_reason
+from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
@@ -144,18 +145,19 @@ def test_kernel_against_dequantized_float64(recipe, layout, nan_poison):
 @cpu_only
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_segment_transpose_layout(layout, nan_poison):
-    """The wgrad's operand layout byte for byte: each group's rows transposed from a multiple of 16
+    """The wgrad's operand layout byte for byte: each group's rows transposed from a multiple of 128
     columns, zeros to the segment's end (the buffer is NaN-poisoned, so an unwritten byte shows), padding
     rows nowhere. Checked on the bytes because the interpreter's FP8 tl.dot takes a NaN byte times
     zero as zero (the GPU's does not), so the kernel tests alone would not see an unwritten zero."""
     splits, M, I, _ = LAYOUTS[layout]
     dy, _, x, _, _, _ = columnwise_operands(splits, M, I, 16, torch.device("cpu"))
     out = qg.segment_transpose(x, offs_of(splits)).view(torch.uint8)
-    assert out.shape[0] == I and out.shape[1] % 16 == 0 and out.shape[1] >= M + 15 * len(splits)
+    c = SEGMENT_COLUMNS
+    assert out.shape[0] == I and out.shape[1] % c == 0 and out.shape[1] >= M + (c - 1) * len(splits)
     src, col = x.view(torch.uint8), 0
     bounds = offs_of(splits).tolist()
     for g, count in enumerate(splits):
-        width = -(-count // 16) * 16
+        width = -(-count // c) * c
         assert torch.equal(out[:, col : col + count], src[bounds[g] : bounds[g + 1]].T), f"group {g}'s rows"
         assert torch.count_nonzero(out[:, col + count : col + width]) == 0, f"group {g}'s segment tail"
         col += width

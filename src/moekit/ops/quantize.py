@@ -499,11 +499,11 @@ class SegmentedColumns(NamedTuple):
     layout rather than (M, X) rows: the form `group_quantize_for_wgrad` gives the FP8 wgrad
     (`moekit.ops.runtime.quantized_gemm.quantized_gemm_wgrad(segmented_rows=rows)`).
 
-    data: (X, pitch) float8, pitch = `segment_pitch(M, N)` (the smallest multiple of 16 >= M + 15 N),
+    data: (X, pitch) float8, pitch = `segment_pitch(M, N)` (the smallest multiple of 128 >= M + 127 N),
     data[:, starts[g] + j] = the columnwise byte of row offs[g] + j, starts[g] the sum of the earlier
-    groups' row counts each rounded up to 16, zeros to each segment's end, columns past the last
-    segment unspecified. scale_inv: the columnwise scales exactly as `GroupedTensor.columnwise_scale_inv`.
-    rows: M.
+    groups' row counts each rounded up to 128 (`SEGMENT_COLUMNS`: whole cache lines for the writers at
+    any split), zeros to each segment's end, columns past the last segment unspecified. scale_inv: the
+    columnwise scales exactly as `GroupedTensor.columnwise_scale_inv`. rows: M.
 
     Why a form beside GroupedTensor and not inside it: a GroupedTensor's columnwise data is (M, X) for
     its users (dequantize, split, members), and this layout serves one consumer, the wgrad, which

@@ -75,9 +75,9 @@ i0:i0 + 256] into the ring slot by TMA (1.5 KiB), so a promotion reads them from
 loads at fixed offsets, no address or mask arithmetic, no global latency: with the scales gathered from
 global memory by the math warps, each half's promotion waited on them after its MMA). The x scales of a
 128-column half are 32 registers a thread in the accumulator's layout, so they are read where used
-rather than a step ahead. A
-group's last, partial step reads dyt through a descriptor whose extent ends at its last row (TMA
-zero-fills the rest). The Triton wgrad's fp32 operations in its order (its extra promotions add 0), so
+rather than a step ahead. A group's last, partial step reads its segment's zero tail (segments are
+128 columns wide: `grouped_wgrad_fp8.SEGMENT_COLUMNS`), so one whole-extent descriptor of each operand
+serves every step. The Triton wgrad's fp32 operations in its order (its extra promotions add 0), so
 the same bits.
 """
 
@@ -95,7 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
 from moekit.ops.kernels.grouped_gemm_hopper import half_tile, output_desc, release_slot, store_halves
-from moekit.ops.kernels.grouped_wgrad_fp8 import promote_outer, scale_slots, segment_starts
+from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS, promote_outer, scale_slots, segment_starts
 from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
 
@@ -881,15 +881,14 @@ def _wgrad_load_partition(
 ):
     """Each tile's dyt (BLOCK_O, BLOCK_RED) and xt (BLOCK_I, BLOCK_RED) boxes and the step's scale rows,
     s_dy[slot, o0:o0 + BLOCK_O] and s_x[slot, i0:i0 + BLOCK_I] (zeros past O and I), one 128-row step of
-    the group a slot. A group whose row count is not a multiple of BLOCK_RED reads dyt through a
-    descriptor of its own whose extent ends at the group's last row (TMA zero-fills the last step's
-    columns past it, as the Triton kernel's), made anew for each of its tiles; xt's extent is the columns
-    in use."""
+    the group a slot. A group's last, partial step reads its segment's zero tail in both operands
+    (BLOCK_RED divides SEGMENT_COLUMNS), so the whole-extent descriptors serve every step."""
+    gl.static_assert(SEGMENT_COLUMNS % BLOCK_RED == 0, "a reduction step stays in its group's segment")
     offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
     num_pid_o = gl.cdiv(O, BLOCK_O)
     num_pid_i = gl.cdiv(I, BLOCK_I)
     tiles_per_group = num_pid_o * num_pid_i
-    dy_full = tma.make_tensor_descriptor(
+    dy_desc = tma.make_tensor_descriptor(
         dyt_ptr,
         shape=[O, cols_used],
         strides=[stride_dyt, 1],
@@ -916,21 +915,6 @@ def _wgrad_load_partition(
             tile_id, tiles_per_group, num_pid_o, num_pid_i, offs_ptr, M, offs_g, starts_v, slots_v, GROUP_O, BLOCK_O,
             BLOCK_I,
         )  # fmt: skip
-        if rows % BLOCK_RED == 0:
-            dy_desc = dy_full
-        else:
-            # The descriptor is rewritten in place (one scratch slot a program): first every load issued
-            # through its previous contents must have landed (one wait on each of the last STAGES slots'
-            # ready barriers, whose phases only this warp starts; by now they have mostly landed).
-            for j in range(gl.maximum(it - STAGES, 0), it):
-                mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
-            dy_desc = tma.make_tensor_descriptor(
-                dyt_ptr,
-                shape=[O, col_lo + rows],
-                strides=[stride_dyt, 1],
-                block_shape=[BLOCK_O, BLOCK_RED],
-                layout=a_bufs.type.layout,
-            )
         for step in range(gl.cdiv(rows, BLOCK_RED)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)

@@ -21,9 +21,14 @@ transposed, (X, pitch) with the rows contiguous (`transpose_rows_kernel`, one re
 the FP8 data each, or written so by the columnwise quantization itself: `moekit.ops.kernels.quantize`'s
 SEGMENTS stores), and reads them as the FP8 forward reads its operands: A = dyt[o0:, c0:]
 (BLOCK_O, BLOCK_M), B = xt[i0:, c0:] (BLOCK_I, BLOCK_M) through a transposed view, no transpose in
-registers. A TMA box must start 16-byte aligned along the contiguous dimension, and a group may start
-at any row: so each group's rows start a segment at a multiple of 16 columns of the transposed
-operand, zeros filling the segment's tail (`segment_starts`).
+registers. A group may start at any row, and a TMA box must start 16-byte aligned along the contiguous
+dimension: so each group's rows start a segment at a multiple of SEGMENT_COLUMNS (128) columns of the
+transposed operand, zeros filling the segment's tail (`segment_starts`). 128 rather than TMA's 16: a
+writer of 128 rows of a group (the quantizer's slots) then stores whole 128-byte lines of every
+destination row at any split (a segment starting mid-line costs the writers partial-line stores and
+the slots kernel 1.3-1.8x), and a reduction step of up to 128 rows never leaves its group's segment,
+whose tail is zeros in both operands: no step needs a descriptor that stops at its group's last row.
+The cost: up to 127 zero columns a group.
 
 The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`): every group owns
 the same (o, i) tile grid and the group offsets are read on the device only; fp8_rowwise's persistent
@@ -40,17 +45,18 @@ import triton.language as tl
 from moekit.ops.kernels.grouped_gemm import wgrad_epilogue, wgrad_steps, wgrad_tile
 from moekit.ops.kernels.schedule import group_rows
 
+SEGMENT_COLUMNS = tl.constexpr(128)  # equal to moekit.ops.runtime.quantize_torch.SEGMENT_COLUMNS (tested)
+
 
 @triton.jit
 def segment_starts(offs_ptr, offs_g, M, N):
     """(starts, total) of the transposed operands' group segments: group g's rows occupy columns
     [starts[g], starts[g] + rows of g) of a transposed (X, pitch) operand, starts[g] the sum of the
-    earlier groups' row counts each rounded up to 16 (a TMA box's start along the contiguous
-    dimension must be 16-byte aligned on Hopper, and a group may start at any row); the columns
-    between a group's last row and the next segment hold zeros. `offs_g` as `group_rows`' (entries
-    past N are empty); total = the columns in use."""
+    earlier groups' row counts each rounded up to SEGMENT_COLUMNS (the module's docstring says why);
+    the columns between a group's last row and the next segment hold zeros. `offs_g` as `group_rows`'
+    (entries past N are empty); total = the columns in use."""
     lo_v, hi_v = group_rows(offs_ptr, offs_g, M, N, False)
-    width_v = tl.cdiv(hi_v - lo_v, 16) * 16
+    width_v = tl.cdiv(hi_v - lo_v, SEGMENT_COLUMNS) * SEGMENT_COLUMNS
     ends_v = tl.cumsum(width_v, 0)
     return ends_v - width_v, tl.sum(width_v, 0)
 
@@ -82,11 +88,11 @@ def transpose_rows_kernel(
     """Program (column tile, tile of destination columns): an (M, X) byte matrix (row stride
     `stride_src`) into (X, 4 * pitch_words) bytes, addressed as int32 words, in `segment_starts`'
     layout: dst[x, starts[g] + j] = src[offs[g] + j, x] for the j < rows of group g, zeros in the
-    rest of each segment (up to the next 16 columns). Rows past offs[N] (padding, may hold anything)
-    are never read; columns past the last segment are not written. A word holds 4 consecutive
-    columns, all of one segment (segments start at multiples of 16): a thread packs its 4 bytes of
-    (q, x) from 4 rows in registers and the transpose through shared memory moves words, as
-    `moekit.ops.kernels.quantize.transpose_weight_kernel` does for weights. BLOCK_GROUPS > N. Bytes
+    rest of each segment (up to its next multiple of SEGMENT_COLUMNS). Rows past offs[N] (padding, may
+    hold anything) are never read; columns past the last segment are not written. A word holds 4
+    consecutive columns, all of one segment (segments start at multiples of SEGMENT_COLUMNS): a thread
+    packs its 4 bytes of (q, x) from 4 rows in registers and the transpose through shared memory moves
+    words, as `moekit.ops.kernels.quantize.transpose_weight_kernel` does for weights. BLOCK_GROUPS > N. Bytes
     only: no arithmetic on values."""
     xb = tl.program_id(0)
     mb = tl.program_id(1)
@@ -98,7 +104,7 @@ def transpose_rows_kernel(
         c = q * 4
         # The segment of each word: the last group starting at or before it (later empty groups
         # start at the same column and own no columns; the first one wins by the compare below).
-        seg_end = starts_v + tl.cdiv(hi_v - lo_v, 16) * 16
+        seg_end = starts_v + tl.cdiv(hi_v - lo_v, SEGMENT_COLUMNS) * SEGMENT_COLUMNS
         inside = (starts_v[None, :] <= c[:, None]) & (c[:, None] < seg_end[None, :])
         src_row = tl.sum(tl.where(inside, lo_v[None, :] - starts_v[None, :], 0), 1) + c
         row_end = tl.sum(tl.where(inside, hi_v[None, :], 0), 1)
@@ -175,14 +181,13 @@ def grouped_wgrad_fp8_kernel(
     step * BLOCK_M, 16-byte aligned.
 
     Columns that must add nothing, as the bf16 wgrad's rows: the last step of a group whose row count
-    is not a multiple of BLOCK_M reaches past its segment. With TMA, such a group gets its own dyt
-    descriptor whose extent ends at the group's last row (TMA zero-fills), and xt's ends at the last
-    segment: the columns past the group are zero dy times the segment's zeros and x of later groups
-    (exact zeros while x is finite; a non-finite x has a NaN scale and makes the loss NaN anyway).
-    Padding rows (past offs[N], which may hold anything, NaN included) are never in a segment. The
-    pointer path masks both at the group's last row. A group without rows runs one discarded step
-    and stores zeros (whatever its scales hold).
+    is not a multiple of BLOCK_M reaches past its last row, but not past its segment (BLOCK_M divides
+    SEGMENT_COLUMNS), whose tail is zeros in both operands: one whole-extent descriptor of each serves
+    every step. Padding rows (past offs[N], which may hold anything, NaN included) are never in a
+    segment. The pointer path also masks both at the group's last row. A group without rows runs one
+    discarded step and stores zeros (whatever its scales hold).
     """
+    tl.static_assert(SEGMENT_COLUMNS % BLOCK_M == 0, "a reduction step stays in its group's segment")
     pid = tl.program_id(0)
     num_pid_o = tl.cdiv(O, BLOCK_O)
     num_pid_i = tl.cdiv(I, BLOCK_I)
@@ -208,17 +213,13 @@ def grouped_wgrad_fp8_kernel(
     row_hi = 0
     col_lo = 0
     col_hi = 0
-    desc_g = -1
     if USE_TMA:
-        # Whole-extent descriptors, built once: a group whose row count is a multiple of BLOCK_M
-        # never reads past its end, so it needs no descriptor of its own.
-        dy_full = tl.make_tensor_descriptor(
+        dy_desc = tl.make_tensor_descriptor(
             dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
         )
         x_desc = tl.make_tensor_descriptor(
             xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
         )
-        dy_desc = dy_full
     else:
         dy_desc = dyt_ptr  # placeholders, unused without USE_TMA
         x_desc = xt_ptr
@@ -232,19 +233,6 @@ def grouped_wgrad_fp8_kernel(
             tile_steps = tl.maximum(tl.cdiv(row_hi - row_lo, BLOCK_M), 1)
             col_lo = tl.sum(tl.where(offs_g == g, starts_v, 0), 0)
             col_hi = col_lo + (row_hi - row_lo)
-            if USE_TMA:
-                if (row_hi - row_lo) % BLOCK_M == 0:
-                    dy_desc = dy_full
-                    desc_g = -1
-                elif g != desc_g:
-                    # Once per run of a program's consecutive tiles of a ragged group.
-                    dy_desc = tl.make_tensor_descriptor(
-                        dyt_ptr,
-                        shape=[O, tl.maximum(col_hi, 1)],
-                        strides=[stride_dyt, 1],
-                        block_shape=[BLOCK_O, BLOCK_M],
-                    )
-                    desc_g = g
         r0 = col_lo + step * BLOCK_M
         if USE_TMA:
             a = dy_desc.load([o0, r0])
@@ -394,14 +382,15 @@ def grouped_wgrad_fp8_block_kernel(
     persistent program walks tiles t = pid, pid + NUM_PROGRAMS, ... (the bf16 wgrad's tile order,
     `wgrad_tile`), one nested loop per tile.
 
-    Columns that must add nothing: a step that reaches past the group's last row reads zeros of dy (with
-    TMA through a dyt descriptor whose extent ends at the group's last row, made once per run of a
-    program's tiles of such a group; the pointer path masks both operands there) times x of the
-    segment's zero tail or of later groups (finite unless that x was not finite, as
-    `grouped_wgrad_fp8_kernel`'s), and a second step past the group's rows has scale 0. Padding rows
-    (past offs[N]) are never in a segment.
+    Columns that must add nothing: a step holding the group's last row reads the segment's zero tail
+    past it in both operands (BLOCK_M divides SEGMENT_COLUMNS; the pointer path also masks both at the
+    last row), so one whole-extent descriptor of each serves every step; a pair's second step wholly
+    past the group's rows reads the next segment's bytes (or TMA's zeros past the columns in use) and
+    has scale 0: it adds 0 while those bytes are finite (a non-finite input has made the loss NaN
+    anyway). Padding rows (past offs[N]) are never in a segment.
     """
     tl.static_assert(SCALE_BLOCK % BLOCK_M == 0, "a reduction step lies in one scale block")
+    tl.static_assert(SEGMENT_COLUMNS % BLOCK_M == 0, "a reduction step stays in its group's segment")
     pid = tl.program_id(0)
     num_pid_o = tl.cdiv(O, BLOCK_O)
     num_pid_i = tl.cdiv(I, BLOCK_I)
@@ -416,17 +405,13 @@ def grouped_wgrad_fp8_block_kernel(
     starts_v, cols_used = segment_starts(offs_ptr, offs_g, M, N)
     cols_used = tl.maximum(cols_used, 1)
     slots_v = scale_slots(offs_ptr, offs_g, M, N, SCALE_BLOCK)
-    desc_g = -1
     if USE_TMA:
-        # Whole-extent descriptors, built once: a group whose row count is a multiple of 2 BLOCK_M
-        # never reads past its end, so it needs no descriptor of its own.
-        dy_full = tl.make_tensor_descriptor(
+        dy_desc = tl.make_tensor_descriptor(
             dyt_ptr, shape=[O, cols_used], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
         )
         x_desc = tl.make_tensor_descriptor(
             xt_ptr, shape=[I, cols_used], strides=[stride_xt, 1], block_shape=[BLOCK_I, BLOCK_M]
         )
-        dy_desc = dy_full
     else:
         dy_desc = dyt_ptr  # placeholders, unused without USE_TMA
         x_desc = xt_ptr
@@ -438,15 +423,6 @@ def grouped_wgrad_fp8_block_kernel(
         col_lo = tl.sum(tl.where(offs_g == g, starts_v, 0), 0)
         col_hi = col_lo + rows
         slot_lo = tl.sum(tl.where(offs_g == g, slots_v, 0), 0)
-        if USE_TMA:
-            if rows % (2 * BLOCK_M) == 0:
-                dy_desc = dy_full
-                desc_g = -1
-            elif g != desc_g:
-                dy_desc = tl.make_tensor_descriptor(
-                    dyt_ptr, shape=[O, tl.maximum(col_hi, 1)], strides=[stride_dyt, 1], block_shape=[BLOCK_O, BLOCK_M]
-                )
-                desc_g = g
         offs_o = o0 + tl.arange(0, BLOCK_O)
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask_o = offs_o < O

@@ -49,7 +49,7 @@ other rules). Both give every device the same bytes.
 import triton
 import triton.language as tl
 
-from moekit.ops.kernels.grouped_wgrad_fp8 import segment_starts
+from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS, segment_starts
 
 FP8_MAX = tl.constexpr(448.0)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
@@ -202,17 +202,35 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
     """Columnwise bytes q (BLOCK_ROWS rows j0 + i of a group of `count` rows, columns c) stored into the
     FP8 wgrad's transposed operand layout, (X, pitch): out[c, seg0 + i] (seg0 = the group's segment
     start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
-    segment's end (count rounded up to 16), nothing past it and nothing for a group that is not `live`.
-    Stored as (columns, rows) tiles along the rows, the contiguous dimension of the destination: the
-    compiler moves the tile through shared memory into a row-contiguous register layout, 16-byte
-    stores where it can prove seg0 and the mask's edges multiples of 16 (hence `seg0 // 16 * 16`),
-    rather than one byte a column at a time."""
+    segment's end (count rounded up to SEGMENT_COLUMNS), nothing past it and nothing for a group that
+    is not `live`. Stored as (columns, rows) tiles along the rows, the contiguous dimension of the
+    destination: the compiler moves the tile through shared memory into a row-contiguous register
+    layout, 16-byte stores where it can prove seg0 and the mask's edges multiples of 16 (hence
+    `seg0 // 16 * 16`), rather than one byte a column at a time. A writer whose blocks are shorter than
+    a segment also stores the zeros past its last block (`_segment_tail`)."""
     i = tl.arange(0, BLOCK_ROWS)
     q = tl.where(keep[:, None], q, tl.zeros_like(q))
-    smask = live & (j0 + i < tl.cdiv(count, 16) * 16)
+    smask = live & (j0 + i < tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
     dst = seg0 // 16 * 16 + i  # seg0 itself, written so that the compiler sees a multiple of 16
     ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + dst[None, :]
     tl.store(ptrs, tl.trans(q), mask=cmask[:, None] & smask[None, :])
+
+
+@triton.jit
+def _segment_tail(col_ptr, c, cmask, j, count, col, last, pitch, BLOCK_ROWS: tl.constexpr, TAIL: tl.constexpr):
+    """The zeros of a group's segment (of `count` rows) past a writer's block of its rows that ends at
+    row j of the group (column col = the segment's start + j, a multiple of 16), where `last` (the
+    block holds the group's last row of a real group): out[c, col + t] = 0 for the t < TAIL with j + t
+    below count rounded up to SEGMENT_COLUMNS, BLOCK_ROWS columns a store. For writers whose blocks are
+    shorter than a segment (mxfp8's 32-row slots, fp8_rowwise's spans; TAIL = SEGMENT_COLUMNS - their
+    block): no other program's block reaches those columns."""
+    BLOCK_C: tl.constexpr = c.shape[0]
+    i = tl.arange(0, BLOCK_ROWS)
+    end = tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS
+    zeros = tl.zeros((BLOCK_C, BLOCK_ROWS), col_ptr.dtype.element_ty)
+    ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + (col // 16 * 16 + i)[None, :]
+    for t in tl.static_range(0, TAIL, BLOCK_ROWS):
+        tl.store(ptrs + t, zeros, mask=cmask[:, None] & (last & (j + t + i < end))[None, :])
 
 
 @triton.jit
@@ -448,10 +466,12 @@ def quantize_slots_kernel(
     a row lie in the chunk) and folds it into an elementwise running maximum, reduced over the rows once
     at the end: the column scales. Walk 2 reads the chunks again (just read by this program: from the
     caches) and writes the columnwise bytes, as (M, X) rows or (SEGMENTS) straight into the FP8 wgrad's
-    operand layout (`_segment_store`; CHUNK a multiple of 16). Why two walks: a column's scale needs all
-    of the slot's rows before any of its bytes, and holding the whole slot (and both forms'
-    intermediates) costs the registers that decide how many programs share an SM; a chunk's registers
-    do not grow with the slot. Padding rows (group N) are read as zeros; unused slots store scale 1."""
+    operand layout (`_segment_store`, `_segment_tail`; CHUNK a multiple of 16). Why two walks: a
+    column's scale needs all of the slot's rows before any of its bytes, and holding the whole slot
+    (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
+    chunk's registers do not grow with the slot. Padding rows (group N) are read as zeros; unused slots
+    store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
+    stores the segment's zeros past it (`_segment_tail`)."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
@@ -504,6 +524,12 @@ def quantize_slots_kernel(
                 _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
             else:
                 tl.store(col_data_ptr + elem, q, mask=mask)
+        if SEGMENTS and SLOT_ROWS < SEGMENT_COLUMNS:
+            last = live & (j0 < count) & (count <= j0 + SLOT_ROWS)
+            _segment_tail(
+                col_data_ptr, c, cmask, j0 + SLOT_ROWS, count, seg0 + SLOT_ROWS, last, pitch, CHUNK,
+                SEGMENT_COLUMNS - SLOT_ROWS,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -692,6 +718,10 @@ def _spans_step(
     if SEGMENTS:
         j0, count, seg0, pitch = seg
         _segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
+        if SPAN < SEGMENT_COLUMNS:
+            last = live & (j0 < count) & (count <= j0 + SPAN)
+            TAIL: tl.constexpr = SEGMENT_COLUMNS - SPAN
+            _segment_tail(col_data_ptr, c, cmask, j0 + SPAN, count, seg0 + SPAN, last, pitch, SPAN, TAIL)
     else:
         tl.store(col_data_ptr + elem, q_col, mask=mask)
     if ROWWISE:
@@ -730,8 +760,9 @@ def quantize_spans_kernel(
     under the whole-row scales of row_amax (the programs of k = 0 store scale[row]), and the
     columnwise data under group g's column scales of col_amax (the group's first span stores
     scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale. SEGMENTS (SPAN a
-    multiple of 16): the columnwise data straight into the FP8 wgrad's operand layout, col_data (X,
-    pitch), as `quantize_slots_kernel`'s SEGMENTS (padding rows: nothing)."""
+    divisor of SEGMENT_COLUMNS, a multiple of 16): the columnwise data straight into the FP8 wgrad's
+    operand layout, col_data (X, pitch), as `quantize_slots_kernel`'s SEGMENTS (padding rows:
+    nothing)."""
     if _runs(noop_ptr, HAS_NOOP):
         p = tl.program_id(0)
         k = tl.program_id(1)

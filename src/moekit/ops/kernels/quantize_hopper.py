@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
 from moekit.ops.kernels.quantize import e4m3_tile, fp32_scales
 
 
@@ -173,8 +174,9 @@ def _walks(
             if MASKED:
                 x = gl.where(((k + iT < n) & live)[:, None], x, 0.0)
             qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
-            # Rows past the group's last row are zeros up to the segment's end, nothing past it.
-            smask = live & (k + iT < gl.cdiv(n, 16) * 16)
+            # Rows past the group's last row are zeros up to the segment's end (a slot is a segment's
+            # width: the slot holding the group's last row reaches it), nothing past it.
+            smask = live & (k + iT < gl.cdiv(n, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
             dst = (seg0 + k) // 16 * 16 + iT
             ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
             gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
@@ -231,6 +233,7 @@ def quantize_slots_tma_kernel(
     SLOT_ROWS: gl.constexpr = 128
     BLOCK_C: gl.constexpr = 128
     gl.static_assert(SLOT_ROWS % CHUNK == 0 and CHUNK % 16 == 0, "chunks of 16-row multiples")
+    gl.static_assert(SLOT_ROWS == SEGMENT_COLUMNS, "a slot's walk 2 fills its segment's columns to the end")
     run = True
     if HAS_NOOP:
         run = gl.load(noop_ptr) != 1.0

@@ -136,10 +136,9 @@ def fp8_wgrad_candidates(recipe: str, use_tma: bool, arch: Arch) -> tuple[GemmCo
     steps' products promoted with their block's scales, the forward's main loop): 128 x 128 at 8 warps
     (three fp32 tiles live: the accumulator and two steps' products, 192 registers a thread), 2 or 3
     stages of 64 KiB. Pointer loads (Ada's FP8 tensor cores): within ~100 KB of shared memory; steps of
-    64 rows (fp8_block: half a scale block). Interpreter: small tiles, 32 rows a step (longer than a
-    16-column segment tail, so that a ragged group's last step reaches the next group's columns, as
-    on the GPU; a quarter of an fp8_block scale block), so that CPU tests cross several tiles, steps
-    and scale blocks."""
+    64 rows (fp8_block: half a scale block). Interpreter: small tiles, 32 rows a step (a
+    quarter of an fp8_block scale block and of a 128-column segment, so that a ragged group's last step
+    reads its segment's zero tail), so that CPU tests cross several tiles, steps and scale blocks."""
     if arch == "interpreter":
         return (GemmConfig(32, 32, 32, 4, 1, 4, True, True),)
     if arch == "sm90" and use_tma:

@@ -71,7 +71,7 @@ from moekit.ops.runtime.launch import (
     tma_ok,
     unavailable_reason,
 )
-from moekit.ops.runtime.quantize_torch import segment_pitch
+from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS, segment_pitch
 
 _TILES = Launcher(quantize_tiles_kernel)
 _SLOTS = Launcher(quantize_slots_kernel)
@@ -133,7 +133,7 @@ def _plan(
             if tma_slots is not None:
                 return tma_slots
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
-            if block_c % tile_k or tile_m % chunk or (segments and chunk % 16):
+            if block_c % tile_k or tile_m % chunk or (segments and (chunk % 16 or SEGMENT_COLUMNS % tile_m)):
                 raise RuntimeError(
                     f"QUANTIZE_SLOTS[{arch!r}][{(tile_k, layout)}] = {(block_c, chunk)} does not fit {info.name}'s "
                     f"{tile_m} x {tile_k} blocks"
@@ -197,8 +197,11 @@ def _plan(
         if grid[1]:
             amax_plan = LaunchPlan(_AMAX, grid, ints, dict(consts, SPAN=span, BLOCK_COLS=block_cols, num_warps=warps))
             span, block_cols, warps, steps, stages = QUANTIZE_SPANS[arch]
-            if segments:  # a span's rows start at a multiple of 16 of its segment (the kernel's SEGMENTS)
-                span = triton.cdiv(span, 16) * 16
+            if segments and (span % 16 or SEGMENT_COLUMNS % span):
+                raise RuntimeError(
+                    f"QUANTIZE_SPANS[{arch!r}]'s span {span} must divide the wgrad's {SEGMENT_COLUMNS}-column segments "
+                    "in multiples of 16"
+                )
             grid = (_num_spans(rows, num_groups, span), triton.cdiv(triton.cdiv(cols, block_cols), steps))
             spans = dict(consts, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, HW_E4M3=hw)
             spans.update(SEGMENTS=segments, num_warps=warps)

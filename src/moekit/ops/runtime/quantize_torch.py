@@ -133,24 +133,35 @@ def _row_columns(
     return x32 * mult.index_select(0, slots), stored[:num_slots]
 
 
+SEGMENT_COLUMNS = 128
+"""The FP8 wgrad's transposed operand layout starts every group's segment at a multiple of this many
+columns (bytes) of a row (`segment_transposed`): 128, one cache line, so that a writer of 128 rows of a
+group stores whole lines at any split of the rows, and a reduction step of up to 128 rows from a
+segment's start never leaves it. `moekit.ops.kernels.grouped_wgrad_fp8.SEGMENT_COLUMNS` is the same
+number for the kernels (a test keeps the two equal)."""
+
+
 def segment_pitch(rows: int, num_groups: int) -> int:
     """The row pitch (bytes) of the FP8 wgrad's transposed operand layout of (rows, X) data in
-    num_groups groups (`segment_transposed`): the smallest multiple of 16 >= rows + 15 num_groups,
-    room for every split of the rows (each group's segment rounded up to 16 columns; 16-byte TMA
-    strides), at least 16."""
-    return max(16, -(-(rows + 15 * num_groups) // 16) * 16)
+    num_groups groups (`segment_transposed`): the smallest multiple of SEGMENT_COLUMNS >= rows +
+    (SEGMENT_COLUMNS - 1) num_groups, room for every split of the rows (each group's segment rounded up
+    to SEGMENT_COLUMNS columns, every segment starting on a 128-byte line of every row), at least
+    SEGMENT_COLUMNS."""
+    c = SEGMENT_COLUMNS
+    return max(c, -(-(rows + (c - 1) * num_groups) // c) * c)
 
 
 def segment_transposed(data_MX: torch.Tensor, offs: torch.Tensor, pitch: int) -> torch.Tensor:
     """(M, X) data whose rows are in N = len(offs) - 1 groups in the FP8 wgrad's operand layout: a fresh
     (X, pitch) tensor of data's dtype, out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of
-    group g, starts[g] the sum of the earlier groups' row counts each rounded up to 16 (the segments),
-    zeros everywhere else (each segment's tail, the columns past the last segment). Rows past offs[N]
-    are never read. A gather by destination column, from the device offsets (no host reads): the
+    group g, starts[g] the sum of the earlier groups' row counts each rounded up to SEGMENT_COLUMNS (the
+    segments), zeros everywhere else (each segment's tail, the columns past the last segment). Rows
+    past offs[N] are never read. A gather by destination column, from the device offsets (no host reads): the
     bytes of `moekit.ops.runtime.quantized_gemm.segment_transpose` and of the quantization kernels'
     SEGMENTS stores on every column in use."""
     rows, cols = data_MX.shape
-    widths = (offs[1:] - offs[:-1] + 15).div(16, rounding_mode="floor") * 16
+    c = SEGMENT_COLUMNS
+    widths = (offs[1:] - offs[:-1] + c - 1).div(c, rounding_mode="floor") * c
     ends = torch.cumsum(widths, 0)
     column = torch.arange(pitch, device=data_MX.device)
     group = torch.searchsorted(ends, column, right=True).clamp(max=max(offs.shape[0] - 2, 0))

@@ -690,10 +690,10 @@ def _wgrad_launch(
 
 def segment_transpose(data_MX: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The FP8 wgrad's operand layout of an (M, X) float8 tensor (unit column stride) whose rows are in
-    N = len(offs) - 1 groups: a fresh (X, pitch) float8 tensor, pitch = the smallest multiple of 16 >=
-    M + 15 N, with out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of group g, starts[g]
-    the sum of the earlier groups' row counts each rounded up to 16, and zeros from there to the next
-    multiple of 16 (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`). Columns past the last
+    N = len(offs) - 1 groups: a fresh (X, pitch) float8 tensor, pitch = `segment_pitch(M, N)`, with
+    out[:, starts[g] + j] = data[offs[g] + j, :] for the j < rows of group g, starts[g] the sum of the
+    earlier groups' row counts each rounded up to SEGMENT_COLUMNS (128), and zeros from there to the
+    segment's end (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`). Columns past the last
     segment are left unwritten; rows past offs[N] are never read. One launch (one read and one write of
     the data), no host reads of offs."""
     reason = unavailable_reason(data_MX.device, torch.float32)  # the device's: data moves as bytes
@@ -817,7 +817,7 @@ def quantized_gemm_wgrad(
     from offs); x_data (M, I) / x_scale: x's likewise. offs:
     (N+1,) int64 device tensor, offs[0] = 0, non-decreasing, offs[N] <= M; groups without rows get
     zeros; rows past offs[N] (padding) take part in nothing. Both operands are first transposed
-    (`segment_transpose`: K-major for FP8 wgmma, each group from a 16-byte aligned column; one read
+    (`segment_transpose`: K-major for FP8 wgmma, each group from a 128-byte aligned column; one read
     and one write of each), then one launch computes every group's dw (kernels.grouped_wgrad_fp8:
     fp8_rowwise's scales in the epilogue, fp8_block's per 128-row step in the main loop; fp8_block on
     sm_90 through TMA without a fixed cfg: the Gluon kernel, `hopper_wgrad_takes`). No host reads
