@@ -462,7 +462,8 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # strips of 128 x 128 in flight a program, programs an SM, slots fastest). Many small programs beat a
 # few large ones (each walks its strip alone; the others' loads and stores hide its latency); the H200
 # sweeps that chose each entry are in notes/quantize.md; the segments' entries were chosen at splits
-# that are not multiples of 128 rows (what routing gives; the segments then start off 128-byte lines).
+# that are not multiples of 128 rows (what routing gives) while segments started at multiples of 16
+# columns, off 128-byte lines (now at multiples of 128: `SEGMENT_COLUMNS`; not swept since).
 # With the rowwise form, strips go fastest: the programs running at one time then cover a few slots'
 # whole width, so each row's scales (one float a strip, side by side in memory) are written close
 # together in time rather than one float per 32-byte sector spread over the whole launch. Only
