@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A change to the quantized path against the build it replaces, on one GPU, in two calls of <= 10 min
-# each (from the repo root; build A a source tree holding moekit/, build B this tree's src/):
+# each (from the repo root; build A a source tree holding moekit/, build B this tree's src/ or B_TREE):
 #   PART=1: `pytest -m gpu` of the quantize, wgrad and quantized-compute tests on B, then the wgrad
 #           operands' quantization (bench_quantized.py --operands segments,segments_columnwise, fp8_block)
 #           for A and B, at routed splits (bench_moe_layer's routing: counts not multiples of 128) and
@@ -9,12 +9,14 @@
 #           step, bit-identity), ab_builds' balanced and skewed routing at the four layer shapes.
 # Prepare A here, where git is (it travels in carry):
 #   mkdir -p .ab/A && git archive <A> src | tar -x -C .ab/A --strip-components=1 && echo <A> > .ab/commitA
-# then run PART=1 and PART=2 with carry [".ab"]. Leaves $OUT/gpu_tests_<B>.log, $OUT/q_<splits>_<A|B>/
-# quantized.{json,md} and $OUT/h200_ab_layer_fp8_block_<A>_<B>.json.
-#   OUT=/path PART=1 [A_TREE=.ab/A] [A_COMMIT=...] [B_COMMIT=...] bash benchmarks/gpu_quantized_ab.sh
+# then run PART=1 and PART=2 with carry [".ab"] (a B other than HEAD likewise in .ab/B, B_TREE=.ab/B,
+# B_COMMIT=<B>). Leaves $OUT/gpu_tests_<B>.log (the tests run on this tree's src/ and tests/), $OUT/
+# q_<splits>_<A|B>/quantized.{json,md} and $OUT/h200_ab_layer_fp8_block_<A>_<B>.json.
+#   OUT=/path PART=1 [A_TREE=.ab/A] [A_COMMIT=...] [B_TREE=src] [B_COMMIT=...] bash benchmarks/gpu_quantized_ab.sh
 set -u
 OUT=${OUT:?set OUT}; PART=${PART:?set PART to 1 or 2}
 A_TREE=${A_TREE:-.ab/A}
+B_TREE=${B_TREE:-src}
 A=${A_COMMIT:-$(cat "$(dirname "$A_TREE")/commitA" 2>/dev/null || echo A)}
 B=${B_COMMIT:-${MOEKIT_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo B)}}
 [ -d "$A_TREE/moekit" ] || { echo "build A: $A_TREE holds no moekit/ (see the header)"; exit 2; }
@@ -29,7 +31,7 @@ if [ "$PART" = 1 ]; then
   echo "tests rc=$? $(($(date +%s) - t0)) s"; tail -6 "$OUT/gpu_tests_$B.log"
   for splits in routed balanced; do
     for build in A B; do
-      if [ $build = A ]; then tree=$A_TREE; commit=$A; else tree=src; commit=$B; fi
+      if [ $build = A ]; then tree=$A_TREE; commit=$A; else tree=$B_TREE; commit=$B; fi
       t0=$(date +%s)
       PYTHONPATH=$PWD/$tree timeout 110 python3 benchmarks/bench_quantized.py --parts quantize --roofs hbm_copy \
         --recipes fp8_block --operands segments,segments_columnwise --splits $splits \
@@ -41,7 +43,7 @@ if [ "$PART" = 1 ]; then
   done
 elif [ "$PART" = 2 ]; then
   t0=$(date +%s)
-  timeout 570 python3 benchmarks/ab_builds.py --a "$A_TREE" --b src --op layer --quantization fp8_block --rounds 1 \
+  timeout 570 python3 benchmarks/ab_builds.py --a "$A_TREE" --b "$B_TREE" --op layer --quantization fp8_block --rounds 1 \
     --commit "$A" --commit-b "$B" --out "$OUT/h200_ab_layer_fp8_block_${A}_${B}.json" > "$OUT/ab.log" 2>&1
   echo "ab_builds rc=$? $(($(date +%s) - t0)) s"; tail -40 "$OUT/ab.log"
 else

@@ -14,6 +14,8 @@ Legend: M rows, N groups, X columns, I/O a linear's in/out features, H hidden, F
 # ruff: noqa: E741  (I and O are the legend's feature sizes)
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,6 +119,105 @@ def test_segments_are_segment_transpose_of_the_columnwise_form(recipe, backend, 
     assert no_cols is None and row_alone is not None and row_alone.columnwise_data is None
     assert torch.equal(row_alone.rowwise_data.view(torch.uint8), ref.rowwise_data.view(torch.uint8)), what
     assert torch.equal(row_alone.rowwise_scale_inv.view(torch.uint8), ref.rowwise_scale_inv.view(torch.uint8)), what
+
+
+@cpu_only
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gathered_rows_are_the_gathered_tensors_bytes(recipe, backend, layout, nan_poison):
+    """index=: the rows x[index] quantized where they lie in x (the kernels' GATHER loads), byte for
+    byte what the same call on the gathered tensor writes, both forms and the columnwise form alone,
+    with and without segments; token rows that no index names hold NaN (never read), rows named
+    twice and out of order."""
+    splits, M, X = LAYOUTS[layout]
+    T = max(M // 2, 1) + 3
+    tokens = rows_of(T, X, T, torch.device("cpu"), seed=4)
+    gen = torch.Generator().manual_seed(5)
+    index = torch.randint(0, T - 2, (M,), generator=gen, dtype=torch.int32)
+    tokens[T - 2 :] = float("nan")  # no index names them
+    gathered = tokens.index_select(0, index)
+    m_splits = torch.tensor(splits)
+    what = f"{recipe} {backend} {layout}"
+    for rowwise in (True, False):
+        want_row, want_cols = group_quantize_for_wgrad(gathered, m_splits, recipe, rowwise=rowwise, backend=backend)
+        got_row, got_cols = group_quantize_for_wgrad(
+            tokens, m_splits, recipe, rowwise=rowwise, index=index[:, None], backend=backend
+        )
+        assert isinstance(got_cols, SegmentedColumns) and isinstance(want_cols, SegmentedColumns) and got_cols.rows == M
+        ref = moekit.group_quantize(gathered, m_splits, recipe, rowwise=True, columnwise=True, backend="torch")
+        check_segments(got_cols, ref.columnwise_data, splits, what)
+        assert torch.equal(got_cols.scale_inv.view(torch.uint8), want_cols.scale_inv.view(torch.uint8)), what
+        if rowwise:
+            assert got_row is not None and want_row is not None
+            assert tuple(got_row.shape) == (M, X) and torch.equal(got_row.offsets, want_row.offsets), what
+            for name in ("rowwise_data", "rowwise_scale_inv"):
+                a, b = getattr(got_row, name).view(torch.uint8), getattr(want_row, name).view(torch.uint8)
+                assert torch.equal(a, b), f"{what} {name}"
+        else:
+            assert got_row is None
+    # Without segments (the reference path's wgrad) the rows are gathered first: the same GroupedTensor.
+    got, _ = group_quantize_for_wgrad(tokens, m_splits, recipe, rowwise=True, segments=False, index=index)
+    want = moekit.group_quantize(gathered, m_splits, recipe, rowwise=True, columnwise=True, backend="torch")
+    assert got is not None
+    assert torch.equal(got.columnwise_data.view(torch.uint8), want.columnwise_data.view(torch.uint8)), what
+
+
+def test_gathered_rows_refuse_a_bad_index_in_one_line():
+    x = torch.randn(8, 16)
+    with pytest.raises(TypeError, match="index must be an int32 or int64 tensor"):
+        group_quantize_for_wgrad(x, [4], "fp8_block", index=torch.zeros(4), backend="torch")
+    with pytest.raises(ValueError, match=r"index must be \(M,\) or \(M, 1\) rows of x"):
+        group_quantize_for_wgrad(x, [4], "fp8_block", index=torch.zeros(2, 2, dtype=torch.int64), backend="torch")
+
+
+@cpu_only
+@pytest.mark.parametrize("recipe", WGRAD_RECIPES)
+def test_layer_gathers_its_wgrad_operands_in_the_quantizer(recipe, monkeypatch):
+    """moe_experts' quantized backward hands the quantizer the token rows and their index for x (fc1's
+    wgrad) and d out (fc2's, no fc2 bias): output and every gradient bit for bit those of the same layer
+    whose wgrad operands are gathered first."""
+    tokens, top_k, experts, hidden, ffn = 21, 3, 5, 40, 24
+    g = torch.Generator().manual_seed(9)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, 1] = -1.0  # expert 1 gets no token
+    ids = scores.topk(top_k, dim=-1).indices
+    inputs = dict(
+        x=torch.randn(tokens, hidden, generator=g),
+        topk_weights=torch.rand(tokens, top_k, generator=g),
+        fc1_weight=torch.randn(experts, 2 * ffn, hidden, generator=g) / hidden**0.5,
+        fc2_weight=torch.randn(experts, hidden, ffn, generator=g) / ffn**0.5,
+    )
+    dy = torch.randn(tokens, hidden, generator=g)
+    real = quantized_mlp.group_quantize_for_wgrad
+    seen = []
+
+    def gathered_first(x, m_splits, recipe, *, index=None, **kw):
+        seen.append(index is not None)
+        return real(x if index is None else x.index_select(0, index.reshape(-1)), m_splits, recipe, **kw)
+
+    def run():
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        y = moekit.moe_experts(
+            leaves["x"], ids, leaves["topk_weights"], leaves["fc1_weight"], leaves["fc2_weight"],
+            quantization=recipe, backend="triton",
+        )  # fmt: skip
+        y.backward(dy)
+        return [y, *(leaves[k].grad for k in inputs)]
+
+    monkeypatch.setattr(
+        quantized_mlp,
+        "group_quantize_for_wgrad",
+        lambda *a, **kw: seen.append(kw.get("index") is not None) or real(*a, **kw),
+    )
+    fused = run()
+    assert seen.count(True) == 2, seen  # x's and d out's
+    seen.clear()
+    monkeypatch.setattr(quantized_mlp, "group_quantize_for_wgrad", gathered_first)
+    apart = run()
+    assert seen.count(True) == 2, seen
+    for name, a, b in zip(["out", *inputs], fused, apart, strict=True):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum()} values differ"
 
 
 @cpu_only
@@ -229,9 +330,11 @@ def test_grouped_linear_takes_segments_and_dw_is_bit_equal(recipe, monkeypatch):
     assert xl.grad is not None and not torch.isnan(xl.grad[: sum(splits)]).any()
 
 
-def _forced_old_layout(x, m_splits, recipe, *, rowwise=False, columnwise=True, segments=True, backend="auto"):
+def _forced_old_layout(
+    x, m_splits, recipe, *, rowwise=False, columnwise=True, segments=True, index=None, backend="auto"
+):
     return group_quantize_for_wgrad(
-        x, m_splits, recipe, rowwise=rowwise, columnwise=columnwise, segments=False, backend=backend
+        x, m_splits, recipe, rowwise=rowwise, columnwise=columnwise, segments=False, index=index, backend=backend
     )
 
 
@@ -278,7 +381,7 @@ from moekit.ops.kernels import quantize as K
 
 PT = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32", "row_data_ptr": "*u8",
       "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32", "row_amax_ptr": "*i32",
-      "col_amax_ptr": "*i32"}
+      "col_amax_ptr": "*i32", "index_ptr": "*i32"}
 DIV16 = {"cols", "stride_x", "pitch", "stride_row_scale"}  # as the launcher specializes them (multiples of 16)
 
 def stores(kernel, const, warps):
@@ -295,19 +398,23 @@ def stores(kernel, const, warps):
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    return sorted(set(re.findall(r"st\.global[\w.]*", ptx)))
+    # x's loads: 16-byte ld.global or cp.async (the pipelined loops' copies to shared memory), by kind and size.
+    copies = re.findall(r"(cp\.async\.c[ag])\.shared\.global [^;]*, (0x[0-9a-f]+), ", ptx)
+    wide = {f"{kind}.{int(size, 16)}" for kind, size in copies if int(size, 16) == 16}
+    wide |= {op for op in re.findall(r"ld\.global[\w.]*", ptx) if "v4" in op}
+    return {"st": sorted(set(re.findall(r"st\.global[\w.]*", ptx))), "wide_loads": sorted(wide)}
 
-seg = json.loads(sys.argv[1])
+seg, gather = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS
 out = {}
 for recipe, tile_k in (("fp8_block", 128), ("mxfp8", 32)):
     block_c, chunk, warps, stages, band = QUANTIZE_SLOTS["sm90"][(tile_k, "segments" if seg else "rows")]
     slots = dict(MX=tile_k == 32, ROWWISE=True, SEGMENTS=seg, TILE_K=tile_k, SLOT_ROWS=128 if tile_k == 128 else 32,
                  BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band, HAS_NOOP=False, BLOCK_GROUPS=256,
-                 HW_E4M3=True)
+                 HW_E4M3=True, GATHER=gather)
     out[recipe] = stores(K.quantize_slots_kernel, slots, warps)
 spans = dict(ROWWISE=True, SEGMENTS=seg, HAS_NOOP=False, SPAN=32, BLOCK_COLS=128, STEPS=8, STAGES=2,
-             BLOCK_GROUPS=256, HW_E4M3=True)
+             BLOCK_GROUPS=256, HW_E4M3=True, GATHER=gather)
 out["fp8_rowwise"] = stores(K.quantize_spans_kernel, spans, 8)
 print(json.dumps(out))
 """
@@ -316,12 +423,23 @@ print(json.dumps(out))
 def test_segment_stores_are_16_bytes_wide_on_sm90():
     """On sm_90 (the sm90 configurations, bf16 input, both forms) the SEGMENTS stores are as wide as the
     (M, X) form's: 16-byte st.global (plus the scales' 4-byte stores), no byte stores, so the
-    transposed columnwise bytes go out coalesced along the destination's contiguous rows. In its own
-    process (compiling for a GPU needs TRITON_INTERPRET unset)."""
+    transposed columnwise bytes go out coalesced along the destination's contiguous rows; with rows
+    gathered by an index (GATHER) the same stores, and x's rows still loaded 16 bytes at a time. In its
+    own process (compiling for a GPU needs TRITON_INTERPRET unset)."""
     for seg in (False, True):
-        got = compile_in_subprocess(_COMPILE_SEGMENTS_FOR_SM90, "true" if seg else "false")
-        for recipe, kinds in got.items():
-            assert kinds == ["st.global.b32", "st.global.v4.b32"], (seg, recipe, kinds)
+        plain, gathered = (
+            compile_in_subprocess(_COMPILE_SEGMENTS_FOR_SM90, json.dumps(seg), json.dumps(gather))
+            for gather in (False, True)
+        )
+        for recipe, kinds in plain.items():
+            assert kinds["st"] == ["st.global.b32", "st.global.v4.b32"], (seg, recipe, kinds)
+            assert gathered[recipe]["st"] == kinds["st"], (seg, recipe, gathered[recipe])
+            assert kinds["wide_loads"] and gathered[recipe]["wide_loads"] == kinds["wide_loads"], (
+                seg,
+                recipe,
+                kinds,
+                gathered[recipe],
+            )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -747,16 +747,16 @@ topk_softmax_backward = _entry(_topk_softmax_backward_op, _topk_softmax_backward
 def _group_quantize(backend: str, recipe: str, x: torch.Tensor, offs: torch.Tensor, slot_offs: torch.Tensor,
                     noop: torch.Tensor | None, row_data: torch.Tensor | None, row_scale: torch.Tensor | None,
                     col_data: torch.Tensor | None, col_scale: torch.Tensor | None,
-                    col_segments: bool) -> None:  # fmt: skip
+                    col_segments: bool, index: torch.Tensor | None) -> None:  # fmt: skip
     """Quantize x into the given storage, in place (`moekit.ops.runtime.quantize_torch.group_quantize_into`;
-    col_segments: the columnwise data in the FP8 wgrad's transposed layout).
+    col_segments: the columnwise data in the FP8 wgrad's transposed layout; index: the rows x[index]).
     The one op here that writes its arguments: `out=` must keep every data pointer, so the storage is
     an input, declared mutated (torch.compile functionalizes it)."""
     quantizer = quantizer_of(backend_named(backend))
     if quantizer is None:
         raise ValueError(f"backend {backend!r} cannot quantize")
     quantizer.group_quantize_into(
-        recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale, col_segments
+        recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale, col_segments, index
     )
 
 
@@ -778,6 +778,7 @@ def _(
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
     col_segments: bool,
+    index: torch.Tensor | None,
 ) -> None:
     return None
 

@@ -286,10 +286,11 @@ def _quantize_into(
     noop: torch.Tensor | None,
     storage: dict[str, torch.Tensor | None],
     segments: bool,
+    index: torch.Tensor | None = None,
 ) -> None:
     """The one launch of `group_quantize` and `group_quantize_for_wgrad`: x (made contiguous, as the
     kernels read it) into the storage's forms (`_allocate`'s keys), the columnwise data in the FP8
-    wgrad's layout where `segments`."""
+    wgrad's layout where `segments`, the rows x[index] where an index is given."""
     x_in = x.detach()
     x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
     library.group_quantize_into(
@@ -304,6 +305,7 @@ def _quantize_into(
         storage["col_data"],
         storage["col_scale"],
         segments,
+        index,
     )
 
 
@@ -484,6 +486,20 @@ def group_quantize_gathered(
     return rowwise_grouped(recipe, x_TX.dtype, offs, offs.offs[1:] - offs.offs[:-1], data, scale)
 
 
+def _check_index(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """index as the kernels take it: (M,) contiguous integers on x's device (from (M,) or (M, 1));
+    one line naming what is wrong otherwise (its values are not read: no host sync)."""
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index must be an int32 or int64 tensor of x's rows, got {getattr(index, 'dtype', index)}")
+    if index.device != x.device:
+        raise ValueError(f"index must be on x's device {x.device}, got {index.device}")
+    if index.dim() == 2 and index.shape[1] == 1:
+        index = index.reshape(-1)
+    if index.dim() != 1:
+        raise ValueError(f"index must be (M,) or (M, 1) rows of x, got shape {tuple(index.shape)}")
+    return index.contiguous()
+
+
 def _gather_bytes(t: torch.Tensor, index_M1: torch.Tensor, use_triton: bool) -> torch.Tensor:
     """t[index] for a contiguous 2-D t of any dtype, bit for bit: its rows moved as the widest integer
     words their byte count allows (the row kernel copies integers as they are)."""
@@ -522,6 +538,7 @@ def group_quantize_for_wgrad(
     rowwise: bool = False,
     columnwise: bool = True,
     segments: bool = True,
+    index: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[GroupedTensor | None, GroupedTensor | SegmentedColumns | None]:
     """x's quantization for a quantized linear's backward: (its rowwise form as a GroupedTensor, or None
@@ -535,9 +552,17 @@ def group_quantize_for_wgrad(
     bytes are `segment_transpose` of `group_quantize`'s columnwise data on every column in use, the
     scales the same. Otherwise (the reference path, which dequantizes it) one GroupedTensor with both
     forms, given twice. x: (M, X) rows with m_splits as `group_quantize`'s; no out= or noop flag (a
-    backward's operands are fresh). Internal to moekit's quantized compute; no host reads."""
+    backward's operands are fresh). index: (M,) or (M, 1) integer rows of x (every entry a row of x):
+    the rows quantized are x[index], and x is the (T, X) rows they are gathered from. With segments
+    the kernels read each row where it lies in x, so the gathered rows are never written in x's dtype
+    (the backward's routed operands: one write and one read of (M, X) saved); otherwise they are
+    gathered first. Internal to moekit's quantized compute; no host reads."""
     if not (rowwise or columnwise):
         raise ValueError("group_quantize_for_wgrad needs rowwise or columnwise (or both), got neither")
+    if index is not None:
+        index = _check_index(index, x)
+        if not (columnwise and segments):
+            x, index = x.index_select(0, index), None
     if not columnwise:
         return group_quantize(x, m_splits, recipe, backend=backend), None
     if not segments:
@@ -550,23 +575,25 @@ def group_quantize_for_wgrad(
     rowwise = check_bool("rowwise", rowwise)
     if x.dim() != 2:
         raise ValueError(f"x must be (rows, cols) rows in groups for the wgrad's layout, got shape {tuple(x.shape)}")
-    offs = _layout(x, m_splits)
-    num = offs.num_groups
+    shape = (x.shape[0] if index is None else index.shape[0], x.shape[1])  # (M, X), the rows quantized
+    num = _num_groups(m_splits)
+    if num == 0:
+        raise ValueError("m_splits has no groups; group_quantize needs at least one")
+    offs = resolve_splits(m_splits, num, shape[0], x.device)
     impl = select_quantizer(backend, x)
     slot_offs = _slot_offsets(info, x, offs)
-    storage = _allocate(info, tuple(x.shape), x.device, num, rowwise, False)
-    rows, cols = x.shape
+    storage = _allocate(info, shape, x.device, num, rowwise, False)
+    rows, cols = shape
     col_data = torch.empty((cols, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=x.device)
-    col_scale = torch.empty(columnwise_scale_shape(info, tuple(x.shape), num), dtype=info.scale_dtype, device=x.device)
-    _quantize_into(
-        impl.name, info, x, offs, slot_offs, None, dict(storage, col_data=col_data, col_scale=col_scale), True
-    )
+    col_scale = torch.empty(columnwise_scale_shape(info, shape, num), dtype=info.scale_dtype, device=x.device)
+    storage = dict(storage, col_data=col_data, col_scale=col_scale)
+    _quantize_into(impl.name, info, x, offs, slot_offs, None, storage, True, index)
     row_q = None
     if rowwise:
         row_q = GroupedTensor.quantized(
             info.name,
             x.dtype,
-            x.shape,
+            shape,
             offs.offs[1:] - offs.offs[:-1],
             offs.offs,
             host_first_dims=_host_dims(offs),

@@ -296,9 +296,14 @@ class _QuantizedFc1Fn(torch.autograd.Function):
             del dh_M2F
             if need_w:
                 assert dh_cols is not None  # need_w
-                if route is not None:  # x_MH is the token rows: the sorted rows gathered again
+                index = None
+                if route is not None and segments:  # x_MH is the token rows: the quantizer gathers them
+                    index = route.token_of_row
+                elif route is not None:  # the sorted rows gathered again
                     x_MH = route.to_rows(x_MH)
-                _, x_cols = group_quantize_for_wgrad(x_MH, go, recipe, segments=segments, backend=quantizer)
+                _, x_cols = group_quantize_for_wgrad(
+                    x_MH, go, recipe, segments=segments, index=index, backend=quantizer
+                )
                 assert x_cols is not None  # columnwise
                 del x_MH
                 dw = quantized_wgrad_product(
@@ -382,7 +387,6 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         probs_M, offs, b2, w2t_data, w2t_scale, *stored = ctx.saved_tensors
         route, stored = ExpertRoute.from_saved(stored, ctx.use_triton)
-        dy_MH = d_out if route is None else route.to_rows(d_out)
         spec, host_offs, need = ctx.spec, ctx.host_offs, ctx.needs_input_grad
         recipe, quantizer, backend = spec.recipe, spec.quantizer, spec.fc2_backend
         h_layout, w2_layout = ctx.layouts
@@ -390,8 +394,13 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         need_h, need_probs = need[_H2], need[_PROBS2] and probs_M is not None
         need_w, need_b = any(need[_PARAMS2 : _PARAMS2 + spec.n_w2]), any(need[_PARAMS2 + spec.n_w2 :])
         need_da = need_h or need_probs  # a's gradient: h's, and d probs' activation term
-        dy_MH = row_major(dy_MH)
-        go = GroupOffsets.of(offs, host_offs, dy_MH.shape[0])
+        # dy is d out's rows in expert order. The quantizer for the wgrad's layout gathers them itself
+        # (`group_quantize_for_wgrad(index=)`) where nothing else reads dy: never written in bf16.
+        segments = spec.fc2_fp8_wgrad
+        dy_index = route.token_of_row if route is not None and segments and need_w and b2 is None else None
+        dy_MH = row_major(d_out if route is None or dy_index is not None else route.to_rows(d_out))
+        rows = dy_MH.shape[0] if dy_index is None else dy_index.shape[0]
+        go = GroupOffsets.of(offs, host_offs, rows)
         dh = d_probs = dw = db = None
         glu_block, activation, on_kernel = spec.glu_interleave_size, spec.activation, spec.gated_triton
         # The bias sums and d probs' bias term from dy itself (padding rows zeroed).
@@ -408,9 +417,8 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
-        segments = spec.fc2_fp8_wgrad
         dy_q, dy_cols = group_quantize_for_wgrad(
-            dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, backend=quantizer
+            dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, index=dy_index, backend=quantizer
         )
         if need_w:
             assert dy_cols is not None  # columnwise

@@ -25,7 +25,9 @@ group (columnwise scales are kept per slot).
 
 The columnwise forms (quantize_slots_kernel, quantize_spans_kernel) store either as (M, X) rows, the
 GroupedTensor's layout, or (SEGMENTS) straight into the FP8 wgrad's transposed operand layout (X,
-pitch) (`_segment_store`): the wgrad then needs no transpose pass of its own.
+pitch) (`_segment_store`): the wgrad then needs no transpose pass of its own. They also take their rows
+gathered from x by an index (GATHER, `_source_rows`): the backward's gathered operands are quantized
+without being written out in the input's dtype first.
 
 Every kernel reads the group offsets on the device, so one launch covers every group and the host
 never reads them. Padding rows (past offs[N]) are read as zeros: their data is 0 and their scales 1.
@@ -186,6 +188,17 @@ def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.const
     j0 = (slot - tl.load(slot_offs_ptr + g)) * TILE_M
     r = group_start + j0 + tl.arange(0, TILE_M)
     return r, r < group_end, live_group, g, j0, group_end - group_start
+
+
+@triton.jit
+def _source_rows(index_ptr, r64, mask, GATHER: tl.constexpr):
+    """The rows of x that the problem's rows r64 read (int64): index[r64] with GATHER (the problem's
+    (M, X) rows gathered from x's by an index, never written out), else r64 itself; masked rows read
+    x's row 0 (their values are masked too)."""
+    if GATHER:
+        return tl.load(index_ptr + r64, mask=mask, other=0).to(tl.int64)
+    else:
+        return r64
 
 
 @triton.jit
@@ -431,6 +444,7 @@ def quantize_tiles_kernel(
 @triton.jit
 def quantize_slots_kernel(
     x_ptr,
+    index_ptr,
     offs_ptr,
     slot_offs_ptr,
     noop_ptr,
@@ -447,6 +461,7 @@ def quantize_slots_kernel(
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
     SEGMENTS: tl.constexpr,
+    GATHER: tl.constexpr,
     TILE_K: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -471,7 +486,8 @@ def quantize_slots_kernel(
     (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
     chunk's registers do not grow with the slot. Padding rows (group N) are read as zeros; unused slots
     store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
-    stores the segment's zeros past it (`_segment_tail`)."""
+    stores the segment's zeros past it (`_segment_tail`). GATHER: row r of the problem is x's row
+    index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
@@ -498,7 +514,8 @@ def quantize_slots_kernel(
             r64 = r0 + k + i
             elem = r64[:, None] * stride_x + c[None, :]
             mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
+            x = tl.load(x_ptr + src, mask=mask & live, other=0.0).to(tl.float32)
             a = abs_for_amax(x)
             amax_ic = tl.maximum(amax_ic, a)
             if ROWWISE:
@@ -518,7 +535,8 @@ def quantize_slots_kernel(
             r64 = r0 + k + i
             elem = r64[:, None] * stride_x + c[None, :]
             mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+            src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
+            x = tl.load(x_ptr + src, mask=mask & live, other=0.0).to(tl.float32)
             q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             if SEGMENTS:
                 _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
@@ -635,6 +653,7 @@ def _span_tile(
 @triton.jit
 def amax_spans_kernel(
     x_ptr,
+    index_ptr,
     offs_ptr,
     noop_ptr,
     row_amax_ptr,
@@ -644,6 +663,7 @@ def amax_spans_kernel(
     num_groups,
     stride_x,
     ROWWISE: tl.constexpr,
+    GATHER: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -654,7 +674,8 @@ def amax_spans_kernel(
     inf) into the whole-row maxima row_amax[row] (ROWWISE) and the whole-group column maxima
     col_amax[g, col] (int32, zeroed by the host): one atomic max on the fp32 bits per row and per
     column of the tile. The maxima are >= 0, so their bits order as the values: the result is exact
-    whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros)."""
+    whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros).
+    GATHER: the problem's row r is x's row index[r] (`_source_rows`)."""
     if _runs(noop_ptr, HAS_NOOP):
         g, first, r64, c, rmask, cmask, elem = _span_tile(
             tl.program_id(0),
@@ -669,7 +690,8 @@ def amax_spans_kernel(
             BLOCK_GROUPS,
         )
         live = g < num_groups
-        x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
+        src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
+        x = tl.load(x_ptr + src, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
         a = abs_for_amax(x)
         col_at = col_amax_ptr + g.to(tl.int64) * cols + c
         tl.atomic_max(col_at, tl.max(a, axis=0).to(tl.int32, bitcast=True), mask=cmask & live, sem="relaxed")
@@ -686,6 +708,7 @@ def _spans_step(
     first,
     live,
     r64,
+    src_rows,
     rmask,
     scale_r,
     row_nan,
@@ -703,13 +726,13 @@ def _spans_step(
     BLOCK_COLS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
-    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64; seg: SEGMENTS' (j0, rows
-    of the group, segment column of j0, pitch))."""
+    """Column block q of `quantize_spans_kernel`'s span p (group g, rows r64 read from x's rows
+    src_rows; seg: SEGMENTS' (j0, rows of the group, segment column of j0, pitch))."""
     c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     cmask = c < cols
     elem = r64[:, None] * stride_x + c[None, :]
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + elem, mask=mask & live, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src_rows[:, None] * stride_x + c[None, :], mask=mask & live, other=0.0).to(tl.float32)
     col_at = g.to(tl.int64) * cols + c
     col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
     scale, scale_inv = fp32_scales(col_amax)
@@ -731,6 +754,7 @@ def _spans_step(
 @triton.jit
 def quantize_spans_kernel(
     x_ptr,
+    index_ptr,
     offs_ptr,
     noop_ptr,
     row_amax_ptr,
@@ -746,6 +770,7 @@ def quantize_spans_kernel(
     pitch,
     ROWWISE: tl.constexpr,
     SEGMENTS: tl.constexpr,
+    GATHER: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -762,7 +787,7 @@ def quantize_spans_kernel(
     scale[g, col]). Padding rows (g = N): zeros, rowwise scale 1, no columnwise scale. SEGMENTS (SPAN a
     divisor of SEGMENT_COLUMNS, a multiple of 16): the columnwise data straight into the FP8 wgrad's
     operand layout, col_data (X, pitch), as `quantize_slots_kernel`'s SEGMENTS (padding rows:
-    nothing)."""
+    nothing). GATHER as `quantize_slots_kernel`'s (and `amax_spans_kernel`'s: the same rows)."""
     if _runs(noop_ptr, HAS_NOOP):
         p = tl.program_id(0)
         k = tl.program_id(1)
@@ -770,6 +795,7 @@ def quantize_spans_kernel(
         live = g < num_groups
         r64 = (row0 + tl.arange(0, SPAN)).to(tl.int64)
         rmask = r64 < row_end
+        src_rows = _source_rows(index_ptr, r64, rmask & live, GATHER)
         row_amax = tl.zeros((SPAN,), dtype=tl.float32)
         if ROWWISE:
             row_amax = tl.load(row_amax_ptr + r64, mask=rmask & live, other=0).to(tl.float32, bitcast=True)
@@ -785,14 +811,29 @@ def quantize_spans_kernel(
         args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
         if STEPS == 1:
             _spans_step(
-                k, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN, BLOCK_COLS, HW_E4M3
+                k,
+                p,
+                g,
+                first,
+                live,
+                r64,
+                src_rows,
+                rmask,
+                scale_r,
+                row_nan,
+                *args,
+                ROWWISE,
+                SEGMENTS,
+                SPAN,
+                BLOCK_COLS,
+                HW_E4M3,
             )
         else:
             q0 = k * STEPS
             for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
                 _spans_step(
-                    q, p, g, first, live, r64, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN, BLOCK_COLS,
-                    HW_E4M3,
+                    q, p, g, first, live, r64, src_rows, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN,
+                    BLOCK_COLS, HW_E4M3,
                 )  # fmt: skip
 
 

@@ -184,9 +184,11 @@ class GroupQuantizer(Protocol):
         col_data: torch.Tensor | None,
         col_scale: torch.Tensor | None,
         col_segments: bool = False,
+        index: torch.Tensor | None = None,
     ) -> None:
         """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage; with
-        col_segments the columnwise data in the FP8 wgrad's transposed layout (X, pitch)."""
+        col_segments the columnwise data in the FP8 wgrad's transposed layout (X, pitch); with index
+        ((M,) rows of x, the columnwise form asked) the rows x[index], never written out."""
 
     def group_dequantize(
         self,

@@ -100,12 +100,12 @@ class QuantizePlan(NamedTuple):
     record_slots: int = 0
 
 
-def _num_slots(info: Recipe, x: torch.Tensor, tile_rows: int, num_groups: int) -> int:
+def _num_slots(info: Recipe, x: torch.Tensor, rows: int, tile_rows: int, num_groups: int) -> int:
     """Programs along the rows of the tiles kernel: every member's blocks of a weight, or ceil(M /
-    tile_rows) + N, enough for any split of the M rows into N groups and the padding."""
+    tile_rows) + N, enough for any split of the M = rows rows into N groups and the padding."""
     if x.dim() == 3:
         return x.shape[0] * triton.cdiv(x.shape[1], tile_rows)
-    return triton.cdiv(x.shape[0], tile_rows) + num_groups
+    return triton.cdiv(rows, tile_rows) + num_groups
 
 
 def hw_e4m3(device: torch.device) -> bool:
@@ -116,10 +116,18 @@ def hw_e4m3(device: torch.device) -> bool:
 
 
 def _plan(
-    info: Recipe, x: torch.Tensor, x2: torch.Tensor, num_groups: int, forms: tuple[bool, bool, bool, bool], pitch: int
+    info: Recipe,
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    rows: int,
+    num_groups: int,
+    forms: tuple[bool, bool, bool, bool, bool],
+    pitch: int,
 ) -> QuantizePlan:
-    rowwise, columnwise, has_noop, segments = forms
-    rows, cols = x2.shape
+    """The launches of one problem of `rows` rows (x2's, or the index's when gathered) in the forms
+    (rowwise, columnwise, noop flag, wgrad segments, rows gathered from x2 by an index)."""
+    rowwise, columnwise, has_noop, segments, gather = forms
+    cols = x2.shape[1]
     arch = arch_of(x2.device)
     ints = (rows, cols, num_groups, x2.stride(0))
     hw = hw_e4m3(x2.device)
@@ -129,7 +137,7 @@ def _plan(
         stride_scale = triton.cdiv(cols, tile_k)
         if columnwise:
             layout = "segments" if segments else "rows"
-            tma_slots = _slots_tma_plan(info, x, x2, num_groups, forms, pitch, stride_scale)
+            tma_slots = _slots_tma_plan(info, x, x2, rows, num_groups, forms, pitch, stride_scale)
             if tma_slots is not None:
                 return tma_slots
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
@@ -138,7 +146,7 @@ def _plan(
                     f"QUANTIZE_SLOTS[{arch!r}][{(tile_k, layout)}] = {(block_c, chunk)} does not fit {info.name}'s "
                     f"{tile_m} x {tile_k} blocks"
                 )
-            slot_grid = (_num_slots(info, x, tile_m, num_groups), triton.cdiv(cols, block_c))
+            slot_grid = (_num_slots(info, x, rows, tile_m, num_groups), triton.cdiv(cols, block_c))
             slots = LaunchPlan(
                 _SLOTS,
                 slot_grid if band == 0 else (slot_grid[0] * slot_grid[1],),
@@ -147,6 +155,7 @@ def _plan(
                     MX=info.scale_dtype != torch.float32,
                     ROWWISE=rowwise,
                     SEGMENTS=segments,
+                    GATHER=gather,
                     TILE_K=tile_k,
                     SLOT_ROWS=tile_m,
                     BLOCK_C=block_c,
@@ -168,7 +177,7 @@ def _plan(
                 f"QUANTIZE_TILES[{arch!r}][{(tile_k, form)}] = {(block_r, block_c)} does not fit {info.name}'s "
                 f"{tile_m} x {tile_k} blocks"
             )
-        row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, tile_m, num_groups)
+        row_programs = triton.cdiv(rows, block_r) if form == "rows" else _num_slots(info, x, rows, tile_m, num_groups)
         programs = row_programs * triton.cdiv(triton.cdiv(cols, block_c), steps)
         launch = LaunchPlan(
             _TILES,
@@ -193,7 +202,7 @@ def _plan(
     if columnwise:  # two passes over x: the maxima of whole rows and whole groups, then both forms
         span, block_cols, warps = QUANTIZE_AMAX_SPANS[arch]
         grid = (_num_spans(rows, num_groups, span), triton.cdiv(cols, block_cols))
-        consts = dict(ROWWISE=rowwise, HAS_NOOP=has_noop, BLOCK_GROUPS=block_groups(num_groups + 1))
+        consts = dict(ROWWISE=rowwise, GATHER=gather, HAS_NOOP=has_noop, BLOCK_GROUPS=block_groups(num_groups + 1))
         if grid[1]:
             amax_plan = LaunchPlan(_AMAX, grid, ints, dict(consts, SPAN=span, BLOCK_COLS=block_cols, num_warps=warps))
             span, block_cols, warps, steps, stages = QUANTIZE_SPANS[arch]
@@ -248,21 +257,23 @@ def _slots_tma_plan(
     info: Recipe,
     x: torch.Tensor,
     x2: torch.Tensor,
+    rows: int,
     num_groups: int,
-    forms: tuple[bool, bool, bool, bool],
+    forms: tuple[bool, bool, bool, bool, bool],
     pitch: int,
     stride_scale: int,
 ) -> QuantizePlan | None:
     """The plan of the Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`,
     the Triton slots kernel's bytes) and of the launch before it that fills its table of the slots' rows
     (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
-    to do. A persistent launch: `programs an SM` x the SMs, at most one a work item."""
-    rowwise, _, has_noop, segments = forms
+    to do, or rows gathered by an index (its TMA boxes load x's rows as they lie). A persistent launch:
+    `programs an SM` x the SMs, at most one a work item."""
+    rowwise, _, has_noop, segments, gather = forms
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments)
-    if entry is None:
+    if entry is None or gather:
         return None
     chunk, warps, stages, per_sm, slots_fastest = entry
-    num_slots = _num_slots(info, x, 128, num_groups)
+    num_slots = _num_slots(info, x, rows, 128, num_groups)
     work = num_slots * triton.cdiv(x2.shape[1], 128)
     if not work:
         return None
@@ -321,35 +332,43 @@ def group_quantize_into(
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
     col_segments: bool = False,
+    index: torch.Tensor | None = None,
 ) -> None:
     """`moekit.ops.runtime.quantize_torch.group_quantize_into` by moekit's kernels: the same arguments
     (x (M, X) or an (N, O, I) weight with unit last stride and contiguous rows; outputs contiguous, in
     the shapes `moekit.grouped_tensor` gives them; col_segments: col_data (X, segment_pitch(M, N)),
-    written on the columns in use only), the same bytes. No host read of offs, slot_offs or noop."""
+    written on the columns in use only; index: (M,) contiguous integer rows of x, the columnwise form
+    asked), the same bytes. With index the Triton kernels read each row where it lies in x (the Gluon
+    kernel's TMA boxes cannot gather rows). No host read of offs, slot_offs, noop or index."""
     info = recipe_named(recipe)
     check_triton_device(x)
     x2 = x.reshape(-1, x.shape[-1])
     num_groups = offs.shape[0] - 1
+    gather = index is not None
+    if index is not None and (x.dim() != 2 or col_data is None or index.dim() != 1 or not index.is_contiguous()):
+        raise ValueError("index gathers (M, X) rows for the columnwise form: a contiguous (M,) index, 2-D x")
+    rows = index.shape[0] if index is not None else x2.shape[0]  # M, the problem's rows
     segments = col_data is not None and col_segments
     pitch = 0
     if segments:
         assert col_data is not None  # segments
-        pitch = segment_pitch(x2.shape[0], num_groups)
+        pitch = segment_pitch(rows, num_groups)
         if x.dim() != 2 or tuple(col_data.shape) != (x2.shape[1], pitch):
             raise ValueError(
                 f"col_segments takes (M, X) rows and col_data (X, {pitch}) (the wgrad's layout), got x "
                 f"{tuple(x.shape)} and col_data {tuple(col_data.shape)}"
             )
-    forms = (row_data is not None, col_data is not None, noop is not None, segments)
-    key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms)
-    key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop))
-    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, num_groups, forms, pitch))
+    forms = (row_data is not None, col_data is not None, noop is not None, segments, gather)
+    key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms, rows)
+    key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop, index))
+    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, rows, num_groups, forms, pitch))
     noop_arg = noop if noop is not None else offs
+    index_arg = index if index is not None else offs  # a pointer never read without GATHER
     with device_ctx(x.device):
         if plan.tiles is not None:
             plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
         if plan.slots is not None:
-            groups: tuple[torch.Tensor, ...] = (offs, slot_offs)
+            groups: tuple[torch.Tensor, ...] = (index_arg, offs, slot_offs)
             if plan.records is not None:  # the Gluon kernel reads its slots' rows from a table
                 table = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
                 plan.records(offs, slot_offs, table)
@@ -368,12 +387,12 @@ def group_quantize_into(
         if plan.amax is not None and plan.spans is not None:
             # The maxima as int32 fp32 bits, folded by atomic max from zero: the rows' (if asked), then
             # the groups' columns.
-            rows = x2.shape[0] if row_data is not None else 0
-            amax = torch.zeros(rows + num_groups * x2.shape[1], dtype=torch.int32, device=x.device)
-            row_amax, col_amax = amax[:rows] if rows else amax, amax[rows:]
-            plan.amax(x2, offs, noop_arg, row_amax, col_amax)
+            row_rows = rows if row_data is not None else 0
+            amax = torch.zeros(row_rows + num_groups * x2.shape[1], dtype=torch.int32, device=x.device)
+            row_amax, col_amax = amax[:row_rows] if row_rows else amax, amax[row_rows:]
+            plan.amax(x2, index_arg, offs, noop_arg, row_amax, col_amax)
             outputs = (_u8(row_data, x2), _u8(row_scale, x2), _u8(col_data, x2), _u8(col_scale, x2))
-            plan.spans(x2, offs, noop_arg, row_amax, col_amax, *outputs)
+            plan.spans(x2, index_arg, offs, noop_arg, row_amax, col_amax, *outputs)
 
 
 def _dequantize_plan(

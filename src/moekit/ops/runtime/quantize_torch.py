@@ -202,6 +202,7 @@ def group_quantize_into(
     col_data: torch.Tensor | None,
     col_scale: torch.Tensor | None,
     col_segments: bool = False,
+    index: torch.Tensor | None = None,
 ) -> None:
     """Quantize x into the given storage (allocated by `moekit.ops.quantize.group_quantize` in the shapes
     of `moekit.grouped_tensor`). x: (M, X) rows whose groups are `offs` (N+1,), rows past offs[N] padding
@@ -210,8 +211,14 @@ def group_quantize_into(
     float32 scalar; 1.0 leaves every output unchanged. col_segments (rows only): col_data is (X,
     segment_pitch(M, N)), the columnwise data in the FP8 wgrad's operand layout (`segment_transposed`;
     its columns past the last segment are written as zeros here, left unwritten by the kernels), the
-    scales as ever. Every argument on x's device; nothing is read by the host."""
+    scales as ever. index (rows only, with the columnwise form): (M,) integer rows of x, every entry a
+    row of x: the rows quantized are x[index] (M, X), never written out (x: the (T, X) rows they are
+    gathered from). Every argument on x's device; nothing is read by the host."""
     info = recipe_named(recipe)
+    if index is not None:
+        if x.dim() != 2 or col_data is None:
+            raise ValueError("index gathers (M, X) rows for the columnwise form; got no columnwise output or a weight")
+        x = x.index_select(0, index.reshape(-1))
     skip = None if noop is None else noop.reshape(()) == 1.0
     x32 = x.to(torch.float32)
     if col_segments and x.dim() != 2:
