@@ -811,23 +811,9 @@ def quantize_spans_kernel(
         args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
         if STEPS == 1:
             _spans_step(
-                k,
-                p,
-                g,
-                first,
-                live,
-                r64,
-                src_rows,
-                rmask,
-                scale_r,
-                row_nan,
-                *args,
-                ROWWISE,
-                SEGMENTS,
-                SPAN,
-                BLOCK_COLS,
-                HW_E4M3,
-            )
+                k, p, g, first, live, r64, src_rows, rmask, scale_r, row_nan, *args, ROWWISE, SEGMENTS, SPAN,
+                BLOCK_COLS, HW_E4M3,
+            )  # fmt: skip
         else:
             q0 = k * STEPS
             for q in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_COLS)), num_stages=STAGES):
