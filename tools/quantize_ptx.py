@@ -36,6 +36,7 @@ POINTERS = {
     "offs_ptr": "*i64",
     "slot_offs_ptr": "*i64",
     "noop_ptr": "*fp32",
+    "index_ptr": "*i32",
     "x_ptr": os.environ.get("X_DTYPE", "*bf16"),
 }
 COUNTS = {
@@ -94,7 +95,8 @@ def main() -> None:
         slot_rows = 32 if mx else 128
         segments = layout == "segments"
         for rowwise in (True, False) if not segments else (True,):
-            constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, TILE_K=tile_k, SLOT_ROWS=slot_rows)
+            constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, GATHER=False, TILE_K=tile_k)
+            constexprs.update(SLOT_ROWS=slot_rows)
             constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band)
             scales = "*u8" if mx else "*fp32"
             form = ("row+col" if rowwise else "col") + ("_segments" if segments else "")
@@ -103,10 +105,12 @@ def main() -> None:
             cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
     for form, (chunk, warps, stages, _, slots_fastest) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
+        gather = form.endswith("-gathered")
+        form = form.removesuffix("-gathered")
         for rowwise in (True, False) if form == "rows" else (form == "segments",):
             constexprs = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages)
-            constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True)
-            name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}"
+            constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True, GATHER=gather)
+            name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}{'_gathered' if gather else ''}"
             cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**fp32, "rec_ptr": "*i32"}))
     block_s, warps = configs.SLOT_RECORDS["sm90"]
     for segments in (False, True):
@@ -122,11 +126,13 @@ def main() -> None:
         cases.append((f"rows_x{cols}", kernels.quantize_rows_kernel, rows_consts, warps, fp32))
     span, block_cols, warps = configs.QUANTIZE_AMAX_SPANS["sm90"]
     for rowwise in (True, False):
-        consts = dict(ROWWISE=rowwise, HAS_NOOP=False, SPAN=span, BLOCK_COLS=block_cols, BLOCK_GROUPS=256)
+        consts = dict(ROWWISE=rowwise, GATHER=False, HAS_NOOP=False, SPAN=span, BLOCK_COLS=block_cols)
+        consts.update(BLOCK_GROUPS=256)
         cases.append((f"amax_spans_row{int(rowwise)}", kernels.amax_spans_kernel, consts, warps, amax))
     span, block_cols, warps, steps, stages = configs.QUANTIZE_SPANS["sm90"]
     for rowwise in (True, False):
         consts = dict(ROWWISE=rowwise, SPAN=span, BLOCK_COLS=block_cols, STEPS=steps, STAGES=stages, SEGMENTS=False)
+        consts.update(GATHER=False)
         consts.update(common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
     for name, kernel, constexprs, warps, pointers in cases:

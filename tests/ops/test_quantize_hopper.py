@@ -37,11 +37,13 @@ from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel as K
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
 
 out = {}
-for form, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["sm90"].items():
+# Each form's entry with TMA boxes and gathered (cp.async copies), whether its gathered form is configured or not.
+plain = [(form, e) for form, e in QUANTIZE_SLOTS_TMA["sm90"].items() if not form.endswith("-gathered")]
+for form, gather, (chunk, warps, stages, per_sm, slots_fastest) in [(f, g, e) for f, e in plain for g in (0, 1)]:
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
         const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
-                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True)
-        ptr = {"x_ptr": "*bf16", "rec_ptr": "*i32", "noop_ptr": "*fp32",
+                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True, GATHER=bool(gather))
+        ptr = {"x_ptr": "*bf16", "index_ptr": "*i32", "rec_ptr": "*i32", "noop_ptr": "*fp32",
                "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}
         sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in K.arg_names}
         # What Triton specializes at launch for a 16-byte aligned x of 16 | X columns.
@@ -50,22 +52,35 @@ for form, (chunk, warps, stages, per_sm, slots_fastest) in QUANTIZE_SLOTS_TMA["s
         src = GluonASTSource(fn=K, signature=sig, attrs=div16,
                              constexprs={(K.arg_names.index(k),): v for k, v in const.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        stores = sorted(set(re.findall(r"st\\.global[\\w.]*", compiled.asm["ptx"])))
-        out[f"{form}-{rowwise}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm, stores=stores)
+        ptx = compiled.asm["ptx"]
+        stores = sorted(set(re.findall(r"st\\.global[\\w.]*", ptx)))
+        # cp.async's copy size and source size operands (the source size zero-fills masked copies).
+        copy = r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], (0x[0-9a-f]+), %r"
+        copies = sorted(set(re.findall(copy, ptx)))
+        tma = len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
+        out[f"{form}-{rowwise}-{bool(gather)}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm, stores=stores,
+                                                 copies=copies, tma=tma)
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90_with_16_byte_stores():
-    """Every configured form (the (M, X) layout with and without the rowwise form): the data leave by
-    16-byte stores (the scales by 4-byte ones, no byte stores), and the configured programs an SM fit
-    its shared memory."""
+    """Every configured form (the (M, X) layout with and without the rowwise form), and each one's
+    gathered form (GATHER: rows copied by cp.async): the data leave by 16-byte stores (the scales by
+    4-byte ones, no byte stores), and the configured programs an SM fit its shared memory; the TMA form
+    loads by TMA only, the gathered form by 16-byte cp.async copies with a source size (zero-filled
+    where masked) only."""
     got = compile_in_subprocess(_COMPILE_FOR_SM90)
-    assert len(got) == len(configs.QUANTIZE_SLOTS_TMA["sm90"]) + 1
+    plain = [f for f in configs.QUANTIZE_SLOTS_TMA["sm90"] if not f.endswith("-gathered")]
+    assert len(got) == 2 * (len(plain) + 1)
     for case, info in got.items():
         assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
         assert "st.global.v4.b32" in info["stores"], case
         assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
+        if case.endswith("-True"):
+            assert info["copies"] == ["0x10"] and info["tma"] == 0, (case, info)
+        else:
+            assert info["copies"] == [] and info["tma"] > 0, (case, info)
 
 
 def records_by_rule(m_splits: list[int], M: int, segments: bool) -> list[list[int]]:
@@ -160,6 +175,9 @@ def test_which_problems_the_kernel_takes(form):
         "no rows": entry(torch.zeros(0, 256, dtype=torch.bfloat16)),
     }
     assert {k: v for k, v in refused.items() if v is not None} == {}
+    # Rows gathered by an index: the form's "-gathered" entry (cp.async copies), absent until configured.
+    gathered = quantize_runtime.hopper_slots_entry(block, x, "sm90", rowwise, segments, gather=True)
+    assert gathered == configs.QUANTIZE_SLOTS_TMA["sm90"].get(form + "-gathered")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,11 +218,12 @@ def rows_with_specials(M: int, X: int, used: int, dtype: torch.dtype, seed: int)
 
 def storage_bytes(obj, m_splits: list[int]) -> list[torch.Tensor]:
     """Every output tensor of a GroupedTensor, or of SegmentedColumns the columns in use (the segments,
-    each rounded up to 16; the columns past them are unspecified), as bytes on the CPU."""
+    each rounded up to SEGMENT_COLUMNS; the columns past them are unspecified), as bytes on the CPU."""
     if isinstance(obj, moekit.GroupedTensor):
         tensors = [t for t in obj.storage()[2:6] if t is not None]
     else:
-        tensors = [obj.data[:, : sum(-(-n // 16) * 16 for n in m_splits)], obj.scale_inv]
+        in_use = sum(-(-n // SEGMENT_COLUMNS) * SEGMENT_COLUMNS for n in m_splits)
+        tensors = [obj.data[:, :in_use], obj.scale_inv]
     return [t.view(torch.uint8).cpu() if t.element_size() == 1 else t.view(torch.int32).cpu() for t in tensors]
 
 
@@ -253,6 +272,45 @@ def test_bytes_equal_the_triton_slots_kernel(m_splits, M, X, dtype, monkeypatch)
                 assert a.shape == b.shape and torch.equal(a, b), f"{name} output {i}: {(a != b).sum()} differ"
     finally:
         forget_plans()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m_splits, M, X", SHAPES)
+def test_gathered_bytes_equal_the_triton_slots_kernel(m_splits, M, X, monkeypatch):
+    """The gathered form (GATHER: rows x[index] copied by cp.async), enabled here by "-gathered" entries
+    equal to the TMA form's: the bytes of the Triton slots kernel on the same index and of the TMA form
+    on the gathered tensor, for the segments with both forms and the columnwise form alone."""
+    tokens = max(M // 3, 1) + 2
+    x = rows_with_specials(tokens, X, tokens, torch.bfloat16, seed=M + X + 1)
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    index = torch.randint(0, tokens, (M,), device="cuda", generator=gen, dtype=torch.int32)
+    offs = torch.tensor(m_splits, device="cuda")
+    table = dict(configs.QUANTIZE_SLOTS_TMA["sm90"])
+    table.update({f"{form}-gathered": table[form] for form in ("segments", "segments-columnwise")})
+    monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", table)
+
+    def run(rows, idx, rowwise):
+        outs = group_quantize_for_wgrad(rows, offs, "fp8_block", rowwise=rowwise, index=idx, backend="triton")
+        return [b for out in outs if out is not None for b in storage_bytes(out, m_splits)]
+
+    for rowwise in (True, False):
+        forget_plans()
+        torch.full((64 << 20,), -1, dtype=torch.int32, device="cuda")
+        assert kernels_run(lambda r=rowwise: run(x, index, r)) == {"quantize_slots_tma_kernel"}
+        got = run(x, index, rowwise)
+        want = run(x.index_select(0, index), None, rowwise)  # the TMA form on the gathered rows
+        monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {})
+        forget_plans()
+        try:
+            assert kernels_run(lambda r=rowwise: run(x, index, r)) == {"quantize_slots_kernel"}
+            triton_bytes = run(x, index, rowwise)
+        finally:
+            monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", table)
+            forget_plans()
+        for i, (a, b, c) in enumerate(zip(got, want, triton_bytes, strict=True)):
+            assert torch.equal(a, b), f"rowwise={rowwise} output {i}: {(a != b).sum()} differ from the TMA form"
+            assert torch.equal(a, c), f"rowwise={rowwise} output {i}: {(a != c).sum()} differ from the Triton kernel"
 
 
 def same(a, b, m_splits: list[int]) -> bool:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
@@ -84,20 +85,55 @@ def _issue(
     BLOCK_C: gl.constexpr,
     CHUNK: gl.constexpr,
     NBYTES: gl.constexpr,
+    GATHER: gl.constexpr,
 ):
     """Load work item w's strip (r0: its slot's first row; its strip: `_work_item`'s) into ring stage
     `stage` (nothing past the last item): one box of CHUNK rows a buffer, all on the stage's barrier.
-    ring: (x's descriptor, buffers, ready barriers); work: (items, strips, slots)."""
-    desc, bufs, ready = ring
+    ring: (source, buffers, ready barriers), the source x's descriptor; work: (items, strips, slots).
+
+    GATHER: row r of the problem is x's row index[r], and TMA boxes cannot gather rows: the source is
+    (x_ptr, index_ptr, rows, cols, stride_x) and every thread copies 16 bytes at a time with cp.async
+    (zeros past the rows and the columns, as TMA fills), one commit group a call, empty past the last
+    item, so that each call counts one group and the wait before a stage's walks is a wait for all but
+    the STAGES - 1 newest groups (`_wait_stage`)."""
+    source, bufs, ready = ring
     n_work, strips, num_slots = work
-    if w < n_work:
-        _, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
-        mbarrier.expect(ready.index(stage), NBYTES)
-        NCH: gl.constexpr = SLOT_ROWS // CHUNK
-        for kk in gl.static_range(NCH):
-            tma.async_copy_global_to_shared(
-                desc, [r0 + kk * CHUNK, q * BLOCK_C], ready.index(stage), bufs.index(stage * NCH + kk)
-            )
+    NCH: gl.constexpr = SLOT_ROWS // CHUNK
+    if GATHER:
+        x_ptr, index_ptr, rows, cols, stride_x = source
+        if w < n_work:
+            _, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
+            # 8 two-byte elements (16 bytes) a thread, 16 threads a row's 128 columns.
+            LG: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+            i = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LG))
+            c = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LG))
+            for kk in gl.static_range(NCH):
+                r = r0 + kk * CHUNK + i
+                src = gl.load(index_ptr + r, mask=r < rows, other=0).to(gl.int64)
+                ptrs = x_ptr + src[:, None] * stride_x + c[None, :]
+                mask = (r < rows)[:, None] & (c < cols)[None, :]
+                async_copy.async_copy_global_to_shared(bufs.index(stage * NCH + kk), ptrs, mask=mask)
+        async_copy.commit_group()
+    else:
+        if w < n_work:
+            _, q = _work_item(w, strips, SLOTS_FASTEST, num_slots)
+            mbarrier.expect(ready.index(stage), NBYTES)
+            for kk in gl.static_range(NCH):
+                tma.async_copy_global_to_shared(
+                    source, [r0 + kk * CHUNK, q * BLOCK_C], ready.index(stage), bufs.index(stage * NCH + kk)
+                )
+
+
+@gluon.jit
+def _wait_stage(ready, stage, it, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """Wait until ring stage `stage` (iteration it's) has landed: its barrier's phase for TMA; with
+    GATHER, this thread's copies of all but the newest STAGES - 1 groups, then every thread's (a CTA
+    barrier: the stage was copied by all of them)."""
+    if GATHER:
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+    else:
+        mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
 
 
 @gluon.jit
@@ -203,6 +239,7 @@ def _first_row(rec_ptr, w, work, SLOTS_FASTEST: gl.constexpr):
 @gluon.jit
 def quantize_slots_tma_kernel(
     x_ptr,
+    index_ptr,
     rec_ptr,
     noop_ptr,
     row_data_ptr,
@@ -222,6 +259,7 @@ def quantize_slots_tma_kernel(
     SLOTS_FASTEST: gl.constexpr,
     HAS_NOOP: gl.constexpr,
     HW_E4M3: gl.constexpr,
+    GATHER: gl.constexpr = False,
 ):
     """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
     16-byte aligned base and row stride; the outputs and bytes of `quantize_slots_kernel` with TILE_K =
@@ -229,7 +267,8 @@ def quantize_slots_tma_kernel(
     from `slot_records_kernel`'s table (rec_ptr, SLOT_ROWS 128, the same SEGMENTS). A persistent launch:
     the programs take the num_slots x ceil(cols / 128) work items in turn. Each iteration issues the
     loads of its next item's record and of the first row of the item it loads next before it walks
-    its own strip, so their latency hides behind the walks."""
+    its own strip, so their latency hides behind the walks. GATHER: row r of the problem (rows of them)
+    is x's row index[r], loaded by cp.async instead of TMA (`_issue`); everything else the same."""
     SLOT_ROWS: gl.constexpr = 128
     BLOCK_C: gl.constexpr = 128
     gl.static_assert(SLOT_ROWS % CHUNK == 0 and CHUNK % 16 == 0, "chunks of 16-row multiples")
@@ -246,14 +285,17 @@ def quantize_slots_tma_kernel(
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-        desc = tma.make_tensor_descriptor(
-            x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[CHUNK, BLOCK_C], layout=smem_layout
-        )
+        if GATHER:
+            source = (x_ptr, index_ptr, rows, cols, stride_x)
+        else:
+            source = tma.make_tensor_descriptor(
+                x_ptr, shape=[rows, cols], strides=[stride_x, 1], block_shape=[CHUNK, BLOCK_C], layout=smem_layout
+            )
         strips = gl.cdiv(cols, BLOCK_C)
         n_work = num_slots * strips
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
-        ring = (desc, bufs, ready)
+        ring = (source, bufs, ready)
         work = (n_work, strips, num_slots)
         for s in gl.static_range(STAGES):
             w0 = pid + s * nprog
@@ -268,6 +310,7 @@ def quantize_slots_tma_kernel(
                 BLOCK_C,
                 CHUNK,
                 NBYTES,
+                GATHER,
             )
         sizes = (cols, stride_x, stride_row_scale, pitch)
         outputs = (row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr)
@@ -280,7 +323,7 @@ def quantize_slots_tma_kernel(
             next_slot, _ = _work_item(w + nprog, strips, SLOTS_FASTEST, num_slots)
             next_record = _record(rec_ptr, next_slot, w + nprog < n_work)
             load_r0 = _first_row(rec_ptr, w + STAGES * nprog, work, SLOTS_FASTEST)
-            mbarrier.wait(ready.index(stage), (it // STAGES) & 1)
+            _wait_stage(ready, stage, it, STAGES, GATHER)
             item = (n, r0, seg0, slot, q, live != 0)
             base = stage * (SLOT_ROWS // CHUNK)
             if live != 0 and n >= SLOT_ROWS:  # a whole slot of a real group: no row masks
@@ -290,7 +333,9 @@ def quantize_slots_tma_kernel(
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()
-            _issue(ring, w + STAGES * nprog, load_r0, stage, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES)
+            _issue(
+                ring, w + STAGES * nprog, load_r0, stage, work, SLOTS_FASTEST, SLOT_ROWS, BLOCK_C, CHUNK, NBYTES, GATHER
+            )
             r0, n, live, seg0 = next_record
             it += 1
         for s in gl.static_range(STAGES):

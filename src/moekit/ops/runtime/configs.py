@@ -468,7 +468,10 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # whole width, so each row's scales (one float a strip, side by side in memory) are written close
 # together in time rather than one float per 32-byte sector spread over the whole launch. Only
 # architectures listed here run it;
-# elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes.
+# elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes. A form's
+# "-gathered" entry runs its GATHER form (rows x[index], copied by cp.async: TMA boxes cannot gather)
+# for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
+# kernel gathers them. None yet: built and compiled for sm_90 on CPU, not yet run on a GPU.
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
     "sm90": {
         "rows": (16, 2, 1, 6, False),

@@ -236,15 +236,16 @@ def _plan(
 
 
 def hopper_slots_entry(
-    info: Recipe, x: torch.Tensor, arch: Arch, rowwise: bool, segments: bool
+    info: Recipe, x: torch.Tensor, arch: Arch, rowwise: bool, segments: bool, gather: bool = False
 ) -> tuple[int, int, int, int, bool] | None:
     """The `QUANTIZE_SLOTS_TMA` entry the Gluon kernel runs the columnwise form of x (with the rowwise
-    form if `rowwise`; into the wgrad's segments if `segments`) with on `arch`, or None where it does not
-    take the problem and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks,
-    fp32 scales), an architecture or form without an entry, a weight (3-D x), x not bf16/fp16, not
-    TMA-aligned (16-byte base and row stride) or empty, rows past TMA's int32 coordinates."""
+    form if `rowwise`; into the wgrad's segments if `segments`; rows gathered from x by an index if
+    `gather`: the form's name + "-gathered") with on `arch`, or None where it does not take the problem
+    and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks, fp32 scales), an
+    architecture or form without an entry, a weight (3-D x), x not bf16/fp16, not TMA-aligned (16-byte
+    base and row stride) or empty, rows past TMA's int32 coordinates."""
     form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
-    entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get(form)
+    entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get(form + ("-gathered" if gather else ""))
     takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
     if entry is None or not takes or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -266,11 +267,12 @@ def _slots_tma_plan(
     """The plan of the Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`,
     the Triton slots kernel's bytes) and of the launch before it that fills its table of the slots' rows
     (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
-    to do, or rows gathered by an index (its TMA boxes load x's rows as they lie). A persistent launch:
-    `programs an SM` x the SMs, at most one a work item."""
+    to do. Rows gathered by an index: its GATHER form (cp.async copies instead of TMA boxes) where the
+    table has a "-gathered" entry. A persistent launch: `programs an SM` x the SMs, at most one a work
+    item."""
     rowwise, _, has_noop, segments, gather = forms
-    entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments)
-    if entry is None or gather:
+    entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments, gather)
+    if entry is None or rows >= 2**31 - 2**20:
         return None
     chunk, warps, stages, per_sm, slots_fastest = entry
     num_slots = _num_slots(info, x, rows, 128, num_groups)
@@ -280,10 +282,11 @@ def _slots_tma_plan(
     slots = LaunchPlan(
         _SLOTS_TMA,
         (grid_size(x2.device, work, per_sm),),
-        (x2.shape[0], x2.shape[1], x2.stride(0), stride_scale, pitch, num_slots),
+        (rows, x2.shape[1], x2.stride(0), stride_scale, pitch, num_slots),
         dict(
             ROWWISE=rowwise,
             SEGMENTS=segments,
+            GATHER=gather,
             CHUNK=chunk,
             STAGES=stages,
             SLOTS_FASTEST=slots_fastest,
@@ -296,7 +299,7 @@ def _slots_tma_plan(
     records = LaunchPlan(
         _SLOT_RECORDS,
         (triton.cdiv(num_slots, block_s),),
-        (x2.shape[0], num_groups, num_slots),
+        (rows, num_groups, num_slots),
         dict(
             SLOT_ROWS=128,
             SEGMENTS=segments,
@@ -372,7 +375,7 @@ def group_quantize_into(
             if plan.records is not None:  # the Gluon kernel reads its slots' rows from a table
                 table = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
                 plan.records(offs, slot_offs, table)
-                groups = (table,)
+                groups = (index_arg, table)
             plan.slots(
                 x2,
                 *groups,
