@@ -10,7 +10,10 @@
 # Prepare A here, where git is (it travels in carry):
 #   mkdir -p .ab/A && git archive <A> src | tar -x -C .ab/A --strip-components=1 && echo <A> > .ab/commitA
 # then run PART=1 and PART=2 with carry [".ab"] (a B other than HEAD likewise in .ab/B, B_TREE=.ab/B,
-# B_COMMIT=<B>). Leaves $OUT/gpu_tests_<B>.log (the tests run on this tree's src/ and tests/), $OUT/
+# B_COMMIT=<B>; a B that differs from HEAD by configuration only, e.g. the Gluon quantizer's gathered
+# form switched on: cp -r src .ab/B, then in .ab/B/moekit/ops/runtime/configs.py add to
+# QUANTIZE_SLOTS_TMA["sm90"] the entries "segments-gathered" and "segments-columnwise-gathered" equal
+# to "segments" and "segments-columnwise"). Leaves $OUT/gpu_tests_<B>.log (the tests run on this tree's src/ and tests/), $OUT/
 # q_<splits>_<A|B>/quantized.{json,md} and $OUT/h200_ab_layer_fp8_block_<A>_<B>.json.
 #   OUT=/path PART=1 [A_TREE=.ab/A] [A_COMMIT=...] [B_TREE=src] [B_COMMIT=...] bash benchmarks/gpu_quantized_ab.sh
 set -u
