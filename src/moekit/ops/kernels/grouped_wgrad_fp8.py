@@ -25,10 +25,10 @@ registers. A group may start at any row, and a TMA box must start 16-byte aligne
 dimension: so each group's rows start a segment at a multiple of SEGMENT_COLUMNS (128) columns of the
 transposed operand, zeros filling the segment's tail (`segment_starts`). 128 rather than TMA's 16: a
 writer of 128 rows of a group (the quantizer's slots) then stores whole 128-byte lines of every
-destination row at any split (a segment starting mid-line costs the writers partial-line stores and
-the slots kernel 1.3-1.8x), and a reduction step of up to 128 rows never leaves its group's segment,
-whose tail is zeros in both operands: no step needs a descriptor that stops at its group's last row.
-The cost: up to 127 zero columns a group.
+destination row at any split (a segment starting mid-line makes the writers of neighbouring slots
+share lines, each storing part of them), and a reduction step of up to 128 rows never leaves its
+group's segment, whose tail is zeros in both operands: no step needs a descriptor that stops at its
+group's last row. The cost: up to 127 zero columns a group.
 
 The schedule is the bf16 wgrad's (`moekit.ops.kernels.grouped_gemm.wgrad_kernel`): every group owns
 the same (o, i) tile grid and the group offsets are read on the device only; fp8_rowwise's persistent
