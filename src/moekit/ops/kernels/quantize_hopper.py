@@ -107,10 +107,15 @@ def _issue(
             LG: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
             i = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LG))
             c = q * BLOCK_C + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LG))
+            # Every chunk's row indices first (their loads in flight together: one round trip, not one a
+            # chunk), then the copies.
+            srcs = ()
             for kk in gl.static_range(NCH):
                 r = r0 + kk * CHUNK + i
-                src = gl.load(index_ptr + r, mask=r < rows, other=0).to(gl.int64)
-                ptrs = x_ptr + src[:, None] * stride_x + c[None, :]
+                srcs = srcs + (gl.load(index_ptr + r, mask=r < rows, other=0),)
+            for kk in gl.static_range(NCH):
+                r = r0 + kk * CHUNK + i
+                ptrs = x_ptr + srcs[kk].to(gl.int64)[:, None] * stride_x + c[None, :]
                 mask = (r < rows)[:, None] & (c < cols)[None, :]
                 async_copy.async_copy_global_to_shared(bufs.index(stage * NCH + kk), ptrs, mask=mask)
         async_copy.commit_group()
