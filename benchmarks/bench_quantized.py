@@ -18,7 +18,10 @@ quantize   moekit.group_quantize(x, m_splits, recipe, rowwise=True, columnwise=.
            columnwise data written in the wgrad's segments layout): `segments` with both forms (dy,
            dh), `segments_columnwise` the columnwise form alone (x, a); their bytes written count the
            columnwise data's M x X (not the layout's padding columns), and they have no out= (a
-           backward's operands are fresh: "unsupported"), their graph replays the allocating call.
+           backward's operands are fresh: "unsupported"), their graph replays the allocating call;
+           `segments_gathered` / `segments_columnwise_gathered` the same from the (T, H) token rows and
+           the routing's index (`index=`, as the layer's backward hands it d out and x; bytes read
+           count the M gathered rows; a build without `index` records "unsupported").
            `--splits routed` takes the groups' counts from bench_moe_layer's balanced routing (random
            draws: counts not multiples of 16 or 128, what ab_builds.py's layer cells and real routing
            give) instead of equal counts. Three
@@ -96,6 +99,7 @@ in for its FP8 mm (`stand_in_rel_err_fro`).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -123,10 +127,23 @@ GEMM_OPS = ("fwd", "dgrad", "wgrad")
 COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
 QUANTIZED_COLUMNS = {"moekit_fp8_block": "fp8_block", "moekit_fp8_rowwise": "fp8_rowwise"}
 RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
-OPERANDS = ("activations", "weight", "segments", "segments_columnwise")
+OPERANDS = (
+    "activations",
+    "weight",
+    "segments",
+    "segments_columnwise",
+    "segments_gathered",
+    "segments_columnwise_gathered",
+)
 # The backward's operands of the FP8 wgrad (`group_quantize_for_wgrad`, columnwise data in the wgrad's
-# segments layout): both forms (dy, dh) and the columnwise form alone (x, a).
-SEGMENTS_ROWWISE = {"segments": True, "segments_columnwise": False}
+# segments layout): both forms (dy, dh) and the columnwise form alone (x, a); "_gathered": the same rows
+# given as the (T, H) token rows and the routing's index (`index=`: the layer's d out and x).
+SEGMENTS_ROWWISE = {
+    "segments": True,
+    "segments_columnwise": False,
+    "segments_gathered": True,
+    "segments_columnwise_gathered": False,
+}
 SPLITS = ("balanced", "routed")
 MODES = ("alloc", "out", "graph")
 SHAPE_NAMES = ("deepseek-v3-ep8", "mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b")
@@ -501,6 +518,9 @@ def bench_quantize_cell(
 ) -> list[dict]:
     device = args.device
     segments = operand in SEGMENTS_ROWWISE
+    index = None
+    if operand.endswith("_gathered"):  # (token rows, the token of each routed row)
+        x, index = x
     recs = {
         mode: {
             "bench": NAME,
@@ -508,6 +528,7 @@ def bench_quantize_cell(
             "shape": shape.name,
             "operand": operand,
             "x_shape": list(x.shape),
+            "index_rows": None if index is None else index.shape[0],
             "recipe": recipe,
             "rowwise": SEGMENTS_ROWWISE.get(operand, True),
             "columnwise": columnwise,
@@ -537,10 +558,16 @@ def bench_quantize_cell(
         return records
 
     counts = splits.tolist() if segments else None
+    if index is not None and "index" not in inspect.signature(group_quantize_for_wgrad).parameters:
+        mark(MODES, "unsupported", "this build's group_quantize_for_wgrad takes no index")
+        return records
+    rows_read = x.nbytes if index is None else index.shape[0] * x.shape[1] * x.element_size()
 
     def quantize(out=None):
         if segments:  # the backward's call: no out= (its operands are fresh)
-            rows, cols = group_quantize_for_wgrad(x, splits, recipe, rowwise=SEGMENTS_ROWWISE[operand])
+            rowwise = SEGMENTS_ROWWISE[operand]
+            extra = {} if index is None else {"index": index}
+            rows, cols = group_quantize_for_wgrad(x, splits, recipe, rowwise=rowwise, **extra)
             return rows, cols, counts
         return moekit.group_quantize(x, splits, recipe, rowwise=True, columnwise=columnwise, out=out)
 
@@ -555,10 +582,10 @@ def bench_quantize_cell(
         return records
     written = sum(t.nbytes for t in _written(expected))
     if segments:  # the columnwise data's M x X bytes, not the segments' padding columns
-        written += x.nbytes // x.element_size() - segment_bytes(expected[1], counts).nbytes
+        written += rows_read // x.element_size() - segment_bytes(expected[1], counts).nbytes
     quantizer = quantizer_name(x)
     for r in records:
-        r.update(bytes_read=x.nbytes, bytes_written=written, first_call_s=round(first_call_s, 3), quantizer=quantizer)
+        r.update(bytes_read=rows_read, bytes_written=written, first_call_s=round(first_call_s, 3), quantizer=quantizer)
     recs["alloc"].update(status="ok", same_bytes_as_alloc=True)
     timed = [(recs["alloc"], quantize)]
     if segments:
@@ -611,26 +638,32 @@ def bench_quantize_cell(
     return records  # the caller releases the graph and the outputs
 
 
-def group_counts(args, shape: LayerShape) -> torch.Tensor:
-    """The groups' row counts of the quantize part on the device: equal ("balanced") or those of
-    bench_moe_layer's balanced routing ("routed": random draws)."""
-    M = shape.tokens * shape.top_k
+def group_counts(args, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups' row counts of the quantize part on the device, equal ("balanced": ids = arange(T*K) %
+    E) or those of bench_moe_layer's balanced routing ("routed": random draws), and the token of each
+    row in expert order (int32, the layer's gather index: the gathered operands' `index`)."""
     if args.splits == "balanced":
-        return torch.tensor(runner.balanced_splits(M, shape.experts), device=args.device)
-    ids, _ = bench_moe_layer.make_routing(shape, "balanced", args.device, args.dtype)
-    return torch.bincount(ids.reshape(-1), minlength=shape.experts)
+        ids = torch.arange(shape.tokens * shape.top_k, device=args.device) % shape.experts
+    else:
+        ids, _ = bench_moe_layer.make_routing(shape, "balanced", args.device, args.dtype)
+    flat = ids.reshape(-1)
+    token_of_row = (torch.argsort(flat, stable=True) // shape.top_k).to(torch.int32)
+    return torch.bincount(flat, minlength=shape.experts), token_of_row
 
 
 def bench_quantize_shape(args, shape: LayerShape, hbm, budget: Budget) -> list[dict]:
     device, dtype = args.device, args.dtype
     M = shape.tokens * shape.top_k
     gen = torch.Generator(device=device).manual_seed(2)
-    splits = group_counts(args, shape)
+    splits, token_of_row = group_counts(args, shape)
     rows = torch.randn(M, shape.hidden, device=device, dtype=dtype, generator=gen)
+    tokens = rows[: shape.tokens]  # the gathered operands' (T, H) token rows
     operands = {
         "activations": (rows, splits),
         "segments": (rows, splits),
         "segments_columnwise": (rows, splits),
+        "segments_gathered": ((tokens, token_of_row), splits),
+        "segments_columnwise_gathered": ((tokens, token_of_row), splits),
         "weight": (
             (torch.randn(shape.experts, 2 * shape.ffn, shape.hidden, device=device, generator=gen) * 0.02).to(dtype),
             None,
@@ -906,8 +939,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma list of group_quantize's recipes")
     parser.add_argument(
         "--operands",
-        default=",".join(OPERANDS),
-        help="group_quantize on activations, weight; the wgrad's segments with both forms, columnwise alone",
+        default=",".join(OPERANDS[:4]),
+        help="group_quantize on activations, weight; the wgrad's segments with both forms, columnwise alone "
+        "(default: these four); the same two gathered from token rows by an index (by name)",
     )
     parser.add_argument(
         "--splits", choices=SPLITS, default="balanced", help="the quantize part's group counts (default balanced)"

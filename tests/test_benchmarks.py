@@ -255,6 +255,24 @@ def test_bench_quantized_routed_splits_take_the_routing_counts(tmp_path):
     assert all(r["rowwise"] and r["columnwise"] and r["bytes_written"] > r["bytes_read"] // 2 for r in alloc), alloc
 
 
+def test_bench_quantized_gathered_operands_read_the_routed_rows(tmp_path):
+    """The gathered segments operands: the token rows and the routing's index (`index=`), every row of
+    the routed M counted as read, and the same bytes written as the materialized operand's."""
+    payload = _run_quantized(
+        tmp_path, "--parts", "quantize", "--roofs", "hbm_copy", "--splits", "routed", "--recipes", "fp8_block",
+        "--operands", "segments,segments_gathered,segments_columnwise_gathered",
+    )  # fmt: skip
+    alloc = {(r["shape"], r["operand"]): r for r in payload["quantize"] if r["mode"] == "alloc"}
+    for (shape, operand), r in alloc.items():
+        assert r["status"] == "ok", r
+        if operand.endswith("_gathered"):
+            plain = alloc[(shape, "segments")]
+            assert r["index_rows"] == plain["x_shape"][0] and r["x_shape"][0] <= r["index_rows"], r  # T <= T K
+            assert r["bytes_read"] == plain["bytes_read"], r
+            if operand == "segments_gathered":
+                assert r["bytes_written"] == plain["bytes_written"], r
+
+
 def test_bench_quantized_kernels_profile_one_step_per_column(tmp_path):
     """--kernels: each timed layer column also gets one profiled step, its kernels (here the CPU's
     operators) summed by name, largest first, and their total; the step starts without gradients."""
