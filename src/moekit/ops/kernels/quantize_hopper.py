@@ -112,7 +112,7 @@ def _issue(
             srcs = ()
             for kk in gl.static_range(NCH):
                 r = r0 + kk * CHUNK + i
-                srcs = srcs + (gl.load(index_ptr + r, mask=r < rows, other=0),)
+                srcs = srcs + (gl.load(index_ptr + r, mask=r < rows, other=0),)  # type: ignore[assignment]
             for kk in gl.static_range(NCH):
                 r = r0 + kk * CHUNK + i
                 ptrs = x_ptr + srcs[kk].to(gl.int64)[:, None] * stride_x + c[None, :]
