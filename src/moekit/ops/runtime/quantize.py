@@ -100,6 +100,20 @@ class QuantizePlan(NamedTuple):
     record_slots: int = 0
 
 
+class _Problem(NamedTuple):
+    """One `group_quantize_into` problem as its plans see it: x as given ((M, X) rows or an (N, O, I)
+    weight), x2 its 2-D view, rows M (x2's, or the index's when the rows are gathered from x2), N
+    groups, the forms asked (rowwise, columnwise, a noop flag, the wgrad's segments, rows gathered by
+    an index) and the segments' row pitch (0 without them)."""
+
+    x: torch.Tensor
+    x2: torch.Tensor
+    rows: int
+    num_groups: int
+    forms: tuple[bool, bool, bool, bool, bool]
+    pitch: int
+
+
 def _num_slots(info: Recipe, x: torch.Tensor, rows: int, tile_rows: int, num_groups: int) -> int:
     """Programs along the rows of the tiles kernel: every member's blocks of a weight, or ceil(M /
     tile_rows) + N, enough for any split of the M = rows rows into N groups and the padding."""
@@ -115,17 +129,9 @@ def hw_e4m3(device: torch.device) -> bool:
     return not INTERPRET and device.type == "cuda" and capability(device_index(device)) >= (8, 9)
 
 
-def _plan(
-    info: Recipe,
-    x: torch.Tensor,
-    x2: torch.Tensor,
-    rows: int,
-    num_groups: int,
-    forms: tuple[bool, bool, bool, bool, bool],
-    pitch: int,
-) -> QuantizePlan:
-    """The launches of one problem of `rows` rows (x2's, or the index's when gathered) in the forms
-    (rowwise, columnwise, noop flag, wgrad segments, rows gathered from x2 by an index)."""
+def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
+    """The launches of one problem in `info`'s recipe."""
+    x, x2, rows, num_groups, forms, pitch = problem
     rowwise, columnwise, has_noop, segments, gather = forms
     cols = x2.shape[1]
     arch = arch_of(x2.device)
@@ -137,7 +143,7 @@ def _plan(
         stride_scale = triton.cdiv(cols, tile_k)
         if columnwise:
             layout = "segments" if segments else "rows"
-            tma_slots = _slots_tma_plan(info, x, x2, rows, num_groups, forms, pitch, stride_scale)
+            tma_slots = _slots_tma_plan(info, problem, stride_scale)
             if tma_slots is not None:
                 return tma_slots
             block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
@@ -254,22 +260,14 @@ def hopper_slots_entry(
     return entry
 
 
-def _slots_tma_plan(
-    info: Recipe,
-    x: torch.Tensor,
-    x2: torch.Tensor,
-    rows: int,
-    num_groups: int,
-    forms: tuple[bool, bool, bool, bool, bool],
-    pitch: int,
-    stride_scale: int,
-) -> QuantizePlan | None:
+def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> QuantizePlan | None:
     """The plan of the Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`,
     the Triton slots kernel's bytes) and of the launch before it that fills its table of the slots' rows
     (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
     to do. Rows gathered by an index: its GATHER form (cp.async copies instead of TMA boxes) where the
     table has a "-gathered" entry. A persistent launch: `programs an SM` x the SMs, at most one a work
     item."""
+    x, x2, rows, num_groups, forms, pitch = problem
     rowwise, _, has_noop, segments, gather = forms
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments, gather)
     if entry is None or rows >= 2**31 - 2**20:
@@ -364,7 +362,8 @@ def group_quantize_into(
     forms = (row_data is not None, col_data is not None, noop is not None, segments, gather)
     key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms, rows)
     key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop, index))
-    plan = plan_launch("group_quantize", key, lambda: _plan(info, x, x2, rows, num_groups, forms, pitch))
+    problem = _Problem(x, x2, rows, num_groups, forms, pitch)
+    plan = plan_launch("group_quantize", key, lambda: _plan(info, problem))
     noop_arg = noop if noop is not None else offs
     index_arg = index if index is not None else offs  # a pointer never read without GATHER
     with device_ctx(x.device):
