@@ -124,8 +124,9 @@ def _num_groups(m_splits: MSplits | GroupOffsets) -> int:
     )
 
 
-def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOffsets:
-    """The groups of x's rows: m_splits for (M, X) rows, the members of an (N, O, I) weight for None."""
+def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None, rows: int | None = None) -> GroupOffsets:
+    """The groups of x's rows: m_splits for (M, X) rows (M = `rows` where they are gathered from x by an
+    index, else x's), the members of an (N, O, I) weight for None."""
     if m_splits is None:
         if x.dim() != 3:
             raise ValueError(
@@ -144,7 +145,7 @@ def _layout(x: torch.Tensor, m_splits: MSplits | GroupOffsets | None) -> GroupOf
     num = _num_groups(m_splits)
     if num == 0:
         raise ValueError("m_splits has no groups; group_quantize needs at least one")
-    return resolve_splits(m_splits, num, x.shape[0], x.device)
+    return resolve_splits(m_splits, num, x.shape[0] if rows is None else rows, x.device)
 
 
 def _equal_groups(num: int, rows: int, device: torch.device) -> GroupOffsets:
@@ -576,10 +577,8 @@ def group_quantize_for_wgrad(
     if x.dim() != 2:
         raise ValueError(f"x must be (rows, cols) rows in groups for the wgrad's layout, got shape {tuple(x.shape)}")
     shape = (x.shape[0] if index is None else index.shape[0], x.shape[1])  # (M, X), the rows quantized
-    num = _num_groups(m_splits)
-    if num == 0:
-        raise ValueError("m_splits has no groups; group_quantize needs at least one")
-    offs = resolve_splits(m_splits, num, shape[0], x.device)
+    offs = _layout(x, m_splits, shape[0])
+    num = offs.num_groups
     impl = select_quantizer(backend, x)
     slot_offs = _slot_offsets(info, x, offs)
     storage = _allocate(info, shape, x.device, num, rowwise, False)

@@ -230,20 +230,22 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
 
 
 @triton.jit
-def _segment_tail(col_ptr, c, cmask, j, count, col, last, pitch, BLOCK_ROWS: tl.constexpr, TAIL: tl.constexpr):
-    """The zeros of a group's segment (of `count` rows) past a writer's block of its rows that ends at
-    row j of the group (column col = the segment's start + j, a multiple of 16), where `last` (the
-    block holds the group's last row of a real group): out[c, col + t] = 0 for the t < TAIL with j + t
-    below count rounded up to SEGMENT_COLUMNS, BLOCK_ROWS columns a store. For writers whose blocks are
-    shorter than a segment (mxfp8's 32-row slots, fp8_rowwise's spans; TAIL = SEGMENT_COLUMNS - their
-    block): no other program's block reaches those columns."""
-    BLOCK_C: tl.constexpr = c.shape[0]
-    i = tl.arange(0, BLOCK_ROWS)
-    end = tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS
-    zeros = tl.zeros((BLOCK_C, BLOCK_ROWS), col_ptr.dtype.element_ty)
-    ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + (col // 16 * 16 + i)[None, :]
-    for t in tl.static_range(0, TAIL, BLOCK_ROWS):
-        tl.store(ptrs + t, zeros, mask=cmask[:, None] & (last & (j + t + i < end))[None, :])
+def _segment_tail(col_ptr, c, cmask, j0, count, seg0, live, pitch, BLOCK: tl.constexpr, STORE_ROWS: tl.constexpr):
+    """The zeros of a group's segment (of `count` rows) past a writer's block of BLOCK rows from row j0
+    of the group (column seg0 = the segment's start + j0, a multiple of 16), where that block holds the
+    group's last row and the group is `live`: out[c, seg0 + BLOCK + t] = 0 for the t with j0 + BLOCK + t
+    below count rounded up to SEGMENT_COLUMNS, STORE_ROWS columns a store. Nothing for a block as long
+    as a segment, whose writer reaches the segment's end itself; for shorter ones (mxfp8's 32-row
+    slots, fp8_rowwise's spans) no other program's block reaches those columns."""
+    if BLOCK < SEGMENT_COLUMNS:
+        BLOCK_C: tl.constexpr = c.shape[0]
+        i = tl.arange(0, STORE_ROWS)
+        last = live & (j0 < count) & (count <= j0 + BLOCK)
+        end = tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS - (j0 + BLOCK)
+        zeros = tl.zeros((BLOCK_C, STORE_ROWS), col_ptr.dtype.element_ty)
+        ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + ((seg0 + BLOCK) // 16 * 16 + i)[None, :]
+        for t in tl.static_range(0, SEGMENT_COLUMNS - BLOCK, STORE_ROWS):
+            tl.store(ptrs + t, zeros, mask=cmask[:, None] & (last & (t + i < end))[None, :])
 
 
 @triton.jit
@@ -542,12 +544,8 @@ def quantize_slots_kernel(
                 _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
             else:
                 tl.store(col_data_ptr + elem, q, mask=mask)
-        if SEGMENTS and SLOT_ROWS < SEGMENT_COLUMNS:
-            last = live & (j0 < count) & (count <= j0 + SLOT_ROWS)
-            _segment_tail(
-                col_data_ptr, c, cmask, j0 + SLOT_ROWS, count, seg0 + SLOT_ROWS, last, pitch, CHUNK,
-                SEGMENT_COLUMNS - SLOT_ROWS,
-            )  # fmt: skip
+        if SEGMENTS:
+            _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
 
 
 @triton.jit
@@ -634,20 +632,16 @@ def _span_tile(
     rows,
     cols,
     num_groups,
-    stride_x,
     SPAN: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
 ):
-    """The (SPAN, BLOCK_COLS) tile (span p, column block q) of `_span_of`'s spans: (g, first span of g,
-    rows r (int64), columns c, row mask, column mask, element offsets)."""
-    g, row0, row_end, first = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
+    """The (SPAN, BLOCK_COLS) tile (span p, column block q) of `_span_of`'s spans: (g, rows r (int64),
+    columns c, row mask, column mask)."""
+    g, row0, row_end, _ = _span_of(p, offs_ptr, rows, num_groups, SPAN, BLOCK_GROUPS)
     r = row0 + tl.arange(0, SPAN)
-    rmask = r < row_end
     c = q * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    cmask = c < cols
-    r64 = r.to(tl.int64)
-    return g, first, r64, c, rmask, cmask, r64[:, None] * stride_x + c[None, :]
+    return g, r.to(tl.int64), c, r < row_end, c < cols
 
 
 @triton.jit
@@ -677,17 +671,8 @@ def amax_spans_kernel(
     whatever the order of the programs. Padding rows (g = N): no maxima (their rows read as zeros).
     GATHER: the problem's row r is x's row index[r] (`_source_rows`)."""
     if _runs(noop_ptr, HAS_NOOP):
-        g, first, r64, c, rmask, cmask, elem = _span_tile(
-            tl.program_id(0),
-            tl.program_id(1),
-            offs_ptr,
-            rows,
-            cols,
-            num_groups,
-            stride_x,
-            SPAN,
-            BLOCK_COLS,
-            BLOCK_GROUPS,
+        g, r64, c, rmask, cmask = _span_tile(
+            tl.program_id(0), tl.program_id(1), offs_ptr, rows, cols, num_groups, SPAN, BLOCK_COLS, BLOCK_GROUPS
         )
         live = g < num_groups
         src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
@@ -741,10 +726,7 @@ def _spans_step(
     if SEGMENTS:
         j0, count, seg0, pitch = seg
         _segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
-        if SPAN < SEGMENT_COLUMNS:
-            last = live & (j0 < count) & (count <= j0 + SPAN)
-            TAIL: tl.constexpr = SEGMENT_COLUMNS - SPAN
-            _segment_tail(col_data_ptr, c, cmask, j0 + SPAN, count, seg0 + SPAN, last, pitch, SPAN, TAIL)
+        _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SPAN, SPAN)
     else:
         tl.store(col_data_ptr + elem, q_col, mask=mask)
     if ROWWISE:
