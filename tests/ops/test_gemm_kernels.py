@@ -309,6 +309,47 @@ def test_wgrad_row_maps_are_checked():
 
 
 @cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_interpreter_row_sum_and_dot(dtype, gathered, nan_outputs):
+    """fc2's bias gradient and d probs' bias term from one pass (`group_row_sum_and_dot`): per-group sums
+    of src's rows times the row scale, and <src[r], vec[group of r]>, against float64; an empty group,
+    rows past sum(splits) (padding: never read, their dot 0) and an odd width. Gathered: the rows are
+    src[rows[r]] of (T, C) token rows read through the map, bit for bit the sums of the gathered copy; the
+    token rows no used row names are NaN, so a row read wrongly shows."""
+    splits, M, C, T = [7, 0, 19, 5], 35, 37, 13
+    gen = torch.Generator().manual_seed(3)
+    offs = offs_of(splits, "cpu")
+    used = sum(splits)
+    vec = torch.randn(len(splits), C, generator=gen).to(dtype)
+    scale = torch.rand(M, generator=gen).to(dtype)
+    if gathered:
+        tokens = torch.randn(T, C, generator=gen).to(dtype)
+        rows = torch.randint(0, T - 2, (M,), generator=gen)
+        rows[used:] = T - 1  # padding rows name a NaN row
+        tokens[T - 2 :] = float("nan")  # the rows only padding rows name (or none)
+        src, src_M = tokens, tokens[rows]
+    else:
+        src = src_M = torch.randn(M, C, generator=gen).to(dtype)
+        src[used:] = float("nan")  # padding rows: never read
+        rows = None
+    sums, dots = gg.group_row_sum_and_dot(src, offs, vec, scale, rows=rows)
+    assert sums.shape == (len(splits), C) and sums.dtype == dtype and dots.shape == (M,) and dots.dtype == torch.float32
+    group = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+    x64 = src_M[:used].double()
+    want_dots = (x64 * vec.double()[group]).sum(-1)
+    want_sums = torch.zeros(len(splits), C, dtype=torch.float64).index_add_(0, group, x64 * scale[:used, None].double())
+    same_sums = torch.zeros(len(splits), C, dtype=dtype).index_add_(0, group, src_M[:used] * scale[:used, None])
+    assert_close(sums, want_sums, same_sums, dtype)
+    assert (dots[used:] == 0).all(), "padding rows get no dot"
+    assert_close(dots[:used], want_dots, (src_M[:used] * vec[group]).sum(-1), torch.float32)
+    assert (sums[1] == 0).all(), "the empty group sums to zero"
+    if gathered:
+        copy_sums, copy_dots = gg.group_row_sum_and_dot(src_M, offs, vec, scale)
+        assert torch.equal(sums, copy_sums) and torch.equal(dots, copy_dots)
+
+
+@cpu_only
 def test_interpreter_many_tiles_per_program(nan_outputs):
     # More tiles than programs, groups that end mid-tile, and a padding pseudo-group: the
     # persistent schedule must visit every tile exactly once.

@@ -374,22 +374,22 @@ def _run_layer(inputs: dict, backend: str, dy: torch.Tensor) -> list[torch.Tenso
     return [y.detach(), *(t.grad for t in leaves.values() if t.is_floating_point())]
 
 
-@pytest.mark.parametrize("kernel", ["fc1", "wgrad", "dout"])
+@pytest.mark.parametrize("kernel", ["fc1", "wgrad", "dout", "dout without fc2 bias"])
 def test_kernels_reading_token_rows_in_their_loads_give_the_same_bits(kernel, monkeypatch):
     """Where the backend says a kernel should read token rows in its loads (`gathered_fc1_pays`,
     `gathered_wgrad_pays`, `gathered_backward_pays`: narrow experts on sm_90), the nodes hand it the
     token rows and the token map instead of gathering them first (fc1 + activation:
     `glu_forward_gathered`; fc1's weight gradient: `wgrad_gathered` of x; fc2's backward:
-    `glu_backward_gathered` and `wgrad_gathered` of d out, which needs the layer without fc2 bias):
-    output and every gradient bit for bit the same. (Under the interpreter the fused ops gather first
-    themselves and the wgrad kernel reads through the map; the Hopper kernels are compared on the
-    GPU.)"""
+    `glu_backward_gathered`, `wgrad_gathered` of d out, and fc2's bias gradient with d probs' bias term,
+    `dbias_and_dot` through the map): output and every gradient bit for bit the same. (Under the
+    interpreter the fused ops gather first themselves and the wgrad and row-sum kernels read through the
+    map; the Hopper kernels are compared on the GPU.)"""
     _require_triton()
     from moekit.ops.runtime import gemm as runtime_gemm
     from moekit.ops.runtime import glu as runtime_glu
 
     inputs = make_inputs(15, 5, 2, bias=True, seed=21)
-    if kernel == "dout":
+    if kernel == "dout without fc2 bias":
         del inputs["fc2_bias"]
     dy = rand(15, H, seed=22)
     calls = []
@@ -398,6 +398,7 @@ def test_kernels_reading_token_rows_in_their_loads_give_the_same_bits(kernel, mo
         "fc1": (runtime_glu, "gathered_fc1_pays"),
         "wgrad": (runtime_gemm, "gathered_wgrad_pays"),
         "dout": (runtime_glu, "gathered_backward_pays"),
+        "dout without fc2 bias": (runtime_glu, "gathered_backward_pays"),
     }[kernel]
     monkeypatch.setattr(module, name, lambda *args: calls.append(args) or True)
     got = _run_layer(inputs, "triton", dy)

@@ -172,11 +172,13 @@ def test_gathered_rows_refuse_a_bad_index_in_one_line():
 
 
 @cpu_only
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("recipe", WGRAD_RECIPES)
-def test_layer_gathers_its_wgrad_operands_in_the_quantizer(recipe, monkeypatch):
+def test_layer_gathers_its_wgrad_operands_in_the_quantizer(recipe, bias, monkeypatch):
     """moe_experts' quantized backward hands the quantizer the token rows and their index for x (fc1's
-    wgrad) and d out (fc2's, no fc2 bias): output and every gradient bit for bit those of the same layer
-    whose wgrad operands are gathered first."""
+    wgrad) and d out (fc2's; with an fc2 bias too, whose gradient and d probs' bias term then read d out
+    through the same map): output and every gradient bit for bit those of the same layer whose wgrad
+    operands are gathered first."""
     tokens, top_k, experts, hidden, ffn = 21, 3, 5, 40, 24
     g = torch.Generator().manual_seed(9)
     scores = torch.rand(tokens, experts, generator=g)
@@ -188,6 +190,10 @@ def test_layer_gathers_its_wgrad_operands_in_the_quantizer(recipe, monkeypatch):
         fc1_weight=torch.randn(experts, 2 * ffn, hidden, generator=g) / hidden**0.5,
         fc2_weight=torch.randn(experts, hidden, ffn, generator=g) / ffn**0.5,
     )
+    if bias:
+        inputs.update(
+            fc1_bias=torch.randn(experts, 2 * ffn, generator=g), fc2_bias=torch.randn(experts, hidden, generator=g)
+        )
     dy = torch.randn(tokens, hidden, generator=g)
     real = quantized_mlp.group_quantize_for_wgrad
     seen = []
@@ -198,8 +204,9 @@ def test_layer_gathers_its_wgrad_operands_in_the_quantizer(recipe, monkeypatch):
 
     def run():
         leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        biases = {k: leaves[k] for k in ("fc1_bias", "fc2_bias") if k in leaves}
         y = moekit.moe_experts(
-            leaves["x"], ids, leaves["topk_weights"], leaves["fc1_weight"], leaves["fc2_weight"],
+            leaves["x"], ids, leaves["topk_weights"], leaves["fc1_weight"], leaves["fc2_weight"], **biases,
             quantization=recipe, backend="triton",
         )  # fmt: skip
         y.backward(dy)

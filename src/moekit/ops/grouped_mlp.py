@@ -212,6 +212,7 @@ def quantized_mlp_of_backends(
         gated_triton=gated_triton,
         gated_quantize=gated_quantize,
         fc1_gated_epilogue=fc1_gated_epilogue,
+        fc2_bias_fused=fused_mlp_of(fc2_impl) is not None,
         n_w1=len(w1s),
         n_b1=len(b1s),
         n_w2=len(w2s),
@@ -467,14 +468,11 @@ class _Fc2Node(torch.autograd.Function):
         w2 = stacked(w2s, 3, "fc2 weight")
         assert w2 is not None  # check_mlp_params: fc2 has weights
         glu_block, activation = spec.glu_interleave_size, spec.activation
-        # With a route, h held whole and no fc2 bias (whose gradient and d probs term read dy's sorted rows),
-        # the backward's kernels read d out's token rows in their loads where the backend says that beats
-        # gathering them first (narrow experts); the same bits either way.
+        # With a route and h held whole, the backward's kernels (fc2's bias gradient and d probs' bias term
+        # too) read d out's token rows in their loads where the backend says that beats gathering them
+        # first (narrow experts); the same bits either way.
         in_loads = (
-            route is not None
-            and not ctx.recomputes
-            and b2 is None
-            and _fused(spec).gathered_backward_pays(d_out, w2, glu_block)
+            route is not None and not ctx.recomputes and _fused(spec).gathered_backward_pays(d_out, w2, glu_block)
         )
         # dy: fc2's output gradient as its kernels read it, the (M, H) rows in expert order, or d out's (T, H)
         # token rows read through dy_rows.
@@ -499,14 +497,14 @@ class _Fc2Node(torch.autograd.Function):
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
             dw2 = wgrad_in_layout(spec.backend, dy, act_p, offs, None, stored_transposed(w2), dy_rows=dy_rows)
-        if probs_M is not None and need_probs and b2 is not None:
-            # One pass over dy gives fc2's bias gradient and the bias term of d probs, <dy[r], b2[group of
-            # r]> (y = ... + b2 * p).
-            db2, bias_dot = library.dbias_and_dot(spec.backend, dy, offs, b2, probs_M)
-            assert dprobs is not None  # the fused backward gives d probs where there are probs
-            dprobs = dprobs + bias_dot
-        elif any(need[_FC2_PARAMS + spec.n_w2 :]):
-            db2 = library.grouped_linear_dbias(spec.backend, dy, offs, None, probs_M)
+        bias_term = probs_M is not None and need_probs
+        if b2 is not None and (bias_term or any(need[_FC2_PARAMS + spec.n_w2 :])):
+            # One pass over dy (through dy_rows where the kernels read d out's token rows) gives fc2's bias
+            # gradient and the bias term of d probs, <dy[r], b2[group of r]> (y = ... + b2 * p).
+            db2, bias_dot = library.dbias_and_dot(spec.backend, dy, offs, b2, probs_M, dy_rows)
+            if bias_term:
+                assert dprobs is not None  # the fused backward gives d probs where there are probs
+                dprobs = dprobs + bias_dot
         if probs_M is not None and need_probs:
             assert dprobs is not None  # the fused backward gives d probs where there are probs
             d_probs = dprobs.to(probs_M.dtype)

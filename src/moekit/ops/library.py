@@ -381,9 +381,11 @@ def _glu_backward_gathered(backend: str, d_out_TH: torch.Tensor, token_of_row: t
 
 
 def _dbias_and_dot(backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor,
-                   probs_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(d fc2 bias (N, H), <dy[r], b2[g]> (M,) fp32) in one pass over dy."""
-    return _fused(backend).dbias_and_dot(dy_MH, offs, b2_NH, probs_M)
+                   probs_M: torch.Tensor | None,
+                   token_of_row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(d fc2 bias (N, H), <dy[r], b2[g]> (M,) fp32) in one pass over dy: its rows, or with token_of_row
+    d out's token rows read through the map (`FusedMLP.dbias_and_dot`)."""
+    return _fused(backend).dbias_and_dot(dy_MH, offs, b2_NH, probs_M, token_of_row)
 
 
 _glu_forward_op = torch.library.custom_op("moekit::glu_forward", _glu_forward, mutates_args=())
@@ -476,9 +478,15 @@ def _(
 
 @_dbias_and_dot_op.register_fake
 def _(
-    backend: str, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
+    backend: str,
+    dy_MH: torch.Tensor,
+    offs: torch.Tensor,
+    b2_NH: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    token_of_row: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return dy_MH.new_empty(offs.shape[0] - 1, dy_MH.shape[1]), dy_MH.new_empty(dy_MH.shape[0], dtype=torch.float32)
+    rows = dy_MH.shape[0] if token_of_row is None else token_of_row.shape[0]
+    return dy_MH.new_empty(offs.shape[0] - 1, dy_MH.shape[1]), dy_MH.new_empty(rows, dtype=torch.float32)
 
 
 glu_forward = _entry(_glu_forward_op, _glu_forward)

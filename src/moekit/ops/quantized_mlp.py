@@ -33,9 +33,12 @@ In `moe_experts` the nodes move the rows themselves (an `ExpertRoute`, as the fu
 node 1 takes the (T, H) token rows, quantizes them rowwise (T rows, not M = T*K) and gathers the FP8
 bytes and scales into expert order (`group_quantize_gathered`: the same bytes as quantizing the gathered
 rows, since a rowwise block never leaves its row), so no (M, H) tensor in x's dtype is written in the
-forward; it holds the token rows (the caller's tensor: nothing) and gathers their sorted rows again in
-its backward for Qc(x), then sums dx back into token order. Node 2 sums each token's K rows of y, and
-its backward gathers d out's rows. Elsewhere (grouped_mlp's callers, torch.compile's trace of
+forward; it holds the token rows (the caller's tensor: nothing), and its backward quantizes Qc(x) from
+them through the route's index where the FP8 wgrad's layout is made (`group_quantize_for_wgrad(index=)`;
+elsewhere it gathers the sorted rows first), then sums dx back into token order. Node 2 sums each
+token's K rows of y; its backward reads d out's rows through the index in the same way, and for fc2's
+bias gradient and d probs' bias term on a backend with `FusedMLP` (`dbias_and_dot`), so that d out's
+sorted rows are written only where something else needs them. Elsewhere (grouped_mlp's callers, torch.compile's trace of
 moe_experts) x is the sorted rows, saved as the very tensor given so that moe_experts' saved-tensor
 hooks can replace it by a reference to the token rows.
 
@@ -118,8 +121,9 @@ class QuantizedMlpSpec:
     kernel (`gated_on_kernel`) and whether it also quantizes its output and h in that pass
     (`gated_quantize`: `moekit.ops.quantize.group_quantize_gated`), whether fc1's FP8 GEMM makes both
     quantizations in its epilogue instead, h never written (`fc1_gated_epilogue`: the backend's
-    `QuantizedGatedFc1` capability takes this problem), and how many tensors each parameter comes in (1
-    grouped tensor or N)."""
+    `QuantizedGatedFc1` capability takes this problem), whether fc2's bias gradient and d probs' bias term
+    come from one pass of the backend's `FusedMLP.dbias_and_dot` (`fc2_bias_fused`: d out's token rows
+    read in place), and how many tensors each parameter comes in (1 grouped tensor or N)."""
 
     recipe: str
     quantizer: str
@@ -134,6 +138,7 @@ class QuantizedMlpSpec:
     gated_triton: bool
     gated_quantize: bool
     fc1_gated_epilogue: bool
+    fc2_bias_fused: bool
     n_w1: int
     n_b1: int
     n_w2: int
@@ -395,23 +400,18 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         need_w, need_b = any(need[_PARAMS2 : _PARAMS2 + spec.n_w2]), any(need[_PARAMS2 + spec.n_w2 :])
         need_da = need_h or need_probs  # a's gradient: h's, and d probs' activation term
         # dy is d out's rows in expert order. The quantizer for the wgrad's layout gathers them itself
-        # (`group_quantize_for_wgrad(index=)`) where nothing else reads dy: never written in bf16.
+        # (`group_quantize_for_wgrad(index=)`), and the bias gradients read them through the same map
+        # (`fc2_bias_fused`), so that dy is never written in bf16 where nothing else reads it.
         segments = spec.fc2_fp8_wgrad
-        dy_index = route.token_of_row if route is not None and segments and need_w and b2 is None else None
+        in_place = segments and need_w and (b2 is None or spec.fc2_bias_fused)
+        dy_index = route.token_of_row if route is not None and in_place else None
         dy_MH = row_major(d_out if route is None or dy_index is not None else route.to_rows(d_out))
         rows = dy_MH.shape[0] if dy_index is None else dy_index.shape[0]
         go = GroupOffsets.of(offs, host_offs, rows)
         dh = d_probs = dw = db = None
         glu_block, activation, on_kernel = spec.glu_interleave_size, spec.activation, spec.gated_triton
-        # The bias sums and d probs' bias term from dy itself (padding rows zeroed).
-        dy_bias_MH = library.without_padding_rows(dy_MH, offs, host_offs) if b2 is not None else None
-        if need_b:
-            scale = probs_M if b2 is not None else None
-            db = library.grouped_linear_dbias(backend, dy_bias_MH, offs, host_offs, scale)
-        if need_probs and dy_bias_MH is not None:
-            assert probs_M is not None  # need_probs
-            d_probs = bias_scale_grad(dy_bias_MH, b2, go, probs_M)
-        del dy_bias_MH
+        if b2 is not None and (need_b or need_probs):
+            db, d_probs = _fc2_bias_grads(spec, dy_MH, dy_index, go, host_offs, b2, probs_M, need_b, need_probs)
         if not (need_w or need_da):
             return (None,) * _PARAMS2 + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
@@ -454,6 +454,32 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             + (dh if need_h else None, None, None, None, None, d_probs if need_probs else None)
             + (*unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
         )
+
+
+def _fc2_bias_grads(
+    spec: QuantizedMlpSpec,
+    dy_MH: torch.Tensor,
+    dy_index: torch.Tensor | None,
+    go: GroupOffsets,
+    host_offs: list[int] | None,
+    b2: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    need_b: bool,
+    need_probs: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(fc2's bias gradient: each group's rows of dy summed, times probs where there are probs; d probs'
+    bias term <dy[r], b2[group of r]> in probs' dtype), each None where not asked (need_b, need_probs),
+    for y = ... + b2 * probs. dy is the (M, H) rows, or with dy_index d out's token rows read through it.
+    On a backend with `FusedMLP` both from one pass over dy (no padding row read); elsewhere from dy with
+    its padding rows zeroed (an (M, H) copy), as grouped_linear's backward."""
+    term_of = probs_M if need_probs else None  # the probs whose gradient is asked for
+    if spec.fc2_bias_fused:
+        sums, dot = library.dbias_and_dot(spec.fc2_backend, dy_MH, go.offs, b2, probs_M, dy_index)
+        return (sums if need_b else None), (dot.to(term_of.dtype) if term_of is not None else None)
+    assert dy_index is None  # read in place only with the fused pass
+    dy_bias_MH = library.without_padding_rows(dy_MH, go.offs, host_offs)
+    db = library.grouped_linear_dbias(spec.fc2_backend, dy_bias_MH, go.offs, host_offs, probs_M) if need_b else None
+    return db, (bias_scale_grad(dy_bias_MH, b2, go, term_of) if term_of is not None else None)
 
 
 def quantized_mlp(

@@ -584,6 +584,7 @@ def group_row_sum_kernel(
     vec_ptr,
     dot_ptr,
     offs_ptr,
+    index_ptr,
     M,
     COLS,
     N,
@@ -591,13 +592,16 @@ def group_row_sum_kernel(
     stride_vec_g,
     HAS_SCALE: tl.constexpr,
     ROW_DOT: tl.constexpr,
+    GATHER: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """part[s, g, c] = sum of src[r, c] (* scale[r]) over the s-th of SPLITS equal slices of group
     g's rows, in fp32. Grid (column tiles, N, SPLITS). With ROW_DOT also, for every row r of group g,
-    dot[pid_c, r] = sum over the tile's columns c of src[r, c] * vec[g, c] (unscaled), fp32.
+    dot[pid_c, r] = sum over the tile's columns c of src[r, c] * vec[g, c] (unscaled), fp32. With GATHER
+    row r is src[index[r]] (index (M,): the routed rows read where they lie in the token rows, never
+    gathered first); M counts the rows of the groups (index's), not src's.
 
     Fixed row order inside a program and a fixed sum over s afterwards: deterministic, no atomics.
     Padding rows (past offs[N]) belong to no group and are never read (nor their dot written).
@@ -620,8 +624,12 @@ def group_row_sum_kernel(
     for r in range(r_begin, r_stop, BLOCK_M):
         offs_m = r + tl.arange(0, BLOCK_M)
         mask_m = offs_m < r_stop
+        if GATHER:
+            src_m = tl.load(index_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        else:
+            src_m = offs_m.to(tl.int64)
         vals = tl.load(
-            src_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_c[None, :],
+            src_ptr + src_m[:, None] * stride_sm + offs_c[None, :],
             mask=mask_m[:, None] & mask_c[None, :],
             other=0.0,
         ).to(tl.float32)

@@ -159,9 +159,17 @@ class FusedMLP(Protocol):
         where the kernel can gather them, else gathered first."""
 
     def dbias_and_dot(
-        self, dy_MH: torch.Tensor, offs: torch.Tensor, b2_NH: torch.Tensor, probs_M: torch.Tensor
+        self,
+        dy_MH: torch.Tensor,
+        offs: torch.Tensor,
+        b2_NH: torch.Tensor,
+        probs_M: torch.Tensor | None,
+        token_of_row: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d fc2 bias (N, H), <dy[r], b2[g]> (M,) fp32) from one pass over dy."""
+        """(d fc2 bias (N, H): the rows of each group summed, each times its probs where there are probs;
+        <dy[r], b2[g]> (M,) fp32, the bias term of d probs) from one pass over dy. With token_of_row, dy is
+        d out's (T, H) token rows and row r is dy[token_of_row[r]], read where it lies (bit for bit the
+        gathered rows' sums)."""
 
 
 @runtime_checkable

@@ -508,33 +508,56 @@ def group_row_sum(src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.T
 
 
 def group_row_sum_and_dot(
-    src_MC: torch.Tensor, offs: torch.Tensor, vec_NC: torch.Tensor, row_scale_M: torch.Tensor | None = None
+    src_MC: torch.Tensor,
+    offs: torch.Tensor,
+    vec_NC: torch.Tensor,
+    row_scale_M: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`group_row_sum` and, from the same pass over src, dot (M,) fp32 with dot[r] = <src[r], vec[g]> for
-    the group g of row r (0 for padding rows): fc2's bias gradient and the bias term of d probs."""
+    the group g of row r (0 for padding rows): fc2's bias gradient and the bias term of d probs.
+
+    rows: None, or (M,) / (M, 1) int32 / int64 rows of src (values in range, not checked: they stay on the
+    device): row r of the groups is then src[rows[r]], read where it lies (d out's token rows through the
+    route's token_of_row), never gathered into an (M, C) copy; the sums and dots are those of the gathered
+    rows, bit for bit."""
     if vec_NC.dim() != 2 or vec_NC.shape != (offs.shape[0] - 1, src_MC.shape[1]):
         raise ValueError(f"vec must have shape ({offs.shape[0] - 1}, {src_MC.shape[1]}), got {tuple(vec_NC.shape)}")
-    return _row_sums(src_MC, offs, row_scale_M, vec_NC)
+    return _row_sums(src_MC, offs, row_scale_M, vec_NC, rows)
 
 
 @overload
 def _row_sums(
-    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: torch.Tensor
+    src_MC: torch.Tensor,
+    offs: torch.Tensor,
+    row_scale_M: torch.Tensor | None,
+    vec_NC: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def _row_sums(
-    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: None
+    src_MC: torch.Tensor,
+    offs: torch.Tensor,
+    row_scale_M: torch.Tensor | None,
+    vec_NC: None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]: ...
 def _row_sums(
-    src_MC: torch.Tensor, offs: torch.Tensor, row_scale_M: torch.Tensor | None, vec_NC: torch.Tensor | None
+    src_MC: torch.Tensor,
+    offs: torch.Tensor,
+    row_scale_M: torch.Tensor | None,
+    vec_NC: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_triton_device(src_MC)
     if src_MC.dim() != 2:
         raise ValueError(f"expected a 2-D (rows, columns) tensor, got shape {tuple(src_MC.shape)}")
     src = src_MC if src_MC.stride(1) == 1 else src_MC.contiguous()
+    index = None if rows is None else checked_row_map(rows, "rows", src, "src")
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, src.device)
-    M, C = src.shape
+    M = src.shape[0] if index is None else index.shape[0]
+    C = src.shape[1]
     splits, block_c = ROW_SUM_TILES[arch_of(src.device)]
     dots = None
     if vec_NC is not None:
@@ -553,6 +576,7 @@ def _row_sums(
             vec_NC if vec_NC is not None else src,
             dots if dots is not None else part,
             offs,
+            index if index is not None else offs,
             M,
             C,
             N,
@@ -560,6 +584,7 @@ def _row_sums(
             vec_NC.stride(0) if vec_NC is not None else 0,
             HAS_SCALE=row_scale_M is not None,
             ROW_DOT=vec_NC is not None,
+            GATHER=index is not None,
             SPLITS=splits,
             BLOCK_M=32,
             BLOCK_C=block_c,
