@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A change to the quantized path against the build it replaces, on one GPU, in two calls of <= 10 min
 # each (from the repo root; build A a source tree holding moekit/, build B this tree's src/ or B_TREE):
-#   PART=1: `pytest -m gpu` of the quantize, wgrad and quantized-compute tests on B, then the wgrad
+#   PART=1: `pytest -m gpu` of the quantize, wgrad, quantized-compute and moe_experts tests on B, then the wgrad
 #           operands' quantization (bench_quantized.py, fp8_block: the segments operands, materialized
 #           and gathered from token rows by the routing's index, the latter "unsupported" in a build
 #           without it) for A and B at routed splits (bench_moe_layer's routing: counts not multiples
@@ -44,7 +44,7 @@ if [ "$PART" = 1 ]; then
   t0=$(date +%s)
   PYTHONPATH=$PWD/src timeout 260 python3 -m pytest -q -m gpu $X -p no:cacheprovider tests/ops/test_quantize_hopper.py \
     tests/ops/test_quantize_for_wgrad.py tests/ops/test_quantized_wgrad.py tests/ops/test_quantize.py \
-    tests/test_quantized_compute.py > "$OUT/gpu_tests_$B.log" 2>&1
+    tests/test_quantized_compute.py tests/ops/test_moe_experts.py > "$OUT/gpu_tests_$B.log" 2>&1
   echo "tests rc=$? $(($(date +%s) - t0)) s"; tail -6 "$OUT/gpu_tests_$B.log"
   quantize_ab routed
 elif [ "$PART" = 3 ]; then

@@ -644,6 +644,26 @@ def test_fc1_gathering_in_its_loads_matches_gathering_first_on_the_gpu(ffn, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dout_read_in_loads_with_fc2_bias_matches_gathering_first_on_the_gpu(monkeypatch):
+    """fc2's backward reading d out's token rows in its loads (`configs.GATHERED_DOUT_MAX_FFN` takes F:
+    the fused backward's GATHER variant, fc2's weight gradient through the row map, and fc2's bias
+    gradient with d probs' bias term from the row-sum kernel through the map) and gathering them first
+    (the entry at 0): output and every gradient bit for bit, with both biases and an expert left empty."""
+    require_backend("triton", MOE_H, 2 * MOE_F)
+    inputs = {
+        k: v.to(BF16) if v.is_floating_point() else v for k, v in _moe_inputs([0, 2, 3, 4, 5, 6, 7], 5, True).items()
+    }
+    dy = torch.randn(MOE_T, MOE_H, device=CUDA, dtype=BF16, generator=torch.Generator(device=CUDA).manual_seed(6))
+    results = []
+    for widest in (1024, 0):
+        monkeypatch.setitem(configs.GATHERED_DOUT_MAX_FFN, "sm90", widest)
+        results.append(_run_layer(inputs, "triton", dy))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_moe_experts_forward_backward_has_no_host_sync(backend):
     require_backend(backend, MOE_H, 2 * MOE_F)
