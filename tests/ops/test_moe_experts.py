@@ -437,6 +437,58 @@ def test_sorted_copy_of_x_is_not_kept_for_the_backward(monkeypatch):
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
 
 
+def test_fused_layer_frees_h_before_fc2s_weight_gradient(monkeypatch):
+    """Fused path (triton backend): fc2's node lets go of what it saved once its backward has unpacked
+    it, so h (M, 2F), read last by the activation's backward, is freed before fc2's weight gradient is
+    allocated (not when the node returns); the gradients are those of the layer that keeps it."""
+    _require_triton()
+    from moekit.ops import grouped_mlp as grouped_mlp_module
+
+    num_tokens, top_k = 16, 2
+    inputs = make_inputs(num_tokens, 4, top_k, bias=True, seed=17)
+    dy = rand(num_tokens, H, seed=18)
+    held, alive_at_wgrad = [], []
+    original = grouped_mlp_module.wgrad_in_layout
+
+    def spy(*args, **kwargs):
+        alive_at_wgrad.append([r() is not None for r in held])
+        return original(*args, **kwargs)
+
+    def pack(t):
+        if tuple(t.shape) == (num_tokens * top_k, 2 * F):
+            held.append(weakref.ref(t))
+        return t
+
+    want = _run_layer(inputs, "triton", dy)
+    monkeypatch.setattr(grouped_mlp_module, "wgrad_in_layout", spy)
+    leaves = _leaves(inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moekit.moe_experts(**leaves, backend="triton")
+    assert len(held) == 1, "the layer saves h once"
+    y.backward(dy)
+    assert alive_at_wgrad and alive_at_wgrad[0] == [False], f"h alive at fc2's weight gradient: {alive_at_wgrad}"
+    got = [y.detach(), *(t.grad for t in leaves.values() if t.is_floating_point())]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_layer_backward_twice_with_retain_graph():
+    """With retain_graph=True the nodes keep what they saved: a second backward gives the same
+    gradients again (accumulated: twice the first)."""
+    _require_triton()
+    leaves = _leaves(make_inputs(12, 4, 2, bias=True, seed=19))
+    y = moekit.moe_experts(**leaves, backend="triton")
+    dy = rand(12, H, seed=20)
+    y.backward(dy, retain_graph=True)
+    first = {k: t.grad.clone() for k, t in leaves.items() if t.is_floating_point()}
+    y.backward(dy)
+    for k, t in leaves.items():
+        if t.is_floating_point():
+            assert torch.allclose(t.grad, 2 * first[k], rtol=1e-6, atol=1e-6), k
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward(dy)
+
+
 def test_fused_layer_saves_no_row_sized_copy_of_x():
     """Fused path (triton backend): of everything the layer saves for its backward, nothing is
     (M, H); x itself is saved (the backward gathers it again), the two nodes are the layer's, and the

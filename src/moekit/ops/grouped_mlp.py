@@ -463,6 +463,10 @@ class _Fc2Node(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         spec, need = ctx.spec, ctx.needs_input_grad
         h_held, offs, probs_M, b2, *rest = ctx.saved_tensors
+        # Autograd keeps what a node saved until its backward returns; let go of it here (unless the graph
+        # is retained), so that h, whose last reader is the activation's backward, is freed before fc2's
+        # weight gradient is allocated, not after: the layer's peak where that moment is its peak.
+        _release_saved(ctx)
         route, rest = ExpertRoute.from_saved(rest, ctx.use_triton)
         w2s = tuple(rest[: spec.n_w2])
         w2 = stacked(w2s, 3, "fc2 weight")
@@ -493,6 +497,7 @@ class _Fc2Node(torch.autograd.Function):
                 x, *fc1_params = rest[spec.n_w2 :]
                 fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
                 dh, act_p, dprobs = _glu_backward_recomputing(spec, dy, w2, h_held, offs, probs_M, route, fc1)
+        del h_held  # its last reader; freed here where the saved copy was released
         need_probs = need[_FC2_PROBS]
         dw2 = db2 = d_probs = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
@@ -520,6 +525,15 @@ class _Fc2Node(torch.autograd.Function):
             *unstacked(dw2, tuple(w.dim() for w in w2s), 3),
             *unstacked(db2, ctx.b2_dims, 2),
         )
+
+
+def _release_saved(ctx: Any) -> None:
+    """Drop autograd's references to what ctx saved, once the backward has unpacked them, where the graph
+    is not retained (`retain_graph=True` keeps them for the next backward): each saved tensor then lives
+    as long as the backward's own reference to it. Not under torch.compile (its traced backward manages
+    the saved tensors itself)."""
+    if not torch.compiler.is_compiling():
+        ctx.maybe_clear_saved_tensors()
 
 
 def _glu_backward_recomputing(
