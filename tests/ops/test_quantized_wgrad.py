@@ -42,6 +42,7 @@ from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
 from moekit.ops.runtime.configs import GemmConfig, fp8_wgrad_candidates  # noqa: E402
+from moekit.ops.runtime.launch import forget_plans  # noqa: E402
 
 ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -205,6 +206,22 @@ def test_kernel_strided_rows_and_plan_reuse(recipe, nan_poison):
     dy2, dy2_s, x2, x2_s, d2, x2_64 = columnwise_operands(other, M, I, O, torch.device("cpu"), seed=8, recipe=recipe)
     dw2 = qg.quantized_gemm_wgrad(recipe, dy2, dy2_s, x2, x2_s, offs_of(other), out_dtype=torch.float32)
     check_wgrad(dw2, reference64(d2, x2_64, other), other, "second split")
+
+
+@cpu_only
+def test_plan_makes_no_full_size_stand_ins(monkeypatch):
+    """Planning a new problem allocates nothing of the operands' size (only where configurations are
+    timed, on a GPU with the search on, does it make operands to time them on): a new problem arrives in
+    the backward, at the layer's peak."""
+    splits, M, I, O = [70, 0, 90], 160, 40, 24
+    dy, dy_s, x, x_s, *_ = columnwise_operands(splits, M, I, O, torch.device("cpu"), seed=9)
+    made = []
+    original = qg.empty
+    monkeypatch.setattr(qg, "empty", lambda shape, *a: made.append(tuple(shape)) or original(shape, *a))
+    forget_plans()
+    qg.quantized_gemm_wgrad(RECIPE, dy, dy_s, x, x_s, offs_of(splits), out_dtype=torch.float32)
+    pitch = dy.shape[1]
+    assert made and all(shape[0] <= 1 for shape in made if shape[-1] == pitch), made
 
 
 @cpu_only

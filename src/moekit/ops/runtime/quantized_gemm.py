@@ -774,20 +774,25 @@ def _plan_wgrad(
     if M == 0 or N == 0 or O == 0 or I == 0:
         return None
     pitch = segment_pitch(M, N)
-    dyt, xt = empty((O, pitch), device, FP8_DTYPE), empty((I, pitch), device, FP8_DTYPE)
-    tma, arch = use_tma(forced_tma, True, dyt, xt)
+    # The operands are fresh (O, pitch) and (I, pitch) allocations of the segments layout, which differ
+    # only in their row count: one row of the layout stands for both in TMA's check (aligned base, row
+    # pitch). Full-size stand-ins would cost both operands' bytes again at the backward's peak, at every
+    # new problem.
+    tma, arch = use_tma(forced_tma, True, empty((1, pitch), device, FP8_DTYPE))
     if hopper_wgrad_takes(recipe, device, tma, cfg, N, O, I):
         return _wgrad_ws_launch(M, O, I, N, pitch, out_dtype, device)
     with device_ctx(device):
         if cfg is None:
             block = FP8_GEMM_RECIPES[recipe]
             slots = N if block is None else triton.cdiv(M, block) + N
-            s_dy = empty((slots, O), device, torch.float32)
-            s_x = empty((slots, I), device, torch.float32)
+            operands: list[torch.Tensor] = []  # made at the first trial: only where configurations are timed
 
             def trial(c: GemmConfig) -> None:
+                if not operands:
+                    operands.extend(empty((rows, pitch), device, FP8_DTYPE) for rows in (O, I))
+                    operands.extend(empty((slots, cols), device, torch.float32) for cols in (O, I))
                 dw = empty((N, O, I), device, out_dtype)
-                _wgrad_launch(recipe, M, O, I, N, pitch, out_dtype, c, tma, device)(dyt, xt, s_dy, s_x, dw, offs)
+                _wgrad_launch(recipe, M, O, I, N, pitch, out_dtype, c, tma, device)(*operands, dw, offs)
 
             problem = ("fp8_wgrad", recipe, out_dtype, O, I, N, next_power_of_2(M), tma)
             cfg = pick_config(problem, fp8_wgrad_candidates(recipe, tma, arch), trial, device)
