@@ -45,9 +45,14 @@ class _Storage:
     tensors: int = 0  # tensors made by ops on this storage and still alive
 
 
-def _caller() -> str:
-    """The innermost moekit frame of the current stack (file:line function), or "outside moekit"."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
+def _caller() -> str | None:
+    """The innermost moekit frame of the current stack (file:line function), "outside moekit", or None
+    for the Triton interpreter's own copies of a kernel's arguments (a CPU artifact: a GPU launch
+    allocates nothing)."""
+    stack = traceback.extract_stack()[:-3]
+    if any("triton/runtime/interpreter" in frame.filename for frame in stack):
+        return None
+    for frame in reversed(stack):
         if "/moekit/" in frame.filename:
             return f"{frame.filename.split('/moekit/')[-1]}:{frame.lineno} {frame.name}"
     return "outside moekit"
@@ -83,8 +88,11 @@ class LiveBytes(TorchDispatchMode):
                 continue
             entry = self.storages.get(key)
             if entry is None:
+                caller = _caller()
+                if caller is None:
+                    continue
                 what = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                entry = self.storages[key] = _Storage(storage.nbytes(), what, f"{func.__name__} <- {_caller()}")
+                entry = self.storages[key] = _Storage(storage.nbytes(), what, f"{func.__name__} <- {caller}")
                 self.live += entry.nbytes
                 grew = True
             entry.tensors += 1
