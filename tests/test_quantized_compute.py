@@ -258,6 +258,38 @@ def test_x_is_gathered_again_after_fp8_h_is_freed(recipe, monkeypatch):
     assert leaves["x"].grad is not None and leaves["fc1_weight"].grad is not None
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fc1s_dgrad_rows_are_freed_before_its_weight_gradient(recipe, monkeypatch):
+    """Node 1's backward runs the dgrad first: dx's (M, H) rows (summed into token order) and dh's
+    rowwise FP8 form are freed before x's columnwise form and dw1 are made, so the backward's peak does
+    not hold them beside dw1."""
+    from moekit.ops import quantized_mlp
+
+    dgrad, wgrad = quantized_mlp.quantized_dgrad_product, quantized_mlp.quantized_wgrad_product
+    rows, alive = [], []
+
+    def dgrad_spy(*args):
+        out = dgrad(*args)
+        rows.append(weakref.ref(out))
+        return out
+
+    def wgrad_spy(*args):
+        alive.append([r() is not None for r in rows])
+        return wgrad(*args)
+
+    monkeypatch.setattr(quantized_mlp, "quantized_dgrad_product", dgrad_spy)
+    monkeypatch.setattr(quantized_mlp, "quantized_wgrad_product", wgrad_spy)
+    g = torch.Generator().manual_seed(4)
+    x = rand(19, 40, seed=1).requires_grad_(True)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(19)])
+    w1 = (rand(4, 48, 40, seed=2) / 40**0.5).requires_grad_(True)
+    w2 = (rand(4, 40, 24, seed=3) / 24**0.5).requires_grad_(True)
+    y = moekit.moe_experts(x, ids, torch.rand(19, 2, generator=g), w1, w2, quantization=recipe, backend="torch")
+    y.backward(rand(19, 40, seed=5))
+    # node 2's wgrad (no dgrad of node 1 yet), then node 1's: after its dgrad, whose rows are dead
+    assert len(rows) == 2 and alive[-1] == [False, False], (len(rows), alive)
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantized_mlp_on_triton_matches_the_reference_path(recipe):

@@ -472,6 +472,37 @@ def test_fused_layer_frees_h_before_fc2s_weight_gradient(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_fused_layer_frees_dxs_rows_before_fc1s_weight_gradient(monkeypatch):
+    """Fused path: fc1's node runs the dgrad first and sums dx's (M, H) rows into token order, so those
+    rows are freed before fc1's weight gradient allocates dw1 (and x's gathered rows): the backward's
+    peak holds dw1 beside one (M, H) tensor at most. Gradients bit for bit those of the other order."""
+    _require_triton()
+    from moekit.ops import grouped_mlp as grouped_mlp_module
+    from moekit.ops import library
+
+    inputs = make_inputs(16, 4, 2, bias=True, seed=21)
+    dy = rand(16, H, seed=22)
+    want = _run_layer(inputs, "triton", dy)
+    rows, alive_at_wgrad = [], []
+    dgrad, wgrad = library.grouped_linear_dgrad, grouped_mlp_module.wgrad_in_layout
+
+    def dgrad_spy(*args):
+        out = dgrad(*args)
+        rows.append(weakref.ref(out))
+        return out
+
+    def wgrad_spy(*args, **kwargs):
+        alive_at_wgrad.append([r() is not None for r in rows])
+        return wgrad(*args, **kwargs)
+
+    monkeypatch.setattr(library, "grouped_linear_dgrad", dgrad_spy)
+    monkeypatch.setattr(grouped_mlp_module, "wgrad_in_layout", wgrad_spy)
+    got = _run_layer(inputs, "triton", dy)
+    assert len(rows) == 1 and alive_at_wgrad[-1] == [False], (len(rows), alive_at_wgrad)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fused_layer_backward_twice_with_retain_graph():
     """With retain_graph=True the nodes keep what they saved: a second backward gives the same
     gradients again (accumulated: twice the first)."""

@@ -397,8 +397,14 @@ class _Fc1Node(torch.autograd.Function):
         spec, need = ctx.spec, ctx.needs_input_grad
         dx = d_probs = dw1 = db1 = None
         if dh_M2F is not None:
-            # The weight gradient first: x's sorted rows (gathered again for a route) are released before
-            # dx is allocated, so the backward's peak holds one of them, not both.
+            # dx first: with a route its (M, H) rows are summed into token order and freed before the
+            # weight gradient allocates dw1 and x's rows (gathered again, where the kernel does not read
+            # them in its loads), so the peak holds dw1 beside one (M, H) tensor at most, not beside dx's
+            # rows and x's (notes/moe_experts.md).
+            if need[_FC1_X]:
+                dx = library.grouped_linear_dgrad(spec.backend, dh_M2F, stacked(w1s, 3, "fc1 weight"), offs, None)
+                if route is not None:
+                    dx = route.to_tokens(dx)
             if any(need[_FC1_PARAMS : _FC1_PARAMS + spec.n_w1]):
                 transposed = stored_transposed(w1s[0])
                 if route is not None and _fused(spec).gathered_wgrad_pays(x, dh_M2F.shape[1] // 2):
@@ -410,10 +416,6 @@ class _Fc1Node(torch.autograd.Function):
                     del x_MH
             if any(need[_FC1_PARAMS + spec.n_w1 :]):
                 db1 = library.grouped_linear_dbias(spec.backend, dh_M2F, offs, None, None)
-            if need[_FC1_X]:
-                dx = library.grouped_linear_dgrad(spec.backend, dh_M2F, stacked(w1s, 3, "fc1 weight"), offs, None)
-                if route is not None:
-                    dx = route.to_tokens(dx)
         if need[_FC1_PROBS] and d_probs_M is not None:
             d_probs = d_probs_M if route is None else route.weight_grads(d_probs_M)
         return (

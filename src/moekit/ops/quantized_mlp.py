@@ -299,6 +299,16 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 dh_M2F, go, recipe, rowwise=need_x, columnwise=need_w, segments=segments, backend=quantizer
             )
             del dh_M2F
+            # dx first: its (M, H) rows are summed into token order and freed, with dh's rowwise form,
+            # before x's columnwise form and dw1 are allocated (the backward's peak: notes/quantize.md).
+            if need_x:
+                assert dh_q is not None  # rowwise
+                dx = quantized_dgrad_product(
+                    backend, quantizer, recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, offs, host_offs
+                )
+                del dh_q
+                if route is not None:
+                    dx = route.to_tokens(dx)
             if need_w:
                 assert dh_cols is not None  # need_w
                 index = None
@@ -316,13 +326,6 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                     ctx.w_transposed, w1_q.dtype,
                 )  # fmt: skip
                 del x_cols, dh_cols
-            if need_x:
-                assert dh_q is not None  # rowwise
-                dx = quantized_dgrad_product(
-                    backend, quantizer, recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, offs, host_offs
-                )
-                if route is not None:
-                    dx = route.to_tokens(dx)
         return (None,) * _X1 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
 
 
