@@ -9,7 +9,10 @@ shapes and the moekit function that made them. The inputs and the weights made b
 Why: the layer's peak is set by which of its steps holds the most at once; this tells which step and
 which tensors, at the real layers' proportions (T, H, F divided by --scale, the experts and top-k kept),
 on the CPU (the Triton kernels under the interpreter, TRITON_INTERPRET=1, float32) where no GPU is at
-hand. Byte counts scale with the shape; the order of the steps and what is alive together do not.
+hand. Byte counts scale with the shape; the order of the steps and what is alive together do not,
+with two exceptions that do not scale down: the FP8 wgrad's layout pads every group by up to 127
+columns (at a large --scale that padding can outweigh the rows), and the layer's memory contract keeps
+h for fewer rows of a small Mixtral than of the real one.
 """
 
 from __future__ import annotations
