@@ -500,21 +500,17 @@ class _Fc2Node(torch.autograd.Function):
                 fc1 = _Fc1Operands(x, tuple(fc1_params[: spec.n_w1]), tuple(fc1_params[spec.n_w1 :]))
                 dh, act_p, dprobs = _glu_backward_recomputing(spec, dy, w2, h_held, offs, probs_M, route, fc1)
         del h_held  # its last reader; freed here where the saved copy was released
-        need_probs = need[_FC2_PROBS]
-        dw2 = db2 = d_probs = None
+        need_probs = need[_FC2_PROBS] and probs_M is not None
+        dw2 = db2 = d_probs = bias_dot = None
         if any(need[_FC2_PARAMS : _FC2_PARAMS + spec.n_w2]):
             dw2 = wgrad_in_layout(spec.backend, dy, act_p, offs, None, stored_transposed(w2), dy_rows=dy_rows)
-        bias_term = probs_M is not None and need_probs
-        if b2 is not None and (bias_term or any(need[_FC2_PARAMS + spec.n_w2 :])):
+        if b2 is not None and (need_probs or any(need[_FC2_PARAMS + spec.n_w2 :])):
             # One pass over dy (through dy_rows where the kernels read d out's token rows) gives fc2's bias
             # gradient and the bias term of d probs, <dy[r], b2[group of r]> (y = ... + b2 * p).
             db2, bias_dot = library.dbias_and_dot(spec.backend, dy, offs, b2, probs_M, dy_rows)
-            if bias_term:
-                assert dprobs is not None  # the fused backward gives d probs where there are probs
-                dprobs = dprobs + bias_dot
-        if probs_M is not None and need_probs:
-            assert dprobs is not None  # the fused backward gives d probs where there are probs
-            d_probs = dprobs.to(probs_M.dtype)
+        if need_probs:
+            assert dprobs is not None and probs_M is not None  # the fused backward gives d probs with probs
+            d_probs = (dprobs if bias_dot is None else dprobs + bias_dot).to(probs_M.dtype)
         return (
             None,
             None,

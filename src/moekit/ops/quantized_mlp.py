@@ -38,9 +38,9 @@ them through the route's index where the FP8 wgrad's layout is made (`group_quan
 elsewhere it gathers the sorted rows first), then sums dx back into token order. Node 2 sums each
 token's K rows of y; its backward reads d out's rows through the index in the same way, and for fc2's
 bias gradient and d probs' bias term on a backend with `FusedMLP` (`dbias_and_dot`), so that d out's
-sorted rows are written only where something else needs them. Elsewhere (grouped_mlp's callers, torch.compile's trace of
-moe_experts) x is the sorted rows, saved as the very tensor given so that moe_experts' saved-tensor
-hooks can replace it by a reference to the token rows.
+sorted rows are written only where something else needs them. Elsewhere (grouped_mlp's callers,
+torch.compile's trace of moe_experts) x is the sorted rows, saved as the very tensor given so that
+moe_experts' saved-tensor hooks can replace it by a reference to the token rows.
 
 Why two nodes rather than one: autograd unpacks a node's saved tensors all at once, at the start of its
 backward; in one node x's gathered rows (M, H) would be alive through the whole backward, beside dy,
