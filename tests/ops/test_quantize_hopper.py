@@ -178,6 +178,15 @@ def test_which_problems_the_kernel_takes(form):
     # Rows gathered by an index: the form's "-gathered" entry (cp.async copies), absent until configured.
     gathered = quantize_runtime.hopper_slots_entry(block, x, "sm90", rowwise, segments, gather=True)
     assert gathered == configs.QUANTIZE_SLOTS_TMA["sm90"].get(form + "-gathered")
+    # Gathered rows of 2888 columns (16-byte rows, a column count not a multiple of 16): never the GATHER
+    # form, configured or not (its masked cp.async would not compile), while the TMA form takes them.
+    odd = torch.zeros(300, 2888, dtype=torch.bfloat16)
+    configured = {form + "-gathered": configs.QUANTIZE_SLOTS_TMA["sm90"][form]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {**configs.QUANTIZE_SLOTS_TMA["sm90"], **configured})
+        assert quantize_runtime.hopper_slots_entry(block, x, "sm90", rowwise, segments, gather=True) is not None
+        assert quantize_runtime.hopper_slots_entry(block, odd, "sm90", rowwise, segments, gather=True) is None
+        assert entry(odd) is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,7 +289,8 @@ def test_bytes_equal_the_triton_slots_kernel(m_splits, M, X, dtype, monkeypatch)
 def test_gathered_bytes_equal_the_triton_slots_kernel(m_splits, M, X, monkeypatch):
     """The gathered form (GATHER: rows x[index] copied by cp.async), enabled here by "-gathered" entries
     equal to the TMA form's: the bytes of the Triton slots kernel on the same index and of the TMA form
-    on the gathered tensor, for the segments with both forms and the columnwise form alone."""
+    on the gathered tensor, for the segments with both forms and the columnwise form alone. Columns not
+    a multiple of 16 (X 2888) are not the GATHER form's (`hopper_slots_entry`): the Triton kernel runs."""
     tokens = max(M // 3, 1) + 2
     x = rows_with_specials(tokens, X, tokens, torch.bfloat16, seed=M + X + 1)
     gen = torch.Generator(device="cuda").manual_seed(M)
@@ -297,7 +307,8 @@ def test_gathered_bytes_equal_the_triton_slots_kernel(m_splits, M, X, monkeypatc
     for rowwise in (True, False):
         forget_plans()
         torch.full((64 << 20,), -1, dtype=torch.int32, device="cuda")
-        assert kernels_run(lambda r=rowwise: run(x, index, r)) == {"quantize_slots_tma_kernel"}
+        gathered_kernel = "quantize_slots_tma_kernel" if X % 16 == 0 else "quantize_slots_kernel"
+        assert kernels_run(lambda r=rowwise: run(x, index, r)) == {gathered_kernel}
         got = run(x, index, rowwise)
         want = run(x.index_select(0, index), None, rowwise)  # the TMA form on the gathered rows
         monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {})

@@ -249,13 +249,16 @@ def hopper_slots_entry(
     `gather`: the form's name + "-gathered") with on `arch`, or None where it does not take the problem
     and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks, fp32 scales), an
     architecture or form without an entry, a weight (3-D x), x not bf16/fp16, not TMA-aligned (16-byte
-    base and row stride) or empty, rows past TMA's int32 coordinates."""
+    base and row stride) or empty, rows past TMA's int32 coordinates; gathered rows whose column count
+    is not a multiple of 16 (the GATHER form's cp.async copies 16 bytes under a column mask, and the
+    compiler splits them into 2-byte copies, which cp.async cannot do, unless it knows the count's
+    divisibility by 16)."""
     form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
     entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get(form + ("-gathered" if gather else ""))
     takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
     if entry is None or not takes or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if not tma_ok(x) or x.stride(1) != 1 or x.shape[0] >= 2**31 - 2**20:
+    if not tma_ok(x) or x.stride(1) != 1 or x.shape[0] >= 2**31 - 2**20 or (gather and x.shape[1] % 16):
         return None
     return entry
 
