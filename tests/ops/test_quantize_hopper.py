@@ -212,7 +212,9 @@ SHAPES = [
 
 def rows_with_specials(M: int, X: int, used: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Rows and columns of different magnitudes, a zero row, a tiny row, a huge row, an inf and a NaN
-    (where there are 26 rows); padding rows NaN (read as zeros)."""
+    (where there are 26 rows), a -inf in the last real row but one (where there are 131: in the last
+    group's last slot, whose segment tail must stay zeros under a NaN column scale); padding rows NaN
+    (read as zeros)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, X, device="cuda", generator=gen) * torch.logspace(-2, 1, X, device="cuda")
     if M >= 26:
@@ -221,6 +223,8 @@ def rows_with_specials(M: int, X: int, used: int, dtype: torch.dtype, seed: int)
         x[5] *= 1e-30
         x[20, 5] = float("inf")
         x[25, 7] = float("nan")
+    if used > 130:
+        x[used - 2, 9] = float("-inf")
     x[used:] = float("nan")
     return x.to(dtype)
 

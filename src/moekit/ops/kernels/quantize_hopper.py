@@ -215,6 +215,10 @@ def _walks(
             if MASKED:
                 x = gl.where(((k + iT < n) & live)[:, None], x, 0.0)
             qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
+            if MASKED:
+                # Zero bytes, not the bytes of 0 x scale: a column whose scale is NaN (an inf or NaN in
+                # its block) would write NaN bytes into the segment's tail.
+                qb = gl.where((k + iT < n)[:, None], qb, gl.full([CHUNK, BLOCK_C], 0, gl.uint8, LT))
             # Rows past the group's last row are zeros up to the segment's end (a slot is a segment's
             # width: the slot holding the group's last row reaches it), nothing past it.
             smask = live & (k + iT < gl.cdiv(n, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
