@@ -121,6 +121,38 @@ def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
     assert bad.returncode != 0 and "unknown variants ['nope']" in bad.stderr
 
 
+def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
+    """sweep_quantize.py on a tiny routing under the interpreter: both kinds under table variants of the
+    routed operands' entry, each with the base table's bytes, beside the copy and the gather-first
+    design (whose bytes are the same); the entry it varies is the one the runtime reads (an --entry that
+    does not fit the blocks is refused by the runtime, naming that key); a malformed --entry is refused
+    in one line."""
+    out = tmp_path / "quantize.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    command = [sys.executable, str(BENCHMARKS / "sweep_quantize.py"), "--smoke", "--rounds", "2"]
+    proc = subprocess.run(
+        command + ["--variants", "s3,b256", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert list(payload["variants"]) == ["base", "s3", "b256"]
+    cells = payload["cells"]
+    expected = {f"smoke/{kind}/{v}" for kind in ("dy", "x") for v in payload["variants"]}
+    expected |= {"smoke/dy_gather_first/-", "smoke/x_gather_first/-"}
+    assert set(cells) == expected | {"smoke/copy/torch"}
+    assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
+    unfit = subprocess.run(
+        command + ["--variants", "base", "--entry", "128,48,4,1,0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert unfit.returncode != 0 and "[(128, 'segments-gathered')] = (128, 48) does not fit" in unfit.stderr
+    bad = subprocess.run(command + ["--entry", "1,2"], env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--entry must be five")
+
+
 def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):
     """bench_transformers.py --smoke with both models and activation checkpointing off and on: four
     cases, each with every variant timed and its logits near the baseline's; the top-level variants

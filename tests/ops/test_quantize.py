@@ -347,7 +347,7 @@ def test_quantize_tile_configs_fit_the_blocks():
     """Every architecture's tiles fit the formats' blocks (the host refuses one that does not): whole
     blocks along the columns, one block for a weight tile; the slots' chunks divide the slot and are
     multiples of 16 (the wgrad layout's stores); power-of-two sides (Triton's aranges), at least one
-    step and stage; the slots kernel's entries for both layouts, its band 0 (2-D launch) or more."""
+    step and stage; the slots kernel's entries for every layout, its band 0 (2-D launch) or more."""
     blocks = {RECIPES[name].block_cols: RECIPES[name].block_rows for name in ("mxfp8", "fp8_block")}
     assert set(QUANTIZE_TILES) == set(QUANTIZE_SLOTS)
     for arch, table in QUANTIZE_TILES.items():
@@ -357,7 +357,8 @@ def test_quantize_tile_configs_fit_the_blocks():
             assert block_c % tile_k == 0 and block_r & (block_r - 1) == 0 and block_c & (block_c - 1) == 0, what
             assert form != "tile" or (block_c == tile_k and block_r == blocks[tile_k]), what
             assert warps >= 1 and steps >= 1 and stages >= 1, what
-        assert set(QUANTIZE_SLOTS[arch]) == {(k, layout) for k in blocks for layout in ("rows", "segments")}
+        layouts = ("rows", "segments", "segments-gathered")
+        assert set(QUANTIZE_SLOTS[arch]) == {(k, layout) for k in blocks for layout in layouts}
         for (tile_k, layout), (block_c, chunk, warps, stages, band) in QUANTIZE_SLOTS[arch].items():
             what = f"{arch} slots {(tile_k, layout)}"
             assert block_c % tile_k == 0 and block_c & (block_c - 1) == 0, what

@@ -403,14 +403,17 @@ ZERO_ROWS_TILE = (64, 128)
 # the interpreter: small tiles and a loop, so that CPU tests cover several tiles of a block row, the
 # loop, and blocks cut by the edges.
 # The slots kernel (the columnwise form, with or without the rowwise), by (TILE_K, layout of the
-# columnwise data: "rows" (M, X), "segments" the FP8 wgrad's transposed operand): (BLOCK_C, CHUNK,
+# columnwise data: "rows" (M, X), "segments" the FP8 wgrad's transposed operand, "segments-gathered" the
+# same with the rows gathered from token rows by an index as they are loaded, the layer's routed
+# operands, whose dependent index loads may want other settings): (BLOCK_C, CHUNK,
 # warps, STAGES, BAND). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
 # wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
 # slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
 # wgrad layout keeps: its transposed stores are x's columns). The sm90 entries are the fastest of
-# sweeps on the H200 (notes/quantize.md); the sm80 ones are guesses, not timed. Under the
+# sweeps on the H200 (notes/quantize.md), "segments-gathered" a copy of "segments" until
+# `benchmarks/sweep_quantize.py` has timed it; the sm80 ones are guesses, not timed. Under the
 # interpreter: two chunks a slot, narrow strips and both launch forms, so that CPU tests cover
 # several chunks of a slot, several strips of a row and bands cut by the last slot.
 # Every interpreter entry of these quantize tables is the largest that still gives the CPU tests'
@@ -441,19 +444,25 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (32, "rows"): (128, 16, 4, 1, 1),
         (128, "rows"): (128, 16, 4, 1, 1),
         (32, "segments"): (128, 16, 4, 1, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0),
         (128, "segments"): (128, 32, 4, 2, 0),
+        (128, "segments-gathered"): (128, 32, 4, 2, 0),
     },
     "sm80": {
         (32, "rows"): (128, 16, 4, 1, 1),
         (128, "rows"): (128, 16, 4, 1, 1),
         (32, "segments"): (128, 16, 4, 1, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0),
         (128, "segments"): (128, 16, 4, 2, 0),
+        (128, "segments-gathered"): (128, 16, 4, 2, 0),
     },
     "interpreter": {
         (32, "rows"): (64, 16, 4, 1, 1),
         (128, "rows"): (128, 64, 4, 1, 1),
         (32, "segments"): (64, 16, 4, 1, 2),
+        (32, "segments-gathered"): (64, 16, 4, 1, 2),
         (128, "segments"): (128, 64, 4, 1, 0),
+        (128, "segments-gathered"): (128, 64, 4, 1, 0),
     },
 }
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:

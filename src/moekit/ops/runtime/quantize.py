@@ -142,7 +142,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
         # Rowwise scales: (rows, column blocks), or (weight row blocks, column blocks) for a weight's tiles.
         stride_scale = triton.cdiv(cols, tile_k)
         if columnwise:
-            layout = "segments" if segments else "rows"
+            layout = ("segments-gathered" if gather else "segments") if segments else "rows"
             tma_slots = _slots_tma_plan(info, problem, stride_scale)
             if tma_slots is not None:
                 return tma_slots

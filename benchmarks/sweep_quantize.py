@@ -1,0 +1,215 @@
+"""The backward's routed operands' quantization (`group_quantize_for_wgrad` with `index=`: rows gathered
+from the token rows as they are loaded, the FP8 wgrad's segments written) under variants of its entry in
+the slots kernel's configuration table (`configs.QUANTIZE_SLOTS[arch][(128, "segments-gathered")]`,
+fp8_block), against the HBM copy of the same bytes and against gathering first.
+
+Kinds, at each shape's routing (random router logits, top-k, rows sorted by expert with int32 maps, as
+`moe_experts` sorts them), M = T * K routed rows of width H gathered from (T, H) token rows:
+- dy: both forms (the fc2 dgrad's rowwise operand and the fc2 wgrad's columnwise one), as the layer's
+  backward quantizes d out. Moves M*H*2 bytes read and M*H*2 written (the two FP8 forms), plus scales.
+- x: the columnwise form alone (fc1's wgrad operand), as the layer's backward quantizes x: M*H*2 read,
+  M*H written.
+- dy_gather_first, x_gather_first: the same with the rows gathered into an (M, H) tensor first
+  (`index_select`) and the gathered tensor quantized without an index (on sm_90 the Gluon TMA kernel):
+  the design before the kernels read through the index, timed as one call.
+- copy: an (M, H) bf16 tensor copied by torch: the bandwidth the kinds can hope for, counted as the
+  kind's own bytes (`vs_copy` 1.0 = the copy's bandwidth).
+
+Every variant's bytes (both forms' data on the segments in use, and every scale) must equal the base
+table's (`equal`). Times: CUDA events, the median of `--reps` calls after a warm-up, the median over
+`--rounds` rounds in which the variants take turns.
+
+    python benchmarks/sweep_quantize.py --out results.json [--shapes qwen3-30b-a3b] [--variants base,s3]
+    TRITON_INTERPRET=1 python benchmarks/sweep_quantize.py --smoke   # CPU: the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
+
+from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
+from moekit.ops.routing import sort_by_expert
+from moekit.ops.runtime.launch import arch_of
+from moekit.ops.splits import GroupOffsets
+
+# name: (tokens T, top-k K, experts N, hidden H)
+SHAPES = {
+    "deepseek-v3-ep8": (16384, 8, 32, 7168),
+    "qwen3-30b-a3b": (32768, 8, 128, 2048),
+    "mixtral-8x7b": (16384, 2, 8, 4096),
+    "gpt-oss-20b": (16384, 4, 32, 2880),
+}
+SMOKE_SHAPES = {"smoke": (60, 3, 4, 256)}
+KEY = (128, "segments-gathered")
+KINDS = ("dy", "x")
+# (BLOCK_C, CHUNK, warps, STAGES, BAND) of the entry; None: the table as committed. "s3"/"s4": a deeper
+# pipeline of the first walk (each chunk's index load, then its rows: two dependent loads); "c16_s4"
+# smaller chunks, deeper; "c64", "w8", "c64_w8": more rows or warps a program; "b256": 256-column
+# strips with 8 warps; "band1", "band4": 1-D launch, bands of slots with columns fastest.
+VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
+    "base": None,
+    "s3": (128, 32, 4, 3, 0),
+    "s4": (128, 32, 4, 4, 0),
+    "c16_s4": (128, 16, 4, 4, 0),
+    "c64": (128, 64, 4, 2, 0),
+    "w8": (128, 32, 8, 2, 0),
+    "c64_w8": (128, 64, 8, 2, 0),
+    "b256": (256, 32, 8, 2, 0),
+    "band1": (128, 32, 4, 2, 1),
+    "band4": (128, 32, 4, 2, 4),
+}
+
+
+def table_changes(variant: str, arch: str) -> dict[str, dict]:
+    """`apply_tables`' changes for `variant` on `arch`: a new copy of the arch's table with the entry
+    replaced (the saved tables keep the committed one)."""
+    from moekit.ops.runtime import configs  # the table as committed, read when the sweep starts
+
+    entry = VARIANTS[variant]
+    if entry is None:
+        return {}
+    return {"QUANTIZE_SLOTS": {arch: {**configs.QUANTIZE_SLOTS[arch], KEY: entry}}}
+
+
+def bytes_of(outs, in_use: int) -> list[torch.Tensor]:
+    """The bytes a variant must reproduce: every tensor of the rowwise GroupedTensor (if any) and of the
+    SegmentedColumns, its data on the columns in use (past them unspecified)."""
+    row, cols = outs
+    assert isinstance(cols, SegmentedColumns)
+    tensors = [cols.data[:, :in_use], cols.scale_inv]
+    if row is not None:
+        tensors += [t for t in row.storage()[2:6] if t is not None]
+    return [t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) for t in tensors]
+
+
+def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], reps: int, rounds: int, device: str):
+    T, K, N, H = shape
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter: no bf16 conversions
+    ids = torch.randn(T, N, device=device, generator=gen).topk(K, dim=1).indices
+    order = sort_by_expert(ids, N, use_triton=True, index_dtype=torch.int32)
+    M = T * K
+    offsets = GroupOffsets(offs=order.offs, host=None, rows=M)
+    index = order.token_of_row
+    tokens = torch.randn(T, H, device=device, generator=gen).to(dtype)
+    counts = order.offs.diff().tolist()  # setup only: the columns in use, for the bytes check
+    in_use = sum(-(-n // 128) * 128 for n in counts)
+    calls = {
+        "dy": lambda: group_quantize_for_wgrad(
+            tokens, offsets, "fp8_block", rowwise=True, index=index, backend="triton"
+        ),
+        "x": lambda: group_quantize_for_wgrad(
+            tokens, offsets, "fp8_block", rowwise=False, index=index, backend="triton"
+        ),
+    }
+    first = {
+        "dy_gather_first": lambda: group_quantize_for_wgrad(
+            tokens.index_select(0, index.view(-1)), offsets, "fp8_block", rowwise=True, backend="triton"
+        ),
+        "x_gather_first": lambda: group_quantize_for_wgrad(
+            tokens.index_select(0, index.view(-1)), offsets, "fp8_block", rowwise=False, backend="triton"
+        ),
+    }
+    element = tokens.element_size()
+    moved = {  # bytes each kind moves once: what it reads plus what it writes (scales left out)
+        "dy": M * H * element + 2 * M * H,
+        "x": M * H * element + M * H,
+        "copy": 2 * M * H * element,
+    }
+    moved["dy_gather_first"], moved["x_gather_first"] = moved["dy"], moved["x"]
+    copy_src = torch.empty(M, H, device=device, dtype=dtype)
+    copy_dst = torch.empty_like(copy_src)
+    arch = arch_of(tokens.device)
+    saved = saved_tables({v: table_changes(v, arch) for v in variants})
+    reference: dict[str, list[torch.Tensor]] = {}
+    times: dict[tuple[str, str], list[float]] = {}
+    equal: dict[tuple[str, str], bool] = {}
+
+    def same(kind: str, outs) -> bool:
+        got = bytes_of(outs, in_use)
+        want = reference.setdefault(kind, got)
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    try:
+        for _ in range(rounds):
+            times.setdefault(("copy", "torch"), []).append(event_median_ms(lambda: copy_dst.copy_(copy_src), reps))
+            for variant in variants:
+                apply_tables(table_changes(variant, arch), saved)
+                for kind in KINDS:
+                    equal[(kind, variant)] = equal.get((kind, variant), True) and same(kind, calls[kind]())
+                    times.setdefault((kind, variant), []).append(event_median_ms(calls[kind], reps))
+            apply_tables({}, saved)
+            for kind, call in first.items():
+                equal[(kind, "-")] = equal.get((kind, "-"), True) and same(kind.removesuffix("_gather_first"), call())
+                times.setdefault((kind, "-"), []).append(event_median_ms(call, reps))
+    finally:
+        apply_tables({}, saved)
+    copy_ms = statistics.median(times[("copy", "torch")])
+    cells = {}
+    for (kind, variant), samples in times.items():
+        ms = statistics.median(samples)
+        gbs = moved[kind] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
+        copy_gbs = moved["copy"] / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0
+        cells[f"{name}/{kind}/{variant}"] = {
+            "ms": ms,
+            "ms_rounds": samples,
+            "gb_per_s": gbs,
+            "vs_copy": gbs / copy_gbs if copy_gbs > 0 else 0.0,
+            "equal": equal.get((kind, variant)),
+        }
+        share = cells[f"{name}/{kind}/{variant}"]["vs_copy"]
+        differ = "" if equal.get((kind, variant), True) else "  BITS DIFFER"
+        print(
+            f"{name:18s} {kind:16s} {variant:8s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {share:.2f} of the copy{differ}",
+            flush=True,
+        )
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", default="deepseek-v3-ep8,qwen3-30b-a3b", help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--reps", type=int, default=10, help="timed calls a cell and round (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the variants (the median of rounds)")
+    parser.add_argument(
+        "--entry", default=None, help="one more variant, 'custom': BLOCK_C,CHUNK,warps,STAGES,BAND (five integers)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("sweep_quantize.py needs a CUDA device (or --smoke)")
+    if args.entry is not None:
+        fields = args.entry.split(",")
+        if len(fields) != 5 or not all(f.strip().isdigit() for f in fields):
+            raise SystemExit(
+                f"--entry must be five comma-separated integers BLOCK_C,CHUNK,warps,STAGES,BAND, got {args.entry!r}"
+            )
+        b, c, w, st, band = (int(f) for f in fields)
+        VARIANTS["custom"] = (b, c, w, st, band)
+        args.variants += ",custom"
+    # In VARIANTS' order, so "base" (the bits every variant is checked against) comes first.
+    variants = select_by_name(list(VARIANTS), "base," + args.variants, "variants", VARIANTS)
+    pool = SMOKE_SHAPES if args.smoke else SHAPES
+    device = "cpu" if args.smoke else "cuda"
+    cells: dict[str, dict[str, object]] = {}
+    for name in select_by_name(list(pool), None if args.smoke else args.shapes, "shapes", pool):
+        cells.update(cells_of(name, pool[name], variants, 1 if args.smoke else args.reps, args.rounds, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if any(cell["equal"] is False for cell in cells.values()):
+        raise SystemExit("a variant's bits differ from the base table's (see BITS DIFFER above)")
+    if args.out is not None:
+        meta = machine(torch.device(device))
+        meta["entry"] = {"table": "QUANTIZE_SLOTS", "key": list(KEY), "fields": "BLOCK_C, CHUNK, warps, STAGES, BAND"}
+        write_json(args.out, {"meta": meta, "variants": {v: VARIANTS[v] for v in variants}, "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
