@@ -13,6 +13,7 @@ against a float32 reference), `write_json`.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -222,6 +223,82 @@ def apply_tables(changes: dict[str, dict], saved: dict[str, dict]) -> None:
     for table, values in changes.items():
         getattr(configs, table).update(values)
     forget_plans()
+
+
+def copy_relative_cells(
+    name: str,
+    times: dict[tuple[str, str], list[float]],
+    equal: dict[tuple[str, str], bool],
+    moved: dict[str, int],
+    copy: tuple[str, str] = ("copy", "torch"),
+) -> dict[str, dict]:
+    """The kernel sweeps' cells "name/kind/variant" from per-round times (kind, variant) -> ms: the
+    median of rounds, GB/s of the kind's `moved` bytes, and `vs_copy`, that bandwidth over the copy's
+    (the `copy` cell's time on moved["copy"] bytes: 1.0 = the copy's bandwidth), with each cell's bit
+    check from `equal` (None where none was made); one printed line a cell, "BITS DIFFER" marked."""
+    copy_ms = statistics.median(times[copy])
+    copy_gbs = moved[copy[0]] / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0
+    cells = {}
+    for (kind, variant), samples in times.items():
+        ms = statistics.median(samples)
+        gbs = moved[kind] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
+        share = gbs / copy_gbs if copy_gbs > 0 else 0.0
+        cells[f"{name}/{kind}/{variant}"] = {
+            "ms": ms,
+            "ms_rounds": samples,
+            "gb_per_s": gbs,
+            "vs_copy": share,
+            "equal": equal.get((kind, variant)),
+        }
+        differ = "" if equal.get((kind, variant), True) else "  BITS DIFFER"
+        print(
+            f"{name:20s} {kind:16s} {variant:18s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {share:.2f} of the copy{differ}",
+            flush=True,
+        )
+    return cells
+
+
+def table_sweep_parser(doc: str, shapes: Sequence[str], variants: Iterable[str]) -> argparse.ArgumentParser:
+    """The kernel table sweeps' shared options (--out, --shapes, --variants, --reps, --rounds, --smoke);
+    a sweep adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", default=",".join(shapes))
+    parser.add_argument("--variants", default=",".join(variants), help="comma list of " + ", ".join(variants))
+    parser.add_argument("--reps", type=int, default=10, help="timed calls a cell and round (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the variants (the median of rounds)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
+    return parser
+
+
+def run_table_sweep(
+    script: str,
+    args: argparse.Namespace,
+    cells_of: Callable[..., dict[str, dict]],
+    pools: tuple[dict[str, tuple], dict[str, tuple]],
+    variants_table: dict[str, object],
+    meta_extra: dict | None = None,
+) -> None:
+    """A kernel table sweep's run: every selected shape of pools (full, smoke) through
+    cells_of(name, shape, variants, reps, rounds, device), "base" first (the bits every variant is
+    checked against), refused where a variant's bits differ, the cells written to args.out with the
+    machine's meta (plus meta_extra) and each variant's table changes."""
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device (or --smoke)")
+    # In the table's order, so "base" comes first.
+    variants = select_by_name(list(variants_table), "base," + args.variants, "variants", variants_table)
+    pool = pools[1] if args.smoke else pools[0]
+    device = "cpu" if args.smoke else "cuda"
+    cells: dict[str, dict] = {}
+    for name in select_by_name(list(pool), None if args.smoke else args.shapes, "shapes", pool):
+        cells.update(cells_of(name, pool[name], variants, 1 if args.smoke else args.reps, args.rounds, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if any(cell["equal"] is False for cell in cells.values()):
+        raise SystemExit("a variant's bits differ from the base table's (see BITS DIFFER above)")
+    if args.out is not None:
+        meta = {**machine(torch.device(device)), **(meta_extra or {})}
+        write_json(args.out, {"meta": meta, "variants": {v: variants_table[v] for v in variants}, "cells": cells})
 
 
 def measure_roof(cfg: BenchConfig) -> dict:

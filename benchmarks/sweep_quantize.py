@@ -25,24 +25,25 @@ table's (`equal`). Times: CUDA events, the median of `--reps` calls after a warm
 
 from __future__ import annotations
 
-import argparse
-import statistics
-from pathlib import Path
-
+import bench_moe_layer
 import torch
-from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
+from runner import (
+    apply_tables,
+    copy_relative_cells,
+    event_median_ms,
+    run_table_sweep,
+    saved_tables,
+    table_sweep_parser,
+)
 
 from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
 from moekit.ops.routing import sort_by_expert
 from moekit.ops.runtime.launch import arch_of
 from moekit.ops.splits import GroupOffsets
 
-# name: (tokens T, top-k K, experts N, hidden H)
+# name: (tokens T, top-k K, experts N, hidden H), the layer benchmark's shapes (SonicMoE's included).
 SHAPES = {
-    "deepseek-v3-ep8": (16384, 8, 32, 7168),
-    "qwen3-30b-a3b": (32768, 8, 128, 2048),
-    "mixtral-8x7b": (16384, 2, 8, 4096),
-    "gpt-oss-20b": (16384, 4, 32, 2880),
+    s.name: (s.tokens, s.top_k, s.experts, s.hidden) for s in bench_moe_layer.SHAPES + bench_moe_layer.SONICMOE_SHAPES
 }
 SMOKE_SHAPES = {"smoke": (60, 3, 4, 256)}
 KEY = (128, "segments-gathered")
@@ -149,42 +150,16 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
                 times.setdefault((kind, "-"), []).append(event_median_ms(call, reps))
     finally:
         apply_tables({}, saved)
-    copy_ms = statistics.median(times[("copy", "torch")])
-    cells = {}
-    for (kind, variant), samples in times.items():
-        ms = statistics.median(samples)
-        gbs = moved[kind] / (ms * 1e-3) / 1e9 if ms > 0 else 0.0
-        copy_gbs = moved["copy"] / (copy_ms * 1e-3) / 1e9 if copy_ms > 0 else 0.0
-        cells[f"{name}/{kind}/{variant}"] = {
-            "ms": ms,
-            "ms_rounds": samples,
-            "gb_per_s": gbs,
-            "vs_copy": gbs / copy_gbs if copy_gbs > 0 else 0.0,
-            "equal": equal.get((kind, variant)),
-        }
-        share = cells[f"{name}/{kind}/{variant}"]["vs_copy"]
-        differ = "" if equal.get((kind, variant), True) else "  BITS DIFFER"
-        print(
-            f"{name:18s} {kind:16s} {variant:8s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {share:.2f} of the copy{differ}",
-            flush=True,
-        )
-    return cells
+    return copy_relative_cells(name, times, equal, moved)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--shapes", default="deepseek-v3-ep8,qwen3-30b-a3b", help="comma list of " + ", ".join(SHAPES))
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
-    parser.add_argument("--reps", type=int, default=10, help="timed calls a cell and round (their median)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the variants (the median of rounds)")
+    parser = table_sweep_parser(__doc__, ["deepseek-v3-ep8", "qwen3-30b-a3b"], VARIANTS)
+    parser.set_defaults(shapes="deepseek-v3-ep8,qwen3-30b-a3b")  # any of SHAPES by name
     parser.add_argument(
         "--entry", default=None, help="one more variant, 'custom': BLOCK_C,CHUNK,warps,STAGES,BAND (five integers)"
     )
-    parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
     args = parser.parse_args()
-    if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("sweep_quantize.py needs a CUDA device (or --smoke)")
     if args.entry is not None:
         fields = args.entry.split(",")
         if len(fields) != 5 or not all(f.strip().isdigit() for f in fields):
@@ -194,21 +169,8 @@ def main() -> None:
         b, c, w, st, band = (int(f) for f in fields)
         VARIANTS["custom"] = (b, c, w, st, band)
         args.variants += ",custom"
-    # In VARIANTS' order, so "base" (the bits every variant is checked against) comes first.
-    variants = select_by_name(list(VARIANTS), "base," + args.variants, "variants", VARIANTS)
-    pool = SMOKE_SHAPES if args.smoke else SHAPES
-    device = "cpu" if args.smoke else "cuda"
-    cells: dict[str, dict[str, object]] = {}
-    for name in select_by_name(list(pool), None if args.smoke else args.shapes, "shapes", pool):
-        cells.update(cells_of(name, pool[name], variants, 1 if args.smoke else args.reps, args.rounds, device))
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    if any(cell["equal"] is False for cell in cells.values()):
-        raise SystemExit("a variant's bits differ from the base table's (see BITS DIFFER above)")
-    if args.out is not None:
-        meta = machine(torch.device(device))
-        meta["entry"] = {"table": "QUANTIZE_SLOTS", "key": list(KEY), "fields": "BLOCK_C, CHUNK, warps, STAGES, BAND"}
-        write_json(args.out, {"meta": meta, "variants": {v: VARIANTS[v] for v in variants}, "cells": cells})
+    entry = {"table": "QUANTIZE_SLOTS", "key": list(KEY), "fields": "BLOCK_C, CHUNK, warps, STAGES, BAND"}
+    run_table_sweep("sweep_quantize.py", args, cells_of, (SHAPES, SMOKE_SHAPES), VARIANTS, {"entry": entry})
 
 
 if __name__ == "__main__":
