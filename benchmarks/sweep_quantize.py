@@ -38,6 +38,7 @@ from runner import (
 
 from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
 from moekit.ops.routing import sort_by_expert
+from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import arch_of
 from moekit.ops.splits import GroupOffsets
 
@@ -69,8 +70,6 @@ VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
 def table_changes(variant: str, arch: str) -> dict[str, dict]:
     """`apply_tables`' changes for `variant` on `arch`: a new copy of the arch's table with the entry
     replaced (the saved tables keep the committed one)."""
-    from moekit.ops.runtime import configs  # the table as committed, read when the sweep starts
-
     entry = VARIANTS[variant]
     if entry is None:
         return {}
@@ -100,22 +99,16 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
     tokens = torch.randn(T, H, device=device, generator=gen).to(dtype)
     counts = order.offs.diff().tolist()  # setup only: the columns in use, for the bytes check
     in_use = sum(-(-n // 128) * 128 for n in counts)
-    calls = {
-        "dy": lambda: group_quantize_for_wgrad(
-            tokens, offsets, "fp8_block", rowwise=True, index=index, backend="triton"
-        ),
-        "x": lambda: group_quantize_for_wgrad(
-            tokens, offsets, "fp8_block", rowwise=False, index=index, backend="triton"
-        ),
-    }
-    first = {
-        "dy_gather_first": lambda: group_quantize_for_wgrad(
-            tokens.index_select(0, index.view(-1)), offsets, "fp8_block", rowwise=True, backend="triton"
-        ),
-        "x_gather_first": lambda: group_quantize_for_wgrad(
-            tokens.index_select(0, index.view(-1)), offsets, "fp8_block", rowwise=False, backend="triton"
-        ),
-    }
+
+    def quantize(rowwise: bool, gather_first: bool):
+        """d out's both forms (rowwise) or x's columnwise form, through the index or gathered first."""
+        if gather_first:
+            rows = tokens.index_select(0, index.view(-1))
+            return group_quantize_for_wgrad(rows, offsets, "fp8_block", rowwise=rowwise, backend="triton")
+        return group_quantize_for_wgrad(tokens, offsets, "fp8_block", rowwise=rowwise, index=index, backend="triton")
+
+    calls = {"dy": lambda: quantize(True, False), "x": lambda: quantize(False, False)}
+    first = {"dy_gather_first": lambda: quantize(True, True), "x_gather_first": lambda: quantize(False, True)}
     element = tokens.element_size()
     moved = {  # bytes each kind moves once: what it reads plus what it writes (scales left out)
         "dy": M * H * element + 2 * M * H,
