@@ -54,9 +54,9 @@ KINDS = ("dy", "x")
 # pipeline of the first walk (each chunk's index load, then its rows: two dependent loads); "c16_s4"
 # smaller chunks, deeper; "c64", "w8", "c64_w8": more rows or warps a program; "b256": 256-column
 # strips with 8 warps; "band1", "band4": 1-D launch, bands of slots with columns fastest; "b64",
-# "b64_c64": narrower strips (twice the programs); "c128_w8": the whole slot one chunk (walk 2 reads
-# its rows again from L2 all the same). A variant the GPU cannot hold (OutOfResources) is reported
-# and left out.
+# "b64_c64": narrower strips (twice the programs); "c128_w8", "c128", "b64_c128": the whole slot one
+# chunk, which the kernel walks once (held in registers: its rows read once). A variant the GPU cannot
+# hold (OutOfResources) is reported and left out.
 VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
     "base": None,
     "s3": (128, 32, 4, 3, 0),
@@ -72,6 +72,8 @@ VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
     "b64_c64": (64, 64, 4, 2, 0),
     "s3_w8": (128, 32, 8, 3, 0),
     "c128_w8": (128, 128, 8, 1, 0),
+    "c128": (128, 128, 4, 1, 0),
+    "b64_c128": (64, 128, 4, 1, 0),
 }
 
 

@@ -444,6 +444,84 @@ def quantize_tiles_kernel(
 
 
 @triton.jit
+def _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER: tl.constexpr):
+    """The slots kernel's chunk of rows k + i of its slot (problem rows r0 + k + i, of a group of `count`
+    rows from its row j0), columns c, in float32 with its `abs_for_amax`, the rows (int64) and the rows'
+    mask; rows past the group and columns past the edge read as zeros."""
+    rmask = j0 + k + i < count
+    r64 = r0 + k + i
+    src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
+    x = tl.load(x_ptr + src, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
+    return x, abs_for_amax(x), r64, rmask
+
+
+@triton.jit
+def _rowwise_chunk(
+    x,
+    a,
+    r64,
+    rmask,
+    c,
+    cmask,
+    cb,
+    cbmask,
+    row_data_ptr,
+    row_scale_ptr,
+    stride_x,
+    stride_row_scale,
+    MX: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """A chunk's rowwise bytes and scales (`rowwise_blocks`) stored at its rows r64, columns c."""
+    q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
+    tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
+    """A slot's column scales from their maxima amax_c, stored at col_scales (E8M0 bytes or float32
+    scale_inv): the multipliers and whether any column holds an inf or NaN."""
+    any_nan = tl.max(amax_c, axis=0) == float("inf")
+    if MX:
+        byte, mult = _e8m0_scales(amax_c)
+        tl.store(col_scales, byte, mask=cmask)
+    else:
+        mult, scale_inv = fp32_scales(amax_c)
+        tl.store(col_scales, scale_inv, mask=cmask)
+    return mult, any_nan
+
+
+@triton.jit
+def _columnwise_chunk(
+    x,
+    mult,
+    any_nan,
+    r64,
+    rmask,
+    c,
+    cmask,
+    j0,
+    count,
+    seg0,
+    live,
+    col_data_ptr,
+    stride_x,
+    pitch,
+    SEGMENTS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """A chunk's columnwise bytes (x times its columns' multipliers), as (M, X) rows or (SEGMENTS) into
+    the FP8 wgrad's operand layout from the group's row j0 (its segment's column seg0)."""
+    CHUNK: tl.constexpr = x.shape[0]
+    q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+    if SEGMENTS:
+        _segment_store(col_data_ptr, q, rmask, c, cmask, j0, count, seg0, live, pitch, CHUNK)
+    else:
+        tl.store(col_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def quantize_slots_kernel(
     x_ptr,
     index_ptr,
@@ -486,7 +564,9 @@ def quantize_slots_kernel(
     operand layout (`_segment_store`, `_segment_tail`; CHUNK a multiple of 16). Why two walks: a
     column's scale needs all of the slot's rows before any of its bytes, and holding the whole slot
     (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
-    chunk's registers do not grow with the slot. Padding rows (group N) are read as zeros; unused slots
+    chunk's registers do not grow with the slot. A chunk of the whole slot (CHUNK == SLOT_ROWS) is one
+    walk: the strip stays in registers from its load to its columnwise bytes, and its rows are read once.
+    Padding rows (group N) are read as zeros; unused slots
     store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
     stores the segment's zeros past it (`_segment_tail`). GATHER: row r of the problem is x's row
     index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
@@ -510,40 +590,90 @@ def quantize_slots_kernel(
         c = qc * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < cols
         i = tl.arange(0, CHUNK)
-        amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)
-        for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
-            rmask = j0 + k + i < count
-            r64 = r0 + k + i
-            elem = r64[:, None] * stride_x + c[None, :]
-            mask = rmask[:, None] & cmask[None, :]
-            src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + src, mask=mask & live, other=0.0).to(tl.float32)
-            a = abs_for_amax(x)
-            amax_ic = tl.maximum(amax_ic, a)
-            if ROWWISE:
-                q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
-                tl.store(row_data_ptr + elem, q, mask=mask)
-        amax_c = tl.max(amax_ic, axis=0)
         col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-        any_nan = tl.max(amax_c, axis=0) == float("inf")
-        if MX:
-            byte, mult = _e8m0_scales(amax_c)
-            tl.store(col_scales, byte, mask=cmask)
+        if CHUNK == SLOT_ROWS:  # one chunk: held in registers from its load to its columnwise bytes
+            x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, 0, i, j0, count, live, c, cmask, stride_x, GATHER)
+            if ROWWISE:
+                _rowwise_chunk(
+                    x,
+                    a,
+                    r64,
+                    rmask,
+                    c,
+                    cmask,
+                    cb,
+                    cbmask,
+                    row_data_ptr,
+                    row_scale_ptr,
+                    stride_x,
+                    stride_row_scale,
+                    MX,
+                    TILE_K,
+                    HW_E4M3,
+                )
+            mult, any_nan = _column_scales(tl.max(a, axis=0), col_scales, cmask, MX)
+            _columnwise_chunk(
+                x,
+                mult,
+                any_nan,
+                r64,
+                rmask,
+                c,
+                cmask,
+                j0,
+                count,
+                seg0,
+                live,
+                col_data_ptr,
+                stride_x,
+                pitch,
+                SEGMENTS,
+                HW_E4M3,
+            )
         else:
-            mult, scale_inv = fp32_scales(amax_c)
-            tl.store(col_scales, scale_inv, mask=cmask)
-        for k in tl.range(0, SLOT_ROWS, CHUNK):
-            rmask = j0 + k + i < count
-            r64 = r0 + k + i
-            elem = r64[:, None] * stride_x + c[None, :]
-            mask = rmask[:, None] & cmask[None, :]
-            src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
-            x = tl.load(x_ptr + src, mask=mask & live, other=0.0).to(tl.float32)
-            q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
-            if SEGMENTS:
-                _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
-            else:
-                tl.store(col_data_ptr + elem, q, mask=mask)
+            amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)
+            for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
+                x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
+                amax_ic = tl.maximum(amax_ic, a)
+                if ROWWISE:
+                    _rowwise_chunk(
+                        x,
+                        a,
+                        r64,
+                        rmask,
+                        c,
+                        cmask,
+                        cb,
+                        cbmask,
+                        row_data_ptr,
+                        row_scale_ptr,
+                        stride_x,
+                        stride_row_scale,
+                        MX,
+                        TILE_K,
+                        HW_E4M3,
+                    )
+            mult, any_nan = _column_scales(tl.max(amax_ic, axis=0), col_scales, cmask, MX)
+            for k in tl.range(0, SLOT_ROWS, CHUNK):
+                x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
+                _columnwise_chunk(
+                    x,
+                    mult,
+                    any_nan,
+                    r64,
+                    rmask,
+                    c,
+                    cmask,
+                    j0 + k,
+                    count,
+                    seg0 + k,
+                    live,
+                    col_data_ptr,
+                    stride_x,
+                    pitch,
+                    SEGMENTS,
+                    HW_E4M3,
+                )
         if SEGMENTS:
             _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
 

@@ -408,14 +408,16 @@ ZERO_ROWS_TILE = (64, 128)
 # operands, whose dependent index loads may want other settings): (BLOCK_C, CHUNK,
 # warps, STAGES, BAND). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
-# sets the registers, hence the programs an SM. CHUNK divides the slot and is a multiple of 16 (the
-# wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
+# sets the registers, hence the programs an SM. A CHUNK of the whole slot is one walk: the strip is
+# held in registers from its load to its columnwise bytes, read once. CHUNK divides the slot and is a
+# multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
 # slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
 # wgrad layout keeps: its transposed stores are x's columns). The sm90 entries are the fastest of
 # sweeps on the H200 (notes/quantize.md), "segments-gathered" a copy of "segments" until
 # `benchmarks/sweep_quantize.py` has timed it; the sm80 ones are guesses, not timed. Under the
 # interpreter: two chunks a slot, narrow strips and both launch forms, so that CPU tests cover
-# several chunks of a slot, several strips of a row and bands cut by the last slot.
+# several chunks of a slot, several strips of a row and bands cut by the last slot; fp8_block's
+# gathered entry is one walk, so that they cover that form too.
 # Every interpreter entry of these quantize tables is the largest that still gives the CPU tests'
 # shapes several tiles, chunks or spans: the interpreter's cost is per operation of every program, so
 # smaller tiles only multiply the CPU time (the tests' groups of 33-130 rows, 67-257 columns).
@@ -462,7 +464,7 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (32, "segments"): (64, 16, 4, 1, 2),
         (32, "segments-gathered"): (64, 16, 4, 1, 2),
         (128, "segments"): (128, 64, 4, 1, 0),
-        (128, "segments-gathered"): (128, 64, 4, 1, 0),
+        (128, "segments-gathered"): (128, 128, 4, 1, 0),
     },
 }
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:
