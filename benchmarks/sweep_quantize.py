@@ -9,15 +9,19 @@ Kinds, at each shape's routing (random router logits, top-k, rows sorted by expe
   backward quantizes d out. Moves M*H*2 bytes read and M*H*2 written (the two FP8 forms), plus scales.
 - x: the columnwise form alone (fc1's wgrad operand), as the layer's backward quantizes x: M*H*2 read,
   M*H written.
+- w: fc1's (N, 2F, H) weight in 128 x 128 blocks (the rowwise form alone, as the layer refreshes it each
+  optimizer step), under entries of the tiles kernel's table (`QUANTIZE_TILES[arch][(128, "tile")]`):
+  N*2F*H*2 read, N*2F*H written.
 - dy_gather_first, x_gather_first: the same with the rows gathered into an (M, H) tensor first
   (`index_select`) and the gathered tensor quantized without an index (on sm_90 the Gluon TMA kernel):
   the design before the kernels read through the index, timed as one call.
 - copy: an (M, H) bf16 tensor copied by torch: the bandwidth the kinds can hope for, counted as the
   kind's own bytes (`vs_copy` 1.0 = the copy's bandwidth).
 
-Every variant's bytes (both forms' data on the segments in use, and every scale) must equal the base
-table's (`equal`). Times: CUDA events, the median of `--reps` calls after a warm-up, the median over
-`--rounds` rounds in which the variants take turns.
+A variant runs the kinds of its table ("base" all). Every variant's bytes (both forms' data on the
+segments in use, and every scale) must equal the base table's (`equal`). Times: CUDA events, the
+median of `--reps` calls after a warm-up, the median over `--rounds` rounds in which the variants take
+turns.
 
     python benchmarks/sweep_quantize.py --out results.json [--shapes qwen3-30b-a3b] [--variants base,s3]
     TRITON_INTERPRET=1 python benchmarks/sweep_quantize.py --smoke   # CPU: the plumbing
@@ -37,18 +41,21 @@ from runner import (
     table_sweep_parser,
 )
 
+import moekit
 from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
 from moekit.ops.routing import sort_by_expert
 from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import arch_of
 from moekit.ops.splits import GroupOffsets
 
-# name: (tokens T, top-k K, experts N, hidden H), the layer benchmark's shapes (SonicMoE's included).
+# name: (tokens T, top-k K, experts N, hidden H, ffn F), the layer benchmark's shapes (SonicMoE's included).
 SHAPES = {
-    s.name: (s.tokens, s.top_k, s.experts, s.hidden) for s in bench_moe_layer.SHAPES + bench_moe_layer.SONICMOE_SHAPES
+    s.name: (s.tokens, s.top_k, s.experts, s.hidden, s.ffn)
+    for s in bench_moe_layer.SHAPES + bench_moe_layer.SONICMOE_SHAPES
 }
-SMOKE_SHAPES = {"smoke": (60, 3, 4, 256)}
+SMOKE_SHAPES = {"smoke": (60, 3, 4, 256, 128)}
 KEY = (128, "segments-gathered")
+TILE_KEY = (128, "tile")
 KINDS = ("dy", "x")
 # (BLOCK_C, CHUNK, warps, STAGES, BAND) of the entry; None: the table as committed. "s3"/"s4": a deeper
 # pipeline of the first walk (each chunk's index load, then its rows: two dependent loads); "c16_s4"
@@ -75,6 +82,19 @@ VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
     "c128": (128, 128, 4, 1, 0),
     "b64_c128": (64, 128, 4, 1, 0),
 }
+# The weights' 128 x 128 blocks (kind "w": fc1's (N, 2F, H) weight, rowwise form alone, as the layer
+# refreshes it each optimizer step) under entries of `configs.QUANTIZE_TILES[arch][(128, "tile")]`,
+# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES) with BLOCK_R = BLOCK_C = 128: fewer warps a tile ("t_w4",
+# "t_w8"), or several tiles a program in a pipelined loop ("t_w8_steps2", "t_w8_steps4",
+# "t_w16_steps2").
+TILE_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
+    "t_w4": (128, 128, 4, 1, 1),
+    "t_w8": (128, 128, 8, 1, 1),
+    "t_w8_steps2": (128, 128, 8, 2, 2),
+    "t_w8_steps4": (128, 128, 8, 4, 3),
+    "t_w16_steps2": (128, 128, 16, 2, 2),
+}
+VARIANTS.update(TILE_VARIANTS)
 
 
 def table_changes(variant: str, arch: str) -> dict[str, dict]:
@@ -83,22 +103,34 @@ def table_changes(variant: str, arch: str) -> dict[str, dict]:
     entry = VARIANTS[variant]
     if entry is None:
         return {}
-    return {"QUANTIZE_SLOTS": {arch: {**configs.QUANTIZE_SLOTS[arch], KEY: entry}}}
+    table, key = ("QUANTIZE_TILES", TILE_KEY) if variant in TILE_VARIANTS else ("QUANTIZE_SLOTS", KEY)
+    return {table: {arch: {**getattr(configs, table)[arch], key: entry}}}
+
+
+def kinds_of(variant: str) -> tuple[str, ...]:
+    """The kinds a variant changes ("base": all of them)."""
+    if variant == "base":
+        return (*KINDS, "w")
+    return ("w",) if variant in TILE_VARIANTS else KINDS
 
 
 def bytes_of(outs, in_use: int) -> list[torch.Tensor]:
     """The bytes a variant must reproduce: every tensor of the rowwise GroupedTensor (if any) and of the
-    SegmentedColumns, its data on the columns in use (past them unspecified)."""
+    SegmentedColumns (if any), its data on the columns in use (past them unspecified)."""
     row, cols = outs
-    assert isinstance(cols, SegmentedColumns)
-    tensors = [cols.data[:, :in_use], cols.scale_inv]
+    tensors = []
+    if cols is not None:
+        assert isinstance(cols, SegmentedColumns)
+        tensors += [cols.data[:, :in_use], cols.scale_inv]
     if row is not None:
         tensors += [t for t in row.storage()[2:6] if t is not None]
     return [t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) for t in tensors]
 
 
-def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], reps: int, rounds: int, device: str):
-    T, K, N, H = shape
+def cells_of(
+    name: str, shape: tuple[int, int, int, int, int], variants: list[str], reps: int, rounds: int, device: str
+):
+    T, K, N, H, F = shape
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter: no bf16 conversions
     ids = torch.randn(T, N, device=device, generator=gen).topk(K, dim=1).indices
@@ -117,12 +149,18 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
             return group_quantize_for_wgrad(rows, offsets, "fp8_block", rowwise=rowwise, backend="triton")
         return group_quantize_for_wgrad(tokens, offsets, "fp8_block", rowwise=rowwise, index=index, backend="triton")
 
-    calls = {"dy": lambda: quantize(True, False), "x": lambda: quantize(False, False)}
+    weight = torch.randn(N, 2 * F, H, device=device, generator=gen).to(dtype)
+
+    def quantize_weight():
+        return moekit.group_quantize(weight, None, "fp8_block", backend="triton"), None
+
+    calls = {"dy": lambda: quantize(True, False), "x": lambda: quantize(False, False), "w": quantize_weight}
     first = {"dy_gather_first": lambda: quantize(True, True), "x_gather_first": lambda: quantize(False, True)}
     element = tokens.element_size()
     moved = {  # bytes each kind moves once: what it reads plus what it writes (scales left out)
         "dy": M * H * element + 2 * M * H,
         "x": M * H * element + M * H,
+        "w": N * 2 * F * H * (element + 1),
         "copy": 2 * M * H * element,
     }
     moved["dy_gather_first"], moved["x_gather_first"] = moved["dy"], moved["x"]
@@ -148,7 +186,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
                     continue
                 apply_tables(table_changes(variant, arch), saved)
                 try:
-                    for kind in KINDS:
+                    for kind in kinds_of(variant):
                         equal[(kind, variant)] = equal.get((kind, variant), True) and same(kind, calls[kind]())
                         times.setdefault((kind, variant), []).append(event_median_ms(calls[kind], reps))
                 except triton.runtime.errors.OutOfResources as error:  # an entry the GPU cannot hold
@@ -156,7 +194,7 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
                         raise
                     failed.add(variant)
                     print(f"{name}: variant {variant} does not run: {error}", flush=True)
-                    for kind in KINDS:
+                    for kind in kinds_of(variant):
                         times.pop((kind, variant), None)
                         equal.pop((kind, variant), None)
             apply_tables({}, saved)
