@@ -12,6 +12,8 @@ Kinds, at each shape's routing (random router logits, top-k, rows sorted by expe
 - w: fc1's (N, 2F, H) weight in 128 x 128 blocks (the rowwise form alone, as the layer refreshes it each
   optimizer step), under entries of the tiles kernel's table (`QUANTIZE_TILES[arch][(128, "tile")]`):
   N*2F*H*2 read, N*2F*H written.
+- mx: mxfp8's rowwise + columnwise (M, X) forms of the sorted rows (`group_quantize`), under entries of
+  the slots kernel's `(32, "rows")`: M*H*2 read, M*H*2 written.
 - dy_gather_first, x_gather_first: the same with the rows gathered into an (M, H) tensor first
   (`index_select`) and the gathered tensor quantized without an index (on sm_90 the Gluon TMA kernel):
   the design before the kernels read through the index, timed as one call.
@@ -94,7 +96,28 @@ TILE_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
     "t_w8_steps4": (128, 128, 8, 4, 3),
     "t_w16_steps2": (128, 128, 16, 2, 2),
 }
+# mxfp8's two forms of sorted rows (kind "mx": rowwise + columnwise (M, X), as `group_quantize` gives
+# them) under entries of the slots kernel's `(32, "rows")` (BLOCK_C, CHUNK, warps, STAGES, BAND): the
+# 32-row slot one chunk, walked once ("mx_c32", with 8 warps "mx_c32_w8", 256 or 64 columns
+# "mx_b256_c32", "mx_b64_c32").
+MX_KEY = (32, "rows")
+MX_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
+    "mx_c32": (128, 32, 4, 1, 1),
+    "mx_c32_w8": (128, 32, 8, 1, 1),
+    "mx_b256_c32": (256, 32, 8, 1, 1),
+    "mx_b64_c32": (64, 32, 4, 1, 1),
+}
 VARIANTS.update(TILE_VARIANTS)
+VARIANTS.update(MX_VARIANTS)
+
+
+def table_of(variant: str) -> tuple[str, tuple[int, str], tuple[str, ...]]:
+    """The table, key and kinds that `variant` changes."""
+    if variant in TILE_VARIANTS:
+        return "QUANTIZE_TILES", TILE_KEY, ("w",)
+    if variant in MX_VARIANTS:
+        return "QUANTIZE_SLOTS", MX_KEY, ("mx",)
+    return "QUANTIZE_SLOTS", KEY, KINDS
 
 
 def table_changes(variant: str, arch: str) -> dict[str, dict]:
@@ -103,15 +126,15 @@ def table_changes(variant: str, arch: str) -> dict[str, dict]:
     entry = VARIANTS[variant]
     if entry is None:
         return {}
-    table, key = ("QUANTIZE_TILES", TILE_KEY) if variant in TILE_VARIANTS else ("QUANTIZE_SLOTS", KEY)
+    table, key, _ = table_of(variant)
     return {table: {arch: {**getattr(configs, table)[arch], key: entry}}}
 
 
 def kinds_of(variant: str) -> tuple[str, ...]:
     """The kinds a variant changes ("base": all of them)."""
     if variant == "base":
-        return (*KINDS, "w")
-    return ("w",) if variant in TILE_VARIANTS else KINDS
+        return (*KINDS, "w", "mx")
+    return table_of(variant)[2]
 
 
 def bytes_of(outs, in_use: int) -> list[torch.Tensor]:
@@ -154,13 +177,25 @@ def cells_of(
     def quantize_weight():
         return moekit.group_quantize(weight, None, "fp8_block", backend="triton"), None
 
-    calls = {"dy": lambda: quantize(True, False), "x": lambda: quantize(False, False), "w": quantize_weight}
+    sorted_rows = tokens.index_select(0, index.view(-1))
+    splits = order.offs.diff()  # on the device, as grouped_linear takes them
+
+    def quantize_mx():
+        return moekit.group_quantize(sorted_rows, splits, "mxfp8", columnwise=True, backend="triton"), None
+
+    calls = {
+        "dy": lambda: quantize(True, False),
+        "x": lambda: quantize(False, False),
+        "w": quantize_weight,
+        "mx": quantize_mx,
+    }
     first = {"dy_gather_first": lambda: quantize(True, True), "x_gather_first": lambda: quantize(False, True)}
     element = tokens.element_size()
     moved = {  # bytes each kind moves once: what it reads plus what it writes (scales left out)
         "dy": M * H * element + 2 * M * H,
         "x": M * H * element + M * H,
         "w": N * 2 * F * H * (element + 1),
+        "mx": M * H * (element + 2),
         "copy": 2 * M * H * element,
     }
     moved["dy_gather_first"], moved["x_gather_first"] = moved["dy"], moved["x"]

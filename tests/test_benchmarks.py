@@ -123,7 +123,8 @@ def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
 
 def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     """sweep_quantize.py on a tiny routing under the interpreter: both routed kinds under table variants of
-    the routed operands' entry (one walk among them) and the weight's kind under a tiles entry, each
+    the routed operands' entry (one walk among them), the weight's kind under a tiles entry and mxfp8's
+    two forms under a one-walk `(32, "rows")` entry, each
     with the base table's bytes, beside the copy and the gather-first
     design (whose bytes are the same); the entry it varies is the one the runtime reads (an --entry that
     does not fit the blocks is refused by the runtime, naming that key); a malformed --entry is refused
@@ -132,7 +133,7 @@ def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     command = [sys.executable, str(BENCHMARKS / "sweep_quantize.py"), "--smoke", "--rounds", "2"]
     proc = subprocess.run(
-        command + ["--variants", "s3,c128,t_w8_steps2", "--out", str(out)],
+        command + ["--variants", "s3,c128,t_w8_steps2,mx_c32", "--out", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -140,10 +141,11 @@ def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
-    assert list(payload["variants"]) == ["base", "s3", "c128", "t_w8_steps2"]
+    assert list(payload["variants"]) == ["base", "s3", "c128", "t_w8_steps2", "mx_c32"]
     cells = payload["cells"]
     expected = {f"smoke/{kind}/{v}" for kind in ("dy", "x") for v in ("base", "s3", "c128")}
-    expected |= {"smoke/w/base", "smoke/w/t_w8_steps2", "smoke/dy_gather_first/-", "smoke/x_gather_first/-"}
+    expected |= {"smoke/w/base", "smoke/w/t_w8_steps2", "smoke/mx/base", "smoke/mx/mx_c32"}
+    expected |= {"smoke/dy_gather_first/-", "smoke/x_gather_first/-"}
     assert set(cells) == expected | {"smoke/copy/torch"}
     assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
     unfit = subprocess.run(
