@@ -62,10 +62,10 @@ KINDS = ("dy", "x")
 # (BLOCK_C, CHUNK, warps, STAGES, BAND) of the entry; None: the table as committed. "s3"/"s4": a deeper
 # pipeline of the first walk (each chunk's index load, then its rows: two dependent loads); "c16_s4"
 # smaller chunks, deeper; "c64", "w8", "c64_w8": more rows or warps a program; "b256": 256-column
-# strips with 8 warps; "band1", "band4": 1-D launch, bands of slots with columns fastest; "b64",
-# "b64_c64": narrower strips (twice the programs); "c128_w8", "c128", "b64_c128": the whole slot one
-# chunk, which the kernel walks once (held in registers: its rows read once). A variant the GPU cannot
-# hold (OutOfResources) is reported and left out.
+# strips with 8 warps; "band1", "band4": 1-D launch, bands of slots with columns fastest; "c128_w8",
+# "c128": the whole slot one chunk, which the kernel walks once (held in registers: its rows read
+# once). (Strips narrower than the 128-column rowwise block do not fit dy's rowwise form.) A variant
+# the GPU cannot hold (OutOfResources) is reported and left out.
 VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
     "base": None,
     "s3": (128, 32, 4, 3, 0),
@@ -77,12 +77,9 @@ VARIANTS: dict[str, tuple[int, int, int, int, int] | None] = {
     "b256": (256, 32, 8, 2, 0),
     "band1": (128, 32, 4, 2, 1),
     "band4": (128, 32, 4, 2, 4),
-    "b64": (64, 32, 4, 2, 0),
-    "b64_c64": (64, 64, 4, 2, 0),
     "s3_w8": (128, 32, 8, 3, 0),
     "c128_w8": (128, 128, 8, 1, 0),
     "c128": (128, 128, 4, 1, 0),
-    "b64_c128": (64, 128, 4, 1, 0),
 }
 # The weights' 128 x 128 blocks (kind "w": fc1's (N, 2F, H) weight, rowwise form alone, as the layer
 # refreshes it each optimizer step) under entries of `configs.QUANTIZE_TILES[arch][(128, "tile")]`,

@@ -456,29 +456,6 @@ def _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x,
 
 
 @triton.jit
-def _rowwise_chunk(
-    x,
-    a,
-    r64,
-    rmask,
-    c,
-    cmask,
-    cb,
-    cbmask,
-    row_data_ptr,
-    row_scale_ptr,
-    stride_x,
-    stride_row_scale,
-    MX: tl.constexpr,
-    TILE_K: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-):
-    """A chunk's rowwise bytes and scales (`rowwise_blocks`) stored at its rows r64, columns c."""
-    q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
-    tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
-
-
-@triton.jit
 def _column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
     """A slot's column scales from their maxima amax_c, stored at col_scales (E8M0 bytes or float32
     scale_inv): the multipliers and whether any column holds an inf or NaN."""
@@ -490,35 +467,6 @@ def _column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
         mult, scale_inv = fp32_scales(amax_c)
         tl.store(col_scales, scale_inv, mask=cmask)
     return mult, any_nan
-
-
-@triton.jit
-def _columnwise_chunk(
-    x,
-    mult,
-    any_nan,
-    r64,
-    rmask,
-    c,
-    cmask,
-    j0,
-    count,
-    seg0,
-    live,
-    col_data_ptr,
-    stride_x,
-    pitch,
-    SEGMENTS: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-):
-    """A chunk's columnwise bytes (x times its columns' multipliers), as (M, X) rows or (SEGMENTS) into
-    the FP8 wgrad's operand layout from the group's row j0 (its segment's column seg0)."""
-    CHUNK: tl.constexpr = x.shape[0]
-    q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
-    if SEGMENTS:
-        _segment_store(col_data_ptr, q, rmask, c, cmask, j0, count, seg0, live, pitch, CHUNK)
-    else:
-        tl.store(col_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -591,89 +539,35 @@ def quantize_slots_kernel(
         cmask = c < cols
         i = tl.arange(0, CHUNK)
         col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
-        if CHUNK == SLOT_ROWS:  # one chunk: held in registers from its load to its columnwise bytes
-            x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, 0, i, j0, count, live, c, cmask, stride_x, GATHER)
-            if ROWWISE:
-                _rowwise_chunk(
-                    x,
-                    a,
-                    r64,
-                    rmask,
-                    c,
-                    cmask,
-                    cb,
-                    cbmask,
-                    row_data_ptr,
-                    row_scale_ptr,
-                    stride_x,
-                    stride_row_scale,
-                    MX,
-                    TILE_K,
-                    HW_E4M3,
-                )
-            mult, any_nan = _column_scales(tl.max(a, axis=0), col_scales, cmask, MX)
-            _columnwise_chunk(
-                x,
-                mult,
-                any_nan,
-                r64,
-                rmask,
-                c,
-                cmask,
-                j0,
-                count,
-                seg0,
-                live,
-                col_data_ptr,
-                stride_x,
-                pitch,
-                SEGMENTS,
-                HW_E4M3,
-            )
-        else:
-            amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)
-            for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
-                x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
+        ONE_WALK: tl.constexpr = CHUNK == SLOT_ROWS  # the chunk held from its load to its columnwise bytes
+        held = tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty)
+        amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)  # two walks: folded elementwise, reduced once
+        amax_c = tl.zeros((BLOCK_C,), tl.float32)  # one walk: the chunk's reduction itself
+        for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
+            x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
+            if ONE_WALK:  # held in the input's dtype (exact): half the registers of float32 for 16-bit input
+                amax_c = tl.max(a, axis=0)
+                held = x.to(x_ptr.dtype.element_ty)
+            else:
                 amax_ic = tl.maximum(amax_ic, a)
-                if ROWWISE:
-                    _rowwise_chunk(
-                        x,
-                        a,
-                        r64,
-                        rmask,
-                        c,
-                        cmask,
-                        cb,
-                        cbmask,
-                        row_data_ptr,
-                        row_scale_ptr,
-                        stride_x,
-                        stride_row_scale,
-                        MX,
-                        TILE_K,
-                        HW_E4M3,
-                    )
-            mult, any_nan = _column_scales(tl.max(amax_ic, axis=0), col_scales, cmask, MX)
-            for k in tl.range(0, SLOT_ROWS, CHUNK):
-                x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
-                _columnwise_chunk(
-                    x,
-                    mult,
-                    any_nan,
-                    r64,
-                    rmask,
-                    c,
-                    cmask,
-                    j0 + k,
-                    count,
-                    seg0 + k,
-                    live,
-                    col_data_ptr,
-                    stride_x,
-                    pitch,
-                    SEGMENTS,
-                    HW_E4M3,
-                )
+            if ROWWISE:
+                q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
+                tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
+        if not ONE_WALK:
+            amax_c = tl.max(amax_ic, axis=0)
+        mult, any_nan = _column_scales(amax_c, col_scales, cmask, MX)
+        for k in tl.range(0, SLOT_ROWS, CHUNK):
+            if ONE_WALK:
+                x = held.to(tl.float32)
+            else:
+                x, _, _, _ = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
+            rmask = j0 + k + i < count
+            q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
+            if SEGMENTS:
+                _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
+            else:
+                elem = (r0 + k + i)[:, None] * stride_x + c[None, :]
+                tl.store(col_data_ptr + elem, q, mask=rmask[:, None] & cmask[None, :])
         if SEGMENTS:
             _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
 
