@@ -552,7 +552,7 @@ def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
 ROOT = BENCHMARKS.parent
 RESULTS = BENCHMARKS / "results"
 # A result file as the READMEs name it: machine prefix, then any name; `*` stands for a part of it.
-RESULT_NAME = re.compile(r"\bh200[\w.*-]*\.(?:json|log|md|png|csv)\b")
+RESULT_NAME = re.compile(r"\bh[12]00[\w.*-]*\.(?:json|log|md|png|csv)\b")
 
 
 def _performance_section() -> str:

@@ -413,8 +413,9 @@ ZERO_ROWS_TILE = (64, 128)
 # multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
 # slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
 # wgrad layout keeps: its transposed stores are x's columns). The sm90 entries are the fastest of
-# sweeps on the H200 (notes/quantize.md), "segments-gathered" a copy of "segments" until
-# `benchmarks/sweep_quantize.py` has timed it; the sm80 ones are guesses, not timed. Under the
+# sweeps on the H200 (notes/quantize.md); "segments-gathered" (a copy of "segments") and mxfp8's
+# (32, "rows") (one walk) the fastest of `benchmarks/sweep_quantize.py` on an H100 (sm_90 too); the
+# sm80 ones are guesses, not timed. Under the
 # interpreter: two chunks a slot, narrow strips and both launch forms, so that CPU tests cover
 # several chunks of a slot, several strips of a row and bands cut by the last slot; fp8_block's
 # gathered entry is one walk, so that they cover that form too.
@@ -443,7 +444,7 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 }
 QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
     "sm90": {
-        (32, "rows"): (128, 16, 4, 1, 1),
+        (32, "rows"): (128, 32, 4, 1, 1),
         (128, "rows"): (128, 16, 4, 1, 1),
         (32, "segments"): (128, 16, 4, 1, 0),
         (32, "segments-gathered"): (128, 16, 4, 1, 0),
