@@ -51,6 +51,8 @@ layer      the routed experts given their routing, forward+backward, at four sha
                                  weights' caches refreshed in place every step (`moekit_column`;
                                  their bytes in `weight_cache_bytes`, not in `held_bytes`)
              moekit_fp8_rowwise  the same with quantization="fp8_rowwise"
+             moekit_fp8_*_hpw    the same with quantized_wgrad=False: the weight gradients from the
+                                 unquantized operands in bf16 (no columnwise quantization)
              torchao_fp8         the plain layer on torchao's differentiable FP8 rowwise grouped mm
                                  (_to_fp8_rowwise_then_scaled_grouped_mm), the routing weights applied
                                  to fc2's input; CUDA only, imported only here (absent: "skipped")
@@ -124,8 +126,22 @@ PARTS = ("quantize", "gemm", "layer")
 ROOFS = ("bf16_mm", "fp8_mm_rowwise", "fp8_mm_tensorwise", "hbm_copy")
 GEMM_RECIPES = ("fp8_block", "fp8_rowwise")
 GEMM_OPS = ("fwd", "dgrad", "wgrad")
-COLUMNS = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
-QUANTIZED_COLUMNS = {"moekit_fp8_block": "fp8_block", "moekit_fp8_rowwise": "fp8_rowwise"}
+COLUMNS = (
+    "plain_bf16",
+    "moekit_bf16",
+    "moekit_fp8_block",
+    "moekit_fp8_rowwise",
+    "moekit_fp8_block_hpw",
+    "moekit_fp8_rowwise_hpw",
+    "torchao_fp8",
+)
+# moekit's quantized columns: (quantization, quantized_wgrad)
+QUANTIZED_COLUMNS = {
+    "moekit_fp8_block": ("fp8_block", True),
+    "moekit_fp8_rowwise": ("fp8_rowwise", True),
+    "moekit_fp8_block_hpw": ("fp8_block", False),
+    "moekit_fp8_rowwise_hpw": ("fp8_rowwise", False),
+}
 RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
 OPERANDS = (
     "activations",
@@ -207,7 +223,7 @@ def _bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def moekit_column(quantization: str | None):
+def moekit_column(quantization: str | None, quantized_wgrad: bool = True):
     """moekit's layer as `MoELayer` runs it: with quantization, each weight's `QuantizedWeightCache`
     kept across steps and refreshed at every step (`track_versions=False`: in place, as after every
     optimizer step of training), so the weights' quantization (and the dgrad's transposed copy) is
@@ -216,7 +232,7 @@ def moekit_column(quantization: str | None):
     caches = (QuantizedWeightCache(track_versions=False), QuantizedWeightCache(track_versions=False))
 
     def run(x, w1, w2, topk_ids, topk_weights):
-        kw = {"weight_caches": caches} if quantization else {}
+        kw = {"weight_caches": caches, "quantized_wgrad": quantized_wgrad} if quantization else {}
         return moekit.moe_experts(x, topk_ids, topk_weights, w1, w2, quantization=quantization, **kw)
 
     run.caches = caches if quantization else ()  # type: ignore[attr-defined]
@@ -295,8 +311,9 @@ def build_columns(names: list[str], device: torch.device) -> list[Column]:
         elif name == "moekit_bf16":
             columns.append(Column(name, moekit_column(None), info={"quantization": None}))
         elif name in QUANTIZED_COLUMNS:
-            q = QUANTIZED_COLUMNS[name]
-            columns.append(Column(name, moekit_column(q), info={"quantization": q}))
+            q, quantized_wgrad = QUANTIZED_COLUMNS[name]
+            info = {"quantization": q, "quantized_wgrad": quantized_wgrad}
+            columns.append(Column(name, moekit_column(q, quantized_wgrad), info=info))
         elif name == "torchao_fp8":
             fn, reason = torchao_column(device)
             stand_in = weights_before_fc2_layer(_bf16_grouped_mm) if device.type != "cuda" else None

@@ -259,9 +259,13 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
         "moekit_bf16",
         "moekit_fp8_block",
         "moekit_fp8_rowwise",
+        "moekit_fp8_block_hpw",
+        "moekit_fp8_rowwise_hpw",
         "torchao_fp8",
     ] * 2
     for r in layer:
+        if r["column"].startswith("moekit_fp8"):
+            assert r["quantized_wgrad"] is not r["column"].endswith("_hpw"), r
         if r["column"] == "torchao_fp8":
             assert r["status"] == "skipped" and "torchao" in r["reason"], r
             assert r["stand_in_rel_err_fro"] < 0.02, r

@@ -669,6 +669,152 @@ def test_backward_after_the_weights_were_quantized_again_is_refused(recipe):
 
 
 # --------------------------------------------------------------------------------------------------
+# Weight gradients from the unquantized operands (quantized_wgrad=False)
+# --------------------------------------------------------------------------------------------------
+
+
+def _mlp_step(inputs: dict, m_splits: list[int], recipe: str, backend: str, **kwargs) -> dict[str, torch.Tensor]:
+    leaves = {k: v.float().requires_grad_(True) for k, v in inputs.items()}
+    y = moekit.grouped_mlp(
+        leaves["x"], leaves["w1"], leaves["w2"], m_splits, probs=leaves["probs"], fc1_bias=leaves["b1"],
+        fc2_bias=leaves["b2"], backend=backend, quantization=recipe, **kwargs,
+    )  # fmt: skip
+    y.backward(rand(*y.shape, seed=9))
+    return {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unquantized_wgrad_changes_only_the_weight_gradients(recipe, monkeypatch):
+    """quantized_wgrad=False: the output and every gradient but the weights' bit for bit those of the
+    quantized wgrad (the same Q(dh), Q(dy), h'), and each weight gradient the product of the unquantized
+    operands the quantized wgrad would have quantized: dw2 from dy and a' (recomputed from the held h),
+    dw1 from dh and x, as the spies see them; within the bound against float64, closer than the quantized
+    wgrad's."""
+    import moekit.ops.quantized_mlp as qmlp
+
+    hidden, ffn, m_splits, padding = 96, 80, [40, 0, 97, 33, 1], 7
+    inputs = mlp_inputs(hidden, ffn, m_splits, padding)
+    quantized_operands: list[torch.Tensor] = []
+    inner_q = qmlp.group_quantize_for_wgrad
+    monkeypatch.setattr(
+        qmlp, "group_quantize_for_wgrad", lambda t, *a, **k: quantized_operands.append(t.clone()) or inner_q(t, *a, **k)
+    )
+    want = _mlp_step(inputs, m_splits, recipe, "torch")
+    wgrad_operands: list[tuple[torch.Tensor, torch.Tensor]] = []
+    inner_w = qmlp.wgrad_in_layout
+    monkeypatch.setattr(
+        qmlp,
+        "wgrad_in_layout",
+        lambda b, dy, x, *a, **k: wgrad_operands.append((dy.clone(), x.clone())) or inner_w(b, dy, x, *a, **k),
+    )
+    got = _mlp_step(inputs, m_splits, recipe, "torch", quantized_wgrad=False)
+    for name in ("y", "x", "probs", "b1", "b2"):
+        assert torch.equal(got[name], want[name]), name
+    # The quantized wgrad quantized dy, a', dh, x (in that order); the unquantized one multiplies them.
+    dy, a_MF, dh, x = quantized_operands
+    assert [t.shape[1] for t in (dy, a_MF, dh, x)] == [hidden, ffn, 2 * ffn, hidden]
+    (dy2, a2), (dh1, x1) = wgrad_operands
+    for seen, quantized in ((dy2, dy), (a2, a_MF), (dh1, dh), (x1, x)):
+        assert torch.equal(seen, quantized)
+    offs = [0, *itertools.accumulate(m_splits)]
+    for name, (left, right) in (("w2", (dy, a_MF)), ("w1", (dh, x))):
+        exact = torch.stack([left[s:e].double().T @ right[s:e].double() for s, e in itertools.pairwise(offs)])
+        assert rel_err(got[name], exact) < 1e-5, name
+        assert rel_err(want[name], exact) > 5e-3, name  # the quantized wgrad is quantized
+    errors = errors_against_float64(
+        lambda x, w1, w2, b1, b2, probs: moekit.grouped_mlp(
+            x, w1, w2, m_splits, probs=probs, fc1_bias=b1, fc2_bias=b2, quantization=recipe, quantized_wgrad=False
+        ),
+        lambda x, w1, w2, b1, b2, probs: reference.grouped_mlp_reference(
+            x, w1, w2, m_splits, probs=probs, fc1_bias=b1, fc2_bias=b2
+        ),
+        inputs,
+        {"x", "w1", "w2", "b1", "b2", "probs"},
+    )
+    assert_within_bound(errors, f"grouped_mlp {recipe} quantized_wgrad=False", exact=("b2",))
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise"])
+@pytest.mark.parametrize("rows_in_loads", [False, True])
+def test_unquantized_wgrad_on_triton_matches_the_torch_backend(recipe, rows_in_loads, monkeypatch):
+    """moe_experts with quantized_wgrad=False on the triton backend (its FP8 kernels, the quantizer, the
+    gated kernels, the bf16 wgrad) against the torch backend's path, outputs and every gradient; with
+    `rows_in_loads` the backend is told that reading the routed rows through the route pays (as on sm_90
+    for narrow experts), so fc1's wgrad reads x's token rows and fc2's d out's, d out's rowwise form is
+    quantized from its token rows: the same bits as gathering them first."""
+    from moekit.ops.runtime import gemm as runtime_gemm
+    from moekit.ops.runtime import glu as runtime_glu
+
+    tokens, hidden, ffn, num_experts = 24, 40, 64, 4
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(tokens)])
+    inputs = dict(
+        x=rand(tokens, hidden, seed=1),
+        weights=torch.rand(tokens, 2, generator=g).softmax(-1),
+        w1=rand(num_experts, 2 * ffn, hidden, seed=2) / hidden**0.5,
+        w2=rand(num_experts, hidden, ffn, seed=3) / ffn**0.5,
+        b2=rand(num_experts, hidden, seed=4),
+    )
+    dy = rand(tokens, hidden, seed=6)
+
+    def step(backend: str) -> list[torch.Tensor]:
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        y = moekit.moe_experts(
+            leaves["x"], ids, leaves["weights"], leaves["w1"], leaves["w2"], fc2_bias=leaves["b2"],
+            backend=backend, quantization=recipe, quantized_wgrad=False,
+        )  # fmt: skip
+        y.backward(dy)
+        return [y.detach(), *(t.grad for t in leaves.values())]
+
+    gathered_first = step("triton")
+    asked = []
+    if rows_in_loads:
+        monkeypatch.setattr(runtime_gemm, "gathered_wgrad_pays", lambda *a: asked.append("x") or True)
+        monkeypatch.setattr(runtime_glu, "gathered_backward_pays", lambda *a: asked.append("dy") or True)
+    got, want = step("triton"), step("torch")
+    assert sorted(set(asked)) == (["dy", "x"] if rows_in_loads else [])
+    for name, a, b, c in zip(["y", *inputs], got, gathered_first, want, strict=True):
+        assert torch.equal(a, b), name
+        assert rel_err(a, c) < 1e-4, name
+
+
+def test_quantized_wgrad_is_a_flag_of_the_ops_and_modules():
+    """The modules pass it to the ops (bit for bit), show it and keep it in `options()` (expert
+    parallelism's copies); anything but a bool is refused in one line naming the argument."""
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(40, 32, 4, 2, bias=True, quantization="fp8_block", quantized_wgrad=False)
+    tokens = rand(18, 40, seed=2)
+    routing = layer.route(tokens)
+    y = layer(tokens)
+    y.backward(rand(*y.shape, seed=3))
+    experts = layer.experts
+    leaves = [p.detach().clone().requires_grad_(True) for p in (experts.fc1.weight, experts.fc2.weight)]
+    want = moekit.moe_experts(
+        tokens, routing.ids, routing.weights.detach(), *leaves, fc1_bias=experts.fc1.bias, fc2_bias=experts.fc2.bias,
+        quantization="fp8_block", quantized_wgrad=False,
+    )  # fmt: skip
+    assert torch.equal(y, want)
+    want.backward(rand(*y.shape, seed=3))
+    assert torch.equal(experts.fc1.weight.grad, leaves[0].grad)
+    assert torch.equal(experts.fc2.weight.grad, leaves[1].grad)
+    assert "quantized_wgrad=False" in repr(layer)
+    assert experts.options()["quantized_wgrad"] is False
+    assert experts.select_experts(1, 2).quantized_wgrad is False
+    with pytest.raises(TypeError, match=r"^quantized_wgrad must be a bool \(True or False\), got "):
+        moekit.GroupedMLP(2, 8, 4, quantization="fp8_block", quantized_wgrad="no")
+    x, w1, w2 = rand(6, 8, seed=1), rand(2, 8, 8, seed=2), rand(2, 8, 4, seed=3)
+    for call in (
+        lambda: moekit.grouped_mlp(x, w1, w2, [3, 3], quantization="fp8_block", quantized_wgrad=1),
+        lambda: moekit.moe_experts(
+            x, torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1), w1, w2, quantized_wgrad=None
+        ),
+    ):
+        with pytest.raises(TypeError, match=r"^quantized_wgrad must be a bool"):
+            call()
+
+
+# --------------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------------
 
@@ -967,11 +1113,15 @@ def test_moe_layer_graph_replayed_after_optimizer_steps_equals_eager(recipe):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_moe_experts_within_the_fp8_bound_on_the_gpu(recipe):
+@pytest.mark.parametrize("quantized_wgrad", [True, False])
+@pytest.mark.parametrize("ffn", [768, 512])
+def test_moe_experts_within_the_fp8_bound_on_the_gpu(recipe, quantized_wgrad, ffn):
     """bf16 on the GPU at a realistic width (expert 7 gets no rows): the quantized experts within the FP8
-    bound of float64, output and every gradient."""
+    bound of float64, output and every gradient, with the weight gradients from the quantized operands or
+    not (quantized_wgrad=False; on sm_90 at F 768 fc2's wgrad reads d out's token rows in its loads, at
+    512 fc1's reads x's too)."""
     g = torch.Generator().manual_seed(0)
-    tokens, hidden, ffn, experts = 2048, 1024, 768, 8
+    tokens, hidden, experts = 2048, 1024, 8
     ids = torch.stack([torch.randperm(experts - 1, generator=g)[:2] for _ in range(tokens)])
     inputs = mlp_inputs(hidden, ffn, [1] * experts, 0)
     inputs = dict(
@@ -983,7 +1133,7 @@ def test_moe_experts_within_the_fp8_bound_on_the_gpu(recipe):
 
     def ours(x, weights, w1, w2):
         args = (x.cuda(), ids.cuda(), weights.cuda(), w1.cuda(), w2.cuda())
-        return moekit.moe_experts(*args, quantization=recipe).cpu()
+        return moekit.moe_experts(*args, quantization=recipe, quantized_wgrad=quantized_wgrad).cpu()
 
     errors = errors_against_float64(
         ours,
@@ -992,7 +1142,7 @@ def test_moe_experts_within_the_fp8_bound_on_the_gpu(recipe):
         {"x", "weights", "w1", "w2"},
         dtype=torch.bfloat16,
     )
-    assert_within_bound(errors, f"moe_experts {recipe} on the GPU")
+    assert_within_bound(errors, f"moe_experts {recipe} quantized_wgrad={quantized_wgrad} on the GPU")
 
 
 # (name, H, F, experts on the rank, top-k, activation, GLU block, biases): the issue's four layers.

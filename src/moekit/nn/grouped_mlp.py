@@ -29,7 +29,8 @@ class GroupedMLP(nn.Module):
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": both linears on quantized operands
     (`moekit.grouped_mlp`'s: FP8 kernels or the reference path, as `moekit.grouped_linear` says). Parameters and
     state dict stay in the module's dtype; fc1's and fc2's `weight_cache` hold the quantized weights,
-    made again (in place) once per optimizer step.
+    made again (in place) once per optimizer step. quantized_wgrad (with quantization): as
+    `moekit.grouped_mlp`'s (False: the weight gradients from the unquantized operands in the module's dtype).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class GroupedMLP(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         quantization: str | None = None,
+        quantized_wgrad: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts)
@@ -59,6 +61,7 @@ class GroupedMLP(nn.Module):
         self.glu_interleave_size = glu_interleave_size
         self.backend = backend
         self.quantization = check_quantization(quantization)
+        self.quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
         layout: dict[str, Any] = {
             "single_grouped_weight": single_grouped_weight,
             "single_grouped_bias": single_grouped_weight,
@@ -84,6 +87,7 @@ class GroupedMLP(nn.Module):
             "single_grouped_weight": self.fc1.single_grouped_weight,
             "backend": self.backend,
             "quantization": self.quantization,
+            "quantized_wgrad": self.quantized_wgrad,
         }
 
     def select_experts(self, first: int, count: int) -> GroupedMLP:
@@ -129,6 +133,7 @@ class GroupedMLP(nn.Module):
             glu_interleave_size=self.glu_interleave_size,
             backend=self.backend,
             quantization=self.quantization,
+            quantized_wgrad=self.quantized_wgrad,
             weight_caches=self.weight_caches(),
         )
 
@@ -138,4 +143,5 @@ class GroupedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         quant = f", quantization={self.quantization!r}" if self.quantization is not None else ""
+        quant += ", quantized_wgrad=False" if not self.quantized_wgrad else ""
         return f"activation={self.activation!r}, glu_interleave_size={self.glu_interleave_size}{quant}"

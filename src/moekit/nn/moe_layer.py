@@ -38,6 +38,7 @@ def run_experts(
         glu_interleave_size=experts.glu_interleave_size,
         backend=experts.backend,
         quantization=experts.quantization,
+        quantized_wgrad=experts.quantized_wgrad,
         weight_caches=experts.weight_caches(),
     )
 
@@ -107,7 +108,8 @@ class MoELayer(nn.Module):
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands
     (`GroupedMLP`'s: FP8 kernels or the reference path, as `moekit.grouped_linear` says); the router stays in
-    the layer's dtype.
+    the layer's dtype. quantized_wgrad (with quantization): as `GroupedMLP`'s (False: the experts' weight
+    gradients from the unquantized operands in the layer's dtype).
     """
 
     hidden_size: _RouterSetting[int] = _RouterSetting(writable=False)
@@ -135,6 +137,7 @@ class MoELayer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         quantization: str | None = None,
+        quantized_wgrad: bool = True,
     ) -> None:
         super().__init__()
         self.router = TopKRouter(
@@ -159,6 +162,7 @@ class MoELayer(nn.Module):
             device=device,
             dtype=dtype,
             quantization=quantization,
+            quantized_wgrad=quantized_wgrad,
         )
         self.aux_loss: torch.Tensor | None = None
 

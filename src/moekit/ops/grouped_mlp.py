@@ -70,7 +70,7 @@ from moekit.ops.runtime.backends import (
     use_triton_rows,
 )
 from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
-from moekit.validation import check_float_tensor
+from moekit.validation import check_bool, check_float_tensor
 
 
 def check_mlp_params(
@@ -109,6 +109,7 @@ def grouped_mlp(
     glu_interleave_size: int | None = None,
     backend: str = "auto",
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """Expert MLP over rows sorted by expert.
@@ -123,7 +124,11 @@ def grouped_mlp(
     Hopper for fp8_block and fp8_rowwise, else the reference path: quantize, dequantize, compute in x's
     dtype; the activation between them in x's dtype, quantized as fc2's input). With quantization the
     MLP is two autograd nodes (`moekit.ops.quantized_mlp`) that hold fc1's output in FP8 and x itself,
-    never the fused kernels. weight_caches: (fc1's, fc2's)
+    never the fused kernels. quantized_wgrad (with quantization): True, the weight gradients from the
+    quantized operands (columnwise forms of dy, x, dh and the activation; FP8 kernels where the backend has
+    them); False, from the unquantized operands in x's dtype (TransformerEngine's high-precision wgrad
+    override, torchao's "rowwise_with_gw_hp"): forward and both dgrads stay quantized, no columnwise form
+    is made, and the weight gradients carry no quantization error. weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
     """
     check_float_tensor("x", x)
@@ -140,6 +145,7 @@ def grouped_mlp(
     fc1_impl = select_backend(backend, x, probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), probe_weight(w2s))
     quantization = check_quantization(quantization)
+    quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
     cache1, cache2 = weight_caches if weight_caches is not None else (None, None)
     if fc1_impl is fc2_impl and fused_mlp_of(fc1_impl) is not None and quantization is None:
         spec = FusedSpec(fc1_impl.name, glu_interleave_size, activation, len(w1s), len(w2s))
@@ -147,7 +153,7 @@ def grouped_mlp(
     if quantization is not None:
         return quantized_mlp_of_backends(x, probs, offs, None, quantization, backend, fc1_impl, fc2_impl,
                                          (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
-                                         (cache1, cache2))  # fmt: skip
+                                         (cache1, cache2), quantized_wgrad)  # fmt: skip
     h = grouped_linear(x, fc1_weight, offs, fc1_bias, backend=backend)
     a = apply_glu(h, probs, glu_interleave_size, activation, use_triton_rows(fc1_impl, x))
     scale = probs if probs is not None and b2s else None
@@ -167,12 +173,15 @@ def quantized_mlp_of_backends(
     glu_interleave_size: int | None,
     activation: str,
     caches: tuple[QuantizedWeightCache | None, QuantizedWeightCache | None],
+    quantized_wgrad: bool,
 ) -> torch.Tensor:
     """The quantized MLP's nodes (`moekit.ops.quantized_mlp`) on checked arguments, x (M, H) sorted by expert, or
     (T, H) token rows with a route (`moe_experts`: probs then in sorted order, (M,)), with grouped_linear's choices:
     the quantizer it would pick, each linear's FP8 paths (`fp8_compute`, `fp8_wgrad_compute`, fc2's for an (M, F)
     input), the weights' quantizations from the caches, with their transposed copies where an FP8 dgrad may run
-    (fc1's where x may get a gradient, fc2's where anything before it may)."""
+    (fc1's where x may get a gradient, fc2's where anything before it may). With `quantized_wgrad` off the
+    weight gradients' routed operands are read through the route where the bf16 layer's are (the backend's
+    `FusedMLP`: `gathered_wgrad_pays`, `gathered_backward_pays`)."""
     w1s, b1s, w2s, b2s = params
     a_like = x.new_empty(0, w2s[0].shape[-1])
     quantizer = select_quantizer(backend, x).name
@@ -198,6 +207,8 @@ def quantized_mlp_of_backends(
         )
         is None
     )
+    fused1, fused2 = fused_mlp_of(fc1_impl), fused_mlp_of(fc2_impl)
+    routed_hp_wgrad = not quantized_wgrad and route is not None
     spec = QuantizedMlpSpec(
         recipe=recipe,
         quantizer=quantizer,
@@ -212,7 +223,14 @@ def quantized_mlp_of_backends(
         gated_triton=gated_triton,
         gated_quantize=gated_quantize,
         fc1_gated_epilogue=fc1_gated_epilogue,
-        fc2_bias_fused=fused_mlp_of(fc2_impl) is not None,
+        fc2_bias_fused=fused2 is not None,
+        quantized_wgrad=quantized_wgrad,
+        fc1_wgrad_x_rows=routed_hp_wgrad and fused1 is not None and fused1.gathered_wgrad_pays(x, ffn),
+        fc2_wgrad_dy_rows=(
+            routed_hp_wgrad
+            and fused2 is not None
+            and fused2.gathered_backward_pays(x, probe_weight(w2s), glu_interleave_size)
+        ),
         n_w1=len(w1s),
         n_b1=len(b1s),
         n_w2=len(w2s),
@@ -237,11 +255,12 @@ def grouped_mlp_reference(
     glu_interleave_size: int | None = None,
     backend: str = "auto",
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """float64 reference of `grouped_mlp` (unquantized: the exact values quantized compute approximates);
     returns float64."""
-    del backend, quantization, weight_caches
+    del backend, quantization, quantized_wgrad, weight_caches
     h = grouped_linear_reference(x, fc1_weight, m_splits, fc1_bias)
     a = glu_reference(h, activation=activation, probs=probs, glu_interleave_size=glu_interleave_size)
     return grouped_linear_reference(a, fc2_weight, m_splits, fc2_bias, bias_scale=probs)

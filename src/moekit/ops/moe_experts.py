@@ -49,7 +49,7 @@ from moekit.ops.routing import check_expert_ids, sort_by_expert
 from moekit.ops.rows import ExpertRoute, move_rows
 from moekit.ops.runtime.backends import fused_mlp_of, select_backend, use_triton_rows
 from moekit.ops.splits import GroupOffsets, resolve_splits
-from moekit.validation import check_float_tensor, check_same_device
+from moekit.validation import check_bool, check_float_tensor, check_same_device
 
 # The layer's memory contract: what it holds between forward and backward is at most this fraction of
 # what the plain PyTorch layer holds, (4F + 3H) values of x's dtype per routed row. h alone is 2F values
@@ -155,6 +155,7 @@ def moe_experts(
     glu_interleave_size: int | None = None,
     backend: str = "auto",
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """The routed experts of an MoE layer: each token's K expert outputs, weighted and summed.
@@ -168,7 +169,8 @@ def moe_experts(
 
     quantization: None, "fp8_block", "fp8_rowwise" or "mxfp8": the experts' linears on quantized operands,
     as `grouped_mlp` computes them (`grouped_linear`'s FP8 kernels where the backend has them, else its
-    reference path; the layer runs composed, never its fused kernels). weight_caches: (fc1's, fc2's)
+    reference path; the layer runs composed, never its fused kernels). quantized_wgrad: as `grouped_mlp`'s
+    (False: the weight gradients from the unquantized operands in x's dtype). weight_caches: (fc1's, fc2's)
     `QuantizedWeightCache`, as modules pass them (weights quantized once per optimizer step).
 
     Memory held for the backward: at most HELD_FRACTION_OF_PLAIN of the plain PyTorch layer's (module
@@ -190,6 +192,7 @@ def moe_experts(
     fc1_impl = select_backend(backend, x, probe_weight(w1s))
     fc2_impl = select_backend(backend, x.new_empty(0, ffn), probe_weight(w2s))
     quantization = check_quantization(quantization)
+    quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
     use_triton = use_triton_rows(fc1_impl, x)
     compiling = torch.compiler.is_compiling()
     # The Triton counting sort wherever the row kernel runs (three launches instead of about nine); a
@@ -220,6 +223,7 @@ def moe_experts(
         glu_interleave_size=glu_interleave_size,
         backend=backend,
         quantization=quantization,
+        quantized_wgrad=quantized_wgrad,
         weight_caches=weight_caches,
     )
     if compiling:
@@ -243,7 +247,7 @@ def moe_experts(
         caches = weight_caches if weight_caches is not None else (None, None)
         return quantized_mlp_of_backends(x, probs_M, offs, route, quantization, backend, fc1_impl, fc2_impl,
                                          (w1s, b1s, w2s, b2s), glu_interleave_size, activation,
-                                         caches)  # fmt: skip
+                                         caches, quantized_wgrad)  # fmt: skip
     x_sorted_MH = move_rows(x, order.token_of_row, order.row_map, use_triton)
     pack, unpack = _regathering_hooks(x, x_sorted_MH, order.token_of_row, use_triton)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -265,12 +269,13 @@ def moe_experts_reference(
     glu_interleave_size: int | None = None,
     backend: str = "auto",
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_caches: tuple[QuantizedWeightCache, QuantizedWeightCache] | None = None,
 ) -> torch.Tensor:
     """float64 reference of `moe_experts` (unquantized: the exact values quantized compute approximates): a
     loop over experts, each on the copies routed to it, weighted and added into the tokens' rows. Returns
     float64 (T, H), differentiable by autograd."""
-    del backend, quantization, weight_caches
+    del backend, quantization, quantized_wgrad, weight_caches
     w1, w2 = _per_expert(fc1_weight, 3), _per_expert(fc2_weight, 3)
     b1, b2 = _per_expert(fc1_bias, 2), _per_expert(fc2_bias, 2)
     check_interleave(w1[0].shape[0] // 2, glu_interleave_size)

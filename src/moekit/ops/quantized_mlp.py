@@ -19,6 +19,12 @@ Legend: M routed rows, N experts, H hidden size, F ffn size.
     node 1's backward
               dx = Q(dh) Qc(w1); dw1 = Qc(dh)^T Qc(x)          Qc(x) made here, from the saved x
 
+With `quantized_wgrad=False` the weight gradients take the operands unquantized, in x's dtype: dw2 =
+dy^T a' and dw1 = dh^T x on the backend's grouped wgrad (the routed rows read through the route where
+the backend's `FusedMLP` says so, as the unquantized layer's), and only the dgrads' rowwise forms Q(dy)
+and Q(dh) are made: no columnwise form, and d out's rowwise form quantized from its token rows and
+gathered, as node 1's Q(x). Everything but the weight gradients is bit for bit the same.
+
 h itself is saved by neither node: it is freed once it is quantized, in node 2's forward or, where
 the gated pass quantizes (below), in node 1's before fc2 runs.
 
@@ -99,6 +105,7 @@ from moekit.ops.grouped_linear import (
     stacked,
     stored_transposed,
     unstacked,
+    wgrad_in_layout,
 )
 from moekit.ops.quantize import (
     dequantize_with,
@@ -123,7 +130,11 @@ class QuantizedMlpSpec:
     quantizations in its epilogue instead, h never written (`fc1_gated_epilogue`: the backend's
     `QuantizedGatedFc1` capability takes this problem), whether fc2's bias gradient and d probs' bias term
     come from one pass of the backend's `FusedMLP.dbias_and_dot` (`fc2_bias_fused`: d out's token rows
-    read in place), and how many tensors each parameter comes in (1 grouped tensor or N)."""
+    read in place), whether the weight gradients come from the quantized operands (`quantized_wgrad`) or
+    from the unquantized ones in x's dtype, and then whether fc1's reads x's token rows / fc2's reads d
+    out's token rows through the route in its loads (`fc1_wgrad_x_rows`, `fc2_wgrad_dy_rows`: the backend's
+    `FusedMLP` says where that beats gathering them first), and how many tensors each parameter comes in (1
+    grouped tensor or N)."""
 
     recipe: str
     quantizer: str
@@ -139,6 +150,9 @@ class QuantizedMlpSpec:
     gated_quantize: bool
     fc1_gated_epilogue: bool
     fc2_bias_fused: bool
+    quantized_wgrad: bool
+    fc1_wgrad_x_rows: bool
+    fc2_wgrad_dy_rows: bool
     n_w1: int
     n_b1: int
     n_w2: int
@@ -292,7 +306,10 @@ class _QuantizedFc1Fn(torch.autograd.Function):
             db = library.grouped_linear_dbias(
                 backend, library.without_padding_rows(dh_M2F, offs, host_offs), offs, host_offs, None
             )
-        if need_x or need_w:
+        if not spec.quantized_wgrad and (need_x or need_w):
+            dx, dw = _fc1_grads_unquantized_wgrad(ctx, spec, dh_M2F, x_MH, w1_q, w1t_data, w1t_scale, route, go,
+                                                  need_x, need_w)  # fmt: skip
+        elif need_x or need_w:
             # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
             segments = spec.fc1_fp8_wgrad
             dh_q, dh_cols = group_quantize_for_wgrad(
@@ -327,6 +344,43 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 )  # fmt: skip
                 del x_cols, dh_cols
         return (None,) * _X1 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
+
+
+def _fc1_grads_unquantized_wgrad(
+    ctx: Any,
+    spec: QuantizedMlpSpec,
+    dh_M2F: torch.Tensor,
+    x_MH: torch.Tensor,
+    w1_q: GroupedTensor,
+    w1t_data: torch.Tensor | None,
+    w1t_scale: torch.Tensor | None,
+    route: ExpertRoute | None,
+    go: GroupOffsets,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Node 1's (dx, dw1) where the weight gradient comes from the unquantized operands
+    (`spec.quantized_wgrad` off): dx = Q(dh) Qc(w1) as with the quantized wgrad (Q(dh) the same bytes), summed
+    into token order with a route, then dw1 = dh^T x in x's dtype, x's token rows read through the route in
+    the wgrad's loads where `spec.fc1_wgrad_x_rows`, else gathered first. No columnwise form is made."""
+    dx = dw = None
+    if need_x:
+        dh_q = group_quantize(dh_M2F, go, spec.recipe, backend=spec.quantizer)
+        dx = quantized_dgrad_product(
+            spec.fc1_backend, spec.quantizer, spec.recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, go.offs,
+            ctx.host_offs,
+        )  # fmt: skip
+        del dh_q
+        if route is not None:
+            dx = route.to_tokens(dx)
+    if need_w:
+        x_rows = None
+        if route is not None and spec.fc1_wgrad_x_rows:
+            x_rows = route.token_of_row
+        elif route is not None:
+            x_MH = route.to_rows(x_MH)
+        dw = wgrad_in_layout(spec.fc1_backend, dh_M2F, x_MH, go.offs, ctx.host_offs, ctx.w_transposed, x_rows=x_rows)
+    return dx, dw
 
 
 class _QuantizedGatedFc2Fn(torch.autograd.Function):
@@ -405,8 +459,12 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         # dy is d out's rows in expert order. The quantizer for the wgrad's layout gathers them itself
         # (`group_quantize_for_wgrad(index=)`), and the bias gradients read them through the same map
         # (`fc2_bias_fused`), so that dy is never written in bf16 where nothing else reads it.
-        segments = spec.fc2_fp8_wgrad
-        in_place = segments and need_w and (b2 is None or spec.fc2_bias_fused)
+        quantized_wgrad = spec.quantized_wgrad
+        segments = spec.fc2_fp8_wgrad and quantized_wgrad
+        if quantized_wgrad:
+            in_place = segments and need_w and (b2 is None or spec.fc2_bias_fused)
+        else:  # the unquantized wgrad reads d out's token rows where the backend says it pays
+            in_place = spec.fc2_wgrad_dy_rows and (b2 is None or spec.fc2_bias_fused)
         dy_index = route.token_of_row if route is not None and in_place else None
         dy_MH = row_major(d_out if route is None or dy_index is not None else route.to_rows(d_out))
         rows = dy_MH.shape[0] if dy_index is None else dy_index.shape[0]
@@ -420,24 +478,39 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
         # h' for the activation: on moekit's kernels h_q itself, read in their loads; else dequantized once.
         h_M2F = None if on_kernel else from_held(dequantize_with(quantizer, h_q), glu_block, activation)
         # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
-        dy_q, dy_cols = group_quantize_for_wgrad(
-            dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, index=dy_index, backend=quantizer
-        )
+        dy_q: GroupedTensor | None
+        if quantized_wgrad:
+            dy_q, dy_cols = group_quantize_for_wgrad(
+                dy_MH, go, recipe, rowwise=need_da, columnwise=need_w, segments=segments, index=dy_index,
+                backend=quantizer,
+            )  # fmt: skip
+        elif not need_da:
+            dy_q = dy_cols = None
+        elif dy_index is not None:  # rowwise from d out's token rows, its bytes gathered (as node 1's Q(x))
+            assert route is not None  # dy_index
+            dy_q, dy_cols = group_quantize_gathered(dy_MH, dy_index, go, recipe, quantizer, route.use_triton), None
+        else:
+            dy_q, dy_cols = group_quantize(dy_MH, go, recipe, backend=quantizer), None
         if need_w:
-            assert dy_cols is not None  # columnwise
-            # The wgrad's operand a, computed again from the held h and quantized columnwise.
+            # The wgrad's operand a, computed again from the held h (and quantized columnwise for the
+            # quantized wgrad).
             if h_M2F is None:
                 a_MF = held_gated_activation(h_q, probs_M, glu_block, activation)
             else:
                 a_MF = gated_activation(h_M2F, probs_M, glu_block, activation, on_kernel)
-            _, a_cols = group_quantize_for_wgrad(a_MF, go, recipe, segments=segments, backend=quantizer)
-            assert a_cols is not None  # columnwise
-            del a_MF
-            dw = quantized_wgrad_product(
-                backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_cols, a_cols, offs, host_offs, ctx.w_transposed,
-                w2_q.dtype,
-            )  # fmt: skip
-            del a_cols, dy_cols
+            if quantized_wgrad:
+                assert dy_cols is not None  # columnwise
+                _, a_cols = group_quantize_for_wgrad(a_MF, go, recipe, segments=segments, backend=quantizer)
+                assert a_cols is not None  # columnwise
+                del a_MF
+                dw = quantized_wgrad_product(
+                    backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_cols, a_cols, offs, host_offs,
+                    ctx.w_transposed, w2_q.dtype,
+                )  # fmt: skip
+                del a_cols, dy_cols
+            else:
+                dw = wgrad_in_layout(backend, dy_MH, a_MF, offs, host_offs, ctx.w_transposed, dy_rows=dy_index)
+                del a_MF
         if need_da:
             assert dy_q is not None  # rowwise
             da_MF = quantized_dgrad_product(
