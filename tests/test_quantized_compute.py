@@ -32,6 +32,7 @@ from moekit.ops.runtime.backends import quantized_gemm_of, select_backend, trito
 RECIPES = ["fp8_block", "fp8_rowwise", "mxfp8"]
 BOUND = 0.08
 TRITON_OK = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
+TRITON_MARK = pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
 
 # (H, F, m_splits, padding rows): members of 0 rows, dims not multiples of 32 or 128, a group over 128 rows.
 SHAPES = [
@@ -732,6 +733,40 @@ def test_unquantized_wgrad_changes_only_the_weight_gradients(recipe, monkeypatch
         {"x", "w1", "w2", "b1", "b2", "probs"},
     )
     assert_within_bound(errors, f"grouped_mlp {recipe} quantized_wgrad=False", exact=("b2",))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_MARK)])
+def test_grouped_linear_unquantized_wgrad_is_dy_times_x(recipe, backend):
+    """grouped_linear(quantized_wgrad=False): the output, dx and the bias gradients bit for bit those of
+    the quantized wgrad, and dw the product of dy and x themselves (padding rows and an empty group
+    included), on the torch backend's reference path and on the triton backend's FP8 kernels."""
+    m_splits, padding = [20, 0, 13], 3
+    x0, w0, b0 = rand(sum(m_splits) + padding, 40, seed=1), rand(3, 24, 40, seed=2), rand(3, 24, seed=3)
+    dy = rand(x0.shape[0], 24, seed=4)
+    results = []
+    for quantized_wgrad in (True, False):
+        x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
+        y = moekit.grouped_linear(
+            x, w, m_splits, b, quantization=recipe, quantized_wgrad=quantized_wgrad, backend=backend
+        )
+        y.backward(dy)
+        results.append((y.detach(), x.grad, b.grad, w.grad))
+    for name, got, want in zip(("y", "x", "b"), results[1], results[0], strict=False):
+        assert torch.equal(got, want), name
+    offs = [0, *itertools.accumulate(m_splits)]
+    exact = torch.stack([dy[s:e].double().T @ x0[s:e].double() for s, e in itertools.pairwise(offs)])
+    assert rel_err(results[1][3], exact) < 1e-5
+    assert rel_err(results[0][3], exact) > 5e-3  # the quantized wgrad is quantized
+    linear = moekit.GroupedLinear(
+        3, 40, 24, single_grouped_weight=True, single_grouped_bias=True, backend=backend, quantization=recipe,
+        quantized_wgrad=False,
+    )  # fmt: skip
+    with torch.no_grad():
+        linear.weight.copy_(w0)
+        linear.bias.copy_(b0)
+    linear(x0, m_splits).backward(dy)
+    assert torch.equal(linear.weight.grad, results[1][3]) and "quantized_wgrad=False" in repr(linear)
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")

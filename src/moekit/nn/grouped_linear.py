@@ -40,7 +40,8 @@ class GroupedLinear(nn.Module):
     reference path: quantize, dequantize, compute in the module's dtype). The parameters stay in the
     module's dtype (master weights; the state dict is the same with or without quantization); the
     quantized weight is kept in `weight_cache` and made again, in place, only when the weight changed
-    (the optimizer's step): once per step.
+    (the optimizer's step): once per step. quantized_wgrad (with quantization): as `moekit.grouped_linear`'s
+    (False: the weight gradient from the unquantized operands in the module's dtype).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class GroupedLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         quantization: str | None = None,
+        quantized_wgrad: bool = True,
     ) -> None:
         super().__init__()
         self.num_gemms = check_positive_int("num_gemms", num_gemms)
@@ -66,6 +68,7 @@ class GroupedLinear(nn.Module):
         self.single_grouped_bias = check_bool("single_grouped_bias", single_grouped_bias)
         self.backend = check_choice("backend", backend, BACKENDS)
         self.quantization = check_quantization(quantization)
+        self.quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
         self.weight_cache = QuantizedWeightCache()
         dtype = check_compute_dtype("dtype", dtype if dtype is not None else torch.get_default_dtype())
         # Set by GroupedMLP on its fc1: the output rows are GLU gate/up pairs in this order.
@@ -150,6 +153,7 @@ class GroupedLinear(nn.Module):
             self.biases(),
             backend=self.backend,
             quantization=self.quantization,
+            quantized_wgrad=self.quantized_wgrad,
             weight_cache=self.weight_cache,
         )
         return rows_as(y, (*inp.shape[:-1], self.out_features))
@@ -161,6 +165,7 @@ class GroupedLinear(nn.Module):
             f"single_grouped_bias={self.single_grouped_bias}, backend={self.backend!r}"
             + (f", glu_interleave_size={self.glu_interleave_size}" if self.is_glu else "")
             + (f", quantization={self.quantization!r}" if self.quantization is not None else "")
+            + (", quantized_wgrad=False" if not self.quantized_wgrad else "")
         )
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -71,6 +71,7 @@ class GroupedMLP(nn.Module):
             "device": device,
             "dtype": dtype,
             "quantization": self.quantization,
+            "quantized_wgrad": self.quantized_wgrad,
         }
         self.fc1 = GroupedLinear(num_experts, hidden_size, 2 * ffn_hidden_size, bias=bias, **layout, **factory)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, bias=bias, **layout, **factory)
@@ -143,5 +144,4 @@ class GroupedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         quant = f", quantization={self.quantization!r}" if self.quantization is not None else ""
-        quant += ", quantized_wgrad=False" if not self.quantized_wgrad else ""
         return f"activation={self.activation!r}, glu_interleave_size={self.glu_interleave_size}{quant}"

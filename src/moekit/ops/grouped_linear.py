@@ -69,7 +69,7 @@ from moekit.ops.runtime.backends import (
     select_quantizer,
 )
 from moekit.ops.splits import GroupOffsets, MSplits, compute_dtype, resolve_splits
-from moekit.validation import check_float_tensor, check_same_device, check_tensor
+from moekit.validation import check_bool, check_float_tensor, check_same_device, check_tensor
 
 __all__ = ["BACKENDS", "Weight", "grouped_linear", "grouped_linear_reference"]
 
@@ -432,7 +432,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 # Positions of _QuantizedLinearFn.forward's bias_scale and x (needs_input_grad); the parameters follow x.
 # Module constants: dynamo cannot read an autograd.Function's class attributes.
-_Q_SCALE, _Q_X = 7, 12
+_Q_SCALE, _Q_X = 8, 13
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -442,7 +442,9 @@ class _QuantizedLinearFn(torch.autograd.Function):
     run on the backend's FP8 kernels (its QuantizedGemm capability), the dgrad on the weight's transposed
     copy `wt_data` / `wt_scale` (`moekit.ops.quantize.TransposedWeight`, kept beside weight_q and saved
     likewise); otherwise the reference path (wt_* None). `fp8_wgrad`: the wgrad too, from the columnwise
-    quantizations of dy and x (fp8_rowwise, fp8_block; `fp8_wgrad_compute`); otherwise it dequantizes them."""
+    quantizations of dy and x (fp8_rowwise, fp8_block; `fp8_wgrad_compute`); otherwise it dequantizes them.
+    `quantized_wgrad` False: the wgrad from dy and x themselves in x's dtype (x held as it is, not
+    quantized columnwise; dy quantized rowwise only, for the dgrad)."""
 
     @staticmethod
     def forward(
@@ -452,6 +454,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         recipe: str,
         fp8: bool,
         fp8_wgrad: bool,
+        quantized_wgrad: bool,
         offs: torch.Tensor,
         host_offs: list[int] | None,
         bias_scale_M: torch.Tensor | None,
@@ -468,10 +471,15 @@ class _QuantizedLinearFn(torch.autograd.Function):
         first_w = _Q_X + 1
         need_w = any(ctx.needs_input_grad[first_w : first_w + n_w])
         # x is held as its columnwise quantization only (the wgrad's operand): in the FP8 wgrad's own
-        # layout where that runs (`group_quantize_for_wgrad`), else in the GroupedTensor.
+        # layout where that runs (`group_quantize_for_wgrad`), else in the GroupedTensor; with the
+        # unquantized wgrad as x itself.
         x_held: GroupedTensor | None = None
         x_cols: SegmentedColumns | None = None
-        if need_w and fp8_wgrad:
+        x_kept = x_MI if need_w and not quantized_wgrad else None  # the unquantized wgrad's operand
+        x_q: GroupedTensor | None
+        if x_kept is not None:
+            x_q = group_quantize(x_MI, go, recipe, backend=quantizer)
+        elif need_w and fp8_wgrad:
             x_q, x_seg = group_quantize_for_wgrad(x_MI, go, recipe, rowwise=True, backend=quantizer)
             assert x_q is not None and isinstance(x_seg, SegmentedColumns)  # rowwise, segments
             x_cols = x_seg
@@ -483,6 +491,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
             backend, quantizer, recipe, fp8, x_q, weight_q, offs, host_offs, bias_NO, bias_scale_M, x_MI.dtype
         )
         ctx.backend, ctx.quantizer, ctx.recipe, ctx.fp8, ctx.fp8_wgrad = backend, quantizer, recipe, fp8, fp8_wgrad
+        ctx.quantized_wgrad = quantized_wgrad
         ctx.host_offs, ctx.n_w = host_offs, n_w
         ctx.w_dims, ctx.b_dims = tuple(w.dim() for w in weights), tuple(b.dim() for b in biases)
         ctx.w_transposed = stored_transposed(weights[0])
@@ -494,12 +503,12 @@ class _QuantizedLinearFn(torch.autograd.Function):
             x_storage = (x_cols.data, x_cols.scale_inv, *(None,) * 5)
         else:
             x_storage = (None,) * 7
-        ctx.save_for_backward(offs, bias_scale_M, bias_NO, wt_data, wt_scale, *x_storage, *weight_q.storage())
+        ctx.save_for_backward(offs, bias_scale_M, bias_NO, wt_data, wt_scale, x_kept, *x_storage, *weight_q.storage())
         return y_MO
 
     @staticmethod
     def backward(ctx: Any, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        offs, bias_scale_M, bias_NO, wt_data, wt_scale, *stored = ctx.saved_tensors
+        offs, bias_scale_M, bias_NO, wt_data, wt_scale, x_kept, *stored = ctx.saved_tensors
         x_q: GroupedTensor | SegmentedColumns | None = None
         if ctx.x_template is not None:
             x_q = ctx.x_template.with_storage(stored[:7])
@@ -517,8 +526,17 @@ class _QuantizedLinearFn(torch.autograd.Function):
         go = GroupOffsets.of(offs, host_offs, dy_MO.shape[0])
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
-        if need_x or need_w:
-            dy_q: GroupedTensor | None
+        dy_q: GroupedTensor | None
+        if not ctx.quantized_wgrad and (need_x or need_w):
+            if need_x:
+                dy_rows_q = group_quantize(dy_MO, go, ctx.recipe, backend=ctx.quantizer)
+                dx = quantized_dgrad_product(
+                    backend, ctx.quantizer, ctx.recipe, ctx.fp8, dy_rows_q, weight_q, wt_data, wt_scale, offs, host_offs
+                )
+                del dy_rows_q
+            if need_w:
+                dw = wgrad_in_layout(backend, dy_MO, x_kept, offs, host_offs, ctx.w_transposed)
+        elif need_x or need_w:
             dy_cols: GroupedTensor | SegmentedColumns | None = None
             # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward).
             dy_q, dy_cols = group_quantize_for_wgrad(
@@ -547,6 +565,7 @@ class _QuantizedLinearFn(torch.autograd.Function):
         if bias_scale_M is not None and need_scale and dy_bias_MO is not None:
             d_scale = bias_scale_grad(dy_bias_MO, bias_NO, go, bias_scale_M)
         return (
+            None,
             None,
             None,
             None,
@@ -615,6 +634,7 @@ def grouped_linear(
     backend: str = "auto",
     bias_scale: torch.Tensor | None = None,
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
     """Grouped linear over rows sorted by group.
@@ -630,7 +650,10 @@ def grouped_linear(
     compute capability >= 8.9, e.g. Hopper; `fp8_compute`), on the reference path otherwise (quantize,
     dequantize, the GEMMs in x's dtype: the "torch" and "loop" backends, mxfp8, older GPUs); the wgrad
     on FP8 kernels for fp8_rowwise and fp8_block where the forward's are (`fp8_wgrad_compute`), on the
-    reference path for mxfp8. weight_cache: a
+    reference path for mxfp8. quantized_wgrad (with quantization): False computes the weight gradient
+    from dy and x themselves in x's dtype (TransformerEngine's high-precision wgrad override, torchao's
+    "rowwise_with_gw_hp"): x is then held in its own dtype for the backward instead of its columnwise
+    FP8 copy, and only dy's rowwise form is made. weight_cache: a
     `moekit.ops.quantize.QuantizedWeightCache` that keeps the weight's quantization across calls (the
     modules pass theirs: the weight is quantized once per optimizer step); without one, every call
     quantizes the weight.
@@ -652,6 +675,7 @@ def grouped_linear(
         bias_scale = bias_scale.reshape(-1)
     host_offs = list(offs.host) if offs.host is not None else None
     quantization = check_quantization(quantization)
+    quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
     if quantization is not None:
         quantizer = select_quantizer(backend, x).name
         fp8 = fp8_compute(impl, quantization, x)
@@ -665,6 +689,7 @@ def grouped_linear(
             quantization,
             fp8,
             fp8_wgrad,
+            quantized_wgrad,
             offs.offs,
             host_offs,
             bias_scale,
@@ -690,11 +715,12 @@ def grouped_linear_reference(
     backend: str = "auto",
     bias_scale: torch.Tensor | None = None,
     quantization: str | None = None,
+    quantized_wgrad: bool = True,
     weight_cache: QuantizedWeightCache | None = None,
 ) -> torch.Tensor:
     """float64 reference of `grouped_linear` (unquantized: the exact values quantized compute
     approximates), differentiable by autograd; returns float64."""
-    del backend, quantization, weight_cache
+    del backend, quantization, quantized_wgrad, weight_cache
     weights = [w.double() for w in tensor_list("weight", weight)]
     w_list = list(weights[0].unbind(0)) if len(weights) == 1 and weights[0].dim() == 3 else weights
     biases = [b.double() for b in tensor_list("bias", bias)]
