@@ -1043,6 +1043,49 @@ def test_apply_moekit_with_quantization(name, recipe):
         apply_moekit(copy.deepcopy(eager), quantization="int8")
 
 
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("single_grouped_weight", [True, False])
+def test_apply_moekit_with_unquantized_wgrad(name, single_grouped_weight):
+    """apply_moekit(quantized_wgrad=False), and the interface's config attribute: the experts' output
+    and gradients bit for bit moe_experts(quantized_wgrad=False) on the same tensors (the converted
+    per-expert modules too), differing from the quantized wgrad's in the weights' gradients only; shown
+    in the repr, and a second call asking otherwise refused."""
+    from moekit.integrations.transformers import apply_moekit
+
+    eager = _hf_model(name)
+    g = torch.Generator().manual_seed(1)
+    num_experts = 6 if name == "mixtral" else 4
+    hidden = torch.randn(40, 32, generator=g)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(40)])
+    weights = torch.rand(40, 2, generator=g).softmax(-1)
+    steps = {}
+    for quantized_wgrad in (True, False):
+        model = copy.deepcopy(eager)
+        apply_moekit(
+            model,
+            quantization="fp8_block",
+            quantized_wgrad=quantized_wgrad,
+            single_grouped_weight=single_grouped_weight,
+        )
+        experts = next(m for m in model.modules() if hasattr(m, "moekit_quantization"))
+        assert experts.moekit_quantized_wgrad is quantized_wgrad
+        assert ("quantized_wgrad=False" in repr(experts)) is not quantized_wgrad
+        out, _ = _experts_step(experts, hidden, ids, weights)
+        steps[quantized_wgrad] = out, experts.model_layout_tensors(grads=True)  # the model's names
+    interface = copy.deepcopy(eager)
+    interface.config.moekit_quantization, interface.config.moekit_quantized_wgrad = "fp8_block", False
+    interface.set_experts_implementation("moekit")
+    experts = next(m for m in interface.modules() if type(m).__name__ == type(experts).__name__.removeprefix("Moekit"))
+    via_config = _experts_step(experts, hidden, ids, weights)
+    (out_q, grads_q), (out, grads) = steps[True], steps[False]
+    assert torch.equal(out, out_q) and torch.equal(out, via_config[0])
+    for key, grad in grads.items():
+        assert torch.equal(grad, via_config[1][key]), key
+        assert torch.equal(grad, grads_q[key]) is ("bias" in key), key
+    with pytest.raises(ValueError, match=r"already applied .*quantized_wgrad=False; asked now .*quantized_wgrad=True"):
+        apply_moekit(model, quantization="fp8_block", single_grouped_weight=single_grouped_weight)
+
+
 # --------------------------------------------------------------------------------------------------
 # The demo trained with fp8_block
 # --------------------------------------------------------------------------------------------------

@@ -72,7 +72,9 @@ quantized operands, as `moekit.moe_experts` computes them (FP8 kernels for the f
 where the backend has them, else the reference path: quantize, dequantize, compute in the model's
 dtype). The parameters, their names and the state dict stay as
 they are (master weights in the model's dtype); each experts module keeps its quantized weights and
-makes them again, in place, once per optimizer step.
+makes them again, in place, once per optimizer step. `quantized_wgrad=False` (or
+`config.moekit_quantized_wgrad = False`) takes the experts' weight gradients from the unquantized
+operands in the model's dtype, as `moekit.moe_experts` documents.
 
 In both, `forward(hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))` is
 `moekit.moe_experts`: the T*K routed copies sorted by expert, the grouped MLP with the routing
@@ -239,6 +241,8 @@ class MoekitExperts(IntegratedExperts):
     moekit_backend: str = "auto"
     # moekit's quantized compute for these experts (None, "fp8_block", "fp8_rowwise", "mxfp8").
     moekit_quantization: str | None = None
+    # With a quantization: the weight gradients from the quantized operands (True) or not.
+    moekit_quantized_wgrad: bool = True
     # Set by the model's own experts class: its config, and (until converted) its fused fc1 weight.
     config: Any
     gate_up_proj: torch.Tensor
@@ -296,6 +300,7 @@ class MoekitExperts(IntegratedExperts):
     def extra_repr(self) -> str:
         converted = ", per-expert weights in grouped_mlp" if self.converted_mlp() is not None else ""
         quant = f", moekit_quantization={self.moekit_quantization!r}" if self.moekit_quantization else ""
+        quant += ", moekit_quantized_wgrad=False" if not self.moekit_quantized_wgrad else ""
         return f"moekit_backend={self.moekit_backend!r}{quant}{converted}"
 
 
@@ -334,7 +339,7 @@ def _install(linear: nn.Module, kind: str, param: torch.Tensor, *, transpose: bo
 
 
 def _convert_to_per_expert(
-    experts: MoekitExperts, layout: ExpertsLayout, backend: str, quantization: str | None
+    experts: MoekitExperts, layout: ExpertsLayout, backend: str, quantization: str | None, quantized_wgrad: bool
 ) -> None:
     """Move the model's expert parameters into a per-expert `GroupedMLP` child (see apply_moekit)."""
     gate_up = experts.gate_up_proj
@@ -354,6 +359,7 @@ def _convert_to_per_expert(
         device="meta",
         dtype=gate_up.dtype,
         quantization=quantization,
+        quantized_wgrad=quantized_wgrad,
     )
     # The model's tensor names in its own registration order: state_dict() keeps that order.
     experts.model_tensor_order = tuple(n for n in experts._parameters if n in MoekitExperts.model_tensor_names.values())
@@ -423,7 +429,12 @@ def _find_experts(model: nn.Module) -> tuple[list[nn.Module], list[MoekitExperts
 
 
 def apply_moekit(
-    model: nn.Module, *, backend: str = "auto", single_grouped_weight: bool = True, quantization: str | None = None
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    single_grouped_weight: bool = True,
+    quantization: str | None = None,
+    quantized_wgrad: bool = True,
 ) -> nn.Module:
     """Run the experts of a transformers MoE model on moekit, in place; returns the model.
 
@@ -437,6 +448,8 @@ def apply_moekit(
     `quantization` (None, "fp8_block", "fp8_rowwise", "mxfp8"): the experts' linears on quantized
     operands, as `moekit.moe_experts` computes them (FP8 kernels or the reference path); the
     parameters and state dict are unchanged, the quantized weights are made once per optimizer step.
+    `quantized_wgrad` (with a quantization): False takes the weight gradients from the unquantized
+    operands in the model's dtype (`moekit.moe_experts`).
     `single_grouped_weight=False` converts the experts to TransformerEngine-style per-expert weights
     (`grouped_mlp.fc1.weight{i}`): that renames the parameters and so breaks PEFT
     `target_parameters`, transformers' TP plans, `from_pretrained` into the converted model,
@@ -456,14 +469,23 @@ def apply_moekit(
     check_choice("backend", backend, BACKENDS)
     check_bool("single_grouped_weight", single_grouped_weight)
     quantization = check_quantization(quantization)
+    quantized_wgrad = check_bool("quantized_wgrad", quantized_wgrad)
     found, applied, unsupported = _find_experts(model)
     for experts in applied:
-        settings = (experts.moekit_backend, experts.converted_mlp() is None, experts.moekit_quantization)
-        if settings != (backend, single_grouped_weight, quantization):
-            # The quantization is named where one of the two has one.
+        settings = (
+            experts.moekit_backend,
+            experts.converted_mlp() is None,
+            experts.moekit_quantization,
+            experts.moekit_quantized_wgrad,
+        )
+        if settings != (backend, single_grouped_weight, quantization, quantized_wgrad):
+            # The quantization is named where one of the two has one, quantized_wgrad where one is off.
             quantized = settings[2] is not None or quantization is not None
             had = f", quantization={settings[2]!r}" if quantized else ""
             asked = f", quantization={quantization!r}" if quantized else ""
+            if not (settings[3] and quantized_wgrad):
+                had += f", quantized_wgrad={settings[3]}"
+                asked += f", quantized_wgrad={quantized_wgrad}"
             raise ValueError(
                 f"apply_moekit was already applied to this model with backend={settings[0]!r}, "
                 f"single_grouped_weight={settings[1]}{had}; asked now for backend={backend!r}, "
@@ -495,9 +517,10 @@ def apply_moekit(
         assert isinstance(module, MoekitExperts)  # (the same object, of its moekit class now)
         module.moekit_backend = backend
         module.moekit_quantization = quantization
+        module.moekit_quantized_wgrad = quantized_wgrad
         module.stores_transposed = layout.transposed
         if not single_grouped_weight:
-            _convert_to_per_expert(module, layout, backend, quantization)
+            _convert_to_per_expert(module, layout, backend, quantization, quantized_wgrad)
         applied.append(module)
     for experts in applied:
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
@@ -512,7 +535,8 @@ def moekit_experts_forward(
 
     hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K) -> (T, H). The GEMM backend is
     the module's `moekit_backend` after `apply_moekit`, else `config.moekit_backend` when the config
-    has one, else "auto"; the quantization likewise (`moekit_quantization`, default None). The tensors
+    has one, else "auto"; the quantization likewise (`moekit_quantization`, default None), and
+    `moekit_quantized_wgrad` (default True). The tensors
     are read from the module at each call, so a parametrization of them (PEFT's LoRA on
     `target_parameters`) trains through moekit.
     """
@@ -525,11 +549,13 @@ def moekit_experts_forward(
     caches = None
     if isinstance(self, MoekitExperts):
         backend, quantization = self.moekit_backend, self.moekit_quantization
+        quantized_wgrad = self.moekit_quantized_wgrad
         caches = self.moekit_weight_caches()
     else:
         config = getattr(self, "config", None)
         backend = getattr(config, "moekit_backend", "auto")
         quantization = check_quantization(getattr(config, "moekit_quantization", None))
+        quantized_wgrad = check_bool("moekit_quantized_wgrad", getattr(config, "moekit_quantized_wgrad", True))
     # The model's expert tensors: torch types any module attribute it does not declare (nn.Module.__getattr__)
     # as Tensor | Module.
     return moe_experts(
@@ -544,6 +570,7 @@ def moekit_experts_forward(
         glu_interleave_size=layout.glu_interleave_size,
         backend=backend,
         quantization=quantization,
+        quantized_wgrad=quantized_wgrad,
         weight_caches=caches,
     )
 
