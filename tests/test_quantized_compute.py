@@ -1290,9 +1290,11 @@ def test_quantized_layer_holds_at_most_0_6_of_bf16_on_the_gpu(
 @needs_cuda
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
-def test_quantized_moe_experts_has_no_host_sync(recipe, activation):
+@pytest.mark.parametrize("quantized_wgrad", [True, False])
+def test_quantized_moe_experts_has_no_host_sync(recipe, activation, quantized_wgrad):
     """Forward and backward of the quantized layer's one node (h held in FP8, a and x's columnwise FP8
-    made again in the backward) never wait on the device: what CUDA-graph capture needs."""
+    made again in the backward, or with quantized_wgrad=False the bf16 wgrads with the routed rows read
+    through the route: F 384 on sm_90) never wait on the device: what CUDA-graph capture needs."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     tokens, experts, hidden, ffn = 512, 8, 256, 384
     g = torch.Generator(device=dev).manual_seed(0)
@@ -1310,7 +1312,10 @@ def test_quantized_moe_experts_has_no_host_sync(recipe, activation):
     caches = (QuantizedWeightCache(), QuantizedWeightCache())
 
     def step():
-        y = moekit.moe_experts(topk_ids=ids, **leaves, activation=activation, quantization=recipe, weight_caches=caches)
+        y = moekit.moe_experts(
+            topk_ids=ids, **leaves, activation=activation, quantization=recipe, quantized_wgrad=quantized_wgrad,
+            weight_caches=caches,
+        )  # fmt: skip
         y.backward(dy)
 
     assert_no_host_sync(step)
