@@ -431,10 +431,12 @@ def test_layer_moves_rows_as_permute_grouped_mlp_unpermute(recipe, backend):
     ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter"))],
 )
 @pytest.mark.parametrize("tokens", [0, 1])
-def test_quantized_layer_takes_no_tokens_and_one_token(tokens, backend):
+@pytest.mark.parametrize("quantized_wgrad", [True, False])
+def test_quantized_layer_takes_no_tokens_and_one_token(tokens, backend, quantized_wgrad):
     """The route's edges: no token (every expert empty: the outputs and x's gradient are empty, the
     weights' and biases' gradients zero) and one token (two experts of four used), for every recipe,
-    with and without biases (fc2's bias gradient and d probs' bias term read d out through the route).
+    with and without biases (fc2's bias gradient and d probs' bias term read d out through the route),
+    with the quantized weight gradients and without.
 
     The one token's output is checked against its own row in a batch of eight tokens: the forward
     quantizes x and the activation by rows (and the weights alone), so a token's output depends on that
@@ -450,7 +452,7 @@ def test_quantized_layer_takes_no_tokens_and_one_token(tokens, backend):
         b1, b2 = (rand(4, 48, scale=0.5, seed=5), rand(4, 40, scale=0.5, seed=6)) if bias else (None, None)
         b1, b2 = (b.requires_grad_(True) if b is not None else None for b in (b1, b2))
         biases = dict(fc1_bias=b1, fc2_bias=b2)
-        options = dict(quantization=recipe, backend=backend)
+        options = dict(quantization=recipe, quantized_wgrad=quantized_wgrad, backend=backend)
         y = moekit.moe_experts(x, ids, weights, w1, w2, **biases, **options)
         y.backward(rand(tokens, 40, seed=4))
         assert y.shape == (tokens, 40) and x.grad.shape == (tokens, 40) and weights.grad.shape == (tokens, 2)
