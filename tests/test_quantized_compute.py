@@ -703,6 +703,7 @@ def test_unquantized_wgrad_changes_only_the_weight_gradients(recipe, monkeypatch
         qmlp, "group_quantize_for_wgrad", lambda t, *a, **k: quantized_operands.append(t.clone()) or inner_q(t, *a, **k)
     )
     want = _mlp_step(inputs, m_splits, recipe, "torch")
+    quantized_by_the_quantized_wgrad = list(quantized_operands)  # (the second run quantizes dy and dh rowwise)
     wgrad_operands: list[tuple[torch.Tensor, torch.Tensor]] = []
     inner_w = qmlp.wgrad_in_layout
     monkeypatch.setattr(
@@ -714,7 +715,7 @@ def test_unquantized_wgrad_changes_only_the_weight_gradients(recipe, monkeypatch
     for name in ("y", "x", "probs", "b1", "b2"):
         assert torch.equal(got[name], want[name]), name
     # The quantized wgrad quantized dy, a', dh, x (in that order); the unquantized one multiplies them.
-    dy, a_MF, dh, x = quantized_operands
+    dy, a_MF, dh, x = quantized_by_the_quantized_wgrad
     assert [t.shape[1] for t in (dy, a_MF, dh, x)] == [hidden, ffn, 2 * ffn, hidden]
     (dy2, a2), (dh1, x1) = wgrad_operands
     for seen, quantized in ((dy2, dy), (a2, a_MF), (dh1, dh), (x1, x)):

@@ -526,28 +526,25 @@ class _QuantizedLinearFn(torch.autograd.Function):
         go = GroupOffsets.of(offs, host_offs, dy_MO.shape[0])
         dx = dw = db = d_scale = None
         dy_bias_MO = library.without_padding_rows(dy_MO, offs, host_offs) if bias_NO is not None else None
-        dy_q: GroupedTensor | None
-        if not ctx.quantized_wgrad and (need_x or need_w):
-            if need_x:
-                dy_rows_q = group_quantize(dy_MO, go, ctx.recipe, backend=ctx.quantizer)
-                dx = quantized_dgrad_product(
-                    backend, ctx.quantizer, ctx.recipe, ctx.fp8, dy_rows_q, weight_q, wt_data, wt_scale, offs, host_offs
-                )
-                del dy_rows_q
-            if need_w:
-                dw = wgrad_in_layout(backend, dy_MO, x_kept, offs, host_offs, ctx.w_transposed)
-        elif need_x or need_w:
+        if need_x or need_w:
+            quantized_wgrad = ctx.quantized_wgrad
+            dy_q: GroupedTensor | None = None
             dy_cols: GroupedTensor | SegmentedColumns | None = None
-            # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward).
-            dy_q, dy_cols = group_quantize_for_wgrad(
-                dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w, segments=ctx.fp8_wgrad, backend=ctx.quantizer
-            )
+            if need_x or quantized_wgrad:
+                # The columnwise form in the FP8 wgrad's layout where it runs (as x's in the forward); with
+                # the unquantized wgrad only the dgrad's rowwise form.
+                dy_q, dy_cols = group_quantize_for_wgrad(
+                    dy_MO, go, ctx.recipe, rowwise=need_x, columnwise=need_w and quantized_wgrad,
+                    segments=ctx.fp8_wgrad and quantized_wgrad, backend=ctx.quantizer,
+                )  # fmt: skip
             if need_x:
                 assert dy_q is not None  # rowwise
                 dx = quantized_dgrad_product(
                     backend, ctx.quantizer, ctx.recipe, ctx.fp8, dy_q, weight_q, wt_data, wt_scale, offs, host_offs
                 )
-            if need_w and x_q is not None and dy_cols is not None:
+            if need_w and not quantized_wgrad:
+                dw = wgrad_in_layout(backend, dy_MO, x_kept, offs, host_offs, ctx.w_transposed)
+            elif need_w and x_q is not None and dy_cols is not None:
                 dw = quantized_wgrad_product(
                     backend,
                     ctx.quantizer,

@@ -306,16 +306,19 @@ class _QuantizedFc1Fn(torch.autograd.Function):
             db = library.grouped_linear_dbias(
                 backend, library.without_padding_rows(dh_M2F, offs, host_offs), offs, host_offs, None
             )
-        if not spec.quantized_wgrad and (need_x or need_w):
-            dx, dw = _fc1_grads_unquantized_wgrad(ctx, spec, dh_M2F, x_MH, w1_q, w1t_data, w1t_scale, route, go,
-                                                  need_x, need_w)  # fmt: skip
-        elif need_x or need_w:
-            # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass).
-            segments = spec.fc1_fp8_wgrad
-            dh_q, dh_cols = group_quantize_for_wgrad(
-                dh_M2F, go, recipe, rowwise=need_x, columnwise=need_w, segments=segments, backend=quantizer
-            )
-            del dh_M2F
+        if need_x or need_w:
+            # The wgrad's columnwise forms in the FP8 wgrad's own layout where it runs (no transpose pass);
+            # with the unquantized wgrad only the dgrad's rowwise form, and dh itself is the wgrad's operand.
+            quantized_wgrad = spec.quantized_wgrad
+            segments = spec.fc1_fp8_wgrad and quantized_wgrad
+            dh_q = dh_cols = None
+            if need_x or quantized_wgrad:
+                dh_q, dh_cols = group_quantize_for_wgrad(
+                    dh_M2F, go, recipe, rowwise=need_x, columnwise=need_w and quantized_wgrad, segments=segments,
+                    backend=quantizer,
+                )  # fmt: skip
+            if quantized_wgrad:
+                del dh_M2F
             # dx first: its (M, H) rows are summed into token order and freed, with dh's rowwise form,
             # before x's columnwise form and dw1 are allocated (the backward's peak: notes/quantize.md).
             if need_x:
@@ -326,7 +329,15 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 del dh_q
                 if route is not None:
                     dx = route.to_tokens(dx)
-            if need_w:
+            if need_w and not quantized_wgrad:
+                # dh^T x in x's dtype, x's token rows read in the wgrad's loads where the backend says so.
+                x_rows = None
+                if route is not None and spec.fc1_wgrad_x_rows:
+                    x_rows = route.token_of_row
+                elif route is not None:
+                    x_MH = route.to_rows(x_MH)
+                dw = wgrad_in_layout(backend, dh_M2F, x_MH, offs, host_offs, ctx.w_transposed, x_rows=x_rows)
+            elif need_w:
                 assert dh_cols is not None  # need_w
                 index = None
                 if route is not None and segments:  # x_MH is the token rows: the quantizer gathers them
@@ -344,43 +355,6 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                 )  # fmt: skip
                 del x_cols, dh_cols
         return (None,) * _X1 + (dx, *unstacked(dw, ctx.w_dims, 3), *unstacked(db, ctx.b_dims, 2))
-
-
-def _fc1_grads_unquantized_wgrad(
-    ctx: Any,
-    spec: QuantizedMlpSpec,
-    dh_M2F: torch.Tensor,
-    x_MH: torch.Tensor,
-    w1_q: GroupedTensor,
-    w1t_data: torch.Tensor | None,
-    w1t_scale: torch.Tensor | None,
-    route: ExpertRoute | None,
-    go: GroupOffsets,
-    need_x: bool,
-    need_w: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Node 1's (dx, dw1) where the weight gradient comes from the unquantized operands
-    (`spec.quantized_wgrad` off): dx = Q(dh) Qc(w1) as with the quantized wgrad (Q(dh) the same bytes), summed
-    into token order with a route, then dw1 = dh^T x in x's dtype, x's token rows read through the route in
-    the wgrad's loads where `spec.fc1_wgrad_x_rows`, else gathered first. No columnwise form is made."""
-    dx = dw = None
-    if need_x:
-        dh_q = group_quantize(dh_M2F, go, spec.recipe, backend=spec.quantizer)
-        dx = quantized_dgrad_product(
-            spec.fc1_backend, spec.quantizer, spec.recipe, spec.fc1_fp8, dh_q, w1_q, w1t_data, w1t_scale, go.offs,
-            ctx.host_offs,
-        )  # fmt: skip
-        del dh_q
-        if route is not None:
-            dx = route.to_tokens(dx)
-    if need_w:
-        x_rows = None
-        if route is not None and spec.fc1_wgrad_x_rows:
-            x_rows = route.token_of_row
-        elif route is not None:
-            x_MH = route.to_rows(x_MH)
-        dw = wgrad_in_layout(spec.fc1_backend, dh_M2F, x_MH, go.offs, ctx.host_offs, ctx.w_transposed, x_rows=x_rows)
-    return dx, dw
 
 
 class _QuantizedGatedFc2Fn(torch.autograd.Function):
