@@ -50,7 +50,7 @@ COUNTS = {
 }
 
 
-def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, pointers: dict) -> None:
+def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, pointers: dict, maxnreg: int = 0) -> None:
     pointers = {**POINTERS, **pointers}
     signature, attrs = {}, {}
     for i, arg in enumerate(kernel.arg_names):
@@ -65,7 +65,8 @@ def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, poi
         constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     path = out / f"{name}.ptx"
     path.write_text(ptx)
@@ -90,28 +91,28 @@ def main() -> None:
         name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}"
         cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, {"row_scale_ptr": scales}))
     slots_table = configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")]
-    for (tile_k, layout), (block_c, chunk, warps, stages, band) in slots_table.items():
+    for (tile_k, layout), (block_c, chunk, warps, stages, band, maxnreg) in slots_table.items():
         mx = tile_k == 32
         slot_rows = 32 if mx else 128
-        segments = layout == "segments"
-        for rowwise in (True, False) if not segments else (True,):
-            constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, GATHER=False, TILE_K=tile_k)
+        segments, gather = layout.startswith("segments"), layout.endswith("-gathered")
+        for rowwise in (True, False):
+            constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, GATHER=gather, TILE_K=tile_k)
             constexprs.update(SLOT_ROWS=slot_rows)
             constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band)
             scales = "*u8" if mx else "*fp32"
-            form = ("row+col" if rowwise else "col") + ("_segments" if segments else "")
+            form = ("row+col" if rowwise else "col") + ("" if layout == "rows" else f"_{layout}")
             name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"
             pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
-            cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers))
+            cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers, maxnreg))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
-    for form, (chunk, warps, stages, _, slots_fastest) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
+    for form, (chunk, warps, stages, _, slots_fastest, maxnreg) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
         gather = form.endswith("-gathered")
         form = form.removesuffix("-gathered")
         for rowwise in (True, False) if form == "rows" else (form == "segments",):
             constexprs = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages)
             constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True, GATHER=gather)
             name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}{'_gathered' if gather else ''}"
-            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**fp32, "rec_ptr": "*i32"}))
+            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**fp32, "rec_ptr": "*i32"}, maxnreg))
     block_s, warps = configs.SLOT_RECORDS["sm90"]
     for segments in (False, True):
         consts = dict(SLOT_ROWS=128, SEGMENTS=segments, BLOCK_S=block_s, BLOCK_GROUPS=256)
@@ -135,9 +136,9 @@ def main() -> None:
         consts.update(GATHER=False)
         consts.update(common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
-    for name, kernel, constexprs, warps, pointers in cases:
+    for name, kernel, constexprs, warps, pointers, *maxnreg in cases:
         if only in name:
-            compile_case(out, name, kernel, constexprs, warps, pointers)
+            compile_case(out, name, kernel, constexprs, warps, pointers, *maxnreg)
     print(f"PTX in {out}")
 
 

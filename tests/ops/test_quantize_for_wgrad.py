@@ -416,7 +416,7 @@ from moekit.ops.runtime.configs import QUANTIZE_SLOTS
 out = {}
 for recipe, tile_k in (("fp8_block", 128), ("mxfp8", 32)):
     layout = ("segments-gathered" if gather else "segments") if seg else "rows"
-    block_c, chunk, warps, stages, band = QUANTIZE_SLOTS["sm90"][(tile_k, layout)]
+    block_c, chunk, warps, stages, band, _ = QUANTIZE_SLOTS["sm90"][(tile_k, layout)]
     slots = dict(MX=tile_k == 32, ROWWISE=True, SEGMENTS=seg, TILE_K=tile_k, SLOT_ROWS=128 if tile_k == 128 else 32,
                  BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band, HAS_NOOP=False, BLOCK_GROUPS=256,
                  HW_E4M3=True, GATHER=gather)

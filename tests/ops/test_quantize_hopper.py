@@ -29,7 +29,7 @@ from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 quantize_runtime = pytest.importorskip("moekit.ops.runtime.quantize")
 
 _COMPILE_FOR_SM90 = """
-import json, re, sys
+import json, os, pathlib, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -39,7 +39,8 @@ from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
 out = {}
 # Each form's entry with TMA boxes and gathered (cp.async copies), whether its gathered form is configured or not.
 plain = [(form, e) for form, e in QUANTIZE_SLOTS_TMA["sm90"].items() if not form.endswith("-gathered")]
-for form, gather, (chunk, warps, stages, per_sm, slots_fastest) in [(f, g, e) for f, e in plain for g in (0, 1)]:
+PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+for form, gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in [(f, g, e) for f, e in plain for g in (0, 1)]:
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
         const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
                      SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True, GATHER=bool(gather))
@@ -51,15 +52,22 @@ for form, gather, (chunk, warps, stages, per_sm, slots_fastest) in [(f, g, e) fo
                  if n.endswith("_ptr") or n in ("rows", "cols", "stride_x", "pitch")}
         src = GluonASTSource(fn=K, signature=sig, attrs=div16,
                              constexprs={(K.arg_names.index(k),): v for k, v in const.items()})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "k.ptx"
+            path.write_text(ptx)
+            report = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                                    capture_output=True, text=True, check=True).stderr
+        regs = int(re.search(r"Used (\\d+) registers", report).group(1))
         stores = sorted(set(re.findall(r"st\\.global[\\w.]*", ptx)))
         # cp.async's copy size and source size operands (the source size zero-fills masked copies).
         copy = r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], (0x[0-9a-f]+), %r"
         copies = sorted(set(re.findall(copy, ptx)))
         tma = len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
         out[f"{form}-{rowwise}-{bool(gather)}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm, stores=stores,
-                                                 copies=copies, tma=tma)
+                                                 copies=copies, tma=tma, regs=regs, warps=warps)
 print(json.dumps(out))
 """
 
@@ -67,7 +75,8 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_16_byte_stores():
     """Every configured form (the (M, X) layout with and without the rowwise form), and each one's
     gathered form (GATHER: rows copied by cp.async): the data leave by 16-byte stores (the scales by
-    4-byte ones, no byte stores), and the configured programs an SM fit its shared memory; the TMA form
+    4-byte ones, no byte stores), and the configured programs an SM fit its shared memory and its
+    registers (ptxas -v, under the entry's MAXNREG); the TMA form
     loads by TMA only, the gathered form by 16-byte cp.async copies with a source size (zero-filled
     where masked) only."""
     got = compile_in_subprocess(_COMPILE_FOR_SM90)
@@ -77,6 +86,9 @@ def test_compiles_for_sm90_with_16_byte_stores():
         assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
         assert "st.global.v4.b32" in info["stores"], case
         assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
+        # The persistent launch's programs an SM fit the register file (65536 registers, allocated 8 a
+        # thread at a time): a program that does not fit would wait for a whole one to finish.
+        assert -(-info["regs"] // 8) * 8 * 32 * info["warps"] * info["per_sm"] <= 65536, (case, info["regs"])
         if case.endswith("-True"):
             assert info["copies"] == ["0x10"] and info["tma"] == 0, (case, info)
         else:

@@ -541,7 +541,7 @@ def quantize_slots_kernel(
         col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
         ONE_WALK: tl.constexpr = CHUNK == SLOT_ROWS  # the chunk held from its load to its columnwise bytes
         held = tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty)
-        amax_ic = tl.zeros((CHUNK, BLOCK_C), tl.float32)  # two walks: folded elementwise, reduced once
+        amax_ic = tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty)  # two walks: folded elementwise, reduced once
         amax_c = tl.zeros((BLOCK_C,), tl.float32)  # one walk: the chunk's reduction itself
         for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
             x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
@@ -549,12 +549,12 @@ def quantize_slots_kernel(
                 amax_c = tl.max(a, axis=0)
                 held = x.to(x_ptr.dtype.element_ty)
             else:
-                amax_ic = tl.maximum(amax_ic, a)
+                amax_ic = tl.maximum(amax_ic, a.to(x_ptr.dtype.element_ty)).to(x_ptr.dtype.element_ty)
             if ROWWISE:
                 q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
                 tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
         if not ONE_WALK:
-            amax_c = tl.max(amax_ic, axis=0)
+            amax_c = tl.max(amax_ic.to(tl.float32), axis=0)
         mult, any_nan = _column_scales(amax_c, col_scales, cmask, MX)
         for k in tl.range(0, SLOT_ROWS, CHUNK):
             if ONE_WALK:

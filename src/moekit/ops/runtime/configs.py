@@ -406,13 +406,16 @@ ZERO_ROWS_TILE = (64, 128)
 # columnwise data: "rows" (M, X), "segments" the FP8 wgrad's transposed operand, "segments-gathered" the
 # same with the rows gathered from token rows by an index as they are loaded, the layer's routed
 # operands, whose dependent index loads may want other settings): (BLOCK_C, CHUNK,
-# warps, STAGES, BAND). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
+# warps, STAGES, BAND, MAXNREG). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. A CHUNK of the whole slot is one walk: the strip is
 # held in registers from its load to its columnwise bytes, read once. CHUNK divides the slot and is a
 # multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
 # slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
-# wgrad layout keeps: its transposed stores are x's columns). The sm90 entries are the fastest of
+# wgrad layout keeps: its transposed stores are x's columns). MAXNREG caps the registers a thread
+# (Triton's `maxnreg`; 0: ptxas's choice): the programs an SM step at 128, 96 and 80 registers for 4
+# warps, and the latency-bound routed operands want programs more than registers (ptxas spills the
+# rest to L1). The sm90 entries are the fastest of
 # sweeps on the H200 (notes/quantize.md); "segments-gathered" (a copy of "segments") and mxfp8's
 # (32, "rows") (one walk) the fastest of `benchmarks/sweep_quantize.py` on an H100 (sm_90 too); the
 # sm80 ones are guesses, not timed. Under the
@@ -442,36 +445,38 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
         (128, "tile"): (128, 128, 4, 1, 1),
     },
 }
-QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
+QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, int]]] = {
     "sm90": {
-        (32, "rows"): (128, 32, 4, 1, 1),
-        (128, "rows"): (128, 16, 4, 1, 1),
-        (32, "segments"): (128, 16, 4, 1, 0),
-        (32, "segments-gathered"): (128, 16, 4, 1, 0),
-        (128, "segments"): (128, 32, 4, 2, 0),
-        (128, "segments-gathered"): (128, 32, 4, 2, 0),
+        (32, "rows"): (128, 32, 4, 1, 1, 0),
+        (128, "rows"): (128, 16, 4, 1, 1, 0),
+        (32, "segments"): (128, 16, 4, 1, 0, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0, 0),
+        (128, "segments"): (128, 32, 4, 2, 0, 0),
+        (128, "segments-gathered"): (128, 32, 4, 2, 0, 0),
     },
     "sm80": {
-        (32, "rows"): (128, 16, 4, 1, 1),
-        (128, "rows"): (128, 16, 4, 1, 1),
-        (32, "segments"): (128, 16, 4, 1, 0),
-        (32, "segments-gathered"): (128, 16, 4, 1, 0),
-        (128, "segments"): (128, 16, 4, 2, 0),
-        (128, "segments-gathered"): (128, 16, 4, 2, 0),
+        (32, "rows"): (128, 16, 4, 1, 1, 0),
+        (128, "rows"): (128, 16, 4, 1, 1, 0),
+        (32, "segments"): (128, 16, 4, 1, 0, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0, 0),
+        (128, "segments"): (128, 16, 4, 2, 0, 0),
+        (128, "segments-gathered"): (128, 16, 4, 2, 0, 0),
     },
     "interpreter": {
-        (32, "rows"): (64, 16, 4, 1, 1),
-        (128, "rows"): (128, 64, 4, 1, 1),
-        (32, "segments"): (64, 16, 4, 1, 2),
-        (32, "segments-gathered"): (64, 16, 4, 1, 2),
-        (128, "segments"): (128, 64, 4, 1, 0),
-        (128, "segments-gathered"): (128, 128, 4, 1, 0),
+        (32, "rows"): (64, 16, 4, 1, 1, 0),
+        (128, "rows"): (128, 64, 4, 1, 1, 0),
+        (32, "segments"): (64, 16, 4, 1, 2, 0),
+        (32, "segments-gathered"): (64, 16, 4, 1, 2, 0),
+        (128, "segments"): (128, 64, 4, 1, 0, 0),
+        (128, "segments-gathered"): (128, 128, 4, 1, 0, 0),
     },
 }
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:
 # "rows" ((M, X) columnwise data, with or without the rowwise form), "segments" (the FP8 wgrad's layout
 # with the rowwise form), "segments-columnwise" (that layout alone) -> (CHUNK rows a walk step, warps,
-# strips of 128 x 128 in flight a program, programs an SM, slots fastest). Many small programs beat a
+# strips of 128 x 128 in flight a program, programs an SM, slots fastest, MAXNREG: the registers a
+# thread, 0 for ptxas's choice, else capped so that the programs an SM fit the register file: the launch
+# is persistent, and a program that does not fit waits for a whole one to finish). Many small programs beat a
 # few large ones (each walks its strip alone; the others' loads and stores hide its latency); the H200
 # sweeps that chose each entry are in notes/quantize.md; the segments' entries were chosen at splits
 # that are not multiples of 128 rows (what routing gives) while segments started at multiples of 16
@@ -484,11 +489,11 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]
 # "-gathered" entry runs its GATHER form (rows x[index], copied by cp.async: TMA boxes cannot gather)
 # for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
 # kernel gathers them. None yet: built and compiled for sm_90 on CPU, not yet run on a GPU.
-QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool]]] = {
+QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, int]]] = {
     "sm90": {
-        "rows": (16, 2, 1, 6, False),
-        "segments": (32, 4, 1, 4, False),
-        "segments-columnwise": (32, 4, 2, 3, True),
+        "rows": (16, 2, 1, 6, False, 0),
+        "segments": (32, 4, 1, 4, False, 128),
+        "segments-columnwise": (32, 4, 2, 3, True, 0),
     },
 }
 # The table of the slots' rows the Gluon kernel reads (`slot_records_kernel`): (slots a program,

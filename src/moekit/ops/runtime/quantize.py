@@ -146,7 +146,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
             tma_slots = _slots_tma_plan(info, problem, stride_scale)
             if tma_slots is not None:
                 return tma_slots
-            block_c, chunk, warps, stages, band = QUANTIZE_SLOTS[arch][(tile_k, layout)]
+            block_c, chunk, warps, stages, band, maxnreg = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and (chunk % 16 or SEGMENT_COLUMNS % tile_m)):
                 raise RuntimeError(
                     f"QUANTIZE_SLOTS[{arch!r}][{(tile_k, layout)}] = {(block_c, chunk)} does not fit {info.name}'s "
@@ -172,6 +172,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
                     BLOCK_GROUPS=block_groups(num_groups),
                     HW_E4M3=hw,
                     num_warps=warps,
+                    **({"maxnreg": maxnreg} if maxnreg else {}),
                 ),
             )
             return QuantizePlan(None, slots if slot_grid[0] and slot_grid[1] else None, None, None, None)
@@ -243,7 +244,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
 
 def hopper_slots_entry(
     info: Recipe, x: torch.Tensor, arch: Arch, rowwise: bool, segments: bool, gather: bool = False
-) -> tuple[int, int, int, int, bool] | None:
+) -> tuple[int, int, int, int, bool, int] | None:
     """The `QUANTIZE_SLOTS_TMA` entry the Gluon kernel runs the columnwise form of x (with the rowwise
     form if `rowwise`; into the wgrad's segments if `segments`; rows gathered from x by an index if
     `gather`: the form's name + "-gathered") with on `arch`, or None where it does not take the problem
@@ -275,7 +276,7 @@ def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> Quant
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments, gather)
     if entry is None or rows >= 2**31 - 2**20:
         return None
-    chunk, warps, stages, per_sm, slots_fastest = entry
+    chunk, warps, stages, per_sm, slots_fastest, maxnreg = entry
     num_slots = _num_slots(info, x, rows, 128, num_groups)
     work = num_slots * triton.cdiv(x2.shape[1], 128)
     if not work:
@@ -294,6 +295,7 @@ def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> Quant
             HAS_NOOP=has_noop,
             HW_E4M3=hw_e4m3(x2.device),
             num_warps=warps,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         ),
     )
     block_s, records_warps = SLOT_RECORDS[arch_of(x2.device)]
