@@ -40,7 +40,8 @@ out = {}
 # Each form's entry with TMA boxes and gathered (cp.async copies), whether its gathered form is configured or not.
 plain = [(form, e) for form, e in QUANTIZE_SLOTS_TMA["sm90"].items() if not form.endswith("-gathered")]
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-for form, gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in [(f, g, e) for f, e in plain for g in (0, 1)]:
+cases = [(f, g, e) for f, e in plain for g in (0, 1)]
+for form, gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in cases:
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
         const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
                      SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True, GATHER=bool(gather))
