@@ -87,15 +87,16 @@ VARIANTS: dict[str, tuple[int, ...] | None] = {
 }
 # The weights' 128 x 128 blocks (kind "w": fc1's (N, 2F, H) weight, rowwise form alone, as the layer
 # refreshes it each optimizer step) under entries of `configs.QUANTIZE_TILES[arch][(128, "tile")]`,
-# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES) with BLOCK_R = BLOCK_C = 128: fewer warps a tile ("t_w4",
-# "t_w8"), or several tiles a program in a pipelined loop ("t_w8_steps2", "t_w8_steps4",
-# "t_w16_steps2").
-TILE_VARIANTS: dict[str, tuple[int, int, int, int, int]] = {
-    "t_w4": (128, 128, 4, 1, 1),
-    "t_w8": (128, 128, 8, 1, 1),
-    "t_w8_steps2": (128, 128, 8, 2, 2),
-    "t_w8_steps4": (128, 128, 8, 4, 3),
-    "t_w16_steps2": (128, 128, 16, 2, 2),
+# (BLOCK_R, BLOCK_C, warps, STEPS, STAGES, MAXNREG) with BLOCK_R = BLOCK_C = 128: no register cap
+# ("t_r0"), fewer warps a tile ("t_w4", "t_w8"), or several tiles a program in a pipelined loop
+# ("t_w8_steps2", "t_w8_steps4", "t_w16_steps2").
+TILE_VARIANTS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "t_r0": (128, 128, 16, 1, 1, 0),
+    "t_w4": (128, 128, 4, 1, 1, 0),
+    "t_w8": (128, 128, 8, 1, 1, 0),
+    "t_w8_steps2": (128, 128, 8, 2, 2, 0),
+    "t_w8_steps4": (128, 128, 8, 4, 3, 0),
+    "t_w16_steps2": (128, 128, 16, 2, 2, 0),
 }
 # mxfp8's two forms of sorted rows (kind "mx": rowwise + columnwise (M, X), as `group_quantize` gives
 # them) under entries of the slots kernel's `(32, "rows")` (BLOCK_C, CHUNK, warps, STAGES, BAND, MAXNREG): the

@@ -83,13 +83,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cases = []
     common = dict(HAS_NOOP=False, BLOCK_GROUPS=256, HW_E4M3=True)
-    for (tile_k, form), (block_r, block_c, warps, steps, stages) in configs.QUANTIZE_TILES["sm90"].items():
+    for (tile_k, form), (block_r, block_c, warps, steps, stages, maxnreg) in configs.QUANTIZE_TILES["sm90"].items():
         mx = tile_k == 32
-        constexprs = dict(MX=mx, TILE=form == "tile", TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c, STEPS=steps)
-        constexprs.update(STAGES=stages)
-        scales = "*u8" if mx else "*fp32"
-        name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}"
-        cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, {"row_scale_ptr": scales}))
+        for transposed in (False, True) if form == "tile" else (False,):
+            constexprs = dict(MX=mx, TILE=form == "tile", TILE_K=tile_k, BLOCK_R=block_r, BLOCK_C=block_c)
+            constexprs.update(STEPS=steps, STAGES=stages, TRANSPOSED=transposed)
+            scales = "*u8" if mx else "*fp32"
+            name = f"tiles_{'mxfp8' if mx else 'fp8_block'}_{form}{'_transposed' if transposed else ''}"
+            pointers = {"row_scale_ptr": scales, "t_scale_ptr": scales}
+            cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, pointers, maxnreg))
     slots_table = configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")]
     for (tile_k, layout), (block_c, chunk, warps, stages, band, maxnreg) in slots_table.items():
         mx = tile_k == 32

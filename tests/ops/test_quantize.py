@@ -19,6 +19,7 @@ from moekit.ops.quantize import (
     TRANSPOSED_RECIPES,
     group_quantize_gathered,
     group_quantize_reference,
+    group_quantize_transposed,
     transposed_weight,
 )
 from moekit.ops.runtime.backends import triton_unavailable_reason
@@ -352,11 +353,12 @@ def test_quantize_tile_configs_fit_the_blocks():
     assert set(QUANTIZE_TILES) == set(QUANTIZE_SLOTS)
     for arch, table in QUANTIZE_TILES.items():
         assert {form for _, form in table} == {"rows", "tile"} and {k for k, _ in table} == set(blocks)
-        for (tile_k, form), (block_r, block_c, warps, steps, stages) in table.items():
+        for (tile_k, form), (block_r, block_c, warps, steps, stages, maxnreg) in table.items():
             what = f"{arch} {(tile_k, form)}"
             assert block_c % tile_k == 0 and block_r & (block_r - 1) == 0 and block_c & (block_c - 1) == 0, what
             assert form != "tile" or (block_c == tile_k and block_r == blocks[tile_k]), what
             assert warps >= 1 and steps >= 1 and stages >= 1, what
+            assert maxnreg == 0 or (24 <= maxnreg <= 255 and maxnreg % 8 == 0), what
         layouts = ("rows", "segments", "segments-gathered")
         assert set(QUANTIZE_SLOTS[arch]) == {(k, layout) for k in blocks for layout in layouts}
         for (tile_k, layout), (block_c, chunk, warps, stages, band, maxnreg) in QUANTIZE_SLOTS[arch].items():
@@ -897,6 +899,98 @@ def test_cuda_dequantize_matches_the_cpu_path(recipe, dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert_same_values(captured.cpu(), want.dequantize(columnwise=True), f"{recipe} graph replay")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("recipe", TRANSPOSED_RECIPES)
+def test_quantize_with_the_transposed_copy_in_one_call(recipe, backend, monkeypatch):
+    """`group_quantize_transposed` gives the pair group_quantize + transposed_weight byte for byte (fp8_block
+    on the Triton backend: the tiles kernel writes the copy from the bytes it holds, no transpose launch)
+    at partial tiles, odd and 16-aligned member heights, NaN blocks; into NaN-poisoned storage, fresh and
+    in place (every address kept); with the noop flag at 1.0 both are left as they are, at 0.0 rewritten."""
+    columnwise = recipe == "fp8_rowwise"
+    if backend == "triton" and recipe == "fp8_block":
+
+        def no_second_pass(*args):
+            raise AssertionError("fp8_block's transposed copy took a second pass over the FP8 weight")
+
+        monkeypatch.setattr("moekit.ops.runtime.quantize.transpose_weight_into", no_second_pass)
+    for shape in [(3, 200, 136), (2, 33, 70), (1, 130, 129), (2, 1, 5), (2, 256, 128), (2, 144, 272)]:
+        w = rand(*shape, seed=sum(shape)) * 30
+        w[-1, 0, -1] = float("nan")
+        want_q = moekit.group_quantize(w, None, recipe, rowwise=not columnwise, columnwise=columnwise, backend="torch")
+        if not columnwise:  # fp8_block: the rowwise tiles (a weight has no columnwise form there)
+            want_q = moekit.group_quantize(w, None, recipe, backend="torch")
+        want_t = transposed_weight(want_q, backend="torch")
+        fresh_q, fresh_t = group_quantize_transposed(w, recipe, backend=backend)
+        assert_same_transposed(fresh_t, want_t, f"{recipe} {shape} fresh")
+        for t in (*fresh_q.storage()[2:6], *fresh_t):
+            if t is not None:
+                t.view(torch.uint8).fill_(0xFF)  # NaN in float8 and float32: an unwritten byte shows
+        ptrs = [t.data_ptr() for t in (*fresh_q.storage()[2:6], *fresh_t) if t is not None]
+        got_q, got_t = group_quantize_transposed(w, recipe, out=fresh_q, transposed=fresh_t, backend=backend)
+        assert got_q is fresh_q and got_t is fresh_t
+        assert [t.data_ptr() for t in (*got_q.storage()[2:6], *got_t) if t is not None] == ptrs
+        assert_same_transposed(got_t, want_t, f"{recipe} {shape} out=")
+        form = "columnwise" if columnwise else "rowwise"
+        assert torch.equal(as_bits(getattr(got_q, f"{form}_data")), as_bits(getattr(want_q, f"{form}_data")))
+        other = rand(*shape, seed=7) * 3
+        for flag, kept in ((1.0, True), (0.0, False)):
+            before = [t.clone() for t in got_t]
+            noop = torch.tensor(flag)
+            group_quantize_transposed(other, recipe, out=got_q, transposed=got_t, noop_flag=noop, backend=backend)
+            same = all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip(got_t, before, strict=True))
+            assert same == kept, f"{recipe} {shape} noop {flag}"
+        other_q = moekit.group_quantize(other, None, recipe, rowwise=not columnwise, columnwise=columnwise)
+        assert_same_transposed(got_t, transposed_weight(other_q, backend="torch"), f"{recipe} {shape} noop 0")
+
+
+def test_quantize_with_the_transposed_copy_refuses_in_one_line():
+    """A recipe without a transposed copy, rows instead of a weight, a copy of other shapes: refused before
+    any launch, naming what is wrong."""
+    w = rand(2, 64, 32)
+    with pytest.raises(ValueError, match="recipe"):
+        group_quantize_transposed(w, "mxfp8", backend="torch")
+    with pytest.raises(ValueError, match=r"w_NOI must be an \(N, O, I\) weight"):
+        group_quantize_transposed(w[0], "fp8_block", backend="torch")
+    _, wrong = group_quantize_transposed(rand(2, 32, 64), "fp8_block", backend="torch")
+    with pytest.raises(ValueError, match="the transposed copy holds"):
+        group_quantize_transposed(w, "fp8_block", transposed=wrong, backend="torch")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", TRANSPOSED_RECIPES)
+def test_cuda_quantize_with_the_transposed_copy_matches_the_cpu_path(recipe):
+    """`group_quantize_transposed` on the GPU at DeepSeek-V3-like member sizes (and an odd one) writes the
+    CPU torch path's bytes for the weight and its transposed copy, in place without a host sync, and
+    under a CUDA graph replay."""
+    for shape in [(4, 4096, 7168), (4, 130, 300), (3, 2048, 7168)]:
+        w = rand(*shape, seed=sum(shape)).to(torch.bfloat16)
+        w[1, 3, 2] = float("nan")
+        want_q, want_t = group_quantize_transposed(w, recipe, backend="torch")
+        got_q, got_t = group_quantize_transposed(w.cuda(), recipe)
+        assert_same_transposed(got_t, want_t, f"{recipe} {shape}")
+        form = "columnwise" if recipe == "fp8_rowwise" else "rowwise"
+        assert torch.equal(as_bits(getattr(got_q, f"{form}_data").cpu()), as_bits(getattr(want_q, f"{form}_data")))
+        for t in got_t:
+            t.view(torch.uint8).fill_(0xFF)
+        wc = w.cuda()
+        assert_no_host_sync(lambda wc=wc, q=got_q, t=got_t: group_quantize_transposed(wc, recipe, out=q, transposed=t))
+        assert_same_transposed(got_t, want_t, f"{recipe} {shape} out=")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        group_quantize_transposed(wc, recipe, out=got_q, transposed=got_t)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in got_t:
+        t.view(torch.uint8).fill_(0xFF)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        group_quantize_transposed(wc, recipe, out=got_q, transposed=got_t)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_transposed(got_t, want_t, f"{recipe} graph replay")
 
 
 @pytest.mark.gpu

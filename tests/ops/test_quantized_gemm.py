@@ -219,19 +219,24 @@ def test_transposed_weight_is_the_quantization_of_the_transpose(recipe):
         transposed_weight(moekit.group_quantize(w, None, "mxfp8", backend="torch"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_cache_refreshes_the_transposed_copy_in_place(recipe):
+def test_cache_refreshes_the_transposed_copy_in_place(recipe, backend):
     """After an optimizer-style in-place update the cache's transposed copy is rewritten in place (every
-    address kept, as a captured CUDA graph needs) and equals one made fresh; unchanged, it is reused."""
+    address kept, as a captured CUDA graph needs; by the quantization's own call) and equals one made
+    fresh; its version counter moves (a backward that saved the old copy refuses to run); unchanged, it
+    is reused."""
     w = rand(2, 72, 160, seed=43)
     cache = QuantizedWeightCache()
-    w_q, wt = cache.get_transposed(w, [w], recipe, "torch")
+    w_q, wt = cache.get_transposed(w, [w], recipe, backend)
     ptrs = (wt.data.data_ptr(), wt.scale_inv.data_ptr())
     before = wt.data.view(torch.uint8).clone()
-    assert cache.get_transposed(w, [w], recipe, "torch")[1] is wt and cache.refreshes == 1
+    versions = (wt.data._version, wt.scale_inv._version)
+    assert cache.get_transposed(w, [w], recipe, backend)[1] is wt and cache.refreshes == 1
     with torch.no_grad():
         w.mul_(-2.5).add_(0.01)  # what optimizer.step() does: in place, version bumped
-    w_q2, wt2 = cache.get_transposed(w, [w], recipe, "torch")
+    w_q2, wt2 = cache.get_transposed(w, [w], recipe, backend)
+    assert wt2.data._version > versions[0] and wt2.scale_inv._version > versions[1]
     assert cache.refreshes == 2 and w_q2 is w_q
     assert (wt2.data.data_ptr(), wt2.scale_inv.data_ptr()) == ptrs
     assert not torch.equal(wt2.data.view(torch.uint8), before)
@@ -241,7 +246,7 @@ def test_cache_refreshes_the_transposed_copy_in_place(recipe):
     # A plain get() refreshes the kept copy too: it never goes stale.
     with torch.no_grad():
         w.add_(1.0)
-    cache.get(w, [w], recipe, "torch")
+    cache.get(w, [w], recipe, backend)
     assert torch.equal(
         cache.transposed.data.view(torch.uint8), transposed_weight(cache.quantized).data.view(torch.uint8)
     )

@@ -755,21 +755,24 @@ topk_softmax_backward = _entry(_topk_softmax_backward_op, _topk_softmax_backward
 def _group_quantize(backend: str, recipe: str, x: torch.Tensor, offs: torch.Tensor, slot_offs: torch.Tensor,
                     noop: torch.Tensor | None, row_data: torch.Tensor | None, row_scale: torch.Tensor | None,
                     col_data: torch.Tensor | None, col_scale: torch.Tensor | None,
-                    col_segments: bool, index: torch.Tensor | None) -> None:  # fmt: skip
+                    col_segments: bool, index: torch.Tensor | None,
+                    data_t: torch.Tensor | None = None, scale_t: torch.Tensor | None = None) -> None:  # fmt: skip
     """Quantize x into the given storage, in place (`moekit.ops.runtime.quantize_torch.group_quantize_into`;
-    col_segments: the columnwise data in the FP8 wgrad's transposed layout; index: the rows x[index]).
-    The one op here that writes its arguments: `out=` must keep every data pointer, so the storage is
-    an input, declared mutated (torch.compile functionalizes it)."""
+    col_segments: the columnwise data in the FP8 wgrad's transposed layout; index: the rows x[index];
+    data_t, scale_t: a weight's transposed copy too). Storage is an input, declared mutated: `out=` must
+    keep every data pointer (torch.compile functionalizes it)."""
     quantizer = quantizer_of(backend_named(backend))
     if quantizer is None:
         raise ValueError(f"backend {backend!r} cannot quantize")
     quantizer.group_quantize_into(
-        recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale, col_segments, index
+        recipe, x, offs, slot_offs, noop, row_data, row_scale, col_data, col_scale, col_segments, index, data_t, scale_t
     )
 
 
 _group_quantize_op = torch.library.custom_op(
-    "moekit::group_quantize", _group_quantize, mutates_args=("row_data", "row_scale", "col_data", "col_scale")
+    "moekit::group_quantize",
+    _group_quantize,
+    mutates_args=("row_data", "row_scale", "col_data", "col_scale", "data_t", "scale_t"),
 )
 
 
@@ -787,6 +790,8 @@ def _(
     col_scale: torch.Tensor | None,
     col_segments: bool,
     index: torch.Tensor | None,
+    data_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
 ) -> None:
     return None
 

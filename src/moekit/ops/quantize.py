@@ -90,6 +90,7 @@ __all__ = [
     "group_quantize",
     "group_quantize_for_wgrad",
     "group_quantize_reference",
+    "group_quantize_transposed",
     "transposed_weight",
 ]
 
@@ -288,10 +289,12 @@ def _quantize_into(
     storage: dict[str, torch.Tensor | None],
     segments: bool,
     index: torch.Tensor | None = None,
+    transposed: TransposedWeight | None = None,
 ) -> None:
     """The one launch of `group_quantize` and `group_quantize_for_wgrad`: x (made contiguous, as the
     kernels read it) into the storage's forms (`_allocate`'s keys), the columnwise data in the FP8
-    wgrad's layout where `segments`, the rows x[index] where an index is given."""
+    wgrad's layout where `segments`, the rows x[index] where an index is given, a weight's transposed
+    copy into `transposed` where given."""
     x_in = x.detach()
     x_in = x_in.contiguous() if x_in.numel() else x_in.clone(memory_format=torch.contiguous_format)
     library.group_quantize_into(
@@ -307,6 +310,8 @@ def _quantize_into(
         storage["col_scale"],
         segments,
         index,
+        None if transposed is None else transposed.data,
+        None if transposed is None else transposed.scale_inv,
     )
 
 
@@ -331,6 +336,24 @@ def group_quantize(
     noop_flag: a float32 scalar on x's device; 1.0 leaves `out` unchanged (needs out). backend: "auto",
     "loop", "torch" or "triton" (the same bytes). Not differentiable.
     """
+    return _group_quantize(x, m_splits, recipe, rowwise, columnwise, out, noop_flag, backend)
+
+
+def _group_quantize(
+    x: torch.Tensor,
+    m_splits: MSplits | GroupOffsets | None,
+    recipe: str,
+    rowwise: bool,
+    columnwise: bool,
+    out: GroupedTensor | None,
+    noop_flag: torch.Tensor | None,
+    backend: str,
+    transposed: TransposedWeight | None = None,
+) -> GroupedTensor:
+    """`group_quantize`, and with `transposed` (an (N, O, I) weight of TRANSPOSED_RECIPES, storage from
+    `transposed_weight` of the same shapes) the quantization's TransposedWeight written into it by the
+    same call (fp8_block: by the kernel that quantizes the tiles, from the bytes it holds; the FP8
+    weight is not read again)."""
     check_choice("recipe", recipe, tuple(RECIPES))
     info = recipe_named(recipe)
     check_tensor("x", x)
@@ -362,7 +385,12 @@ def group_quantize(
             "col_data": out.columnwise_data,
             "col_scale": out.columnwise_scale_inv,
         }
-    _quantize_into(impl.name, info, x, offs, slot_offs, noop, storage, False)
+    if transposed is not None:
+        _check_transposed(transposed, info, x, storage)
+    _quantize_into(impl.name, info, x, offs, slot_offs, noop, storage, False, transposed=transposed)
+    if transposed is not None and not torch.compiler.is_compiling():
+        for written in transposed:  # rewritten in place by a kernel (as `transposed_weight(out=)` says why)
+            torch.autograd.graph.increment_version(written)
     first_dims = offs.offs[1:] - offs.offs[:-1]
     col_offs = slot_offs if columnwise else None
     if out is None:
@@ -395,6 +423,21 @@ def group_quantize(
             if t is not None:
                 torch.autograd.graph.increment_version(t)
     return out
+
+
+def _check_transposed(
+    transposed: TransposedWeight, info: Recipe, x: torch.Tensor, storage: dict[str, torch.Tensor | None]
+) -> None:
+    """`transposed` as `_group_quantize` writes it: of a weight of TRANSPOSED_RECIPES whose source form
+    (fp8_block's rowwise, fp8_rowwise's columnwise) this call writes, in the transposed shapes."""
+    source = ("row_data", "row_scale") if info.weight_tile is not None else ("col_data", "col_scale")
+    data, scale = storage[source[0]], storage[source[1]]
+    if info.name not in TRANSPOSED_RECIPES or x.dim() != 3 or data is None or scale is None:
+        raise ValueError(f"a transposed copy is written with an (N, O, I) weight's {TRANSPOSED_RECIPES} form")
+    want = ((data.shape[0], data.shape[2], data.shape[1]), (scale.shape[0], scale.shape[2], scale.shape[1]))
+    have = (tuple(transposed.data.shape), tuple(transposed.scale_inv.shape))
+    if have != want or not all(t.is_contiguous() and t.device == x.device for t in transposed):
+        raise ValueError(f"the transposed copy holds {have}; this weight's is {want}, contiguous on {x.device}")
 
 
 def group_quantize_gated(
@@ -825,6 +868,48 @@ def transposed_weight(
     return out
 
 
+def group_quantize_transposed(
+    w_NOI: torch.Tensor,
+    recipe: str,
+    *,
+    out: GroupedTensor | None = None,
+    transposed: TransposedWeight | None = None,
+    noop_flag: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[GroupedTensor, TransposedWeight]:
+    """`group_quantize` of an (N, O, I) weight as the FP8 layer uses it (rowwise, and columnwise where
+    the recipe has a weight's columnwise form) together with its `TransposedWeight`, in one call: the
+    pair `group_quantize(...)` then `transposed_weight(...)` gives, byte for byte (recipes of
+    TRANSPOSED_RECIPES). out / transposed: storage from an earlier call, rewritten in place (every
+    address kept); noop_flag as `group_quantize`'s (needs out, leaves both unchanged at 1.0). On moekit's
+    kernels fp8_block's copy comes from the tiles kernel that quantizes the weight, from the bytes it
+    holds: the FP8 weight is not read a second time."""
+    check_choice("recipe", recipe, TRANSPOSED_RECIPES)
+    check_tensor("w_NOI", w_NOI)
+    if w_NOI.dim() != 3:
+        raise ValueError(f"w_NOI must be an (N, O, I) weight, got shape {tuple(w_NOI.shape)}")
+    info = recipe_named(recipe)
+    if transposed is None:
+        data_shape, scale_shape = _transposed_shapes(info, tuple(w_NOI.shape))
+        transposed = TransposedWeight(
+            torch.empty(data_shape, dtype=FP8_DTYPE, device=w_NOI.device),
+            torch.empty(scale_shape, dtype=info.scale_dtype, device=w_NOI.device),
+        )
+    columnwise = columnwise_defined(info, True)
+    w_q = _group_quantize(w_NOI, None, recipe, True, columnwise, out, noop_flag, backend, transposed=transposed)
+    return w_q, transposed
+
+
+def _transposed_shapes(info: Recipe, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(data, scales) shapes of the TransposedWeight of an (N, O, I) weight of `shape` in `info`'s recipe
+    (fp8_block: its tiles' scales transposed; fp8_rowwise: its columnwise scales transposed)."""
+    if info.weight_tile is not None:
+        scale = rowwise_scale_shape(info, shape)
+    else:
+        scale = columnwise_scale_shape(info, shape, shape[0])
+    return (shape[0], shape[2], shape[1]), (scale[0], scale[2], scale[1])
+
+
 class QuantizedWeightCache:
     """The quantized form of one grouped weight, kept across calls: quantized again only when the weight
     changed, in place (`group_quantize(out=...)`: every address kept, so a captured graph sees the new
@@ -848,7 +933,8 @@ class QuantizedWeightCache:
 
     `get_transposed` also keeps the quantization's `TransposedWeight` (the FP8 dgrad's operand), made
     on the first such call and from then on refreshed with the quantization, in place, under the same
-    rule: one more read and write of the FP8 weight per refresh.
+    rule, by the quantization's own call (on moekit's kernels fp8_block's tiles kernel writes both from
+    the bytes it holds; fp8_rowwise's copy is one more read and write of the FP8 weight).
     """
 
     def __init__(self, track_versions: bool = True) -> None:
@@ -898,23 +984,35 @@ class QuantizedWeightCache:
         if self.quantized is not None and self._fresh(weights, key) and trusted:
             return self.quantized
         cached = self.quantized
-        if (
+        kept = self._kept_transposed(w_NOI, recipe)  # written by the quantization's own call
+        fits = (
             cached is not None
             and cached.recipe == recipe
             and tuple(cached.shape) == tuple(w_NOI.shape)
             and cached.dtype == w_NOI.dtype
             and cached.device == w_NOI.device
-        ):
-            group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, out=cached, backend=backend)
+        )
+        out = cached if fits else None
+        if kept is not None:
+            cached, _ = group_quantize_transposed(w_NOI, recipe, out=out, transposed=kept, backend=backend)
         else:
-            cached = self.quantized = group_quantize(
-                w_NOI, None, recipe, rowwise=True, columnwise=columnwise, backend=backend
-            )
+            cached = group_quantize(w_NOI, None, recipe, rowwise=True, columnwise=columnwise, out=out, backend=backend)
+        self.quantized = cached
         self._key = key
         self._anchors = [weakref.ref(self._anchor(w)) for w in weights]
         self.refreshes += 1
-        self._refresh_transposed(cached, backend)
+        if kept is None:
+            self._refresh_transposed(cached, backend)
         return cached
+
+    def _kept_transposed(self, w_NOI: torch.Tensor, recipe: str) -> TransposedWeight | None:
+        """The kept transposed copy where the quantization of w_NOI in `recipe` can write it in place
+        (the recipe has one, same shapes and device), else None."""
+        t = self.transposed
+        if t is None or recipe not in TRANSPOSED_RECIPES or t.data.device != w_NOI.device:
+            return None
+        data_shape, scale_shape = _transposed_shapes(recipe_named(recipe), tuple(w_NOI.shape))
+        return t if (tuple(t.data.shape), tuple(t.scale_inv.shape)) == (data_shape, scale_shape) else None
 
     def _refresh_transposed(self, cached: GroupedTensor, backend: str) -> None:
         """Bring the kept transposed copy (if any) up to `cached`: in place where it fits, anew where the

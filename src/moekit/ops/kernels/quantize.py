@@ -345,28 +345,60 @@ def rowwise_blocks(
 
 
 @triton.jit
+def _transposed_tile(row_data, r64, rmask, amax, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr, cols,
+                     member_rows, stride_x, MX: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """A weight block's bytes (rows r64 = j0 + i of member n, columns c; amax: the block's maximum), just
+    stored at row_data, also into the transposed weight: t_data[n, c, j0 + i] (an (N, I, O) tensor, O =
+    member_rows) and its scale at t_scale[n, cb, j0 / BLOCK_R] ((N, SI, SO)): the bytes
+    `transpose_weight_kernel` makes from the stored form. The bytes are read back from where the
+    program stored them (after a CTA barrier: another thread stored most of them; an L2 hit, no HBM
+    read) as a (columns, rows) tile and stored along O, the destination's contiguous dimension (16-byte
+    stores where the compiler can prove O a multiple of 16). Why not transpose the quantized tile in
+    registers: the compiler then moves x's bf16 tile through shared memory and quantizes it twice. The
+    scale is computed again by the same rule."""
+    n, j0 = member
+    tl.debug_barrier()
+    back = tl.load(row_data + r64[None, :] * stride_x + c[:, None], mask=cmask[:, None] & rmask[None, :])
+    o = j0 // 16 * 16 + tl.arange(0, BLOCK_R)  # j0 itself (a multiple of BLOCK_R), so that the compiler sees 16 | o
+    ptrs = t_data_ptr + n.to(tl.int64) * member_rows * cols + c.to(tl.int64)[:, None] * member_rows + o[None, :]
+    tl.store(ptrs, back, mask=cmask[:, None] & (o < member_rows)[None, :])  # rmask, by o's alignment
+    if MX:
+        s, _ = _e8m0_scales(amax)
+    else:
+        _, s = fp32_scales(amax)
+    scale_rows = tl.cdiv(member_rows, BLOCK_R)
+    t_scales = t_scale_ptr + (n.to(tl.int64) * tl.cdiv(cols, BLOCK_R) + cb) * scale_rows + j0 // BLOCK_R
+    tl.store(t_scales, s + tl.zeros(cb.shape, s.dtype), mask=cbmask)
+
+
+@triton.jit
 def _tiles_step(
     qi,
     pid,
     r64,
     rmask,
     lmask,
+    member,
     x_ptr,
     row_data_ptr,
     row_scale_ptr,
+    t_data_ptr,
+    t_scale_ptr,
     cols,
     stride_x,
     stride_row_scale,
+    member_rows,
     MX: tl.constexpr,
     ROWWISE: tl.constexpr,
     TILE: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
     """Column tile qi of `quantize_tiles_kernel`'s program pid (rows r64, rmask inside the weight block
-    or row block, lmask also live)."""
+    or row block, lmask also live; member: (n, j0), the weight's member and the block's first row in it)."""
     NB: tl.constexpr = BLOCK_C // TILE_K
     cb = qi * NB + tl.arange(0, NB)
     cbmask = cb < stride_row_scale
@@ -383,6 +415,9 @@ def _tiles_step(
         amax_t = tl.max(tl.max(a, axis=1), axis=0)
         q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
+        if TRANSPOSED:
+            _transposed_tile(row_data_ptr, r64, rmask, amax_t, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr,
+                             cols, member_rows, stride_x, MX, BLOCK_R)  # fmt: skip
     if ROWWISE:
         q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
@@ -396,13 +431,17 @@ def quantize_tiles_kernel(
     noop_ptr,
     row_data_ptr,
     row_scale_ptr,
+    t_data_ptr,
+    t_scale_ptr,
     rows,
     cols,
     num_groups,
     stride_x,
     stride_row_scale,
+    member_rows,
     MX: tl.constexpr,
     TILE: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
     TILE_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -417,30 +456,36 @@ def quantize_tiles_kernel(
     thread, 16-byte loads and stores), columns [q * STEPS * BLOCK_C, ...), STEPS tiles in a pipelined loop
     of STAGES stages (STEPS = 1: one tile, no loop).
     - TILE (NB = BLOCK_C / TILE_K = 1): p is a weight's block of BLOCK_R rows (a slot, `_slot_rows`);
-      one scale per BLOCK_R x TILE_K block, row_scale[slot, cb].
+      one scale per BLOCK_R x TILE_K block, row_scale[slot, cb]. With TRANSPOSED the block's bytes and
+      scale also go to the weight's transposed copy (`_transposed_tile`; member_rows = O), so that the
+      FP8 dgrad's operand needs no second pass over the FP8 weight.
     - otherwise rows [p * BLOCK_R, + BLOCK_R): a row block needs no group (rowwise blocks never cross
       rows), only offs[N], past which rows are padding (zeros); a 1 x TILE_K scale per row and column
       block, row_scale[row, cb]."""
     if _runs(noop_ptr, HAS_NOOP):
         pid, q = _program_order(tl.cdiv(tl.cdiv(cols, BLOCK_C), STEPS), 1)
         if TILE:
-            r, rmask, live_group, _, _, _ = _slot_rows(
+            r, rmask, live_group, g, j0, _ = _slot_rows(
                 pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
             )
             lmask = rmask & live_group
+            member = (g, j0)
         else:
             r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
             rmask = r < rows
             lmask = rmask & (r < tl.load(offs_ptr + num_groups))
+            member = (pid, pid)  # unused
         # int64 addresses: rows * stride passes 2^31 elements at real sizes.
         r64 = r.to(tl.int64)
         q0 = q * STEPS
-        args = (x_ptr, row_data_ptr, row_scale_ptr, cols, stride_x, stride_row_scale)
+        args = (x_ptr, row_data_ptr, row_scale_ptr, t_data_ptr, t_scale_ptr, cols, stride_x, stride_row_scale)
         if STEPS == 1:
-            _tiles_step(q0, pid, r64, rmask, lmask, *args, MX, not TILE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+            _tiles_step(q0, pid, r64, rmask, lmask, member, *args, member_rows,
+                        MX, not TILE, TILE, TRANSPOSED, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)  # fmt: skip
         else:
             for qi in tl.range(q0, tl.minimum(q0 + STEPS, tl.cdiv(cols, BLOCK_C)), num_stages=STAGES):
-                _tiles_step(qi, pid, r64, rmask, lmask, *args, MX, not TILE, TILE, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)
+                _tiles_step(qi, pid, r64, rmask, lmask, member, *args, member_rows,
+                            MX, not TILE, TILE, TRANSPOSED, TILE_K, BLOCK_R, BLOCK_C, HW_E4M3)  # fmt: skip
 
 
 @triton.jit

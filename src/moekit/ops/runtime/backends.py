@@ -193,10 +193,13 @@ class GroupQuantizer(Protocol):
         col_scale: torch.Tensor | None,
         col_segments: bool = False,
         index: torch.Tensor | None = None,
+        data_t: torch.Tensor | None = None,
+        scale_t: torch.Tensor | None = None,
     ) -> None:
         """Quantize x (rows in groups `offs`, or an (N, O, I) weight) into the given storage; with
         col_segments the columnwise data in the FP8 wgrad's transposed layout (X, pitch); with index
-        ((M,) rows of x, the columnwise form asked) the rows x[index], never written out."""
+        ((M,) rows of x, the columnwise form asked) the rows x[index], never written out; with data_t
+        and scale_t a weight's transposed copy too (`quantize_torch.group_quantize_into`)."""
 
     def group_dequantize(
         self,

@@ -396,10 +396,13 @@ ZERO_ROWS_TILE = (64, 128)
 
 
 # Grouped FP8 quantization (kernels.quantize). The tiles kernel (rowwise alone, a weight's blocks), by
-# (the format's block side TILE_K, form): (BLOCK_R, BLOCK_C, warps, STEPS, STAGES). Forms: "rows"
-# (rowwise alone: any BLOCK_R, the rows need no group), "tile" (fp8_block's 128 x 128 weight blocks). A
-# program holds one 2-D tile read once (8-32 KB of bf16). What keeps HBM busy is the bytes in flight an
-# SM: the registers allow many programs an SM, so a program is one tile with no loop (STEPS = 1). Under
+# (the format's block side TILE_K, form): (BLOCK_R, BLOCK_C, warps, STEPS, STAGES, MAXNREG). Forms:
+# "rows" (rowwise alone: any BLOCK_R, the rows need no group), "tile" (fp8_block's 128 x 128 weight
+# blocks, with or without the weight's transposed copy). A program holds one 2-D tile read once (8-32 KB
+# of bf16). What keeps HBM busy is the bytes in flight an SM: the registers allow many programs an SM,
+# so a program is one tile with no loop (STEPS = 1). MAXNREG as the slots kernel's (below): the tile
+# form at 64 keeps two programs of 16 warps an SM with the transposed copy (82 registers uncapped,
+# none spilled at 64: ptxas -v, `tools/quantize_ptx.py`). Under
 # the interpreter: small tiles and a loop, so that CPU tests cover several tiles of a block row, the
 # loop, and blocks cut by the edges.
 # The slots kernel (the columnwise form, with or without the rowwise), by (TILE_K, layout of the
@@ -428,21 +431,21 @@ ZERO_ROWS_TILE = (64, 128)
 # fp8_rowwise's whole-row kernel (rowwise alone) walks (BLOCK_ROWS rows, BLOCK_COLS columns) chunks when
 # a row does not fit a program (QUANTIZE_CHUNKS); tiny chunks under the interpreter so that CPU tests
 # cover several chunks of a row.
-QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int]]] = {
+QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, int]]] = {
     "sm90": {
-        (32, "rows"): (32, 128, 4, 1, 1),
-        (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "tile"): (128, 128, 16, 1, 1),
+        (32, "rows"): (32, 128, 4, 1, 1, 0),
+        (128, "rows"): (32, 128, 4, 1, 1, 0),
+        (128, "tile"): (128, 128, 16, 1, 1, 64),
     },
     "sm80": {
-        (32, "rows"): (32, 128, 4, 1, 1),
-        (128, "rows"): (32, 128, 4, 1, 1),
-        (128, "tile"): (128, 128, 16, 1, 1),
+        (32, "rows"): (32, 128, 4, 1, 1, 0),
+        (128, "rows"): (32, 128, 4, 1, 1, 0),
+        (128, "tile"): (128, 128, 16, 1, 1, 0),
     },
     "interpreter": {
-        (32, "rows"): (16, 64, 4, 1, 1),
-        (128, "rows"): (16, 128, 4, 2, 1),
-        (128, "tile"): (128, 128, 4, 1, 1),
+        (32, "rows"): (16, 64, 4, 1, 1, 0),
+        (128, "rows"): (16, 128, 4, 2, 1, 0),
+        (128, "tile"): (128, 128, 4, 1, 1, 0),
     },
 }
 QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, int]]] = {

@@ -104,7 +104,8 @@ class _Problem(NamedTuple):
     """One `group_quantize_into` problem as its plans see it: x as given ((M, X) rows or an (N, O, I)
     weight), x2 its 2-D view, rows M (x2's, or the index's when the rows are gathered from x2), N
     groups, the forms asked (rowwise, columnwise, a noop flag, the wgrad's segments, rows gathered by
-    an index) and the segments' row pitch (0 without them)."""
+    an index), the segments' row pitch (0 without them), and whether a weight's transposed copy is
+    written by the same launch (fp8_block's 128 x 128 tiles)."""
 
     x: torch.Tensor
     x2: torch.Tensor
@@ -112,6 +113,7 @@ class _Problem(NamedTuple):
     num_groups: int
     forms: tuple[bool, bool, bool, bool, bool]
     pitch: int
+    transposed: bool = False
 
 
 def _num_slots(info: Recipe, x: torch.Tensor, rows: int, tile_rows: int, num_groups: int) -> int:
@@ -131,7 +133,7 @@ def hw_e4m3(device: torch.device) -> bool:
 
 def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
     """The launches of one problem in `info`'s recipe."""
-    x, x2, rows, num_groups, forms, pitch = problem
+    x, x2, rows, num_groups, forms, pitch, transposed = problem
     rowwise, columnwise, has_noop, segments, gather = forms
     cols = x2.shape[1]
     arch = arch_of(x2.device)
@@ -178,7 +180,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
             return QuantizePlan(None, slots if slot_grid[0] and slot_grid[1] else None, None, None, None)
         tile = info.weight_tile is not None and x.dim() == 3
         form = "tile" if tile else "rows"
-        block_r, block_c, warps, steps, stages = QUANTIZE_TILES[arch][(tile_k, form)]
+        block_r, block_c, warps, steps, stages, maxnreg = QUANTIZE_TILES[arch][(tile_k, form)]
         if block_c % tile_k or (form == "tile" and (block_r != tile_m or block_c != tile_k)):
             raise RuntimeError(
                 f"QUANTIZE_TILES[{arch!r}][{(tile_k, form)}] = {(block_r, block_c)} does not fit {info.name}'s "
@@ -189,10 +191,11 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
         launch = LaunchPlan(
             _TILES,
             (programs,),
-            (*ints, stride_scale),
+            (*ints, stride_scale, x.shape[1] if tile else 0),
             dict(
                 MX=info.scale_dtype != torch.float32,
                 TILE=tile,
+                TRANSPOSED=tile and transposed,
                 TILE_K=tile_k,
                 BLOCK_R=block_r,
                 BLOCK_C=block_c,
@@ -202,6 +205,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
                 BLOCK_GROUPS=block_groups(num_groups),
                 HW_E4M3=hw,
                 num_warps=warps,
+                **({"maxnreg": maxnreg} if maxnreg else {}),
             ),
         )
         return QuantizePlan(launch if programs else None, None, None, None, None)
@@ -271,7 +275,7 @@ def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> Quant
     to do. Rows gathered by an index: its GATHER form (cp.async copies instead of TMA boxes) where the
     table has a "-gathered" entry. A persistent launch: `programs an SM` x the SMs, at most one a work
     item."""
-    x, x2, rows, num_groups, forms, pitch = problem
+    x, x2, rows, num_groups, forms, pitch, _ = problem
     rowwise, _, has_noop, segments, gather = forms
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments, gather)
     if entry is None or rows >= 2**31 - 2**20:
@@ -339,13 +343,18 @@ def group_quantize_into(
     col_scale: torch.Tensor | None,
     col_segments: bool = False,
     index: torch.Tensor | None = None,
+    data_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
 ) -> None:
     """`moekit.ops.runtime.quantize_torch.group_quantize_into` by moekit's kernels: the same arguments
     (x (M, X) or an (N, O, I) weight with unit last stride and contiguous rows; outputs contiguous, in
     the shapes `moekit.grouped_tensor` gives them; col_segments: col_data (X, segment_pitch(M, N)),
     written on the columns in use only; index: (M,) contiguous integer rows of x, the columnwise form
-    asked), the same bytes. With index the Triton kernels read each row where it lies in x (the Gluon
-    kernel's TMA boxes cannot gather rows). No host read of offs, slot_offs, noop or index."""
+    asked; data_t, scale_t: the weight's transposed copy), the same bytes. With index the Triton kernels
+    read each row where it lies in x (the Gluon kernel's TMA boxes cannot gather rows). fp8_block's
+    transposed copy is written by the tiles kernel from the bytes it holds (no second read of the FP8
+    weight); fp8_rowwise's by `transpose_weight_into` after the quantization. No host read of offs,
+    slot_offs, noop or index."""
     info = recipe_named(recipe)
     check_triton_device(x)
     x2 = x.reshape(-1, x.shape[-1])
@@ -364,16 +373,23 @@ def group_quantize_into(
                 f"col_segments takes (M, X) rows and col_data (X, {pitch}) (the wgrad's layout), got x "
                 f"{tuple(x.shape)} and col_data {tuple(col_data.shape)}"
             )
+    transposed = data_t is not None
+    if transposed and (scale_t is None or x.dim() != 3):
+        raise ValueError("a transposed copy is made of an (N, O, I) weight, into data_t and scale_t both")
+    # fp8_block's copy comes from the tiles the kernel quantizes (its rowwise form); another recipe's
+    # from its stored form afterwards.
+    fused = transposed and info.weight_tile is not None and row_data is not None
     forms = (row_data is not None, col_data is not None, noop is not None, segments, gather)
-    key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms, rows)
-    key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop, index))
-    problem = _Problem(x, x2, rows, num_groups, forms, pitch)
+    key: tuple = (info.name, tensor_key(x), tensor_key(offs), tensor_key(slot_offs), forms, rows, fused)
+    key += tuple(tensor_key(t) for t in (row_data, row_scale, col_data, col_scale, noop, index, data_t, scale_t))
+    problem = _Problem(x, x2, rows, num_groups, forms, pitch, fused)
     plan = plan_launch("group_quantize", key, lambda: _plan(info, problem))
     noop_arg = noop if noop is not None else offs
     index_arg = index if index is not None else offs  # a pointer never read without GATHER
     with device_ctx(x.device):
         if plan.tiles is not None:
-            plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2))
+            t_args = (_u8(data_t, x2), _u8(scale_t, x2)) if fused else (x2, x2)  # never read without TRANSPOSED
+            plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2), *t_args)
         if plan.slots is not None:
             groups: tuple[torch.Tensor, ...] = (index_arg, offs, slot_offs)
             if plan.records is not None:  # the Gluon kernel reads its slots' rows from a table
@@ -400,6 +416,12 @@ def group_quantize_into(
             plan.amax(x2, index_arg, offs, noop_arg, row_amax, col_amax)
             outputs = (_u8(row_data, x2), _u8(row_scale, x2), _u8(col_data, x2), _u8(col_scale, x2))
             plan.spans(x2, index_arg, offs, noop_arg, row_amax, col_amax, *outputs)
+    if transposed and not fused:
+        assert scale_t is not None and data_t is not None  # transposed
+        source = (row_data, row_scale) if info.weight_tile is not None else (col_data, col_scale)
+        if source[0] is None or source[1] is None:
+            raise ValueError(f"{info.name}'s transposed copy is made from a form this call does not write")
+        transpose_weight_into(recipe, source[0], source[1], data_t, scale_t)
 
 
 def _dequantize_plan(

@@ -203,6 +203,8 @@ def group_quantize_into(
     col_scale: torch.Tensor | None,
     col_segments: bool = False,
     index: torch.Tensor | None = None,
+    data_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
 ) -> None:
     """Quantize x into the given storage (allocated by `moekit.ops.quantize.group_quantize` in the shapes
     of `moekit.grouped_tensor`). x: (M, X) rows whose groups are `offs` (N+1,), rows past offs[N] padding
@@ -213,8 +215,13 @@ def group_quantize_into(
     its columns past the last segment are written as zeros here, left unwritten by the kernels), the
     scales as ever. index (rows only, with the columnwise form): (M,) integer rows of x, every entry a
     row of x: the rows quantized are x[index] (M, X), never written out (x: the (T, X) rows they are
-    gathered from). Every argument on x's device; nothing is read by the host."""
+    gathered from). data_t, scale_t (a weight only, both or neither): the quantization's transposed copy
+    (`moekit.ops.quantize.TransposedWeight`: `transpose_weight_into` of fp8_block's rowwise form, another
+    recipe's columnwise form) written too, under the same noop flag. Every argument on x's device;
+    nothing is read by the host."""
     info = recipe_named(recipe)
+    if (data_t is None) != (scale_t is None) or (data_t is not None and x.dim() != 3):
+        raise ValueError("a transposed copy is made of an (N, O, I) weight, into data_t and scale_t both")
     if index is not None:
         if x.dim() != 2 or col_data is None:
             raise ValueError("index gathers (M, X) rows for the columnwise form; got no columnwise output or a weight")
@@ -235,6 +242,12 @@ def group_quantize_into(
             data, scale = _weight_columns(info, x32, info.block_rows)
             _write(col_data, data, skip)
             _write(col_scale, scale, skip)
+        if data_t is not None and scale_t is not None:
+            source = (row_data, row_scale) if info.weight_tile is not None else (col_data, col_scale)
+            if source[0] is None or source[1] is None:
+                raise ValueError(f"{info.name}'s transposed copy is made from a form this call does not write")
+            _write(data_t, source[0].transpose(1, 2), skip)
+            _write(scale_t, source[1].transpose(1, 2), skip)
         return
     rows = x32.shape[0]
     live = torch.arange(rows, device=x.device) < offs[-1]
