@@ -345,30 +345,25 @@ def rowwise_blocks(
 
 
 @triton.jit
-def _transposed_tile(row_data, r64, rmask, amax, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr, cols,
-                     member_rows, stride_x, MX: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """A weight block's bytes (rows r64 = j0 + i of member n, columns c; amax: the block's maximum), just
-    stored at row_data, also into the transposed weight: t_data[n, c, j0 + i] (an (N, I, O) tensor, O =
-    member_rows) and its scale at t_scale[n, cb, j0 / BLOCK_R] ((N, SI, SO)): the bytes
-    `transpose_weight_kernel` makes from the stored form. The bytes are read back from where the
-    program stored them (after a CTA barrier: another thread stored most of them; an L2 hit, no HBM
-    read) as a (columns, rows) tile and stored along O, the destination's contiguous dimension (16-byte
+def _transposed_tile(row_data, scales, r64, rmask, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr, cols,
+                     member_rows, stride_x, BLOCK_R: tl.constexpr):  # fmt: skip
+    """A weight block's bytes (rows r64 = j0 + i of member n, columns c) and its scale, just stored at
+    row_data and scales[cb], also into the transposed weight: t_data[n, c, j0 + i] (an (N, I, O)
+    tensor, O = member_rows) and t_scale[n, cb, j0 / BLOCK_R] ((N, SI, SO)): the bytes
+    `transpose_weight_kernel` makes from the stored form. Both are read back from where the program
+    stored them, after a CTA barrier (other threads stored most of them; L2 hits, no HBM read), the
+    bytes as a (columns, rows) tile stored along O, the destination's contiguous dimension (16-byte
     stores where the compiler can prove O a multiple of 16). Why not transpose the quantized tile in
-    registers: the compiler then moves x's bf16 tile through shared memory and quantizes it twice. The
-    scale is computed again by the same rule."""
+    registers: the compiler then moves x's bf16 tile through shared memory and quantizes it twice."""
     n, j0 = member
     tl.debug_barrier()
     back = tl.load(row_data + r64[None, :] * stride_x + c[:, None], mask=cmask[:, None] & rmask[None, :])
     o = j0 // 16 * 16 + tl.arange(0, BLOCK_R)  # j0 itself (a multiple of BLOCK_R), so that the compiler sees 16 | o
     ptrs = t_data_ptr + n.to(tl.int64) * member_rows * cols + c.to(tl.int64)[:, None] * member_rows + o[None, :]
     tl.store(ptrs, back, mask=cmask[:, None] & (o < member_rows)[None, :])  # rmask, by o's alignment
-    if MX:
-        s, _ = _e8m0_scales(amax)
-    else:
-        _, s = fp32_scales(amax)
     scale_rows = tl.cdiv(member_rows, BLOCK_R)
     t_scales = t_scale_ptr + (n.to(tl.int64) * tl.cdiv(cols, BLOCK_R) + cb) * scale_rows + j0 // BLOCK_R
-    tl.store(t_scales, s + tl.zeros(cb.shape, s.dtype), mask=cbmask)
+    tl.store(t_scales, tl.load(scales + cb, mask=cbmask), mask=cbmask)
 
 
 @triton.jit
@@ -416,8 +411,9 @@ def _tiles_step(
         q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
         if TRANSPOSED:
-            _transposed_tile(row_data_ptr, r64, rmask, amax_t, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr,
-                             cols, member_rows, stride_x, MX, BLOCK_R)  # fmt: skip
+            scales = row_scale_ptr + pid * stride_row_scale
+            _transposed_tile(row_data_ptr, scales, r64, rmask, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr,
+                             cols, member_rows, stride_x, BLOCK_R)  # fmt: skip
     if ROWWISE:
         q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
         tl.store(row_data_ptr + elem, q, mask=mask)
