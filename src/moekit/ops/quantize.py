@@ -73,7 +73,7 @@ from moekit.grouped_tensor import (
 )
 from moekit.ops import library
 from moekit.ops.runtime.backends import select_quantizer
-from moekit.ops.runtime.quantize_torch import segment_pitch
+from moekit.ops.runtime.quantize_torch import segment_pitch, transposed_source
 from moekit.ops.splits import GroupOffsets, MSplits, resolve_splits
 from moekit.validation import check_bool, check_choice, check_compute_dtype, check_tensor
 
@@ -386,7 +386,7 @@ def _group_quantize(
             "col_scale": out.columnwise_scale_inv,
         }
     if transposed is not None:
-        _check_transposed(transposed, info, x, storage)
+        _check_transposed(transposed, info, x)
     _quantize_into(impl.name, info, x, offs, slot_offs, noop, storage, False, transposed=transposed)
     if transposed is not None and not torch.compiler.is_compiling():
         for written in transposed:  # rewritten in place by a kernel (as `transposed_weight(out=)` says why)
@@ -425,16 +425,10 @@ def _group_quantize(
     return out
 
 
-def _check_transposed(
-    transposed: TransposedWeight, info: Recipe, x: torch.Tensor, storage: dict[str, torch.Tensor | None]
-) -> None:
-    """`transposed` as `_group_quantize` writes it: of a weight of TRANSPOSED_RECIPES whose source form
-    (fp8_block's rowwise, fp8_rowwise's columnwise) this call writes, in the transposed shapes."""
-    source = ("row_data", "row_scale") if info.weight_tile is not None else ("col_data", "col_scale")
-    data, scale = storage[source[0]], storage[source[1]]
-    if info.name not in TRANSPOSED_RECIPES or x.dim() != 3 or data is None or scale is None:
-        raise ValueError(f"a transposed copy is written with an (N, O, I) weight's {TRANSPOSED_RECIPES} form")
-    want = ((data.shape[0], data.shape[2], data.shape[1]), (scale.shape[0], scale.shape[2], scale.shape[1]))
+def _check_transposed(transposed: TransposedWeight, info: Recipe, x: torch.Tensor) -> None:
+    """`transposed` as `_group_quantize` writes it: the copy of an (N, O, I) weight x of TRANSPOSED_RECIPES
+    (`group_quantize_transposed` checked both), in the transposed shapes, contiguous on x's device."""
+    want = _transposed_shapes(info, tuple(x.shape))
     have = (tuple(transposed.data.shape), tuple(transposed.scale_inv.shape))
     if have != want or not all(t.is_contiguous() and t.device == x.device for t in transposed):
         raise ValueError(f"the transposed copy holds {have}; this weight's is {want}, contiguous on {x.device}")
@@ -821,13 +815,8 @@ def _transposed_source(w_q: GroupedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (N, O, I) data and scales that `transposed_weight` transposes."""
     if w_q.recipe not in TRANSPOSED_RECIPES:
         raise ValueError(f"a transposed weight is made for {TRANSPOSED_RECIPES}, not {w_q.recipe!r}")
-    rowwise = w_q.recipe == "fp8_block"
-    data = w_q.rowwise_data if rowwise else w_q.columnwise_data
-    scale = w_q.rowwise_scale_inv if rowwise else w_q.columnwise_scale_inv
-    if data is None or scale is None or data.dim() != 3:
-        form = "rowwise" if rowwise else "columnwise"
-        raise ValueError(f"{w_q.recipe}'s transposed weight is made from an (N, O, I) weight's {form} form")
-    return data, scale
+    row_data, row_scale, col_data, col_scale = w_q.storage()[2:6]
+    return transposed_source(w_q.recipe, row_data, row_scale, col_data, col_scale)
 
 
 def transposed_weight(

@@ -71,7 +71,12 @@ from moekit.ops.runtime.launch import (
     tma_ok,
     unavailable_reason,
 )
-from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS, segment_pitch
+from moekit.ops.runtime.quantize_torch import (
+    SEGMENT_COLUMNS,
+    check_transposed_outputs,
+    segment_pitch,
+    transposed_source,
+)
 
 _TILES = Launcher(quantize_tiles_kernel)
 _SLOTS = Launcher(quantize_slots_kernel)
@@ -373,9 +378,7 @@ def group_quantize_into(
                 f"col_segments takes (M, X) rows and col_data (X, {pitch}) (the wgrad's layout), got x "
                 f"{tuple(x.shape)} and col_data {tuple(col_data.shape)}"
             )
-    transposed = data_t is not None
-    if transposed and (scale_t is None or x.dim() != 3):
-        raise ValueError("a transposed copy is made of an (N, O, I) weight, into data_t and scale_t both")
+    transposed = check_transposed_outputs(x, data_t, scale_t)
     # fp8_block's copy comes from the tiles the kernel quantizes (its rowwise form); another recipe's
     # from its stored form afterwards.
     fused = transposed and info.weight_tile is not None and row_data is not None
@@ -418,10 +421,9 @@ def group_quantize_into(
             plan.spans(x2, index_arg, offs, noop_arg, row_amax, col_amax, *outputs)
     if transposed and not fused:
         assert scale_t is not None and data_t is not None  # transposed
-        source = (row_data, row_scale) if info.weight_tile is not None else (col_data, col_scale)
-        if source[0] is None or source[1] is None:
-            raise ValueError(f"{info.name}'s transposed copy is made from a form this call does not write")
-        transpose_weight_into(recipe, source[0], source[1], data_t, scale_t)
+        transpose_weight_into(
+            recipe, *transposed_source(recipe, row_data, row_scale, col_data, col_scale), data_t, scale_t
+        )
 
 
 def _dequantize_plan(

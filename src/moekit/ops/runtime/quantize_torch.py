@@ -191,6 +191,33 @@ def _write(dst: torch.Tensor | None, new: torch.Tensor, skip: torch.Tensor | Non
         _as_bits(dst).copy_(torch.where(skip, _as_bits(dst), _as_bits(new)))
 
 
+def transposed_source(
+    recipe: str,
+    row_data: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    col_data: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (data, scales) of a weight's quantization that its transposed copy
+    (`moekit.ops.quantize.TransposedWeight`) transposes: fp8_block's rowwise tiles (a tile's transpose
+    has the same scale), another recipe's columnwise form (per-column scales, one per output column of
+    the dgrad); one line naming the form where it is absent."""
+    rowwise = recipe_named(recipe).weight_tile is not None
+    data, scale = (row_data, row_scale) if rowwise else (col_data, col_scale)
+    if data is None or scale is None or data.dim() != 3:
+        form = "rowwise" if rowwise else "columnwise"
+        raise ValueError(f"{recipe}'s transposed weight is made from an (N, O, I) weight's {form} form")
+    return data, scale
+
+
+def check_transposed_outputs(x: torch.Tensor, data_t: torch.Tensor | None, scale_t: torch.Tensor | None) -> bool:
+    """Whether a `group_quantize_into` call writes a transposed copy (data_t and scale_t both given, of an
+    (N, O, I) weight x); one line where they are given otherwise."""
+    if (data_t is None) != (scale_t is None) or (data_t is not None and x.dim() != 3):
+        raise ValueError("a transposed copy is made of an (N, O, I) weight, into data_t and scale_t both")
+    return data_t is not None
+
+
 def group_quantize_into(
     recipe: str,
     x: torch.Tensor,
@@ -220,8 +247,7 @@ def group_quantize_into(
     recipe's columnwise form) written too, under the same noop flag. Every argument on x's device;
     nothing is read by the host."""
     info = recipe_named(recipe)
-    if (data_t is None) != (scale_t is None) or (data_t is not None and x.dim() != 3):
-        raise ValueError("a transposed copy is made of an (N, O, I) weight, into data_t and scale_t both")
+    transposed = check_transposed_outputs(x, data_t, scale_t)
     if index is not None:
         if x.dim() != 2 or col_data is None:
             raise ValueError("index gathers (M, X) rows for the columnwise form; got no columnwise output or a weight")
@@ -242,12 +268,10 @@ def group_quantize_into(
             data, scale = _weight_columns(info, x32, info.block_rows)
             _write(col_data, data, skip)
             _write(col_scale, scale, skip)
-        if data_t is not None and scale_t is not None:
-            source = (row_data, row_scale) if info.weight_tile is not None else (col_data, col_scale)
-            if source[0] is None or source[1] is None:
-                raise ValueError(f"{info.name}'s transposed copy is made from a form this call does not write")
-            _write(data_t, source[0].transpose(1, 2), skip)
-            _write(scale_t, source[1].transpose(1, 2), skip)
+        if transposed:
+            data, scale = transposed_source(recipe, row_data, row_scale, col_data, col_scale)
+            _write(data_t, data.transpose(1, 2), skip)
+            _write(scale_t, scale.transpose(1, 2), skip)
         return
     rows = x32.shape[0]
     live = torch.arange(rows, device=x.device) < offs[-1]
