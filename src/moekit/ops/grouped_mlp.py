@@ -64,6 +64,7 @@ from moekit.ops.runtime.backends import (
     backend_named,
     fused_mlp_of,
     gated_quantize_unavailable_reason,
+    held_columns_unavailable_reason,
     quantized_gated_fc1_of,
     select_backend,
     select_quantizer,
@@ -207,6 +208,11 @@ def quantized_mlp_of_backends(
         )
         is None
     )
+    fc2_fp8_wgrad = fc2_fp8 and fp8_wgrad_compute(fc2_impl, recipe, a_like)
+    # fc2's wgrad operand quantized from the held h by the gated kernel, the activation never written.
+    held_columns = (
+        gated_triton and quantized_wgrad and fc2_fp8_wgrad and held_columns_unavailable_reason(recipe) is None
+    )
     fused1, fused2 = fused_mlp_of(fc1_impl), fused_mlp_of(fc2_impl)
     routed_hp_wgrad = not quantized_wgrad and route is not None
     spec = QuantizedMlpSpec(
@@ -217,12 +223,13 @@ def quantized_mlp_of_backends(
         fc1_fp8=fc1_fp8,
         fc1_fp8_wgrad=fc1_fp8 and fp8_wgrad_compute(fc1_impl, recipe, x),
         fc2_fp8=fc2_fp8,
-        fc2_fp8_wgrad=fc2_fp8 and fp8_wgrad_compute(fc2_impl, recipe, a_like),
+        fc2_fp8_wgrad=fc2_fp8_wgrad,
         glu_interleave_size=glu_interleave_size,
         activation=activation,
         gated_triton=gated_triton,
         gated_quantize=gated_quantize,
         fc1_gated_epilogue=fc1_gated_epilogue,
+        held_columns=held_columns,
         fc2_bias_fused=fused2 is not None,
         quantized_wgrad=quantized_wgrad,
         fc1_wgrad_x_rows=routed_hp_wgrad and fused1 is not None and fused1.gathered_wgrad_pays(x, ffn),

@@ -678,6 +678,46 @@ def _(
 gated_quantize_into = _entry(_gated_quantize_op, _gated_quantize)
 
 
+def _held_columns(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None, offs: torch.Tensor,
+                  slot_offs: torch.Tensor, glu_block: int, activation: str, recipe: str, dtype: torch.dtype,
+                  gate_limit: float, up_limit: float, col_data: torch.Tensor,
+                  col_scale: torch.Tensor) -> None:  # fmt: skip
+    """The columnwise quantization of `held_gated_forward`'s activation into the FP8 wgrad's segments,
+    into the given storage (`moekit.ops.runtime.gated.held_columns_into`); the storage is declared
+    mutated, as `group_quantize_into`'s."""
+    backends.held_columns_into(
+        h_data, h_scale, probs_M, offs, slot_offs, glu_block, activation, recipe, dtype, gate_limit, up_limit,
+        col_data, col_scale,
+    )  # fmt: skip
+
+
+_held_columns_op = torch.library.custom_op(
+    "moekit::held_columns", _held_columns, mutates_args=("col_data", "col_scale")
+)
+
+
+@_held_columns_op.register_fake
+def _(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    dtype: torch.dtype,
+    gate_limit: float,
+    up_limit: float,
+    col_data: torch.Tensor,
+    col_scale: torch.Tensor,
+) -> None:
+    return None
+
+
+held_columns_into = _entry(_held_columns_op, _held_columns)
+
+
 # --------------------------------------------------------------------------------------------------
 # Row movement
 # --------------------------------------------------------------------------------------------------

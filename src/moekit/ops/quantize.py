@@ -639,6 +639,36 @@ def group_quantize_for_wgrad(
     return row_q, SegmentedColumns(col_data, col_scale, rows)
 
 
+def group_quantize_held_columns(
+    h_q: GroupedTensor,
+    offs: GroupOffsets,
+    probs_M: torch.Tensor | None,
+    glu_block: int,
+    activation: str,
+    gate_limit: float,
+    up_limit: float,
+) -> SegmentedColumns:
+    """The FP8 wgrad's columnwise operand of a = the gated activation of h (* probs) in h_q's dtype, h_q
+    the rowwise quantization of h's held form (clamps gate_limit / up_limit, 0 for none): the bytes of
+    `group_quantize_for_wgrad(held_gated_activation(h_q, ...), offs, recipe)[1]`, from one read of h_q's
+    FP8 bytes by moekit's gated kernel, a never written in h's dtype. For the quantized MLP's backward
+    (fc2's wgrad operand), on checked arguments, where `held_columns_unavailable_reason` accepts the
+    recipe (mxfp8, fp8_block)."""
+    data, scale, recipe = h_q.rowwise_data, h_q.rowwise_scale_inv, h_q.recipe
+    assert data is not None and scale is not None and recipe is not None  # a rowwise quantization
+    info = recipe_named(recipe)
+    rows, ffn = data.shape[0], data.shape[1] // 2
+    num = offs.num_groups
+    col_data = torch.empty((ffn, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=data.device)
+    col_scale = torch.empty(columnwise_scale_shape(info, (rows, ffn), num), dtype=info.scale_dtype, device=data.device)
+    slot_offs = _slot_offsets(info, data, offs)
+    library.held_columns_into(
+        data, scale, probs_M, offs.offs, slot_offs, glu_block, activation, recipe, h_q.dtype, gate_limit, up_limit,
+        col_data, col_scale,
+    )  # fmt: skip
+    return SegmentedColumns(col_data, col_scale, rows)
+
+
 def group_dequantize(gt: GroupedTensor, *, columnwise: bool = False, backend: str = "auto") -> torch.Tensor:
     """The quantized tensor back in its dtype and shape ((M, X) rows, or the (N, O, I) weight), data *
     scale_inv of the rowwise (or columnwise) storage: `gt.dequantize(columnwise)`'s bytes (the product in

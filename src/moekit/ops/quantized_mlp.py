@@ -114,6 +114,7 @@ from moekit.ops.quantize import (
     group_quantize_for_wgrad,
     group_quantize_gated,
     group_quantize_gathered,
+    group_quantize_held_columns,
     rowwise_grouped,
 )
 from moekit.ops.rows import ExpertRoute
@@ -122,19 +123,20 @@ from moekit.ops.splits import GroupOffsets
 
 @dataclass(frozen=True)
 class QuantizedMlpSpec:
-    """What the nodes need besides tensors: the recipe and the quantizer (a backend name, as
-    `select_quantizer` gives it), each linear's backend and FP8 paths (`fp8_compute`, `fp8_wgrad_compute`
-    for fc1 and fc2), the activation with its GLU block, whether the gated activation runs on moekit's
-    kernel (`gated_on_kernel`) and whether it also quantizes its output and h in that pass
-    (`gated_quantize`: `moekit.ops.quantize.group_quantize_gated`), whether fc1's FP8 GEMM makes both
-    quantizations in its epilogue instead, h never written (`fc1_gated_epilogue`: the backend's
-    `QuantizedGatedFc1` capability takes this problem), whether fc2's bias gradient and d probs' bias term
-    come from one pass of the backend's `FusedMLP.dbias_and_dot` (`fc2_bias_fused`: d out's token rows
-    read in place), whether the weight gradients come from the quantized operands (`quantized_wgrad`) or
-    from the unquantized ones in x's dtype, and then whether fc1's reads x's token rows / fc2's reads d
-    out's token rows through the route in its loads (`fc1_wgrad_x_rows`, `fc2_wgrad_dy_rows`: the backend's
-    `FusedMLP` says where that beats gathering them first), and how many tensors each parameter comes in (1
-    grouped tensor or N)."""
+    """What the nodes need besides tensors: the recipe and the quantizer (a backend name, as `select_quantizer`
+    gives it), each linear's backend and FP8 paths (`fp8_compute`, `fp8_wgrad_compute` for fc1 and fc2), the
+    activation with its GLU block, whether the gated activation runs on moekit's kernel (`gated_on_kernel`)
+    and whether it also quantizes its output and h in that pass (`gated_quantize`:
+    `moekit.ops.quantize.group_quantize_gated`), whether fc1's FP8 GEMM makes both quantizations in its
+    epilogue instead, h never written (`fc1_gated_epilogue`: the backend's `QuantizedGatedFc1` capability
+    takes this problem), whether the backward's gated kernel quantizes the recomputed activation columnwise
+    for fc2's FP8 wgrad itself (`held_columns`: `moekit.ops.quantize.group_quantize_held_columns`, the
+    activation never written), whether fc2's bias gradient and d probs' bias term come from one pass of the
+    backend's `FusedMLP.dbias_and_dot` (`fc2_bias_fused`: d out's token rows read in place), whether the
+    weight gradients come from the quantized operands (`quantized_wgrad`) or from the unquantized ones in
+    x's dtype, and then whether fc1's reads x's token rows / fc2's reads d out's token rows through the
+    route in its loads (`fc1_wgrad_x_rows`, `fc2_wgrad_dy_rows`: the backend's `FusedMLP` says where that
+    beats gathering them first), and how many tensors each parameter comes in (1 grouped tensor or N)."""
 
     recipe: str
     quantizer: str
@@ -149,6 +151,7 @@ class QuantizedMlpSpec:
     gated_triton: bool
     gated_quantize: bool
     fc1_gated_epilogue: bool
+    held_columns: bool
     fc2_bias_fused: bool
     quantized_wgrad: bool
     fc1_wgrad_x_rows: bool
@@ -465,7 +468,20 @@ class _QuantizedGatedFc2Fn(torch.autograd.Function):
             dy_q, dy_cols = group_quantize_gathered(dy_MH, dy_index, go, recipe, quantizer, route.use_triton), None
         else:
             dy_q, dy_cols = group_quantize(dy_MH, go, recipe, backend=quantizer), None
-        if need_w:
+        if need_w and spec.held_columns:
+            # The wgrad's operand a, computed again from the held h and quantized columnwise in one pass.
+            assert dy_cols is not None  # columnwise
+            act = activation_named(activation)
+            a_seg = group_quantize_held_columns(
+                h_q, go, probs_M, check_interleave(h_q.shape[1] // 2, glu_block), activation, act.gate_limit or 0.0,
+                act.up_limit or 0.0,
+            )  # fmt: skip
+            dw = quantized_wgrad_product(
+                backend, quantizer, recipe, spec.fc2_fp8_wgrad, dy_cols, a_seg, offs, host_offs,
+                ctx.w_transposed, w2_q.dtype,
+            )  # fmt: skip
+            del a_seg, dy_cols
+        elif need_w:
             # The wgrad's operand a, computed again from the held h (and quantized columnwise for the
             # quantized wgrad).
             if h_M2F is None:

@@ -11,6 +11,9 @@ Legend: M rows, F ffn size (the activation's output features).
                             quantizations of out (fc2's operand) and of h's held form (what the
                             backward keeps), as `quantize_tiles_kernel` would write them from out and
                             from h, neither written in h's dtype
+    held_columns_kernel     the quantized MLP's backward, fc2's wgrad operand: out of h held in FP8,
+                            quantized columnwise into the FP8 wgrad's segments as `quantize_slots_kernel`
+                            would write them from out, out never written in h's dtype
 
 Gate and up of activation column c sit at h's columns (c // GLU_BLOCK) * 2 * GLU_BLOCK + c % GLU_BLOCK
 and GLU_BLOCK further (GLU_BLOCK = F: the `[gate | up]` order; `moekit.ops.glu`). Both compute in fp32
@@ -29,7 +32,19 @@ clamped to it (`moekit.ops.glu.from_held`). The same values as dequantizing h fi
 import triton
 import triton.language as tl
 
-from moekit.ops.kernels.quantize import abs_for_amax, bf16_rne, e4m3_value, e8m0_value, rowwise_blocks
+from moekit.ops.kernels.quantize import (
+    abs_for_amax,
+    bf16_rne,
+    column_scales,
+    e4m3_tile,
+    e4m3_value,
+    e8m0_value,
+    group_of_slot,
+    rowwise_blocks,
+    segment_start,
+    segment_store,
+    segment_tail,
+)
 
 
 @triton.jit
@@ -313,3 +328,72 @@ def gated_quantize_kernel(
         _quantize_run(
             v, 2 * c0, 2 * valid, offs_r, rmask, h_data_ptr, h_scale_ptr, 2 * ffn, stride_h_scale, MX, TILE_K, HW_E4M3
         )
+
+
+@triton.jit
+def held_columns_kernel(
+    h_ptr,
+    scale_ptr,
+    probs_ptr,
+    offs_ptr,
+    slot_offs_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    rows,
+    ffn,
+    num_groups,
+    stride_h,
+    stride_scale,
+    pitch,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    ACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    MX: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+):
+    """Program (slot, q): out = ACT(gate, up) (* probs) of the held h (SCALED: its FP8 bytes and rowwise
+    scales, dequantized in the load as `gated_forward_kernel` reads them), rounded once to OUT_DTYPE, on
+    one slot's rows (SLOT_ROWS, the format's block of rows of one group) and columns [q * BLOCK_C, +
+    BLOCK_C), quantized columnwise: a SLOT_ROWS x 1 scale a column at col_scale[slot, col] (E8M0 bytes
+    with MX, else float32 scale_inv), the bytes into the FP8 wgrad's segments (X = F, pitch). The bytes
+    of `quantize_slots_kernel` (SEGMENTS, one walk) over `gated_forward_kernel`'s out: the same values,
+    maxima, scales and encoding, with rows past the group (and padding rows) as zeros and unused slots'
+    scales 1. Why one kernel: out (M, F) in h's dtype is then neither written nor read again."""
+    slot, qc = tl.program_id(0), tl.program_id(1)
+    g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+    live = g < num_groups
+    group_start = tl.load(offs_ptr + g)
+    count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
+    j0 = (slot - tl.load(slot_offs_ptr + g)) * SLOT_ROWS
+    seg0 = segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+    i = tl.arange(0, SLOT_ROWS)
+    keep = j0 + i < count
+    r64 = (group_start + j0).to(tl.int64) + i
+    c = qc * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < ffn
+    mask = (keep & live)[:, None] & cmask[None, :]
+    gate_c, up_c = _gate_up_columns(c, GLU_BLOCK)
+    g_v, u_v = _load_gate_up(
+        h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale, gate_c, up_c, mask, OUT_DTYPE,
+        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
+    )  # fmt: skip
+    out = ACT(g_v, u_v)
+    if HAS_PROBS:
+        out = out * tl.load(probs_ptr + r64, mask=keep & live, other=0.0).to(tl.float32)[:, None]
+    out = tl.where(mask, out.to(OUT_DTYPE).to(tl.float32), 0.0)
+    col_scales = col_scale_ptr + slot.to(tl.int64) * ffn + c
+    mult, any_nan = column_scales(tl.max(abs_for_amax(out), axis=0), col_scales, cmask, MX)
+    q = e4m3_tile(out, mult[None, :], any_nan, HW_E4M3)
+    segment_store(col_data_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS)
+    segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, SLOT_ROWS)

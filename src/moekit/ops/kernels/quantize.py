@@ -25,7 +25,7 @@ group (columnwise scales are kept per slot).
 
 The columnwise forms (quantize_slots_kernel, quantize_spans_kernel) store either as (M, X) rows, the
 GroupedTensor's layout, or (SEGMENTS) straight into the FP8 wgrad's transposed operand layout (X,
-pitch) (`_segment_store`): the wgrad then needs no transpose pass of its own. They also take their rows
+pitch) (`segment_store`): the wgrad then needs no transpose pass of its own. They also take their rows
 gathered from x by an index (GATHER, `_source_rows`): the backward's gathered operands are quantized
 without being written out in the input's dtype first.
 
@@ -169,7 +169,7 @@ def _runs(noop_ptr, HAS_NOOP: tl.constexpr):
 
 
 @triton.jit
-def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
+def group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
     """The group g with slot_offs[g] <= slot < slot_offs[g+1] (N for slots past the groups')."""
     g = tl.arange(0, BLOCK_GROUPS)
     starts = tl.load(slot_offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
@@ -181,7 +181,7 @@ def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.const
     """(rows r, r inside the slot's group, the slot's group is a real one, g, j0, rows of g) of slot
     `slot`: the rows [offs[g] + j0, + TILE_M), j0 = (slot - slot_offs[g]) * TILE_M, of its group g, cut
     at the group's end (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
-    g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+    g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
     live_group = g < num_groups
     group_start = tl.load(offs_ptr + g)
     group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
@@ -202,7 +202,7 @@ def _source_rows(index_ptr, r64, mask, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
+def segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
     """The first column of group g's segment in the FP8 wgrad's transposed operand layout
     (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`, from the device offsets; BLOCK_GROUPS >= N)."""
     gi = tl.arange(0, BLOCK_GROUPS)
@@ -211,7 +211,7 @@ def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr):
+def segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr):
     """Columnwise bytes q (BLOCK_ROWS rows j0 + i of a group of `count` rows, columns c) stored into the
     FP8 wgrad's transposed operand layout, (X, pitch): out[c, seg0 + i] (seg0 = the group's segment
     start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
@@ -220,7 +220,7 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
     destination: the compiler moves the tile through shared memory into a row-contiguous register
     layout, 16-byte stores where it can prove seg0 and the mask's edges multiples of 16 (hence
     `seg0 // 16 * 16`), rather than one byte a column at a time. A writer whose blocks are shorter than
-    a segment also stores the zeros past its last block (`_segment_tail`)."""
+    a segment also stores the zeros past its last block (`segment_tail`)."""
     i = tl.arange(0, BLOCK_ROWS)
     q = tl.where(keep[:, None], q, tl.zeros_like(q))
     smask = live & (j0 + i < tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
@@ -230,7 +230,7 @@ def _segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLO
 
 
 @triton.jit
-def _segment_tail(col_ptr, c, cmask, j0, count, seg0, live, pitch, BLOCK: tl.constexpr, STORE_ROWS: tl.constexpr):
+def segment_tail(col_ptr, c, cmask, j0, count, seg0, live, pitch, BLOCK: tl.constexpr, STORE_ROWS: tl.constexpr):
     """The zeros of a group's segment (of `count` rows) past a writer's block of BLOCK rows from row j0
     of the group (column seg0 = the segment's start + j0, a multiple of 16), where that block holds the
     group's last row and the group is `live`: out[c, seg0 + BLOCK + t] = 0 for the t with j0 + BLOCK + t
@@ -497,7 +497,7 @@ def _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x,
 
 
 @triton.jit
-def _column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
+def column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
     """A slot's column scales from their maxima amax_c, stored at col_scales (E8M0 bytes or float32
     scale_inv): the multipliers and whether any column holds an inf or NaN."""
     any_nan = tl.max(amax_c, axis=0) == float("inf")
@@ -550,21 +550,21 @@ def quantize_slots_kernel(
     a row lie in the chunk) and folds it into an elementwise running maximum, reduced over the rows once
     at the end: the column scales. Walk 2 reads the chunks again (just read by this program: from the
     caches) and writes the columnwise bytes, as (M, X) rows or (SEGMENTS) straight into the FP8 wgrad's
-    operand layout (`_segment_store`, `_segment_tail`; CHUNK a multiple of 16). Why two walks: a
+    operand layout (`segment_store`, `segment_tail`; CHUNK a multiple of 16). Why two walks: a
     column's scale needs all of the slot's rows before any of its bytes, and holding the whole slot
     (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
     chunk's registers do not grow with the slot. A chunk of the whole slot (CHUNK == SLOT_ROWS) is one
     walk: the strip stays in registers from its load to its columnwise bytes, and its rows are read once.
     Padding rows (group N) are read as zeros; unused slots
     store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
-    stores the segment's zeros past it (`_segment_tail`). GATHER: row r of the problem is x's row
+    stores the segment's zeros past it (`segment_tail`). GATHER: row r of the problem is x's row
     index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
         else:
             slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
-        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
         live = g < num_groups
         group_start = tl.load(offs_ptr + g)
         count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
@@ -572,7 +572,7 @@ def quantize_slots_kernel(
         r0 = (group_start + j0).to(tl.int64)
         seg0 = 0
         if SEGMENTS:
-            seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+            seg0 = segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
         NB: tl.constexpr = BLOCK_C // TILE_K
         cb = qc * NB + tl.arange(0, NB)
         cbmask = cb < stride_row_scale
@@ -596,7 +596,7 @@ def quantize_slots_kernel(
                 tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
         if not ONE_WALK:
             amax_c = tl.max(amax_ic.to(tl.float32), axis=0)
-        mult, any_nan = _column_scales(amax_c, col_scales, cmask, MX)
+        mult, any_nan = column_scales(amax_c, col_scales, cmask, MX)
         for k in tl.range(0, SLOT_ROWS, CHUNK):
             if ONE_WALK:
                 x = held.to(tl.float32)
@@ -605,12 +605,12 @@ def quantize_slots_kernel(
             rmask = j0 + k + i < count
             q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             if SEGMENTS:
-                _segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
+                segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
             else:
                 elem = (r0 + k + i)[:, None] * stride_x + c[None, :]
                 tl.store(col_data_ptr + elem, q, mask=rmask[:, None] & cmask[None, :])
         if SEGMENTS:
-            _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
+            segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
 
 
 @triton.jit
@@ -790,8 +790,8 @@ def _spans_step(
     q_col = e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
     if SEGMENTS:
         j0, count, seg0, pitch = seg
-        _segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
-        _segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SPAN, SPAN)
+        segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
+        segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SPAN, SPAN)
     else:
         tl.store(col_data_ptr + elem, q_col, mask=mask)
     if ROWWISE:
@@ -854,7 +854,7 @@ def quantize_spans_kernel(
         if SEGMENTS:
             j0 = (p - first) * SPAN
             count = tl.load(offs_ptr + g + 1, mask=live, other=0) - tl.load(offs_ptr + g, mask=live, other=0)
-            seg = (j0, count, _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
+            seg = (j0, count, segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
         args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
         if STEPS == 1:
             _spans_step(

@@ -902,6 +902,36 @@ def gated_quantize_into(
     )
 
 
+def held_columns_unavailable_reason(recipe: str) -> str | None:
+    """Why moekit's gated kernel cannot quantize the held h's activation columnwise for `recipe`
+    (`moekit.ops.runtime.gated.held_columns_unavailable_reason`); None if it can. Asked only where the
+    gated kernel runs (so triton imports)."""
+    return _runtime().gated.held_columns_unavailable_reason(recipe)
+
+
+def held_columns_into(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    recipe: str,
+    dtype: torch.dtype,
+    gate_limit: float,
+    up_limit: float,
+    col_data: torch.Tensor,
+    col_scale: torch.Tensor,
+) -> None:
+    """moekit's gated kernel writing the columnwise quantization of the held h's activation (in `dtype`)
+    into the FP8 wgrad's segments (`moekit.ops.runtime.gated.held_columns_into`)."""
+    held = _runtime().gated.HeldH.of(recipe, dtype, gate_limit, up_limit)
+    _runtime().gated.held_columns_into(
+        h_data, h_scale, probs_M, offs, slot_offs, glu_block, activation, held, recipe, col_data, col_scale
+    )
+
+
 def set_autotune(enabled: bool) -> None:
     """Turn the Triton kernels' configuration search on (default) or off. With it on, the first call of
     each problem class times the few candidate configurations of `moekit.ops.runtime.configs` (one host

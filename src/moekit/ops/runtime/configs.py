@@ -616,6 +616,16 @@ GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
     "interpreter": {True: (4, 64, 4), False: (4, 64, 4)},
 }
 
+# The held activation quantized columnwise into fc2's wgrad segments (kernels.gated.held_columns_kernel):
+# (BLOCK_C, warps), a program one slot (the recipe's block of rows) by BLOCK_C activation columns, held in
+# registers from the load to the bytes. sm90: a first choice (128 x 64 elements, 8 warps: the slots kernel's
+# one-walk strip), to be swept on the GPU. Under the interpreter 16 columns, so that a tile ends inside F.
+HELD_COLUMNS: dict[Arch, tuple[int, int]] = {
+    "sm90": (64, 8),
+    "sm80": (64, 8),
+    "interpreter": (16, 4),
+}
+
 # fc1 of the quantized MLP with the gated activation and both rowwise quantizations in its epilogue
 # (kernels.grouped_gemm_fp8_hopper.grouped_glu_fp8_block_ws_kernel) where it applies, instead of the FP8
 # GEMM writing h and the gated pass quantizing it. sm90: off. Its bytes are the pair's, but both math warp

@@ -9,6 +9,9 @@ rowwise quantization's data and scales, dequantized in the kernels' loads (`Held
 `gated_quantize_into`: the quantized MLP's forward between its GEMMs, one launch: the activation's
 rowwise quantization (fc2's operand) and h's held form's (what the backward keeps) from one read of h,
 where the recipe's blocks allow (`gated_quantize_unavailable_reason`).
+
+`held_columns_into`: the quantized MLP's backward, one launch: the activation of the held h quantized
+columnwise into fc2's FP8 wgrad segments (mxfp8 and fp8_block), the activation never written.
 """
 
 from __future__ import annotations
@@ -19,23 +22,32 @@ import torch
 import triton
 
 from moekit.grouped_tensor import recipe_named
-from moekit.ops.kernels.gated import gated_backward_kernel, gated_forward_kernel, gated_quantize_kernel
-from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES
+from moekit.ops.kernels.gated import (
+    gated_backward_kernel,
+    gated_forward_kernel,
+    gated_quantize_kernel,
+    held_columns_kernel,
+)
+from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES, HELD_COLUMNS
 from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
+    TL_DTYPES,
     Launcher,
     LaunchPlan,
     arch_of,
+    block_groups,
     device_ctx,
     plan_launch,
     tensor_key,
 )
 from moekit.ops.runtime.quantize import hw_e4m3
+from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _FORWARD = Launcher(gated_forward_kernel)
 _BACKWARD = Launcher(gated_backward_kernel)
 _QUANTIZE = Launcher(gated_quantize_kernel)
+_HELD_COLUMNS = Launcher(held_columns_kernel)
 
 
 class HeldH(NamedTuple):
@@ -330,3 +342,71 @@ def gated_quantize_into(
     with device_ctx(h_M2F.device):
         probs = probs_M if probs_M is not None else h_M2F
         plan(h_M2F, probs, offs, _u8(a_data), _u8(a_scale), _u8(h_data), _u8(h_scale))
+
+
+def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int,
+                       activation: str, held: HeldH, recipe: str, num_groups: int) -> LaunchPlan:  # fmt: skip
+    rows, ffn = h_data.shape[0], h_data.shape[1] // 2
+    info = recipe_named(recipe)
+    assert info.block_rows is not None and held.dtype is not None  # held_columns_unavailable_reason, HeldH.of
+    block_c, warps = HELD_COLUMNS[arch_of(h_data.device)]
+    # As the slots kernel's grid: ceil(M / block) + N slots, enough for any split of M rows into N groups.
+    grid = (triton.cdiv(rows, info.block_rows) + num_groups, triton.cdiv(ffn, block_c))
+    ints = (rows, ffn, num_groups, h_data.stride(0), h_scale.stride(0), segment_pitch(rows, num_groups))
+    constexprs = dict(
+        GLU_BLOCK=glu_block,
+        HAS_PROBS=probs_M is not None,
+        ACT=jit_pair(activation)["ACT"],
+        OUT_DTYPE=TL_DTYPES[held.dtype],
+        **held.constexprs(),
+        MX=info.scale_dtype != torch.float32,
+        SLOT_ROWS=info.block_rows,
+        BLOCK_C=block_c,
+        BLOCK_GROUPS=block_groups(num_groups),
+        HW_E4M3=hw_e4m3(h_data.device),
+        num_warps=warps,
+    )
+    return LaunchPlan(_HELD_COLUMNS, grid, ints, constexprs)
+
+
+def held_columns_unavailable_reason(recipe: str) -> str | None:
+    """Why `held_columns_into` cannot write this recipe's columnwise form; None if it can: its programs
+    hold one columnwise scale block of rows (mxfp8's 32, fp8_block's 128), where fp8_rowwise's scale
+    spans a whole group."""
+    if recipe_named(recipe).block_rows is None:
+        return f"{recipe}'s columnwise scales span whole groups: a program of one block of rows cannot make them"
+    return None
+
+
+def held_columns_into(
+    h_data: torch.Tensor,
+    h_scale: torch.Tensor,
+    probs_M: torch.Tensor | None,
+    offs: torch.Tensor,
+    slot_offs: torch.Tensor,
+    glu_block: int,
+    activation: str,
+    held: HeldH,
+    recipe: str,
+    col_data: torch.Tensor,
+    col_scale: torch.Tensor,
+) -> None:
+    """Write the columnwise quantization of a = `held_gated_forward(h_data, h_scale, probs_M, glu_block,
+    activation, held)` (M, F) in `recipe` (mxfp8 or fp8_block: `held_columns_unavailable_reason`) into
+    the FP8 wgrad's segments: col_data (F, segment_pitch(M, N)) and col_scale as `group_quantize_for_wgrad`
+    allocates them, the same bytes as its segments form of a, in one launch, a never written. offs (N + 1,)
+    the groups' device offsets, slot_offs (N + 1,) each group's first scale slot (`group_quantize`'s),
+    neither read by the host."""
+    if h_data.shape[1] == 0:
+        return
+    num_groups = offs.shape[0] - 1
+    key: tuple = (tensor_key(h_data), tensor_key(h_scale), tensor_key(probs_M), glu_block, activation, held)
+    key += (recipe, num_groups)
+    plan = plan_launch(
+        "held_columns",
+        key,
+        lambda: _held_columns_plan(h_data, h_scale, probs_M, glu_block, activation, held, recipe, num_groups),
+    )
+    with device_ctx(h_data.device):
+        probs = probs_M if probs_M is not None else offs
+        plan(_u8(h_data), _u8(h_scale), probs, offs, slot_offs, _u8(col_data), _u8(col_scale))

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton.runtime import _allocation, driver
 from triton.runtime.interpreter import InterpretedFunction
@@ -265,6 +266,10 @@ def block_groups(n: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# The kernels' names of the floating dtypes a kernel rounds its outputs to (a constexpr argument).
+TL_DTYPES: dict[torch.dtype, Any] = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def dot_precision(dtype: torch.dtype) -> str:

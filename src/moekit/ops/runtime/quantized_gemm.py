@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from moekit.grouped_tensor import FP8_DTYPE
 from moekit.ops.kernels.grouped_gemm_fp8 import grouped_mm_fp8_kernel
@@ -80,6 +79,7 @@ from moekit.ops.runtime.gemm import check_bias, check_offs, mm_schedule
 from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
+    TL_DTYPES,
     Launcher,
     LaunchPlan,
     Plan,
@@ -434,7 +434,7 @@ def quantized_gemm_dgrad(
 # --------------------------------------------------------------------------------------------------
 
 _GLU_FP8_BLOCK_WS = Launcher(grouped_glu_fp8_block_ws_kernel)
-_H_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_H_TYPES = (torch.bfloat16, torch.float16)  # the gated epilogue's h dtypes
 
 
 def fp8_glu_unavailable_reason(
@@ -492,7 +492,7 @@ def _glu_launch(
         (nprog,),
         ints,
         dict(
-            h_ty=_H_TYPES[dtype],
+            h_ty=TL_DTYPES[dtype],
             ACT=jit_pair(activation)["ACT"],
             GLU_BLOCK=glu_block,
             HAS_BIAS=bias is not None,
