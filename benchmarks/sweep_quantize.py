@@ -14,6 +14,11 @@ Kinds, at each shape's routing (random router logits, top-k, rows sorted by expe
   N*2F*H*2 read, N*2F*H written.
 - mx: mxfp8's rowwise + columnwise (M, X) forms of the sorted rows (`group_quantize`), under entries of
   the slots kernel's `(32, "rows")`: M*H*2 read, M*H*2 written.
+- held: fc2's wgrad operand in the quantized MLP's backward, the activation (SwiGLU, probs) of h held in
+  fp8_block's rowwise form (M, 2F), quantized columnwise into the wgrad's segments by the gated kernel
+  (`group_quantize_held_columns`) under entries of `configs.HELD_COLUMNS[arch]`: M*2F read (FP8), M*F
+  written. held_apart: the two launches it replaces (`held_gated_activation`, then
+  `group_quantize_for_wgrad` of the (M, F) activation), timed as one call, counted on the same bytes.
 - dy_gather_first, x_gather_first: the same with the rows gathered into an (M, H) tensor first
   (`index_select`) and the gathered tensor quantized without an index (on sm_90 the Gluon TMA kernel):
   the design before the kernels read through the index, timed as one call.
@@ -44,7 +49,8 @@ from runner import (
 )
 
 import moekit
-from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad
+from moekit.ops.glu import held_gated_activation
+from moekit.ops.quantize import SegmentedColumns, group_quantize_for_wgrad, group_quantize_held_columns
 from moekit.ops.routing import sort_by_expert
 from moekit.ops.runtime import configs
 from moekit.ops.runtime.launch import arch_of
@@ -109,12 +115,25 @@ MX_VARIANTS: dict[str, tuple[int, int, int, int, int, int]] = {
     "mx_b256_c32": (256, 32, 8, 1, 1, 0),
     "mx_b64_c32": (64, 32, 4, 1, 1, 0),
 }
+# fc2's wgrad operand from the held h (kind "held") under entries of `configs.HELD_COLUMNS[arch]`
+# (BLOCK_C, warps): a program one 128-row slot by BLOCK_C activation columns.
+HELD_VARIANTS: dict[str, tuple[int, int]] = {
+    "hc_b32_w4": (32, 4),
+    "hc_b32_w8": (32, 8),
+    "hc_b64_w4": (64, 4),
+    "hc_b64_w8": (64, 8),
+    "hc_b128_w8": (128, 8),
+    "hc_b128_w16": (128, 16),
+}
 VARIANTS.update(TILE_VARIANTS)
 VARIANTS.update(MX_VARIANTS)
+VARIANTS.update(HELD_VARIANTS)
 
 
-def table_of(variant: str) -> tuple[str, tuple[int, str], tuple[str, ...]]:
-    """The table, key and kinds that `variant` changes."""
+def table_of(variant: str) -> tuple[str, tuple[int, str] | None, tuple[str, ...]]:
+    """The table, key (None: the table's entry is the arch's value itself) and kinds that `variant` changes."""
+    if variant in HELD_VARIANTS:
+        return "HELD_COLUMNS", None, ("held",)
     if variant in TILE_VARIANTS:
         return "QUANTIZE_TILES", TILE_KEY, ("w",)
     if variant in MX_VARIANTS:
@@ -129,13 +148,15 @@ def table_changes(variant: str, arch: str) -> dict[str, dict]:
     if entry is None:
         return {}
     table, key, _ = table_of(variant)
+    if key is None:
+        return {table: {arch: entry}}
     return {table: {arch: {**getattr(configs, table)[arch], key: entry}}}
 
 
 def kinds_of(variant: str) -> tuple[str, ...]:
     """The kinds a variant changes ("base": all of them)."""
     if variant == "base":
-        return (*KINDS, "w", "mx")
+        return (*KINDS, "w", "mx", "held")
     return table_of(variant)[2]
 
 
@@ -185,22 +206,40 @@ def cells_of(
     def quantize_mx():
         return moekit.group_quantize(sorted_rows, splits, "mxfp8", columnwise=True, backend="triton"), None
 
+    h = torch.randn(M, 2 * F, device=device, generator=gen).to(dtype)
+    h_q = moekit.group_quantize(h, splits, "fp8_block", backend="triton")
+    probs = torch.rand(M, device=device, generator=gen).to(dtype)
+
+    def quantize_held(apart: bool):
+        """fc2's wgrad operand from the held h: by the gated kernel, or recomputed and quantized apart."""
+        if apart:
+            a = held_gated_activation(h_q, probs, None, "swiglu")
+            return None, group_quantize_for_wgrad(a, offsets, "fp8_block", backend="triton")[1]
+        return None, group_quantize_held_columns(h_q, offsets, probs, F, "swiglu", 0.0, 0.0)
+
     calls = {
         "dy": lambda: quantize(True, False),
         "x": lambda: quantize(False, False),
         "w": quantize_weight,
         "mx": quantize_mx,
+        "held": lambda: quantize_held(False),
     }
-    first = {"dy_gather_first": lambda: quantize(True, True), "x_gather_first": lambda: quantize(False, True)}
+    first = {
+        "dy_gather_first": lambda: quantize(True, True),
+        "x_gather_first": lambda: quantize(False, True),
+        "held_apart": lambda: quantize_held(True),
+    }
+    same_as = {"dy_gather_first": "dy", "x_gather_first": "x", "held_apart": "held"}
     element = tokens.element_size()
     moved = {  # bytes each kind moves once: what it reads plus what it writes (scales left out)
         "dy": M * H * element + 2 * M * H,
         "x": M * H * element + M * H,
         "w": N * 2 * F * H * (element + 1),
         "mx": M * H * (element + 2),
+        "held": M * 2 * F + M * F,
         "copy": 2 * M * H * element,
     }
-    moved["dy_gather_first"], moved["x_gather_first"] = moved["dy"], moved["x"]
+    moved.update({kind: moved[of] for kind, of in same_as.items()})
     copy_src = torch.empty(M, H, device=device, dtype=dtype)
     copy_dst = torch.empty_like(copy_src)
     arch = arch_of(tokens.device)
@@ -236,7 +275,7 @@ def cells_of(
                         equal.pop((kind, variant), None)
             apply_tables({}, saved)
             for kind, call in first.items():
-                equal[(kind, "-")] = equal.get((kind, "-"), True) and same(kind.removesuffix("_gather_first"), call())
+                equal[(kind, "-")] = equal.get((kind, "-"), True) and same(same_as[kind], call())
                 times.setdefault((kind, "-"), []).append(event_median_ms(call, reps))
     finally:
         apply_tables({}, saved)

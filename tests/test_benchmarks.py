@@ -123,17 +123,17 @@ def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
 
 def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     """sweep_quantize.py on a tiny routing under the interpreter: both routed kinds under table variants of
-    the routed operands' entry (one walk among them), the weight's kind under a tiles entry and mxfp8's
-    two forms under a one-walk `(32, "rows")` entry, each
-    with the base table's bytes, beside the copy and the gather-first
-    design (whose bytes are the same); the entry it varies is the one the runtime reads (an --entry that
+    the routed operands' entry (one walk among them), the weight's kind under a tiles entry, mxfp8's
+    two forms under a one-walk `(32, "rows")` entry and fc2's wgrad operand from the held h under a
+    `HELD_COLUMNS` entry, each with the base table's bytes, beside the copy and the gather-first and
+    apart designs (whose bytes are the same); the entry it varies is the one the runtime reads (an --entry that
     does not fit the blocks is refused by the runtime, naming that key); a malformed --entry is refused
     in one line."""
     out = tmp_path / "quantize.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     command = [sys.executable, str(BENCHMARKS / "sweep_quantize.py"), "--smoke", "--rounds", "2"]
     proc = subprocess.run(
-        command + ["--variants", "s3,c128,t_w8_steps2,mx_c32", "--out", str(out)],
+        command + ["--variants", "s3,c128,t_w8_steps2,mx_c32,hc_b32_w4", "--out", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -141,11 +141,12 @@ def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
-    assert list(payload["variants"]) == ["base", "s3", "c128", "t_w8_steps2", "mx_c32"]
+    assert list(payload["variants"]) == ["base", "s3", "c128", "t_w8_steps2", "mx_c32", "hc_b32_w4"]
     cells = payload["cells"]
     expected = {f"smoke/{kind}/{v}" for kind in ("dy", "x") for v in ("base", "s3", "c128")}
     expected |= {"smoke/w/base", "smoke/w/t_w8_steps2", "smoke/mx/base", "smoke/mx/mx_c32"}
-    expected |= {"smoke/dy_gather_first/-", "smoke/x_gather_first/-"}
+    expected |= {"smoke/held/base", "smoke/held/hc_b32_w4"}
+    expected |= {"smoke/dy_gather_first/-", "smoke/x_gather_first/-", "smoke/held_apart/-"}
     assert set(cells) == expected | {"smoke/copy/torch"}
     assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
     unfit = subprocess.run(
