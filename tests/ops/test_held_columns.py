@@ -20,6 +20,7 @@ from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave, held_gated_activation, to_held
 from moekit.ops.quantize import group_quantize, group_quantize_for_wgrad, group_quantize_held_columns
 from moekit.ops.runtime.backends import held_columns_unavailable_reason, triton_unavailable_reason
+from moekit.ops.runtime.gated import tile_scale_blocks
 from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 from moekit.ops.splits import GroupOffsets
 
@@ -109,6 +110,19 @@ def test_bytes_are_the_wgrad_quantization_of_the_recomputed_activation(recipe, l
 def test_without_probs_and_without_rows(recipe):
     _check(recipe, 40, None, "swiglu", torch.float32, torch.device("cpu"), [3, 0, 20], 0, False)
     _check(recipe, 40, None, "swiglu", torch.float32, torch.device("cpu"), [0, 0], 0, True)
+
+
+def test_both_ways_of_reading_the_scales_are_covered():
+    """The interpreter's 16-column tiles of LAYOUTS read a row's scales once a tile where its gates and its
+    ups each lie in one scale block (fp8_block's 128 columns), and each element's where they do not
+    (mxfp8's 32 at F 40: the ups of columns 16-31 are h's columns 56-71); at the real widths with sm90's
+    64-column tiles fp8_block reads them once a tile."""
+    assert tile_scale_blocks(40, 40, 16, 128) and tile_scale_blocks(32, 1, 16, 32)
+    assert not tile_scale_blocks(40, 40, 16, 32)
+    for ffn, k in ((768, 768), (2048, 2048), (2880, 1), (14336, 14336), (2880, 2880)):
+        assert tile_scale_blocks(ffn, k, 64, 128), (ffn, k)
+    assert not tile_scale_blocks(96, 96, 64, 128) and not tile_scale_blocks(128, 1, 128, 128)
+    assert not tile_scale_blocks(128, 128, 64, 0)  # one scale a row: not this kernel's form
 
 
 def test_refusal_names_the_recipe():

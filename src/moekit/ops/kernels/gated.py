@@ -54,6 +54,47 @@ def _gate_up_columns(offs_c, GLU_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _fp8_values(bytes_, FP8_CVT: tl.constexpr):
+    """E4M3 bytes as fp32: by the hardware's conversion (FP8_CVT), or by `e4m3_value`'s integer decoding
+    (exact, as the interpreter needs)."""
+    if FP8_CVT:
+        return bytes_.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_value(bytes_)
+
+
+@triton.jit
+def _dequantized(
+    g,
+    u,
+    g_scale,
+    u_scale,
+    round_ty: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """(gate, up) of h held in FP8: the E4M3 values g, u times their scales (E8M0 bytes or float32, any
+    shape that broadcasts), rounded once to round_ty, the values within 3/2 of a clamp clamped to it
+    (module docstring)."""
+    if SCALE_E8M0:
+        g = g * e8m0_value(g_scale)
+        u = u * e8m0_value(u_scale)
+    else:
+        g = g * g_scale
+        u = u * u_scale
+    if ROUND_BF16:
+        g, u = bf16_rne(g), bf16_rne(u)
+    g, u = g.to(round_ty).to(tl.float32), u.to(round_ty).to(tl.float32)
+    if HELD_GATE_LIMIT > 0:
+        g = tl.where(g > 1.5 * HELD_GATE_LIMIT, g, tl.minimum(g, HELD_GATE_LIMIT))
+    if HELD_UP_LIMIT > 0:
+        u = tl.where(tl.abs(u) > 1.5 * HELD_UP_LIMIT, u, tl.minimum(tl.maximum(u, -HELD_UP_LIMIT), HELD_UP_LIMIT))
+    return g, u
+
+
+@triton.jit
 def _load_gate_up(
     h_rows,
     scale_rows,
@@ -70,33 +111,19 @@ def _load_gate_up(
     FP8_CVT: tl.constexpr,
 ):
     """(gate, up) of a tile in fp32: h's values, or with SCALED its FP8 bytes dequantized (module
-    docstring); FP8_CVT: the bytes converted by the hardware's E4M3 conversion (exact, as `e4m3_value`'s
-    integer decoding, which the interpreter needs)."""
+    docstring), each element's scale loaded for it."""
     if SCALED:
-        g_bytes = tl.load(h_rows + gate_c[None, :], mask=mask, other=0)
-        u_bytes = tl.load(h_rows + up_c[None, :], mask=mask, other=0)
-        if FP8_CVT:
-            g = g_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            u = u_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            g, u = e4m3_value(g_bytes), e4m3_value(u_bytes)
+        g = _fp8_values(tl.load(h_rows + gate_c[None, :], mask=mask, other=0), FP8_CVT)
+        u = _fp8_values(tl.load(h_rows + up_c[None, :], mask=mask, other=0), FP8_CVT)
         if SCALE_COLS > 0:
             g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
         else:
             g_at, u_at = scale_rows + (gate_c * 0)[None, :], scale_rows + (up_c * 0)[None, :]
-        if SCALE_E8M0:
-            g = g * e8m0_value(tl.load(g_at, mask=mask, other=127))
-            u = u * e8m0_value(tl.load(u_at, mask=mask, other=127))
-        else:
-            g = g * tl.load(g_at, mask=mask, other=1.0)
-            u = u * tl.load(u_at, mask=mask, other=1.0)
-        if ROUND_BF16:
-            g, u = bf16_rne(g), bf16_rne(u)
-        g, u = g.to(round_ty).to(tl.float32), u.to(round_ty).to(tl.float32)
-        if HELD_GATE_LIMIT > 0:
-            g = tl.where(g > 1.5 * HELD_GATE_LIMIT, g, tl.minimum(g, HELD_GATE_LIMIT))
-        if HELD_UP_LIMIT > 0:
-            u = tl.where(tl.abs(u) > 1.5 * HELD_UP_LIMIT, u, tl.minimum(tl.maximum(u, -HELD_UP_LIMIT), HELD_UP_LIMIT))
+        other = 127 if SCALE_E8M0 else 1.0
+        g_scale, u_scale = tl.load(g_at, mask=mask, other=other), tl.load(u_at, mask=mask, other=other)
+        g, u = _dequantized(
+            g, u, g_scale, u_scale, round_ty, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
+        )  # fmt: skip
     else:
         g = tl.load(h_rows + gate_c[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_rows + up_c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -356,6 +383,7 @@ def held_columns_kernel(
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP8_CVT: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
     MX: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -369,7 +397,11 @@ def held_columns_kernel(
     with MX, else float32 scale_inv), the bytes into the FP8 wgrad's segments (X = F, pitch). The bytes
     of `quantize_slots_kernel` (SEGMENTS, one walk) over `gated_forward_kernel`'s out: the same values,
     maxima, scales and encoding, with rows past the group (and padding rows) as zeros and unused slots'
-    scales 1. Why one kernel: out (M, F) in h's dtype is then neither written nor read again."""
+    scales 1. Why one kernel: out (M, F) in h's dtype is then neither written nor read again.
+
+    ROW_SCALES (the host's `tile_scale_blocks`: every tile's gates lie in one of h's scale blocks, and so
+    do its ups): a row's two scales loaded once for the tile, rather than each element's (a pointer a
+    element: the registers that decide how many programs share an SM)."""
     slot, qc = tl.program_id(0), tl.program_id(1)
     g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
     live = g < num_groups
@@ -384,10 +416,23 @@ def held_columns_kernel(
     cmask = c < ffn
     mask = (keep & live)[:, None] & cmask[None, :]
     gate_c, up_c = _gate_up_columns(c, GLU_BLOCK)
-    g_v, u_v = _load_gate_up(
-        h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale, gate_c, up_c, mask, OUT_DTYPE,
-        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
-    )  # fmt: skip
+    h_rows, scale_rows = h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale
+    if ROW_SCALES:
+        g_v = _fp8_values(tl.load(h_rows + gate_c[None, :], mask=mask, other=0), FP8_CVT)
+        u_v = _fp8_values(tl.load(h_rows + up_c[None, :], mask=mask, other=0), FP8_CVT)
+        gate0 = (qc * BLOCK_C // GLU_BLOCK) * 2 * GLU_BLOCK + qc * BLOCK_C % GLU_BLOCK
+        rmask = (keep & live)[:, None]
+        other = 127 if SCALE_E8M0 else 1.0
+        g_scale = tl.load(scale_rows + gate0 // SCALE_COLS, mask=rmask, other=other)
+        u_scale = tl.load(scale_rows + (gate0 + GLU_BLOCK) // SCALE_COLS, mask=rmask, other=other)
+        g_v, u_v = _dequantized(
+            g_v, u_v, g_scale, u_scale, OUT_DTYPE, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
+        )  # fmt: skip
+    else:
+        g_v, u_v = _load_gate_up(
+            h_rows, scale_rows, gate_c, up_c, mask, OUT_DTYPE,
+            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
+        )  # fmt: skip
     out = ACT(g_v, u_v)
     if HAS_PROBS:
         out = out * tl.load(probs_ptr + r64, mask=keep & live, other=0.0).to(tl.float32)[:, None]

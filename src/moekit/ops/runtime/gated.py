@@ -344,6 +344,22 @@ def gated_quantize_into(
         plan(h_M2F, probs, offs, _u8(a_data), _u8(a_scale), _u8(h_data), _u8(h_scale))
 
 
+def tile_scale_blocks(ffn: int, glu_block: int, block_c: int, scale_cols: int) -> bool:
+    """Whether every tile of block_c activation columns (from a multiple of block_c, cut at F = ffn) has
+    its gates in one of h's rowwise scale blocks of scale_cols columns, and its ups in one (gates and
+    ups in GLU blocks of glu_block: `moekit.ops.glu`): then a program loads a row's two scales once
+    (`held_columns_kernel`'s ROW_SCALES). Checked column by column, once a plan."""
+    if scale_cols <= 0:
+        return False
+    for c0 in range(0, ffn, block_c):
+        cols = range(c0, min(ffn, c0 + block_c))
+        gates = {((c // glu_block) * 2 * glu_block + c % glu_block) // scale_cols for c in cols}
+        ups = {((c // glu_block) * 2 * glu_block + c % glu_block + glu_block) // scale_cols for c in cols}
+        if len(gates) > 1 or len(ups) > 1:
+            return False
+    return True
+
+
 def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int,
                        activation: str, held: HeldH, recipe: str, num_groups: int) -> LaunchPlan:  # fmt: skip
     rows, ffn = h_data.shape[0], h_data.shape[1] // 2
@@ -359,6 +375,7 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
         ACT=jit_pair(activation)["ACT"],
         OUT_DTYPE=TL_DTYPES[held.dtype],
         **held.constexprs(),
+        ROW_SCALES=tile_scale_blocks(ffn, glu_block, block_c, held.scale_cols),
         MX=info.scale_dtype != torch.float32,
         SLOT_ROWS=info.block_rows,
         BLOCK_C=block_c,
