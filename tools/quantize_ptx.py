@@ -1,4 +1,5 @@
-"""Compile moekit's group_quantize kernels for sm_90 on any machine (no GPU) at the sm90 configurations of
+"""Compile moekit's group_quantize kernels (and the gated kernel's columnwise quantization of the held
+activation, `held_columns_kernel`) for sm_90 on any machine (no GPU) at the sm90 configurations of
 `moekit.ops.runtime.configs` (the Gluon columnwise kernel's `QUANTIZE_SLOTS_TMA` too) and print, per
 kernel and form: registers and spills (ptxas -v), shared
 memory, shuffles, barriers, and the global access widths (16-byte `ld/st.global.v4.b32`, `cp.async`),
@@ -23,13 +24,16 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from moekit.ops.kernels import quantize as kernels  # noqa: E402
+from moekit.ops.kernels.gated import held_columns_kernel  # noqa: E402
 from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel  # noqa: E402
 from moekit.ops.runtime import configs  # noqa: E402
+from moekit.ops.runtime.glu import jit_pair  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 POINTERS = {
@@ -138,6 +142,16 @@ def main() -> None:
         consts.update(GATHER=False)
         consts.update(common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
+    # fc2's wgrad operand from the held h (fp8_block, SwiGLU with probs, bf16 h): a row's scales once a
+    # tile (ROW_SCALES, every real width at the sm90 tile) and each element's.
+    block_c, warps = configs.HELD_COLUMNS["sm90"]
+    for row_scales in (True, False):
+        consts = dict(GLU_BLOCK=768, HAS_PROBS=True, ACT=jit_pair("swiglu")["ACT"], OUT_DTYPE=tl.bfloat16)
+        consts.update(SCALED=True, SCALE_COLS=128, SCALE_E8M0=False, HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0)
+        consts.update(ROUND_BF16=False, FP8_CVT=True, ROW_SCALES=row_scales, MX=False, SLOT_ROWS=128)
+        consts.update(BLOCK_C=block_c, BLOCK_GROUPS=256, HW_E4M3=True)
+        held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "col_scale_ptr": "*fp32"}
+        cases.append((f"held_columns_row_scales{int(row_scales)}", held_columns_kernel, consts, warps, held))
     for name, kernel, constexprs, warps, pointers, *maxnreg in cases:
         if only in name:
             compile_case(out, name, kernel, constexprs, warps, pointers, *maxnreg)

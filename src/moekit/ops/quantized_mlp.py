@@ -14,6 +14,7 @@ Legend: M routed rows, N experts, H hidden size, F ffn size.
     node 2's backward
               h' = the dequantization of Q(h)
               a' = act(gate(h'), up(h')) * probs  -> Qc(a')          fc2's wgrad operand
+                   (in one pass from FP8 h where the gated kernel runs: `group_quantize_held_columns`)
               da = Q(dy) Qc(w2); dw2 = Qc(dy)^T Qc(a')
               dh = act'(h', da * probs); d probs from act(h') and da, and <dy, b2> for the bias
     node 1's backward
