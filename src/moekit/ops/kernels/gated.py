@@ -266,7 +266,10 @@ def _quantize_run(v, hcol0, valid, r64, rmask, data_ptr, scale_ptr, stride_data,
     cb = hcol0 // TILE_K + tl.arange(0, NB)
     cbmask = tl.arange(0, NB) * TILE_K < valid
     q = rowwise_blocks(v, abs_for_amax(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, MX, TILE_K, HW_E4M3)
-    cols = hcol0 + tl.arange(0, RUN)
+    # hcol0 // TILE_K * TILE_K is hcol0 itself, written so that the compiler sees a multiple of TILE_K
+    # (a run's start is a GLU index expression, whose divisibility it cannot follow): 16-byte stores
+    # rather than one byte at a time.
+    cols = hcol0 // TILE_K * TILE_K + tl.arange(0, RUN)
     tl.store(data_ptr + r64[:, None] * stride_data + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
 
 
