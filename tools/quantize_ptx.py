@@ -149,8 +149,8 @@ def main() -> None:
         consts = dict(GLU_BLOCK=768, HAS_PROBS=True, ACT=jit_pair("swiglu")["ACT"], OUT_DTYPE=tl.bfloat16)
         consts.update(SCALED=True, SCALE_COLS=128, SCALE_E8M0=False, HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0)
         consts.update(ROUND_BF16=False, FP8_CVT=True, ROW_SCALES=row_scales, MX=False, SLOT_ROWS=128)
-        consts.update(BLOCK_C=block_c, BLOCK_GROUPS=256, HW_E4M3=True)
-        held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "col_scale_ptr": "*fp32"}
+        consts.update(BLOCK_C=block_c, HW_E4M3=True)
+        held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "rec_ptr": "*i32", "col_scale_ptr": "*fp32"}
         cases.append((f"held_columns_row_scales{int(row_scales)}", held_columns_kernel, consts, warps, held))
     for name, kernel, constexprs, warps, pointers, *maxnreg in cases:
         if only in name:

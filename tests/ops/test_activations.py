@@ -98,3 +98,25 @@ def test_jit_pair_matches_the_registry(name):
     torch.testing.assert_close(out.double(), act.forward(g.double(), u.double()), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_g.double(), ref_g, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_u.double(), ref_u, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["clamped_swiglu", "reglu", "swiglu"])
+def test_a_nan_in_h_reaches_the_kernels_output_on_the_gpu(name):
+    """moekit's gated kernel on the GPU keeps a NaN gate or up in the output and in its gradients where
+    torch does (tl.minimum / tl.maximum drop a NaN operand there unless asked to keep it; the
+    interpreter keeps it, so only the GPU can tell)."""
+    h = torch.randn(4, 64, device="cuda")
+    h[0, 3] = float("nan")  # a gate
+    h[1, 32 + 5] = float("nan")  # an up
+    h[2, 7] = 100.0  # past the clamps: finite
+    h = h.requires_grad_()
+    out = moekit.glu(h, activation=name, backend="triton")
+    ref = moekit.glu(h.detach().clone().requires_grad_(), activation=name, backend="torch")
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), name
+    assert torch.isnan(out[0, 3]) and torch.isnan(out[1, 5]) and torch.isfinite(out[2:]).all()
+    out.sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    moekit.glu(h2, activation=name, backend="torch").sum().backward()
+    assert torch.equal(torch.isnan(h.grad), torch.isnan(h2.grad)), name

@@ -20,6 +20,10 @@ import triton.language as tl
 
 from moekit.ops.kernels.constants import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 
+# tl.minimum / tl.maximum return the other operand of a NaN on the GPU (fmin semantics) unless asked to
+# keep it; the interpreter keeps it. The clamps and relu keep a NaN, as torch.clamp and relu do, so that
+# a NaN in h reaches the output on every device.
+KEEP_NAN = tl.constexpr(tl.PropagateNan.ALL)
 CLAMP_LIMIT = tl.constexpr(CLAMPED_SWIGLU_LIMIT)
 CLAMP_ALPHA = tl.constexpr(CLAMPED_SWIGLU_ALPHA)
 # GELU: 1 / sqrt(2) (exact, erf) and sqrt(2 / pi), 0.044715 (tanh approximation); 1 / sqrt(2 * pi) for the
@@ -46,16 +50,16 @@ def swiglu_grad(g, u, d_out):
 @triton.jit
 def clamped_swiglu(g, u):
     """gpt-oss: min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)."""
-    gc = tl.minimum(g, CLAMP_LIMIT)
-    uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT), CLAMP_LIMIT)
+    gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
+    uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     return gc * tl.sigmoid(CLAMP_ALPHA * gc) * (uc + 1.0)
 
 
 @triton.jit
 def clamped_swiglu_grad(g, u, d_out):
     # The clamps pass the gradient at the limit itself, as torch.clamp does.
-    gc = tl.minimum(g, CLAMP_LIMIT)
-    uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT), CLAMP_LIMIT)
+    gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
+    uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     sig = tl.sigmoid(CLAMP_ALPHA * gc)
     d_g = tl.where(g <= CLAMP_LIMIT, d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
     d_u = tl.where((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), d_out * gc * sig, 0.0)
@@ -100,10 +104,10 @@ def geglu_tanh_grad(g, u, d_out):
 @triton.jit
 def reglu(g, u):
     """relu(g) * u."""
-    return tl.maximum(g, 0.0) * u
+    return tl.maximum(g, 0.0, propagate_nan=KEEP_NAN) * u
 
 
 @triton.jit
 def reglu_grad(g, u, d_out):
     # relu's derivative at 0 is 0, as torch's.
-    return tl.where(g > 0.0, d_out * u, 0.0), d_out * tl.maximum(g, 0.0)
+    return tl.where(g > 0.0, d_out * u, 0.0), d_out * tl.maximum(g, 0.0, propagate_nan=KEEP_NAN)

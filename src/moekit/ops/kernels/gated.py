@@ -32,6 +32,8 @@ clamped to it (`moekit.ops.glu.from_held`). The same values as dequantizing h fi
 import triton
 import triton.language as tl
 
+from moekit.ops.kernels.activations import KEEP_NAN
+from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
 from moekit.ops.kernels.quantize import (
     abs_for_amax,
     bf16_rne,
@@ -39,9 +41,7 @@ from moekit.ops.kernels.quantize import (
     e4m3_tile,
     e4m3_value,
     e8m0_value,
-    group_of_slot,
     rowwise_blocks,
-    segment_start,
     segment_store,
     segment_tail,
 )
@@ -88,9 +88,11 @@ def _dequantized(
         g, u = bf16_rne(g), bf16_rne(u)
     g, u = g.to(round_ty).to(tl.float32), u.to(round_ty).to(tl.float32)
     if HELD_GATE_LIMIT > 0:
-        g = tl.where(g > 1.5 * HELD_GATE_LIMIT, g, tl.minimum(g, HELD_GATE_LIMIT))
+        g = tl.where(g > 1.5 * HELD_GATE_LIMIT, g, tl.minimum(g, HELD_GATE_LIMIT, propagate_nan=KEEP_NAN))
     if HELD_UP_LIMIT > 0:
-        u = tl.where(tl.abs(u) > 1.5 * HELD_UP_LIMIT, u, tl.minimum(tl.maximum(u, -HELD_UP_LIMIT), HELD_UP_LIMIT))
+        u_low = tl.maximum(u, -HELD_UP_LIMIT, propagate_nan=KEEP_NAN)
+        u_clamped = tl.minimum(u_low, HELD_UP_LIMIT, propagate_nan=KEEP_NAN)
+        u = tl.where(tl.abs(u) > 1.5 * HELD_UP_LIMIT, u, u_clamped)
     return g, u
 
 
@@ -366,13 +368,10 @@ def held_columns_kernel(
     h_ptr,
     scale_ptr,
     probs_ptr,
-    offs_ptr,
-    slot_offs_ptr,
+    rec_ptr,
     col_data_ptr,
     col_scale_ptr,
-    rows,
     ffn,
-    num_groups,
     stride_h,
     stride_scale,
     pitch,
@@ -391,7 +390,6 @@ def held_columns_kernel(
     MX: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
     """Program (slot, q): out = ACT(gate, up) (* probs) of the held h (SCALED: its FP8 bytes and rowwise
@@ -405,17 +403,23 @@ def held_columns_kernel(
 
     ROW_SCALES (the host's `tile_scale_blocks`: every tile's gates lie in one of h's scale blocks, and so
     do its ups): a row's two scales loaded once for the tile, rather than each element's (a pointer a
-    element: the registers that decide how many programs share an SM)."""
+    element: the registers that decide how many programs share an SM).
+
+    The slot's rows come from `slot_records_kernel`'s table (rec_ptr: first row, rows left in its group,
+    real group or not, first column in the segments), one load, rather than from the offsets through a
+    chain of dependent loads and cross-warp reductions on every program's critical path. The stores
+    need the slot's place in its segment only modulo a segment (a segment starts on a multiple of
+    SEGMENT_COLUMNS): j0 = seg0 % SEGMENT_COLUMNS and the group's rows counted from there."""
     slot, qc = tl.program_id(0), tl.program_id(1)
-    g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
-    live = g < num_groups
-    group_start = tl.load(offs_ptr + g)
-    count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
-    j0 = (slot - tl.load(slot_offs_ptr + g)) * SLOT_ROWS
-    seg0 = segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+    rec = rec_ptr + slot.to(tl.int64) * 4
+    r0, n, live, seg0 = tl.load(rec), tl.load(rec + 1), tl.load(rec + 2) != 0, tl.load(rec + 3)
+    # A slot starts a multiple of SLOT_ROWS into its segment: written so that the compiler sees it, and
+    # the stores' masks keep 16-byte runs.
+    j0 = seg0 % SEGMENT_COLUMNS // SLOT_ROWS * SLOT_ROWS
+    count = n + j0
     i = tl.arange(0, SLOT_ROWS)
-    keep = j0 + i < count
-    r64 = (group_start + j0).to(tl.int64) + i
+    keep = i < n
+    r64 = r0.to(tl.int64) + i
     c = qc * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < ffn
     mask = (keep & live)[:, None] & cmask[None, :]

@@ -169,7 +169,7 @@ def _runs(noop_ptr, HAS_NOOP: tl.constexpr):
 
 
 @triton.jit
-def group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
+def _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS: tl.constexpr):
     """The group g with slot_offs[g] <= slot < slot_offs[g+1] (N for slots past the groups')."""
     g = tl.arange(0, BLOCK_GROUPS)
     starts = tl.load(slot_offs_ptr + 1 + g, mask=g < num_groups, other=2**62)
@@ -181,7 +181,7 @@ def _slot_rows(slot, offs_ptr, slot_offs_ptr, rows, num_groups, TILE_M: tl.const
     """(rows r, r inside the slot's group, the slot's group is a real one, g, j0, rows of g) of slot
     `slot`: the rows [offs[g] + j0, + TILE_M), j0 = (slot - slot_offs[g]) * TILE_M, of its group g, cut
     at the group's end (g = N: the padding rows up to `rows`; no rows for an unused slot)."""
-    g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+    g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
     live_group = g < num_groups
     group_start = tl.load(offs_ptr + g)
     group_end = tl.load(offs_ptr + g + 1, mask=live_group, other=rows)
@@ -202,7 +202,7 @@ def _source_rows(index_ptr, r64, mask, GATHER: tl.constexpr):
 
 
 @triton.jit
-def segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
+def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
     """The first column of group g's segment in the FP8 wgrad's transposed operand layout
     (`moekit.ops.kernels.grouped_wgrad_fp8.segment_starts`, from the device offsets; BLOCK_GROUPS >= N)."""
     gi = tl.arange(0, BLOCK_GROUPS)
@@ -564,7 +564,7 @@ def quantize_slots_kernel(
             slot, qc = tl.program_id(0), tl.program_id(1)
         else:
             slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
-        g = group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
+        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
         live = g < num_groups
         group_start = tl.load(offs_ptr + g)
         count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
@@ -572,7 +572,7 @@ def quantize_slots_kernel(
         r0 = (group_start + j0).to(tl.int64)
         seg0 = 0
         if SEGMENTS:
-            seg0 = segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+            seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
         NB: tl.constexpr = BLOCK_C // TILE_K
         cb = qc * NB + tl.arange(0, NB)
         cbmask = cb < stride_row_scale
@@ -854,7 +854,7 @@ def quantize_spans_kernel(
         if SEGMENTS:
             j0 = (p - first) * SPAN
             count = tl.load(offs_ptr + g + 1, mask=live, other=0) - tl.load(offs_ptr + g, mask=live, other=0)
-            seg = (j0, count, segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
+            seg = (j0, count, _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0, pitch)
         args = (x_ptr, col_amax_ptr, row_data_ptr, col_data_ptr, col_scale_ptr, cols, stride_x, seg)
         if STEPS == 1:
             _spans_step(

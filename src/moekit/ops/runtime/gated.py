@@ -36,12 +36,11 @@ from moekit.ops.runtime.launch import (
     Launcher,
     LaunchPlan,
     arch_of,
-    block_groups,
     device_ctx,
     plan_launch,
     tensor_key,
 )
-from moekit.ops.runtime.quantize import hw_e4m3
+from moekit.ops.runtime.quantize import hw_e4m3, slot_records_plan
 from moekit.ops.runtime.quantize_torch import segment_pitch
 
 _FORWARD = Launcher(gated_forward_kernel)
@@ -360,15 +359,24 @@ def tile_scale_blocks(ffn: int, glu_block: int, block_c: int, scale_cols: int) -
     return True
 
 
+class _HeldColumnsPlan(NamedTuple):
+    """The two launches of `held_columns_into`: the slots' table (`slot_records_kernel`), then the kernel."""
+
+    records: LaunchPlan
+    columns: LaunchPlan
+    num_slots: int
+
+
 def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: torch.Tensor | None, glu_block: int,
-                       activation: str, held: HeldH, recipe: str, num_groups: int) -> LaunchPlan:  # fmt: skip
+                       activation: str, held: HeldH, recipe: str, num_groups: int) -> _HeldColumnsPlan:  # fmt: skip
     rows, ffn = h_data.shape[0], h_data.shape[1] // 2
     info = recipe_named(recipe)
     assert info.block_rows is not None and held.dtype is not None  # held_columns_unavailable_reason, HeldH.of
     block_c, warps = HELD_COLUMNS[arch_of(h_data.device)]
     # As the slots kernel's grid: ceil(M / block) + N slots, enough for any split of M rows into N groups.
-    grid = (triton.cdiv(rows, info.block_rows) + num_groups, triton.cdiv(ffn, block_c))
-    ints = (rows, ffn, num_groups, h_data.stride(0), h_scale.stride(0), segment_pitch(rows, num_groups))
+    num_slots = triton.cdiv(rows, info.block_rows) + num_groups
+    grid = (num_slots, triton.cdiv(ffn, block_c))
+    ints = (ffn, h_data.stride(0), h_scale.stride(0), segment_pitch(rows, num_groups))
     constexprs = dict(
         GLU_BLOCK=glu_block,
         HAS_PROBS=probs_M is not None,
@@ -379,11 +387,11 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
         MX=info.scale_dtype != torch.float32,
         SLOT_ROWS=info.block_rows,
         BLOCK_C=block_c,
-        BLOCK_GROUPS=block_groups(num_groups),
         HW_E4M3=hw_e4m3(h_data.device),
         num_warps=warps,
     )
-    return LaunchPlan(_HELD_COLUMNS, grid, ints, constexprs)
+    records = slot_records_plan(h_data.device, rows, num_groups, num_slots, info.block_rows, True)
+    return _HeldColumnsPlan(records, LaunchPlan(_HELD_COLUMNS, grid, ints, constexprs), num_slots)
 
 
 def held_columns_unavailable_reason(recipe: str) -> str | None:
@@ -425,5 +433,7 @@ def held_columns_into(
         lambda: _held_columns_plan(h_data, h_scale, probs_M, glu_block, activation, held, recipe, num_groups),
     )
     with device_ctx(h_data.device):
+        table = torch.empty((plan.num_slots, 4), dtype=torch.int32, device=h_data.device)
+        plan.records(offs, slot_offs, table)
         probs = probs_M if probs_M is not None else offs
-        plan(_u8(h_data), _u8(h_scale), probs, offs, slot_offs, _u8(col_data), _u8(col_scale))
+        plan.columns(_u8(h_data), _u8(h_scale), probs, table, _u8(col_data), _u8(col_scale))

@@ -307,20 +307,30 @@ def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> Quant
             **({"maxnreg": maxnreg} if maxnreg else {}),
         ),
     )
-    block_s, records_warps = SLOT_RECORDS[arch_of(x2.device)]
-    records = LaunchPlan(
+    records = slot_records_plan(x2.device, rows, num_groups, num_slots, 128, segments)
+    return QuantizePlan(None, slots, None, None, None, records, num_slots)
+
+
+def slot_records_plan(
+    device: torch.device, rows: int, num_groups: int, num_slots: int, slot_rows: int, segments: bool
+) -> LaunchPlan:
+    """The launch of `slot_records_kernel` that fills the (num_slots, 4) int32 table of the slots' rows
+    (blocks of slot_rows rows of one group, from the offsets and the slot offsets on the device; with
+    `segments` each slot's first column in the FP8 wgrad's segments): what the kernels that walk slots
+    read instead of deriving a slot's rows from the offsets in every program."""
+    block_s, records_warps = SLOT_RECORDS[arch_of(device)]
+    return LaunchPlan(
         _SLOT_RECORDS,
         (triton.cdiv(num_slots, block_s),),
         (rows, num_groups, num_slots),
         dict(
-            SLOT_ROWS=128,
+            SLOT_ROWS=slot_rows,
             SEGMENTS=segments,
             BLOCK_S=block_s,
             BLOCK_GROUPS=block_groups(num_groups),
             num_warps=records_warps,
         ),
     )
-    return QuantizePlan(None, slots, None, None, None, records, num_slots)
 
 
 def _num_spans(rows: int, num_groups: int, span: int) -> int:
