@@ -211,7 +211,7 @@ def quantized_mlp_of_backends(
     fc2_fp8_wgrad = fc2_fp8 and fp8_wgrad_compute(fc2_impl, recipe, a_like)
     # fc2's wgrad operand quantized from the held h by the gated kernel, the activation never written.
     held_columns = (
-        gated_triton and quantized_wgrad and fc2_fp8_wgrad and held_columns_unavailable_reason(recipe) is None
+        gated_triton and quantized_wgrad and fc2_fp8_wgrad and held_columns_unavailable_reason(recipe, x.device) is None
     )
     fused1, fused2 = fused_mlp_of(fc1_impl), fused_mlp_of(fc2_impl)
     routed_hp_wgrad = not quantized_wgrad and route is not None

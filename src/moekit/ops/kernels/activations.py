@@ -61,7 +61,10 @@ def clamped_swiglu_grad(g, u, d_out):
     gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     sig = tl.sigmoid(CLAMP_ALPHA * gc)
-    d_g = tl.where(g <= CLAMP_LIMIT, d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0)
+    # A NaN gate's gradient is NaN, as torch's (its product with the clamp's mask).
+    d_g = tl.where(
+        (g <= CLAMP_LIMIT) | (g != g), d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0
+    )
     d_u = tl.where((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), d_out * gc * sig, 0.0)
     return d_g, d_u
 

@@ -902,11 +902,11 @@ def gated_quantize_into(
     )
 
 
-def held_columns_unavailable_reason(recipe: str) -> str | None:
-    """Why moekit's gated kernel cannot quantize the held h's activation columnwise for `recipe`
-    (`moekit.ops.runtime.gated.held_columns_unavailable_reason`); None if it can. Asked only where the
-    gated kernel runs (so triton imports)."""
-    return _runtime().gated.held_columns_unavailable_reason(recipe)
+def held_columns_unavailable_reason(recipe: str, device: torch.device) -> str | None:
+    """Why the quantized MLP does not quantize the held h's activation columnwise by moekit's gated kernel
+    for `recipe` on `device` (`moekit.ops.runtime.gated.held_columns_unavailable_reason`); None where it
+    does. Asked only where the gated kernel runs (so triton imports)."""
+    return _runtime().gated.held_columns_unavailable_reason(recipe, device)
 
 
 def held_columns_into(

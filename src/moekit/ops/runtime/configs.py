@@ -626,6 +626,14 @@ HELD_COLUMNS: dict[Arch, tuple[int, int]] = {
     "interpreter": (16, 4),
 }
 
+# fc2's wgrad operand in the quantized MLP's backward from the held h in one pass (kernels.gated.
+# held_columns_kernel) instead of the gated kernel writing the activation and the slots quantizer reading
+# it. sm90: off: the same bytes, but slower than the two launches in the layer's profile on the H200 at
+# 39eafcf (0.97 against 0.89 ms at DeepSeek-V3 EP8, 0.74 against 0.65 at Qwen3-30B-A3B: benchmarks/README.md);
+# an architecture absent here keeps them apart. On under the interpreter, so that the CPU tests run the
+# quantized MLP through it.
+HELD_COLUMNS_FUSED: dict[Arch, bool] = {"sm90": False, "interpreter": True}
+
 # fc1 of the quantized MLP with the gated activation and both rowwise quantizations in its epilogue
 # (kernels.grouped_gemm_fp8_hopper.grouped_glu_fp8_block_ws_kernel) where it applies, instead of the FP8
 # GEMM writing h and the gated pass quantizing it. sm90: off. Its bytes are the pair's, but both math warp

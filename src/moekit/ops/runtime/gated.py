@@ -28,7 +28,7 @@ from moekit.ops.kernels.gated import (
     gated_quantize_kernel,
     held_columns_kernel,
 )
-from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES, HELD_COLUMNS
+from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES, HELD_COLUMNS, HELD_COLUMNS_FUSED
 from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -394,12 +394,17 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
     return _HeldColumnsPlan(records, LaunchPlan(_HELD_COLUMNS, grid, ints, constexprs), num_slots)
 
 
-def held_columns_unavailable_reason(recipe: str) -> str | None:
-    """Why `held_columns_into` cannot write this recipe's columnwise form; None if it can: its programs
-    hold one columnwise scale block of rows (mxfp8's 32, fp8_block's 128), where fp8_rowwise's scale
-    spans a whole group."""
+def held_columns_unavailable_reason(recipe: str, device: torch.device) -> str | None:
+    """Why the quantized MLP does not make fc2's wgrad operand by `held_columns_into` for this recipe on
+    this device; None where it does. Its programs hold one columnwise scale block of rows (mxfp8's 32,
+    fp8_block's 128), where fp8_rowwise's scale spans a whole group; and `configs.HELD_COLUMNS_FUSED`
+    chooses it over the two launches it replaces, per architecture (`held_columns_into` itself runs
+    wherever the kernel can: tests and benchmarks call it directly)."""
     if recipe_named(recipe).block_rows is None:
         return f"{recipe}'s columnwise scales span whole groups: a program of one block of rows cannot make them"
+    arch = arch_of(device)
+    if not HELD_COLUMNS_FUSED.get(arch, False):
+        return f"configs.HELD_COLUMNS_FUSED keeps the activation and its quantization apart on {arch} (faster there)"
     return None
 
 
