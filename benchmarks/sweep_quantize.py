@@ -125,15 +125,32 @@ HELD_VARIANTS: dict[str, tuple[int, int]] = {
     "hc_b128_w8": (128, 8),
     "hc_b128_w16": (128, 16),
 }
+# The routed operands (kinds "dy", "x") by the Gluon kernel's GATHER form (rows copied by cp.async through
+# the index), which runs where `configs.QUANTIZE_SLOTS_TMA[arch]` has "-gathered" entries (none committed):
+# "tma_g" gives them the entries of the forms they gather ("segments" for dy's both forms,
+# "segments-columnwise" for x's), "tma_g6" six programs an SM of 2 warps a strip.
+TMA_VARIANTS: dict[str, dict[str, tuple[int, int, int, int, bool, int]]] = {
+    "tma_g": {
+        "segments-gathered": (32, 4, 1, 4, False, 128),
+        "segments-columnwise-gathered": (32, 4, 2, 3, True, 0),
+    },
+    "tma_g6": {
+        "segments-gathered": (32, 4, 1, 6, False, 80),
+        "segments-columnwise-gathered": (32, 4, 1, 6, True, 80),
+    },
+}
 VARIANTS.update(TILE_VARIANTS)
 VARIANTS.update(MX_VARIANTS)
 VARIANTS.update(HELD_VARIANTS)
+VARIANTS.update(dict.fromkeys(TMA_VARIANTS, ()))
 
 
 def table_of(variant: str) -> tuple[str, tuple[int, str] | None, tuple[str, ...]]:
     """The table, key (None: the table's entry is the arch's value itself) and kinds that `variant` changes."""
     if variant in HELD_VARIANTS:
         return "HELD_COLUMNS", None, ("held",)
+    if variant in TMA_VARIANTS:
+        return "QUANTIZE_SLOTS_TMA", None, KINDS
     if variant in TILE_VARIANTS:
         return "QUANTIZE_TILES", TILE_KEY, ("w",)
     if variant in MX_VARIANTS:
@@ -147,6 +164,8 @@ def table_changes(variant: str, arch: str) -> dict[str, dict]:
     entry = VARIANTS[variant]
     if entry is None:
         return {}
+    if variant in TMA_VARIANTS:  # entries added to the arch's Gluon table
+        return {"QUANTIZE_SLOTS_TMA": {arch: {**configs.QUANTIZE_SLOTS_TMA.get(arch, {}), **TMA_VARIANTS[variant]}}}
     table, key, _ = table_of(variant)
     if key is None:
         return {table: {arch: entry}}
