@@ -126,7 +126,8 @@ HELD_VARIANTS: dict[str, tuple[int, int]] = {
     "hc_b128_w16": (128, 16),
 }
 # The routed operands (kinds "dy", "x") by the Gluon kernel's GATHER form (rows copied by cp.async through
-# the index), which runs where `configs.QUANTIZE_SLOTS_TMA[arch]` has "-gathered" entries (none committed):
+# the index), which runs where `configs.QUANTIZE_SLOTS_TMA[arch]` has "-gathered" entries (none committed:
+# slower than the Triton kernel on the H200 at 4ae2cc2; these variants time it again beside the base):
 # "tma_g" gives them the entries of the forms they gather ("segments" for dy's both forms,
 # "segments-columnwise" for x's), "tma_g6" six programs an SM of 2 warps a strip.
 TMA_VARIANTS: dict[str, dict[str, tuple[int, int, int, int, bool, int]]] = {

@@ -491,7 +491,8 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
 # elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes. A form's
 # "-gathered" entry runs its GATHER form (rows x[index], copied by cp.async: TMA boxes cannot gather)
 # for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
-# kernel gathers them. None yet: built and compiled for sm_90 on CPU, not yet run on a GPU.
+# kernel gathers them. None: on the H200 at 4ae2cc2 the GATHER form was 0.80-0.86x the Triton kernel's
+# GB/s and the layer step 1.01-1.03x slower with it (notes/quantize.md).
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, int]]] = {
     "sm90": {
         "rows": (16, 2, 1, 6, False, 0),
