@@ -461,3 +461,27 @@ def compile_in_subprocess(script: str, *args: str, timeout: float = 300.0) -> di
     answer = json.loads(line)
     assert answer["ok"], answer.get("error", "")[-3000:]
     return json.loads(answer["stdout"].strip().splitlines()[-1])
+
+
+def quantized_mlp_step(grouped_mlp: Callable[..., torch.Tensor], recipe: str) -> Callable[[], list[torch.Tensor]]:
+    """One forward and backward of `grouped_mlp(..., quantization=recipe, backend="triton")` (moekit's,
+    passed in: these helpers do not import moekit) on a small
+    fixed problem (21 rows in splits [9, 0, 10], so 2 padding rows and an empty expert; H 32, F 128, 3
+    experts, router probs, a fixed upstream gradient), as a function returning [y, dx, dw1, dw2, d probs]:
+    for tests that compare the bits of two ways of computing the quantized MLP."""
+    rows, hidden, ffn, n = 21, 32, 128, 3
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(rows, hidden, generator=gen)
+    w1 = torch.randn(n, 2 * ffn, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(n, hidden, ffn, generator=gen) / ffn**0.5
+    probs0 = torch.rand(rows, generator=gen)
+    dy = torch.randn(rows, hidden, generator=gen)
+    splits = [9, 0, 10]
+
+    def step() -> list[torch.Tensor]:
+        x, a, b, p = (t.clone().requires_grad_() for t in (x0, w1, w2, probs0))
+        y = grouped_mlp(x, a, b, splits, probs=p, backend="triton", quantization=recipe)
+        y.backward(dy)
+        return [y, x.grad, a.grad, b.grad, p.grad]
+
+    return step

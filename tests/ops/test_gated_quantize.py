@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moekit
-from helpers import rand
+from helpers import quantized_mlp_step, rand
 from moekit.ops import grouped_mlp as grouped_mlp_module
 from moekit.ops import library
 from moekit.ops.activations import activation_named
@@ -123,20 +123,7 @@ def test_refusals_name_the_recipe_and_the_layout():
 def test_quantized_mlp_is_bit_identical_with_and_without_it(recipe, monkeypatch):
     """grouped_mlp(..., quantization=recipe) on the Triton backend: output and every gradient the same
     bits whether the gated pass quantizes (its default where the layout allows) or not."""
-    rows, hidden, ffn, n = 21, 32, 128, 3
-    gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn(rows, hidden, generator=gen)
-    w1 = torch.randn(n, 2 * ffn, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(n, hidden, ffn, generator=gen) / ffn**0.5
-    probs0 = torch.rand(rows, generator=gen)
-    dy = torch.randn(rows, hidden, generator=gen)
-    splits = [9, 0, 10]  # 2 padding rows
-
-    def step():
-        x, a, b, p = (t.clone().requires_grad_() for t in (x0, w1, w2, probs0))
-        y = moekit.grouped_mlp(x, a, b, splits, probs=p, backend="triton", quantization=recipe)
-        y.backward(dy)
-        return [y, x.grad, a.grad, b.grad, p.grad]
+    step = quantized_mlp_step(moekit.grouped_mlp, recipe)
 
     calls = []
     real = library.gated_quantize_into

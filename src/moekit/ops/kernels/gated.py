@@ -64,6 +64,14 @@ def _fp8_values(bytes_, FP8_CVT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT: tl.constexpr):
+    """The E4M3 values of a tile's gates and ups (h held in FP8), fp32; both loads issued first."""
+    g_bytes = tl.load(h_rows + gate_c[None, :], mask=mask, other=0)
+    u_bytes = tl.load(h_rows + up_c[None, :], mask=mask, other=0)
+    return _fp8_values(g_bytes, FP8_CVT), _fp8_values(u_bytes, FP8_CVT)
+
+
+@triton.jit
 def _dequantized(
     g,
     u,
@@ -115,9 +123,7 @@ def _load_gate_up(
     """(gate, up) of a tile in fp32: h's values, or with SCALED its FP8 bytes dequantized (module
     docstring), each element's scale loaded for it."""
     if SCALED:
-        g_bytes = tl.load(h_rows + gate_c[None, :], mask=mask, other=0)
-        u_bytes = tl.load(h_rows + up_c[None, :], mask=mask, other=0)
-        g, u = _fp8_values(g_bytes, FP8_CVT), _fp8_values(u_bytes, FP8_CVT)
+        g, u = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
         if SCALE_COLS > 0:
             g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
         else:
@@ -426,9 +432,7 @@ def held_columns_kernel(
     gate_c, up_c = _gate_up_columns(c, GLU_BLOCK)
     h_rows, scale_rows = h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale
     if ROW_SCALES:
-        g_bytes = tl.load(h_rows + gate_c[None, :], mask=mask, other=0)
-        u_bytes = tl.load(h_rows + up_c[None, :], mask=mask, other=0)
-        g_v, u_v = _fp8_values(g_bytes, FP8_CVT), _fp8_values(u_bytes, FP8_CVT)
+        g_v, u_v = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
         gate0 = (qc * BLOCK_C // GLU_BLOCK) * 2 * GLU_BLOCK + qc * BLOCK_C % GLU_BLOCK
         rmask = (keep & live)[:, None]
         other = 127 if SCALE_E8M0 else 1.0
