@@ -10,8 +10,9 @@ rowwise quantization's data and scales, dequantized in the kernels' loads (`Held
 rowwise quantization (fc2's operand) and h's held form's (what the backward keeps) from one read of h,
 where the recipe's blocks allow (`gated_quantize_unavailable_reason`).
 
-`held_columns_into`: the quantized MLP's backward, one launch: the activation of the held h quantized
-columnwise into fc2's FP8 wgrad segments (mxfp8 and fp8_block), the activation never written.
+`held_columns_into`: the quantized MLP's backward: the activation of the held h quantized columnwise into
+fc2's FP8 wgrad segments (mxfp8 and fp8_block) by one kernel after the slots' table, the activation never
+written; where the quantized MLP uses it, `held_columns_unavailable_reason` (off on sm90: slower there).
 """
 
 from __future__ import annotations
@@ -422,9 +423,10 @@ def held_columns_into(
     col_scale: torch.Tensor,
 ) -> None:
     """Write the columnwise quantization of a = `held_gated_forward(h_data, h_scale, probs_M, glu_block,
-    activation, held)` (M, F) in `recipe` (mxfp8 or fp8_block: `held_columns_unavailable_reason`) into
-    the FP8 wgrad's segments: col_data (F, segment_pitch(M, N)) and col_scale as `group_quantize_for_wgrad`
-    allocates them, the same bytes as its segments form of a, in one launch, a never written. offs (N + 1,)
+    activation, held)` (M, F) in `recipe` (mxfp8 or fp8_block: a recipe with blocks of rows) into the
+    FP8 wgrad's segments: col_data (F, segment_pitch(M, N)) and col_scale as `group_quantize_for_wgrad`
+    allocates them, the same bytes as its segments form of a, a never written: two launches, the slots'
+    table (`slot_records_kernel`) and the kernel. offs (N + 1,)
     the groups' device offsets, slot_offs (N + 1,) each group's first scale slot (`group_quantize`'s),
     neither read by the host."""
     if h_data.shape[1] == 0:
