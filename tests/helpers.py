@@ -485,3 +485,27 @@ def quantized_mlp_step(grouped_mlp: Callable[..., torch.Tensor], recipe: str) ->
         return [y, x.grad, a.grad, b.grad, p.grad]
 
     return step
+
+
+def assert_same_bits_without(
+    step: Callable[[], list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    spied: tuple[object, str],
+    switch: tuple[object, str],
+    what: str,
+) -> None:
+    """`step()`'s tensors are the same bits with a path on and off: first with `spied` (module,
+    function name) watched, which must be called (else "<what> did not run"), then with `switch` (module,
+    name of an `..._unavailable_reason` function) answering a reason, after which the spied function
+    must not be called again."""
+    module, name = spied
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    on = step()
+    assert calls, f"{what} did not run"
+    monkeypatch.setattr(switch[0], switch[1], lambda *a: "off for this test")
+    off = step()
+    assert len(calls) == 1, f"{what} ran with its switch off"
+    for a, b in zip(on, off, strict=True):
+        assert torch.equal(a, b)

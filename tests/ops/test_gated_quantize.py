@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moekit
-from helpers import quantized_mlp_step, rand
+from helpers import assert_same_bits_without, quantized_mlp_step, rand
 from moekit.ops import grouped_mlp as grouped_mlp_module
 from moekit.ops import library
 from moekit.ops.activations import activation_named
@@ -123,18 +123,10 @@ def test_refusals_name_the_recipe_and_the_layout():
 def test_quantized_mlp_is_bit_identical_with_and_without_it(recipe, monkeypatch):
     """grouped_mlp(..., quantization=recipe) on the Triton backend: output and every gradient the same
     bits whether the gated pass quantizes (its default where the layout allows) or not."""
-    step = quantized_mlp_step(moekit.grouped_mlp, recipe)
-
-    calls = []
-    real = library.gated_quantize_into
-    monkeypatch.setattr(library, "gated_quantize_into", lambda *a: calls.append(1) or real(*a))
-    fused = step()
-    assert calls, "the gated pass did not quantize"
-    monkeypatch.setattr(grouped_mlp_module, "gated_quantize_unavailable_reason", lambda *a: "off for this test")
-    apart = step()
-    assert len(calls) == 1
-    for f, s in zip(fused, apart, strict=True):
-        assert torch.equal(f, s)
+    assert_same_bits_without(
+        quantized_mlp_step(moekit.grouped_mlp, recipe), monkeypatch, (library, "gated_quantize_into"),
+        (grouped_mlp_module, "gated_quantize_unavailable_reason"), "the gated pass quantizing",
+    )  # fmt: skip
 
 
 class _ZerosOfForms(TorchDispatchMode):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import quantized_mlp_step, rand
+from helpers import assert_same_bits_without, quantized_mlp_step, rand
 from moekit.ops import grouped_mlp as grouped_mlp_module
 from moekit.ops import library
 from moekit.ops.activations import activation_named
@@ -142,19 +142,10 @@ def test_quantized_mlp_is_bit_identical_with_and_without_it(monkeypatch):
     same bits whether the backward's gated kernel quantizes fc2's wgrad operand (its default where the
     FP8 wgrad runs: fp8_block; mxfp8's wgrad is the reference path, which takes the (M, F) form) or the
     activation is recomputed and quantized apart."""
-    recipe = "fp8_block"
-    step = quantized_mlp_step(moekit.grouped_mlp, recipe)
-
-    calls = []
-    real = library.held_columns_into
-    monkeypatch.setattr(library, "held_columns_into", lambda *a: calls.append(1) or real(*a))
-    fused = step()
-    assert calls, "the backward's gated kernel did not quantize fc2's wgrad operand"
-    monkeypatch.setattr(grouped_mlp_module, "held_columns_unavailable_reason", lambda *a: "off for this test")
-    apart = step()
-    assert len(calls) == 1
-    for f, s in zip(fused, apart, strict=True):
-        assert torch.equal(f, s)
+    assert_same_bits_without(
+        quantized_mlp_step(moekit.grouped_mlp, "fp8_block"), monkeypatch, (library, "held_columns_into"),
+        (grouped_mlp_module, "held_columns_unavailable_reason"), "the backward's gated kernel quantizing fc2's operand",
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
