@@ -100,23 +100,42 @@ def test_jit_pair_matches_the_registry(name):
     torch.testing.assert_close(d_u.double(), ref_u, rtol=1e-5, atol=1e-5)
 
 
+def _nan_cases(device: str) -> torch.Tensor:
+    """h (4, 2 * 32) with a NaN gate (row 0), a NaN up beside a negative gate (row 1: relu's and the
+    clamps' masks are 0 there), a NaN up beside a gate past the clamp (row 2) and an inf up (row 3)."""
+    h = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    h[0, 3] = float("nan")
+    h[1, 5], h[1, 32 + 5] = -1.0, float("nan")
+    h[2, 7], h[2, 32 + 7] = 100.0, float("nan")
+    h[3, 9], h[3, 32 + 9] = -1.0, float("inf")
+    return h.to(device)
+
+
+def _nan_pattern(name: str, h: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    h = h.clone().requires_grad_()
+    out = moekit.glu(h, activation=name, backend=backend)
+    out.backward(torch.ones_like(out))
+    return torch.isnan(out), torch.isnan(h.grad)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs under the interpreter")
+@pytest.mark.parametrize("name", sorted(moekit.ACTIVATIONS))
+def test_non_finite_h_gives_torchs_nans(name):
+    """moekit's gated kernel gives NaN in the output and in h's gradient exactly where torch's ops do, for
+    a NaN gate, a NaN up where the activation's mask is zero, and an inf up (the term times the mask:
+    NaN, not zero). Under the interpreter here; on the GPU below."""
+    h = _nan_cases("cpu")
+    kernel, ref = _nan_pattern(name, h, "triton"), _nan_pattern(name, h, "torch")
+    assert torch.equal(kernel[0], ref[0]) and torch.equal(kernel[1], ref[1]), name
+    assert ref[0][0].any() and ref[1][1].any()  # the cases reach the output and the gradient
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["clamped_swiglu", "reglu", "swiglu"])
-def test_a_nan_in_h_reaches_the_kernels_output_on_the_gpu(name):
-    """moekit's gated kernel on the GPU keeps a NaN gate or up in the output and in its gradients where
-    torch does (tl.minimum / tl.maximum drop a NaN operand there unless asked to keep it; the
+@pytest.mark.parametrize("name", sorted(moekit.ACTIVATIONS))
+def test_non_finite_h_gives_torchs_nans_on_the_gpu(name):
+    """The same on the GPU, where tl.minimum / tl.maximum drop a NaN operand unless asked to keep it (the
     interpreter keeps it, so only the GPU can tell)."""
-    h = torch.randn(4, 64, device="cuda")
-    h[0, 3] = float("nan")  # a gate
-    h[1, 32 + 5] = float("nan")  # an up
-    h[2, 7] = 100.0  # past the clamps: finite
-    h = h.requires_grad_()
-    out = moekit.glu(h, activation=name, backend="triton")
-    ref = moekit.glu(h.detach().clone().requires_grad_(), activation=name, backend="torch")
-    assert torch.equal(torch.isnan(out), torch.isnan(ref)), name
-    assert torch.isnan(out[0, 3]) and torch.isnan(out[1, 5]) and torch.isfinite(out[2:]).all()
-    out.sum().backward()
-    h2 = h.detach().clone().requires_grad_()
-    moekit.glu(h2, activation=name, backend="torch").sum().backward()
-    assert torch.equal(torch.isnan(h.grad), torch.isnan(h2.grad)), name
+    h = _nan_cases("cuda")
+    kernel, ref = _nan_pattern(name, h, "triton"), _nan_pattern(name, h, "torch")
+    assert torch.equal(kernel[0], ref[0]) and torch.equal(kernel[1], ref[1]), name

@@ -61,11 +61,12 @@ def clamped_swiglu_grad(g, u, d_out):
     gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     sig = tl.sigmoid(CLAMP_ALPHA * gc)
-    # A NaN gate's gradient is NaN, as torch's (its product with the clamp's mask).
-    d_g = tl.where(
-        (g <= CLAMP_LIMIT) | (g != g), d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig)), 0.0
-    )
-    d_u = tl.where((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), d_out * gc * sig, 0.0)
+    # Past a clamp the gradient is the term times zero, as torch's product with the clamp's mask: zero
+    # where the term is finite, NaN where it is not (a NaN gate or up, an inf), on every device.
+    e_g = d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig))
+    e_u = d_out * gc * sig
+    d_g = tl.where(g <= CLAMP_LIMIT, e_g, e_g * 0.0)
+    d_u = tl.where((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), e_u, e_u * 0.0)
     return d_g, d_u
 
 
@@ -112,5 +113,7 @@ def reglu(g, u):
 
 @triton.jit
 def reglu_grad(g, u, d_out):
-    # relu's derivative at 0 is 0, as torch's.
-    return tl.where(g > 0.0, d_out * u, 0.0), d_out * tl.maximum(g, 0.0, propagate_nan=KEEP_NAN)
+    # relu's derivative at 0 is 0, as torch's; where it is 0 the term times zero, as torch's product with
+    # the mask (NaN where the term is not finite).
+    e_g = d_out * u
+    return tl.where(g > 0.0, e_g, e_g * 0.0), d_out * tl.maximum(g, 0.0, propagate_nan=KEEP_NAN)
