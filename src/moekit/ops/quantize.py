@@ -568,6 +568,16 @@ class SegmentedColumns(NamedTuple):
     rows: int
 
 
+def _segments_storage(
+    info: Recipe, shape: tuple[int, int], num: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (data, scale_inv) of the columnwise form of (M, X) rows in `num` groups in the FP8 wgrad's
+    segments (`SegmentedColumns`): data (X, segment_pitch(M, N)), the scales as a GroupedTensor's."""
+    rows, cols = shape
+    data = torch.empty((cols, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=device)
+    return data, torch.empty(columnwise_scale_shape(info, shape, num), dtype=info.scale_dtype, device=device)
+
+
 def group_quantize_for_wgrad(
     x: torch.Tensor,
     m_splits: MSplits | GroupOffsets,
@@ -619,9 +629,7 @@ def group_quantize_for_wgrad(
     impl = select_quantizer(backend, x)
     slot_offs = _slot_offsets(info, x, offs)
     storage = _allocate(info, shape, x.device, num, rowwise, False)
-    rows, cols = shape
-    col_data = torch.empty((cols, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=x.device)
-    col_scale = torch.empty(columnwise_scale_shape(info, shape, num), dtype=info.scale_dtype, device=x.device)
+    col_data, col_scale = _segments_storage(info, shape, num, x.device)
     storage = dict(storage, col_data=col_data, col_scale=col_scale)
     _quantize_into(impl.name, info, x, offs, slot_offs, None, storage, True, index)
     row_q = None
@@ -636,7 +644,7 @@ def group_quantize_for_wgrad(
             rowwise_data=storage["row_data"],
             rowwise_scale_inv=storage["row_scale"],
         )
-    return row_q, SegmentedColumns(col_data, col_scale, rows)
+    return row_q, SegmentedColumns(col_data, col_scale, shape[0])
 
 
 def group_quantize_held_columns(
@@ -659,8 +667,7 @@ def group_quantize_held_columns(
     info = recipe_named(recipe)
     rows, ffn = data.shape[0], data.shape[1] // 2
     num = offs.num_groups
-    col_data = torch.empty((ffn, segment_pitch(rows, num)), dtype=FP8_DTYPE, device=data.device)
-    col_scale = torch.empty(columnwise_scale_shape(info, (rows, ffn), num), dtype=info.scale_dtype, device=data.device)
+    col_data, col_scale = _segments_storage(info, (rows, ffn), num, data.device)
     slot_offs = _slot_offsets(info, data, offs)
     library.held_columns_into(
         data, scale, probs_M, offs.offs, slot_offs, glu_block, activation, recipe, h_q.dtype, gate_limit, up_limit,

@@ -433,11 +433,11 @@ def held_columns_kernel(
     h_rows, scale_rows = h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale
     if ROW_SCALES:
         g_v, u_v = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
-        gate0 = (qc * BLOCK_C // GLU_BLOCK) * 2 * GLU_BLOCK + qc * BLOCK_C % GLU_BLOCK
+        gate0, up0 = _gate_up_columns(qc * BLOCK_C, GLU_BLOCK)  # the tile's first column's
         rmask = (keep & live)[:, None]
         other = 127 if SCALE_E8M0 else 1.0
         g_scale = tl.load(scale_rows + gate0 // SCALE_COLS, mask=rmask, other=other)
-        u_scale = tl.load(scale_rows + (gate0 + GLU_BLOCK) // SCALE_COLS, mask=rmask, other=other)
+        u_scale = tl.load(scale_rows + up0 // SCALE_COLS, mask=rmask, other=other)
         g_v, u_v = _dequantized(
             g_v, u_v, g_scale, u_scale, OUT_DTYPE, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
         )  # fmt: skip
