@@ -48,26 +48,36 @@ def swiglu_grad(g, u, d_out):
 
 
 @triton.jit
-def clamped_swiglu(g, u):
-    """gpt-oss: min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)."""
+def _times_mask(mask, term):
+    """term where mask, else the term times zero: torch's product of a gradient term with a 0/1 mask
+    (relu's, a clamp's), zero where the term is finite and NaN where it is not (a NaN gate or up, an
+    inf), on every device; `tl.where(mask, term, 0.0)` would give zero there."""
+    return tl.where(mask, term, term * 0.0)
+
+
+@triton.jit
+def _clamped(g, u):
+    """gpt-oss's clamps, NaN kept: (min(g, 7), clamp(u, -7, 7))."""
     gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
     uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
+    return gc, uc
+
+
+@triton.jit
+def clamped_swiglu(g, u):
+    """gpt-oss: min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)."""
+    gc, uc = _clamped(g, u)
     return gc * tl.sigmoid(CLAMP_ALPHA * gc) * (uc + 1.0)
 
 
 @triton.jit
 def clamped_swiglu_grad(g, u, d_out):
     # The clamps pass the gradient at the limit itself, as torch.clamp does.
-    gc = tl.minimum(g, CLAMP_LIMIT, propagate_nan=KEEP_NAN)
-    uc = tl.minimum(tl.maximum(u, -CLAMP_LIMIT, propagate_nan=KEEP_NAN), CLAMP_LIMIT, propagate_nan=KEEP_NAN)
+    gc, uc = _clamped(g, u)
     sig = tl.sigmoid(CLAMP_ALPHA * gc)
-    # Past a clamp the gradient is the term times zero, as torch's product with the clamp's mask: zero
-    # where the term is finite, NaN where it is not (a NaN gate or up, an inf), on every device.
-    e_g = d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig))
-    e_u = d_out * gc * sig
-    d_g = tl.where(g <= CLAMP_LIMIT, e_g, e_g * 0.0)
-    d_u = tl.where((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), e_u, e_u * 0.0)
-    return d_g, d_u
+    d_g = d_out * (uc + 1.0) * sig * (1.0 + CLAMP_ALPHA * gc * (1.0 - sig))
+    d_u = d_out * gc * sig
+    return _times_mask(g <= CLAMP_LIMIT, d_g), _times_mask((u >= -CLAMP_LIMIT) & (u <= CLAMP_LIMIT), d_u)
 
 
 @triton.jit
@@ -113,7 +123,6 @@ def reglu(g, u):
 
 @triton.jit
 def reglu_grad(g, u, d_out):
-    # relu's derivative at 0 is 0, as torch's; where it is 0 the term times zero, as torch's product with
-    # the mask (NaN where the term is not finite).
-    e_g = d_out * u
-    return tl.where(g > 0.0, e_g, e_g * 0.0), d_out * tl.maximum(g, 0.0, propagate_nan=KEEP_NAN)
+    # relu's derivative at 0 is 0, as torch's.
+    d_g = d_out * u
+    return _times_mask(g > 0.0, d_g), d_out * tl.maximum(g, 0.0, propagate_nan=KEEP_NAN)
