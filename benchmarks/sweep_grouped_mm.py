@@ -6,7 +6,13 @@ Triton kernel's bits (`equal`). Times: CUDA events, the median of the repetition
 call; the variants interleaved in `--rounds` rounds (each keeps its median of the rounds), the dense
 8192^3 bf16 matmul's TFLOP/s measured in the same run as the roof.
 
+`--variants` times the Gluon kernel again with its configuration table (`configs.MM_WS`) changed
+(`VARIANTS`: "pingpong", the math warp groups on tiles of their own in turn; "staged", two staging
+tiles a warp group), each variant's plans built afresh, every variant's bits checked against the Triton
+kernel's; `--triton first` times only the Triton candidate that gives the reference bits.
+
     python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16]
+        [--variants base,pingpong] [--triton first]
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import event_median_ms, machine, write_json
+from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
 
 from moekit.ops.runtime import gemm
 from moekit.ops.runtime.configs import gemm_candidates
@@ -31,6 +37,19 @@ SHAPES = {
     "sonicmoe": (32768, 8, 128, 4096, 512),
     "sonicmoe-e64-k4": (32768, 4, 64, 4096, 1024),
     "qwen3-30b-a3b": (32768, 8, 128, 2048, 768),
+    "gpt-oss-20b": (16384, 4, 32, 2880, 2880),
+    "deepseek-v3-ep8": (16384, 8, 32, 7168, 2048),
+    "mixtral-8x7b": (16384, 2, 8, 4096, 14336),
+}
+# Changes to the Gluon kernel's table (`configs.MM_WS`), by table name: the same products and order,
+# other overlaps of the epilogue with the tensor cores' work.
+VARIANTS: dict[str, dict[str, dict[str, object]]] = {
+    "base": {},
+    # The math warp groups on 64-row tiles of their own, in turn (the weight read once per 64 rows).
+    "pingpong": {"MM_WS": dict(PINGPONG=True)},
+    # Two staging tiles a warp group (one ring slot fewer): no wait between the halves' stores.
+    "staged": {"MM_WS": dict(EPI_BUFS=2, STAGES=3)},
+    "pingpong_staged": {"MM_WS": dict(PINGPONG=True, EPI_BUFS=2)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 
@@ -44,7 +63,9 @@ def dense_roof(reps: int) -> float | None:
     return 2 * 8192**3 / ms / 1e9
 
 
-def sweep_shape(name: str, reps: int, rounds: int, device: str) -> dict[str, dict[str, object]]:
+def sweep_shape(
+    name: str, reps: int, rounds: int, device: str, variants: list[str], triton_all: bool
+) -> dict[str, dict[str, object]]:
     T, K, N, H, F = (SHAPES | SMOKE_SHAPES)[name]
     M = T * K
     # The interpreter's bfloat16 dot is wrong: float32 there (--smoke, which runs the Triton kernel only).
@@ -59,28 +80,38 @@ def sweep_shape(name: str, reps: int, rounds: int, device: str) -> dict[str, dic
         "fc2_fwd": (lambda cfg=None: gemm.grouped_gemm_forward(act, w2, offs, cfg=cfg), 2 * M * F * H),
         "fc1_dgrad": (lambda cfg=None: gemm.grouped_gemm_dgrad(dh, w1, offs, cfg=cfg), 2 * M * 2 * F * H),
     }
+    saved = saved_tables(VARIANTS)
     cells = {}
     for kind, (run, flops) in products.items():
         op = "fwd" if kind == "fc2_fwd" else "dgrad"
         candidates = gemm_candidates(op, dtype, True, arch_of(act.device), H)
-        variants: dict[str, Callable[[], torch.Tensor]] = {
-            f"triton{i}": functools.partial(run, c) for i, c in enumerate(candidates)
+        if not triton_all:
+            candidates = candidates[:1]
+        # label -> (table changes applied before its timings, the call)
+        cases: dict[str, tuple[dict, Callable[[], torch.Tensor]]] = {
+            f"triton{i}": ({}, functools.partial(run, c)) for i, c in enumerate(candidates)
         }
-        if device == "cuda":
-            variants["ws"] = run  # no cfg: the Gluon kernel where `gemm.hopper_mm_takes`
+        if device == "cuda":  # no cfg: the Gluon kernel where `gemm.hopper_mm_takes`
+            cases.update({"ws" if v == "base" else f"ws_{v}": (VARIANTS[v], run) for v in variants})
+        apply_tables({}, saved)
         reference = run(candidates[0])
         record: dict[str, object] = {"flops": flops}
-        times: dict[str, list[float]] = {label: [] for label in variants}
-        for _ in range(rounds):
-            for label, fn in variants.items():
+        times: dict[str, list[float]] = {label: [] for label in cases}
+        for round_ in range(rounds):
+            for label, (changes, fn) in cases.items():
+                apply_tables(changes, saved)
                 times[label].append(event_median_ms(fn, reps))
-        for label, fn in variants.items():
+                if round_ == 0:
+                    record[f"{label}_equal"] = bool(torch.equal(fn(), reference))
+        apply_tables({}, saved)
+        for label in cases:
             ms = statistics.median(times[label])
             record[f"{label}_ms"] = ms
+            record[f"{label}_ms_rounds"] = times[label]
             record[f"{label}_tflops"] = flops / ms / 1e9 if ms else None
-            record[f"{label}_equal"] = bool(torch.equal(fn(), reference))
         cells[f"{name}/{kind}"] = record
-        print(name, kind, {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items() if not k.endswith("_rounds")}
+        print(name, kind, shown, flush=True)
     return cells
 
 
@@ -91,7 +122,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (interpreter): the plumbing")
+    parser.add_argument("--variants", default="base", help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--triton", choices=("all", "first"), default="all", help="time every Triton candidate or the first"
+    )
     args = parser.parse_args()
+    variants = select_by_name(list(VARIANTS), args.variants, "variants", VARIANTS)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_grouped_mm.py needs a CUDA device (or --smoke)")
     pool = SMOKE_SHAPES if args.smoke else SHAPES
@@ -100,7 +136,8 @@ def main() -> None:
     for name in list(pool) if args.smoke else args.shapes.split(","):
         if name not in pool:
             raise SystemExit(f"--shapes: unknown shape {name!r}; expected some of {sorted(pool)}")
-        cells.update(sweep_shape(name, args.reps, args.rounds, "cpu" if args.smoke else "cuda"))
+        device = "cpu" if args.smoke else "cuda"
+        cells.update(sweep_shape(name, args.reps, args.rounds, device, variants, args.triton == "all"))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     write_json(args.out, {"meta": machine(), "dense_bf16_tflops": roof, "cells": cells})
