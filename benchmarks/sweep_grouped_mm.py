@@ -50,6 +50,8 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # Two staging tiles a warp group (one ring slot fewer): no wait between the halves' stores.
     "staged": {"MM_WS": dict(EPI_BUFS=2, STAGES=3)},
     "pingpong_staged": {"MM_WS": dict(PINGPONG=True, EPI_BUFS=2)},
+    # Pingpong with 32-deep steps and twice the slots (the same bytes in flight, finer-grained).
+    "pingpong_red32": {"MM_WS": dict(PINGPONG=True, BLOCK_RED=32, STAGES=8)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 
