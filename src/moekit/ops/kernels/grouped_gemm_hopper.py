@@ -416,6 +416,7 @@ def _mm_math_partition(
     c_smem,
     ready,
     empty,
+    handoff,
     HALF: gl.constexpr,
     PINGPONG: gl.constexpr,
     EPI_BUFS: gl.constexpr,
@@ -466,12 +467,19 @@ def _mm_math_partition(
     it = 0
     for tile_id in range(first, num_tiles, stride):
         if PINGPONG:
-            it = gl.minimum((tile_id - pid) // NUM_PROGRAMS, local_real) * red_steps
+            j = (tile_id - pid) // NUM_PROGRAMS
+            it = gl.minimum(j, local_real) * red_steps
             g, row_lo, row_hi, rows0, c0, _ = tile_coords(
                 tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
             )
             real = g < N
             offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
+            # The main loops take turns: this tile's starts once the other group's previous tile has
+            # released its slots. (Then every earlier use of a slot is released, so each ready wait
+            # below is for the phase after the barrier's last completed one: a parity wait cannot
+            # tell a phase from the one two before it.)
+            if real and j >= 1:
+                mbarrier.wait(handoff.index(1 - HALF), ((j - 1) // 2) & 1)
         else:
             g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
                 tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
@@ -500,6 +508,8 @@ def _mm_math_partition(
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         if steps > 0:
             release_slot(empty, it - 1, STAGES)
+            if PINGPONG:
+                mbarrier.arrive(handoff.index(HALF), count=1)
         if EPI_BUFS == 2:
             store_halves_staged(
                 acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
@@ -592,6 +602,13 @@ def grouped_mm_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    if PINGPONG:
+        # handoff[h]: one phase per real tile of math warp group h, at its main loop's end.
+        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(handoff.index(i), count=1)
+    else:
+        handoff = ready  # unused
     # The two math partitions' argument tuples differ only in their staging tile and index, yet are
     # written out: a tuple built in the kernel would not keep its constexprs.
     gl.warp_specialize(
@@ -615,6 +632,7 @@ def grouped_mm_ws_kernel(
                     c0_smem,
                     ready,
                     empty,
+                    handoff,
                     0,
                     PINGPONG,
                     EPI_BUFS,
@@ -650,6 +668,7 @@ def grouped_mm_ws_kernel(
                     c1_smem,
                     ready,
                     empty,
+                    handoff,
                     1,
                     PINGPONG,
                     EPI_BUFS,
