@@ -7,12 +7,11 @@ call; the variants interleaved in `--rounds` rounds (each keeps its median of th
 8192^3 bf16 matmul's TFLOP/s measured in the same run as the roof.
 
 `--variants` times the Gluon kernel again with its configuration table (`configs.MM_WS`) changed
-(`VARIANTS`: "pingpong", the math warp groups on tiles of their own in turn; "staged", two staging
-tiles a warp group), each variant's plans built afresh, every variant's bits checked against the Triton
+(`VARIANTS`), each variant's plans built afresh, every variant's bits checked against the Triton
 kernel's; `--triton first` times only the Triton candidate that gives the reference bits.
 
     python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16]
-        [--variants base,pingpong] [--triton first]
+        [--variants base,red32] [--triton first]
 """
 
 from __future__ import annotations
@@ -41,17 +40,16 @@ SHAPES = {
     "deepseek-v3-ep8": (16384, 8, 32, 7168, 2048),
     "mixtral-8x7b": (16384, 2, 8, 4096, 14336),
 }
-# Changes to the Gluon kernel's table (`configs.MM_WS`), by table name: the same products and order,
-# other overlaps of the epilogue with the tensor cores' work.
+# Changes to the Gluon kernel's table (`configs.MM_WS`), by table name: the same products in the same
+# order, another ring. (The variants "pingpong" (the math warp groups on 64-row tiles of their own, in
+# turn) and "staged" (two staging tiles a group, 3 slots) lived in the kernel at `9d6902c` and lost at
+# every shape: benchmarks/results/h100_mm_ws_variants_9d6902c.json, notes/grouped_gemm.md.)
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "base": {},
-    # The math warp groups on 64-row tiles of their own, in turn (the weight read once per 64 rows).
-    "pingpong": {"MM_WS": dict(PINGPONG=True)},
-    # Two staging tiles a warp group (one ring slot fewer): no wait between the halves' stores.
-    "staged": {"MM_WS": dict(EPI_BUFS=2, STAGES=3)},
-    "pingpong_staged": {"MM_WS": dict(PINGPONG=True, EPI_BUFS=2)},
-    # Pingpong with 32-deep steps and twice the slots (the same bytes in flight, finer-grained).
-    "pingpong_red32": {"MM_WS": dict(PINGPONG=True, BLOCK_RED=32, STAGES=8)},
+    # One slot fewer (what "staged" gave up for its second staging tile).
+    "stages3": {"MM_WS": dict(STAGES=3)},
+    # 32-deep steps and twice the slots: the same bytes in flight, in finer pieces.
+    "red32": {"MM_WS": dict(BLOCK_RED=32, STAGES=8)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 

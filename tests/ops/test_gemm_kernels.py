@@ -502,36 +502,14 @@ MM_WS_CASES = {
 }
 
 
-# The Gluon forward/dgrad's table variants: the same products in the same order, other overlaps of the
-# epilogue with the MMAs (math warp groups on tiles of their own in turn; two staging tiles a group).
-MM_WS_VARIANTS = {
-    "table": {},
-    "pingpong": dict(PINGPONG=True),
-    "staged": dict(EPI_BUFS=2, STAGES=3),
-    "pingpong_staged": dict(PINGPONG=True, EPI_BUFS=2),
-}
-
-
-@pytest.fixture
-def mm_ws_variant(request, monkeypatch):
-    """`configs.MM_WS` changed by the MM_WS_VARIANTS entry named by the test's parameter, plans planned
-    afresh before and after."""
-    for key, value in MM_WS_VARIANTS[request.param].items():
-        monkeypatch.setitem(configs.MM_WS, key, value)
-    launch.forget_plans()
-    yield request.param
-    launch.forget_plans()
-
-
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("mm_ws_variant", list(MM_WS_VARIANTS), indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(MM_WS_CASES), ids=list(MM_WS_CASES))
-def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, mm_ws_variant, nan_outputs):
+def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
     """On sm_90 the forward and the dgrad run the Gluon kernel (profiled, no host sync) and give the Triton
     kernel's bits (its first candidate: the same tile), within the tolerance rule of the float64
-    reference, padding rows (NaN inputs) exact zeros; in every variant of its table."""
+    reference, padding rows (NaN inputs) exact zeros."""
     from helpers import run_on_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -592,10 +570,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
 from moekit.ops.runtime.configs import MM_WS
 
-dtype, trans_b, bias, scale, epi_tma, variant = json.loads(sys.argv[1])
-table = dict(MM_WS, **variant)
-options = {k: table[k] for k in ("num_warps", "maxnreg")}
-const = {k: v for k, v in table.items() if k not in options}
+dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
+options = {k: MM_WS[k] for k in ("num_warps", "maxnreg")}
+const = {k: v for k, v in MM_WS.items() if k not in options}
 const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
 pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
@@ -617,26 +594,19 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 
 
 @pytest.mark.parametrize(
-    "dtype,trans_b,bias,scale,epi_tma,variant",
+    "dtype,trans_b,bias,scale,epi_tma",
     [
-        ("*bf16", True, False, False, True, "table"),
-        ("*bf16", False, False, False, True, "table"),
-        ("*fp16", True, True, True, False, "table"),
-        *[("*bf16", trans_b, False, False, True, v) for v in list(MM_WS_VARIANTS)[1:] for trans_b in (True, False)],
+        ("*bf16", True, False, False, True),
+        ("*bf16", False, False, False, True),
+        ("*fp16", True, True, True, False),
     ],
-    ids=[
-        "fwd",
-        "dgrad",
-        "fwd-fp16-bias-scale-pointer-stores",
-        *[f"{op}-{v}" for v in list(MM_WS_VARIANTS)[1:] for op in ("fwd", "dgrad")],
-    ],
+    ids=["fwd", "dgrad", "fwd-fp16-bias-scale-pointer-stores"],
 )
-def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, variant, tmp_path):
-    """The Gluon forward/dgrad compiles for sm_90a (in its own process, as the other Gluon kernels), in
-    every variant of its table: 12 warps (two math warp groups and the load warp's), inside 227 KB of
-    shared memory, m64n128k16 wgmma only, no wgmma serialized by ptxas (C7514 / C7515) and no spills at
-    the configuration's registers."""
-    args = json.dumps([dtype, trans_b, bias, scale, epi_tma, MM_WS_VARIANTS[variant]])
+def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, tmp_path):
+    """The Gluon forward/dgrad compiles for sm_90a (in its own process, as the other Gluon kernels): 12
+    warps (two math warp groups and the load warp's), inside 227 KB of shared memory, m64n128k16 wgmma
+    only, no wgmma serialized by ptxas (C7514 / C7515) and no spills at the configuration's registers."""
+    args = json.dumps([dtype, trans_b, bias, scale, epi_tma])
     got = compile_in_subprocess(_COMPILE_MM_WS_FOR_SM90, args, str(tmp_path / "k.ptx"))
     assert got["num_warps"] == 12 and 0 < got["shared"] <= 227 * 1024
     kind = dtype.strip("*").replace("fp16", "f16")

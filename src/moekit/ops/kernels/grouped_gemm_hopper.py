@@ -106,34 +106,6 @@ def store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm):
 
 
 @gluon.jit
-def epilogue_values(
-    acc,
-    real,
-    g,
-    N,
-    offs_m,
-    offs_c,
-    row_lo,
-    row_hi,
-    c_ptr,
-    bias_ptr,
-    scale_ptr,
-    COLS,
-    stride_bias_g,
-    HAS_BIAS: gl.constexpr,
-    HAS_SCALE: gl.constexpr,
-):
-    """An accumulator's output values, the Triton kernel's epilogue (`grouped_gemm.fwd_epilogue`) in its
-    order: padding rows exact zeros whatever they hold, then the bias (none on padding tiles), then c's
-    dtype."""
-    acc = gl.where(real, acc, 0.0)
-    if HAS_BIAS:
-        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
-        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
-    return acc.to(c_ptr.dtype.element_ty)
-
-
-@gluon.jit
 def tile_epilogue(
     acc,
     real,
@@ -164,10 +136,11 @@ def tile_epilogue(
     ROWS: gl.constexpr = acc.shape[0]
     SUB: gl.constexpr = acc.shape[1]
     offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
-    out = epilogue_values(
-        acc, real, g, N, offs_m, offs_c, row_lo, row_hi, c_ptr, bias_ptr, scale_ptr, COLS, stride_bias_g, HAS_BIAS,
-        HAS_SCALE,
-    )  # fmt: skip
+    acc = gl.where(real, acc, 0.0)
+    if HAS_BIAS:
+        mask_m = (offs_m >= row_lo) & (offs_m < row_hi)
+        acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
+    out = acc.to(c_ptr.dtype.element_ty)
     if EPI_TMA:
         if rows0 + ROWS <= row_hi:
             # The previous store has read the staging tile (every warp waits past it).
@@ -257,64 +230,6 @@ def store_halves(
             acc1, real, g, N, offs_m, c0 + SUB, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
             COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
-
-
-@gluon.jit
-def store_halves_staged(
-    acc0,
-    acc1,
-    real,
-    g,
-    N,
-    offs_m,
-    c0,
-    rows0,
-    row_lo,
-    row_hi,
-    c_ptr,
-    c_desc,
-    c_bufs,
-    bias_ptr,
-    scale_ptr,
-    COLS,
-    stride_cm,
-    stride_bias_g,
-    HAS_BIAS: gl.constexpr,
-    HAS_SCALE: gl.constexpr,
-    EPI_TMA: gl.constexpr,
-    cols_layout: gl.constexpr,
-):
-    """`store_halves` (HALVES = 2) through two staging tiles c_bufs (2, ROWS, SUB), one a half: a wait for
-    the previous tile's stores (issued a main loop ago), both halves written, one fence and both TMA
-    stores, where `store_halves` waits for the first half's store to read its one tile before writing
-    the second. The same values and stores otherwise."""
-    ROWS: gl.constexpr = acc0.shape[0]
-    SUB: gl.constexpr = acc0.shape[1]
-    offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
-    out0 = epilogue_values(
-        acc0, real, g, N, offs_m, offs_c, row_lo, row_hi, c_ptr, bias_ptr, scale_ptr, COLS, stride_bias_g, HAS_BIAS,
-        HAS_SCALE,
-    )  # fmt: skip
-    out1 = epilogue_values(
-        acc1, real, g, N, offs_m, offs_c + SUB, row_lo, row_hi, c_ptr, bias_ptr, scale_ptr, COLS, stride_bias_g,
-        HAS_BIAS, HAS_SCALE,
-    )  # fmt: skip
-    second = c0 + SUB < COLS  # the second half holds columns below COLS
-    if EPI_TMA and rows0 + ROWS <= row_hi:
-        tma.store_wait(0)
-        gl.thread_barrier()
-        c_bufs.index(0).store(out0)
-        if second:
-            c_bufs.index(1).store(out1)
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_bufs.index(0))
-        if second:
-            tma.async_copy_shared_to_global(c_desc, [rows0, c0 + SUB], c_bufs.index(1))
-    else:
-        store_rows(out0, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
-        if second:
-            store_rows(out1, c_ptr, offs_m, offs_c + SUB, row_lo, row_hi, COLS, stride_cm)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,10 +331,7 @@ def _mm_math_partition(
     c_smem,
     ready,
     empty,
-    handoff,
     HALF: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    EPI_BUFS: gl.constexpr,
     TRANS_B: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
@@ -434,66 +346,31 @@ def _mm_math_partition(
 ):
     """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile, two (BLOCK_M / 2, BLOCK_C / 2)
     accumulators over the ring (a step's MMAs in flight while the next slot's are issued), then those
-    rows' epilogue. PINGPONG: BLOCK_M is the tile (the warp group's rows) and warp group HALF takes
-    the program's tiles HALF, HALF + 2, ...: its slots are those the load warp filled for them, the
-    ring position of a tile's first step being red_steps times the real tiles the program had before
-    it (padding tiles, last in the tile space, load nothing). EPI_BUFS 2: c_smem holds two staging
-    tiles (`store_halves_staged`)."""
-    offs_g = gluon_group_ids(BLOCK_GROUPS)
-    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(offs_ptr, offs_g, M, N, COLS, BLOCK_M, BLOCK_C)
-    ROWS: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
+    rows' epilogue."""
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
+        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    )
+    ROWS: gl.constexpr = BLOCK_M // 2
     SUB: gl.constexpr = BLOCK_C // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 16]
     )
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    if EPI_BUFS == 2:
-        c_desc = output_desc(c_ptr, c_smem.index(0), M, COLS, stride_cm, EPI_TMA)
-    else:
-        c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
+    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
     red_steps = gl.cdiv(RED, BLOCK_RED)
-    pid = gl.program_id(0)
-    if PINGPONG:
-        first = pid + HALF * NUM_PROGRAMS
-        stride = 2 * NUM_PROGRAMS
-        # The program's real tiles: tile_end is nondecreasing, its entry N - 1 the real groups' tiles.
-        real_tiles = gl.max(gl.where(offs_g < N, tile_end, 0), 0)
-        local_real = gl.maximum(gl.cdiv(real_tiles - pid, NUM_PROGRAMS), 0)
-    else:
-        first = pid
-        stride = NUM_PROGRAMS
-        local_real = 0  # unused
     it = 0
-    for tile_id in range(first, num_tiles, stride):
-        if PINGPONG:
-            j = (tile_id - pid) // NUM_PROGRAMS
-            it = gl.minimum(j, local_real) * red_steps
-            g, row_lo, row_hi, rows0, c0, _ = tile_coords(
-                tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
-            )
-            real = g < N
-            offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
-            # The main loops take turns: this tile's starts once the other group's previous tile has
-            # released its slots. (Then every earlier use of a slot is released, so each ready wait
-            # below is for the phase after the barrier's last completed one: a parity wait cannot
-            # tell a phase from the one two before it.)
-            if real and j >= 1:
-                mbarrier.wait(handoff.index(1 - HALF), ((j - 1) // 2) & 1)
-        else:
-            g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
-                tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
-            )
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
+            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
+        )
         acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
         steps = red_steps * real.to(gl.int32)
         for step in range(steps):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            if PINGPONG:
-                a_rows = a_bufs.index(slot)
-            else:
-                a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
+            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
             if TRANS_B:  # (SUB, BLOCK_RED) K-major boxes
                 acc0 = warpgroup_mma(a_rows, b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
                 acc1 = warpgroup_mma(a_rows, b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
@@ -508,18 +385,10 @@ def _mm_math_partition(
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         if steps > 0:
             release_slot(empty, it - 1, STAGES)
-            if PINGPONG:
-                mbarrier.arrive(handoff.index(HALF), count=1)
-        if EPI_BUFS == 2:
-            store_halves_staged(
-                acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
-                COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
-            )  # fmt: skip
-        else:
-            store_halves(
-                acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr,
-                COLS, stride_cm, stride_bias_g, 2, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
-            )  # fmt: skip
+        store_halves(
+            acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, 2, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        )  # fmt: skip
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -544,8 +413,6 @@ def grouped_mm_ws_kernel(
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    EPI_BUFS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_C: gl.constexpr,
     BLOCK_RED: gl.constexpr,
@@ -568,47 +435,27 @@ def grouped_mm_ws_kernel(
     non-empty reduction, the view's rows below 2**31. BLOCK_M = 128 (two warp groups of 64 rows);
     num_warps = 4 (math warp group 0; group 1 and the load warp are workers with MATH_REGS and
     LOAD_REGS registers a thread).
-
-    PINGPONG: the tiles are BLOCK_M / 2 rows and the math warp groups take them in turn, so that one's
-    epilogue can run beside the other's MMAs (the ring's slots each one group's; the weight read once
-    per 64 rows instead of 128). EPI_BUFS (1 or 2): staging tiles a math warp group. Neither changes
-    a product or its order: the same bits.
     """
     gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
-    gl.static_assert(EPI_BUFS == 1 or EPI_BUFS == 2, "one or two staging tiles a math warp group")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     SUB: gl.constexpr = BLOCK_C // 2
-    ROWS: gl.constexpr = BLOCK_M // 2
-    TILE_M: gl.constexpr = ROWS if PINGPONG else BLOCK_M
-    CONSUMERS: gl.constexpr = 1 if PINGPONG else 2
     B_ROWS: gl.constexpr = SUB if TRANS_B else BLOCK_RED
     B_COLS: gl.constexpr = BLOCK_RED if TRANS_B else SUB
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_RED], dtype)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([B_ROWS, B_COLS], dtype)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, SUB], dtype)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, TILE_M, BLOCK_RED], a_layout)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
     b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
     b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
-    if EPI_BUFS == 2:
-        c0_smem = gl.allocate_shared_memory(dtype, [2, ROWS, SUB], c_layout)
-        c1_smem = gl.allocate_shared_memory(dtype, [2, ROWS, SUB], c_layout)
-    else:
-        c0_smem = gl.allocate_shared_memory(dtype, [ROWS, SUB], c_layout)
-        c1_smem = gl.allocate_shared_memory(dtype, [ROWS, SUB], c_layout)
+    c0_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # A slot is ready on the load warp's expect and its bytes; free once its consumers' MMAs on it are
-    # done (both math warp groups', or with PINGPONG its tile's group's).
+    # A slot is ready on the load warp's expect and its bytes; free once both math warp groups' MMAs
+    # on it are done.
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    if PINGPONG:
-        # handoff[h]: one phase per real tile of math warp group h, at its main loop's end.
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(handoff.index(i), count=1)
-    else:
-        handoff = ready  # unused
+        mbarrier.init(empty.index(i), count=2)
     # The two math partitions' argument tuples differ only in their staging tile and index, yet are
     # written out: a tuple built in the kernel would not keep its constexprs.
     gl.warp_specialize(
@@ -632,15 +479,12 @@ def grouped_mm_ws_kernel(
                     c0_smem,
                     ready,
                     empty,
-                    handoff,
                     0,
-                    PINGPONG,
-                    EPI_BUFS,
                     TRANS_B,
                     HAS_BIAS,
                     HAS_SCALE,
                     EPI_TMA,
-                    TILE_M,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                     GROUP_M,
@@ -668,15 +512,12 @@ def grouped_mm_ws_kernel(
                     c1_smem,
                     ready,
                     empty,
-                    handoff,
                     1,
-                    PINGPONG,
-                    EPI_BUFS,
                     TRANS_B,
                     HAS_BIAS,
                     HAS_SCALE,
                     EPI_TMA,
-                    TILE_M,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                     GROUP_M,
@@ -703,7 +544,7 @@ def grouped_mm_ws_kernel(
                     ready,
                     empty,
                     TRANS_B,
-                    TILE_M,
+                    BLOCK_M,
                     BLOCK_C,
                     BLOCK_RED,
                     GROUP_M,

@@ -286,18 +286,12 @@ WGRAD_GATHERED_WS = dict(
 # load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56). Both
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
 # would fall beside the other's MMAs, ran 0-18% slower (benchmarks/README.md, the Gluon forward/dgrad).
-# PINGPONG (the math warp groups on 64-row tiles of their own, in turn, so that one's epilogue runs
-# beside the other's MMAs; the weight read once per 64 rows) and EPI_BUFS (two staging tiles a warp
-# group: no wait between the halves' stores; 3 slots then) are other overlaps of the same products:
-# benchmarks/sweep_grouped_mm.py --variants times them.
 MM_WS = dict(
     BLOCK_M=128,
     BLOCK_C=256,
     BLOCK_RED=64,
     GROUP_M=8,
     STAGES=4,
-    PINGPONG=False,
-    EPI_BUFS=1,
     MATH_REGS=224,
     LOAD_REGS=56,
     num_warps=4,

@@ -215,8 +215,7 @@ def _mm_ws_launch(
     M = a.shape[0]
     N = b.shape[0]
     cfg = MM_WS
-    tile_rows = cfg["BLOCK_M"] // 2 if cfg["PINGPONG"] else cfg["BLOCK_M"]
-    nprog = row_tiled_grid(a.device, M, N, out_cols, tile_rows, cfg["BLOCK_C"])
+    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C"])
     ints = (M, out_cols, a.shape[1], N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
         _GROUPED_MM_WS,
