@@ -67,13 +67,13 @@ def test_arg_key_is_at_least_as_fine_as_triton_specialization():
     specialize = _triton_specialization()
     seen: dict = {}
     for arg in [*INTS, *_tensors(), True, False, 1.0, 2.5, None]:
-        key = (type(arg), triton_launch._arg_key(arg))
+        key = (type(arg), triton_launch.arg_key(arg))
         spec = specialize(arg)
         assert seen.setdefault(key, spec) == spec, f"{arg!r}: same key as an argument Triton specializes apart"
 
 
 def test_arg_key_separates_what_triton_separates_for_tensors():
-    keys = {triton_launch._arg_key(t) for t in _tensors()}
+    keys = {triton_launch.arg_key(t) for t in _tensors()}
     # float32 aligned / unaligned (two views), bf16 aligned / unaligned, int64 aligned.
     assert len(keys) == 5
 

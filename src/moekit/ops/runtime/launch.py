@@ -52,7 +52,7 @@ _INT32_MIN, _INT32_LIMIT, _UINT64_FROM = -(1 << 31), 1 << 31, 1 << 63
 _DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
-def _arg_key(arg: object) -> object:
+def arg_key(arg: object) -> object:
     """What Triton specializes a runtime argument on (see the module docstring)."""
     if type(arg) is int:
         return (arg == 1, arg % 16 == 0, _INT32_MIN <= arg < _INT32_LIMIT, arg >= _UINT64_FROM)
@@ -80,7 +80,7 @@ class Launcher:
         if not self.direct or _hooks_installed():
             self.kernel[grid](*args, **kwargs)
             return
-        key = (driver.active.get_current_device(), *map(_arg_key, args), *kwargs.items())
+        key = (driver.active.get_current_device(), *map(arg_key, args), *kwargs.items())
         entry = self._binaries.get(key)
         if entry is None:
             self._binaries[key] = self.first_launch(grid, args, kwargs)

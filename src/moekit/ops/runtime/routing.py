@@ -101,7 +101,8 @@ def sort_by_expert(
         )
     tiles = ROUTING_TILES[arch]
     launchers = LAUNCHERS
-    key = (tensor_key(topk_ids), num_experts, tiles, launchers)
+    # index_dtype too: the scatter stores into the maps, and a plan's binary is specialized on their dtype.
+    key = (tensor_key(topk_ids), num_experts, index_dtype, tiles, launchers)
     plan = plan_launch("routing", key, lambda: _plan(topk_ids, num_experts, tiles, launchers))
     scratch_size, histogram, scan, scatter = plan
     num_tokens, top_k = topk_ids.shape

@@ -1,0 +1,88 @@
+"""Launch plans reuse the binary of their first launch (`moekit.ops.runtime.launch.LaunchPlan`): on Triton
+3.6 a later launch goes straight to that binary, which Triton specialized on each tensor argument's dtype
+and on whether its address is 16-byte aligned (`launch.arg_key`). So every later launch of a plan must
+pass tensors of the first launch's dtypes and alignments, or the binary runs on pointers it was not
+compiled for (a 16-byte vector access on an unaligned address: "misaligned address"; an int64 store into
+an int32 buffer: writes past its end).
+
+Under the interpreter every launch goes through Triton's own path, so the binary reuse never happens on
+the CPU; these tests check the invariant itself, on every plan launched while they run (`plan_spy`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+launch = pytest.importorskip("moekit.ops.runtime.launch")
+from moekit.ops.moe_experts import moe_experts  # noqa: E402
+from moekit.ops.routing import sort_by_expert  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_kernels = pytest.mark.skipif(
+    launch.unavailable_reason(DEVICE, torch.float32) is not None, reason="moekit's Triton kernels cannot run here"
+)
+
+
+@pytest.fixture
+def plan_spy(monkeypatch):
+    """Records, per plan, the Triton specialization of its first launch's tensors, and every later launch
+    of that plan whose tensors differ from it: (kernel name, first, later)."""
+    first: dict[int, tuple] = {}
+    mismatches: list[tuple] = []
+    call = launch.LaunchPlan.__call__
+
+    def spied(plan, *tensors):
+        keys = tuple(launch.arg_key(t) for t in tensors)
+        seen = first.setdefault(id(plan), (plan, keys))  # the plan held: its id is not reused meanwhile
+        if seen[1] != keys:
+            kernel = plan.launcher.kernel
+            mismatches.append((getattr(kernel, "fn", kernel).__name__, seen[1], keys))
+        return call(plan, *tensors)
+
+    monkeypatch.setattr(launch.LaunchPlan, "__call__", spied)
+    return mismatches
+
+
+def _view(shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A contiguous float32 view that starts `offset` elements into a fresh buffer (offset 1: 4 bytes past a
+    16-byte aligned address)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.randn(numel + 4, device=DEVICE)[offset : offset + numel].view(shape)
+
+
+@needs_kernels
+def test_moe_experts_plans_keep_their_alignment(plan_spy):
+    """The layer's fused path (routing, row moves, fc1 + activation, fc2, their backward) on aligned and
+    4-byte-offset views of every input, in turn: no plan is launched again with another alignment."""
+    T, H, F, N, K = 6, 16, 8, 4, 2
+    gen = torch.Generator().manual_seed(0)
+    for offset in (0, 1, 0, 1):
+        x = _view((T, H), offset).requires_grad_()
+        ids = torch.randint(0, N, (T, K), generator=gen).to(DEVICE)
+        weights = _view((T, K), offset).abs().requires_grad_()
+        w1 = _view((N, H, 2 * F), offset).transpose(1, 2).requires_grad_()  # gpt-oss's layout: a transposed view
+        w2 = _view((N, F, H), offset).transpose(1, 2).requires_grad_()
+        b1, b2 = _view((N, 2 * F), offset).requires_grad_(), _view((N, H), offset).requires_grad_()
+        y = moe_experts(x, ids, weights, w1, w2, fc1_bias=b1, fc2_bias=b2, glu_interleave_size=1, backend="triton")
+        y.backward(_view((T, H), offset))
+    assert plan_spy == []
+
+
+@needs_kernels
+def test_routing_plan_is_per_index_dtype(plan_spy):
+    """The Triton routing's plan key (`moekit.ops.runtime.routing.sort_by_expert`) must tell int64 maps
+    from int32 ones: the scatter kernel stores into them, and a binary compiled for int64 maps that runs on
+    int32 ones writes twice their bytes (and int32 stores leave int64 maps' high halves unwritten)."""
+    ids = torch.randint(0, 5, (6, 2), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for index_dtype in (torch.int64, torch.int32, torch.int64):
+        order = sort_by_expert(ids, 5, use_triton=True, index_dtype=index_dtype)
+        assert order.row_map.dtype == index_dtype
+    assert plan_spy == []
