@@ -410,7 +410,7 @@ def test_gpu_test_body_on_cpu(recipe):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M, I, O, splits", GPU_SHAPES)
 @pytest.mark.parametrize("recipe", WGRAD_RECIPES)
-def test_gpu_wgrad_against_dequantized_float64(recipe, M, I, O, splits, nan_poison):
+def test_gpu_wgrad_against_dequantized_float64(recipe, M, I, O, splits, nan_poison, gpu_to_itself):
     cuda = torch.device("cuda")
     reason = qg.fp8_wgrad_unavailable_reason(recipe, cuda, torch.bfloat16)
     if reason is not None:
