@@ -59,9 +59,11 @@ def _view(shape: tuple[int, ...], offset: int) -> torch.Tensor:
 
 
 @needs_kernels
-def test_moe_experts_plans_keep_their_alignment(plan_spy):
-    """The layer's fused path (routing, row moves, fc1 + activation, fc2, their backward) on aligned and
-    4-byte-offset views of every input, in turn: no plan is launched again with another alignment."""
+@pytest.mark.parametrize("quantization", [None, "fp8_block", "fp8_rowwise", "mxfp8"])
+def test_moe_experts_plans_keep_their_alignment(plan_spy, quantization):
+    """The layer's fused path (routing, row moves, fc1 + activation, fc2, their backward; quantized: the
+    quantizations, FP8 GEMMs and wgrads) on aligned and 4-byte-offset views of every input, in turn: no
+    plan is launched again with another alignment."""
     T, H, F, N, K = 6, 16, 8, 4, 2
     gen = torch.Generator().manual_seed(0)
     for offset in (0, 1, 0, 1):
@@ -71,7 +73,18 @@ def test_moe_experts_plans_keep_their_alignment(plan_spy):
         w1 = _view((N, H, 2 * F), offset).transpose(1, 2).requires_grad_()  # gpt-oss's layout: a transposed view
         w2 = _view((N, F, H), offset).transpose(1, 2).requires_grad_()
         b1, b2 = _view((N, 2 * F), offset).requires_grad_(), _view((N, H), offset).requires_grad_()
-        y = moe_experts(x, ids, weights, w1, w2, fc1_bias=b1, fc2_bias=b2, glu_interleave_size=1, backend="triton")
+        y = moe_experts(
+            x,
+            ids,
+            weights,
+            w1,
+            w2,
+            fc1_bias=b1,
+            fc2_bias=b2,
+            glu_interleave_size=1,
+            backend="triton",
+            quantization=quantization,
+        )
         y.backward(_view((T, H), offset))
     assert plan_spy == []
 

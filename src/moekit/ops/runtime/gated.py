@@ -331,7 +331,18 @@ def gated_quantize_into(
     if rows == 0 or ffn == 0:
         return
     num_groups = offs.shape[0] - 1
-    key = (tensor_key(h_M2F), tensor_key(probs_M), glu_block, activation, recipe, gate_limit, up_limit, num_groups)
+    # Every tensor launched is in the key (a plan's binary is specialized on each one's dtype and alignment).
+    key: tuple = (
+        tensor_key(h_M2F),
+        tensor_key(probs_M),
+        glu_block,
+        activation,
+        recipe,
+        gate_limit,
+        up_limit,
+        num_groups,
+    )
+    key += tuple(map(tensor_key, (offs, a_data, a_scale, h_data, h_scale)))
     plan = plan_launch(
         "gated_quantize",
         key,
@@ -433,7 +444,7 @@ def held_columns_into(
         return
     num_groups = offs.shape[0] - 1
     key: tuple = (tensor_key(h_data), tensor_key(h_scale), tensor_key(probs_M), glu_block, activation, held)
-    key += (recipe, num_groups)
+    key += (recipe, num_groups, *map(tensor_key, (offs, slot_offs, col_data, col_scale)))
     plan = plan_launch(
         "held_columns",
         key,

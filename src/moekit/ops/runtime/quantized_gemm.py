@@ -541,6 +541,7 @@ def quantized_glu_forward_into(
         return
     key: tuple = (tensor_key(x_data), tensor_key(w_data), tensor_key(offs), tensor_key(bias_N2F), tensor_key(probs_M))
     key += (tensor_key(a_scale), tensor_key(h_scale), glu_block, activation, dtype)
+    key += tuple(map(tensor_key, (x_scale, w_scale, a_data, h_data)))
     plan = plan_launch(
         "grouped_glu_fp8",
         key,
@@ -769,17 +770,21 @@ def _plan_wgrad(
     cfg: GemmConfig | None,
     forced_tma: bool | None,
     device: torch.device,
+    given: tuple[torch.Tensor, ...],
+    scales_aligned: bool,
 ) -> LaunchPlan | None:
-    """The wgrad launch of `recipe` on `segment_transpose`'s operands (None: nothing to compute)."""
+    """The wgrad launch of `recipe` on `segment_transpose`'s operands (None: nothing to compute).
+    given: the segmented operands as given (their TMA check), or none where they are made fresh;
+    scales_aligned: both scale tensors' bases 16-byte aligned (the Gluon wgrad loads them by TMA)."""
     if M == 0 or N == 0 or O == 0 or I == 0:
         return None
     pitch = segment_pitch(M, N)
-    # The operands are fresh (O, pitch) and (I, pitch) allocations of the segments layout, which differ
-    # only in their row count: one row of the layout stands for both in TMA's check (aligned base, row
-    # pitch). Full-size stand-ins would cost both operands' bytes again at the backward's peak, at every
-    # new problem.
-    tma, arch = use_tma(forced_tma, True, empty((1, pitch), device, FP8_DTYPE))
-    if hopper_wgrad_takes(recipe, device, tma, cfg, N, O, I):
+    # Operands made here are fresh (O, pitch) and (I, pitch) allocations of the segments layout, which
+    # differ only in their row count: one row of the layout stands for both in TMA's check (aligned
+    # base, row pitch). Full-size stand-ins would cost both operands' bytes again at the backward's
+    # peak, at every new problem.
+    tma, arch = use_tma(forced_tma, True, *(given or (empty((1, pitch), device, FP8_DTYPE),)))
+    if scales_aligned and hopper_wgrad_takes(recipe, device, tma, cfg, N, O, I):
         return _wgrad_ws_launch(M, O, I, N, pitch, out_dtype, device)
     with device_ctx(device):
         if cfg is None:
@@ -840,9 +845,16 @@ def quantized_gemm_wgrad(
     N = offs.shape[0] - 1
     offs = check_offs(offs, N, dy_data.device)
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
-    key = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma, segmented_rows)
+    key: tuple = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
+    key += (segmented_rows, tensor_key(dy_scale), tensor_key(x_scale))
+    operands = () if segmented_rows is None else (dy_data, x_data)
+    scales_aligned = dy_scale.data_ptr() % 16 == 0 and x_scale.data_ptr() % 16 == 0
     plan = plan_launch(
-        "fp8_wgrad", key, lambda: _plan_wgrad(recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device)
+        "fp8_wgrad",
+        key,
+        lambda: _plan_wgrad(
+            recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device, operands, scales_aligned
+        ),
     )
     dw = empty((N, O, I), dy_data.device, out_dtype)
     if plan is None:
