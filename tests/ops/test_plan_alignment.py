@@ -11,17 +11,12 @@ the CPU; these tests check the invariant itself, on every plan launched while th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-launch = pytest.importorskip("moekit.ops.runtime.launch")
-from moekit.ops.moe_experts import moe_experts  # noqa: E402
-from moekit.ops.routing import sort_by_expert  # noqa: E402
+from moekit.ops.moe_experts import moe_experts
+from moekit.ops.routing import sort_by_expert
+from moekit.ops.runtime import launch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(
