@@ -19,6 +19,8 @@ from moekit.ops.routing import sort_by_expert
 from moekit.ops.runtime import launch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The interpreter's bfloat16 dot is wrong (float32 there); the GPU's kernels in the layer's dtype.
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 needs_kernels = pytest.mark.skipif(
     launch.unavailable_reason(DEVICE, torch.float32) is not None, reason="moekit's Triton kernels cannot run here"
 )
@@ -44,13 +46,14 @@ def plan_spy(monkeypatch):
     return mismatches
 
 
-def _view(shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """A contiguous float32 view that starts `offset` elements into a fresh buffer (offset 1: 4 bytes past a
-    16-byte aligned address)."""
+def _view(shape: tuple[int, ...], misaligned: bool) -> torch.Tensor:
+    """A contiguous DTYPE view of a fresh buffer, from its start or (misaligned) 4 bytes past it: a
+    16-byte aligned address or not."""
     numel = 1
     for s in shape:
         numel *= s
-    return torch.randn(numel + 4, device=DEVICE)[offset : offset + numel].view(shape)
+    start = 4 // DTYPE.itemsize if misaligned else 0
+    return torch.randn(numel + 8, device=DEVICE, dtype=DTYPE)[start : start + numel].view(shape)
 
 
 @needs_kernels
@@ -61,13 +64,13 @@ def test_moe_experts_plans_keep_their_alignment(plan_spy, quantization):
     plan is launched again with another alignment."""
     T, H, F, N, K = 6, 16, 8, 4, 2
     gen = torch.Generator().manual_seed(0)
-    for offset in (0, 1, 0, 1):
-        x = _view((T, H), offset).requires_grad_()
+    for misaligned in (False, True, False, True):
+        x = _view((T, H), misaligned).requires_grad_()
         ids = torch.randint(0, N, (T, K), generator=gen).to(DEVICE)
-        weights = _view((T, K), offset).abs().requires_grad_()
-        w1 = _view((N, H, 2 * F), offset).transpose(1, 2).requires_grad_()  # gpt-oss's layout: a transposed view
-        w2 = _view((N, F, H), offset).transpose(1, 2).requires_grad_()
-        b1, b2 = _view((N, 2 * F), offset).requires_grad_(), _view((N, H), offset).requires_grad_()
+        weights = _view((T, K), misaligned).abs().requires_grad_()
+        w1 = _view((N, H, 2 * F), misaligned).transpose(1, 2).requires_grad_()  # gpt-oss's layout: a transposed view
+        w2 = _view((N, F, H), misaligned).transpose(1, 2).requires_grad_()
+        b1, b2 = _view((N, 2 * F), misaligned).requires_grad_(), _view((N, H), misaligned).requires_grad_()
         y = moe_experts(
             x,
             ids,
@@ -80,7 +83,7 @@ def test_moe_experts_plans_keep_their_alignment(plan_spy, quantization):
             backend="triton",
             quantization=quantization,
         )
-        y.backward(_view((T, H), offset))
+        y.backward(_view((T, H), misaligned))
     assert plan_spy == []
 
 
