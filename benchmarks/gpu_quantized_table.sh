@@ -14,11 +14,8 @@
 # (e.g. "--shapes qwen3-30b-a3b"), KERNELS, NAME. The device returns at most 8 files: keep $OUT small.
 set -u
 cd "$(dirname "$0")/.." || exit 2
-: "${OUT:?set OUT}" "${C:?set C to the commit measured}"
-mkdir -p "$OUT"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$GPU"
-case "$GPU" in *H200*) P=h200 ;; *H100*) P=h100 ;; *) P=gpu ;; esac
+# shellcheck source=benchmarks/gpu_prelude.sh
+. benchmarks/gpu_prelude.sh
 export MOEKIT_BENCH_COMMIT=$C PYTHONUNBUFFERED=1
 SITE=$(mktemp -d)/site
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/torchao-*.whl .whl/liger_kernel-*.whl \

@@ -12,11 +12,8 @@
 # out of memory beside others before the lock covered them), ARGS (more pytest arguments, e.g. -k).
 set -u
 cd "$(dirname "$0")/.." || exit 2
-: "${OUT:?set OUT}" "${C:?set C to the commit measured}"
-mkdir -p "$OUT"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$GPU"
-case "$GPU" in *H200*) P=h200 ;; *H100*) P=h100 ;; *) P=gpu ;; esac
+# shellcheck source=benchmarks/gpu_prelude.sh
+. benchmarks/gpu_prelude.sh
 LOG=$OUT/${P}_gpu_tests_all_$C.log
 t0=$(date +%s)
 # shellcheck disable=SC2086
