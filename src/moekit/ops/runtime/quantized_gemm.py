@@ -847,13 +847,13 @@ def quantized_gemm_wgrad(
     dy_scale, x_scale = dy_scale.contiguous(), x_scale.contiguous()
     key: tuple = (recipe, tensor_key(dy_data), tensor_key(x_data), tensor_key(offs), out_dtype, cfg, use_tma)
     key += (segmented_rows, tensor_key(dy_scale), tensor_key(x_scale))
-    operands = () if segmented_rows is None else (dy_data, x_data)
+    given = () if segmented_rows is None else (dy_data, x_data)
     scales_aligned = dy_scale.data_ptr() % 16 == 0 and x_scale.data_ptr() % 16 == 0
     plan = plan_launch(
         "fp8_wgrad",
         key,
         lambda: _plan_wgrad(
-            recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device, operands, scales_aligned
+            recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device, given, scales_aligned
         ),
     )
     dw = empty((N, O, I), dy_data.device, out_dtype)
