@@ -852,9 +852,7 @@ def quantized_gemm_wgrad(
     plan = plan_launch(
         "fp8_wgrad",
         key,
-        lambda: _plan_wgrad(
-            recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device, given, scales_aligned
-        ),
+        lambda: _plan_wgrad(recipe, M, O, I, N, offs, out_dtype, cfg, use_tma, dy_data.device, given, scales_aligned),
     )
     dw = empty((N, O, I), dy_data.device, out_dtype)
     if plan is None:
