@@ -6,6 +6,7 @@ Kinds, at each shape's routing (router logits, top-k, rows sorted by expert with
 - gather: x (T, H) -> (M, H), each routed row its token's row (J = 1: the plain copy path). The layer
   runs it for fc1's operand where fc1 does not read the token rows in its loads, and again for fc1's
   weight gradient.
+- gather_fp8: the same on one-byte rows (the quantized layer gathers x's FP8 bytes for fc1).
 - combine: y (M, H) -> (T, H), each token the sum of its K rows in k order (J = K). The layer runs it
   for its output and for dx.
 - copy: an (M, H) tensor copied by torch (`Tensor.copy_`): the bandwidth the two can hope for. A
@@ -47,21 +48,23 @@ SHAPES = {
     "sonicmoe-7b": (24576, 8, 128, 1536),
 }
 SMOKE_SHAPES = {"smoke": (40, 3, 5, 48)}
-KINDS = ("gather", "combine")
+KINDS = ("gather", "gather_fp8", "combine")
 
-# Changes to `configs.ROWS`: "unroll" the sum's loop over the K source rows unrolled by 8 (every row's
-# load in flight before the first sum), "unroll4" by 4; "tile8k_w8" twice the elements a program with
-# twice the warps (the same elements a thread, half the programs); "d512" at most 512 columns a program
-# (twice the rows); "tile2k" half the elements a program.
+# Changes to `configs.ROWS`: a gather's tile in bytes ("copy_rows_2k": rows cut at 2 KiB, bf16's 4 x
+# 1024 tile before; "copy_tile_4k": 4 KiB a program, FP8's 4 x 1024 tile before; "copy_tile_16k",
+# "copy_rows_512"), a sum's ("sum_tile_4k": 4 rows of 1024, the tile before; "sum_tile_1k"), the sum's
+# loop over the K source rows unrolled by 4 ("unroll4": every row's load in flight before its sum),
+# 8 warps ("w8").
 VARIANTS: dict[str, dict[str, dict[str, int]]] = {
     "base": {},
-    "unroll": {"ROWS": dict(UNROLL_J=8)},
+    "copy_rows_2k": {"ROWS": dict(COPY_ROW_BYTES=2048)},
+    "copy_tile_4k": {"ROWS": dict(COPY_TILE_BYTES=4096)},
+    "copy_tile_16k": {"ROWS": dict(COPY_TILE_BYTES=16384)},
+    "copy_rows_512": {"ROWS": dict(COPY_ROW_BYTES=512)},
+    "sum_tile_4k": {"ROWS": dict(SUM_TILE_ELEMENTS=4096)},
+    "sum_tile_1k": {"ROWS": dict(SUM_TILE_ELEMENTS=1024)},
     "unroll4": {"ROWS": dict(UNROLL_J=4)},
-    "tile8k_w8": {"ROWS": dict(TILE_ELEMENTS=8192, num_warps=8)},
-    "tile8k_w8_unroll": {"ROWS": dict(TILE_ELEMENTS=8192, num_warps=8, UNROLL_J=8)},
-    "d512": {"ROWS": dict(MAX_BLOCK_D=512)},
-    "d512_unroll": {"ROWS": dict(MAX_BLOCK_D=512, UNROLL_J=8)},
-    "tile2k": {"ROWS": dict(TILE_ELEMENTS=2048)},
+    "w8": {"ROWS": dict(num_warps=8)},
 }
 
 
@@ -78,15 +81,18 @@ def cells_of(name: str, shape: tuple[int, int, int, int], variants: list[str], r
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter: float32
     token_of_row, row_map = routing_of(T, K, N, device, gen)
     x = torch.randn(T, H, device=device, generator=gen).to(dtype)
+    x8 = torch.randint(0, 256, (T, H), dtype=torch.uint8, device=device, generator=gen)
     y = torch.randn(T * K, H, device=device, generator=gen).to(dtype)
     copy_dst = torch.empty_like(y)
     calls = {
         "gather": lambda: gather_sum_rows(x, token_of_row),
+        "gather_fp8": lambda: gather_sum_rows(x8, token_of_row),
         "combine": lambda: gather_sum_rows(y, row_map),
     }
     element = y.element_size()
     moved = {  # bytes each kind moves once: the written tensor plus the read one
         "gather": 2 * T * K * H * element,
+        "gather_fp8": 2 * T * K * H,
         "combine": (T * K + T) * H * element,
         "copy": 2 * T * K * H * element,
     }

@@ -377,18 +377,29 @@ FP8_BLOCK_WGRAD_WS_STAGES: dict[int, int] = {2: 3, 4: 2}
 # --------------------------------------------------------------------------------------------------
 
 
-# The row kernel (kernels.rows.gather_sum_rows_kernel): TILE_ELEMENTS elements a program (8 KiB of bf16
-# per block of source rows at 4096, enough bytes in flight to stream at HBM speed), at most MAX_BLOCK_D
-# columns of them, num_warps; UNROLL_J: the unroll factor of a sum's loop over its J source rows (top-k;
-# 1: not unrolled). `benchmarks/sweep_rows.py` times the alternatives.
-ROWS: dict[str, int] = dict(TILE_ELEMENTS=4096, MAX_BLOCK_D=1024, num_warps=4, UNROLL_J=1)
+# The row kernel (kernels.rows.gather_sum_rows_kernel), by what it does:
+# - a gather (J = 1, no weight: bytes copied): COPY_TILE_BYTES a program, in row pieces of at most
+#   COPY_ROW_BYTES (bf16: 8 rows of 512 columns), so that a program has many independent row loads in
+#   flight;
+# - a sum (the combine of each token's K rows, weighted or not): SUM_TILE_ELEMENTS elements a program,
+#   at most SUM_MAX_BLOCK_D columns; UNROLL_J the unroll factor of its loop over the J source rows (1:
+#   not unrolled);
+# num_warps for both. Narrow rows (the (M, 1) router weights) get many rows a program. Chosen by
+# `benchmarks/sweep_rows.py` at the layer shapes (benchmarks/README.md has the run).
+ROWS: dict[str, int] = dict(
+    COPY_TILE_BYTES=8192, COPY_ROW_BYTES=1024, SUM_TILE_ELEMENTS=2048, SUM_MAX_BLOCK_D=1024, num_warps=4, UNROLL_J=1
+)
 
 
-def rows_tile(num_features: int) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCK_D) of the row kernel: `ROWS`' elements a program; narrow rows (the (M, 1)
-    router weights) get many rows a program."""
-    block_d = min(1 << max(num_features - 1, 0).bit_length(), ROWS["MAX_BLOCK_D"])
-    return max(1, ROWS["TILE_ELEMENTS"] // block_d), block_d
+def rows_tile(num_features: int, element_size: int, copy: bool) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_D) of the row kernel for rows of `num_features` elements of `element_size`
+    bytes, a gather (`copy`) or a sum, from `ROWS`."""
+    if copy:
+        most_d, tile = ROWS["COPY_ROW_BYTES"] // element_size, ROWS["COPY_TILE_BYTES"] // element_size
+    else:
+        most_d, tile = ROWS["SUM_MAX_BLOCK_D"], ROWS["SUM_TILE_ELEMENTS"]
+    block_d = min(1 << max(num_features - 1, 0).bit_length(), max(most_d, 1))
+    return max(1, tile // block_d), block_d
 
 
 # The padding-row zeroing kernel (kernels.rows.zero_rows_from_kernel): (BLOCK_ROWS, BLOCK_COLS).

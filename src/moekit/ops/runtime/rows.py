@@ -20,10 +20,10 @@ _ZERO_ROWS = Launcher(zero_rows_from_kernel)
 def _plan_gather_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> LaunchPlan:
     num_out, per_out = index.shape
     num_features = src.shape[1]
-    block_rows, block_d = rows_tile(num_features)
+    copy = per_out == 1 and weight is None
+    block_rows, block_d = rows_tile(num_features, src.element_size(), copy)
     grid = (triton.cdiv(num_out, block_rows), triton.cdiv(num_features, block_d))
     ints = (num_out, num_features, per_out, src.stride(0), num_features)
-    copy = per_out == 1 and weight is None
     constexprs = dict(
         HAS_WEIGHT=weight is not None,
         COPY=copy,
