@@ -102,9 +102,10 @@ def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_pa
 
 
 def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
-    """sweep_rows.py on a tiny shape under the interpreter: both kinds under every table variant (the
-    unrolled sums among them), each with the base table's bits, beside the copy and index_select; an
-    unknown variant is refused in one line."""
+    """sweep_rows.py on a tiny shape under the interpreter: the three kinds (bf16 and FP8 gathers, the
+    combine) under every table variant (the unrolled sums and the gathers' other tiles among them), each
+    with the base table's bits, beside the copy and index_select; an unknown variant is refused in one
+    line."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     command = [sys.executable, str(BENCHMARKS / "sweep_rows.py"), "--smoke", "--rounds", "2"]
@@ -112,9 +113,9 @@ def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     variants = list(payload["variants"])
-    assert variants[0] == "base" and "unroll" in variants
+    assert variants[0] == "base" and {"unroll4", "copy_rows_1k", "sum_tile_4k"} <= set(variants)
     cells = payload["cells"]
-    expected = {f"smoke/{kind}/{v}" for kind in ("gather", "combine") for v in variants}
+    expected = {f"smoke/{kind}/{v}" for kind in ("gather", "gather_fp8", "combine") for v in variants}
     assert set(cells) == expected | {"smoke/copy/torch", "smoke/gather/index_select"}
     assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
     bad = subprocess.run(command + ["--variants", "base,nope"], env=env, capture_output=True, text=True, timeout=600)
