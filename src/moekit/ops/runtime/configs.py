@@ -379,7 +379,7 @@ FP8_BLOCK_WGRAD_WS_STAGES: dict[int, int] = {2: 3, 4: 2}
 
 # The row kernel (kernels.rows.gather_sum_rows_kernel), by what it does:
 # - a gather (J = 1, no weight: bytes copied): COPY_TILE_BYTES a program, in row pieces of at most
-#   COPY_ROW_BYTES (bf16: 16 rows of 256 columns), so that a program has many independent row loads in
+#   COPY_ROW_BYTES (bf16: 64 rows of 128 columns), so that a program has many independent row loads in
 #   flight;
 # - a sum (the combine of each token's K rows, weighted or not): SUM_TILE_ELEMENTS elements a program,
 #   at most SUM_MAX_BLOCK_D columns; UNROLL_J the unroll factor of its loop over the J source rows (1:
@@ -387,7 +387,7 @@ FP8_BLOCK_WGRAD_WS_STAGES: dict[int, int] = {2: 3, 4: 2}
 # num_warps for both. Narrow rows (the (M, 1) router weights) get many rows a program. Chosen by
 # `benchmarks/sweep_rows.py` at the layer shapes (benchmarks/README.md has the run).
 ROWS: dict[str, int] = dict(
-    COPY_TILE_BYTES=8192, COPY_ROW_BYTES=512, SUM_TILE_ELEMENTS=2048, SUM_MAX_BLOCK_D=1024, num_warps=4, UNROLL_J=1
+    COPY_TILE_BYTES=8192, COPY_ROW_BYTES=256, SUM_TILE_ELEMENTS=2048, SUM_MAX_BLOCK_D=1024, num_warps=4, UNROLL_J=1
 )
 
 
