@@ -50,20 +50,19 @@ SHAPES = {
 SMOKE_SHAPES = {"smoke": (40, 3, 5, 48)}
 KINDS = ("gather", "gather_fp8", "combine")
 
-# Changes to `configs.ROWS`: a gather's tile in bytes ("copy_rows_1k", "copy_rows_2k": rows cut at 1
-# or 2 KiB, the tiles before; "copy_rows_256", "copy_rows_128"; "copy_tile_4k", "copy_tile_16k": 4 or
-# 16 KiB a program), a sum's ("sum_tile_4k": 4 rows of 1024, the tile before; "sum_tile_1k"), the
-# sum's loop over the K source rows unrolled by 4 ("unroll4": every row's load in flight before its
-# sum), 8 warps ("w8").
+# Changes to `configs.ROWS`: a gather's tile in bytes ("copy_rows_512", "copy_rows_1k", "copy_rows_2k":
+# rows cut at 512 bytes, 1 or 2 KiB, the tiles before; "copy_rows_128"; "copy_tile_4k",
+# "copy_tile_16k": 4 or 16 KiB a program), a sum's ("sum_tile_4k": 4 rows of 1024, the tile before;
+# "sum_tile_1k"), the sum's loop over the K source rows unrolled by 4 ("unroll4": every row's load in
+# flight before its sum), 8 warps ("w8").
 VARIANTS: dict[str, dict[str, dict[str, int]]] = {
     "base": {},
+    "copy_rows_512": {"ROWS": dict(COPY_ROW_BYTES=512)},
     "copy_rows_1k": {"ROWS": dict(COPY_ROW_BYTES=1024)},
     "copy_rows_2k": {"ROWS": dict(COPY_ROW_BYTES=2048)},
-    "copy_rows_256": {"ROWS": dict(COPY_ROW_BYTES=256)},
     "copy_rows_128": {"ROWS": dict(COPY_ROW_BYTES=128)},
     "copy_tile_4k": {"ROWS": dict(COPY_TILE_BYTES=4096)},
     "copy_tile_16k": {"ROWS": dict(COPY_TILE_BYTES=16384)},
-    "copy_rows_256_tile_16k": {"ROWS": dict(COPY_ROW_BYTES=256, COPY_TILE_BYTES=16384)},
     "sum_tile_4k": {"ROWS": dict(SUM_TILE_ELEMENTS=4096)},
     "sum_tile_1k": {"ROWS": dict(SUM_TILE_ELEMENTS=1024)},
     "unroll4": {"ROWS": dict(UNROLL_J=4)},
