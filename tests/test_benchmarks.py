@@ -696,6 +696,32 @@ def test_readme_other_layers_table_reads_its_json():
         assert held == f"{mine['held_x_plain']:.2f}x" and peak == f"{mine['peak_extra_x_plain']:.2f}x", label
 
 
+def test_readme_quantized_table_reads_its_json():
+    """The quantized experts' table (ms a step, x moekit bf16, held and peak GiB) is its JSON's layer part."""
+    cited = "benchmarks/results/h100_quantized_layer_4d7db33.md"
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n### Quantized experts\n") : text.index("\n### Hugging Face transformers")]
+    section = "\n".join(line.strip() for line in section.splitlines())  # the table sits in a list item
+    assert cited in section
+    records = json.loads((RESULTS / "h100_quantized_layer_4d7db33.json").read_text())["layer"]
+    cells = {(r["tokens"], r["experts"], r["top_k"], r["hidden"], r["ffn"], r["column"]): r for r in records}
+    rows = _rows(section, "| layer (T, N, K, H, F) | plain bf16 | moekit bf16 | fp8_block |")
+    assert len(rows) == 4
+    columns = ("plain_bf16", "moekit_bf16", "moekit_fp8_block", "moekit_fp8_rowwise", "torchao_fp8")
+    gib = 2**30
+    for label, texts in rows.items():
+        dims = _dims(label)
+        bf16 = cells[(*dims, "moekit_bf16")]
+        for cell_text, column in zip(texts, columns, strict=True):
+            r = cells[(*dims, column)]
+            assert r["status"] == "ok", (label, column)
+            ms = f"{r['ms']:.2f}"
+            if column.startswith("moekit_fp8"):
+                ms += f" ({bf16['ms'] / r['ms']:.2f}x)"
+            want = f"{ms}, {r['held_bytes'] / gib:.2f}, {r['peak_extra_bytes'] / gib:.1f}"
+            assert cell_text == want, (label, column)
+
+
 def test_readme_hugging_face_numbers_read_their_json():
     cited = "benchmarks/results/h200_transformers_44d05c4.json"
     section = _performance_section()
