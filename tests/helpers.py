@@ -45,13 +45,12 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of `a` against `ref` in float64; absolute where `ref` is all zero."""
     assert a.shape == ref.shape, f"shape {tuple(a.shape)} != reference shape {tuple(ref.shape)}"
     a_flat, r_flat = a.detach().reshape(-1), ref.detach().reshape(-1)
-    diff_sq = torch.zeros((), dtype=torch.float64, device=a.device)
-    scale_sq = torch.zeros((), dtype=torch.float64, device=ref.device)
+    diff_sq = scale_sq = torch.zeros((), dtype=torch.float64, device=a.device)
     for start in range(0, a_flat.numel(), NORM_CHUNK):
         a64 = a_flat[start : start + NORM_CHUNK].double()
         r64 = r_flat[start : start + NORM_CHUNK].double()
-        diff_sq += (a64 - r64.to(a64.device)).square().sum()
-        scale_sq += r64.square().sum()
+        diff_sq = diff_sq + (a64 - r64).square().sum()
+        scale_sq = scale_sq + r64.square().sum()
     diff = diff_sq.sqrt().item()
     if diff != diff:  # NaN anywhere in `a` (e.g. an unwritten, poisoned row)
         return float("inf")
