@@ -258,9 +258,9 @@ GATHERED_WGRAD_MAX_FFN: dict[Arch, int] = {"sm90": 512}
 # nothing else (the epilogue stores from registers); the 8 warps of the main loop get 224 registers of
 # the 168 a thread of 12 warps (ptxas: no spills).
 # SPLIT_O: the tile 256 x 128 instead (two dy boxes of 128 columns, one x slot of 128): half the
-# copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128; 1.05-1.09x
-# the 128 x 256 form at F 256-512 (benchmarks/README.md, the gathered wgrad split along O), still about
-# 1.35x the TMA wgrad over the gathered copy: the copy's bytes are not what bounds it.
+# copied bytes a step for the same MMAs, as x's rows are read once for 256 rows of dw, not 128; a little
+# faster than the 128 x 256 form at F 256-512, yet still well behind the TMA wgrad over the gathered copy
+# (benchmarks/README.md, the gathered wgrad split along O): the copy's bytes are not what bounds it.
 # LOAD_WARPS 8: the copy partition as two warp groups (16 warps of 128 registers at launch; the main
 # loop's 8 warps then get 200, no spills), 4 rows a thread: the copy warps were busy nearly all the time
 # and seldom waited for a free slot (ncu), so the producer was what bounded the step; faster than 4 copy
@@ -285,7 +285,7 @@ WGRAD_GATHERED_WS = dict(
 # 227); 12 warps of 168 registers a thread at launch, then 224 for each math warp group and 56 for the
 # load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56). Both
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
-# would fall beside the other's MMAs, ran 0-18% slower (benchmarks/README.md, the Gluon forward/dgrad).
+# would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
 MM_WS = dict(
     BLOCK_M=128,
     BLOCK_C=256,
@@ -502,8 +502,8 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
 # elsewhere (and for x that TMA cannot take) `quantize_slots_kernel` writes the same bytes. A form's
 # "-gathered" entry runs its GATHER form (rows x[index], copied by cp.async: TMA boxes cannot gather)
 # for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
-# kernel gathers them. None: on the H200 at 4ae2cc2 the GATHER form was 0.80-0.86x the Triton kernel's
-# GB/s and the layer step 1.01-1.03x slower with it (notes/quantize.md).
+# kernel gathers them. None: the GATHER form was slower than the Triton kernel, alone and in the layer's
+# step (notes/quantize.md, benchmarks/README.md).
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, int]]] = {
     "sm90": {
         "rows": (16, 2, 1, 6, False, 0),
@@ -606,8 +606,8 @@ ROUTING_TILES: dict[Arch, RoutingTiles] = {
 # dequantized in the load) or in its own dtype. In its own dtype, about 4096 activation columns a
 # program (gate and up: 16 KB of bf16 read per tile, enough bytes in flight to stream at HBM speed); the
 # backward walks a row's F columns in BLOCK_C steps. Held in FP8, sm90: 4 rows x 256 columns, the
-# fastest of both kernels in a sweep at four real widths on the H200, 1.3-2.4x the 16-row tile for the
-# backward at every width, the forward within 16% of each width's best (benchmarks/README.md, the gated
+# fastest of both kernels in a sweep at four real widths on the H200: far faster than the 16-row tile for
+# the backward at every width, the forward near each width's best (benchmarks/README.md, the gated
 # sweep). Tiny tiles under the interpreter, so that CPU tests cover several row tiles and several column
 # steps of a row.
 GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
@@ -640,8 +640,8 @@ HELD_COLUMNS: dict[Arch, tuple[int, int]] = {
 
 # fc2's wgrad operand in the quantized MLP's backward from the held h in one pass (kernels.gated.
 # held_columns_kernel) instead of the gated kernel writing the activation and the slots quantizer reading
-# it. sm90: off: the same bytes, but slower than the two launches in the layer's profile on the H200 at
-# 39eafcf (0.97 against 0.89 ms at DeepSeek-V3 EP8, 0.74 against 0.65 at Qwen3-30B-A3B: benchmarks/README.md);
+# it. sm90: off: the same bytes, but slower than the two launches in the layer's profile on the H200
+# (benchmarks/README.md, the held columns);
 # an architecture absent here keeps them apart. On under the interpreter, so that the CPU tests run the
 # quantized MLP through it.
 HELD_COLUMNS_FUSED: dict[Arch, bool] = {"sm90": False, "interpreter": True}
