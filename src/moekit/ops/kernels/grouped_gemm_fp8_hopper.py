@@ -1026,6 +1026,8 @@ def _wgrad_math_partition(
                 release_slot(empty, it, STAGES)
             it += 1
 
+        if HALVES == 1:
+            acc1 = acc0  # store_halves reads only acc0
         # dw[g] as rows g * O + o of an (N * O, I) matrix: TMA stores of the 64-row blocks inside O.
         offs_m = g * O + offs_o
         rows0 = g * O + o0 + HALF * ROWS
