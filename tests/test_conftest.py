@@ -45,3 +45,29 @@ def test_a_failed_test_lets_go_of_its_frames(tmp_path):
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "test_fails_holding_an_object" in proc.stdout
+
+
+def test_an_xdist_worker_takes_its_share_of_the_cores(tmp_path):
+    """The repository's conftest.py: under `-n 2` each worker's torch runs cpu_count // 2 intra-op
+    threads (at least 1) and hands that count to the processes it starts (OMP_NUM_THREADS); a count the
+    user set is left as it is. Checked in an inner session, whose two workers report what they see."""
+    inner = tmp_path / "test_inner.py"
+    inner.write_text(
+        "import os, torch\n"
+        "def test_threads():\n"
+        "    print('THREADS', torch.get_num_threads(), os.environ.get('OMP_NUM_THREADS'))\n"
+        "    assert False  # so that -rA prints the output\n"
+    )
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    for user, want in ((None, share), ("1", "1")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        # The repository's conftest.py loaded as a plugin (`-p conftest`) by every worker.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS.parent), env.get("PYTHONPATH")) if p)
+        if user is not None:
+            env["OMP_NUM_THREADS"] = user
+        command = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-rA", "-p", "no:cacheprovider", "-p", "conftest"]
+        proc = subprocess.run(
+            [*command, str(inner)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        seen = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("THREADS")]
+        assert seen and all(s == [want, want] for s in seen), proc.stdout[-2000:]
