@@ -19,8 +19,8 @@ numpy is a few percent; most is building triton.language type objects for every 
 program). `_cheaper_interpreter_types` removes three of its costs, each without changing a value:
 the numpy dtype of a Triton type is looked up in one table built once (triton 3.6 builds that dict
 at every call), a block type of plain int dimensions is built without the generic unwrapping (the
-same attributes, of the same types; anything else goes to the original), and a tuple type's `name`
-string is made when read rather than at every construction. That test: 28 s -> 20 s.
+same attributes, of the same types; anything else goes to the original), and a tuple type's and a
+block type's `name` string is made when read rather than at every construction. That test: 28 s -> 20 s.
 
 The interpreter reduces with numpy only for triton's own combine functions (sum, min, max, argmin,
 argmax); any other `tl.reduce` runs its combine function in Python, element by element, building
@@ -115,9 +115,18 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
         self.element_ty = element_ty
         self.shape = core.tuple(dims)  # the type the original gives (core's `tuple` is triton's own)
         self.numel = core.validate_block_shape(self.shape)
-        self.name = f"<{self.shape}, {element_ty}>"
+
+    def block_type_name(self) -> str:
+        name = self.__dict__.get("_name")
+        if name is None:  # made when first read, as the original makes it at construction
+            name = self.__dict__["_name"] = f"<{self.shape}, {self.element_ty}>"
+        return name
+
+    def set_block_type_name(self, name: str) -> None:  # the original's construction assigns it
+        self.__dict__["_name"] = name
 
     core.block_type.__init__ = block_type_init
+    core.block_type.name = property(block_type_name, set_block_type_name)
 
     def tuple_type_init(self, types, fields=None) -> None:
         self.types = types
