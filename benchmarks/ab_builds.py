@@ -36,7 +36,7 @@ BENCHMARKS = Path(__file__).resolve().parent
 PROBE_TAG = "AB_PROBE_RESULT "
 
 
-def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
+def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype, dists: tuple[str, ...] = ()):
     """(cell name, step, leaves) of grouped_mlp at the MLP shapes."""
     import runner
     import torch
@@ -46,7 +46,7 @@ def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
     pool = runner.SMOKE_SHAPES if smoke else runner.SHAPES
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool
     for shape in shapes:
-        for dist in runner.DISTS:
+        for dist in dists or runner.DISTS:
             inputs, dy = runner.mlp_inputs(shape, device, dtype)
             leaves = list(inputs.values())
             m_splits = torch.tensor(runner.make_splits(shape, dist), device=device)
@@ -62,7 +62,9 @@ def _mlp_cells(shape_names: str | None, smoke: bool, device, dtype):
             yield f"{shape.name}/{dist}", step, leaves
 
 
-def _layer_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str | None = None):
+def _layer_cells(
+    shape_names: str | None, smoke: bool, device, dtype, quantization: str | None = None, dists: tuple[str, ...] = ()
+):
     """(cell name, step, leaves) of moe_experts at the layer shapes (bench_moe_layer's first four, or any of
     its shapes and SonicMoE's by name); with `quantization`, as MoELayer runs it: the weights' caches kept
     across steps and refreshed in place at every step (`track_versions=False`), so the weights'
@@ -77,7 +79,7 @@ def _layer_cells(shape_names: str | None, smoke: bool, device, dtype, quantizati
     pool = layer.SMOKE_SHAPES if smoke else (named if shape_names else layer.SHAPES[:4])
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool
     for shape in shapes:
-        for dist in runner.DISTS:
+        for dist in dists or runner.DISTS:
             base = layer.make_inputs(shape, device, dtype)
             ids, weights = layer.make_routing(shape, dist, device, dtype)
             leaves = [base["x"].requires_grad_(True), weights.requires_grad_(True), base["w1"], base["w2"]]
@@ -151,7 +153,14 @@ def _case_cells(shape_names: str | None, smoke: bool, device, dtype):
         yield name, step, leaves
 
 
-def probe(op: str, shape_names: str | None, steps: int, smoke: bool, quantization: str | None = None) -> dict:
+def probe(
+    op: str,
+    shape_names: str | None,
+    steps: int,
+    smoke: bool,
+    quantization: str | None = None,
+    dists: tuple[str, ...] = (),
+) -> dict:
     """In this process (moekit from PYTHONPATH): per cell, kernel times, step time and the results' hash."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -160,9 +169,11 @@ def probe(op: str, shape_names: str | None, steps: int, smoke: bool, quantizatio
     dtype = torch.float32 if smoke else torch.bfloat16
     cells = {}
     if op == "layer":
-        cells_of = _layer_cells(shape_names, smoke, device, dtype, quantization)
+        cells_of = _layer_cells(shape_names, smoke, device, dtype, quantization, dists)
+    elif op == "mlp":
+        cells_of = _mlp_cells(shape_names, smoke, device, dtype, dists)
     else:
-        cells_of = {"mlp": _mlp_cells, "cases": _case_cells}[op](shape_names, smoke, device, dtype)
+        cells_of = _case_cells(shape_names, smoke, device, dtype)
     for cell, step, leaves in cells_of:
         digest = hashlib.sha1()
         for t in (step(), *(t.grad for t in leaves)):
@@ -199,6 +210,7 @@ def run_build(src: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--probe", "--steps", str(args.steps), "--op", args.op]
     command += (["--shapes", args.shapes] if args.shapes else []) + (["--smoke"] if args.smoke else [])
     command += ["--quantization", args.quantization] if args.quantization else []
+    command += ["--dists", args.dists] if args.dists else []
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PROBE_TAG)]
     if proc.returncode != 0 or not lines:
@@ -252,6 +264,9 @@ def main(argv=None) -> dict | None:
         default=None,
         help="--op layer: moe_experts with this quantization (weights' caches refreshed every step)",
     )
+    parser.add_argument(
+        "--dists", default=None, help="--op mlp / layer: comma list of the routings (default: balanced,skewed)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
     parser.add_argument("--commit-b", default=None, help="the commit build B is (recorded as b_commit)")
@@ -259,11 +274,16 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): hashes only")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    dists = tuple(d.strip() for d in (args.dists or "").split(",") if d.strip())
     if args.probe:
-        print(
-            PROBE_TAG + json.dumps(probe(args.op, args.shapes, args.steps, args.smoke, args.quantization)), flush=True
-        )
+        cells = probe(args.op, args.shapes, args.steps, args.smoke, args.quantization, dists)
+        print(PROBE_TAG + json.dumps(cells), flush=True)
         return None
+    unknown = [d for d in dists if d not in ("balanced", "skewed")]
+    if unknown:
+        parser.error(f"--dists takes balanced and skewed, got {unknown}")
+    if args.dists and args.op == "cases":
+        parser.error("--dists is for --op mlp and --op layer")
     if args.quantization and args.op != "layer":
         parser.error("--quantization is for --op layer")
     for name in ("a", "b"):
@@ -299,6 +319,7 @@ def main(argv=None) -> dict | None:
             "smoke": args.smoke,
             "op": args.op,
             "quantization": args.quantization,
+            "dists": list(dists) or None,
             "order": ["a", "b"] * args.rounds,
         },
         "cells": cells,

@@ -510,23 +510,28 @@ def test_ab_builds_smoke_same_build_is_bit_identical(tmp_path):
 
 def test_ab_builds_smoke_quantized_layer(tmp_path):
     """--op layer --quantization: moe_experts with fp8_block and refreshed weight caches in each build's
-    processes (here one build against itself: bit-identical), the recipe recorded."""
+    processes (here one build against itself: bit-identical), the recipe recorded; --dists takes the
+    routings asked for (here one: the other's cells are the same plumbing), recorded too. Mistakes are
+    refused in one line."""
     out = tmp_path / "ab.json"
     src = str(BENCHMARKS.parent / "src")
-    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
-    command += ["--op", "layer", "--quantization", "fp8_block", "--shapes", "smoke", "--out", str(out)]
-    command += ["--commit", "abc1234-test", "--timeout", "900"]
+    base = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
+    command = base + ["--op", "layer", "--quantization", "fp8_block", "--shapes", "smoke", "--dists", "balanced"]
+    command += ["--out", str(out), "--commit", "abc1234-test", "--timeout", "900"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert payload["meta"]["quantization"] == "fp8_block" and payload["meta"]["op"] == "layer"
-    assert set(payload["cells"]) == {"smoke/balanced", "smoke/skewed"}
+    assert payload["meta"]["dists"] == ["balanced"] and set(payload["cells"]) == {"smoke/balanced"}
     assert all(c["bit_identical"] for c in payload["cells"].values())
-    refused = subprocess.run(
-        command[:-8] + ["--op", "mlp", "--quantization", "fp8_block"], env=env, capture_output=True, text=True
-    )
-    assert refused.returncode == 2 and "--quantization is for --op layer" in refused.stderr
+    for extra, message in (
+        (["--op", "mlp", "--quantization", "fp8_block"], "--quantization is for --op layer"),
+        (["--dists", "balanced,lopsided"], "--dists takes balanced and skewed, got ['lopsided']"),
+        (["--op", "cases", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
+    ):
+        refused = subprocess.run(base + extra, env=env, capture_output=True, text=True)
+        assert refused.returncode == 2 and message in refused.stderr.strip().splitlines()[-1], refused.stderr
 
 
 def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
