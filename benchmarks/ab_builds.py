@@ -265,7 +265,7 @@ def main(argv=None) -> dict | None:
         help="--op layer: moe_experts with this quantization (weights' caches refreshed every step)",
     )
     parser.add_argument(
-        "--dists", default=None, help="--op mlp / layer: comma list of the routings (default: balanced,skewed)"
+        "--dists", default=None, help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS)"
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
@@ -279,9 +279,6 @@ def main(argv=None) -> dict | None:
         cells = probe(args.op, args.shapes, args.steps, args.smoke, args.quantization, dists)
         print(PROBE_TAG + json.dumps(cells), flush=True)
         return None
-    unknown = [d for d in dists if d not in ("balanced", "skewed")]
-    if unknown:
-        parser.error(f"--dists takes balanced and skewed, got {unknown}")
     if args.dists and args.op == "cases":
         parser.error("--dists is for --op mlp and --op layer")
     if args.quantization and args.op != "layer":
@@ -295,6 +292,10 @@ def main(argv=None) -> dict | None:
     # runner imports moekit for the version it records: build A's.
     sys.path[:0] = [str(args.a.resolve()), str(BENCHMARKS)]
     import runner
+
+    unknown = [d for d in dists if d not in runner.DISTS]
+    if unknown:
+        parser.error(f"--dists takes {' and '.join(runner.DISTS)}, got {unknown}")
 
     start = time.monotonic()
     runs: dict[str, list[dict]] = {"a": [], "b": []}

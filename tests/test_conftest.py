@@ -50,7 +50,7 @@ def test_a_failed_test_lets_go_of_its_frames(tmp_path):
 def test_an_xdist_worker_takes_its_share_of_the_cores(tmp_path):
     """The repository's conftest.py: under `-n 2` each worker's torch runs cpu_count // 2 intra-op
     threads (at least 1) and hands that count to the processes it starts (OMP_NUM_THREADS); a count the
-    user set is left as it is. Checked in an inner session, whose two workers report what they see."""
+    user set is left as it is. Checked in inner sessions, whose two workers report what they see."""
     inner = tmp_path / "test_inner.py"
     inner.write_text(
         "import os, torch\n"
