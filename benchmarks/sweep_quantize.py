@@ -65,11 +65,7 @@ SMOKE_SHAPES = {"smoke": (60, 3, 4, 256, 128)}
 KEY = (128, "segments-gathered")
 TILE_KEY = (128, "tile")
 KINDS = ("dy", "x")
-# (BLOCK_C, CHUNK, warps, STAGES, REWALK_STAGES, BAND, MAXNREG) of the entry; None: the table as
-# committed. "w2", "w3", "c16_w3": the second walk (the chunks read again for the columnwise bytes)
-# pipelined 2 or 3 deep, where it was not (each chunk's index loads, then its rows, then its stores, one
-# chunk at a time); its ring raises both forms' registers from 128 to 139-144 (3 programs an SM instead of
-# 4), so "r128_w2", "r128_w3" cap them at 128 (ptxas: no spill) and "r96_w2" at 96. "r96",
+# (BLOCK_C, CHUNK, warps, STAGES, BAND, MAXNREG) of the entry; None: the table as committed. "r96",
 # "r80", "r96_s3": the registers capped so that 5 or 6 programs of 4 warps share an SM (ptxas spills
 # the rest); "s3"/"s4": a deeper pipeline of the first walk (each chunk's index load, then its rows:
 # two dependent loads); "c16_s4" smaller chunks, deeper; "c64", "w8", "c64_w8": more rows or warps a
@@ -79,27 +75,21 @@ KINDS = ("dy", "x")
 # rowwise form.) A variant the GPU cannot hold (OutOfResources) is reported and left out.
 VARIANTS: dict[str, tuple[int, ...] | None] = {
     "base": None,
-    "r96": (128, 32, 4, 2, 1, 0, 96),
-    "r80": (128, 32, 4, 2, 1, 0, 80),
-    "r96_s3": (128, 32, 4, 3, 1, 0, 96),
-    "s3": (128, 32, 4, 3, 1, 0, 0),
-    "s4": (128, 32, 4, 4, 1, 0, 0),
-    "c16_s4": (128, 16, 4, 4, 1, 0, 0),
-    "c64": (128, 64, 4, 2, 1, 0, 0),
-    "w8": (128, 32, 8, 2, 1, 0, 0),
-    "c64_w8": (128, 64, 8, 2, 1, 0, 0),
-    "b256": (256, 32, 8, 2, 1, 0, 0),
-    "band1": (128, 32, 4, 2, 1, 1, 0),
-    "band4": (128, 32, 4, 2, 1, 4, 0),
-    "s3_w8": (128, 32, 8, 3, 1, 0, 0),
-    "c128_w8": (128, 128, 8, 1, 1, 0, 0),
-    "c128": (128, 128, 4, 1, 1, 0, 0),
-    "w2": (128, 32, 4, 2, 2, 0, 0),
-    "w3": (128, 32, 4, 2, 3, 0, 0),
-    "c16_w3": (128, 16, 4, 2, 3, 0, 0),
-    "r128_w2": (128, 32, 4, 2, 2, 0, 128),
-    "r128_w3": (128, 32, 4, 2, 3, 0, 128),
-    "r96_w2": (128, 32, 4, 2, 2, 0, 96),
+    "r96": (128, 32, 4, 2, 0, 96),
+    "r80": (128, 32, 4, 2, 0, 80),
+    "r96_s3": (128, 32, 4, 3, 0, 96),
+    "s3": (128, 32, 4, 3, 0, 0),
+    "s4": (128, 32, 4, 4, 0, 0),
+    "c16_s4": (128, 16, 4, 4, 0, 0),
+    "c64": (128, 64, 4, 2, 0, 0),
+    "w8": (128, 32, 8, 2, 0, 0),
+    "c64_w8": (128, 64, 8, 2, 0, 0),
+    "b256": (256, 32, 8, 2, 0, 0),
+    "band1": (128, 32, 4, 2, 1, 0),
+    "band4": (128, 32, 4, 2, 4, 0),
+    "s3_w8": (128, 32, 8, 3, 0, 0),
+    "c128_w8": (128, 128, 8, 1, 0, 0),
+    "c128": (128, 128, 4, 1, 0, 0),
 }
 # The weights' 128 x 128 blocks (kind "w": fc1's (N, 2F, H) weight, rowwise form alone, as the layer
 # refreshes it each optimizer step) under entries of `configs.QUANTIZE_TILES[arch][(128, "tile")]`,
@@ -115,15 +105,15 @@ TILE_VARIANTS: dict[str, tuple[int, int, int, int, int, int]] = {
     "t_w16_steps2": (128, 128, 16, 2, 2, 0),
 }
 # mxfp8's two forms of sorted rows (kind "mx": rowwise + columnwise (M, X), as `group_quantize` gives
-# them) under entries of the slots kernel's `(32, "rows")` (BLOCK_C, CHUNK, warps, STAGES, REWALK_STAGES,
-# BAND, MAXNREG): the 32-row slot one chunk, walked once ("mx_c32", with 8 warps "mx_c32_w8", 256 or 64 columns
+# them) under entries of the slots kernel's `(32, "rows")` (BLOCK_C, CHUNK, warps, STAGES, BAND, MAXNREG): the
+# 32-row slot one chunk, walked once ("mx_c32", with 8 warps "mx_c32_w8", 256 or 64 columns
 # "mx_b256_c32", "mx_b64_c32").
 MX_KEY = (32, "rows")
-MX_VARIANTS: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "mx_c32": (128, 32, 4, 1, 1, 1, 0),
-    "mx_c32_w8": (128, 32, 8, 1, 1, 1, 0),
-    "mx_b256_c32": (256, 32, 8, 1, 1, 1, 0),
-    "mx_b64_c32": (64, 32, 4, 1, 1, 1, 0),
+MX_VARIANTS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "mx_c32": (128, 32, 4, 1, 1, 0),
+    "mx_c32_w8": (128, 32, 8, 1, 1, 0),
+    "mx_b256_c32": (256, 32, 8, 1, 1, 0),
+    "mx_b64_c32": (64, 32, 4, 1, 1, 0),
 }
 # fc2's wgrad operand from the held h (kind "held") under entries of `configs.HELD_COLUMNS[arch]`
 # (BLOCK_C, warps): a program one 128-row slot by BLOCK_C activation columns.
@@ -318,24 +308,20 @@ def main() -> None:
     parser.add_argument(
         "--entry",
         default=None,
-        help="one more variant, 'custom': BLOCK_C,CHUNK,warps,STAGES,REWALK_STAGES,BAND,MAXNREG (seven integers)",
+        help="one more variant, 'custom': BLOCK_C,CHUNK,warps,STAGES,BAND,MAXNREG (six integers)",
     )
     args = parser.parse_args()
     if args.entry is not None:
         fields = args.entry.split(",")
-        if len(fields) != 7 or not all(f.strip().isdigit() for f in fields):
+        if len(fields) != 6 or not all(f.strip().isdigit() for f in fields):
             raise SystemExit(
-                "--entry must be seven comma-separated integers BLOCK_C,CHUNK,warps,STAGES,REWALK_STAGES,BAND,"
-                f"MAXNREG, got {args.entry!r}"
+                "--entry must be six comma-separated integers BLOCK_C,CHUNK,warps,STAGES,BAND,MAXNREG, "
+                f"got {args.entry!r}"
             )
-        b, c, w, st, rw, band, regs = (int(f) for f in fields)
-        VARIANTS["custom"] = (b, c, w, st, rw, band, regs)
+        b, c, w, st, band, regs = (int(f) for f in fields)
+        VARIANTS["custom"] = (b, c, w, st, band, regs)
         args.variants += ",custom"
-    entry = {
-        "table": "QUANTIZE_SLOTS",
-        "key": list(KEY),
-        "fields": "BLOCK_C, CHUNK, warps, STAGES, REWALK_STAGES, BAND, MAXNREG",
-    }
+    entry = {"table": "QUANTIZE_SLOTS", "key": list(KEY), "fields": "BLOCK_C, CHUNK, warps, STAGES, BAND, MAXNREG"}
     run_table_sweep("sweep_quantize.py", args, cells_of, (SHAPES, SMOKE_SHAPES), VARIANTS, {"entry": entry})
 
 

@@ -151,7 +151,7 @@ def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     assert set(cells) == expected | {"smoke/copy/torch"}
     assert all(cells[name]["equal"] is True and len(cells[name]["ms_rounds"]) == 2 for name in expected), cells
     unfit = subprocess.run(
-        command + ["--variants", "base", "--entry", "128,48,4,1,1,0,0"],
+        command + ["--variants", "base", "--entry", "128,48,4,1,0,0"],
         env=env,
         capture_output=True,
         text=True,
@@ -159,7 +159,7 @@ def test_sweep_quantize_smoke_checks_variants_against_the_base_bytes(tmp_path):
     )
     assert unfit.returncode != 0 and "[(128, 'segments-gathered')] = (128, 48) does not fit" in unfit.stderr
     bad = subprocess.run(command + ["--entry", "1,2"], env=env, capture_output=True, text=True, timeout=600)
-    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--entry must be seven")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1].startswith("--entry must be six")
 
 
 def test_bench_transformers_smoke_times_both_models_with_and_without_checkpointing(tmp_path):

@@ -97,14 +97,14 @@ def main() -> None:
             pointers = {"row_scale_ptr": scales, "t_scale_ptr": scales}
             cases.append((name, kernels.quantize_tiles_kernel, {**constexprs, **common}, warps, pointers, maxnreg))
     slots_table = configs.QUANTIZE_SLOTS[os.environ.get("ARCH", "sm90")]
-    for (tile_k, layout), (block_c, chunk, warps, stages, rewalk, band, maxnreg) in slots_table.items():
+    for (tile_k, layout), (block_c, chunk, warps, stages, band, maxnreg) in slots_table.items():
         mx = tile_k == 32
         slot_rows = 32 if mx else 128
         segments, gather = layout.startswith("segments"), layout.endswith("-gathered")
         for rowwise in (True, False):
             constexprs = dict(MX=mx, ROWWISE=rowwise, SEGMENTS=segments, GATHER=gather, TILE_K=tile_k)
             constexprs.update(SLOT_ROWS=slot_rows)
-            constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, REWALK_STAGES=rewalk, BAND=band)
+            constexprs.update(BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band)
             scales = "*u8" if mx else "*fp32"
             form = ("row+col" if rowwise else "col") + ("" if layout == "rows" else f"_{layout}")
             name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"

@@ -361,11 +361,11 @@ def test_quantize_tile_configs_fit_the_blocks():
             assert maxnreg == 0 or (24 <= maxnreg <= 255 and maxnreg % 8 == 0), what
         layouts = ("rows", "segments", "segments-gathered")
         assert set(QUANTIZE_SLOTS[arch]) == {(k, layout) for k in blocks for layout in layouts}
-        for (tile_k, layout), (block_c, chunk, warps, stages, rewalk, band, maxnreg) in QUANTIZE_SLOTS[arch].items():
+        for (tile_k, layout), (block_c, chunk, warps, stages, band, maxnreg) in QUANTIZE_SLOTS[arch].items():
             what = f"{arch} slots {(tile_k, layout)}"
             assert block_c % tile_k == 0 and block_c & (block_c - 1) == 0, what
             assert blocks[tile_k] % chunk == 0 and chunk % 16 == 0 and chunk & (chunk - 1) == 0, what
-            assert warps >= 1 and stages >= 1 and rewalk >= 1 and band >= 0, what
+            assert warps >= 1 and stages >= 1 and band >= 0, what
             assert maxnreg == 0 or (24 <= maxnreg <= 255 and maxnreg % 8 == 0), what  # ptxas's range, whole steps
 
 

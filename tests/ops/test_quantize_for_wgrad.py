@@ -420,10 +420,10 @@ from moekit.ops.runtime.configs import QUANTIZE_SLOTS
 out = {}
 for recipe, tile_k in (("fp8_block", 128), ("mxfp8", 32)):
     layout = ("segments-gathered" if gather else "segments") if seg else "rows"
-    block_c, chunk, warps, stages, rewalk, band, _ = QUANTIZE_SLOTS["sm90"][(tile_k, layout)]
+    block_c, chunk, warps, stages, band, _ = QUANTIZE_SLOTS["sm90"][(tile_k, layout)]
     slots = dict(MX=tile_k == 32, ROWWISE=True, SEGMENTS=seg, TILE_K=tile_k, SLOT_ROWS=128 if tile_k == 128 else 32,
-                 BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, REWALK_STAGES=rewalk, BAND=band, HAS_NOOP=False,
-                 BLOCK_GROUPS=256, HW_E4M3=True, GATHER=gather)
+                 BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band, HAS_NOOP=False, BLOCK_GROUPS=256,
+                 HW_E4M3=True, GATHER=gather)
     out[recipe] = stores(K.quantize_slots_kernel, slots, warps)
 spans = dict(ROWWISE=True, SEGMENTS=seg, HAS_NOOP=False, SPAN=32, BLOCK_COLS=128, STEPS=8, STAGES=2,
              BLOCK_GROUPS=256, HW_E4M3=True, GATHER=gather)

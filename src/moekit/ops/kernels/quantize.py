@@ -536,7 +536,6 @@ def quantize_slots_kernel(
     BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
-    REWALK_STAGES: tl.constexpr,
     BAND: tl.constexpr,
     HAS_NOOP: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
@@ -549,16 +548,15 @@ def quantize_slots_kernel(
     It walks the slot's strip twice in (CHUNK, BLOCK_C) chunks. Walk 1 (a pipelined loop of STAGES)
     reads each chunk from memory, writes its rowwise bytes and scales (ROWWISE: 1 x TILE_K blocks along
     a row lie in the chunk) and folds it into an elementwise running maximum, reduced over the rows once
-    at the end: the column scales. Walk 2 (pipelined over REWALK_STAGES: 1 issues each chunk's loads
-    after the previous chunk's stores, and with GATHER each chunk's row loads wait on its index loads)
-    reads the chunks again (just read by this program: from the caches) and writes the columnwise
-    bytes, as (M, X) rows or (SEGMENTS) straight into the FP8 wgrad's operand layout (`segment_store`,
-    `segment_tail`; CHUNK a multiple of 16). Why two walks: a column's scale needs all of the slot's
-    rows before any of its bytes, and holding the whole slot (and both forms' intermediates) costs the
-    registers that decide how many programs share an SM; a chunk's registers do not grow with the slot.
-    A chunk of the whole slot (CHUNK == SLOT_ROWS) is one walk: the strip stays in registers from its
-    load to its columnwise bytes, and its rows are read once. Padding rows (group N) are read as zeros;
-    unused slots store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
+    at the end: the column scales. Walk 2 reads the chunks again (just read by this program: from the
+    caches) and writes the columnwise bytes, as (M, X) rows or (SEGMENTS) straight into the FP8 wgrad's
+    operand layout (`segment_store`, `segment_tail`; CHUNK a multiple of 16). Why two walks: a
+    column's scale needs all of the slot's rows before any of its bytes, and holding the whole slot
+    (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
+    chunk's registers do not grow with the slot. A chunk of the whole slot (CHUNK == SLOT_ROWS) is one
+    walk: the strip stays in registers from its load to its columnwise bytes, and its rows are read once.
+    Padding rows (group N) are read as zeros; unused slots
+    store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
     stores the segment's zeros past it (`segment_tail`). GATHER: row r of the problem is x's row
     index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
     if _runs(noop_ptr, HAS_NOOP):
@@ -599,7 +597,7 @@ def quantize_slots_kernel(
         if not ONE_WALK:
             amax_c = tl.max(amax_ic.to(tl.float32), axis=0)
         mult, any_nan = column_scales(amax_c, col_scales, cmask, MX)
-        for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=REWALK_STAGES):
+        for k in tl.range(0, SLOT_ROWS, CHUNK):
             if ONE_WALK:
                 x = held.to(tl.float32)
             else:

@@ -420,9 +420,8 @@ ZERO_ROWS_TILE = (64, 128)
 # columnwise data: "rows" (M, X), "segments" the FP8 wgrad's transposed operand, "segments-gathered" the
 # same with the rows gathered from token rows by an index as they are loaded, the layer's routed
 # operands, whose dependent index loads may want other settings): (BLOCK_C, CHUNK,
-# warps, STAGES, REWALK_STAGES, BAND, MAXNREG). A program is one slot's (32 or 128 rows of one group) strip
-# of BLOCK_C columns, walked twice in CHUNK-row chunks (the first walk pipelined over STAGES, the second,
-# which reads the chunks again from the caches, over REWALK_STAGES: 1 is not pipelined); the chunk, not the slot,
+# warps, STAGES, BAND, MAXNREG). A program is one slot's (32 or 128 rows of one group) strip of BLOCK_C columns,
+# walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. A CHUNK of the whole slot is one walk: the strip is
 # held in registers from its load to its columnwise bytes, read once. CHUNK divides the slot and is a
 # multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
@@ -460,30 +459,30 @@ QUANTIZE_TILES: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
         (128, "tile"): (128, 128, 4, 1, 1, 0),
     },
 }
-QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, int, int]]] = {
+QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, int]]] = {
     "sm90": {
-        (32, "rows"): (128, 32, 4, 1, 1, 1, 0),
-        (128, "rows"): (128, 16, 4, 1, 1, 1, 0),
-        (32, "segments"): (128, 16, 4, 1, 1, 0, 0),
-        (32, "segments-gathered"): (128, 16, 4, 1, 1, 0, 0),
-        (128, "segments"): (128, 32, 4, 2, 1, 0, 0),
-        (128, "segments-gathered"): (128, 32, 4, 2, 1, 0, 0),
+        (32, "rows"): (128, 32, 4, 1, 1, 0),
+        (128, "rows"): (128, 16, 4, 1, 1, 0),
+        (32, "segments"): (128, 16, 4, 1, 0, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0, 0),
+        (128, "segments"): (128, 32, 4, 2, 0, 0),
+        (128, "segments-gathered"): (128, 32, 4, 2, 0, 0),
     },
     "sm80": {
-        (32, "rows"): (128, 16, 4, 1, 1, 1, 0),
-        (128, "rows"): (128, 16, 4, 1, 1, 1, 0),
-        (32, "segments"): (128, 16, 4, 1, 1, 0, 0),
-        (32, "segments-gathered"): (128, 16, 4, 1, 1, 0, 0),
-        (128, "segments"): (128, 16, 4, 2, 1, 0, 0),
-        (128, "segments-gathered"): (128, 16, 4, 2, 1, 0, 0),
+        (32, "rows"): (128, 16, 4, 1, 1, 0),
+        (128, "rows"): (128, 16, 4, 1, 1, 0),
+        (32, "segments"): (128, 16, 4, 1, 0, 0),
+        (32, "segments-gathered"): (128, 16, 4, 1, 0, 0),
+        (128, "segments"): (128, 16, 4, 2, 0, 0),
+        (128, "segments-gathered"): (128, 16, 4, 2, 0, 0),
     },
     "interpreter": {
-        (32, "rows"): (64, 16, 4, 1, 1, 1, 0),
-        (128, "rows"): (128, 64, 4, 1, 1, 1, 0),
-        (32, "segments"): (64, 16, 4, 1, 1, 2, 0),
-        (32, "segments-gathered"): (64, 16, 4, 1, 1, 2, 0),
-        (128, "segments"): (128, 64, 4, 1, 2, 0, 0),
-        (128, "segments-gathered"): (128, 128, 4, 1, 1, 0, 0),
+        (32, "rows"): (64, 16, 4, 1, 1, 0),
+        (128, "rows"): (128, 64, 4, 1, 1, 0),
+        (32, "segments"): (64, 16, 4, 1, 2, 0),
+        (32, "segments-gathered"): (64, 16, 4, 1, 2, 0),
+        (128, "segments"): (128, 64, 4, 1, 0, 0),
+        (128, "segments-gathered"): (128, 128, 4, 1, 0, 0),
     },
 }
 # fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:

@@ -153,7 +153,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
             tma_slots = _slots_tma_plan(info, problem, stride_scale)
             if tma_slots is not None:
                 return tma_slots
-            block_c, chunk, warps, stages, rewalk_stages, band, maxnreg = QUANTIZE_SLOTS[arch][(tile_k, layout)]
+            block_c, chunk, warps, stages, band, maxnreg = QUANTIZE_SLOTS[arch][(tile_k, layout)]
             if block_c % tile_k or tile_m % chunk or (segments and (chunk % 16 or SEGMENT_COLUMNS % tile_m)):
                 raise RuntimeError(
                     f"QUANTIZE_SLOTS[{arch!r}][{(tile_k, layout)}] = {(block_c, chunk)} does not fit {info.name}'s "
@@ -174,7 +174,6 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
                     BLOCK_C=block_c,
                     CHUNK=chunk,
                     STAGES=stages,
-                    REWALK_STAGES=rewalk_stages,
                     BAND=band,
                     HAS_NOOP=has_noop,
                     BLOCK_GROUPS=block_groups(num_groups),
