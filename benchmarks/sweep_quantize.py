@@ -69,10 +69,13 @@ KINDS = ("dy", "x")
 # "r80", "r96_s3": the registers capped so that 5 or 6 programs of 4 warps share an SM (ptxas spills
 # the rest); "s3"/"s4": a deeper pipeline of the first walk (each chunk's index load, then its rows:
 # two dependent loads); "c16_s4" smaller chunks, deeper; "c64", "w8", "c64_w8": more rows or warps a
-# program; "b256": 256-column strips with 8 warps; "band1", "band4": 1-D launch, bands of slots with
-# columns fastest; "c128_w8", "c128": the whole slot one chunk, which the kernel walks once (held in
-# registers: its rows read once). (Strips narrower than the 128-column rowwise block do not fit dy's
-# rowwise form.) A variant the GPU cannot hold (OutOfResources) is reported and left out.
+# program; "b256": 256-column strips with 8 warps; "band1", "band2", "band4", "band8": 1-D launch,
+# bands of 1-8 slots, their column strips fastest (a band's programs read the same token rows' other
+# columns and write the same rows' other row scales close in time, where slots fastest reads each row's
+# 256-byte pieces and writes its 4-byte scales far apart); "c128_w8", "c128": the whole slot one chunk,
+# which the kernel walks once (held in registers: its rows read once). (Strips narrower than the
+# 128-column rowwise block do not fit dy's rowwise form.) A variant the GPU cannot hold (OutOfResources)
+# is reported and left out.
 VARIANTS: dict[str, tuple[int, ...] | None] = {
     "base": None,
     "r96": (128, 32, 4, 2, 0, 96),
@@ -86,7 +89,9 @@ VARIANTS: dict[str, tuple[int, ...] | None] = {
     "c64_w8": (128, 64, 8, 2, 0, 0),
     "b256": (256, 32, 8, 2, 0, 0),
     "band1": (128, 32, 4, 2, 1, 0),
+    "band2": (128, 32, 4, 2, 2, 0),
     "band4": (128, 32, 4, 2, 4, 0),
+    "band8": (128, 32, 4, 2, 8, 0),
     "s3_w8": (128, 32, 8, 3, 0, 0),
     "c128_w8": (128, 128, 8, 1, 0, 0),
     "c128": (128, 128, 4, 1, 0, 0),
