@@ -38,7 +38,6 @@ from moekit.ops.kernels.quantize import (
     abs_for_amax,
     bf16_rne,
     column_scales,
-    e4m3_tile,
     e4m3_value,
     e8m0_value,
     rowwise_blocks,
@@ -273,12 +272,13 @@ def _quantize_run(v, hcol0, valid, r64, rmask, data_ptr, scale_ptr, stride_data,
     cmask = tl.arange(0, RUN) < valid
     cb = hcol0 // TILE_K + tl.arange(0, NB)
     cbmask = tl.arange(0, NB) * TILE_K < valid
-    q = rowwise_blocks(v, abs_for_amax(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, MX, TILE_K, HW_E4M3)
     # hcol0 // TILE_K * TILE_K is hcol0 itself, written so that the compiler sees a multiple of TILE_K
     # (a run's start is a GLU index expression, whose divisibility it cannot follow): 16-byte stores
     # rather than one byte at a time.
     cols = hcol0 // TILE_K * TILE_K + tl.arange(0, RUN)
-    tl.store(data_ptr + r64[:, None] * stride_data + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
+    data = data_ptr + r64[:, None] * stride_data + cols[None, :]
+    rowwise_blocks(v, abs_for_amax(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, data,
+                   rmask[:, None] & cmask[None, :], MX, TILE_K, HW_E4M3, None)  # fmt: skip
 
 
 @triton.jit
@@ -452,6 +452,6 @@ def held_columns_kernel(
     out = tl.where(mask, out.to(OUT_DTYPE).to(tl.float32), 0.0)
     col_scales = col_scale_ptr + slot.to(tl.int64) * ffn + c
     mult, any_nan = column_scales(tl.max(abs_for_amax(out), axis=0), col_scales, cmask, MX)
-    q = e4m3_tile(out, mult[None, :], any_nan, HW_E4M3)
-    segment_store(col_data_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS)
+    segment_store(col_data_ptr, out, mult[None, :], any_nan, keep, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS,
+                  HW_E4M3)  # fmt: skip
     segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, SLOT_ROWS)

@@ -65,6 +65,34 @@ def abs_for_amax(x):
 
 
 @triton.jit
+def abs_bits(x):
+    """|x| as the signed integer of its bits (x's width): ordered as |x| is, every NaN above inf, so
+    integer maxima of them are the maxima of |x| with a NaN winning (one integer op an element)."""
+    if x.dtype.primitive_bitwidth == 16:
+        return x.to(tl.int16, bitcast=True) & 0x7FFF
+    else:
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def amax_value(m, DTYPE: tl.constexpr):
+    """The float32 maximum of `abs_bits` maxima m of DTYPE values, a NaN read as inf."""
+    if DTYPE.primitive_bitwidth == 16:
+        m = m.to(tl.int16)  # reductions of 16-bit integers come back as int32
+    v = m.to(DTYPE, bitcast=True).to(tl.float32)
+    return tl.where(v != v, float("inf"), v)
+
+
+@triton.jit
+def _block_amax(m, BITS_OF: tl.constexpr):
+    """Block maxima m as float32: of `abs_for_amax` values (BITS_OF None) or of `abs_bits` of BITS_OF values."""
+    if BITS_OF is None:
+        return m
+    else:
+        return amax_value(m, BITS_OF)
+
+
+@triton.jit
 def _e4m3_bits(v):
     """The float8 E4M3 byte of fp32 v: round to nearest even, saturate to +-448, NaN -> 0x7f | sign."""
     bits = v.to(tl.int32, bitcast=True)
@@ -144,19 +172,47 @@ def e4m3_tile(x, s, any_nan, HW_E4M3: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x, amax, scale_ptrs, scale_mask, tile_amax, MX: tl.constexpr, HW_E4M3: tl.constexpr):
-    """The E4M3 bytes of x under the scales of block maxima `amax` (broadcast against x); stores the
-    scales (E8M0 bytes, or fp32 scale_inv) at scale_ptrs. The NaN fix-up of `e4m3_tile` is decided
-    once for the tile: tile_amax is the largest of its block maxima (inf: a block holds an inf or NaN)."""
-    any_nan = tile_amax == float("inf")
-    if MX:
-        byte, recip = _e8m0_scales(amax)
-        tl.store(scale_ptrs, byte, mask=scale_mask)
-        return e4m3_tile(x, recip, any_nan, HW_E4M3)
+def store_e4m3(ptrs, x, s, keep, mask, any_nan, HW_E4M3: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Stores `_e4m3`'s bytes of fp32 x * s, zeros where not `keep` (broadcast against x), at ptrs
+    under mask; with TRANSPOSE the (rows, columns) tile is stored as its transpose (ptrs and mask then
+    index (columns, rows)). x must be zero where not `keep` (the callers load it so).
+
+    Why the store is inside: with HW_E4M3 a tile with no non-finite block maximum (`any_nan` False, a
+    runtime scalar) is the hardware's conversion as it is (finite x times a finite scale, and 0 times
+    one is the zero byte), and only the others take `e4m3_tile`'s NaN fix-up and the zeros. Had the two
+    branches returned their bytes, the compiler would join them byte by byte (one register a byte,
+    split from the conversion's pairs and packed again for the stores: about 10 more instructions an
+    element in every tile, sm_90 SASS of Triton 3.6); each branch storing its own bytes keeps them
+    packed."""
+    if HW_E4M3:
+        if any_nan:
+            q = tl.where(keep, e4m3_tile(x, s, True, True), 0)
+            if TRANSPOSE:
+                q = tl.trans(q)
+            tl.store(ptrs, q, mask=mask)
+        else:
+            q = (x * s).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+            if TRANSPOSE:
+                q = tl.trans(q)
+            tl.store(ptrs, q, mask=mask)
     else:
-        scale, scale_inv = fp32_scales(amax)
+        q = tl.where(keep, _e4m3_bits(x * s), 0).to(tl.uint8)
+        if TRANSPOSE:
+            q = tl.trans(q)
+        tl.store(ptrs, q, mask=mask)
+
+
+@triton.jit
+def _block_multipliers(amax, scale_ptrs, scale_mask, MX: tl.constexpr):
+    """The multipliers of block maxima `amax`; stores their scales (E8M0 bytes, or fp32 scale_inv) at
+    scale_ptrs."""
+    if MX:
+        byte, mult = _e8m0_scales(amax)
+        tl.store(scale_ptrs, byte, mask=scale_mask)
+    else:
+        mult, scale_inv = fp32_scales(amax)
         tl.store(scale_ptrs, scale_inv, mask=scale_mask)
-        return e4m3_tile(x, scale, any_nan, HW_E4M3)
+    return mult
 
 
 @triton.jit
@@ -211,8 +267,10 @@ def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
 
 
 @triton.jit
-def segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr):
-    """Columnwise bytes q (BLOCK_ROWS rows j0 + i of a group of `count` rows, columns c) stored into the
+def segment_store(col_ptr, x, mult, any_nan, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr,
+                  HW_E4M3: tl.constexpr):  # fmt: skip
+    """Columnwise bytes (`store_e4m3` of x * mult, x zero outside `keep`; BLOCK_ROWS rows j0 + i of a
+    group of `count` rows, columns c) stored into the
     FP8 wgrad's transposed operand layout, (X, pitch): out[c, seg0 + i] (seg0 = the group's segment
     start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
     segment's end (count rounded up to SEGMENT_COLUMNS), nothing past it and nothing for a group that
@@ -222,11 +280,10 @@ def segment_store(col_ptr, q, keep, c, cmask, j0, count, seg0, live, pitch, BLOC
     `seg0 // 16 * 16`), rather than one byte a column at a time. A writer whose blocks are shorter than
     a segment also stores the zeros past its last block (`segment_tail`)."""
     i = tl.arange(0, BLOCK_ROWS)
-    q = tl.where(keep[:, None], q, tl.zeros_like(q))
     smask = live & (j0 + i < tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
     dst = seg0 // 16 * 16 + i  # seg0 itself, written so that the compiler sees a multiple of 16
     ptrs = col_ptr + c.to(tl.int64)[:, None] * pitch + dst[None, :]
-    tl.store(ptrs, tl.trans(q), mask=cmask[:, None] & smask[None, :])
+    store_e4m3(ptrs, x, mult, keep[:, None], cmask[:, None] & smask[None, :], any_nan, HW_E4M3, True)
 
 
 @triton.jit
@@ -315,33 +372,31 @@ def rowwise_blocks(
     cbmask,
     row_scale_ptr,
     stride_row_scale,
+    data_ptrs,
+    data_mask,
     MX: tl.constexpr,
     TILE_K: tl.constexpr,
     HW_E4M3: tl.constexpr,
+    BITS_OF: tl.constexpr,
 ):
-    """The rowwise bytes of a (rows, BLOCK_C) tile x (a: its `abs_for_amax`), 1 x TILE_K blocks along
-    its rows; stores their scales at row_scale[row, cb] (rows r64 where rmask, column blocks cb where
-    cbmask). The blocks' maxima reduce a (rows, NB, TILE_K) view of the tile, which keeps its layout."""
+    """Stores the rowwise bytes of a (rows, BLOCK_C) tile x at data_ptrs (under data_mask), 1 x TILE_K
+    blocks along its rows, and their scales at row_scale[row, cb] (rows r64 where rmask, column blocks
+    cb where cbmask). a: `abs_for_amax(x)` (BITS_OF None) or `abs_bits` of x's values of dtype BITS_OF.
+    The blocks' maxima reduce a (rows, NB, TILE_K) view of the tile, which keeps its layout."""
     BLOCK_R: tl.constexpr = x.shape[0]
     BLOCK_C: tl.constexpr = x.shape[1]
     NB: tl.constexpr = BLOCK_C // TILE_K
     row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
     row_scale_mask = rmask[:, None] & cbmask[None, :]
     if NB == 1:
-        amax_r = tl.max(a, axis=1)
-        return _quantize_tile(x, amax_r[:, None], row_scales, row_scale_mask, tl.max(amax_r, axis=0), MX, HW_E4M3)
+        amax_r = _block_amax(tl.max(a, axis=1), BITS_OF)[:, None]
+        mult = _block_multipliers(amax_r, row_scales, row_scale_mask, MX)
     else:
-        amax_r = tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2)
-        q3 = _quantize_tile(
-            tl.reshape(x, (BLOCK_R, NB, TILE_K)),
-            amax_r[:, :, None],
-            row_scales[:, :, None],
-            row_scale_mask[:, :, None],
-            tl.max(tl.max(amax_r, axis=1), axis=0),
-            MX,
-            HW_E4M3,
-        )
-        return tl.reshape(q3, (BLOCK_R, BLOCK_C))
+        amax_r = _block_amax(tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2), BITS_OF)
+        mult3 = _block_multipliers(amax_r, row_scales, row_scale_mask, MX)[:, :, None]
+        mult = tl.reshape(tl.broadcast_to(mult3, (BLOCK_R, NB, TILE_K)), (BLOCK_R, BLOCK_C))
+    any_nan = tl.max(tl.max(amax_r, axis=1), axis=0) == float("inf")
+    store_e4m3(data_ptrs, x, mult, data_mask, data_mask, any_nan, HW_E4M3, False)
 
 
 @triton.jit
@@ -403,20 +458,21 @@ def _tiles_step(
     mask = rmask[:, None] & cmask[None, :]
     # Loaded under the tile's own bounds and the rows outside a live group zeroed after: the load does
     # not wait for offs[N] (rowwise rows).
-    x = tl.load(x_ptr + elem, mask=mask, other=0.0).to(tl.float32)
-    x = tl.where(lmask[:, None], x, 0.0)
-    a = abs_for_amax(x)
+    x_in = tl.load(x_ptr + elem, mask=mask, other=0.0)
+    x_in = tl.where(lmask[:, None], x_in, tl.zeros_like(x_in))
+    a = abs_bits(x_in)
+    x = x_in.to(tl.float32)
     if TILE:
-        amax_t = tl.max(tl.max(a, axis=1), axis=0)
-        q = _quantize_tile(x, amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, amax_t, MX, HW_E4M3)
-        tl.store(row_data_ptr + elem, q, mask=mask)
+        amax_t = amax_value(tl.max(tl.max(a, axis=1), axis=0), x_ptr.dtype.element_ty)
+        mult = _block_multipliers(amax_t, row_scale_ptr + pid * stride_row_scale + cb, cbmask, MX)
+        store_e4m3(row_data_ptr + elem, x, mult, mask, mask, amax_t == float("inf"), HW_E4M3, False)
         if TRANSPOSED:
             scales = row_scale_ptr + pid * stride_row_scale
             _transposed_tile(row_data_ptr, scales, r64, rmask, member, c, cmask, cb, cbmask, t_data_ptr, t_scale_ptr,
                              cols, member_rows, stride_x, BLOCK_R)  # fmt: skip
     if ROWWISE:
-        q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
-        tl.store(row_data_ptr + elem, q, mask=mask)
+        rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, row_data_ptr + elem, mask,
+                       MX, TILE_K, HW_E4M3, x_ptr.dtype.element_ty)  # fmt: skip
 
 
 @triton.jit
@@ -487,13 +543,13 @@ def quantize_tiles_kernel(
 @triton.jit
 def _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER: tl.constexpr):
     """The slots kernel's chunk of rows k + i of its slot (problem rows r0 + k + i, of a group of `count`
-    rows from its row j0), columns c, in float32 with its `abs_for_amax`, the rows (int64) and the rows'
-    mask; rows past the group and columns past the edge read as zeros."""
+    rows from its row j0), columns c, in float32 with its `abs_bits` (of the input's dtype), the rows
+    (int64) and the rows' mask; rows past the group and columns past the edge read as zeros."""
     rmask = j0 + k + i < count
     r64 = r0 + k + i
     src = _source_rows(index_ptr, r64, rmask & live, GATHER)[:, None] * stride_x + c[None, :]
-    x = tl.load(x_ptr + src, mask=rmask[:, None] & cmask[None, :] & live, other=0.0).to(tl.float32)
-    return x, abs_for_amax(x), r64, rmask
+    x = tl.load(x_ptr + src, mask=rmask[:, None] & cmask[None, :] & live, other=0.0)
+    return x.to(tl.float32), abs_bits(x), r64, rmask
 
 
 @triton.jit
@@ -582,20 +638,23 @@ def quantize_slots_kernel(
         col_scales = col_scale_ptr + slot.to(tl.int64) * cols + c
         ONE_WALK: tl.constexpr = CHUNK == SLOT_ROWS  # the chunk held from its load to its columnwise bytes
         held = tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty)
-        amax_ic = tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty)  # two walks: folded elementwise, reduced once
+        # two walks: `abs_bits` folded elementwise, reduced once
+        amax_ic = abs_bits(tl.zeros((CHUNK, BLOCK_C), x_ptr.dtype.element_ty))
         amax_c = tl.zeros((BLOCK_C,), tl.float32)  # one walk: the chunk's reduction itself
         for k in tl.range(0, SLOT_ROWS, CHUNK, num_stages=STAGES):
             x, a, r64, rmask = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
             if ONE_WALK:  # held in the input's dtype (exact): half the registers of float32 for 16-bit input
-                amax_c = tl.max(a, axis=0)
+                amax_c = amax_value(tl.max(a, axis=0), x_ptr.dtype.element_ty)
                 held = x.to(x_ptr.dtype.element_ty)
             else:
-                amax_ic = tl.maximum(amax_ic, a.to(x_ptr.dtype.element_ty)).to(x_ptr.dtype.element_ty)
+                amax_ic = tl.maximum(amax_ic, a)
             if ROWWISE:
-                q = rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, MX, TILE_K, HW_E4M3)
-                tl.store(row_data_ptr + r64[:, None] * stride_x + c[None, :], q, mask=rmask[:, None] & cmask[None, :])
+                row_data = row_data_ptr + r64[:, None] * stride_x + c[None, :]
+                row_mask = rmask[:, None] & cmask[None, :]
+                rowwise_blocks(x, a, r64, rmask, cb, cbmask, row_scale_ptr, stride_row_scale, row_data, row_mask,
+                               MX, TILE_K, HW_E4M3, x_ptr.dtype.element_ty)  # fmt: skip
         if not ONE_WALK:
-            amax_c = tl.max(amax_ic.to(tl.float32), axis=0)
+            amax_c = amax_value(tl.max(amax_ic, axis=0), x_ptr.dtype.element_ty)
         mult, any_nan = column_scales(amax_c, col_scales, cmask, MX)
         for k in tl.range(0, SLOT_ROWS, CHUNK):
             if ONE_WALK:
@@ -603,12 +662,13 @@ def quantize_slots_kernel(
             else:
                 x, _, _, _ = _slot_chunk(x_ptr, index_ptr, r0, k, i, j0, count, live, c, cmask, stride_x, GATHER)
             rmask = j0 + k + i < count
-            q = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             if SEGMENTS:
-                segment_store(col_data_ptr, q, rmask, c, cmask, j0 + k, count, seg0 + k, live, pitch, CHUNK)
+                segment_store(col_data_ptr, x, mult[None, :], any_nan, rmask, c, cmask, j0 + k, count, seg0 + k, live,
+                              pitch, CHUNK, HW_E4M3)  # fmt: skip
             else:
                 elem = (r0 + k + i)[:, None] * stride_x + c[None, :]
-                tl.store(col_data_ptr + elem, q, mask=rmask[:, None] & cmask[None, :])
+                mask = rmask[:, None] & cmask[None, :]
+                store_e4m3(col_data_ptr + elem, x, mult[None, :], mask, mask, any_nan, HW_E4M3, False)
         if SEGMENTS:
             segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SLOT_ROWS, CHUNK)
 
@@ -645,13 +705,14 @@ def quantize_rows_kernel(
             cmask = (c < cols)[None, :]
             elem = r64[:, None] * stride_x + c[None, :]
             # Masked by rmask alone, so that the load does not wait for offs[N]; padding rows -> zeros.
-            x = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0).to(tl.float32)
-            x = tl.where(live[:, None], x, 0.0)
-            amax = tl.max(abs_for_amax(x), axis=1)
+            x_in = tl.load(x_ptr + elem, mask=rmask[:, None] & cmask, other=0.0)
+            x_in = tl.where(live[:, None], x_in, tl.zeros_like(x_in))
+            amax = amax_value(tl.max(abs_bits(x_in), axis=1), x_ptr.dtype.element_ty)
             scale, scale_inv = fp32_scales(amax)
             tl.store(scale_ptr + r64, scale_inv, mask=rmask)
-            q = e4m3_tile(x, scale[:, None], tl.max(amax, axis=0) == float("inf"), HW_E4M3)
-            tl.store(data_ptr + elem, q, mask=rmask[:, None] & cmask)
+            mask = rmask[:, None] & cmask
+            any_nan = tl.max(amax, axis=0) == float("inf")
+            store_e4m3(data_ptr + elem, x_in.to(tl.float32), scale[:, None], mask, mask, any_nan, HW_E4M3, False)
         else:
             amax = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
             for k0 in range(0, cols, BLOCK_COLS):
@@ -787,15 +848,16 @@ def _spans_step(
     col_amax = tl.load(col_amax_ptr + col_at, mask=cmask & live, other=0).to(tl.float32, bitcast=True)
     scale, scale_inv = fp32_scales(col_amax)
     tl.store(col_scale_ptr + col_at, scale_inv, mask=cmask & live & (p == first))
-    q_col = e4m3_tile(x, scale[None, :], tl.max(col_amax, axis=0) == float("inf"), HW_E4M3)
+    col_nan = tl.max(col_amax, axis=0) == float("inf")
     if SEGMENTS:
         j0, count, seg0, pitch = seg
-        segment_store(col_data_ptr, q_col, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN)
+        segment_store(col_data_ptr, x, scale[None, :], col_nan, rmask, c, cmask, j0, count, seg0, live, pitch, SPAN,
+                      HW_E4M3)  # fmt: skip
         segment_tail(col_data_ptr, c, cmask, j0, count, seg0, live, pitch, SPAN, SPAN)
     else:
-        tl.store(col_data_ptr + elem, q_col, mask=mask)
+        store_e4m3(col_data_ptr + elem, x, scale[None, :], mask, mask, col_nan, HW_E4M3, False)
     if ROWWISE:
-        tl.store(row_data_ptr + elem, e4m3_tile(x, scale_r[:, None], row_nan, HW_E4M3), mask=mask)
+        store_e4m3(row_data_ptr + elem, x, scale_r[:, None], mask, mask, row_nan, HW_E4M3, False)
 
 
 @triton.jit

@@ -466,7 +466,7 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
         (32, "segments"): (128, 16, 4, 1, 0, 0),
         (32, "segments-gathered"): (128, 16, 4, 1, 0, 0),
         (128, "segments"): (128, 32, 4, 2, 0, 0),
-        (128, "segments-gathered"): (128, 32, 4, 2, 0, 0),
+        (128, "segments-gathered"): (128, 32, 4, 2, 0, 128),
     },
     "sm80": {
         (32, "rows"): (128, 16, 4, 1, 1, 0),
