@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
-from moekit.ops.kernels.quantize import e4m3_tile, fp32_scales
+from moekit.ops.kernels.quantize import fp32_scales, store_e4m3
 
 
 @gluon.jit
@@ -201,9 +201,10 @@ def _walks(
             amax_r = _amax_of(a, 1)
             scale, scale_inv = fp32_scales(amax_r)
             gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
-            qb = e4m3_tile(x, scale[:, None], gl.max(amax_r, axis=0) == float("inf"), HW_E4M3)
             elem = r64[:, None] * stride_x + c[None, :]
-            gl.store(row_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+            row_mask = rmask[:, None] & cmask[None, :]
+            row_nan = gl.max(amax_r, axis=0) == float("inf")
+            store_e4m3(row_data_ptr + elem, x, scale[:, None], row_mask, row_mask, row_nan, HW_E4M3, False)
     amax_c = _amax_of(amax_ic.to(gl.float32), 0)
     mult, scale_inv_c = fp32_scales(amax_c)
     gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
@@ -215,19 +216,16 @@ def _walks(
         for kk in range(SLOT_ROWS // CHUNK):
             k = kk * CHUNK
             x = bufs.index(base + kk).load(LT).to(gl.float32)
+            keep = (k + iT < n)[:, None]
             if MASKED:
-                x = gl.where(((k + iT < n) & live)[:, None], x, 0.0)
-            qb = e4m3_tile(x, multT[None, :], any_nan, HW_E4M3)
-            if MASKED:
-                # Zero bytes, not the bytes of 0 x scale: a column whose scale is NaN (an inf or NaN in
-                # its block) would write NaN bytes into the segment's tail.
-                qb = gl.where((k + iT < n)[:, None], qb, gl.full([CHUNK, BLOCK_C], 0, gl.uint8, LT))
+                x = gl.where(keep & live, x, 0.0)
             # Rows past the group's last row are zeros up to the segment's end (a slot is a segment's
-            # width: the slot holding the group's last row reaches it), nothing past it.
+            # width: the slot holding the group's last row reaches it), nothing past it: zero bytes,
+            # not the bytes of 0 x scale (a column whose scale is NaN would write NaN bytes there).
             smask = live & (k + iT < gl.cdiv(n, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
             dst = (seg0 + k) // 16 * 16 + iT
             ptrs = col_data_ptr + cT.to(gl.int64)[None, :] * pitch + dst[:, None]
-            gl.store(ptrs, qb, mask=smask[:, None] & (cT < cols)[None, :])
+            store_e4m3(ptrs, x, multT[None, :], keep, smask[:, None] & (cT < cols)[None, :], any_nan, HW_E4M3, False)
     else:
         for kk in range(SLOT_ROWS // CHUNK):
             k = kk * CHUNK
@@ -235,9 +233,9 @@ def _walks(
             x = bufs.index(base + kk).load(L).to(gl.float32)
             if MASKED:
                 x = gl.where((rmask & live)[:, None], x, 0.0)
-            qb = e4m3_tile(x, mult[None, :], any_nan, HW_E4M3)
             elem = (r0 + k + i).to(gl.int64)[:, None] * stride_x + c[None, :]
-            gl.store(col_data_ptr + elem, qb, mask=rmask[:, None] & cmask[None, :])
+            mask = rmask[:, None] & cmask[None, :]
+            store_e4m3(col_data_ptr + elem, x, mult[None, :], mask, mask, any_nan, HW_E4M3, False)
 
 
 @gluon.jit
