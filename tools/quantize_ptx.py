@@ -41,6 +41,7 @@ POINTERS = {
     "slot_offs_ptr": "*i64",
     "noop_ptr": "*fp32",
     "index_ptr": "*i32",
+    "rec_ptr": "*i32",
     "x_ptr": os.environ.get("X_DTYPE", "*bf16"),
 }
 COUNTS = {
@@ -109,7 +110,8 @@ def main() -> None:
             form = ("row+col" if rowwise else "col") + ("" if layout == "rows" else f"_{layout}")
             name = f"slots_{'mxfp8' if mx else 'fp8_block'}_{form}"
             pointers = {"row_scale_ptr": scales, "col_scale_ptr": scales}
-            cases.append((name, kernels.quantize_slots_kernel, {**constexprs, **common}, warps, pointers, maxnreg))
+            constexprs.update(HAS_NOOP=False, HW_E4M3=True)
+            cases.append((name, kernels.quantize_slots_kernel, constexprs, warps, pointers, maxnreg))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
     for form, (chunk, warps, stages, _, slots_fastest, maxnreg) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
         gather = form.endswith("-gathered")

@@ -392,7 +392,7 @@ from moekit.ops.kernels import quantize as K
 
 PT = {"x_ptr": "*bf16", "offs_ptr": "*i64", "slot_offs_ptr": "*i64", "noop_ptr": "*fp32", "row_data_ptr": "*u8",
       "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32", "row_amax_ptr": "*i32",
-      "col_amax_ptr": "*i32", "index_ptr": "*i32"}
+      "col_amax_ptr": "*i32", "index_ptr": "*i32", "rec_ptr": "*i32"}
 DIV16 = {"cols", "stride_x", "pitch", "stride_row_scale"}  # as the launcher specializes them (multiples of 16)
 
 def stores(kernel, const, warps):
@@ -422,8 +422,8 @@ for recipe, tile_k in (("fp8_block", 128), ("mxfp8", 32)):
     layout = ("segments-gathered" if gather else "segments") if seg else "rows"
     block_c, chunk, warps, stages, band, _ = QUANTIZE_SLOTS["sm90"][(tile_k, layout)]
     slots = dict(MX=tile_k == 32, ROWWISE=True, SEGMENTS=seg, TILE_K=tile_k, SLOT_ROWS=128 if tile_k == 128 else 32,
-                 BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band, HAS_NOOP=False, BLOCK_GROUPS=256,
-                 HW_E4M3=True, GATHER=gather)
+                 BLOCK_C=block_c, CHUNK=chunk, STAGES=stages, BAND=band, HAS_NOOP=False, HW_E4M3=True,
+                 GATHER=gather)
     out[recipe] = stores(K.quantize_slots_kernel, slots, warps)
 spans = dict(ROWWISE=True, SEGMENTS=seg, HAS_NOOP=False, SPAN=32, BLOCK_COLS=128, STEPS=8, STAGES=2,
              BLOCK_GROUPS=256, HW_E4M3=True, GATHER=gather)

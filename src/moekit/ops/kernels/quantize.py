@@ -570,16 +570,13 @@ def column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
 def quantize_slots_kernel(
     x_ptr,
     index_ptr,
-    offs_ptr,
-    slot_offs_ptr,
+    rec_ptr,
     noop_ptr,
     row_data_ptr,
     row_scale_ptr,
     col_data_ptr,
     col_scale_ptr,
-    rows,
     cols,
-    num_groups,
     stride_x,
     stride_row_scale,
     pitch,
@@ -594,12 +591,11 @@ def quantize_slots_kernel(
     STAGES: tl.constexpr,
     BAND: tl.constexpr,
     HAS_NOOP: tl.constexpr,
-    BLOCK_GROUPS: tl.constexpr,
     HW_E4M3: tl.constexpr,
 ):
     """The columnwise form (mxfp8, fp8_block), with or without the rowwise one: program (slot, q) owns
     columns [q * BLOCK_C, + BLOCK_C) of one slot (SLOT_ROWS = the format's block of rows, of one group:
-    `_slot_rows`), a SLOT_ROWS x 1 scale per column, col_scale[slot, col].
+    `slot_records_kernel`), a SLOT_ROWS x 1 scale per column, col_scale[slot, col].
 
     It walks the slot's strip twice in (CHUNK, BLOCK_C) chunks. Walk 1 (a pipelined loop of STAGES)
     reads each chunk from memory, writes its rowwise bytes and scales (ROWWISE: 1 x TILE_K blocks along
@@ -611,24 +607,25 @@ def quantize_slots_kernel(
     (and both forms' intermediates) costs the registers that decide how many programs share an SM; a
     chunk's registers do not grow with the slot. A chunk of the whole slot (CHUNK == SLOT_ROWS) is one
     walk: the strip stays in registers from its load to its columnwise bytes, and its rows are read once.
-    Padding rows (group N) are read as zeros; unused slots
-    store scale 1. A slot shorter than a segment (mxfp8's 32 rows) that holds its group's last row also
-    stores the segment's zeros past it (`segment_tail`). GATHER: row r of the problem is x's row
+    Padding rows (group N) are read as zeros; unused slots store scale 1. A slot shorter than a segment
+    (mxfp8's 32 rows) that holds its group's last row also stores the segment's zeros past it
+    (`segment_tail`).
+
+    A slot's rows come from `slot_records_kernel`'s table (rec_ptr), four independent loads, rather than
+    from the offsets through dependent loads and cross-warp reductions over every group in each program
+    before its first row can be read. The stores need the slot's place in its segment only modulo a
+    segment (segments start on multiples of SEGMENT_COLUMNS): j0 = seg0 % SEGMENT_COLUMNS, the group's
+    rows counted from there. GATHER: row r of the problem is x's row
     index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
         else:
             slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
-        g = _group_of_slot(slot, slot_offs_ptr, num_groups, BLOCK_GROUPS)
-        live = g < num_groups
-        group_start = tl.load(offs_ptr + g)
-        count = tl.load(offs_ptr + g + 1, mask=live, other=rows) - group_start
-        j0 = (slot - tl.load(slot_offs_ptr + g)) * SLOT_ROWS
-        r0 = (group_start + j0).to(tl.int64)
-        seg0 = 0
-        if SEGMENTS:
-            seg0 = _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS) + j0
+        rec = rec_ptr + slot.to(tl.int64) * 4
+        r0, n, live, seg0 = tl.load(rec).to(tl.int64), tl.load(rec + 1), tl.load(rec + 2) != 0, tl.load(rec + 3)
+        j0 = seg0 % SEGMENT_COLUMNS // SLOT_ROWS * SLOT_ROWS  # a multiple of SLOT_ROWS, written so
+        count = n + j0
         NB: tl.constexpr = BLOCK_C // TILE_K
         cb = qc * NB + tl.arange(0, NB)
         cbmask = cb < stride_row_scale

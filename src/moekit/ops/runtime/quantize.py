@@ -91,8 +91,8 @@ _TRANSPOSE = Launcher(transpose_weight_kernel)
 
 class QuantizePlan(NamedTuple):
     """The launches of one problem: mxfp8 and fp8_block's tiles (rowwise alone, a weight's blocks) or
-    slots (the columnwise form; on Hopper the Gluon kernel, after `records` fills its table of the
-    slots' rows); fp8_rowwise's whole rows (rowwise only), or its two passes over spans of a group's
+    slots (the columnwise form, the Triton kernel or on Hopper the Gluon one, after `records` fills
+    their table of the slots' rows); fp8_rowwise's whole rows (rowwise only), or its two passes over spans of a group's
     rows (the maxima, then the data) when the columnwise form is asked; None where there is nothing to
     launch."""
 
@@ -163,7 +163,7 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
             slots = LaunchPlan(
                 _SLOTS,
                 slot_grid if band == 0 else (slot_grid[0] * slot_grid[1],),
-                (*ints, stride_scale, pitch),
+                (cols, x2.stride(0), stride_scale, pitch),
                 dict(
                     MX=info.scale_dtype != torch.float32,
                     ROWWISE=rowwise,
@@ -176,13 +176,15 @@ def _plan(info: Recipe, problem: _Problem) -> QuantizePlan:
                     STAGES=stages,
                     BAND=band,
                     HAS_NOOP=has_noop,
-                    BLOCK_GROUPS=block_groups(num_groups),
                     HW_E4M3=hw,
                     num_warps=warps,
                     **({"maxnreg": maxnreg} if maxnreg else {}),
                 ),
             )
-            return QuantizePlan(None, slots if slot_grid[0] and slot_grid[1] else None, None, None, None)
+            if not (slot_grid[0] and slot_grid[1]):
+                return QuantizePlan(None, None, None, None, None)
+            records = slot_records_plan(x2.device, rows, num_groups, slot_grid[0], tile_m, segments)
+            return QuantizePlan(None, slots, None, None, None, records, slot_grid[0])
         tile = info.weight_tile is not None and x.dim() == 3
         form = "tile" if tile else "rows"
         block_r, block_c, warps, steps, stages, maxnreg = QUANTIZE_TILES[arch][(tile_k, form)]
@@ -404,14 +406,14 @@ def group_quantize_into(
             t_args = (_u8(data_t, x2), _u8(scale_t, x2)) if fused else (x2, x2)  # never read without TRANSPOSED
             plan.tiles(x2, offs, slot_offs, noop_arg, _u8(row_data, x2), _u8(row_scale, x2), *t_args)
         if plan.slots is not None:
-            groups: tuple[torch.Tensor, ...] = (index_arg, offs, slot_offs)
-            if plan.records is not None:  # the Gluon kernel reads its slots' rows from a table
-                table = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
-                plan.records(offs, slot_offs, table)
-                groups = (index_arg, table)
+            # Both slots kernels read their slots' rows from a table the launch before fills.
+            assert plan.records is not None  # every slots plan has its table
+            table = torch.empty((plan.record_slots, 4), dtype=torch.int32, device=x.device)
+            plan.records(offs, slot_offs, table)
             plan.slots(
                 x2,
-                *groups,
+                index_arg,
+                table,
                 noop_arg,
                 _u8(row_data, x2),
                 _u8(row_scale, x2),
