@@ -270,15 +270,14 @@ def _segment_start(offs_ptr, g, rows, num_groups, BLOCK_GROUPS: tl.constexpr):
 def segment_store(col_ptr, x, mult, any_nan, keep, c, cmask, j0, count, seg0, live, pitch, BLOCK_ROWS: tl.constexpr,
                   HW_E4M3: tl.constexpr):  # fmt: skip
     """Columnwise bytes (`store_e4m3` of x * mult, x zero outside `keep`; BLOCK_ROWS rows j0 + i of a
-    group of `count` rows, columns c) stored into the
-    FP8 wgrad's transposed operand layout, (X, pitch): out[c, seg0 + i] (seg0 = the group's segment
-    start + j0, a multiple of 16), the rows not `keep`ed (past the group's last row) as zeros up to the
-    segment's end (count rounded up to SEGMENT_COLUMNS), nothing past it and nothing for a group that
-    is not `live`. Stored as (columns, rows) tiles along the rows, the contiguous dimension of the
-    destination: the compiler moves the tile through shared memory into a row-contiguous register
-    layout, 16-byte stores where it can prove seg0 and the mask's edges multiples of 16 (hence
-    `seg0 // 16 * 16`), rather than one byte a column at a time. A writer whose blocks are shorter than
-    a segment also stores the zeros past its last block (`segment_tail`)."""
+    group of `count` rows, columns c) stored into the FP8 wgrad's transposed operand layout, (X, pitch):
+    out[c, seg0 + i] (seg0 = the group's segment start + j0, a multiple of 16), the rows not `keep`ed
+    (past the group's last row) as zeros up to the segment's end (count rounded up to SEGMENT_COLUMNS),
+    nothing past it and nothing for a group that is not `live`. Stored as (columns, rows) tiles along
+    the rows, the contiguous dimension of the destination: the compiler moves the tile through shared
+    memory into a row-contiguous register layout, 16-byte stores where it can prove seg0 and the mask's
+    edges multiples of 16 (hence `seg0 // 16 * 16`), rather than one byte a column at a time. A writer
+    whose blocks are shorter than a segment also stores the zeros past its last block (`segment_tail`)."""
     i = tl.arange(0, BLOCK_ROWS)
     smask = live & (j0 + i < tl.cdiv(count, SEGMENT_COLUMNS) * SEGMENT_COLUMNS)
     dst = seg0 // 16 * 16 + i  # seg0 itself, written so that the compiler sees a multiple of 16
@@ -615,8 +614,10 @@ def quantize_slots_kernel(
     from the offsets through dependent loads and cross-warp reductions over every group in each program
     before its first row can be read. The stores need the slot's place in its segment only modulo a
     segment (segments start on multiples of SEGMENT_COLUMNS): j0 = seg0 % SEGMENT_COLUMNS, the group's
-    rows counted from there. GATHER: row r of the problem is x's row
-    index[r] (`_source_rows`; x the rows it is gathered from), so a gather before it is not written."""
+    rows counted from there.
+
+    GATHER: row r of the problem is x's row index[r] (`_source_rows`; x the rows it is gathered from),
+    so a gather before it is not written."""
     if _runs(noop_ptr, HAS_NOOP):
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
@@ -624,7 +625,9 @@ def quantize_slots_kernel(
             slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
         rec = rec_ptr + slot.to(tl.int64) * 4
         r0, n, live, seg0 = tl.load(rec).to(tl.int64), tl.load(rec + 1), tl.load(rec + 2) != 0, tl.load(rec + 3)
-        j0 = seg0 % SEGMENT_COLUMNS // SLOT_ROWS * SLOT_ROWS  # a multiple of SLOT_ROWS, written so
+        # A slot starts a multiple of SLOT_ROWS into its segment: written so that the compiler sees it, and
+        # the stores' masks keep 16-byte runs.
+        j0 = seg0 % SEGMENT_COLUMNS // SLOT_ROWS * SLOT_ROWS
         count = n + j0
         NB: tl.constexpr = BLOCK_C // TILE_K
         cb = qc * NB + tl.arange(0, NB)
