@@ -3,7 +3,10 @@ activation, `held_columns_kernel`) for sm_90 on any machine (no GPU) at the sm90
 `moekit.ops.runtime.configs` (the Gluon columnwise kernel's `QUANTIZE_SLOTS_TMA` too) and print, per
 kernel and form: registers and spills (ptxas -v), shared
 memory, shuffles, barriers, and the global access widths (16-byte `ld/st.global.v4.b32`, `cp.async`),
-i.e. what bounds its programs an SM and its bytes in flight (notes/quantize.md).
+i.e. what bounds its programs an SM and its bytes in flight (notes/quantize.md); and from its sm_90a SASS
+(cuobjdump) the instructions of each loop body (a backward branch's span: both sides of any branch
+inside it), what an element costs to issue. FAST_PATH=1 compiles every `store_e4m3` as its branch for
+tiles without a non-finite block (what nearly every tile runs), so that the loop bodies count that path.
 
     PYTHONPATH=src python tools/quantize_ptx.py [OUTDIR] [NAME_FILTER]
 
@@ -30,12 +33,27 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from moekit.ops.kernels import quantize as kernels  # noqa: E402
+from moekit.ops.kernels import quantize_hopper  # noqa: E402
 from moekit.ops.kernels.gated import held_columns_kernel  # noqa: E402
 from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel  # noqa: E402
 from moekit.ops.runtime import configs  # noqa: E402
 from moekit.ops.runtime.glu import jit_pair  # noqa: E402
 
+
+@triton.jit
+def _store_e4m3_fast_path(ptrs, x, s, keep, mask, any_nan, HW_E4M3: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """`store_e4m3`'s branch for tiles without a non-finite block (FAST_PATH: counting its instructions)."""
+    q = (x * s).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    if TRANSPOSE:
+        q = tl.trans(q)
+    tl.store(ptrs, q, mask=mask)
+
+
+if os.environ.get("FAST_PATH"):
+    kernels.store_e4m3 = quantize_hopper.store_e4m3 = _store_e4m3_fast_path
+
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+CUOBJDUMP = PTXAS.with_name("cuobjdump")
 POINTERS = {
     "offs_ptr": "*i64",
     "slot_offs_ptr": "*i64",
@@ -75,11 +93,32 @@ def compile_case(out: Path, name: str, kernel, constexprs: dict, warps: int, poi
     ptx = compiled.asm["ptx"]
     path = out / f"{name}.ptx"
     path.write_text(ptx)
-    report = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    cubin = path.with_suffix(".cubin")
+    report = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", cubin], capture_output=True, text=True)
     regs = re.findall(r"Used (\d+) registers", report.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", report.stderr)
     counts = " ".join(f"{k} {len(re.findall(v, ptx))}" for k, v in COUNTS.items())
     print(f"{name:<34} warps {warps:>2} regs {regs} spill {spills} smem {compiled.metadata.shared:>6}  {counts}")
+    sass = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True).stdout
+    print(f"{'':<34} SASS {len(sass_instructions(sass))} instructions, loop bodies {loop_bodies(sass)}")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each instruction in cuobjdump's SASS listing."""
+    return [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,6})\*/\s+([^;]*);", sass)]
+
+
+def loop_bodies(sass: str) -> list[int]:
+    """The instructions between each backward branch and its target, in program order: a loop's body
+    per iteration (with both sides of a branch inside it: compile a branch out to count one side)."""
+    instructions = sass_instructions(sass)
+    bodies = []
+    for address, text in instructions:
+        target = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            bodies.append(sum(1 for a, _ in instructions if start <= a <= address))
+    return bodies
 
 
 def main() -> None:
