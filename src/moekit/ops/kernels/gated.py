@@ -35,6 +35,7 @@ import triton.language as tl
 from moekit.ops.kernels.activations import KEEP_NAN
 from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
 from moekit.ops.kernels.quantize import (
+    abs_bits,
     abs_for_amax,
     bf16_rne,
     column_scales,
@@ -277,8 +278,8 @@ def _quantize_run(v, hcol0, valid, r64, rmask, data_ptr, scale_ptr, stride_data,
     # rather than one byte at a time.
     cols = hcol0 // TILE_K * TILE_K + tl.arange(0, RUN)
     data = data_ptr + r64[:, None] * stride_data + cols[None, :]
-    rowwise_blocks(v, abs_for_amax(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, data,
-                   rmask[:, None] & cmask[None, :], MX, TILE_K, HW_E4M3, None)  # fmt: skip
+    rowwise_blocks(v, abs_bits(v), r64, rmask, cb, cbmask, scale_ptr, stride_scale, data,
+                   rmask[:, None] & cmask[None, :], MX, TILE_K, HW_E4M3, tl.float32)  # fmt: skip
 
 
 @triton.jit

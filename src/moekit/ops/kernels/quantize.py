@@ -84,15 +84,6 @@ def amax_value(m, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _block_amax(m, BITS_OF: tl.constexpr):
-    """Block maxima m as float32: of `abs_for_amax` values (BITS_OF None) or of `abs_bits` of BITS_OF values."""
-    if BITS_OF is None:
-        return m
-    else:
-        return amax_value(m, BITS_OF)
-
-
-@triton.jit
 def _e4m3_bits(v):
     """The float8 E4M3 byte of fp32 v: round to nearest even, saturate to +-448, NaN -> 0x7f | sign."""
     bits = v.to(tl.int32, bitcast=True)
@@ -376,11 +367,11 @@ def rowwise_blocks(
     MX: tl.constexpr,
     TILE_K: tl.constexpr,
     HW_E4M3: tl.constexpr,
-    BITS_OF: tl.constexpr,
+    X_DTYPE: tl.constexpr,
 ):
     """Stores the rowwise bytes of a (rows, BLOCK_C) tile x at data_ptrs (under data_mask), 1 x TILE_K
     blocks along its rows, and their scales at row_scale[row, cb] (rows r64 where rmask, column blocks
-    cb where cbmask). a: `abs_for_amax(x)` (BITS_OF None) or `abs_bits` of x's values of dtype BITS_OF.
+    cb where cbmask). a: `abs_bits` of x's values as they were in X_DTYPE (x itself is float32).
     The blocks' maxima reduce a (rows, NB, TILE_K) view of the tile, which keeps its layout."""
     BLOCK_R: tl.constexpr = x.shape[0]
     BLOCK_C: tl.constexpr = x.shape[1]
@@ -388,10 +379,10 @@ def rowwise_blocks(
     row_scales = row_scale_ptr + r64[:, None] * stride_row_scale + cb[None, :]
     row_scale_mask = rmask[:, None] & cbmask[None, :]
     if NB == 1:
-        amax_r = _block_amax(tl.max(a, axis=1), BITS_OF)[:, None]
+        amax_r = amax_value(tl.max(a, axis=1), X_DTYPE)[:, None]
         mult = _block_multipliers(amax_r, row_scales, row_scale_mask, MX)
     else:
-        amax_r = _block_amax(tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2), BITS_OF)
+        amax_r = amax_value(tl.max(tl.reshape(a, (BLOCK_R, NB, TILE_K)), axis=2), X_DTYPE)
         mult3 = _block_multipliers(amax_r, row_scales, row_scale_mask, MX)[:, :, None]
         mult = tl.reshape(tl.broadcast_to(mult3, (BLOCK_R, NB, TILE_K)), (BLOCK_R, BLOCK_C))
     any_nan = tl.max(tl.max(amax_r, axis=1), axis=0) == float("inf")

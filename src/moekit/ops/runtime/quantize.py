@@ -92,9 +92,9 @@ _TRANSPOSE = Launcher(transpose_weight_kernel)
 class QuantizePlan(NamedTuple):
     """The launches of one problem: mxfp8 and fp8_block's tiles (rowwise alone, a weight's blocks) or
     slots (the columnwise form, the Triton kernel or on Hopper the Gluon one, after `records` fills
-    their table of the slots' rows); fp8_rowwise's whole rows (rowwise only), or its two passes over spans of a group's
-    rows (the maxima, then the data) when the columnwise form is asked; None where there is nothing to
-    launch."""
+    their table of the slots' rows); fp8_rowwise's whole rows (rowwise only), or its two passes over
+    spans of a group's rows (the maxima, then the data) when the columnwise form is asked; None where
+    there is nothing to launch."""
 
     tiles: LaunchPlan | None
     slots: LaunchPlan | None
