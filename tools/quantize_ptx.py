@@ -34,7 +34,12 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from moekit.ops.kernels import quantize as kernels  # noqa: E402
 from moekit.ops.kernels import quantize_hopper  # noqa: E402
-from moekit.ops.kernels.gated import held_columns_kernel  # noqa: E402
+from moekit.ops.kernels.gated import (  # noqa: E402
+    gated_backward_kernel,
+    gated_forward_kernel,
+    gated_quantize_kernel,
+    held_columns_kernel,
+)
 from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel  # noqa: E402
 from moekit.ops.runtime import configs  # noqa: E402
 from moekit.ops.runtime.glu import jit_pair  # noqa: E402
@@ -193,6 +198,27 @@ def main() -> None:
         consts.update(BLOCK_C=block_c, HW_E4M3=True)
         held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "rec_ptr": "*i32", "col_scale_ptr": "*fp32"}
         cases.append((f"held_columns_row_scales{int(row_scales)}", held_columns_kernel, consts, warps, held))
+    # The gated kernels of the quantized MLP's backward reading the held h (fp8_block, SwiGLU with probs,
+    # bf16 out): the activation (fc2's wgrad operand) and dh with d probs.
+    block_rows, block_c, warps = configs.GATED_TILES["sm90"][True]
+    held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "out_ptr": "*bf16", "dh_ptr": "*bf16"}
+    held |= {"d_out_ptr": "*bf16", "d_probs_ptr": "*fp32"}
+    pair = jit_pair("swiglu")
+    for row_scales in (True, False):
+        consts = dict(GLU_BLOCK=768, HAS_PROBS=True, SCALED=True, SCALE_COLS=128, SCALE_E8M0=False)
+        consts.update(HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0, ROUND_BF16=False, FP8_CVT=True)
+        consts.update(ROW_SCALES=row_scales, BLOCK_ROWS=block_rows, BLOCK_C=block_c)
+        name = f"gated_forward_held_row_scales{int(row_scales)}"
+        cases.append((name, gated_forward_kernel, {**consts, "ACT": pair["ACT"]}, warps, held))
+        consts.update(NEED_DPROBS=True, **pair)
+        cases.append((name.replace("forward", "backward"), gated_backward_kernel, consts, warps, held))
+    # The quantized MLP's forward between its GEMMs (bf16 h, fp8_block, SwiGLU with probs, F 768 in the
+    # [gate | up] order: runs of gates and ups).
+    block_rows, block_c, warps = configs.GATED_QUANTIZE_TILES["sm90"][True]
+    consts = dict(GLU_BLOCK=768, HAS_PROBS=True, ACT=pair["ACT"], MX=False, TILE_K=128, HELD_GATE_LIMIT=0.0)
+    consts.update(HELD_UP_LIMIT=0.0, RUNS=True, HW_E4M3=True, BLOCK_ROWS=block_rows, BLOCK_C=block_c)
+    quantize = {"h_ptr": "*bf16", "probs_ptr": "*bf16", "a_scale_ptr": "*fp32", "h_scale_ptr": "*fp32"}
+    cases.append(("gated_quantize_runs", gated_quantize_kernel, consts, warps, quantize))
     for name, kernel, constexprs, warps, pointers, *maxnreg in cases:
         if only in name:
             compile_case(out, name, kernel, constexprs, warps, pointers, *maxnreg)

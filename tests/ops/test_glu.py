@@ -31,6 +31,8 @@ from moekit.ops.glu import (
 )
 from moekit.ops.quantize import dequantize_with
 from moekit.ops.runtime.backends import triton_unavailable_reason
+from moekit.ops.runtime.configs import GATED_TILES
+from moekit.ops.runtime.gated import tile_scale_blocks
 from moekit.reference import glu_reference
 
 F = 8
@@ -228,6 +230,21 @@ def test_held_kernels_read_fp8_h_as_its_dequantization(recipe, activation, k, dt
     _check_held_kernels(recipe, activation, k, dtype, torch.device("cpu"), 24, 72)
 
 
+@pytest.mark.skipif(
+    triton_unavailable_reason(torch.device("cpu"), torch.float32) is not None,
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1)",
+)
+def test_held_kernels_read_each_elements_scale_where_a_tile_spans_blocks():
+    """Where a tile's ups cross a scale block (mxfp8's 32 columns at F 76: the interpreter's 8-column
+    tile of columns 16-23 has its ups at h's columns 92-99), the kernels load each element's scale; the
+    other tests' widths take a row's scales once a tile. The same bits either way."""
+    block_c = GATED_TILES["interpreter"][True][1]
+    assert not tile_scale_blocks(76, 76, block_c, 32)
+    assert tile_scale_blocks(72, 72, block_c, 32) and tile_scale_blocks(72, 4, block_c, 32)
+    assert tile_scale_blocks(72, 72, block_c, 128) and tile_scale_blocks(72, 4, block_c, 128)
+    _check_held_kernels("mxfp8", "swiglu", None, torch.float32, torch.device("cpu"), 24, 76)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "mxfp8"])
@@ -237,6 +254,15 @@ def test_held_kernels_read_fp8_h_as_its_dequantization_on_the_gpu(recipe, activa
     """The same on the GPU in bfloat16 (the kernels convert E4M3 with the hardware's instruction
     there), at a width of several scale blocks and tiles."""
     _check_held_kernels(recipe, activation, k, torch.bfloat16, torch.device("cuda"), 1000, 768)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_held_kernels_read_each_elements_scale_on_the_gpu():
+    """mxfp8 at F 760: no tile down to 16 columns has its ups in one 32-column block (h's columns 760-775
+    cross 768), so the kernels load each element's scale; the same bits as dequantizing first."""
+    assert not tile_scale_blocks(760, 760, 16, 32)
+    _check_held_kernels("mxfp8", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 760)
 
 
 def _check_held_kernels(recipe, activation, k, dtype, device, rows, ffn) -> None:

@@ -108,10 +108,13 @@ def _dequantized(
 def _load_gate_up(
     h_rows,
     scale_rows,
+    c0,
     gate_c,
     up_c,
     mask,
+    row_mask,
     round_ty: tl.constexpr,
+    GLU_BLOCK: tl.constexpr,
     SCALED: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     SCALE_E8M0: tl.constexpr,
@@ -119,17 +122,30 @@ def _load_gate_up(
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP8_CVT: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
 ):
-    """(gate, up) of a tile in fp32: h's values, or with SCALED its FP8 bytes dequantized (module
-    docstring), each element's scale loaded for it."""
+    """(gate, up) of a tile of activation columns c0 + [0, BLOCK_C) (gate_c, up_c their h columns) in
+    fp32: h's values, or with SCALED its FP8 bytes dequantized (module docstring).
+
+    With one scale a row (SCALE_COLS 0), or ROW_SCALES (the host's `tile_scale_blocks`: every tile's
+    gates lie in one of h's scale blocks, and so do its ups), a row's scales are loaded once for the
+    tile (row_mask (rows, 1) says which rows; ROW_SCALES: from the tile's first column's gate and up).
+    Otherwise each element's scale is loaded for it: a pointer an element, and a load whose addresses
+    repeat along the columns, which the compiler lays out column after column, so that the FP8 bytes
+    are moved into that layout through shared memory."""
     if SCALED:
         g, u = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
-        if SCALE_COLS > 0:
-            g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
-        else:
-            g_at, u_at = scale_rows + (gate_c * 0)[None, :], scale_rows + (up_c * 0)[None, :]
         other = 127 if SCALE_E8M0 else 1.0
-        g_scale, u_scale = tl.load(g_at, mask=mask, other=other), tl.load(u_at, mask=mask, other=other)
+        if SCALE_COLS == 0:  # one scale a row
+            g_scale = tl.load(scale_rows, mask=row_mask, other=other)
+            u_scale = g_scale
+        elif ROW_SCALES:
+            gate0, up0 = _gate_up_columns(c0, GLU_BLOCK)
+            g_scale = tl.load(scale_rows + gate0 // SCALE_COLS, mask=row_mask, other=other)
+            u_scale = tl.load(scale_rows + up0 // SCALE_COLS, mask=row_mask, other=other)
+        else:
+            g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
+            g_scale, u_scale = tl.load(g_at, mask=mask, other=other), tl.load(u_at, mask=mask, other=other)
         g, u = _dequantized(
             g, u, g_scale, u_scale, round_ty, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
         )  # fmt: skip
@@ -160,6 +176,7 @@ def gated_forward_kernel(
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP8_CVT: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -175,8 +192,8 @@ def gated_forward_kernel(
     scale_rows = scale_ptr + offs_r[:, None] * stride_scale
     round_ty = out_ptr.dtype.element_ty
     g, u = _load_gate_up(
-        h_rows, scale_rows, gate_c, up_c, mask, round_ty,
-        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
+        h_rows, scale_rows, pid_c * BLOCK_C, gate_c, up_c, mask, mask_r[:, None], round_ty, GLU_BLOCK,
+        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
     )  # fmt: skip
     out = ACT(g, u)
     if HAS_PROBS:
@@ -210,6 +227,7 @@ def gated_backward_kernel(
     HELD_UP_LIMIT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP8_CVT: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -230,8 +248,8 @@ def gated_backward_kernel(
         mask = mask_r[:, None] & (offs_c < ffn)[None, :]
         gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
         g, u = _load_gate_up(
-            h_rows, scale_rows, gate_c, up_c, mask, dh_ptr.dtype.element_ty,
-            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
+            h_rows, scale_rows, c0, gate_c, up_c, mask, mask_r[:, None], dh_ptr.dtype.element_ty, GLU_BLOCK,
+            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
         )  # fmt: skip
         d = tl.load(d_out_rows + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PROBS:
@@ -408,9 +426,8 @@ def held_columns_kernel(
     maxima, scales and encoding, with rows past the group (and padding rows) as zeros and unused slots'
     scales 1. Why one kernel: out (M, F) in h's dtype is then neither written nor read again.
 
-    ROW_SCALES (the host's `tile_scale_blocks`: every tile's gates lie in one of h's scale blocks, and so
-    do its ups): a row's two scales loaded once for the tile, rather than each element's (a pointer a
-    element: the registers that decide how many programs share an SM).
+    ROW_SCALES: as `_load_gate_up` (a pointer an element otherwise: the registers that decide how many
+    programs share an SM).
 
     The slot's rows come from `slot_records_kernel`'s table (rec_ptr: first row, rows left in its group,
     real group or not, first column in the segments), one load, rather than from the offsets through a
@@ -432,21 +449,10 @@ def held_columns_kernel(
     mask = (keep & live)[:, None] & cmask[None, :]
     gate_c, up_c = _gate_up_columns(c, GLU_BLOCK)
     h_rows, scale_rows = h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale
-    if ROW_SCALES:
-        g_v, u_v = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
-        gate0, up0 = _gate_up_columns(qc * BLOCK_C, GLU_BLOCK)  # the tile's first column's
-        rmask = (keep & live)[:, None]
-        other = 127 if SCALE_E8M0 else 1.0
-        g_scale = tl.load(scale_rows + gate0 // SCALE_COLS, mask=rmask, other=other)
-        u_scale = tl.load(scale_rows + up0 // SCALE_COLS, mask=rmask, other=other)
-        g_v, u_v = _dequantized(
-            g_v, u_v, g_scale, u_scale, OUT_DTYPE, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
-        )  # fmt: skip
-    else:
-        g_v, u_v = _load_gate_up(
-            h_rows, scale_rows, gate_c, up_c, mask, OUT_DTYPE,
-            SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT,
-        )  # fmt: skip
+    g_v, u_v = _load_gate_up(
+        h_rows, scale_rows, qc * BLOCK_C, gate_c, up_c, mask, (keep & live)[:, None], OUT_DTYPE, GLU_BLOCK,
+        SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
+    )  # fmt: skip
     out = ACT(g_v, u_v)
     if HAS_PROBS:
         out = out * tl.load(probs_ptr + r64, mask=keep & live, other=0.0).to(tl.float32)[:, None]

@@ -611,7 +611,7 @@ ROUTING_TILES: dict[Arch, RoutingTiles] = {
 # sweep). Tiny tiles under the interpreter, so that CPU tests cover several row tiles and several column
 # steps of a row.
 GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
-    "sm90": {False: (16, 256, 4), True: (4, 256, 4)},
+    "sm90": {False: (16, 256, 4), True: (8, 128, 4)},
     "sm80": {False: (16, 256, 4), True: (16, 256, 4)},
     "interpreter": {False: (4, 8, 4), True: (4, 8, 4)},
 }

@@ -83,6 +83,26 @@ class HeldH(NamedTuple):
 PLAIN = HeldH(False, 0, False, 0.0, 0.0, None)
 
 
+# The narrowest tile `_gated_tile` halves to for a row's scales once a tile.
+_NARROWEST_TILE = 16
+
+
+def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> tuple[int, int, int, bool]:
+    """(BLOCK_ROWS, BLOCK_C, warps, ROW_SCALES) of the gated forward and backward kernels: the table's
+    tile, for h held in FP8 with blocks of scales halved in columns (doubled in rows, the same elements)
+    until every tile's gates lie in one scale block and so do its ups (`tile_scale_blocks`), down to
+    `_NARROWEST_TILE` columns; then a row's scales are loaded once a tile, else each element's."""
+    block_rows, block_c, warps = GATED_TILES[arch_of(device)][held.scaled]
+    if not held.scaled or held.scale_cols == 0:
+        return block_rows, block_c, warps, False
+    tile = block_rows, block_c
+    while not tile_scale_blocks(ffn, glu_block, tile[1], held.scale_cols):
+        if tile[1] <= _NARROWEST_TILE:
+            return block_rows, block_c, warps, False
+        tile = tile[0] * 2, tile[1] // 2
+    return tile[0], tile[1], warps, True
+
+
 def _plan_forward(
     h_M2F: torch.Tensor,
     h_scale: torch.Tensor,
@@ -92,7 +112,7 @@ def _plan_forward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)][held.scaled]
+    block_rows, block_c, warps, row_scales = _gated_tile(h_M2F.device, ffn, glu_block, held)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), ffn)
     constexprs = dict(
@@ -100,6 +120,7 @@ def _plan_forward(
         HAS_PROBS=probs_M is not None,
         ACT=jit_pair(activation)["ACT"],
         **held.constexprs(),
+        ROW_SCALES=row_scales,
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
@@ -166,7 +187,7 @@ def _plan_backward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps = GATED_TILES[arch_of(h_M2F.device)][held.scaled]
+    block_rows, block_c, warps, row_scales = _gated_tile(h_M2F.device, ffn, glu_block, held)
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), d_out_MF.stride(0), 2 * ffn)
     constexprs = dict(
         GLU_BLOCK=glu_block,
@@ -174,6 +195,7 @@ def _plan_backward(
         NEED_DPROBS=need_d_probs,
         **jit_pair(activation),
         **held.constexprs(),
+        ROW_SCALES=row_scales,
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
