@@ -10,7 +10,7 @@
 # `pip download --no-deps -d .whl torchao==0.18.0 liger-kernel==0.8.5` here). The results are named by
 # the GPU (h100_/h200_) and the commit: ${P}_gpu_tests_$C.log, ${P}_${NAME}_$C.{json,md}
 # (NAME default quantized_layer). Settings by environment: SKIP_TESTS, TESTS_S (300; cold, the default files need about 290 s at 4 workers, extrapolated from the H100 run at 1a128e9), TEST_FILES,
-# SKIP_TABLE, TABLE_S (270), BUDGET_S (230: no cell starts after it), COLS, SHAPES_ARG
+# W (pytest workers, 4), SKIP_TABLE, TABLE_S (270), BUDGET_S (230: no cell starts after it), COLS, SHAPES_ARG
 # (e.g. "--shapes qwen3-30b-a3b"), KERNELS, NAME. The device returns at most 8 files: keep $OUT small.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -26,7 +26,7 @@ DEFAULT_TESTS="tests/ops/test_activations.py tests/ops/test_held_columns.py test
   tests/ops/test_moe_experts_recompute.py tests/test_quantized_compute.py tests/ops/test_quantized_gated_fc1.py
   tests/ops/test_quantize_for_wgrad.py tests/ops/test_quantize_hopper.py tests/nn/test_moe_layer.py"
 if [ -z "${SKIP_TESTS:-}" ]; then
-    X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+    X=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${W:-4}")
     t0=$(date +%s)
     # shellcheck disable=SC2086
     timeout "${TESTS_S:-300}" python3 -m pytest -m gpu $X -p no:cacheprovider -q -rfE ${TEST_FILES:-$DEFAULT_TESTS} \
