@@ -703,12 +703,12 @@ def test_readme_other_layers_table_reads_its_json():
 
 def test_readme_quantized_table_reads_its_json():
     """The quantized experts' table (ms a step, x moekit bf16, held and peak GiB) is its JSON's layer part."""
-    cited = "benchmarks/results/h100_quantized_layer_4d7db33.md"
+    cited = "benchmarks/results/h100_quantized_layer_35f492f.md"
     text = (ROOT / "README.md").read_text()
     section = text[text.index("\n### Quantized experts\n") : text.index("\n### Hugging Face transformers")]
     section = "\n".join(line.strip() for line in section.splitlines())  # the table sits in a list item
     assert cited in section
-    records = json.loads((RESULTS / "h100_quantized_layer_4d7db33.json").read_text())["layer"]
+    records = json.loads((RESULTS / "h100_quantized_layer_35f492f.json").read_text())["layer"]
     cells = {(r["tokens"], r["experts"], r["top_k"], r["hidden"], r["ffn"], r["column"]): r for r in records}
     rows = _rows(section, "| layer (T, N, K, H, F) | plain bf16 | moekit bf16 | fp8_block |")
     assert len(rows) == 4

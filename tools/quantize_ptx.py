@@ -1,5 +1,6 @@
-"""Compile moekit's group_quantize kernels (and the gated kernel's columnwise quantization of the held
-activation, `held_columns_kernel`) for sm_90 on any machine (no GPU) at the sm90 configurations of
+"""Compile moekit's group_quantize kernels (and the gated kernels: the columnwise quantization of the held
+activation, `held_columns_kernel`; the activation and its backward on the held h; the forward's gated
+quantize pass) for sm_90 on any machine (no GPU) at the sm90 configurations of
 `moekit.ops.runtime.configs` (the Gluon columnwise kernel's `QUANTIZE_SLOTS_TMA` too) and print, per
 kernel and form: registers and spills (ptxas -v), shared
 memory, shuffles, barriers, and the global access widths (16-byte `ld/st.global.v4.b32`, `cp.async`),

@@ -605,11 +605,13 @@ ROUTING_TILES: dict[Arch, RoutingTiles] = {
 # By whether h is read held in FP8 (the quantized MLP's backward: its bytes and rowwise scales,
 # dequantized in the load) or in its own dtype. In its own dtype, about 4096 activation columns a
 # program (gate and up: 16 KB of bf16 read per tile, enough bytes in flight to stream at HBM speed); the
-# backward walks a row's F columns in BLOCK_C steps. Held in FP8, sm90: 4 rows x 256 columns, the
-# fastest of both kernels in a sweep at four real widths on the H200: far faster than the 16-row tile for
-# the backward at every width, the forward near each width's best (benchmarks/README.md, the gated
-# sweep). Tiny tiles under the interpreter, so that CPU tests cover several row tiles and several column
-# steps of a row.
+# backward walks a row's F columns in BLOCK_C steps. Held in FP8, sm90: 8 rows x 128 columns (the same
+# elements as the 4 x 256 that a sweep at four real widths on the H200 chose, when each element's scale
+# was loaded: far faster than the 16-row tile for the backward at every width, the forward near each
+# width's best; benchmarks/README.md, the gated sweep), so that fp8_block's `[gate | up]` tiles each
+# read a row's two scales once (`runtime.gated._gated_tile` halves the columns, doubling the rows, where
+# a width's tiles still cross a scale block). Tiny tiles under the interpreter, so that CPU tests cover
+# several row tiles and several column steps of a row.
 GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
     "sm90": {False: (16, 256, 4), True: (8, 128, 4)},
     "sm80": {False: (16, 256, 4), True: (16, 256, 4)},
