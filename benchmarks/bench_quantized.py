@@ -43,7 +43,8 @@ gemm       each linear's three grouped GEMMs on their own, kernel by kernel, at 
 layer      the routed experts given their routing, forward+backward, at four shapes (T, E, K, H, F):
            DeepSeek-V3 EP8, Mixtral 8x7B, Qwen3-30B-A3B, gpt-oss-20b (bench_moe_layer.SHAPES), routing
            balanced: ids = (arange(T*K) % E).reshape(T, K) (every expert gets M/E rows, a multiple of 16
-           as torchao needs), weights a softmax over K of random logits. x, w1 (E, 2F, H) gate|up, w2
+           as torchao needs; `--routing skewed`: bench_moe_layer's Dirichlet(1) shares over the
+           experts, groups of any count, torchao's column skipped), weights a softmax over K of random logits. x, w1 (E, 2F, H) gate|up, w2
            (E, H, F) and the weights require grad; SwiGLU. Columns:
              plain_bf16          bench_moe_layer.plain_layer (torch._grouped_mm, F.silu(g) * u)
              moekit_bf16         moekit.moe_experts(...), backend "auto"
@@ -331,8 +332,19 @@ def balanced_ids(shape: LayerShape, device: torch.device) -> torch.Tensor:
     return (torch.arange(shape.tokens * shape.top_k, device=device) % shape.experts).reshape(shape.tokens, shape.top_k)
 
 
-def layer_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype):
-    """Leaves {x, w1, w2, wts} requiring grad, the balanced ids and the output gradient dy."""
+ROUTINGS = ("balanced", "skewed")
+
+
+def layer_ids(shape: LayerShape, routing: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's expert ids: "balanced" (every expert M / E rows) or "skewed" (bench_moe_layer's
+    Dirichlet(1) shares over the experts: groups of any count)."""
+    if routing == "balanced":
+        return balanced_ids(shape, device)
+    return bench_moe_layer.make_routing(shape, routing, device, dtype)[0]
+
+
+def layer_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype, routing: str = "balanced"):
+    """Leaves {x, w1, w2, wts} requiring grad, the routing's ids and the output gradient dy."""
     base = bench_moe_layer.make_inputs(shape, device, dtype)
     gen = torch.Generator(device=device).manual_seed(1)
     wts = torch.randn(shape.tokens, shape.top_k, device=device, generator=gen).softmax(-1).to(dtype)
@@ -340,7 +352,7 @@ def layer_inputs(shape: LayerShape, device: torch.device, dtype: torch.dtype):
     leaves = {"x": base["x"], "w1": base["w1"], "w2": base["w2"], "wts": wts}
     for t in leaves.values():
         t.requires_grad_(True)
-    return leaves, balanced_ids(shape, device), dy
+    return leaves, layer_ids(shape, routing, device, dtype), dy
 
 
 @torch.no_grad()
@@ -363,13 +375,13 @@ def rel_fro(y: torch.Tensor, ref: torch.Tensor) -> float | None:
     return runner._finite_or_none(err)
 
 
-def layer_record(shape: LayerShape, column: Column, flops: int) -> dict:
+def layer_record(shape: LayerShape, column: Column, flops: int, routing: str) -> dict:
     return {
         "bench": NAME,
         "part": "layer",
         "shape": shape.name,
         **asdict(shape),
-        "routing": "balanced",
+        "routing": routing,
         "column": column.name,
         **column.info,
         "flops": flops,
@@ -392,13 +404,13 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
     M, H, Fs = shape.tokens * shape.top_k, shape.hidden, shape.ffn
     flops = 3 * (2 * M * H * 2 * Fs + 2 * M * Fs * H)
     if budget.exhausted():  # not even the inputs and the reference
-        records = [layer_record(shape, column, flops) for column in columns]
+        records = [layer_record(shape, column, flops, args.routing) for column in columns]
         for r, column in zip(records, columns, strict=True):
             r.update(status="skipped", reason=column.reason or budget.reason())
             print_layer_record(r)
         return records
     start = time.monotonic()
-    leaves, ids, dy = layer_inputs(shape, device, args.dtype)
+    leaves, ids, dy = layer_inputs(shape, device, args.dtype, args.routing)
     grads = list(leaves.values())
     t0 = time.monotonic()
     ref = reference_output(leaves["x"], leaves["w1"], leaves["w2"], ids, leaves["wts"])
@@ -406,7 +418,7 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
     reference_s = time.monotonic() - t0
     records, timed = [], []
     for column in columns:
-        rec = layer_record(shape, column, flops)
+        rec = layer_record(shape, column, flops, args.routing)
         records.append(rec)
         if "quantization" in column.info:  # a moekit column
             rec["moekit_backends"] = moekit_backends(leaves["x"], leaves["w1"], column.info["quantization"])
@@ -418,6 +430,9 @@ def bench_layer_shape(args, shape: LayerShape, columns: list[Column], budget: Bu
             del y
         if column.fn is None:
             rec.update(status="skipped", reason=column.reason)
+            continue
+        if column.name == "torchao_fp8" and args.routing != "balanced":
+            rec.update(status="skipped", reason="torchao's FP8 grouped mm needs every group a multiple of 16 rows")
             continue
         if budget.exhausted():
             rec.update(status="skipped", reason=budget.reason())
@@ -846,6 +861,7 @@ def _f(v, spec: str) -> str:
 def summary_markdown(payload: dict) -> str:
     meta, roofs = payload["meta"], payload.get("roofs", {})
     gpu = meta["gpu"]["name"] if meta.get("gpu") else meta["device"]
+    routing = meta.get("routing", "balanced").split(":")[0]
     lines = [
         f"# bench_quantized on {gpu}",
         "",
@@ -866,7 +882,7 @@ def summary_markdown(payload: dict) -> str:
         lines.append(f"| {name} | {value} |")
     lines += [
         "",
-        "Layer forward+backward (balanced routing):",
+        f"Layer forward+backward ({routing} routing):",
         "",
         "| shape | column | ms | TFLOP/s | x plain_bf16 | rel. error | peak+ GiB | held GiB | weight caches GiB | "
         "first call s | status |",
@@ -963,6 +979,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--splits", choices=SPLITS, default="balanced", help="the quantize part's group counts (default balanced)"
     )
+    parser.add_argument(
+        "--routing", choices=ROUTINGS, default="balanced", help="the layer part's routing (default balanced)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, smoke 2)")
     parser.add_argument("--steps", type=int, default=None, help="layer steps timed per round (default 5, smoke 2)")
     parser.add_argument(
@@ -1046,7 +1065,11 @@ def main(argv=None) -> dict:
         shapes=[asdict(s) for s in args.shape_list],
         columns=args.column_list,
         recipes=args.recipe_list,
-        routing="balanced: ids = (arange(T*K) % E).reshape(T, K)",
+        routing=(
+            "balanced: ids = (arange(T*K) % E).reshape(T, K)"
+            if args.routing == "balanced"
+            else "skewed: bench_moe_layer.make_routing's Dirichlet(1) shares over the experts"
+        ),
         timer_layer=(
             "CUDA events around each step, median of steps per round, median of rounds"
             if cuda

@@ -11,7 +11,7 @@
 # the GPU (h100_/h200_) and the commit: ${P}_gpu_tests_$C.log, ${P}_${NAME}_$C.{json,md}
 # (NAME default quantized_layer). Settings by environment: SKIP_TESTS, TESTS_S (300; cold, the default files need about 290 s at 4 workers, extrapolated from the H100 run at 1a128e9), TEST_FILES,
 # W (pytest workers, 4), SKIP_TABLE, TABLE_S (270), BUDGET_S (230: no cell starts after it), COLS, SHAPES_ARG
-# (e.g. "--shapes qwen3-30b-a3b"), KERNELS, NAME. The device returns at most 8 files: keep $OUT small.
+# (e.g. "--shapes qwen3-30b-a3b"), KERNELS, ROUTING (balanced, skewed), NAME. The device returns at most 8 files: keep $OUT small.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/gpu_prelude.sh
@@ -39,7 +39,7 @@ if [ -z "${SKIP_TABLE:-}" ]; then
     # shellcheck disable=SC2086
     timeout "${TABLE_S:-270}" python3 benchmarks/bench_quantized.py --parts layer --roofs bf16_mm,fp8_mm_rowwise \
         --columns "${COLS:-plain_bf16,moekit_bf16,moekit_fp8_block,moekit_fp8_rowwise,torchao_fp8}" \
-        ${SHAPES_ARG:-} ${KERNELS:-} --commit "$C" --budget-s "${BUDGET_S:-230}" --out "$OUT/tab" \
+        ${SHAPES_ARG:-} ${KERNELS:-} ${ROUTING:+--routing "$ROUTING"} --commit "$C" --budget-s "${BUDGET_S:-230}" --out "$OUT/tab" \
         >"$OUT/table.log" 2>&1
     echo "table rc=$? $(($(date +%s) - t0)) s"
     N=${NAME:-quantized_layer}
