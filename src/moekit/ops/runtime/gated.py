@@ -89,9 +89,10 @@ _NARROWEST_TILE = 16
 
 def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> tuple[int, int, int, bool]:
     """(BLOCK_ROWS, BLOCK_C, warps, ROW_SCALES) of the gated forward and backward kernels: the table's
-    tile, for h held in FP8 with blocks of scales halved in columns (doubled in rows, the same elements)
-    until every tile's gates lie in one scale block and so do its ups (`tile_scale_blocks`), down to
-    `_NARROWEST_TILE` columns; then a row's scales are loaded once a tile, else each element's."""
+    tile; for h held in FP8 with blocks of scales, its columns halved and its rows doubled (the same
+    elements) until every tile's gates lie in one scale block and so do its ups (`tile_scale_blocks`),
+    down to `_NARROWEST_TILE` columns. Then a row's scales are loaded once a tile; where no tile that
+    narrow aligns, the table's tile loads each element's."""
     block_rows, block_c, warps = GATED_TILES[arch_of(device)][held.scaled]
     if not held.scaled or held.scale_cols == 0:
         return block_rows, block_c, warps, False
