@@ -44,8 +44,8 @@ layer      the routed experts given their routing, forward+backward, at four sha
            DeepSeek-V3 EP8, Mixtral 8x7B, Qwen3-30B-A3B, gpt-oss-20b (bench_moe_layer.SHAPES), routing
            balanced: ids = (arange(T*K) % E).reshape(T, K) (every expert gets M/E rows, a multiple of 16
            as torchao needs; `--routing skewed`: bench_moe_layer's Dirichlet(1) shares over the
-           experts, groups of any count, torchao's column skipped), weights a softmax over K of random logits. x, w1 (E, 2F, H) gate|up, w2
-           (E, H, F) and the weights require grad; SwiGLU. Columns:
+           experts, groups of any count, torchao's column skipped), weights a softmax over K of random
+           logits. x, w1 (E, 2F, H) gate|up, w2 (E, H, F) and the weights require grad; SwiGLU. Columns:
              plain_bf16          bench_moe_layer.plain_layer (torch._grouped_mm, F.silu(g) * u)
              moekit_bf16         moekit.moe_experts(...), backend "auto"
              moekit_fp8_block    the same with quantization="fp8_block", as MoELayer runs it: the

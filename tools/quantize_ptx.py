@@ -190,26 +190,26 @@ def main() -> None:
         consts.update(common)
         cases.append((f"quantize_spans_row{int(rowwise)}", kernels.quantize_spans_kernel, consts, warps, fp32 | amax))
     # fc2's wgrad operand from the held h (fp8_block, SwiGLU with probs, bf16 h): a row's scales once a
-    # tile (ROW_SCALES, every real width at the sm90 tile) and each element's.
+    # tile, of one block a run (every real width at the sm90 tile) and of two.
     block_c, warps = configs.HELD_COLUMNS["sm90"]
-    for row_scales in (True, False):
+    for row_scales in (1, 2):
         consts = dict(GLU_BLOCK=768, HAS_PROBS=True, ACT=jit_pair("swiglu")["ACT"], OUT_DTYPE=tl.bfloat16)
         consts.update(SCALED=True, SCALE_COLS=128, SCALE_E8M0=False, HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0)
         consts.update(ROUND_BF16=False, FP8_CVT=True, ROW_SCALES=row_scales, MX=False, SLOT_ROWS=128)
         consts.update(BLOCK_C=block_c, HW_E4M3=True)
         held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "rec_ptr": "*i32", "col_scale_ptr": "*fp32"}
-        cases.append((f"held_columns_row_scales{int(row_scales)}", held_columns_kernel, consts, warps, held))
+        cases.append((f"held_columns_row_scales{row_scales}", held_columns_kernel, consts, warps, held))
     # The gated kernels of the quantized MLP's backward reading the held h (fp8_block, SwiGLU with probs,
     # bf16 out): the activation (fc2's wgrad operand) and dh with d probs.
     block_rows, block_c, warps = configs.GATED_TILES["sm90"][True]
     held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "out_ptr": "*bf16", "dh_ptr": "*bf16"}
     held |= {"d_out_ptr": "*bf16", "d_probs_ptr": "*fp32"}
     pair = jit_pair("swiglu")
-    for row_scales in (True, False):
-        consts = dict(GLU_BLOCK=768, HAS_PROBS=True, SCALED=True, SCALE_COLS=128, SCALE_E8M0=False)
-        consts.update(HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0, ROUND_BF16=False, FP8_CVT=True)
+    for row_scales in (1, 2):  # F 768: one block a run; gpt-oss's F 2880: the ups' runs cross one
+        consts = dict(GLU_BLOCK=768 if row_scales == 1 else 2880, HAS_PROBS=True, SCALED=True, SCALE_COLS=128)
+        consts.update(SCALE_E8M0=False, HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0, ROUND_BF16=False, FP8_CVT=True)
         consts.update(ROW_SCALES=row_scales, BLOCK_ROWS=block_rows, BLOCK_C=block_c)
-        name = f"gated_forward_held_row_scales{int(row_scales)}"
+        name = f"gated_forward_held_row_scales{row_scales}"
         cases.append((name, gated_forward_kernel, {**consts, "ACT": pair["ACT"]}, warps, held))
         consts.update(NEED_DPROBS=True, **pair)
         cases.append((name.replace("forward", "backward"), gated_backward_kernel, consts, warps, held))

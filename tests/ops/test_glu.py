@@ -32,7 +32,7 @@ from moekit.ops.glu import (
 from moekit.ops.quantize import dequantize_with
 from moekit.ops.runtime.backends import triton_unavailable_reason
 from moekit.ops.runtime.configs import GATED_TILES
-from moekit.ops.runtime.gated import tile_scale_blocks
+from moekit.ops.runtime.gated import narrowed, tile_scale_span
 from moekit.reference import glu_reference
 
 F = 8
@@ -234,14 +234,14 @@ def test_held_kernels_read_fp8_h_as_its_dequantization(recipe, activation, k, dt
     triton_unavailable_reason(torch.device("cpu"), torch.float32) is not None,
     reason="needs the Triton interpreter (TRITON_INTERPRET=1)",
 )
-def test_held_kernels_read_each_elements_scale_where_a_tile_spans_blocks():
+def test_held_kernels_read_two_blocks_scales_where_a_tile_spans_two():
     """Where a tile's ups cross a scale block (mxfp8's 32 columns at F 76: the interpreter's 8-column
-    tile of columns 16-23 has its ups at h's columns 92-99), the kernels load each element's scale; the
-    other tests' widths take a row's scales once a tile. The same bits either way."""
+    tile of columns 16-23 has its ups at h's columns 92-99), the kernels load both blocks' scales of a
+    row and pick by column; the other tests' widths have one block a run. The same bits either way."""
     block_c = GATED_TILES["interpreter"][True][1]
-    assert not tile_scale_blocks(76, 76, block_c, 32)
-    assert tile_scale_blocks(72, 72, block_c, 32) and tile_scale_blocks(72, 4, block_c, 32)
-    assert tile_scale_blocks(72, 72, block_c, 128) and tile_scale_blocks(72, 4, block_c, 128)
+    assert tile_scale_span(76, 76, block_c, 32) == 2
+    assert tile_scale_span(72, 72, block_c, 32) == 1 and tile_scale_span(72, 4, block_c, 32) == 1
+    assert tile_scale_span(72, 72, block_c, 128) == 1 and tile_scale_span(72, 4, block_c, 128) == 1
     _check_held_kernels("mxfp8", "swiglu", None, torch.float32, torch.device("cpu"), 24, 76)
 
 
@@ -258,11 +258,14 @@ def test_held_kernels_read_fp8_h_as_its_dequantization_on_the_gpu(recipe, activa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_held_kernels_read_each_elements_scale_on_the_gpu():
-    """mxfp8 at F 760: no tile down to 16 columns has its ups in one 32-column block (h's columns 760-775
-    cross 768), so the kernels load each element's scale; the same bits as dequantizing first."""
-    assert not tile_scale_blocks(760, 760, 16, 32)
+def test_held_kernels_read_two_blocks_scales_on_the_gpu():
+    """mxfp8 at F 760 (sm90's tile narrowed to 32 columns: h's ups 760-791 cross 768) and fp8_block at
+    gpt-oss's F 2880 (128-column tiles whose ups cross a block): a run's two blocks' scales; the same
+    bits as dequantizing first."""
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 760, 760, 32) == (32, 32, 2)
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 2880, 2880, 128) == (8, 128, 2)
     _check_held_kernels("mxfp8", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 760)
+    _check_held_kernels("fp8_block", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 2880)
 
 
 def _check_held_kernels(recipe, activation, k, dtype, device, rows, ffn) -> None:

@@ -20,7 +20,7 @@ from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave, held_gated_activation, to_held
 from moekit.ops.quantize import group_quantize, group_quantize_for_wgrad, group_quantize_held_columns
 from moekit.ops.runtime.backends import held_columns_unavailable_reason, triton_unavailable_reason
-from moekit.ops.runtime.gated import tile_scale_blocks
+from moekit.ops.runtime.gated import narrowed, tile_scale_span
 from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 from moekit.ops.splits import GroupOffsets
 
@@ -113,16 +113,17 @@ def test_without_probs_and_without_rows(recipe):
 
 
 def test_both_ways_of_reading_the_scales_are_covered():
-    """The interpreter's 16-column tiles of LAYOUTS read a row's scales once a tile where its gates and its
-    ups each lie in one scale block (fp8_block's 128 columns), and each element's where they do not
-    (mxfp8's 32 at F 40: the ups of columns 16-31 are h's columns 56-71); at the real widths with sm90's
-    64-column tiles fp8_block reads them once a tile."""
-    assert tile_scale_blocks(40, 40, 16, 128) and tile_scale_blocks(32, 1, 16, 32)
-    assert not tile_scale_blocks(40, 40, 16, 32)
+    """The interpreter's 16-column tiles of LAYOUTS read one scale block's scales a row for a tile's
+    gates and for its ups where each lies in one (fp8_block's 128 columns), and two blocks' where they
+    cross one (mxfp8's 32 at F 40: the ups of columns 16-31 are h's columns 56-71); at the real widths
+    sm90's 64-column tiles of fp8_block take one block; a tile whose runs would span more is narrowed."""
+    assert tile_scale_span(40, 40, 16, 128) == 1 and tile_scale_span(32, 1, 16, 32) == 1
+    assert tile_scale_span(40, 40, 16, 32) == 2
     for ffn, k in ((768, 768), (2048, 2048), (2880, 1), (14336, 14336), (2880, 2880)):
-        assert tile_scale_blocks(ffn, k, 64, 128), (ffn, k)
-    assert not tile_scale_blocks(96, 96, 64, 128) and not tile_scale_blocks(128, 1, 128, 128)
-    assert not tile_scale_blocks(128, 128, 64, 0)  # one scale a row: not this kernel's form
+        assert tile_scale_span(ffn, k, 64, 128) == 1, (ffn, k)
+    assert tile_scale_span(96, 96, 64, 128) == 2 and tile_scale_span(128, 1, 128, 128) == 2
+    assert tile_scale_span(128, 128, 64, 0) == 0  # one scale a row: not this kernel's form
+    assert tile_scale_span(128, 1, 64, 32) == 4 and narrowed(128, 64, 128, 1, 32) == (256, 32, 2)
 
 
 @needs_interpreter

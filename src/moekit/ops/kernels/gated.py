@@ -105,10 +105,26 @@ def _dequantized(
 
 
 @triton.jit
+def _run_scales(scale_rows, first, cols, ffn, row_mask, other, SCALE_COLS: tl.constexpr, ROW_SCALES: tl.constexpr):
+    """The scales of a tile's run of h columns `cols` (gates or ups, `first` the run's first), (rows, 1)
+    or (rows, BLOCK_C): the block of `first` (ROW_SCALES 1: the run's only one), or with ROW_SCALES 2
+    also the next block, each column taking the one it lies in. The next block is loaded only where the row has one
+    (the ups' last run may end in the row's last block)."""
+    block = first // SCALE_COLS
+    s = tl.load(scale_rows + block, mask=row_mask, other=other)
+    if ROW_SCALES == 2:
+        has_next = (block + 1) * SCALE_COLS < 2 * ffn
+        s_next = tl.load(scale_rows + block + 1, mask=row_mask & has_next, other=other)
+        s = tl.where((cols < (block + 1) * SCALE_COLS)[None, :], s, s_next)
+    return s
+
+
+@triton.jit
 def _load_gate_up(
     h_rows,
     scale_rows,
     c0,
+    ffn,
     gate_c,
     up_c,
     mask,
@@ -127,25 +143,21 @@ def _load_gate_up(
     """(gate, up) of a tile of activation columns c0 + [0, BLOCK_C) (gate_c, up_c their h columns) in
     fp32: h's values, or with SCALED its FP8 bytes dequantized (module docstring).
 
-    With one scale a row (SCALE_COLS 0), or ROW_SCALES (the host's `tile_scale_blocks`: every tile's
-    gates lie in one of h's scale blocks, and so do its ups), a row's scales are loaded once for the
-    tile (row_mask (rows, 1) says which rows; ROW_SCALES: from the tile's first column's gate and up).
-    Otherwise each element's scale is loaded for it: a pointer an element, and a load whose addresses
-    repeat along the columns, which the compiler lays out column after column, so that the FP8 bytes
-    are moved into that layout through shared memory."""
+    A row's scales are loaded once for the tile (row_mask (rows, 1) says which rows): its one scale
+    (SCALE_COLS 0), or those of the one or two blocks (ROW_SCALES, the host's `tile_scale_span`) its
+    gates lie in, and its ups (`_run_scales`). Why not each element's: a pointer an element, and a load
+    whose addresses repeat along the columns, which the compiler lays out column after column, so that
+    the FP8 bytes would move into that layout one at a time through shared memory. F = ffn columns."""
     if SCALED:
         g, u = _gate_up_fp8(h_rows, gate_c, up_c, mask, FP8_CVT)
         other = 127 if SCALE_E8M0 else 1.0
         if SCALE_COLS == 0:  # one scale a row
             g_scale = tl.load(scale_rows, mask=row_mask, other=other)
             u_scale = g_scale
-        elif ROW_SCALES:
-            gate0, up0 = _gate_up_columns(c0, GLU_BLOCK)
-            g_scale = tl.load(scale_rows + gate0 // SCALE_COLS, mask=row_mask, other=other)
-            u_scale = tl.load(scale_rows + up0 // SCALE_COLS, mask=row_mask, other=other)
         else:
-            g_at, u_at = scale_rows + (gate_c // SCALE_COLS)[None, :], scale_rows + (up_c // SCALE_COLS)[None, :]
-            g_scale, u_scale = tl.load(g_at, mask=mask, other=other), tl.load(u_at, mask=mask, other=other)
+            gate0, up0 = _gate_up_columns(c0, GLU_BLOCK)
+            g_scale = _run_scales(scale_rows, gate0, gate_c, ffn, row_mask, other, SCALE_COLS, ROW_SCALES)
+            u_scale = _run_scales(scale_rows, up0, up_c, ffn, row_mask, other, SCALE_COLS, ROW_SCALES)
         g, u = _dequantized(
             g, u, g_scale, u_scale, round_ty, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16
         )  # fmt: skip
@@ -192,7 +204,7 @@ def gated_forward_kernel(
     scale_rows = scale_ptr + offs_r[:, None] * stride_scale
     round_ty = out_ptr.dtype.element_ty
     g, u = _load_gate_up(
-        h_rows, scale_rows, pid_c * BLOCK_C, gate_c, up_c, mask, mask_r[:, None], round_ty, GLU_BLOCK,
+        h_rows, scale_rows, pid_c * BLOCK_C, ffn, gate_c, up_c, mask, mask_r[:, None], round_ty, GLU_BLOCK,
         SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
     )  # fmt: skip
     out = ACT(g, u)
@@ -248,7 +260,7 @@ def gated_backward_kernel(
         mask = mask_r[:, None] & (offs_c < ffn)[None, :]
         gate_c, up_c = _gate_up_columns(offs_c, GLU_BLOCK)
         g, u = _load_gate_up(
-            h_rows, scale_rows, c0, gate_c, up_c, mask, mask_r[:, None], dh_ptr.dtype.element_ty, GLU_BLOCK,
+            h_rows, scale_rows, c0, ffn, gate_c, up_c, mask, mask_r[:, None], dh_ptr.dtype.element_ty, GLU_BLOCK,
             SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
         )  # fmt: skip
         d = tl.load(d_out_rows + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -426,8 +438,8 @@ def held_columns_kernel(
     maxima, scales and encoding, with rows past the group (and padding rows) as zeros and unused slots'
     scales 1. Why one kernel: out (M, F) in h's dtype is then neither written nor read again.
 
-    ROW_SCALES: as `_load_gate_up` (a pointer an element otherwise: the registers that decide how many
-    programs share an SM).
+    ROW_SCALES: as `_load_gate_up` (the host narrows BLOCK_C until a tile's runs span at most two scale
+    blocks).
 
     The slot's rows come from `slot_records_kernel`'s table (rec_ptr: first row, rows left in its group,
     real group or not, first column in the segments), one load, rather than from the offsets through a
@@ -450,7 +462,7 @@ def held_columns_kernel(
     gate_c, up_c = _gate_up_columns(c, GLU_BLOCK)
     h_rows, scale_rows = h_ptr + r64[:, None] * stride_h, scale_ptr + r64[:, None] * stride_scale
     g_v, u_v = _load_gate_up(
-        h_rows, scale_rows, qc * BLOCK_C, gate_c, up_c, mask, (keep & live)[:, None], OUT_DTYPE, GLU_BLOCK,
+        h_rows, scale_rows, qc * BLOCK_C, ffn, gate_c, up_c, mask, (keep & live)[:, None], OUT_DTYPE, GLU_BLOCK,
         SCALED, SCALE_COLS, SCALE_E8M0, HELD_GATE_LIMIT, HELD_UP_LIMIT, ROUND_BF16, FP8_CVT, ROW_SCALES,
     )  # fmt: skip
     out = ACT(g_v, u_v)

@@ -83,25 +83,24 @@ class HeldH(NamedTuple):
 PLAIN = HeldH(False, 0, False, 0.0, 0.0, None)
 
 
-# The narrowest tile `_gated_tile` halves to for a row's scales once a tile.
-_NARROWEST_TILE = 16
-
-
-def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> tuple[int, int, int, bool]:
+def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> tuple[int, int, int, int]:
     """(BLOCK_ROWS, BLOCK_C, warps, ROW_SCALES) of the gated forward and backward kernels: the table's
-    tile; for h held in FP8 with blocks of scales, its columns halved and its rows doubled (the same
-    elements) until every tile's gates lie in one scale block and so do its ups (`tile_scale_blocks`),
-    down to `_NARROWEST_TILE` columns. Then a row's scales are loaded once a tile; where no tile that
-    narrow aligns, the table's tile loads each element's."""
+    tile; for h held in FP8 with blocks of scales, `narrowed` to them, so that a row's scales are
+    loaded once a tile."""
     block_rows, block_c, warps = GATED_TILES[arch_of(device)][held.scaled]
     if not held.scaled or held.scale_cols == 0:
-        return block_rows, block_c, warps, False
-    tile = block_rows, block_c
-    while not tile_scale_blocks(ffn, glu_block, tile[1], held.scale_cols):
-        if tile[1] <= _NARROWEST_TILE:
-            return block_rows, block_c, warps, False
-        tile = tile[0] * 2, tile[1] // 2
-    return tile[0], tile[1], warps, True
+        return block_rows, block_c, warps, 1
+    block_rows, block_c, span = narrowed(block_rows, block_c, ffn, glu_block, held.scale_cols)
+    return block_rows, block_c, warps, span
+
+
+def narrowed(block_rows: int, block_c: int, ffn: int, glu_block: int, scale_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_C, span): the tile's columns halved and its rows doubled (the same elements)
+    until no tile's gates, nor its ups, span more than two of h's scale blocks of scale_cols columns
+    (`tile_scale_span`, the kernels' ROW_SCALES; a one-column tile spans one)."""
+    while (span := tile_scale_span(ffn, glu_block, block_c, scale_cols)) > 2:
+        block_rows, block_c = block_rows * 2, block_c // 2
+    return block_rows, block_c, span
 
 
 def _plan_forward(
@@ -113,7 +112,7 @@ def _plan_forward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps, row_scales = _gated_tile(h_M2F.device, ffn, glu_block, held)
+    block_rows, block_c, warps, scales_a_row = _gated_tile(h_M2F.device, ffn, glu_block, held)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), ffn)
     constexprs = dict(
@@ -121,7 +120,7 @@ def _plan_forward(
         HAS_PROBS=probs_M is not None,
         ACT=jit_pair(activation)["ACT"],
         **held.constexprs(),
-        ROW_SCALES=row_scales,
+        ROW_SCALES=scales_a_row,
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
@@ -188,7 +187,7 @@ def _plan_backward(
     held: HeldH,
 ) -> LaunchPlan:
     rows, ffn = h_M2F.shape[0], h_M2F.shape[1] // 2
-    block_rows, block_c, warps, row_scales = _gated_tile(h_M2F.device, ffn, glu_block, held)
+    block_rows, block_c, warps, scales_a_row = _gated_tile(h_M2F.device, ffn, glu_block, held)
     ints = (rows, ffn, h_M2F.stride(0), h_scale.stride(0), d_out_MF.stride(0), 2 * ffn)
     constexprs = dict(
         GLU_BLOCK=glu_block,
@@ -196,7 +195,7 @@ def _plan_backward(
         NEED_DPROBS=need_d_probs,
         **jit_pair(activation),
         **held.constexprs(),
-        ROW_SCALES=row_scales,
+        ROW_SCALES=scales_a_row,
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
         num_warps=warps,
@@ -378,20 +377,21 @@ def gated_quantize_into(
         plan(h_M2F, probs, offs, _u8(a_data), _u8(a_scale), _u8(h_data), _u8(h_scale))
 
 
-def tile_scale_blocks(ffn: int, glu_block: int, block_c: int, scale_cols: int) -> bool:
-    """Whether every tile of block_c activation columns (from a multiple of block_c, cut at F = ffn) has
-    its gates in one of h's rowwise scale blocks of scale_cols columns, and its ups in one (gates and
-    ups in GLU blocks of glu_block: `moekit.ops.glu`): then a program loads a row's two scales once
-    (`held_columns_kernel`'s ROW_SCALES). Checked column by column, once a plan."""
+def tile_scale_span(ffn: int, glu_block: int, block_c: int, scale_cols: int) -> int:
+    """The most of h's rowwise scale blocks (scale_cols columns each) that the gates of one tile of
+    block_c activation columns (from a multiple of block_c, cut at F = ffn) lie in, or its ups (gates
+    and ups in GLU blocks of glu_block: `moekit.ops.glu`); 0 for one scale a row (scale_cols <= 0).
+    1: a program loads a row's gate and up scales once a tile; 2: the two blocks' scales of each, and
+    picks by column (the kernels' ROW_SCALES). Checked column by column, once a plan."""
     if scale_cols <= 0:
-        return False
+        return 0
+    span = 1
     for c0 in range(0, ffn, block_c):
         cols = range(c0, min(ffn, c0 + block_c))
         gates = {((c // glu_block) * 2 * glu_block + c % glu_block) // scale_cols for c in cols}
         ups = {((c // glu_block) * 2 * glu_block + c % glu_block + glu_block) // scale_cols for c in cols}
-        if len(gates) > 1 or len(ups) > 1:
-            return False
-    return True
+        span = max(span, len(gates), len(ups))
+    return span
 
 
 class _HeldColumnsPlan(NamedTuple):
@@ -408,6 +408,7 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
     info = recipe_named(recipe)
     assert info.block_rows is not None and held.dtype is not None  # held_columns_unavailable_reason, HeldH.of
     block_c, warps = HELD_COLUMNS[arch_of(h_data.device)]
+    _, block_c, span = narrowed(info.block_rows, block_c, ffn, glu_block, held.scale_cols)  # rows: a slot
     # As the slots kernel's grid: ceil(M / block) + N slots, enough for any split of M rows into N groups.
     num_slots = triton.cdiv(rows, info.block_rows) + num_groups
     grid = (num_slots, triton.cdiv(ffn, block_c))
@@ -418,7 +419,7 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
         ACT=jit_pair(activation)["ACT"],
         OUT_DTYPE=TL_DTYPES[held.dtype],
         **held.constexprs(),
-        ROW_SCALES=tile_scale_blocks(ffn, glu_block, block_c, held.scale_cols),
+        ROW_SCALES=span,
         MX=info.scale_dtype != torch.float32,
         SLOT_ROWS=info.block_rows,
         BLOCK_C=block_c,
