@@ -205,7 +205,7 @@ def main() -> None:
     held = {"h_ptr": "*u8", "scale_ptr": "*fp32", "probs_ptr": "*bf16", "out_ptr": "*bf16", "dh_ptr": "*bf16"}
     held |= {"d_out_ptr": "*bf16", "d_probs_ptr": "*fp32"}
     pair = jit_pair("swiglu")
-    for row_scales in (1, 2):  # F 768: one block a run; gpt-oss's F 2880: the ups' runs cross one
+    for row_scales in (1, 2):  # F 768: one block a run; 2: F 2880 at this tile, the ups' runs crossing one
         consts = dict(GLU_BLOCK=768 if row_scales == 1 else 2880, HAS_PROBS=True, SCALED=True, SCALE_COLS=128)
         consts.update(SCALE_E8M0=False, HELD_GATE_LIMIT=0.0, HELD_UP_LIMIT=0.0, ROUND_BF16=False, FP8_CVT=True)
         consts.update(ROW_SCALES=row_scales, BLOCK_ROWS=block_rows, BLOCK_C=block_c)

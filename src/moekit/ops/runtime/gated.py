@@ -94,12 +94,22 @@ def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> 
     return block_rows, block_c, warps, span
 
 
+# The narrowest tile `narrowed` halves to for runs of one scale block.
+_NARROWEST_ONE_BLOCK = 16
+
+
 def narrowed(block_rows: int, block_c: int, ffn: int, glu_block: int, scale_cols: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_C, span): the tile's columns halved and its rows doubled (the same elements)
-    until no tile's gates, nor its ups, span more than two of h's scale blocks of scale_cols columns
-    (`tile_scale_span`, the kernels' ROW_SCALES; a one-column tile spans one)."""
-    while (span := tile_scale_span(ffn, glu_block, block_c, scale_cols)) > 2:
+    until every tile's gates lie in one of h's scale blocks of scale_cols columns and so do its ups
+    (`tile_scale_span` 1), down to `_NARROWEST_ONE_BLOCK` columns; where that does not get there, on
+    until no run spans more than two blocks (a one-column tile spans one). The span is the kernels'
+    ROW_SCALES. One block a run first, at narrower tiles: that is the form measured at every real width
+    (benchmarks/README.md, the gated sweep with row scales); two blocks a run at a wider tile (gpt-oss's
+    F 2880 at 128 columns) has not been timed."""
+    span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
+    while span > 1 and block_c > _NARROWEST_ONE_BLOCK or span > 2:
         block_rows, block_c = block_rows * 2, block_c // 2
+        span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
     return block_rows, block_c, span
 
 
