@@ -108,8 +108,8 @@ def _dequantized(
 def _run_scales(scale_rows, first, cols, ffn, row_mask, other, SCALE_COLS: tl.constexpr, ROW_SCALES: tl.constexpr):
     """The scales of a tile's run of h columns `cols` (gates or ups, `first` the run's first), (rows, 1)
     or (rows, BLOCK_C): the block of `first` (ROW_SCALES 1: the run's only one), or with ROW_SCALES 2
-    also the next block, each column taking the one it lies in. The next block is loaded only where the row has one
-    (the ups' last run may end in the row's last block)."""
+    also the next block, each column taking the one it lies in. The next block is loaded only where
+    the row has one (the ups' last run may end in the row's last block)."""
     block = first // SCALE_COLS
     s = tl.load(scale_rows + block, mask=row_mask, other=other)
     if ROW_SCALES == 2:

@@ -107,7 +107,7 @@ def narrowed(block_rows: int, block_c: int, ffn: int, glu_block: int, scale_cols
     (benchmarks/README.md, the gated sweep with row scales); two blocks a run at a wider tile (gpt-oss's
     F 2880 at 128 columns) has not been timed."""
     span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
-    while span > 1 and block_c > _NARROWEST_ONE_BLOCK or span > 2:
+    while (span > 1 and block_c > _NARROWEST_ONE_BLOCK) or span > 2:
         block_rows, block_c = block_rows * 2, block_c // 2
         span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
     return block_rows, block_c, span
