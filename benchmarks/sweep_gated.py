@@ -11,7 +11,11 @@ run. Every configuration's output (a, or dh) must be the bits of the table's cur
 relative difference.
 
     python benchmarks/sweep_gated.py --out results.json [--shapes deepseek-v3-ep8,qwen3-30b-a3b]
-        [--kernels held_forward,held_backward]
+        [--kernels held_forward,held_backward] [--narrowest-one-block 128]
+
+Held tiles are narrowed as the kernels' planner narrows them (`runtime.gated.narrowed`), so an entry
+may run as a narrower tile; set MOEKIT_BENCH_COMMIT to the commit measured where the tree's git is not
+the commit's.
 """
 
 from __future__ import annotations
@@ -95,6 +99,13 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="forward,backward,held_forward,held_backward")
     parser.add_argument("--configs", default=None, help="R,C,W;R,C,W;... instead of the whole grid")
+    parser.add_argument(
+        "--narrowest-one-block",
+        type=int,
+        default=None,
+        help="configs.GATED_NARROWEST_ONE_BLOCK for this run: held tiles narrower than this take two scale "
+        "blocks a run instead of one (e.g. 128: gpt-oss's F 2880 at the 128-column tile)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gated needs a CUDA device")
@@ -103,6 +114,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     arch = arch_of(torch.device("cuda"))
+    if args.narrowest_one_block is not None:
+        configs.GATED_NARROWEST_ONE_BLOCK[arch] = args.narrowest_one_block
     table = configs.GATED_TILES[arch]
     defaults = dict(table)
     grid = list(itertools.product(ROWS, COLS, WARPS))
@@ -149,6 +162,7 @@ def main() -> None:
             )
             # After every kernel, so that a run cut by a time limit keeps what it measured (marked partial).
             meta = {**machine(torch.device("cuda")), "hbm_copy_gb_per_s": hbm, "grid": grid}
+            meta["narrowest_one_block"] = configs.GATED_NARROWEST_ONE_BLOCK[arch]
             write_json(args.out, dict(meta=meta, cells=cells, partial=True))
     table.update(defaults)
     write_json(args.out, dict(meta=meta, cells=cells))

@@ -31,7 +31,7 @@ from moekit.ops.glu import (
 )
 from moekit.ops.quantize import dequantize_with
 from moekit.ops.runtime.backends import triton_unavailable_reason
-from moekit.ops.runtime.configs import GATED_TILES
+from moekit.ops.runtime.configs import GATED_NARROWEST_ONE_BLOCK, GATED_TILES
 from moekit.ops.runtime.gated import narrowed, tile_scale_span
 from moekit.reference import glu_reference
 
@@ -262,8 +262,8 @@ def test_held_kernels_read_two_blocks_scales_on_the_gpu():
     """mxfp8 at F 760 (no tile down to 16 columns has its ups in one 32-column block: h's ups 760-775
     cross 768, so a run's two blocks' scales) and fp8_block at gpt-oss's F 2880 (sm90's tile narrowed
     to 64 columns, one block a run); the same bits as dequantizing first."""
-    assert narrowed(*GATED_TILES["sm90"][True][:2], 760, 760, 32) == (64, 16, 2)
-    assert narrowed(*GATED_TILES["sm90"][True][:2], 2880, 2880, 128) == (16, 64, 1)
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 760, 760, 32, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (64, 16, 2)
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 2880, 2880, 128, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (16, 64, 1)
     _check_held_kernels("mxfp8", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 760)
     _check_held_kernels("fp8_block", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 2880)
 

@@ -124,8 +124,9 @@ def test_both_ways_of_reading_the_scales_are_covered():
     assert tile_scale_span(96, 96, 64, 128) == 2 and tile_scale_span(128, 1, 128, 128) == 2
     assert tile_scale_span(128, 128, 64, 0) == 0  # one scale a row: not this kernel's form
     # Narrowed to one block a run down to 16 columns, then to two: the rows are the caller's to keep.
-    assert tile_scale_span(128, 1, 64, 32) == 4 and narrowed(128, 64, 128, 1, 32) == (512, 16, 1)
-    assert narrowed(128, 64, 40, 40, 32) == (512, 16, 2)
+    assert tile_scale_span(128, 1, 64, 32) == 4 and narrowed(128, 64, 128, 1, 32, 16) == (512, 16, 1)
+    assert narrowed(128, 64, 40, 40, 32, 16) == (512, 16, 2)
+    assert narrowed(8, 128, 2880, 2880, 128, 128) == (8, 128, 2)  # two blocks a run at the wider tile
 
 
 @needs_interpreter

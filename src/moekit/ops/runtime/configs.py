@@ -618,6 +618,12 @@ GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
     "interpreter": {False: (4, 8, 4), True: (4, 8, 4)},
 }
 
+# How narrow `runtime.gated.narrowed` makes a held-h tile (columns) for one scale block a run before it
+# takes two blocks a run (both blocks' scales loaded, each column picking its own) at a wider tile. 16:
+# one block a run at every real width, the form timed (benchmarks/README.md, the gated sweep with row
+# scales); `sweep_gated.py --narrowest-one-block` times the other.
+GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 16, "sm80": 16, "interpreter": 16}
+
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
 # warps) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False: interleaved
 # pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a tile's h columns

@@ -29,7 +29,13 @@ from moekit.ops.kernels.gated import (
     gated_quantize_kernel,
     held_columns_kernel,
 )
-from moekit.ops.runtime.configs import GATED_QUANTIZE_TILES, GATED_TILES, HELD_COLUMNS, HELD_COLUMNS_FUSED
+from moekit.ops.runtime.configs import (
+    GATED_NARROWEST_ONE_BLOCK,
+    GATED_QUANTIZE_TILES,
+    GATED_TILES,
+    HELD_COLUMNS,
+    HELD_COLUMNS_FUSED,
+)
 from moekit.ops.runtime.glu import jit_pair
 from moekit.ops.runtime.launch import (
     INTERPRET,
@@ -90,24 +96,21 @@ def _gated_tile(device: torch.device, ffn: int, glu_block: int, held: HeldH) -> 
     block_rows, block_c, warps = GATED_TILES[arch_of(device)][held.scaled]
     if not held.scaled or held.scale_cols == 0:
         return block_rows, block_c, warps, 1
-    block_rows, block_c, span = narrowed(block_rows, block_c, ffn, glu_block, held.scale_cols)
+    narrowest = GATED_NARROWEST_ONE_BLOCK[arch_of(device)]
+    block_rows, block_c, span = narrowed(block_rows, block_c, ffn, glu_block, held.scale_cols, narrowest)
     return block_rows, block_c, warps, span
 
 
-# The narrowest tile `narrowed` halves to for runs of one scale block.
-_NARROWEST_ONE_BLOCK = 16
-
-
-def narrowed(block_rows: int, block_c: int, ffn: int, glu_block: int, scale_cols: int) -> tuple[int, int, int]:
+def narrowed(
+    block_rows: int, block_c: int, ffn: int, glu_block: int, scale_cols: int, narrowest: int
+) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_C, span): the tile's columns halved and its rows doubled (the same elements)
     until every tile's gates lie in one of h's scale blocks of scale_cols columns and so do its ups
-    (`tile_scale_span` 1), down to `_NARROWEST_ONE_BLOCK` columns; where that does not get there, on
-    until no run spans more than two blocks (a one-column tile spans one). The span is the kernels'
-    ROW_SCALES. One block a run first, at narrower tiles: that is the form measured at every real width
-    (benchmarks/README.md, the gated sweep with row scales); two blocks a run at a wider tile (gpt-oss's
-    F 2880 at 128 columns) has not been timed."""
+    (`tile_scale_span` 1), down to `narrowest` columns (`configs.GATED_NARROWEST_ONE_BLOCK`); where that
+    does not get there, on until no run spans more than two blocks (a one-column tile spans one). The
+    span is the kernels' ROW_SCALES."""
     span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
-    while (span > 1 and block_c > _NARROWEST_ONE_BLOCK) or span > 2:
+    while (span > 1 and block_c > narrowest) or span > 2:
         block_rows, block_c = block_rows * 2, block_c // 2
         span = tile_scale_span(ffn, glu_block, block_c, scale_cols)
     return block_rows, block_c, span
@@ -418,7 +421,8 @@ def _held_columns_plan(h_data: torch.Tensor, h_scale: torch.Tensor, probs_M: tor
     info = recipe_named(recipe)
     assert info.block_rows is not None and held.dtype is not None  # held_columns_unavailable_reason, HeldH.of
     block_c, warps = HELD_COLUMNS[arch_of(h_data.device)]
-    _, block_c, span = narrowed(info.block_rows, block_c, ffn, glu_block, held.scale_cols)  # rows: a slot
+    narrowest = GATED_NARROWEST_ONE_BLOCK[arch_of(h_data.device)]
+    _, block_c, span = narrowed(info.block_rows, block_c, ffn, glu_block, held.scale_cols, narrowest)  # rows: a slot
     # As the slots kernel's grid: ceil(M / block) + N slots, enough for any split of M rows into N groups.
     num_slots = triton.cdiv(rows, info.block_rows) + num_groups
     grid = (num_slots, triton.cdiv(ffn, block_c))
