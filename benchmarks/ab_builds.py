@@ -1,7 +1,8 @@
 """Two builds of moekit, kernel by kernel: grouped_mlp forward+backward (triton backend, router probs)
 at the README's four MLP shapes (`--op mlp`), or moe_experts forward+backward at the README's four
-layer shapes (`--op layer`), balanced and skewed, each build in its own processes, alternating (A, B,
-A, B, ...), so that a change is timed against the code it replaces on one machine.
+layer shapes (`--op layer`), balanced and skewed, or the gated kernels on h held in FP8 at HELD_CASES
+(`--op held`: their output, dh and d probs), each build in its own processes, alternating (A, B, A, B,
+...), so that a change is timed against the code it replaces on one machine.
 
 For each build and cell: the CUDA time of every kernel either build launches (torch.profiler, the
 median call and a step's share: median call x calls per step), the whole step's time (CUDA events,
@@ -153,6 +154,48 @@ def _case_cells(shape_names: str | None, smoke: bool, device, dtype):
         yield name, step, leaves
 
 
+# The gated kernels on h held in FP8 (`--op held`: held_gated_activation and its backward, out, dh and
+# d probs hashed): (recipe, glu_interleave_size, F). fp8_block at `[gate | up]` and interleave 1, at a
+# width whose ups start off a 128-column block (gpt-oss's 2880), mxfp8, fp8_rowwise's one scale a row,
+# mxfp8 where no tile aligns with its 32-column blocks (760). 8192 rows in two groups (--smoke: 24 rows,
+# F a tenth, at least 8).
+HELD_CASES = {
+    "fp8_block_k0_F768": ("fp8_block", None, 768),
+    "fp8_block_k1_F768": ("fp8_block", 1, 768),
+    "fp8_block_k0_F2880": ("fp8_block", None, 2880),
+    "mxfp8_k0_F768": ("mxfp8", None, 768),
+    "fp8_rowwise_k0_F768": ("fp8_rowwise", None, 768),
+    "mxfp8_k0_F760": ("mxfp8", None, 760),
+}
+
+
+def _held_cells(shape_names: str | None, smoke: bool, device, dtype):
+    """(cell name, step, no leaves) of the held-h gated kernels at HELD_CASES: a step returns its
+    forward's output, dh and d probs as one flat float tensor (what the hash covers)."""
+    import torch
+
+    import moekit
+    from moekit.ops.glu import held_gated_activation, held_gated_activation_backward, to_held
+
+    for name, (recipe, k, ffn) in HELD_CASES.items():
+        if shape_names and name not in shape_names.split(","):
+            continue
+        rows, ffn = (24, max(8, ffn // 10)) if smoke else (8192, ffn)
+        gen = torch.Generator().manual_seed(0)
+        h = (torch.randn(rows, 2 * ffn, generator=gen) * 4).to(device, dtype)
+        probs = torch.rand(rows, generator=gen).to(device, dtype)
+        d_out = torch.randn(rows, ffn, generator=gen).to(device, dtype)
+        act = "clamped_swiglu" if k == 1 else "swiglu"
+        h_q = moekit.group_quantize(to_held(h, k, act), [rows // 2, rows - rows // 2], recipe, backend="triton")
+
+        def step(h_q=h_q, probs=probs, d_out=d_out, k=k, act=act):
+            out = held_gated_activation(h_q, probs, k, act)
+            dh, d_probs = held_gated_activation_backward(h_q, probs, d_out, k, act, True)
+            return torch.cat([t.float().flatten() for t in (out, dh, d_probs)])
+
+        yield name, step, []
+
+
 def probe(
     op: str,
     shape_names: str | None,
@@ -172,6 +215,8 @@ def probe(
         cells_of = _layer_cells(shape_names, smoke, device, dtype, quantization, dists)
     elif op == "mlp":
         cells_of = _mlp_cells(shape_names, smoke, device, dtype, dists)
+    elif op == "held":
+        cells_of = _held_cells(shape_names, smoke, device, dtype)
     else:
         cells_of = _case_cells(shape_names, smoke, device, dtype)
     for cell, step, leaves in cells_of:
@@ -253,9 +298,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--steps", type=int, default=7, help="profiled forward+backward steps per cell")
     parser.add_argument(
         "--op",
-        choices=("mlp", "layer", "cases"),
+        choices=("mlp", "layer", "cases", "held"),
         default="mlp",
-        help="grouped_mlp at the MLP shapes, moe_experts at the layer shapes, or grouped_mlp at CASES (hashes only)",
+        help="grouped_mlp at the MLP shapes, moe_experts at the layer shapes, grouped_mlp at CASES (hashes "
+        "only), or the held-h gated kernels at HELD_CASES",
     )
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
     parser.add_argument(
@@ -279,7 +325,7 @@ def main(argv=None) -> dict | None:
         cells = probe(args.op, args.shapes, args.steps, args.smoke, args.quantization, dists)
         print(PROBE_TAG + json.dumps(cells), flush=True)
         return None
-    if args.dists and args.op == "cases":
+    if args.dists and args.op in ("cases", "held"):
         parser.error("--dists is for --op mlp and --op layer")
     if args.quantization and args.op != "layer":
         parser.error("--quantization is for --op layer")

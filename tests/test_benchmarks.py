@@ -508,6 +508,22 @@ def test_ab_builds_smoke_same_build_is_bit_identical(tmp_path):
     assert all(c["bit_identical"] for c in payload["cells"].values())
 
 
+def test_ab_builds_smoke_held_kernels(tmp_path):
+    """--op held: the held-h gated kernels (forward, dh, d probs) in each build's processes, here one build
+    against itself: bit-identical, at a case of one scale block a run and one of two."""
+    out = tmp_path / "ab.json"
+    src = str(BENCHMARKS.parent / "src")
+    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
+    command += ["--op", "held", "--shapes", "fp8_block_k0_F768,mxfp8_k0_F760", "--out", str(out)]
+    command += ["--commit", "abc1234-test", "--timeout", "900"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert set(payload["cells"]) == {"fp8_block_k0_F768", "mxfp8_k0_F760"}
+    assert all(c["bit_identical"] for c in payload["cells"].values())
+
+
 def test_ab_builds_smoke_quantized_layer(tmp_path):
     """--op layer --quantization: moe_experts with fp8_block and refreshed weight caches in each build's
     processes (here one build against itself: bit-identical), the recipe recorded; --dists takes the
