@@ -1,9 +1,12 @@
 """Configuration sweep of the gated activation's kernels alone (`moekit.ops.kernels.gated`): the forward
 and backward over h in x's dtype (the composed MLP's activation) and over h held in FP8 (the quantized
-MLP's backward: a' recomputed for fc2's wgrad, and dh), at the widths of real models.
+MLP's backward: a' recomputed for fc2's wgrad, and dh), and the quantized MLP's forward pass that writes
+the activation's and h's rowwise fp8_block forms (`quantize`: [gate | up], `quantize_pairs`: interleave
+1), at the widths of real models.
 
 Each cell varies `configs.GATED_TILES`' entry for the GPU's architecture and the kernel's reading of h
-(held in FP8 or not): (BLOCK_ROWS, BLOCK_C, warps); it times
+(held in FP8 or not): (BLOCK_ROWS, BLOCK_C, warps), or for the quantize pass `configs.GATED_QUANTIZE_TILES`'
+entry of its layout: (BLOCK_ROWS, BLOCK_C, warps, STEPS, STAGES); it times
 the kernel with triton's do_bench (median, L2 flushed) and reads it against its floor bytes (h read
 once, the output written once; the backward also reads d out) and the HBM copy bandwidth of the same
 run. Every configuration's output (a, or dh) must be the bits of the table's current entry
@@ -12,6 +15,7 @@ relative difference.
 
     python benchmarks/sweep_gated.py --out results.json [--shapes deepseek-v3-ep8,qwen3-30b-a3b]
         [--kernels held_forward,held_backward] [--narrowest-one-block 128]
+    python benchmarks/sweep_gated.py --out q.json --kernels quantize,quantize_pairs --configs "16,256,4,1,1;..."
 
 Held tiles are narrowed as the kernels' planner narrows them (`runtime.gated.narrowed`), so an entry
 may run as a narrower tile; set MOEKIT_BENCH_COMMIT to the commit measured where the tree's git is not
@@ -36,8 +40,11 @@ from moekit.ops.glu import (
     held_gated_activation,
     held_gated_activation_backward,
 )
+from moekit.ops.quantize import group_quantize_gated
 from moekit.ops.runtime import configs
+from moekit.ops.runtime.backends import gated_quantize_unavailable_reason
 from moekit.ops.runtime.launch import arch_of, forget_plans
+from moekit.ops.splits import GroupOffsets
 
 # (routed rows M, ffn F) of the layer benchmark's shapes: M = tokens x top-k.
 SHAPES = {
@@ -47,6 +54,9 @@ SHAPES = {
     "gpt-oss-20b": (65536, 2880),
 }
 ROWS, COLS, WARPS = (4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)
+# The quantize pass's loop: (STEPS, STAGES), one tile a program or a pipelined loop down the rows.
+LOOPS = ((1, 1), (4, 2), (8, 2), (8, 3))
+QUANTIZE_KERNELS = ("quantize", "quantize_pairs")
 
 
 def hbm_copy_gbs() -> float:
@@ -65,7 +75,22 @@ def kernels(rows: int, ffn: int) -> dict[str, tuple[Callable[[], object], int]]:
     h_q = moekit.group_quantize(h, offs, "fp8_block")
     elems = rows * ffn
     scales = rows * (2 * ffn // 128) * 4
-    return {
+    offsets = GroupOffsets.of(offs, [0, rows], rows)
+
+    def quantize(glu_block: int) -> list[torch.Tensor]:
+        forms = group_quantize_gated(h, offsets, "fp8_block", probs, glu_block, "swiglu", 0.0, 0.0)
+        return [t for form in forms for t in (form.rowwise_data.view(torch.uint8), form.rowwise_scale_inv)]
+
+    # read h, write both FP8 forms (3F bytes a row) and their scales
+    quantize_floor = 4 * elems + 3 * elems + rows * (3 * ffn // 128) * 4
+    passes = {
+        "quantize": (lambda: quantize(ffn), quantize_floor),
+        "quantize_pairs": (lambda: quantize(1), quantize_floor),
+    }
+    # fp8_block's 128-column blocks hold whole runs of gates and ups only where F is a multiple of 128
+    if gated_quantize_unavailable_reason("fp8_block", ffn, ffn) is not None:
+        del passes["quantize"]
+    return passes | {
         "forward": (lambda: gated_activation(h, probs, None, "swiglu", True), 4 * elems + 2 * elems),
         "backward": (
             lambda: gated_activation_backward(h, probs, d_out, None, "swiglu", True, True),
@@ -80,13 +105,16 @@ def kernels(rows: int, ffn: int) -> dict[str, tuple[Callable[[], object], int]]:
 
 
 def bits(out: object) -> list[torch.Tensor]:
-    tensors = out if isinstance(out, tuple) else (out,)
+    tensors = out if isinstance(out, (tuple, list)) else (out,)
     return [t.clone() for t in tensors if t is not None]
 
 
 def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[bool, float | None]:
     """(the output's bits equal, the largest relative difference of d probs or None): d probs is a sum
-    whose order follows the tile (its columns and the warps' layout), so it may move in its last bits."""
+    whose order follows the tile (its columns and the warps' layout), so it may move in its last bits.
+    The quantize pass's four outputs (data and scales of both forms) must all be equal."""
+    if len(got) == 4:
+        return all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want, strict=True)), None
     exact = torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     if len(got) == 1:
         return exact, None
@@ -116,9 +144,16 @@ def main() -> None:
     arch = arch_of(torch.device("cuda"))
     if args.narrowest_one_block is not None:
         configs.GATED_NARROWEST_ONE_BLOCK[arch] = args.narrowest_one_block
-    table = configs.GATED_TILES[arch]
+    wanted = args.kernels.split(",")
+    quantizing = [k for k in wanted if k in QUANTIZE_KERNELS]
+    if quantizing and len(quantizing) != len(wanted):
+        raise SystemExit("--kernels: the quantize pass's configurations are of another table; sweep it alone")
+    table = configs.GATED_QUANTIZE_TILES[arch] if quantizing else configs.GATED_TILES[arch]
     defaults = dict(table)
-    grid = list(itertools.product(ROWS, COLS, WARPS))
+    if quantizing:
+        grid = [(*tile, *loop) for tile, loop in itertools.product(itertools.product(ROWS, COLS, WARPS), LOOPS)]
+    else:
+        grid = list(itertools.product(ROWS, COLS, WARPS))
     if args.configs:
         grid = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     for default in defaults.values():
@@ -130,15 +165,16 @@ def main() -> None:
     for name in names:
         rows, ffn = SHAPES[name]
         for kernel, (call, floor) in kernels(rows, ffn).items():
-            if kernel not in args.kernels.split(","):
+            if kernel not in wanted:
                 continue
-            held = kernel.startswith("held_")
-            default = defaults[held]
-            table[held] = default
+            # the table's key: held h (GATED_TILES), or runs of gates and ups (GATED_QUANTIZE_TILES)
+            key = kernel == "quantize" if quantizing else kernel.startswith("held_")
+            default = defaults[key]
+            table[key] = default
             forget_plans()
             want = bits(call())
             for cfg in grid:
-                table[held] = cfg
+                table[key] = cfg
                 forget_plans()
                 try:
                     ok, d_probs_rel = same(bits(call()), want)
