@@ -1,12 +1,12 @@
 """Configuration sweep of the gated activation's kernels alone (`moekit.ops.kernels.gated`): the forward
 and backward over h in x's dtype (the composed MLP's activation) and over h held in FP8 (the quantized
 MLP's backward: a' recomputed for fc2's wgrad, and dh), and the quantized MLP's forward pass that writes
-the activation's and h's rowwise fp8_block forms (`quantize`: [gate | up], `quantize_pairs`: interleave
-1), at the widths of real models.
+the activation's and h's rowwise forms (`quantize`: [gate | up], `quantize_pairs`: interleave 1), at
+the widths of real models; h held in fp8_block's form, or mxfp8's with --recipe.
 
 Each cell varies `configs.GATED_TILES`' entry for the GPU's architecture and the kernel's reading of h
 (held in FP8 or not): (BLOCK_ROWS, BLOCK_C, warps), or for the quantize pass `configs.GATED_QUANTIZE_TILES`'
-entry of its layout: (BLOCK_ROWS, BLOCK_C, warps, STEPS, STAGES); it times
+entry of its layout, (BLOCK_ROWS, BLOCK_C, warps) too; it times
 the kernel with triton's do_bench (median, L2 flushed) and reads it against its floor bytes (h read
 once, the output written once; the backward also reads d out) and the HBM copy bandwidth of the same
 run. Every configuration's output (a, or dh) must be the bits of the table's current entry
@@ -15,7 +15,7 @@ relative difference.
 
     python benchmarks/sweep_gated.py --out results.json [--shapes deepseek-v3-ep8,qwen3-30b-a3b]
         [--kernels held_forward,held_backward] [--narrowest-one-block 128]
-    python benchmarks/sweep_gated.py --out q.json --kernels quantize,quantize_pairs --configs "16,256,4,1,1;..."
+    python benchmarks/sweep_gated.py --out q.json --kernels quantize,quantize_pairs --configs "8,256,4;..."
 
 Held tiles are narrowed as the kernels' planner narrows them (`runtime.gated.narrowed`), so an entry
 may run as a narrower tile; set MOEKIT_BENCH_COMMIT to the commit measured where the tree's git is not
@@ -54,8 +54,6 @@ SHAPES = {
     "gpt-oss-20b": (65536, 2880),
 }
 ROWS, COLS, WARPS = (4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)
-# The quantize pass's loop: (STEPS, STAGES), one tile a program or a pipelined loop down the rows.
-LOOPS = ((1, 1), (4, 2), (8, 2), (8, 3))
 QUANTIZE_KERNELS = ("quantize", "quantize_pairs")
 
 
@@ -65,30 +63,30 @@ def hbm_copy_gbs() -> float:
     return 2 * src.nbytes / do_bench(lambda: dst.copy_(src)) / 1e6
 
 
-def kernels(rows: int, ffn: int) -> dict[str, tuple[Callable[[], object], int]]:
+def kernels(rows: int, ffn: int, recipe: str) -> dict[str, tuple[Callable[[], object], int]]:
     """name -> (call, floor bytes) at one shape, bf16, [gate | up], swiglu with probs."""
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16, generator=g)
     probs = torch.rand(rows, device="cuda", generator=g)
     d_out = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16, generator=g)
     offs = torch.tensor([0, rows], device="cuda")
-    h_q = moekit.group_quantize(h, offs, "fp8_block")
+    h_q = moekit.group_quantize(h, offs, recipe)
     elems = rows * ffn
-    scales = rows * (2 * ffn // 128) * 4
+    scales = h_q.rowwise_scale_inv.numel() * h_q.rowwise_scale_inv.element_size()
     offsets = GroupOffsets.of(offs, [0, rows], rows)
 
     def quantize(glu_block: int) -> list[torch.Tensor]:
-        forms = group_quantize_gated(h, offsets, "fp8_block", probs, glu_block, "swiglu", 0.0, 0.0)
+        forms = group_quantize_gated(h, offsets, recipe, probs, glu_block, "swiglu", 0.0, 0.0)
         return [t for form in forms for t in (form.rowwise_data.view(torch.uint8), form.rowwise_scale_inv)]
 
     # read h, write both FP8 forms (3F bytes a row) and their scales
-    quantize_floor = 4 * elems + 3 * elems + rows * (3 * ffn // 128) * 4
+    quantize_floor = 4 * elems + 3 * elems + 3 * scales // 2
     passes = {
         "quantize": (lambda: quantize(ffn), quantize_floor),
         "quantize_pairs": (lambda: quantize(1), quantize_floor),
     }
-    # fp8_block's 128-column blocks hold whole runs of gates and ups only where F is a multiple of 128
-    if gated_quantize_unavailable_reason("fp8_block", ffn, ffn) is not None:
+    # the recipe's blocks hold whole runs of gates and ups only where F is a multiple of a block
+    if gated_quantize_unavailable_reason(recipe, ffn, ffn) is not None:
         del passes["quantize"]
     return passes | {
         "forward": (lambda: gated_activation(h, probs, None, "swiglu", True), 4 * elems + 2 * elems),
@@ -126,6 +124,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="forward,backward,held_forward,held_backward")
+    parser.add_argument("--recipe", default="fp8_block", choices=["fp8_block", "mxfp8"], help="h's held form's")
     parser.add_argument("--configs", default=None, help="R,C,W;R,C,W;... instead of the whole grid")
     parser.add_argument(
         "--narrowest-one-block",
@@ -150,10 +149,7 @@ def main() -> None:
         raise SystemExit("--kernels: the quantize pass's configurations are of another table; sweep it alone")
     table = configs.GATED_QUANTIZE_TILES[arch] if quantizing else configs.GATED_TILES[arch]
     defaults = dict(table)
-    if quantizing:
-        grid = [(*tile, *loop) for tile, loop in itertools.product(itertools.product(ROWS, COLS, WARPS), LOOPS)]
-    else:
-        grid = list(itertools.product(ROWS, COLS, WARPS))
+    grid = list(itertools.product(ROWS, COLS, WARPS))
     if args.configs:
         grid = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     for default in defaults.values():
@@ -164,7 +160,7 @@ def main() -> None:
     cells = []
     for name in names:
         rows, ffn = SHAPES[name]
-        for kernel, (call, floor) in kernels(rows, ffn).items():
+        for kernel, (call, floor) in kernels(rows, ffn, args.recipe).items():
             if kernel not in wanted:
                 continue
             # the table's key: held h (GATED_TILES), or runs of gates and ups (GATED_QUANTIZE_TILES)
@@ -197,7 +193,7 @@ def main() -> None:
                 flush=True,
             )
             # After every kernel, so that a run cut by a time limit keeps what it measured (marked partial).
-            meta = {**machine(torch.device("cuda")), "hbm_copy_gb_per_s": hbm, "grid": grid}
+            meta = {**machine(torch.device("cuda")), "hbm_copy_gb_per_s": hbm, "grid": grid, "recipe": args.recipe}
             meta["narrowest_one_block"] = configs.GATED_NARROWEST_ONE_BLOCK[arch]
             write_json(args.out, dict(meta=meta, cells=cells, partial=True))
     table.update(defaults)

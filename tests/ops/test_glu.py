@@ -259,11 +259,11 @@ def test_held_kernels_read_fp8_h_as_its_dequantization_on_the_gpu(recipe, activa
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_held_kernels_read_two_blocks_scales_on_the_gpu():
-    """mxfp8 at F 760 (no tile down to 16 columns has its ups in one 32-column block: h's ups 760-775
-    cross 768, so a run's two blocks' scales) and fp8_block at gpt-oss's F 2880 (sm90's tile narrowed
-    to 64 columns, one block a run); the same bits as dequantizing first."""
-    assert narrowed(*GATED_TILES["sm90"][True][:2], 760, 760, 32, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (64, 16, 2)
-    assert narrowed(*GATED_TILES["sm90"][True][:2], 2880, 2880, 128, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (16, 64, 1)
+    """Tiles whose runs span two scale blocks on sm90: mxfp8 at F 760 (32-column tiles; h's ups 760-775
+    cross 768) and fp8_block at gpt-oss's F 2880 (the 128-column tile kept whole: its ups' runs start 64
+    columns into a block); the same bits as dequantizing first."""
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 760, 760, 32, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (32, 32, 2)
+    assert narrowed(*GATED_TILES["sm90"][True][:2], 2880, 2880, 128, GATED_NARROWEST_ONE_BLOCK["sm90"]) == (8, 128, 2)
     _check_held_kernels("mxfp8", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 760)
     _check_held_kernels("fp8_block", "swiglu", None, torch.bfloat16, torch.device("cuda"), 1000, 2880)
 

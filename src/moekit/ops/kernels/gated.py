@@ -313,15 +313,51 @@ def _quantize_run(v, hcol0, valid, r64, rmask, data_ptr, scale_ptr, stride_data,
 
 
 @triton.jit
-def _gated_quantize_tile(r0, h_ptr, probs_ptr, end, a_data_ptr, a_scale_ptr, h_data_ptr, h_scale_ptr, rows, ffn,
-                         stride_h, stride_a_scale, stride_h_scale, c0, GLU_BLOCK: tl.constexpr,
-                         HAS_PROBS: tl.constexpr, ACT: tl.constexpr, MX: tl.constexpr, TILE_K: tl.constexpr,
-                         HELD_GATE_LIMIT: tl.constexpr, HELD_UP_LIMIT: tl.constexpr, RUNS: tl.constexpr,
-                         HW_E4M3: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """`gated_quantize_kernel`'s tile of rows [r0, r0 + BLOCK_ROWS) and activation columns [c0, c0 + BLOCK_C)."""
-    offs_r = (r0 + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+def gated_quantize_kernel(
+    h_ptr,
+    probs_ptr,
+    offs_ptr,
+    a_data_ptr,
+    a_scale_ptr,
+    h_data_ptr,
+    h_scale_ptr,
+    rows,
+    ffn,
+    num_groups,
+    stride_h,
+    stride_a_scale,
+    stride_h_scale,
+    GLU_BLOCK: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    ACT: tl.constexpr,
+    MX: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HELD_GATE_LIMIT: tl.constexpr,
+    HELD_UP_LIMIT: tl.constexpr,
+    RUNS: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One (BLOCK_ROWS, BLOCK_C) tile of out's columns a program: out = ACT(gate, up) (* probs) rounded
+    once to h's dtype (`gated_forward_kernel`'s values), then quantized in 1 x TILE_K blocks (E8M0 with
+    MX, else fp32 scale_inv) into a_data (rows, F) and a_scale (rows, cdiv(F, TILE_K)); and h's held form
+    quantized the same way into h_data (rows, 2F) and h_scale (rows, cdiv(2F, TILE_K)). Rows from
+    offs[num_groups] on are padding: read as zeros (data 0, scale 1), as group_quantize reads them.
+
+    The tile's h columns form whole scale blocks in one of two ways (the host picks, RUNS):
+    - RUNS: the gates of the tile's columns are one run of h's columns starting at a multiple of TILE_K,
+      and so are the ups (GLU_BLOCK a multiple of TILE_K and of BLOCK_C, or F itself with F a multiple of
+      TILE_K): each run is quantized as it is.
+    - otherwise (TILE_K a multiple of 2 * GLU_BLOCK, BLOCK_C of GLU_BLOCK): the tile's columns are the h
+      columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved: read as one tile in h's order, split
+      into gates and ups for the activation, and quantized as it is."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     rmask = offs_r < rows
-    live = rmask & (offs_r < end)
+    live = rmask & (offs_r < tl.load(offs_ptr + num_groups))
+    c0 = pid_c * BLOCK_C
     valid = ffn - c0
     cols = tl.arange(0, BLOCK_C)
     mask = live[:, None] & (cols < valid)[None, :]
@@ -362,66 +398,6 @@ def _gated_quantize_tile(r0, h_ptr, probs_ptr, end, a_data_ptr, a_scale_ptr, h_d
         _quantize_run(
             v, 2 * c0, 2 * valid, offs_r, rmask, h_data_ptr, h_scale_ptr, 2 * ffn, stride_h_scale, MX, TILE_K, HW_E4M3
         )
-
-
-@triton.jit
-def gated_quantize_kernel(
-    h_ptr,
-    probs_ptr,
-    offs_ptr,
-    a_data_ptr,
-    a_scale_ptr,
-    h_data_ptr,
-    h_scale_ptr,
-    rows,
-    ffn,
-    num_groups,
-    stride_h,
-    stride_a_scale,
-    stride_h_scale,
-    GLU_BLOCK: tl.constexpr,
-    HAS_PROBS: tl.constexpr,
-    ACT: tl.constexpr,
-    MX: tl.constexpr,
-    TILE_K: tl.constexpr,
-    HELD_GATE_LIMIT: tl.constexpr,
-    HELD_UP_LIMIT: tl.constexpr,
-    RUNS: tl.constexpr,
-    HW_E4M3: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    STEPS: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """STEPS (BLOCK_ROWS, BLOCK_C) tiles of out's columns a program, one above the other (STEPS > 1: a
-    software-pipelined loop of STAGES stages, the next tiles' loads of h in flight while a tile is
-    computed; one tile has no such overlap but from the other programs of its SM, and at the registers
-    the tile takes those are few). Each tile: out = ACT(gate, up) (* probs) rounded
-    once to h's dtype (`gated_forward_kernel`'s values), then quantized in 1 x TILE_K blocks (E8M0 with
-    MX, else fp32 scale_inv) into a_data (rows, F) and a_scale (rows, cdiv(F, TILE_K)); and h's held form
-    quantized the same way into h_data (rows, 2F) and h_scale (rows, cdiv(2F, TILE_K)). Rows from
-    offs[num_groups] on are padding: read as zeros (data 0, scale 1), as group_quantize reads them.
-
-    The tile's h columns form whole scale blocks in one of two ways (the host picks, RUNS):
-    - RUNS: the gates of the tile's columns are one run of h's columns starting at a multiple of TILE_K,
-      and so are the ups (GLU_BLOCK a multiple of TILE_K and of BLOCK_C, or F itself with F a multiple of
-      TILE_K): each run is quantized as it is.
-    - otherwise (TILE_K a multiple of 2 * GLU_BLOCK, BLOCK_C of GLU_BLOCK): the tile's columns are the h
-      columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved: read as one tile in h's order, split
-      into gates and ups for the activation, and quantized as it is."""
-    r_first = tl.program_id(0) * STEPS * BLOCK_ROWS
-    c0 = tl.program_id(1) * BLOCK_C
-    end = tl.load(offs_ptr + num_groups)
-    if STEPS == 1:
-        _gated_quantize_tile(r_first, h_ptr, probs_ptr, end, a_data_ptr, a_scale_ptr, h_data_ptr, h_scale_ptr, rows,
-                             ffn, stride_h, stride_a_scale, stride_h_scale, c0, GLU_BLOCK, HAS_PROBS, ACT, MX, TILE_K,
-                             HELD_GATE_LIMIT, HELD_UP_LIMIT, RUNS, HW_E4M3, BLOCK_ROWS, BLOCK_C)  # fmt: skip
-    else:
-        for r0 in tl.range(r_first, tl.minimum(r_first + STEPS * BLOCK_ROWS, rows), BLOCK_ROWS, num_stages=STAGES):
-            _gated_quantize_tile(r0, h_ptr, probs_ptr, end, a_data_ptr, a_scale_ptr, h_data_ptr, h_scale_ptr,
-                                 rows, ffn, stride_h, stride_a_scale, stride_h_scale, c0, GLU_BLOCK, HAS_PROBS, ACT,
-                                 MX, TILE_K, HELD_GATE_LIMIT, HELD_UP_LIMIT, RUNS, HW_E4M3, BLOCK_ROWS,
-                                 BLOCK_C)  # fmt: skip
 
 
 @triton.jit

@@ -619,23 +619,23 @@ GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
 }
 
 # How narrow `runtime.gated.narrowed` makes a held-h tile (columns) for one scale block a run before it
-# takes two blocks a run (both blocks' scales loaded, each column picking its own) at a wider tile. 16:
-# one block a run at every real width, the form timed (benchmarks/README.md, the gated sweep with row
-# scales); `sweep_gated.py --narrowest-one-block` times the other.
-GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 16, "sm80": 16, "interpreter": 16}
+# takes two blocks a run (both blocks' scales loaded, each column picking its own) at a wider tile. sm90
+# 128: the table's 128-column tile stays whole where F is not a multiple of it (gpt-oss's 2880: two blocks
+# a run, faster than one block at 64 columns in `sweep_gated.py --narrowest-one-block`; benchmarks/README.md);
+# the widths that are keep one block a run. sm80 not timed.
+GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 128, "sm80": 16, "interpreter": 16}
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
-# warps, STEPS, STAGES) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False:
-# interleaved pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a
-# tile's h columns form whole scale blocks, never below one block); a program STEPS tiles down the rows,
-# in a loop of STAGES stages where STEPS > 1. sm90: the tile the fastest of a sweep over 4-32 rows x
-# 128-512 columns x 4-8 warps at DeepSeek-V3 and Qwen3-30B-A3B widths (benchmarks/README.md), one step.
-# Under the interpreter 64 columns (mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial
-# tile) and two steps, so that the CPU tests cover the loop and a program's rows ending inside it.
-GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int, int, int]]] = {
-    "sm90": {True: (16, 256, 4, 1, 1), False: (8, 256, 4, 1, 1)},
-    "sm80": {True: (16, 256, 4, 1, 1), False: (8, 256, 4, 1, 1)},
-    "interpreter": {True: (4, 64, 4, 2, 1), False: (4, 64, 4, 2, 1)},
+# warps) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False: interleaved
+# pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a tile's h columns
+# form whole scale blocks, never below one block). sm90: the fastest of sweeps over 4-32 rows x 128-512
+# columns x 4-8 warps (and a pipelined loop of tiles down the rows, no faster than 8 rows without one) at
+# the layer benchmark's widths (benchmarks/README.md, the gated sweeps); sm80 not timed.
+# Under the interpreter 64 columns: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile.
+GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
+    "sm90": {True: (8, 256, 4), False: (8, 256, 4)},
+    "sm80": {True: (16, 256, 4), False: (8, 256, 4)},
+    "interpreter": {True: (4, 64, 4), False: (4, 64, 4)},
 }
 
 # The held activation quantized columnwise into fc2's wgrad segments (kernels.gated.held_columns_kernel):
