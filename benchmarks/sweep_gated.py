@@ -6,7 +6,7 @@ the widths of real models; h held in fp8_block's form, or mxfp8's with --recipe.
 
 Each cell varies `configs.GATED_TILES`' entry for the GPU's architecture and the kernel's reading of h
 (held in FP8 or not): (BLOCK_ROWS, BLOCK_C, warps), or for the quantize pass `configs.GATED_QUANTIZE_TILES`'
-entry of its layout, (BLOCK_ROWS, BLOCK_C, warps) too; it times
+entry of its layout: (BLOCK_ROWS, BLOCK_C, warps, BAND), BAND the programs' order; it times
 the kernel with triton's do_bench (median, L2 flushed) and reads it against its floor bytes (h read
 once, the output written once; the backward also reads d out) and the HBM copy bandwidth of the same
 run. Every configuration's output (a, or dh) must be the bits of the table's current entry
@@ -15,7 +15,7 @@ relative difference.
 
     python benchmarks/sweep_gated.py --out results.json [--shapes deepseek-v3-ep8,qwen3-30b-a3b]
         [--kernels held_forward,held_backward] [--narrowest-one-block 128]
-    python benchmarks/sweep_gated.py --out q.json --kernels quantize,quantize_pairs --configs "8,256,4;..."
+    python benchmarks/sweep_gated.py --out q.json --kernels quantize,quantize_pairs --configs "8,256,4,0;8,256,4,1"
 
 Held tiles are narrowed as the kernels' planner narrows them (`runtime.gated.narrowed`), so an entry
 may run as a narrower tile; set MOEKIT_BENCH_COMMIT to the commit measured where the tree's git is not
@@ -55,6 +55,7 @@ SHAPES = {
 }
 ROWS, COLS, WARPS = (4, 8, 16, 32), (128, 256, 512, 1024), (4, 8)
 QUANTIZE_KERNELS = ("quantize", "quantize_pairs")
+BANDS = (0, 1, 8)  # the quantize pass's program orders: row tiles fastest, or bands of row tiles
 
 
 def hbm_copy_gbs() -> float:
@@ -149,7 +150,7 @@ def main() -> None:
         raise SystemExit("--kernels: the quantize pass's configurations are of another table; sweep it alone")
     table = configs.GATED_QUANTIZE_TILES[arch] if quantizing else configs.GATED_TILES[arch]
     defaults = dict(table)
-    grid = list(itertools.product(ROWS, COLS, WARPS))
+    grid = list(itertools.product(ROWS, COLS, WARPS, *([BANDS] if quantizing else [])))
     if args.configs:
         grid = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     for default in defaults.values():

@@ -215,9 +215,9 @@ def main() -> None:
         cases.append((name.replace("forward", "backward"), gated_backward_kernel, consts, warps, held))
     # The quantized MLP's forward between its GEMMs (bf16 h, fp8_block, SwiGLU with probs, F 768 in the
     # [gate | up] order: runs of gates and ups).
-    block_rows, block_c, warps = configs.GATED_QUANTIZE_TILES["sm90"][True]
+    block_rows, block_c, warps, band = configs.GATED_QUANTIZE_TILES["sm90"][True]
     consts = dict(GLU_BLOCK=768, HAS_PROBS=True, ACT=pair["ACT"], MX=False, TILE_K=128, HELD_GATE_LIMIT=0.0)
-    consts.update(HELD_UP_LIMIT=0.0, RUNS=True, HW_E4M3=True, BLOCK_ROWS=block_rows, BLOCK_C=block_c)
+    consts.update(HELD_UP_LIMIT=0.0, RUNS=True, HW_E4M3=True, BLOCK_ROWS=block_rows, BLOCK_C=block_c, BAND=band)
     quantize = {"h_ptr": "*bf16", "probs_ptr": "*bf16", "a_scale_ptr": "*fp32", "h_scale_ptr": "*fp32"}
     cases.append(("gated_quantize_runs", gated_quantize_kernel, consts, warps, quantize))
     for name, kernel, constexprs, warps, pointers, *maxnreg in cases:

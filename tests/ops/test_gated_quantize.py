@@ -19,7 +19,9 @@ from moekit.ops import library
 from moekit.ops.activations import activation_named
 from moekit.ops.glu import check_interleave, gated_activation, to_held
 from moekit.ops.quantize import group_quantize, group_quantize_gated
+from moekit.ops.runtime import configs
 from moekit.ops.runtime.backends import gated_quantize_unavailable_reason, triton_unavailable_reason
+from moekit.ops.runtime.launch import arch_of, forget_plans
 from moekit.ops.splits import GroupOffsets
 
 needs_interpreter = pytest.mark.skipif(
@@ -173,7 +175,17 @@ def test_the_fp8_forms_cross_the_node_boundary_without_gradients(monkeypatch):
     "layout", [p for p in LAYOUTS if p.id != "gate|up-F96"] + [pytest.param((768, None, "swiglu"), id="qwen3")]
 )
 @pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8"])
-def test_bytes_on_the_gpu(recipe, layout):
-    """The same bytes on the GPU in bfloat16 (hardware E4M3 conversion), rows across several tiles."""
+@pytest.mark.parametrize("band", [None, 0, 3], ids=["table", "rows-fastest", "bands-of-3"])
+def test_bytes_on_the_gpu(recipe, layout, band, monkeypatch):
+    """The same bytes on the GPU in bfloat16 (hardware E4M3 conversion), rows across several tiles: at
+    the architecture's table entry and in both program orders (BAND; 1003 rows end inside a band)."""
     ffn, k, activation = layout
-    _check(recipe, ffn, k, activation, torch.bfloat16, torch.device("cuda"), 1003)
+    if band is not None:
+        arch = arch_of(torch.device("cuda"))
+        table = {runs: (*tile[:3], band) for runs, tile in configs.GATED_QUANTIZE_TILES[arch].items()}
+        monkeypatch.setitem(configs.GATED_QUANTIZE_TILES, arch, table)
+    forget_plans()
+    try:
+        _check(recipe, ffn, k, activation, torch.bfloat16, torch.device("cuda"), 1003)
+    finally:
+        forget_plans()

@@ -41,6 +41,7 @@ from moekit.ops.kernels.quantize import (
     column_scales,
     e4m3_value,
     e8m0_value,
+    program_order,
     rowwise_blocks,
     segment_store,
     segment_tail,
@@ -338,6 +339,7 @@ def gated_quantize_kernel(
     HW_E4M3: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BAND: tl.constexpr,
 ):
     """One (BLOCK_ROWS, BLOCK_C) tile of out's columns a program: out = ACT(gate, up) (* probs) rounded
     once to h's dtype (`gated_forward_kernel`'s values), then quantized in 1 x TILE_K blocks (E8M0 with
@@ -351,9 +353,15 @@ def gated_quantize_kernel(
       TILE_K): each run is quantized as it is.
     - otherwise (TILE_K a multiple of 2 * GLU_BLOCK, BLOCK_C of GLU_BLOCK): the tile's columns are the h
       columns [2 c0, 2 c0 + 2 BLOCK_C), gates and ups interleaved: read as one tile in h's order, split
-      into gates and ups for the activation, and quantized as it is."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+      into gates and ups for the activation, and quantized as it is.
+
+    BAND 0: a 2-D launch, row tiles fastest; else a 1-D launch in bands of BAND row tiles, a band's whole
+    width of column tiles next to each other (`program_order`: stretches of h's rows read together)."""
+    if BAND == 0:
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+    else:
+        pid_r, pid_c = program_order(tl.cdiv(ffn, BLOCK_C), BAND)
     offs_r = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     rmask = offs_r < rows
     live = rmask & (offs_r < tl.load(offs_ptr + num_groups))

@@ -336,7 +336,7 @@ def slot_records_kernel(
 
 
 @triton.jit
-def _program_order(column_programs, BAND: tl.constexpr):
+def program_order(column_programs, BAND: tl.constexpr):
     """(row program p, column program q) of a 1-D launch over both (1-D: the row programs can pass the
     65535 limit of a grid's second dimension), in bands of BAND row programs: a band's programs run
     one after the other, its row programs fastest. What runs at one time is then a few row programs'
@@ -505,7 +505,7 @@ def quantize_tiles_kernel(
       rows), only offs[N], past which rows are padding (zeros); a 1 x TILE_K scale per row and column
       block, row_scale[row, cb]."""
     if _runs(noop_ptr, HAS_NOOP):
-        pid, q = _program_order(tl.cdiv(tl.cdiv(cols, BLOCK_C), STEPS), 1)
+        pid, q = program_order(tl.cdiv(tl.cdiv(cols, BLOCK_C), STEPS), 1)
         if TILE:
             r, rmask, live_group, g, j0, _ = _slot_rows(
                 pid, offs_ptr, slot_offs_ptr, rows, num_groups, BLOCK_R, BLOCK_GROUPS
@@ -613,7 +613,7 @@ def quantize_slots_kernel(
         if BAND == 0:  # a 2-D launch, slots fastest
             slot, qc = tl.program_id(0), tl.program_id(1)
         else:
-            slot, qc = _program_order(tl.cdiv(cols, BLOCK_C), BAND)
+            slot, qc = program_order(tl.cdiv(cols, BLOCK_C), BAND)
         rec = rec_ptr + slot.to(tl.int64) * 4
         r0, n, live, seg0 = tl.load(rec).to(tl.int64), tl.load(rec + 1), tl.load(rec + 2) != 0, tl.load(rec + 3)
         # A slot starts a multiple of SLOT_ROWS into its segment: written so that the compiler sees it, and

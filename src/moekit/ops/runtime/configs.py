@@ -424,7 +424,7 @@ ZERO_ROWS_TILE = (64, 128)
 # walked twice in CHUNK-row chunks (the first walk pipelined over STAGES); the chunk, not the slot,
 # sets the registers, hence the programs an SM. A CHUNK of the whole slot is one walk: the strip is
 # held in registers from its load to its columnwise bytes, read once. CHUNK divides the slot and is a
-# multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `_program_order`): bands of BAND
+# multiple of 16 (the wgrad layout's stores). BAND orders the programs (the kernels' `program_order`): bands of BAND
 # slots, columns fastest at 1; 0 is a 2-D launch, slots fastest (the order before bands, which the
 # wgrad layout keeps: its transposed stores are x's columns). MAXNREG caps the registers a thread
 # (Triton's `maxnreg`; 0: ptxas's choice): the programs an SM step at 128, 96 and 80 registers for 4
@@ -626,16 +626,18 @@ GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
 GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 128, "sm80": 16, "interpreter": 16}
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
-# warps) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False: interleaved
-# pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a tile's h columns
-# form whole scale blocks, never below one block). sm90: the fastest of sweeps over 4-32 rows x 128-512
-# columns x 4-8 warps (and a pipelined loop of tiles down the rows, no faster than 8 rows without one) at
-# the layer benchmark's widths (benchmarks/README.md, the gated sweeps); sm80 not timed.
-# Under the interpreter 64 columns: mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial tile.
-GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
-    "sm90": {True: (8, 256, 4), False: (8, 256, 4)},
-    "sm80": {True: (16, 256, 4), False: (8, 256, 4)},
-    "interpreter": {True: (4, 64, 4), False: (4, 64, 4)},
+# warps, BAND) for each way its tiles hold h's scale blocks (True: runs of gates and ups; False:
+# interleaved pairs), BLOCK_C the widest tile of activation columns tried (the host halves it until a
+# tile's h columns form whole scale blocks, never below one block), BAND the programs' order (0: a 2-D
+# launch, row tiles fastest; else bands of BAND row tiles, column tiles fastest). sm90: the fastest of
+# sweeps over 4-32 rows x 128-512 columns x 4-8 warps (and a pipelined loop of tiles down the rows, no
+# faster than 8 rows without one) at the layer benchmark's widths (benchmarks/README.md, the gated
+# sweeps); sm80 not timed. Under the interpreter 64 columns (mxfp8's tiles hold two scale blocks, and
+# F = 96 ends in a partial tile), one order each, so that the CPU tests cover both.
+GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int, int]]] = {
+    "sm90": {True: (8, 256, 4, 0), False: (8, 256, 4, 0)},
+    "sm80": {True: (16, 256, 4, 0), False: (8, 256, 4, 0)},
+    "interpreter": {True: (4, 64, 4, 2), False: (4, 64, 4, 0)},
 }
 
 # The held activation quantized columnwise into fc2's wgrad segments (kernels.gated.held_columns_kernel):

@@ -319,11 +319,12 @@ def _quantize_plan(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block:
     # Whole scale blocks of the activation's columns a tile (so of its pairs' h columns, interleaved),
     # and with runs a tile inside one GLU block (all of F in the [gate | up] order).
     runs = glu_block % tile_k == 0
-    block_rows, widest, warps = GATED_QUANTIZE_TILES[arch_of(h_M2F.device)][runs]
+    block_rows, widest, warps, band = GATED_QUANTIZE_TILES[arch_of(h_M2F.device)][runs]
     block_c = max(widest, tile_k)
     while runs and glu_block != ffn and glu_block % block_c:
         block_c //= 2
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c))
+    row_tiles, column_tiles = triton.cdiv(rows, block_rows), triton.cdiv(ffn, block_c)
+    grid = (row_tiles, column_tiles) if band == 0 else (row_tiles * column_tiles,)
     ints = (rows, ffn, num_groups, h_M2F.stride(0), a_scale.stride(0), h_scale.stride(0))
     constexprs = dict(
         GLU_BLOCK=glu_block,
@@ -337,6 +338,7 @@ def _quantize_plan(h_M2F: torch.Tensor, probs_M: torch.Tensor | None, glu_block:
         HW_E4M3=hw_e4m3(h_M2F.device),
         BLOCK_ROWS=block_rows,
         BLOCK_C=block_c,
+        BAND=band,
         num_warps=warps,
     )
     return LaunchPlan(_QUANTIZE, grid, ints, constexprs)
