@@ -291,6 +291,54 @@ def test_fc1s_dgrad_rows_are_freed_before_its_weight_gradient(recipe, monkeypatc
     assert len(rows) == 2 and alive[-1] == [False, False], (len(rows), alive)
 
 
+@pytest.mark.parametrize("quantized_wgrad", [True, False])
+def test_fc1s_incoming_dh_is_freed_once_its_fp8_forms_are_made(quantized_wgrad, monkeypatch):
+    """dh, which node 2 makes for node 1 alone and the engine would hold through node 1's whole
+    backward, has its memory freed as soon as its FP8 forms exist (with the FP8 wgrad), so it is not
+    alive beside dw1 (the quantized layer's peak at large F). With `quantized_wgrad=False` dh is the
+    wgrad's operand and stays. The results are checked against the float64 reference elsewhere; here
+    that the gradients still come out finite and complete."""
+    from moekit.ops import quantized_mlp
+
+    made, seen = [], []
+    backward = quantized_mlp.gated_activation_backward
+
+    def backward_spy(*args):
+        dh, d_probs = backward(*args)
+        made.append(dh)
+        return dh, d_probs
+
+    def wgrad_spy(name):
+        inner = getattr(quantized_mlp, name)
+
+        def spy(*args, **kwargs):
+            seen.append([t.untyped_storage().nbytes() for t in made])
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(quantized_mlp, name, spy)
+
+    monkeypatch.setattr(quantized_mlp, "gated_activation_backward", backward_spy)
+    wgrad_spy("quantized_wgrad_product")
+    wgrad_spy("wgrad_in_layout")
+    g = torch.Generator().manual_seed(4)
+    x = rand(19, 40, seed=1).requires_grad_(True)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(19)])
+    w1 = (rand(4, 48, 40, seed=2) / 40**0.5).requires_grad_(True)
+    w2 = (rand(4, 40, 24, seed=3) / 24**0.5).requires_grad_(True)
+    y = moekit.moe_experts(
+        x, ids, torch.rand(19, 2, generator=g), w1, w2, quantization="fp8_block", backend="torch",
+        quantized_wgrad=quantized_wgrad,
+    )  # fmt: skip
+    y.backward(rand(19, 40, seed=5))
+    # node 2's wgrad (before dh exists), then node 1's, after its dgrad
+    assert len(made) == 1 and len(seen) == 2 and seen[0] == [], (len(made), seen)
+    dh_bytes = 19 * 2 * 48 * 4
+    assert seen[1] == [0 if quantized_wgrad else dh_bytes], seen
+    assert made[0].untyped_storage().nbytes() == (0 if quantized_wgrad else dh_bytes)
+    for t in (x, w1, w2):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_quantized_mlp_on_triton_matches_the_reference_path(recipe):

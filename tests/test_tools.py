@@ -42,7 +42,7 @@ def test_fp8_error_sweep_tool_reports_every_tensor_per_recipe(capsys):
 
 def test_memory_timeline_counts_each_storage_from_its_op_to_its_last_tensor():
     """LiveBytes: a storage counts from the op that makes it until the last tensor on it dies (a view
-    keeps it), and the peak lists what was alive then, largest first."""
+    keeps it) or it is freed in place, and the peak lists what was alive then, largest first."""
     tool = _tool("memory_timeline")
     with tool.LiveBytes() as mode:
         a = torch.empty(1000)  # 4000 bytes
@@ -54,6 +54,11 @@ def test_memory_timeline_counts_each_storage_from_its_op_to_its_last_tensor():
         assert mode.live == 8000
         c = torch.empty(500)  # 2000: 10000 alive, under the peak
         del b, c
+        d = torch.empty(250)  # 1000
+        d.untyped_storage().resize_(0)  # freed in place, the tensor alive: seen at the next op
+        torch.empty(0)
+        assert mode.live == 0
+        del d
     assert mode.peak == 12000 and mode.live == 0
     assert [s.nbytes for s in mode.at_peak] == [8000, 4000]
 

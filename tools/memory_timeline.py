@@ -46,6 +46,7 @@ class _Storage:
     what: str
     made_by: str
     tensors: int = 0  # tensors made by ops on this storage and still alive
+    probe: weakref.ref[torch.Tensor] | None = None  # one of them, to see the storage released in place
 
 
 def _caller() -> str | None:
@@ -63,7 +64,8 @@ def _caller() -> str | None:
 
 class LiveBytes(TorchDispatchMode):
     """Follows every tensor an op returns; `peak` and `at_peak` (the live storages then, largest first).
-    A storage counts from the op that first returns a tensor on it until the last such tensor dies."""
+    A storage counts from the op that first returns a tensor on it until the last such tensor dies or
+    the storage is freed in place (seen at the next op)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,7 +81,17 @@ class LiveBytes(TorchDispatchMode):
             del self.storages[key]
             self.live -= entry.nbytes
 
+    def _released(self) -> None:
+        """Drop the storages freed in place while tensors on them live on (`untyped_storage().resize_(0)`,
+        as a backward does with an incoming gradient it has consumed): no op returns them, so look."""
+        for key, entry in list(self.storages.items()):
+            t = entry.probe() if entry.probe is not None else None
+            if t is not None and t.untyped_storage().nbytes() == 0:
+                del self.storages[key]
+                self.live -= entry.nbytes
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self._released()
         out = func(*args, **(kwargs or {}))
         grew = False
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -96,6 +108,7 @@ class LiveBytes(TorchDispatchMode):
                     continue
                 what = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                 entry = self.storages[key] = _Storage(storage.nbytes(), what, f"{func.__name__} <- {caller}")
+                entry.probe = weakref.ref(t)
                 self.live += entry.nbytes
                 grew = True
             entry.tensors += 1

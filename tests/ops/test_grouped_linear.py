@@ -38,7 +38,7 @@ from helpers import (
     splits_as,
     torch_grouped_linear,
 )
-from moekit.ops.grouped_linear import packed_view
+from moekit.ops.grouped_linear import packed_view, release_consumed_gradient
 from moekit.ops.runtime.backends import select_backend
 from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference
@@ -653,3 +653,26 @@ def _eager_grouped_linear(x, w, b, dy, splits, backend) -> dict[str, torch.Tenso
     y = moekit.grouped_linear(xe, we, torch.tensor(splits, device=CUDA), be, backend=backend)
     y.backward(dy)
     return {"out": y.detach(), "x": xe.grad, "weight": we.grad, "bias": be.grad}
+
+
+def test_release_consumed_gradient_frees_only_what_the_tensor_owns_alone():
+    """The incoming gradient a backward has consumed loses its memory in place (every holder sees a
+    storage of 0 bytes); a view into a larger buffer, a tensor that takes gradients and a subclass
+    (a trace's stand-in) are left alone."""
+    owned = torch.randn(6, 5)
+    holder = owned.view(30)  # another reference to the same storage, as the engine's
+    release_consumed_gradient(owned)
+    assert owned.untyped_storage().nbytes() == 0 and holder.untyped_storage().nbytes() == 0
+    buffer = torch.randn(7, 5)
+    for kept in (buffer[1:], buffer[:6], buffer.t(), torch.randn(4, requires_grad=True)):
+        before = kept.untyped_storage().nbytes()
+        release_consumed_gradient(kept)
+        assert kept.untyped_storage().nbytes() == before > 0
+    assert torch.isfinite(buffer).all()
+
+    class Stand(torch.Tensor):
+        pass
+
+    stand = torch.randn(3).as_subclass(Stand)
+    release_consumed_gradient(stand)
+    assert stand.untyped_storage().nbytes() == 12

@@ -205,6 +205,27 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def release_consumed_gradient(t: torch.Tensor) -> None:
+    """Free the memory of an incoming gradient that a backward has finished reading, now rather than
+    when the backward returns.
+
+    Why: the autograd engine holds a node's incoming gradients until its backward returns, so a
+    gradient consumed early (quantized into its FP8 forms, say) stays alive beside everything the
+    backward allocates after it; `del` drops only the backward's own reference. The caller promises
+    that nothing else reads `t`: only a gradient that one of moekit's own nodes made for another (never
+    a tensor a user passed to `backward`). Freed only where that is certain from the tensor itself: a
+    plain tensor (no subclass: not a fake or functional tensor of a trace) that owns its whole storage
+    (not a view into a buffer other values may share), takes no gradient and whose storage its allocator
+    can resize (not memory from elsewhere); never while torch.compile traces (its graph plans the memory
+    itself)."""
+    if type(t) is not torch.Tensor or t.requires_grad or torch.compiler.is_compiling():
+        return
+    storage = t.untyped_storage()
+    owns_all = t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size() and t.is_contiguous()
+    if owns_all and storage.resizable():
+        storage.resize_(0)
+
+
 def check_linear_params(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], *, what: str = ""
 ) -> tuple[int, int]:

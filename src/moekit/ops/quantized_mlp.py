@@ -19,6 +19,7 @@ Legend: M routed rows, N experts, H hidden size, F ffn size.
               dh = act'(h', da * probs); d probs from act(h') and da, and <dy, b2> for the bias
     node 1's backward
               dx = Q(dh) Qc(w1); dw1 = Qc(dh)^T Qc(x)          Qc(x) made here, from the saved x
+              (dh's memory freed once Q(dh) and Qc(dh) exist, not when the backward returns)
 
 With `quantized_wgrad=False` the weight gradients take the operands unquantized, in x's dtype: dw2 =
 dy^T a' and dw1 = dh^T x on the backend's grouped wgrad (the routed rows read through the route where
@@ -102,6 +103,7 @@ from moekit.ops.grouped_linear import (
     quantized_dgrad_product,
     quantized_forward_product,
     quantized_wgrad_product,
+    release_consumed_gradient,
     row_major,
     stacked,
     stored_transposed,
@@ -301,7 +303,7 @@ class _QuantizedFc1Fn(torch.autograd.Function):
         w1_q = ctx.w_layout.rebuilt(stored)
         need_x = need[_X1]
         need_w, need_b = any(need[_PARAMS1 : _PARAMS1 + spec.n_w1]), any(need[_PARAMS1 + spec.n_w1 :])
-        dh_M2F = row_major(dh_M2F)
+        dh_given, dh_M2F = dh_M2F, row_major(dh_M2F)
         go = GroupOffsets.of(offs, host_offs, dh_M2F.shape[0])
         dx = dw = db = None
         # As grouped_linear's backward: the bias sums from dh with its padding rows zeroed, dh quantized
@@ -322,7 +324,10 @@ class _QuantizedFc1Fn(torch.autograd.Function):
                     backend=quantizer,
                 )  # fmt: skip
             if quantized_wgrad:
-                del dh_M2F
+                # dh is read by nothing after its FP8 forms: node 2 made it for this node alone, and the
+                # engine would hold it through the dgrad and the wgrad (the backward's peak at large F).
+                release_consumed_gradient(dh_given)
+                del dh_M2F, dh_given
             # dx first: its (M, H) rows are summed into token order and freed, with dh's rowwise form,
             # before x's columnwise form and dw1 are allocated (the backward's peak: notes/quantize.md).
             if need_x:
