@@ -75,11 +75,13 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "forward"
         self.peak_phase = ""
 
+    def _drop(self, key: int) -> None:
+        self.live -= self.storages.pop(key).nbytes
+
     def _dead(self, key: int, entry: _Storage) -> None:
         entry.tensors -= 1
         if entry.tensors == 0 and self.storages.get(key) is entry:
-            del self.storages[key]
-            self.live -= entry.nbytes
+            self._drop(key)
 
     def _released(self) -> None:
         """Drop the storages freed in place while tensors on them live on (`untyped_storage().resize_(0)`,
@@ -87,8 +89,7 @@ class LiveBytes(TorchDispatchMode):
         for key, entry in list(self.storages.items()):
             t = entry.probe() if entry.probe is not None else None
             if t is not None and t.untyped_storage().nbytes() == 0:
-                del self.storages[key]
-                self.live -= entry.nbytes
+                self._drop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self._released()
@@ -107,8 +108,8 @@ class LiveBytes(TorchDispatchMode):
                 if caller is None:
                     continue
                 what = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                entry = self.storages[key] = _Storage(storage.nbytes(), what, f"{func.__name__} <- {caller}")
-                entry.probe = weakref.ref(t)
+                made_by = f"{func.__name__} <- {caller}"
+                entry = self.storages[key] = _Storage(storage.nbytes(), what, made_by, probe=weakref.ref(t))
                 self.live += entry.nbytes
                 grew = True
             entry.tensors += 1
