@@ -623,7 +623,8 @@ GATED_TILES: dict[Arch, dict[bool, tuple[int, int, int]]] = {
 # 128: the table's 128-column tile stays whole where F is not a multiple of it (gpt-oss's 2880: two blocks
 # a run, faster than one block at 64 columns in `sweep_gated.py --narrowest-one-block`; benchmarks/README.md);
 # the widths that are keep one block a run; mxfp8's 32-column blocks get 64-column tiles with two blocks a
-# run instead of 32 with one (0.52-0.53x forward, 0.70-0.75x backward). sm80 not timed.
+# run instead of 32 with one (faster both ways; notes/quantize.md, "The gated kernels read a row's scales
+# once a tile"). sm80 not timed.
 GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 128, "sm80": 16, "interpreter": 16}
 
 # The gated activation with both quantizations (kernels.gated.gated_quantize_kernel): (BLOCK_ROWS, BLOCK_C,
@@ -633,10 +634,10 @@ GATED_NARROWEST_ONE_BLOCK: dict[Arch, int] = {"sm90": 128, "sm80": 16, "interpre
 # launch, row tiles fastest; else bands of BAND row tiles, column tiles fastest). sm90: the fastest of
 # sweeps over 4-32 rows x 128-512 columns x 4-8 warps (and a pipelined loop of tiles down the rows, no
 # faster than 8 rows without one) at the layer benchmark's widths (benchmarks/README.md, the gated
-# sweeps), in bands of one row tile (whole stretches of h's rows read together: 0.82x the time of row
-# tiles fastest at Mixtral's 57 KB rows, 0.89x at gpt-oss's, 0.94-0.97x at the narrower ones; 4 and 32
-# no better); sm80 not timed. Under the interpreter 64 columns (mxfp8's tiles hold two scale blocks, and
-# F = 96 ends in a partial tile), one order each, so that the CPU tests cover both.
+# sweeps), in bands of one row tile (whole stretches of h's rows read together, which pays most at the
+# widest rows; 4 and 32 no better: notes/quantize.md, "The gated pass that quantizes"); sm80 not timed.
+# Under the interpreter 64 columns (mxfp8's tiles hold two scale blocks, and F = 96 ends in a partial
+# tile), one order each, so that the CPU tests cover both.
 GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int, int]]] = {
     "sm90": {True: (8, 256, 4, 1), False: (8, 256, 4, 1)},
     "sm80": {True: (16, 256, 4, 0), False: (8, 256, 4, 0)},
