@@ -130,20 +130,30 @@ HELD_VARIANTS: dict[str, tuple[int, int]] = {
     "hc_b128_w8": (128, 8),
     "hc_b128_w16": (128, 16),
 }
-# The routed operands (kinds "dy", "x") by the Gluon kernel's GATHER form (rows copied by cp.async through
-# the index), which runs where `configs.QUANTIZE_SLOTS_TMA[arch]` has "-gathered" entries (none committed:
-# slower than the Triton kernel on the H200 at 4ae2cc2; these variants time it again beside the base):
-# "tma_g" gives them the entries of the forms they gather ("segments" for dy's both forms,
-# "segments-columnwise" for x's), "tma_g6" six programs an SM of 2 warps a strip.
-TMA_VARIANTS: dict[str, dict[str, tuple[int, int, int, int, bool, int]]] = {
+# Entries added to the Gluon kernel's table `configs.QUANTIZE_SLOTS_TMA[arch]`, (CHUNK, warps, STAGES,
+# programs an SM, slots fastest, MAXNREG) per (block, form). The routed operands (kinds "dy", "x") by its
+# GATHER form (rows copied by cp.async through the index), which runs where the table has "-gathered"
+# entries (none committed: slower than the Triton kernel on the H200 at 4ae2cc2; these variants time it
+# again beside the base): "tma_g" gives them the entries of the forms they gather ("segments" for dy's
+# both forms, "segments-columnwise" for x's), "tma_g6" six programs an SM of 2 warps a strip. mxfp8's
+# (M, X) forms (kind "mx") by the Gluon kernel, which runs where the table has (32, "rows"): a strip is
+# 32 x 128 (8 KiB of bf16), so the bytes in flight an SM are strips a program x programs an SM x 8 KiB:
+# "mx_tma" 3 x 8 (192 KiB), "mx_tma_s2" 2 x 8, "mx_tma_s4p6" 4 x 6, "mx_tma_c32w4" 32-row chunks of 4
+# warps, 4 x 4; "mx_tma_slots" mx_tma with slots fastest.
+TMA_VARIANTS: dict[str, dict[tuple[int, str], tuple[int, int, int, int, bool, int]]] = {
     "tma_g": {
-        "segments-gathered": (32, 4, 1, 4, False, 128),
-        "segments-columnwise-gathered": (32, 4, 2, 3, True, 0),
+        (128, "segments-gathered"): (32, 4, 1, 4, False, 128),
+        (128, "segments-columnwise-gathered"): (32, 4, 2, 3, True, 0),
     },
     "tma_g6": {
-        "segments-gathered": (32, 4, 1, 6, False, 80),
-        "segments-columnwise-gathered": (32, 4, 1, 6, True, 80),
+        (128, "segments-gathered"): (32, 4, 1, 6, False, 80),
+        (128, "segments-columnwise-gathered"): (32, 4, 1, 6, True, 80),
     },
+    "mx_tma": {(32, "rows"): (16, 2, 3, 8, False, 0)},
+    "mx_tma_s2": {(32, "rows"): (16, 2, 2, 8, False, 0)},
+    "mx_tma_s4p6": {(32, "rows"): (16, 2, 4, 6, False, 0)},
+    "mx_tma_c32w4": {(32, "rows"): (32, 4, 4, 4, False, 0)},
+    "mx_tma_slots": {(32, "rows"): (16, 2, 3, 8, True, 0)},
 }
 VARIANTS.update(TILE_VARIANTS)
 VARIANTS.update(MX_VARIANTS)
@@ -156,7 +166,8 @@ def table_of(variant: str) -> tuple[str, tuple[int, str] | None, tuple[str, ...]
     if variant in HELD_VARIANTS:
         return "HELD_COLUMNS", None, ("held",)
     if variant in TMA_VARIANTS:
-        return "QUANTIZE_SLOTS_TMA", None, KINDS
+        mx = any(block == 32 for block, _ in TMA_VARIANTS[variant])
+        return "QUANTIZE_SLOTS_TMA", None, ("mx",) if mx else KINDS
     if variant in TILE_VARIANTS:
         return "QUANTIZE_TILES", TILE_KEY, ("w",)
     if variant in MX_VARIANTS:

@@ -158,14 +158,17 @@ def main() -> None:
             constexprs.update(HAS_NOOP=False, HW_E4M3=True)
             cases.append((name, kernels.quantize_slots_kernel, constexprs, warps, pointers, maxnreg))
     fp32 = {"scale_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
-    for form, (chunk, warps, stages, _, slots_fastest, maxnreg) in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
-        gather = form.endswith("-gathered")
+    for (block, form), entry in configs.QUANTIZE_SLOTS_TMA["sm90"].items():
+        chunk, warps, stages, _, slots_fastest, maxnreg = entry
+        gather, mx = form.endswith("-gathered"), block == 32
         form = form.removesuffix("-gathered")
+        scales = {"row_scale_ptr": "*u8", "col_scale_ptr": "*u8"} if mx else fp32
         for rowwise in (True, False) if form == "rows" else (form == "segments",):
             constexprs = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages)
-            constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True, GATHER=gather)
-            name = f"slots_tma_fp8_block_{'row+col' if rowwise else 'col'}_{form}{'_gathered' if gather else ''}"
-            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**fp32, "rec_ptr": "*i32"}, maxnreg))
+            constexprs.update(SLOTS_FASTEST=slots_fastest, HAS_NOOP=False, HW_E4M3=True, GATHER=gather, MX=mx)
+            recipe = "mxfp8" if mx else "fp8_block"
+            name = f"slots_tma_{recipe}_{'row+col' if rowwise else 'col'}_{form}{'_gathered' if gather else ''}"
+            cases.append((name, quantize_slots_tma_kernel, constexprs, warps, {**scales, "rec_ptr": "*i32"}, maxnreg))
     block_s, warps = configs.SLOT_RECORDS["sm90"]
     for segments in (False, True):
         consts = dict(SLOT_ROWS=128, SEGMENTS=segments, BLOCK_S=block_s, BLOCK_GROUPS=256)

@@ -1,6 +1,6 @@
-"""fp8_block's columnwise form by the Gluon kernel on Hopper (`moekit.ops.kernels.quantize_hopper`,
-`quantize_slots_tma_kernel`): the same bytes as the Triton slots kernel, which the other quantize tests
-check against the torch path and float64.
+"""fp8_block's columnwise form, and mxfp8's (M, X) form, by the Gluon kernel on Hopper
+(`moekit.ops.kernels.quantize_hopper`, `quantize_slots_tma_kernel`): the same bytes as the Triton slots
+kernel, which the other quantize tests check against the torch path and float64.
 
 On the CPU: the kernel compiles for sm_90 (in a subprocess without the interpreter) with 16-byte stores
 of every form and shared memory for its configured programs an SM; which problems the runtime gives
@@ -28,6 +28,10 @@ from moekit.ops.runtime.quantize_torch import SEGMENT_COLUMNS
 
 quantize_runtime = pytest.importorskip("moekit.ops.runtime.quantize")
 
+# mxfp8's (M, X) form's entry where the table has none (the GPU tests and the compile test run it):
+# 16-row chunks, 2 warps, 3 strips in flight a program, 8 programs an SM.
+MX_TRIAL = configs.QUANTIZE_SLOTS_TMA["sm90"].get((32, "rows"), (16, 2, 3, 8, False, 0))
+
 _COMPILE_FOR_SM90 = """
 import json, os, pathlib, re, subprocess, sys, tempfile
 import triton
@@ -37,16 +41,20 @@ from moekit.ops.kernels.quantize_hopper import quantize_slots_tma_kernel as K
 from moekit.ops.runtime.configs import QUANTIZE_SLOTS_TMA
 
 out = {}
-# Each form's entry with TMA boxes and gathered (cp.async copies), whether its gathered form is configured or not.
-plain = [(form, e) for form, e in QUANTIZE_SLOTS_TMA["sm90"].items() if not form.endswith("-gathered")]
+# fp8_block's forms' entries with TMA boxes and gathered (cp.async copies), whether its gathered form is
+# configured or not; mxfp8's (M, X) form (TMA boxes only), its entry or the trial one where it has none.
+table = {**{(32, "rows"): MX_TRIAL}, **QUANTIZE_SLOTS_TMA["sm90"]}
+plain = [(key, e) for key, e in table.items() if not key[1].endswith("-gathered")]
 PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-cases = [(f, g, e) for f, e in plain for g in (0, 1)]
-for form, gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in cases:
+cases = [(k, g, e) for k, e in plain for g in ((0, 1) if k[0] == 128 else (0,))]
+for (block, form), gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in cases:
+    mx = block == 32
     for rowwise in (False, True) if form == "rows" else (form == "segments",):
         const = dict(ROWWISE=rowwise, SEGMENTS=form.startswith("segments"), CHUNK=chunk, STAGES=stages,
-                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True, GATHER=bool(gather))
+                     SLOTS_FASTEST=slots_fastest, HAS_NOOP=True, HW_E4M3=True, GATHER=bool(gather), MX=mx)
+        scales = "*u8" if mx else "*fp32"
         ptr = {"x_ptr": "*bf16", "index_ptr": "*i32", "rec_ptr": "*i32", "noop_ptr": "*fp32",
-               "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8", "col_scale_ptr": "*fp32"}
+               "row_data_ptr": "*u8", "row_scale_ptr": scales, "col_data_ptr": "*u8", "col_scale_ptr": scales}
         sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in K.arg_names}
         # What Triton specializes at launch for a 16-byte aligned x of 16 | X columns.
         div16 = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(K.arg_names)
@@ -67,24 +75,26 @@ for form, gather, (chunk, warps, stages, per_sm, slots_fastest, maxnreg) in case
         copy = r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], (0x[0-9a-f]+), %r"
         copies = sorted(set(re.findall(copy, ptx)))
         tma = len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx))
-        out[f"{form}-{rowwise}-{bool(gather)}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm, stores=stores,
-                                                 copies=copies, tma=tma, regs=regs, warps=warps)
+        out[f"{block}-{form}-{rowwise}-{bool(gather)}"] = dict(shared=compiled.metadata.shared, per_sm=per_sm,
+                                                          stores=stores, copies=copies, tma=tma, regs=regs,
+                                                          warps=warps)
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90_with_16_byte_stores():
-    """Every configured form (the (M, X) layout with and without the rowwise form), and each one's
-    gathered form (GATHER: rows copied by cp.async): the data leave by 16-byte stores (the scales by
-    4-byte ones, no byte stores), and the configured programs an SM fit its shared memory and its
-    registers (ptxas -v, under the entry's MAXNREG); the TMA form
-    loads by TMA only, the gathered form by 16-byte cp.async copies with a source size (zero-filled
-    where masked) only."""
-    got = compile_in_subprocess(_COMPILE_FOR_SM90)
-    plain = [f for f in configs.QUANTIZE_SLOTS_TMA["sm90"] if not f.endswith("-gathered")]
-    assert len(got) == 2 * (len(plain) + 1)
+    """Every configured form of fp8_block (the (M, X) layout with and without the rowwise form), and
+    each one's gathered form (GATHER: rows copied by cp.async), and mxfp8's (M, X) form (its entry, or
+    `MX_TRIAL` where it has none): the data leave by 16-byte stores (fp8_block's scales by 4-byte
+    ones, mxfp8's E8M0 bytes by byte stores), and the configured programs an SM fit its shared memory
+    and its registers (ptxas -v, under the entry's MAXNREG); the TMA form loads by TMA only, the
+    gathered form by 16-byte cp.async copies with a source size (zero-filled where masked) only."""
+    got = compile_in_subprocess("MX_TRIAL = " + repr(MX_TRIAL) + "\n" + _COMPILE_FOR_SM90)
+    block = [key for key in configs.QUANTIZE_SLOTS_TMA["sm90"] if key[0] == 128 and not key[1].endswith("-gathered")]
+    assert len(got) == 2 * (len(block) + 1) + 2
     for case, info in got.items():
-        assert set(info["stores"]) <= {"st.global.b32", "st.global.v4.b32"}, (case, info["stores"])
+        scales = {"st.global.b8"} if case.startswith("32-") else {"st.global.b32"}
+        assert set(info["stores"]) <= scales | {"st.global.v4.b32"}, (case, info["stores"])
         assert "st.global.v4.b32" in info["stores"], case
         assert info["shared"] * info["per_sm"] <= 227 * 1024, (case, info["shared"])
         # The persistent launch's programs an SM fit the register file (65536 registers, allocated 8 a
@@ -162,9 +172,10 @@ FORMS = {"rows": (True, False), "segments": (True, True), "segments-columnwise":
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_which_problems_the_kernel_takes(form):
-    """The runtime gives the Gluon kernel exactly fp8_block's columnwise form of 2-D bf16/fp16 rows that
-    TMA can read, on an architecture whose table has the form (sm90); every other problem keeps the
-    Triton slots kernel. Checked on CPU tensors: the choice reads shapes, strides, dtypes and addresses."""
+    """The runtime gives the Gluon kernel exactly fp8_block's columnwise form, and mxfp8's (M, X) form
+    of rows read in place, of 2-D bf16/fp16 rows that TMA can read, on an architecture whose table has
+    the recipe's block and the form (sm90); every other problem keeps the Triton slots kernel. Checked
+    on CPU tensors: the choice reads shapes, strides, dtypes and addresses."""
     rowwise, segments = FORMS[form]
     block = recipe_named("fp8_block")
 
@@ -172,11 +183,17 @@ def test_which_problems_the_kernel_takes(form):
         return quantize_runtime.hopper_slots_entry(recipe, x, arch, rowwise, segments)
 
     x = torch.zeros(300, 256, dtype=torch.bfloat16)
-    assert entry(x) == configs.QUANTIZE_SLOTS_TMA["sm90"][form]
-    assert entry(x.half()) == configs.QUANTIZE_SLOTS_TMA["sm90"][form]
+    assert entry(x) == configs.QUANTIZE_SLOTS_TMA["sm90"][(128, form)]
+    assert entry(x.half()) == configs.QUANTIZE_SLOTS_TMA["sm90"][(128, form)]
     assert entry(torch.zeros(3, 72, dtype=torch.bfloat16)) is not None  # 144-byte rows, a partial strip
+    # mxfp8: the (M, X) form only, and only where the table has its entry.
+    mx = recipe_named("mxfp8")
+    assert entry(x, mx) == configs.QUANTIZE_SLOTS_TMA["sm90"].get((32, form))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {**configs.QUANTIZE_SLOTS_TMA["sm90"], (32, form): MX_TRIAL})
+        assert entry(x, mx) == (MX_TRIAL if form == "rows" else None)
+        assert quantize_runtime.hopper_slots_entry(mx, x, "sm90", rowwise, segments, gather=True) is None
     refused = {
-        "mxfp8": entry(x, recipe_named("mxfp8")),
         "fp8_rowwise": entry(x, recipe_named("fp8_rowwise")),
         "sm80": entry(x, arch="sm80"),
         "interpreter": entry(x, arch="interpreter"),
@@ -190,11 +207,11 @@ def test_which_problems_the_kernel_takes(form):
     assert {k: v for k, v in refused.items() if v is not None} == {}
     # Rows gathered by an index: the form's "-gathered" entry (cp.async copies), absent until configured.
     gathered = quantize_runtime.hopper_slots_entry(block, x, "sm90", rowwise, segments, gather=True)
-    assert gathered == configs.QUANTIZE_SLOTS_TMA["sm90"].get(form + "-gathered")
+    assert gathered == configs.QUANTIZE_SLOTS_TMA["sm90"].get((128, form + "-gathered"))
     # Gathered rows of 2888 columns (16-byte rows, a column count not a multiple of 16): never the GATHER
     # form, configured or not (its masked cp.async would not compile), while the TMA form takes them.
     odd = torch.zeros(300, 2888, dtype=torch.bfloat16)
-    configured = {form + "-gathered": configs.QUANTIZE_SLOTS_TMA["sm90"][form]}
+    configured = {(128, form + "-gathered"): configs.QUANTIZE_SLOTS_TMA["sm90"][(128, form)]}
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {**configs.QUANTIZE_SLOTS_TMA["sm90"], **configured})
         assert quantize_runtime.hopper_slots_entry(block, x, "sm90", rowwise, segments, gather=True) is not None
@@ -302,6 +319,43 @@ def test_bytes_equal_the_triton_slots_kernel(m_splits, M, X, dtype, monkeypatch)
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m_splits, M, X", SHAPES)
+def test_mxfp8_bytes_equal_the_triton_slots_kernel(m_splits, M, X, dtype, monkeypatch):
+    """mxfp8's rowwise + columnwise and columnwise-alone (M, X) forms (32-row slots, 1 x 32 row blocks,
+    E8M0 scales) by the Gluon kernel under its entry (`MX_TRIAL` where the table has none): every byte
+    the Triton slots kernel's, at the same shapes and specials as fp8_block's; outputs NaN-poisoned."""
+    x = rows_with_specials(M, X, sum(m_splits), dtype, seed=M + X + 2)
+    offs = torch.tensor(m_splits, device="cuda")
+    cases = {
+        "rows": lambda: moekit.group_quantize(x, offs, "mxfp8", columnwise=True, backend="triton"),
+        "rows-columnwise-alone": lambda: moekit.group_quantize(
+            x, offs, "mxfp8", rowwise=False, columnwise=True, backend="triton"
+        ),
+    }
+    table = {**configs.QUANTIZE_SLOTS_TMA["sm90"], (32, "rows"): MX_TRIAL}
+    monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", table)
+    forget_plans()
+    got = {}
+    for name, run in cases.items():
+        torch.full((64 << 20,), -1, dtype=torch.int32, device="cuda")
+        assert kernels_run(run) == {"quantize_slots_tma_kernel"}, name
+        got[name] = storage_bytes(run(), m_splits)
+    monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", {})
+    forget_plans()
+    try:
+        for name, run in cases.items():
+            assert kernels_run(run) == {"quantize_slots_kernel"}, name
+            want = storage_bytes(run(), m_splits)
+            assert len(want) == len(got[name]), name
+            for i, (a, b) in enumerate(zip(got[name], want, strict=True)):
+                assert a.shape == b.shape and torch.equal(a, b), f"{name} output {i}: {(a != b).sum()} differ"
+    finally:
+        forget_plans()
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("m_splits, M, X", SHAPES)
 def test_gathered_bytes_equal_the_triton_slots_kernel(m_splits, M, X, monkeypatch):
     """The gathered form (GATHER: rows x[index] copied by cp.async), enabled here by "-gathered" entries
@@ -314,7 +368,7 @@ def test_gathered_bytes_equal_the_triton_slots_kernel(m_splits, M, X, monkeypatc
     index = torch.randint(0, tokens, (M,), device="cuda", generator=gen, dtype=torch.int32)
     offs = torch.tensor(m_splits, device="cuda")
     table = dict(configs.QUANTIZE_SLOTS_TMA["sm90"])
-    table.update({f"{form}-gathered": table[form] for form in ("segments", "segments-columnwise")})
+    table.update({(128, f"{form}-gathered"): table[(128, form)] for form in ("segments", "segments-columnwise")})
     monkeypatch.setitem(configs.QUANTIZE_SLOTS_TMA, "sm90", table)
 
     def run(rows, idx, rowwise):

@@ -117,7 +117,7 @@ def _e4m3(v, HW_E4M3: tl.constexpr):
 
 
 @triton.jit
-def _e8m0_scales(amax):
+def e8m0_scales(amax):
     """(E8M0 byte, 2^-e as fp32) of block maxima amax >= 0: the smallest power of two >= amax / 448."""
     bits = amax.to(tl.int32, bitcast=True)
     exp = bits >> 23
@@ -198,7 +198,7 @@ def _block_multipliers(amax, scale_ptrs, scale_mask, MX: tl.constexpr):
     """The multipliers of block maxima `amax`; stores their scales (E8M0 bytes, or fp32 scale_inv) at
     scale_ptrs."""
     if MX:
-        byte, mult = _e8m0_scales(amax)
+        byte, mult = e8m0_scales(amax)
         tl.store(scale_ptrs, byte, mask=scale_mask)
     else:
         mult, scale_inv = fp32_scales(amax)
@@ -548,7 +548,7 @@ def column_scales(amax_c, col_scales, cmask, MX: tl.constexpr):
     scale_inv): the multipliers and whether any column holds an inf or NaN."""
     any_nan = tl.max(amax_c, axis=0) == float("inf")
     if MX:
-        byte, mult = _e8m0_scales(amax_c)
+        byte, mult = e8m0_scales(amax_c)
         tl.store(col_scales, byte, mask=cmask)
     else:
         mult, scale_inv = fp32_scales(amax_c)

@@ -1,12 +1,15 @@
-"""Gluon kernel of grouped FP8 quantization for Hopper (sm_90): fp8_block's columnwise form (jit code
-only; host code in `moekit.ops.runtime.quantize`, the formats in `moekit.grouped_tensor`).
+"""Gluon kernel of grouped FP8 quantization for Hopper (sm_90): fp8_block's columnwise form, and mxfp8's
+in the (M, X) layout (jit code only; host code in `moekit.ops.runtime.quantize`, the formats in
+`moekit.grouped_tensor`).
 
 Legend as in `moekit.ops.kernels.quantize`: M rows (N groups of them, then padding rows), X columns; a
-slot is one block of 128 rows of one group, a strip its 128 columns [q * 128, + 128).
+slot is one block of rows of one group (128 for fp8_block, 32 for mxfp8), a strip its 128 columns [q *
+128, + 128).
 
     quantize_slots_tma_kernel   `quantize_slots_kernel`'s problem for fp8_block (128 x 1 columnwise
                                 blocks, with or without the 1 x 128 rowwise ones; (M, X) rows or the
-                                FP8 wgrad's segments), its bytes: each strip read once from memory
+                                FP8 wgrad's segments) and for mxfp8 (32 x 1 and 1 x 32 blocks, E8M0
+                                scales; (M, X) rows), its bytes: each strip read once from memory
                                 into shared memory by TMA, then walked twice there
 
 Why: a column's scale needs every row of its slot before any of its bytes, so a strip is read twice.
@@ -49,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS
-from moekit.ops.kernels.quantize import fp32_scales, store_e4m3
+from moekit.ops.kernels.quantize import e8m0_scales, fp32_scales, store_e4m3
 
 
 @gluon.jit
@@ -164,12 +167,15 @@ def _walks(
     MASKED: gl.constexpr,
     ROWWISE: gl.constexpr,
     SEGMENTS: gl.constexpr,
+    MX: gl.constexpr,
     CHUNK: gl.constexpr,
     SLOT_ROWS: gl.constexpr,
     BLOCK_C: gl.constexpr,
     HW_E4M3: gl.constexpr,
 ):
-    """Both walks over one strip in shared memory. MASKED: rows past the group's end (or a padding slot's)
+    """Both walks over one strip in shared memory. MX: mxfp8's blocks (a strip's row holds four 1 x 32
+    blocks, each with its E8M0 byte; a slot is 32 rows; column scales E8M0 bytes), else fp8_block's (a
+    strip's row is one 1 x 128 block; fp32 scale_inv). MASKED: rows past the group's end (or a padding slot's)
     are read as zeros and not stored; without it every row of the strip is the group's (a whole slot,
     no select an element). The maxima fold |x| with a NaN-propagating max and read a NaN maximum as inf
     once a block (`_amax_of`). item: the work item's (n, r0, seg0, slot, q, live) (`_record`,
@@ -198,16 +204,37 @@ def _walks(
         a = gl.abs(x)
         if ROWWISE:
             r64 = (r0 + k + i).to(gl.int64)
-            amax_r = _amax_of(a, 1)
-            scale, scale_inv = fp32_scales(amax_r)
-            gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
             elem = r64[:, None] * stride_x + c[None, :]
             row_mask = rmask[:, None] & cmask[None, :]
-            row_nan = gl.max(amax_r, axis=0) == float("inf")
-            store_e4m3(row_data_ptr + elem, x, scale[:, None], row_mask, row_mask, row_nan, HW_E4M3, False)
+            if MX:
+                # (CHUNK, 4, 32): a thread's 16 columns lie in one block, a block's 32 in two threads.
+                NB: gl.constexpr = BLOCK_C // 32
+                a3 = gl.reshape(a, [CHUNK, NB, 32])
+                amax_b = _amax_of(a3, 2)
+                byte, mult_b = e8m0_scales(amax_b)
+                bl: gl.constexpr = amax_b.type.layout
+                cb = q * NB + gl.arange(0, NB, layout=gl.SliceLayout(0, bl))
+                rb = (r0 + k + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, bl))).to(gl.int64)
+                rbmask = (k + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, bl))) < n
+                scale_mask = rbmask[:, None] & (cb < stride_row_scale)[None, :]
+                gl.store(row_scale_ptr + rb[:, None] * stride_row_scale + cb[None, :], byte, mask=scale_mask)
+                mult3, _ = gl.broadcast(gl.expand_dims(mult_b, 2), a3)
+                mult = gl.convert_layout(gl.reshape(mult3, [CHUNK, BLOCK_C]), L)
+                row_nan = gl.max(gl.max(amax_b, axis=1), axis=0) == float("inf")
+                store_e4m3(row_data_ptr + elem, x, mult, row_mask, row_mask, row_nan, HW_E4M3, False)
+            else:
+                amax_r = _amax_of(a, 1)
+                scale, scale_inv = fp32_scales(amax_r)
+                gl.store(row_scale_ptr + r64 * stride_row_scale + q, scale_inv, mask=rmask)
+                row_nan = gl.max(amax_r, axis=0) == float("inf")
+                store_e4m3(row_data_ptr + elem, x, scale[:, None], row_mask, row_mask, row_nan, HW_E4M3, False)
     amax_c = _amax_of(amax_ic.to(gl.float32), 0)
-    mult, scale_inv_c = fp32_scales(amax_c)
-    gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
+    if MX:
+        byte_c, mult = e8m0_scales(amax_c)
+        gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, byte_c, mask=cmask)
+    else:
+        mult, scale_inv_c = fp32_scales(amax_c)
+        gl.store(col_scale_ptr + slot.to(gl.int64) * cols + c, scale_inv_c, mask=cmask)
     any_nan = gl.max(amax_c, axis=0) == float("inf")
     if SEGMENTS:
         iT = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LT))
@@ -270,19 +297,24 @@ def quantize_slots_tma_kernel(
     HAS_NOOP: gl.constexpr,
     HW_E4M3: gl.constexpr,
     GATHER: gl.constexpr = False,
+    MX: gl.constexpr = False,
 ):
     """fp8_block's columnwise form (and its rowwise form with ROWWISE) of x (rows, cols), bf16 or fp16,
     16-byte aligned base and row stride; the outputs and bytes of `quantize_slots_kernel` with TILE_K =
     SLOT_ROWS = BLOCK_C = 128 (num_slots: its slot programs, ceil(M / 128) + N), each slot's rows read
-    from `slot_records_kernel`'s table (rec_ptr, SLOT_ROWS 128, the same SEGMENTS). A persistent launch:
+    from `slot_records_kernel`'s table (rec_ptr, SLOT_ROWS 128, the same SEGMENTS). MX: mxfp8's instead,
+    the (M, X) layout only: TILE_K = SLOT_ROWS = 32, BLOCK_C = 128 (four row blocks a strip's row),
+    E8M0 scales, num_slots ceil(M / 32) + N and the table's slots of 32 rows. A persistent launch:
     the programs take the num_slots x ceil(cols / 128) work items in turn. Each iteration issues the
     loads of its next item's record and of the first row of the item it loads next before it walks
     its own strip, so their latency hides behind the walks. GATHER: row r of the problem (rows of them)
     is x's row index[r], loaded by cp.async instead of TMA (`_issue`); everything else the same."""
-    SLOT_ROWS: gl.constexpr = 128
+    SLOT_ROWS: gl.constexpr = 32 if MX else 128
     BLOCK_C: gl.constexpr = 128
     gl.static_assert(SLOT_ROWS % CHUNK == 0 and CHUNK % 16 == 0, "chunks of 16-row multiples")
-    gl.static_assert(SLOT_ROWS == SEGMENT_COLUMNS, "a slot's walk 2 fills its segment's columns to the end")
+    gl.static_assert(
+        not SEGMENTS or SLOT_ROWS == SEGMENT_COLUMNS, "a slot's walk 2 fills its segment's columns to the end"
+    )
     run = True
     if HAS_NOOP:
         run = gl.load(noop_ptr) != 1.0
@@ -337,9 +369,13 @@ def quantize_slots_tma_kernel(
             item = (n, r0, seg0, slot, q, live != 0)
             base = stage * (SLOT_ROWS // CHUNK)
             if live != 0 and n >= SLOT_ROWS:  # a whole slot of a real group: no row masks
-                _walks(bufs, base, item, sizes, outputs, False, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
+                _walks(
+                    bufs, base, item, sizes, outputs, False, ROWWISE, SEGMENTS, MX, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3
+                )
             else:
-                _walks(bufs, base, item, sizes, outputs, True, ROWWISE, SEGMENTS, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3)
+                _walks(
+                    bufs, base, item, sizes, outputs, True, ROWWISE, SEGMENTS, MX, CHUNK, SLOT_ROWS, BLOCK_C, HW_E4M3
+                )
             # Every warp is done with this stage before it is loaded again.
             gl.thread_barrier()
             fence_async_shared()

@@ -485,10 +485,11 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
         (128, "segments-gathered"): (128, 128, 4, 1, 0, 0),
     },
 }
-# fp8_block's columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per form:
-# "rows" ((M, X) columnwise data, with or without the rowwise form), "segments" (the FP8 wgrad's layout
-# with the rowwise form), "segments-columnwise" (that layout alone) -> (CHUNK rows a walk step, warps,
-# strips of 128 x 128 in flight a program, programs an SM, slots fastest, MAXNREG: the registers a
+# The columnwise form on Hopper by the Gluon kernel (`kernels/quantize_hopper.py`), per (the recipe's
+# block: 128 fp8_block, 32 mxfp8; form): "rows" ((M, X) columnwise data, with or without the rowwise
+# form), "segments" (the FP8 wgrad's layout with the rowwise form; fp8_block only), "segments-columnwise"
+# (that layout alone) -> (CHUNK rows a walk step, warps, strips (a slot's rows x 128 columns) in flight a
+# program, programs an SM, slots fastest, MAXNREG: the registers a
 # thread, 0 for ptxas's choice, else capped so that the programs an SM fit the register file: the launch
 # is persistent, and a program that does not fit waits for a whole one to finish). Many small programs beat a
 # few large ones (each walks its strip alone; the others' loads and stores hide its latency); the H200
@@ -504,11 +505,13 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
 # for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
 # kernel gathers them. None: the GATHER form was slower than the Triton kernel, alone and in the layer's
 # step (notes/quantize.md, benchmarks/README.md).
-QUANTIZE_SLOTS_TMA: dict[Arch, dict[str, tuple[int, int, int, int, bool, int]]] = {
+# mxfp8's (32, "rows") has no entry yet (the Triton slots kernel runs it): its Gluon form is built and
+# compiled, not yet run on a GPU; `benchmarks/sweep_quantize.py`'s "mx_tma" variants time it.
+QUANTIZE_SLOTS_TMA: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, bool, int]]] = {
     "sm90": {
-        "rows": (16, 2, 1, 6, False, 0),
-        "segments": (32, 4, 1, 4, False, 128),
-        "segments-columnwise": (32, 4, 2, 3, True, 0),
+        (128, "rows"): (16, 2, 1, 6, False, 0),
+        (128, "segments"): (32, 4, 1, 4, False, 128),
+        (128, "segments-columnwise"): (32, 4, 2, 3, True, 0),
     },
 }
 # The table of the slots' rows the Gluon kernel reads (`slot_records_kernel`): (slots a program,

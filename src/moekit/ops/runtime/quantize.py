@@ -5,9 +5,9 @@ Legend: M rows (N groups of them, then padding rows), X columns; an (N, O, I) we
 (O, I); a slot is one block of rows of one group.
 
 One launch covers every group: for mxfp8 and fp8_block one launch whatever the forms asked (a tile
-gives its rows' rowwise and its columns' columnwise scales; fp8_block's columnwise form on Hopper by
-the Gluon kernel `moekit.ops.kernels.quantize_hopper.quantize_slots_tma_kernel` where
-`QUANTIZE_SLOTS_TMA` has an entry for the form and x is TMA-aligned bf16/fp16, the same bytes); for
+gives its rows' rowwise and its columns' columnwise scales; the columnwise form on Hopper by the Gluon
+kernel `moekit.ops.kernels.quantize_hopper.quantize_slots_tma_kernel` where `QUANTIZE_SLOTS_TMA` has an
+entry for the recipe's block and the form and x is TMA-aligned bf16/fp16, the same bytes); for
 fp8_rowwise one (rowwise alone: whole rows) or, with the columnwise form, two over the same tiles (the
 maxima of whole rows and whole groups into a zeroed int32 buffer, then both forms' bytes) plus that
 buffer's memset. The outputs' arguments
@@ -259,15 +259,18 @@ def hopper_slots_entry(
     """The `QUANTIZE_SLOTS_TMA` entry the Gluon kernel runs the columnwise form of x (with the rowwise
     form if `rowwise`; into the wgrad's segments if `segments`; rows gathered from x by an index if
     `gather`: the form's name + "-gathered") with on `arch`, or None where it does not take the problem
-    and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks, fp32 scales), an
-    architecture or form without an entry, a weight (3-D x), x not bf16/fp16, not TMA-aligned (16-byte
-    base and row stride) or empty, rows past TMA's int32 coordinates; gathered rows whose column count
-    is not a multiple of 16 (the GATHER form's cp.async copies 16 bytes under a column mask, and the
-    compiler splits them into 2-byte copies, which cp.async cannot do, unless it knows the count's
-    divisibility by 16)."""
+    and the Triton slots kernel runs: a recipe other than fp8_block (128 x 128 blocks, fp32 scales) and
+    mxfp8 (32-element blocks, E8M0 scales; the (M, X) form of rows read in place only), an architecture
+    or form without an entry, a weight (3-D x), x not bf16/fp16, not TMA-aligned (16-byte base and row
+    stride) or empty, rows past TMA's int32 coordinates; gathered rows whose column count is not a
+    multiple of 16 (the GATHER form's cp.async copies 16 bytes under a column mask, and the compiler
+    splits them into 2-byte copies, which cp.async cannot do, unless it knows the count's divisibility
+    by 16)."""
     form = ("segments" if rowwise else "segments-columnwise") if segments else "rows"
-    entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get(form + ("-gathered" if gather else ""))
-    takes = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
+    entry = QUANTIZE_SLOTS_TMA.get(arch, {}).get((info.block_cols or 0, form + ("-gathered" if gather else "")))
+    block = info.block_rows == 128 and info.block_cols == 128 and info.scale_dtype == torch.float32
+    mx = info.block_rows == 32 and info.block_cols == 32 and info.scale_dtype != torch.float32
+    takes = block or (mx and not segments and not gather)
     if entry is None or not takes or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     if not tma_ok(x) or x.stride(1) != 1 or x.shape[0] >= 2**31 - 2**20 or (gather and x.shape[1] % 16):
@@ -276,19 +279,21 @@ def hopper_slots_entry(
 
 
 def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> QuantizePlan | None:
-    """The plan of the Gluon kernel's launch of fp8_block's columnwise form (`quantize_slots_tma_kernel`,
-    the Triton slots kernel's bytes) and of the launch before it that fills its table of the slots' rows
-    (`slot_records_kernel`), or None where it does not apply (`hopper_slots_entry`) or there is nothing
-    to do. Rows gathered by an index: its GATHER form (cp.async copies instead of TMA boxes) where the
-    table has a "-gathered" entry. A persistent launch: `programs an SM` x the SMs, at most one a work
-    item."""
+    """The plan of the Gluon kernel's launch of the columnwise form (`quantize_slots_tma_kernel`:
+    fp8_block's, mxfp8's (M, X) form; the Triton slots kernel's bytes) and of the launch before it that
+    fills its table of the slots' rows (`slot_records_kernel`), or None where it does not apply
+    (`hopper_slots_entry`) or there is nothing to do. Rows gathered by an index: its GATHER form
+    (cp.async copies instead of TMA boxes) where the table has a "-gathered" entry. A persistent launch:
+    `programs an SM` x the SMs, at most one a work item."""
     x, x2, rows, num_groups, forms, pitch, _ = problem
     rowwise, _, has_noop, segments, gather = forms
     entry = hopper_slots_entry(info, x, arch_of(x2.device), rowwise, segments, gather)
     if entry is None or rows >= 2**31 - 2**20:
         return None
     chunk, warps, stages, per_sm, slots_fastest, maxnreg = entry
-    num_slots = _num_slots(info, x, rows, 128, num_groups)
+    assert info.block_rows is not None  # a recipe hopper_slots_entry takes
+    slot_rows = info.block_rows
+    num_slots = _num_slots(info, x, rows, slot_rows, num_groups)
     work = num_slots * triton.cdiv(x2.shape[1], 128)
     if not work:
         return None
@@ -305,11 +310,12 @@ def _slots_tma_plan(info: Recipe, problem: _Problem, stride_scale: int) -> Quant
             SLOTS_FASTEST=slots_fastest,
             HAS_NOOP=has_noop,
             HW_E4M3=hw_e4m3(x2.device),
+            MX=slot_rows == 32,
             num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         ),
     )
-    records = slot_records_plan(x2.device, rows, num_groups, num_slots, 128, segments)
+    records = slot_records_plan(x2.device, rows, num_groups, num_slots, slot_rows, segments)
     return QuantizePlan(None, slots, None, None, None, records, num_slots)
 
 
