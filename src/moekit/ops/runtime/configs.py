@@ -505,13 +505,14 @@ QUANTIZE_SLOTS: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, int, 
 # for the backward's routed operands (`group_quantize_for_wgrad(index=)`); without one the Triton slots
 # kernel gathers them. None: the GATHER form was slower than the Triton kernel, alone and in the layer's
 # step (notes/quantize.md, benchmarks/README.md).
-# mxfp8's (32, "rows") has no entry yet (the Triton slots kernel runs it): its Gluon form is built and
-# compiled, not yet run on a GPU; `benchmarks/sweep_quantize.py`'s "mx_tma" variants time it.
+# mxfp8's (32, "rows"): 8 programs an SM of 2 warps, one 32 x 128 strip in flight each, the fastest of the
+# entries `benchmarks/sweep_quantize.py` timed on an H100 (notes/quantize.md); deeper rings did not help.
 QUANTIZE_SLOTS_TMA: dict[Arch, dict[tuple[int, str], tuple[int, int, int, int, bool, int]]] = {
     "sm90": {
         (128, "rows"): (16, 2, 1, 6, False, 0),
         (128, "segments"): (32, 4, 1, 4, False, 128),
         (128, "segments-columnwise"): (32, 4, 2, 3, True, 0),
+        (32, "rows"): (16, 2, 1, 8, False, 0),
     },
 }
 # The table of the slots' rows the Gluon kernel reads (`slot_records_kernel`): (slots a program,
