@@ -139,7 +139,9 @@ HELD_VARIANTS: dict[str, tuple[int, int]] = {
 # (M, X) forms (kind "mx") by the Gluon kernel, which runs where the table has (32, "rows"): a strip is
 # 32 x 128 (8 KiB of bf16), so the bytes in flight an SM are strips a program x programs an SM x 8 KiB:
 # "mx_tma" 3 x 8 (192 KiB), "mx_tma_s2" 2 x 8, "mx_tma_s4p6" 4 x 6, "mx_tma_c32w4" 32-row chunks of 4
-# warps, 4 x 4; "mx_tma_slots" mx_tma with slots fastest.
+# warps, 4 x 4; "mx_tma_slots" mx_tma with slots fastest; the "v_" ones (the H100 run at 43453a9 that chose
+# the committed entry, v_s1p8): one stage ("v_s1p8"), 2 x 6 ("v_s2p6"), one-warp programs ("v_w1s1p16",
+# "v_w1s2p12"), 10 programs under a 96-register cap ("v_s2p10r96"), 4 warps a 16-row chunk ("v_w4s2p4").
 TMA_VARIANTS: dict[str, dict[tuple[int, str], tuple[int, int, int, int, bool, int]]] = {
     "tma_g": {
         (128, "segments-gathered"): (32, 4, 1, 4, False, 128),
@@ -154,11 +156,23 @@ TMA_VARIANTS: dict[str, dict[tuple[int, str], tuple[int, int, int, int, bool, in
     "mx_tma_s4p6": {(32, "rows"): (16, 2, 4, 6, False, 0)},
     "mx_tma_c32w4": {(32, "rows"): (32, 4, 4, 4, False, 0)},
     "mx_tma_slots": {(32, "rows"): (16, 2, 3, 8, True, 0)},
+    "v_s1p8": {(32, "rows"): (16, 2, 1, 8, False, 0)},
+    "v_s2p6": {(32, "rows"): (16, 2, 2, 6, False, 0)},
+    "v_w1s1p16": {(32, "rows"): (16, 1, 1, 16, False, 0)},
+    "v_w1s2p12": {(32, "rows"): (16, 1, 2, 12, False, 0)},
+    "v_s2p10r96": {(32, "rows"): (16, 2, 2, 10, False, 96)},
+    "v_w4s2p4": {(32, "rows"): (16, 4, 2, 4, False, 0)},
 }
 VARIANTS.update(TILE_VARIANTS)
 VARIANTS.update(MX_VARIANTS)
 VARIANTS.update(HELD_VARIANTS)
-VARIANTS.update(dict.fromkeys(TMA_VARIANTS, ()))
+# A Gluon table variant's entries, as the results record them: ("block/form", entry) pairs.
+VARIANTS.update(
+    {
+        name: tuple((f"{block}/{form}", entry) for (block, form), entry in added.items())
+        for name, added in TMA_VARIANTS.items()
+    }
+)
 
 
 def table_of(variant: str) -> tuple[str, tuple[int, str] | None, tuple[str, ...]]:
