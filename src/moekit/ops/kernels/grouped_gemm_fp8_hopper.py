@@ -111,11 +111,11 @@ def _shared_ring(
     PARTS: gl.constexpr = 2,
 ):
     """The kernels' shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
-    box of the operand whose rows are the tile's, PARTS boxes of ROWS / PARTS rows where PARTS == 3, the
-    (COLS, BLOCK_RED) box of the other), each of the
-    PARTS math warp groups' own (ROWS / PARTS, min(COLS, BLOCK_RED)) staging tile for its TMA stores (the
-    third is the second where PARTS == 2), and the slots' ready barriers (one arrival: the load warp's
-    expect) and empty barriers (PARTS: a slot is free once every warp group's MMAs on it are done)."""
+    box of the operand whose rows are the tile's, as PARTS boxes of ROWS / PARTS rows where PARTS == 3;
+    the (COLS, BLOCK_RED) box of the other), each of the PARTS math warp groups' own (ROWS / PARTS,
+    min(COLS, BLOCK_RED)) staging tile for its TMA stores (the third is the second where PARTS == 2), and
+    the slots' ready barriers (one arrival: the load warp's expect) and empty barriers (PARTS: a slot is
+    free once every warp group's MMAs on it are done)."""
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_RED], dtype)
     SUB: gl.constexpr = COLS if COLS < BLOCK_RED else BLOCK_RED
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS // PARTS, SUB], out_ty)
