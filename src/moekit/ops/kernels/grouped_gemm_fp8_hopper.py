@@ -447,7 +447,9 @@ def grouped_mm_fp8_block_ws_kernel(
         a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N, stride_cm, stride_bias_g,
         stride_asm, stride_bsg, stride_bs_red, stride_bs_col, a_bufs, b_bufs, ready, empty,
     )  # fmt: skip
-    # Each math partition's tuple is written out: its constexprs must be literal in it.
+    # Each math partition's tuple is written out, and the partition list is literal in each call: the
+    # constexprs must be literal in a partition's tuple, and Gluon 3.6 cannot hold a tuple or list with a
+    # partition's function in a variable (so the two calls differ by the third warp group only).
     if PARTS == 3:
         gl.warp_specialize(
             [

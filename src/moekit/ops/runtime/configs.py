@@ -354,17 +354,7 @@ FP8_BLOCK_WS_STAGES: dict[int, int] = {2: 4, 4: 3}
 # can wait on the tensor cores instead of one. One 128-column accumulator a warp group (64 + 64 product
 # registers: MATH_REGS 160, what 16 warps at launch leave after the load warp's 32), the ring slot 40 KiB
 # (the rows as three 64-row boxes), 4 slots beside three staging tiles in 16-bit outputs, 3 in fp32.
-FP8_BLOCK_WS3 = dict(
-    BLOCK_M=192,
-    BLOCK_C=128,
-    BLOCK_RED=128,
-    GROUP_M=8,
-    MATH_REGS=160,
-    LOAD_REGS=32,
-    num_warps=4,
-    maxnreg=128,
-    PARTS=3,
-)
+FP8_BLOCK_WS3 = dict(FP8_BLOCK_WS, BLOCK_M=192, BLOCK_C=128, MATH_REGS=160, LOAD_REGS=32, maxnreg=128, PARTS=3)
 FP8_BLOCK_WS3_STAGES: dict[int, int] = {2: 4, 4: 3}
 # Which of the two the forward and the dgrad run (the gated fc1 kernel keeps FP8_BLOCK_WS): two warp groups
 # until the three have been timed against them on a GPU (`benchmarks/sweep_fp8_block_parts.py`).
