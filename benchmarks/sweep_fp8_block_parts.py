@@ -37,11 +37,22 @@ VARIANTS = {
 }
 
 
-def use(variant: str) -> None:
-    """Make `variant` the forward / dgrad kernel's table (in place: the runtime holds these dicts)."""
-    table, stages = VARIANTS[variant]
+# The table as the library ships it (this module is imported before anything rewrites it).
+DEFAULT = (dict(configs.FP8_BLOCK_MM_WS), dict(configs.FP8_BLOCK_MM_WS_STAGES))
+
+
+def use(variant: str | None) -> None:
+    """Make `variant` (None: the library's default table) the forward / dgrad kernel's table, in place (the
+    runtime holds these dicts); the kept plans are forgotten only where the table changes, so a caller can
+    name its variant before every call."""
+    if variant is None:
+        table, stages = DEFAULT
+    else:
+        table, stages = {"PARTS": 2, **VARIANTS[variant][0]}, VARIANTS[variant][1]
+    if configs.FP8_BLOCK_MM_WS == table and configs.FP8_BLOCK_MM_WS_STAGES == stages:
+        return
     configs.FP8_BLOCK_MM_WS.clear()
-    configs.FP8_BLOCK_MM_WS.update({"PARTS": 2, **table})
+    configs.FP8_BLOCK_MM_WS.update(table)
     configs.FP8_BLOCK_MM_WS_STAGES.clear()
     configs.FP8_BLOCK_MM_WS_STAGES.update(stages)
     forget_plans()
@@ -95,7 +106,6 @@ def main() -> None:
         raise SystemExit("sweep_fp8_block_parts.py times the Gluon kernel: it needs an sm_90 GPU")
     variants = select_by_name(list(VARIANTS), args.variants, "variants", VARIANTS)
     names = select_by_name(list(SHAPES), args.shapes, "shapes", SHAPES)
-    saved = (dict(configs.FP8_BLOCK_MM_WS), dict(configs.FP8_BLOCK_MM_WS_STAGES))
     cells: dict[str, dict] = {}
     try:
         for name in names:
@@ -119,11 +129,7 @@ def main() -> None:
                     print(f"{name:<18} {product:<10} {variant:<7} {ms:8.3f} ms {cell['tflops']:7.1f} TFLOP/s{mark}")
                 torch.cuda.empty_cache()
     finally:
-        configs.FP8_BLOCK_MM_WS.clear()
-        configs.FP8_BLOCK_MM_WS.update(saved[0])
-        configs.FP8_BLOCK_MM_WS_STAGES.clear()
-        configs.FP8_BLOCK_MM_WS_STAGES.update(saved[1])
-        forget_plans()
+        use(None)
     if any(cell["equal"] is False for cell in cells.values()):
         raise SystemExit("a variant's bits differ from the first variant's (BITS DIFFER above)")
     if args.out is not None:
