@@ -124,14 +124,18 @@ def test_clamped_swiglu_by_hand():
 
 @pytest.mark.parametrize("k", [1, 2, 4, F])
 def test_interleaved_input_gives_standard_output(k):
-    """swiglu(interleave_glu(h, k, dim=1), glu_interleave_size=k) == swiglu(h), to fp32 rounding (the
-    gathers are exact; vectorised and scalar CPU paths of silu/sigmoid may differ in the last bit)."""
+    """swiglu(interleave_glu(h, k, dim=1), glu_interleave_size=k) == swiglu(h) within the tolerance rule's
+    floor (the gathers are exact, but the strided operands may take another vectorised or scalar CPU path
+    of silu / sigmoid / tanh: a few ulps, more where a term cancels, as one AMD EPYC showed at 2e-7 on an
+    output of 6e-2; a swapped gate / up or a wrong block is off by order 1)."""
     h = rand(M, 2 * F, seed=5)
     p = rand(M, seed=6)
     for activation in ACTIVATIONS:
         expected = moekit.glu(h, probs=p, activation=activation)
         got = moekit.glu(moekit.interleave_glu(h, k, dim=1), probs=p, glu_interleave_size=k, activation=activation)
-        torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-7)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        err = rel_err(got, expected)
+        assert err <= tolerance_floor(torch.float32, 2 * F), f"{activation}, k={k}: relative error {err:.2e}"
 
 
 def test_probs_column_shape_and_dtype():
