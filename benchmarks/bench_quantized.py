@@ -54,13 +54,6 @@ layer      the routed experts given their routing, forward+backward, at four sha
              moekit_fp8_rowwise  the same with quantization="fp8_rowwise"
              moekit_fp8_*_hpw    the same with quantized_wgrad=False: the weight gradients from the
                                  unquantized operands in bf16 (no columnwise quantization)
-             moekit_fp8_block_parts3
-                                 moekit_fp8_block with fp8_block's forward / dgrad kernel on its
-                                 three-math-warp-group table (sweep_fp8_block_parts' "parts3",
-                                 `configs.FP8_BLOCK_WS3`), written into the runtime's table before
-                                 each of its calls and the default put back before every other
-                                 moekit column's: a layer-level A/B in one process (only
-                                 where --columns names it)
              torchao_fp8         the plain layer on torchao's differentiable FP8 rowwise grouped mm
                                  (_to_fp8_rowwise_then_scaled_grouped_mm), the routing weights applied
                                  to fc2's input; CUDA only, imported only here (absent: "skipped")
@@ -119,7 +112,6 @@ from pathlib import Path
 
 import bench_moe_layer
 import runner
-import sweep_fp8_block_parts
 import torch
 import torch.nn.functional as F
 from bench_moe_layer import LayerShape, plain_layer
@@ -139,7 +131,6 @@ COLUMNS = (
     "plain_bf16",
     "moekit_bf16",
     "moekit_fp8_block",
-    "moekit_fp8_block_parts3",
     "moekit_fp8_rowwise",
     "moekit_fp8_block_hpw",
     "moekit_fp8_rowwise_hpw",
@@ -151,13 +142,7 @@ QUANTIZED_COLUMNS = {
     "moekit_fp8_rowwise": ("fp8_rowwise", True),
     "moekit_fp8_block_hpw": ("fp8_block", False),
     "moekit_fp8_rowwise_hpw": ("fp8_rowwise", False),
-    "moekit_fp8_block_parts3": ("fp8_block", True),
 }
-# The fp8_block forward / dgrad kernel's table a moekit column runs with (sweep_fp8_block_parts'
-# variants); the columns not named here run the library's default.
-GEMM_VARIANTS = {"moekit_fp8_block_parts3": "parts3"}
-# A run's columns unless --columns names others: the A/B columns of GEMM_VARIANTS only where asked for.
-DEFAULT_COLUMNS = tuple(c for c in COLUMNS if c not in GEMM_VARIANTS)
 RECIPES = ("fp8_block", "fp8_rowwise", "mxfp8")
 OPERANDS = (
     "activations",
@@ -239,19 +224,15 @@ def _bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def moekit_column(quantization: str | None, quantized_wgrad: bool = True, gemm_variant: str | None = None):
+def moekit_column(quantization: str | None, quantized_wgrad: bool = True):
     """moekit's layer as `MoELayer` runs it: with quantization, each weight's `QuantizedWeightCache`
     kept across steps and refreshed at every step (`track_versions=False`: in place, as after every
     optimizer step of training), so the weights' quantization (and the dgrad's transposed copy) is
     timed in every step and lives in the caches, not among the activations held for the backward
-    (the caches' size is recorded apart: `weight_cache_bytes`). gemm_variant: the fp8_block forward /
-    dgrad kernel's table for its calls (`sweep_fp8_block_parts.use`; None: the library's default),
-    installed before each call (plans forgotten only where the table changes: at most the first step
-    of a column's round plans again)."""
+    (the caches' size is recorded apart: `weight_cache_bytes`)."""
     caches = (QuantizedWeightCache(track_versions=False), QuantizedWeightCache(track_versions=False))
 
     def run(x, w1, w2, topk_ids, topk_weights):
-        sweep_fp8_block_parts.use(gemm_variant)
         kw = {"weight_caches": caches, "quantized_wgrad": quantized_wgrad} if quantization else {}
         return moekit.moe_experts(x, topk_ids, topk_weights, w1, w2, quantization=quantization, **kw)
 
@@ -333,10 +314,7 @@ def build_columns(names: list[str], device: torch.device) -> list[Column]:
         elif name in QUANTIZED_COLUMNS:
             q, quantized_wgrad = QUANTIZED_COLUMNS[name]
             info = {"quantization": q, "quantized_wgrad": quantized_wgrad}
-            if name in GEMM_VARIANTS:
-                info["fp8_block_gemm"] = GEMM_VARIANTS[name]
-            column = moekit_column(q, quantized_wgrad, GEMM_VARIANTS.get(name))
-            columns.append(Column(name, column, info=info))
+            columns.append(Column(name, moekit_column(q, quantized_wgrad), info=info))
         elif name == "torchao_fp8":
             fn, reason = torchao_column(device)
             stand_in = weights_before_fc2_layer(_bf16_grouped_mm) if device.type != "cuda" else None
@@ -990,7 +968,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--parts", default=",".join(PARTS), help="comma list of quantize, gemm, layer (roofs always run)"
     )
-    parser.add_argument("--columns", default=",".join(DEFAULT_COLUMNS), help="comma list of the layer's columns")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of the layer's columns")
     parser.add_argument("--recipes", default=",".join(RECIPES), help="comma list of group_quantize's recipes")
     parser.add_argument(
         "--operands",

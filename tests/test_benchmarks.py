@@ -8,7 +8,6 @@ read what their JSONs hold."""
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import importlib.util
 import json
 import os
@@ -287,46 +286,6 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     summary = (tmp_path / "quantized.md").read_text()
     assert "| smoke | moekit_fp8_rowwise |" in summary and "| hbm_copy |" in summary
     assert "| smoke | fc1 | wgrad | skipped |" in summary
-
-
-def test_bench_quantized_gemm_variant_column_is_an_ab_of_the_same_layer(tmp_path):
-    """--columns moekit_fp8_block_parts3 (not in a default run: the smoke test's column list): fp8_block's
-    layer with the forward / dgrad kernel's three-warp-group table installed for its calls, recorded as
-    such. Off Hopper the table selects nothing, so its output is the default column's to the bit (the
-    same error against float64)."""
-    payload = _run_quantized(
-        tmp_path, "--parts", "layer", "--roofs", "hbm_copy", "--columns", "moekit_fp8_block,moekit_fp8_block_parts3"
-    )
-    layer = payload["layer"]
-    assert [r["column"] for r in layer] == ["moekit_fp8_block", "moekit_fp8_block_parts3"] * 2
-    for default, parts3 in zip(layer[::2], layer[1::2], strict=True):
-        assert default["status"] == parts3["status"] == "ok", (default, parts3)
-        assert "fp8_block_gemm" not in default and parts3["fp8_block_gemm"] == "parts3", parts3
-        assert parts3["rel_err_fro"] == default["rel_err_fro"], (default, parts3)
-
-
-def test_sweep_fp8_block_parts_use_installs_a_table_and_puts_the_default_back(monkeypatch):
-    """`sweep_fp8_block_parts.use`: a variant's table written into the runtime's dicts in place (plans
-    forgotten), naming it again keeps the plans, None puts the library's default back."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    sweep = importlib.import_module("sweep_fp8_block_parts")
-    from moekit.ops.runtime import configs, launch
-
-    default = dict(configs.FP8_BLOCK_MM_WS), dict(configs.FP8_BLOCK_MM_WS_STAGES)
-    assert sweep.DEFAULT == default
-    try:
-        sweep.use("parts3")
-        assert configs.FP8_BLOCK_MM_WS == {"PARTS": 2, **configs.FP8_BLOCK_WS3}
-        assert configs.FP8_BLOCK_MM_WS["PARTS"] == 3
-        assert configs.FP8_BLOCK_MM_WS_STAGES == configs.FP8_BLOCK_WS3_STAGES
-        assert launch.planned_count() == 0
-        launch.plan_launch("test-use", ("kept",), lambda: object())
-        sweep.use("parts3")
-        assert launch.planned_count() >= 1  # the same table: plans kept
-    finally:
-        sweep.use(None)
-    assert (dict(configs.FP8_BLOCK_MM_WS), dict(configs.FP8_BLOCK_MM_WS_STAGES)) == default
-    assert launch.planned_count() == 0
 
 
 def test_bench_quantized_routed_splits_take_the_routing_counts(tmp_path):

@@ -45,9 +45,7 @@ from moekit.ops.splits import device_offsets
 from moekit.reference import grouped_linear_reference
 
 qg = pytest.importorskip("moekit.ops.runtime.quantized_gemm")
-from moekit.ops.runtime import configs  # noqa: E402
 from moekit.ops.runtime.configs import GemmConfig, fp8_gemm_candidates  # noqa: E402
-from moekit.ops.runtime.launch import forget_plans  # noqa: E402
 
 ON_CPU = triton_unavailable_reason(torch.device("cpu"), torch.float32) is None
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before import)")
@@ -592,15 +590,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_fp8_hopper import grouped_mm_fp8_block_ws_kernel as kernel
-from moekit.ops.runtime import configs
+from moekit.ops.runtime.configs import FP8_BLOCK_WS, FP8_BLOCK_WS_STAGES
 
-out_ty, bias, scale, epi_tma, parts = json.loads(sys.argv[1])
-table, stages = ((configs.FP8_BLOCK_WS, configs.FP8_BLOCK_WS_STAGES) if parts == 2
-                 else (configs.FP8_BLOCK_WS3, configs.FP8_BLOCK_WS3_STAGES))
-options = {"num_warps": table["num_warps"], "maxnreg": table["maxnreg"]}
-const = {"PARTS": 2, **{k: v for k, v in table.items() if k not in options}}
+out_ty, bias, scale, epi_tma = json.loads(sys.argv[1])
+options = {"num_warps": FP8_BLOCK_WS["num_warps"], "maxnreg": FP8_BLOCK_WS["maxnreg"]}
+const = {k: v for k, v in FP8_BLOCK_WS.items() if k not in options}
 const.update(HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132,
-             STAGES=stages[4 if out_ty == "fp32" else 2])
+             STAGES=FP8_BLOCK_WS_STAGES[4 if out_ty == "fp32" else 2])
 pointer = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
            "scale_ptr": "*fp32", "offs_ptr": "*i64"}
 sig = {n: "constexpr" if n in const else pointer.get(n, "*" + out_ty) if n.endswith("_ptr") else "i32"
@@ -619,7 +615,6 @@ print(json.dumps({"shared": compiled.metadata.shared,
 """
 
 
-@pytest.mark.parametrize("parts", [2, 3], ids=["two-warp-groups", "three-warp-groups"])
 @pytest.mark.parametrize(
     "out_ty, bias, scale, epi_tma",
     [
@@ -630,18 +625,16 @@ print(json.dumps({"shared": compiled.metadata.shared,
     ],
     ids=["bf16", "bf16-bias-row-scale", "fp32-bias", "fp16-pointer-stores"],
 )
-def test_hopper_fp8_block_kernel_compiles_for_sm90(out_ty, bias, scale, epi_tma, parts, tmp_path):
-    """The Gluon kernel's configurations (two math warp groups on 128 x 256 tiles, `FP8_BLOCK_WS`, and
-    three on 192 x 128, `FP8_BLOCK_WS3`) compile for sm_90a inside Hopper's 227 KB of shared memory, with
-    FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (per math warp group and step one a 128-column
-    half: each waits for its own MMAs only) and no wgmma serialization by ptxas (C7514 / C7515). In its
-    own process, as test_gemm_kernels.py's Hopper compile test (Gluon cannot compile where
-    TRITON_INTERPRET=1 is set)."""
-    args = json.dumps([out_ty, bias, scale, epi_tma, parts])
+def test_hopper_fp8_block_kernel_compiles_for_sm90(out_ty, bias, scale, epi_tma, tmp_path):
+    """The Gluon kernel's configurations compile for sm_90a inside Hopper's 227 KB of shared memory, with
+    FP8 wgmma (m64n128k32), only `wgmma.wait_group 0` (two per math warp group and step: each waits for
+    its own MMAs only) and no wgmma serialization by ptxas (C7514 / C7515). In its own process, as
+    test_gemm_kernels.py's Hopper compile test (Gluon cannot compile where TRITON_INTERPRET=1 is set)."""
+    args = json.dumps([out_ty, bias, scale, epi_tma])
     got = compile_in_subprocess(_COMPILE_FP8_BLOCK_FOR_SM90, args, str(tmp_path / "k.ptx"))
     assert 0 < got["shared"] <= 227 * 1024
     assert got["mma"] == ["m64n128k32.f32.e4m3.e4m3"]
-    assert got["waits"] == ["0"] * (4 if parts == 2 else 3), got["waits"]
+    assert got["waits"] == ["0"] * 4, got["waits"]
     assert not got["serialized"], got["serialized"]
 
 
@@ -656,40 +649,6 @@ def _hopper_or_skip() -> None:
 def test_gpu_hopper_fp8_block_against_float64_and_triton_bits(op, M, I, O, splits, nan_poison):
     _hopper_or_skip()
     hopper_case(torch.device("cuda"), op, M, I, O, splits, torch.bfloat16)
-
-
-@pytest.fixture
-def three_warp_groups():
-    """The forward / dgrad kernel with three math warp groups (`configs.FP8_BLOCK_WS3`), as the runtime reads
-    its table (`FP8_BLOCK_MM_WS`, rewritten in place and put back), plans forgotten before and after."""
-    saved = dict(configs.FP8_BLOCK_MM_WS), dict(configs.FP8_BLOCK_MM_WS_STAGES)
-    configs.FP8_BLOCK_MM_WS.update(configs.FP8_BLOCK_WS3)
-    configs.FP8_BLOCK_MM_WS_STAGES.update(configs.FP8_BLOCK_WS3_STAGES)
-    forget_plans()
-    yield
-    configs.FP8_BLOCK_MM_WS.clear()
-    configs.FP8_BLOCK_MM_WS.update(saved[0])
-    configs.FP8_BLOCK_MM_WS_STAGES.clear()
-    configs.FP8_BLOCK_MM_WS_STAGES.update(saved[1])
-    forget_plans()
-
-
-@gpu
-@pytest.mark.parametrize("op", ["fwd", "dgrad"])
-@pytest.mark.parametrize("M, I, O, splits", HOPPER_SHAPES)
-def test_gpu_hopper_fp8_block_three_warp_groups(op, M, I, O, splits, nan_poison, three_warp_groups):
-    """The 192 x 128 tile of three math warp groups: the same bits as the Triton kernel (the same fp32
-    operations a row), and within the float64 bound, at every test shape (the forward with a bias)."""
-    _hopper_or_skip()
-    hopper_case(torch.device("cuda"), op, M, I, O, splits, torch.bfloat16, with_bias=op == "fwd")
-
-
-@gpu
-@pytest.mark.parametrize("op", ["fwd", "dgrad"])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_gpu_hopper_fp8_block_three_warp_groups_output_dtypes(op, out_dtype, nan_poison, three_warp_groups):
-    _hopper_or_skip()
-    hopper_case(torch.device("cuda"), op, 2048, 2880, 1040, [300, 0, 900, 548, 1, 199], out_dtype)
 
 
 @gpu

@@ -108,36 +108,26 @@ def _shared_ring(
     COLS: gl.constexpr,
     BLOCK_RED: gl.constexpr,
     STAGES: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
-    """The kernels' shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
-    box of the operand whose rows are the tile's, as PARTS boxes of ROWS / PARTS rows where PARTS == 3;
-    the (COLS, BLOCK_RED) box of the other), each of the PARTS math warp groups' own (ROWS / PARTS,
-    min(COLS, BLOCK_RED)) staging tile for its TMA stores (the third is the second where PARTS == 2), and
-    the slots' ready barriers (one arrival: the load warp's expect) and empty barriers (PARTS: a slot is
-    free once every warp group's MMAs on it are done)."""
+    """Both kernels' shared memory: a ring of STAGES slots of one reduction step (the (ROWS, BLOCK_RED)
+    box of the operand whose rows are the tile's, the (COLS, BLOCK_RED) box of the other), each math warp
+    group's own (ROWS / 2, min(COLS, BLOCK_RED)) staging tile for its TMA stores, and the slots' ready
+    barriers (one arrival: the load warp's expect) and empty barriers (two: a slot is free once both warp
+    groups' MMAs on it are done)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_RED], dtype)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([COLS, BLOCK_RED], dtype)
     SUB: gl.constexpr = COLS if COLS < BLOCK_RED else BLOCK_RED
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS // PARTS, SUB], out_ty)
-    if PARTS == 2:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_RED], dtype)
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, ROWS, BLOCK_RED], a_layout)
-    else:  # shared shapes are powers of two: a slot's rows as PARTS boxes of ROWS / PARTS (slot * PARTS + part)
-        a3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS // PARTS, BLOCK_RED], dtype)
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES * PARTS, ROWS // PARTS, BLOCK_RED], a3_layout)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS // 2, SUB], out_ty)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, ROWS, BLOCK_RED], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, COLS, BLOCK_RED], b_layout)
-    c0_smem = gl.allocate_shared_memory(out_ty, [ROWS // PARTS, SUB], c_layout)
-    c1_smem = gl.allocate_shared_memory(out_ty, [ROWS // PARTS, SUB], c_layout)
-    if PARTS == 3:
-        c2_smem = gl.allocate_shared_memory(out_ty, [ROWS // PARTS, SUB], c_layout)
-    else:
-        c2_smem = c1_smem
+    c0_smem = gl.allocate_shared_memory(out_ty, [ROWS // 2, SUB], c_layout)
+    c1_smem = gl.allocate_shared_memory(out_ty, [ROWS // 2, SUB], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=PARTS)
-    return a_bufs, b_bufs, c0_smem, c1_smem, c2_smem, ready, empty
+        mbarrier.init(empty.index(i), count=2)
+    return a_bufs, b_bufs, c0_smem, c1_smem, ready, empty
 
 
 @gluon.jit
@@ -163,19 +153,16 @@ def _load_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
     """Each tile's A and B boxes, one reduction step a slot; none for padding tiles. With GLU_BLOCK > 0
     (the gated kernel: COLS = F activation columns, tiles of BLOCK_C / 2 of them) the B box is two boxes
-    of BLOCK_C / 2 weight rows, the tile's gate rows and its up rows (`glu_weight_rows`). PARTS == 3:
-    the A box is three boxes of BLOCK_M / 3 rows, one a math warp group (`_shared_ring`)."""
+    of BLOCK_C / 2 weight rows, the tile's gate rows and its up rows (`glu_weight_rows`)."""
     SCHED_C: gl.constexpr = BLOCK_C // 2 if GLU_BLOCK > 0 else BLOCK_C
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, SCHED_C
     )
-    A_BOX: gl.constexpr = BLOCK_M if PARTS == 2 else BLOCK_M // PARTS
     a_desc = tma.make_tensor_descriptor(
-        a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[A_BOX, BLOCK_RED], layout=a_bufs.type.layout
+        a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
     )
     W_ROWS = 2 * COLS if GLU_BLOCK > 0 else COLS  # weight rows a group
     b_desc = tma.make_tensor_descriptor(
@@ -198,13 +185,7 @@ def _load_partition(
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             red0 = step * BLOCK_RED
-            if PARTS == 2:
-                tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
-            else:
-                for part in gl.static_range(PARTS):
-                    tma.async_copy_global_to_shared(
-                        a_desc, [row0 + part * A_BOX, red0], ready.index(slot), a_bufs.index(slot * PARTS + part)
-                    )
+            tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
             if GLU_BLOCK > 0:
                 b_slot = b_bufs.index(slot)
                 tma.async_copy_global_to_shared(
@@ -265,7 +246,6 @@ def _main_loop(
     HALVES: gl.constexpr,
     STAGES: gl.constexpr,
     mma_layout: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
     """One warp group's reduction of one tile over the ring (the module docstring's loop), from ring
     position `it`: (acc0, acc1, it after the tile), acc1 the second 128-column half's accumulator (acc0
@@ -281,10 +261,7 @@ def _main_loop(
     for step in range(red_steps * real.to(gl.int32)):
         slot = it % STAGES
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-        if PARTS == 2:
-            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
-        else:
-            a_rows = a_bufs.index(slot * PARTS + HALF)
+        a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
         # A fresh product (the registers of the last one, promoted already), this warp group's rows.
         prod = warpgroup_mma(
             a_rows, b_bufs.index(slot).slice(0, SUB, dim=0).permute((1, 0)), prod, use_acc=False, is_async=True
@@ -318,8 +295,27 @@ def _main_loop(
 
 @gluon.jit
 def _math_partition(
-    operands,
+    a_scale_ptr,
+    b_scale_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_cm,
+    stride_bias_g,
+    stride_asm,
+    stride_bsg,
+    stride_bs_red,
+    stride_bs_col,
+    a_bufs,
+    b_bufs,
     c_smem,
+    ready,
+    empty,
     HALF: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
@@ -331,21 +327,15 @@ def _math_partition(
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
-    """One of the PARTS math warp groups: rows HALF * BLOCK_M / PARTS onwards of every tile (BLOCK_M /
-    PARTS = 64 of them), the main loop of the module docstring over the ring, then those rows'
-    epilogue. A tile of 2 x 128 columns (two weight scale blocks) is two accumulators of 128 columns,
-    each step two MMAs into the one product register set, each promoted with its block's scale before
-    the next is issued. operands: the kernel's runtime arguments every math warp group reads, with the
-    ring (`grouped_mm_fp8_block_ws_kernel`); c_smem: this warp group's staging tile."""
-    a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N = operands[:10]
-    stride_cm, stride_bias_g, stride_asm, stride_bsg, stride_bs_red, stride_bs_col = operands[10:16]
-    a_bufs, b_bufs, ready, empty = operands[16:]
+    """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile (BLOCK_M / 2 of them), the main
+    loop of the module docstring over the ring, then those rows' epilogue. A tile of 2 x 128 columns
+    (two weight scale blocks) is two accumulators of 128 columns, each step two MMAs into the one
+    product register set, each promoted with its block's scale before the next is issued."""
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
-    ROWS: gl.constexpr = BLOCK_M // PARTS
+    ROWS: gl.constexpr = BLOCK_M // 2
     SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED  # columns of one weight scale block
     HALVES: gl.constexpr = BLOCK_C // SUB
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -358,7 +348,7 @@ def _math_partition(
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
-            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout, PARTS
+            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
         )
         # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
         # accumulator's columns lie in one weight scale block: one weight scale a step each.
@@ -368,7 +358,7 @@ def _math_partition(
         acc0, acc1, it = _main_loop(
             a_bufs, b_bufs, ready, empty, it, a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr,
             sb_ptr + stride_bs_col, mask_sa, real, hi_ok, red_steps, stride_bs_red, HALF, ROWS, SUB, HALVES, STAGES,
-            mma_layout, PARTS,
+            mma_layout,
         )  # fmt: skip
 
         store_halves(
@@ -413,7 +403,6 @@ def grouped_mm_fp8_block_ws_kernel(
     STAGES: gl.constexpr,
     MATH_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
     """c (M, COLS) = dequant(a) (M, RED) @ dequant(w[g])^T per group with fp8_block's scales, padding
     rows zero: `grouped_mm_fp8_kernel`'s fp8_block path (TRANS_B, BLOCK_SCALES, SCALE_BLOCK = BLOCK_RED
@@ -426,60 +415,126 @@ def grouped_mm_fp8_block_ws_kernel(
     stride_bs_col. c: (M, COLS) in the output dtype, row stride stride_cm (EPI_TMA: TMA stores of the
     64-row blocks inside a group, needs a 16-byte aligned row stride and base); bias (N, COLS) row stride stride_bias_g
     and its per-row scale (M,) as the Triton kernel's. offs: (N + 1,) int64 device offsets. Needs
-    BLOCK_RED = 128 (a step is a scale block), BLOCK_M = 64 * PARTS (PARTS math warp groups of 64 rows,
-    2 or 3), BLOCK_C a divisor of 128 or, with two warp groups, 256 (two weight scale blocks),
-    TMA-aligned a and b (16-byte row strides and bases), N * COLS < 2**31. num_warps = 4 (math warp group
-    0; the others and the load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
-    Three warp groups: while one promotes, two MMAs can be queued on the tensor cores instead of one,
-    at one accumulator a warp group (a 192 x 128 tile: the same operand bytes a MAC within 8 %).
+    BLOCK_RED = 128 (a step is a scale block), BLOCK_M = 128 (two warp groups of 64 rows), BLOCK_C a
+    divisor of 128 or 256 (two weight scale blocks), TMA-aligned a and b (16-byte row strides and bases),
+    N * COLS < 2**31. num_warps = 4 (math warp group 0; group 1 and the load warp are workers with
+    MATH_REGS and LOAD_REGS registers a thread).
     """
     gl.static_assert(
         BLOCK_RED % BLOCK_C == 0 or BLOCK_C == 2 * BLOCK_RED, "a tile is in one weight scale block, or two whole ones"
     )
-    gl.static_assert(BLOCK_M == 64 * PARTS, "math warp groups of 64 rows")
-    gl.static_assert(PARTS >= 2, "two or three math warp groups")
-    gl.static_assert(PARTS <= 3, "two or three math warp groups")
-    gl.static_assert(PARTS * BLOCK_C <= 2 * 256, "three math warp groups hold one accumulator each")
-    a_bufs, b_bufs, c0_smem, c1_smem, c2_smem, ready, empty = _shared_ring(
-        a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES, PARTS
+    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
+        a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
-    operands = (
-        a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N, stride_cm, stride_bias_g,
-        stride_asm, stride_bsg, stride_bs_red, stride_bs_col, a_bufs, b_bufs, ready, empty,
-    )  # fmt: skip
-    # Each math partition's tuple is written out, and the partition list is literal in each call: the
-    # constexprs must be literal in a partition's tuple, and Gluon 3.6 cannot hold a tuple or list with a
-    # partition's function in a variable (so the two calls differ by the third warp group only).
-    if PARTS == 3:
-        gl.warp_specialize(
-            [
-                (_math_partition, (operands, c0_smem, 0, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                   GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, PARTS)),
-                (_math_partition, (operands, c1_smem, 1, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                   GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, PARTS)),
-                (_math_partition, (operands, c2_smem, 2, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                   GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, PARTS)),
-                (_load_partition, (a_ptr, b_ptr, offs_ptr, M, COLS, RED, N, stride_am, stride_br, a_bufs, b_bufs,
-                                   ready, empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS,
-                                   STAGES, 0, PARTS)),
-            ],
-            [4, 4, 1],
-            [MATH_REGS, MATH_REGS, LOAD_REGS],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_math_partition, (operands, c0_smem, 0, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                   GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, PARTS)),
-                (_math_partition, (operands, c1_smem, 1, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
-                                   GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, PARTS)),
-                (_load_partition, (a_ptr, b_ptr, offs_ptr, M, COLS, RED, N, stride_am, stride_br, a_bufs, b_bufs,
-                                   ready, empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS,
-                                   STAGES, 0, PARTS)),
-            ],
-            [4, 1],
-            [MATH_REGS, LOAD_REGS],
-        )  # fmt: skip
+    # The two math partitions' argument tuples differ only in their staging tile and index, yet are
+    # written out: a tuple built in the kernel would not keep its constexprs.
+    gl.warp_specialize(
+        [
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c0_smem,
+                    ready,
+                    empty,
+                    0,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _math_partition,
+                (
+                    a_scale_ptr,
+                    b_scale_ptr,
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    stride_asm,
+                    stride_bsg,
+                    stride_bs_red,
+                    stride_bs_col,
+                    a_bufs,
+                    b_bufs,
+                    c1_smem,
+                    ready,
+                    empty,
+                    1,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    a_ptr,
+                    b_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_am,
+                    stride_br,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    BLOCK_M,
+                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                    0,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -718,7 +773,7 @@ def grouped_glu_fp8_block_ws_kernel(
     gl.static_assert(BLOCK_C == 2 * BLOCK_RED, "a tile's gate rows and up rows are one weight scale block each")
     gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
     gl.static_assert(GLU_BLOCK % BLOCK_RED == 0, "GLU blocks of whole weight scale blocks")
-    a_bufs, b_bufs, c0_smem, c1_smem, _, ready, empty = _shared_ring(
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         x_ptr.dtype.element_ty, gl.uint8, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
     gl.warp_specialize(
@@ -1029,7 +1084,7 @@ def grouped_wgrad_fp8_block_ws_kernel(
     gl.static_assert(BLOCK_RED == 128, "a reduction step is one 128-row scale block")
     gl.static_assert(BLOCK_RED % BLOCK_I == 0 or BLOCK_I == 2 * BLOCK_RED, "BLOCK_I divides 128, or is 256")
     gl.static_assert(BLOCK_O == 128, "two math warp groups of 64 rows")
-    a_bufs, b_bufs, c0_smem, c1_smem, _, ready, empty = _shared_ring(
+    a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         dyt_ptr.dtype.element_ty, dw_ptr.dtype.element_ty, BLOCK_O, BLOCK_I, BLOCK_RED, STAGES
     )
     # Each slot's scale rows, (1, BLOCK_O) of s_dy and (1, BLOCK_I) of s_x, beside its operands.

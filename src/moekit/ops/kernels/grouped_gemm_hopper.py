@@ -181,17 +181,15 @@ def half_tile(
     BLOCK_C: gl.constexpr,
     GROUP_M: gl.constexpr,
     rows_layout: gl.constexpr,
-    PARTS: gl.constexpr = 2,
 ):
     """Where math warp group HALF's rows of flat tile `tile_id` (`moekit.ops.kernels.schedule`'s tile
-    space) lie, the tile's rows shared by PARTS math warp groups: (group g, real (g < N: not the padding
-    rows), the group's rows [row_lo, row_hi), the tile's first column c0, the warp group's first row
-    rows0 and its BLOCK_M / PARTS rows offs_m)."""
+    space) lie: (group g, real (g < N: not the padding rows), the group's rows [row_lo, row_hi), the
+    tile's first column c0, the warp group's first row rows0 and its BLOCK_M / 2 rows offs_m)."""
     g, row_lo, row_hi, row0, c0, _ = tile_coords(
         tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
     )
-    rows0 = row0 + HALF * (BLOCK_M // PARTS)
-    return g, g < N, row_lo, row_hi, c0, rows0, rows0 + gl.arange(0, BLOCK_M // PARTS, layout=rows_layout)
+    rows0 = row0 + HALF * (BLOCK_M // 2)
+    return g, g < N, row_lo, row_hi, c0, rows0, rows0 + gl.arange(0, BLOCK_M // 2, layout=rows_layout)
 
 
 @gluon.jit

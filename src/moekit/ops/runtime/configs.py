@@ -350,16 +350,6 @@ FP8_BLOCK_WS = dict(
     maxnreg=168,
 )
 FP8_BLOCK_WS_STAGES: dict[int, int] = {2: 4, 4: 3}
-# The same kernel with three math warp groups (PARTS 3) on a 192 x 128 tile: while one promotes, two MMAs
-# can wait on the tensor cores instead of one. One 128-column accumulator a warp group (64 + 64 product
-# registers: MATH_REGS 160, what 16 warps at launch leave after the load warp's 32), the ring slot 40 KiB
-# (the rows as three 64-row boxes), 4 slots beside three staging tiles in 16-bit outputs, 3 in fp32.
-FP8_BLOCK_WS3 = dict(FP8_BLOCK_WS, BLOCK_M=192, BLOCK_C=128, MATH_REGS=160, LOAD_REGS=32, maxnreg=128, PARTS=3)
-FP8_BLOCK_WS3_STAGES: dict[int, int] = {2: 4, 4: 3}
-# Which of the two the forward and the dgrad run (the gated fc1 kernel keeps FP8_BLOCK_WS): two warp groups
-# until the three have been timed against them on a GPU (`benchmarks/sweep_fp8_block_parts.py`).
-FP8_BLOCK_MM_WS = dict(FP8_BLOCK_WS, PARTS=2)
-FP8_BLOCK_MM_WS_STAGES = dict(FP8_BLOCK_WS_STAGES)
 
 # fp8_block's wgrad on Hopper (the same kernel module's grouped_wgrad_fp8_block_ws_kernel): the forward's
 # layout with dw's (O, I) tile as its (rows, columns), 128 x 256, a step 128 rows of the group (one scale

@@ -63,8 +63,6 @@ from moekit.ops.kernels.grouped_wgrad_fp8 import (
     transpose_rows_kernel,
 )
 from moekit.ops.runtime.configs import (
-    FP8_BLOCK_MM_WS,
-    FP8_BLOCK_MM_WS_STAGES,
     FP8_BLOCK_RED,
     FP8_BLOCK_WGRAD_WS,
     FP8_BLOCK_WGRAD_WS_STAGES,
@@ -252,7 +250,7 @@ def _ws_launch(
     contiguous fp8_block scales and a fresh (M, out_cols) output; tensors as `_launch`'s."""
     M, red = a.shape
     N = w.shape[0]
-    cfg = FP8_BLOCK_MM_WS
+    cfg = FP8_BLOCK_WS
     out_size = torch.finfo(out_dtype).bits // 8
     nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C"])
     # TMA stores need a 16-byte aligned row stride of the (contiguous, fresh) output.
@@ -270,7 +268,7 @@ def _ws_launch(
             EPI_TMA=epi_tma,
             BLOCK_GROUPS=block_groups(N + 2),
             NUM_PROGRAMS=nprog,
-            STAGES=FP8_BLOCK_MM_WS_STAGES[out_size],
+            STAGES=FP8_BLOCK_WS_STAGES[out_size],
             **cfg,
         ),
     )
