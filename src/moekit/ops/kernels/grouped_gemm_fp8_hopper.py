@@ -295,27 +295,8 @@ def _main_loop(
 
 @gluon.jit
 def _math_partition(
-    a_scale_ptr,
-    b_scale_ptr,
-    c_ptr,
-    bias_ptr,
-    scale_ptr,
-    offs_ptr,
-    M,
-    COLS,
-    RED,
-    N,
-    stride_cm,
-    stride_bias_g,
-    stride_asm,
-    stride_bsg,
-    stride_bs_red,
-    stride_bs_col,
-    a_bufs,
-    b_bufs,
+    operands,
     c_smem,
-    ready,
-    empty,
     HALF: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
@@ -331,7 +312,12 @@ def _math_partition(
     """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile (BLOCK_M / 2 of them), the main
     loop of the module docstring over the ring, then those rows' epilogue. A tile of 2 x 128 columns
     (two weight scale blocks) is two accumulators of 128 columns, each step two MMAs into the one
-    product register set, each promoted with its block's scale before the next is issued."""
+    product register set, each promoted with its block's scale before the next is issued. operands:
+    the kernel's runtime arguments both math warp groups read, with the ring
+    (`grouped_mm_fp8_block_ws_kernel`); c_smem: this warp group's staging tile."""
+    a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N = operands[:10]
+    stride_cm, stride_bias_g, stride_asm, stride_bsg, stride_bs_red, stride_bs_col = operands[10:16]
+    a_bufs, b_bufs, ready, empty = operands[16:]
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
@@ -427,114 +413,25 @@ def grouped_mm_fp8_block_ws_kernel(
     a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
-    # The two math partitions' argument tuples differ only in their staging tile and index, yet are
-    # written out: a tuple built in the kernel would not keep its constexprs.
+    operands = (
+        a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N, stride_cm, stride_bias_g,
+        stride_asm, stride_bsg, stride_bs_red, stride_bs_col, a_bufs, b_bufs, ready, empty,
+    )  # fmt: skip
+    # The runtime arguments travel as one tuple; each partition's constexprs are written out in its own
+    # tuple (a tuple built in the kernel would not keep them constexpr), so the two math partitions'
+    # entries differ only in their staging tile and index.
     gl.warp_specialize(
         [
-            (
-                _math_partition,
-                (
-                    a_scale_ptr,
-                    b_scale_ptr,
-                    c_ptr,
-                    bias_ptr,
-                    scale_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_cm,
-                    stride_bias_g,
-                    stride_asm,
-                    stride_bsg,
-                    stride_bs_red,
-                    stride_bs_col,
-                    a_bufs,
-                    b_bufs,
-                    c0_smem,
-                    ready,
-                    empty,
-                    0,
-                    HAS_BIAS,
-                    HAS_SCALE,
-                    EPI_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
-            ),
-            (
-                _math_partition,
-                (
-                    a_scale_ptr,
-                    b_scale_ptr,
-                    c_ptr,
-                    bias_ptr,
-                    scale_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_cm,
-                    stride_bias_g,
-                    stride_asm,
-                    stride_bsg,
-                    stride_bs_red,
-                    stride_bs_col,
-                    a_bufs,
-                    b_bufs,
-                    c1_smem,
-                    ready,
-                    empty,
-                    1,
-                    HAS_BIAS,
-                    HAS_SCALE,
-                    EPI_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    a_ptr,
-                    b_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_am,
-                    stride_br,
-                    a_bufs,
-                    b_bufs,
-                    ready,
-                    empty,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                    0,
-                ),
-            ),
+            (_math_partition, (operands, c0_smem, 0, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
+                               GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
+            (_math_partition, (operands, c1_smem, 1, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
+                               GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
+            (_load_partition, (a_ptr, b_ptr, offs_ptr, M, COLS, RED, N, stride_am, stride_br, a_bufs, b_bufs, ready,
+                               empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, 0)),
         ],
         [4, 1],
         [MATH_REGS, LOAD_REGS],
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
