@@ -62,19 +62,21 @@ def rows_of(M: int, X: int, used: int, device, dtype=torch.float32, seed=0) -> t
 
 
 def check_segments(cols: SegmentedColumns, want_MX: torch.Tensor, splits: list[int], what: str) -> None:
-    """cols.data against segment_transpose(want_MX) on every column in use (the segments and their
-    zero tails), and no padding row's NaN byte inside them."""
-    offs = offs_of(splits).to(want_MX.device)
-    want = qg.segment_transpose(want_MX, offs).view(torch.uint8)
+    """cols.data against the segment layout of want_MX on every column in use (each group's rows as
+    columns, then a zero tail to the segment's end), and no padding row's NaN byte inside them. Written
+    out group by group here, not through `segment_transpose` (an interpreted kernel: test_quantized_wgrad
+    checks it on its own)."""
+    want = want_MX.view(torch.uint8)
     got = cols.data.view(torch.uint8)
     assert got.shape == (want_MX.shape[1], segment_pitch(want_MX.shape[0], len(splits))), what
-    assert got.shape == want.shape and got.is_contiguous(), what
-    col = 0
-    for g, count in enumerate(splits):
+    assert got.is_contiguous(), what
+    col = row = 0
+    for g, count in enumerate(splits):  # the layout by its definition, group by group
         width = -(-count // SEGMENT_COLUMNS) * SEGMENT_COLUMNS
-        assert torch.equal(got[:, col : col + width], want[:, col : col + width]), f"{what}: group {g}'s segment"
+        assert torch.equal(got[:, col : col + count], want[row : row + count].T), f"{what}: group {g}'s segment"
         assert torch.count_nonzero(got[:, col + count : col + width]) == 0, f"{what}: group {g}'s tail"
         col += width
+        row += count
     assert not (got[:, :col] == 0xFF).any(), f"{what}: a padding row's NaN inside a segment"
 
 
