@@ -9,6 +9,7 @@ import torch
 import moekit
 from helpers import rand, rel_err
 from moekit import GroupedTensor
+from moekit.grouped_tensor import widen
 
 
 def test_members_are_views_of_one_buffer():
@@ -132,3 +133,16 @@ def test_quantized_weight_members(recipe):
     assert deq.shape == (3, 130, 40) and deq.dtype == torch.bfloat16
     for i, m in enumerate(gt.split()):
         assert m.shape == (1, 130, 40) and torch.equal(m.dequantize()[0], deq[i])
+
+
+@pytest.mark.parametrize("byte_dtype", [torch.float8_e4m3fn, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_widen_gives_torchs_conversion_of_every_byte(byte_dtype, dtype):
+    """The dequantization's one-byte widening (a table lookup on the CPU) is torch's conversion, bit for
+    bit, for every byte (NaNs, zeros of both signs, subnormals) and any strides and shape."""
+    every = torch.arange(256, dtype=torch.uint8).view(byte_dtype)
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    for t in (every, every.reshape(16, 16).t(), every[::3], every[:0], every[7]):
+        got, want = widen(t, dtype), t.to(dtype)
+        assert got.dtype == dtype and got.shape == t.shape
+        assert torch.equal(got.view(bits), want.view(bits))

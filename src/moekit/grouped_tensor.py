@@ -128,6 +128,25 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _byte_values(byte_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8).view(byte_dtype).to(dtype)
+
+
+# Made once at import (never inside a trace): every one-byte float moekit stores, widened.
+_BYTE_VALUES = {(b, d): _byte_values(b, d) for b in (FP8_DTYPE, E8M0_DTYPE) for d in (torch.float32, torch.float64)}
+
+
+def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` (float32 or float64), the values torch's conversion gives. E4M3 data and E8M0 scales
+    on the CPU are looked up in a 256-entry table of their bytes (made by torch's conversion; every such
+    value is exact in float32): torch converts them there one element at a time, several times slower
+    than the lookup, and the reference path dequantizes on every call."""
+    table = _BYTE_VALUES.get((t.dtype, dtype)) if t.device.type == "cpu" else None
+    if table is None:
+        return t.to(dtype)
+    return table.index_select(0, t.reshape(-1).view(torch.uint8).to(torch.int32)).view(t.shape)
+
+
 def _expand(scale: torch.Tensor, dim: int, block: int | None, size: int) -> torch.Tensor:
     """Repeat each scale along `dim` over its block (the whole `size` for None) and crop to `size`."""
     if block is None:
@@ -139,12 +158,12 @@ def dequantize_rowwise(recipe: Recipe, data: torch.Tensor, scale_inv: torch.Tens
     """data * scale_inv (each block's scale over its elements) in `dtype`: the product in float32
     (float64 for a float64 `dtype`: exact there), one rounding to `dtype`."""
     acc = _acc_dtype(dtype)
-    scale = scale_inv.to(acc)
+    scale = widen(scale_inv, acc)
     if data.dim() == 3 and recipe.weight_tile is not None:
         scale = _expand(_expand(scale, 1, recipe.weight_tile, data.shape[1]), 2, recipe.weight_tile, data.shape[2])
     else:
         scale = _expand(scale, data.dim() - 1, recipe.block_cols, data.shape[-1])
-    return (data.to(acc) * scale).to(dtype)
+    return (widen(data, acc) * scale).to(dtype)
 
 
 def column_slots(offs: torch.Tensor, slot_offs: torch.Tensor, rows: int, block_rows: int | None) -> torch.Tensor:
@@ -170,14 +189,14 @@ def dequantize_columnwise(
     """data * the columnwise scale of each element's block, in `dtype` (as `dequantize_rowwise`)."""
     acc = _acc_dtype(dtype)
     if data.dim() == 3:  # a weight: each member one group, its blocks along O
-        scale = _expand(scale_inv.to(acc), 1, recipe.block_rows, data.shape[1])
-        return (data.to(acc) * scale).to(dtype)
+        scale = _expand(widen(scale_inv, acc), 1, recipe.block_rows, data.shape[1])
+        return (widen(data, acc) * scale).to(dtype)
     rows = data.shape[0]
     slots = column_slots(offs, slot_offs, rows, recipe.block_rows)
     # Padding rows hold zeros; whole groups have no slot for them (their index N is past the scales).
     slots = slots.clamp(max=max(scale_inv.shape[0] - 1, 0))
-    scale = scale_inv.to(acc).index_select(0, slots) if rows else data.new_zeros(0, data.shape[1], dtype=acc)
-    return (data.to(acc) * scale).to(dtype)
+    scale = widen(scale_inv, acc).index_select(0, slots) if rows else data.new_zeros(0, data.shape[1], dtype=acc)
+    return (widen(data, acc) * scale).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
