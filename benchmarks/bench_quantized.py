@@ -982,10 +982,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--routing", choices=ROUTINGS, default="balanced", help="the layer part's routing (default balanced)"
     )
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, smoke 2)")
-    parser.add_argument("--steps", type=int, default=None, help="layer steps timed per round (default 5, smoke 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, smoke 1)")
+    parser.add_argument("--steps", type=int, default=None, help="layer steps timed per round (default 5, smoke 1)")
     parser.add_argument(
-        "--quant-steps", type=int, default=None, help="group_quantize calls timed per round (default 20, smoke 2)"
+        "--quant-steps", type=int, default=None, help="group_quantize calls timed per round (default 20, smoke 1)"
     )
     parser.add_argument(
         "--budget-s",
@@ -1025,9 +1025,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.recipe_list = runner.select_by_name(RECIPES, args.recipes, "recipes", RECIPES)
     args.operand_list = runner.select_by_name(OPERANDS, args.operands, "operands", OPERANDS)
     args.roof_list = runner.select_by_name(ROOFS, args.roofs, "roofs", ROOFS)
-    args.rounds = args.rounds or (2 if args.smoke else 3)
-    args.steps = args.steps or (2 if args.smoke else 5)
-    args.quant_steps = args.quant_steps or (2 if args.smoke else 20)
+    args.rounds = args.rounds or (1 if args.smoke else 3)
+    args.steps = args.steps or (1 if args.smoke else 5)
+    args.quant_steps = args.quant_steps or (1 if args.smoke else 20)
     if args.budget_s is not None and args.budget_s < 0:
         args.budget_s = None
     return args

@@ -901,13 +901,18 @@ def test_cuda_dequantize_matches_the_cpu_path(recipe, dtype):
     assert_same_values(captured.cpu(), want.dequantize(columnwise=True), f"{recipe} graph replay")
 
 
+# The noop flag is read once a program, whatever the shape: checked at a ragged and an aligned one.
+NOOP_SHAPES = [(3, 200, 136), (2, 256, 128)]
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("recipe", TRANSPOSED_RECIPES)
 def test_quantize_with_the_transposed_copy_in_one_call(recipe, backend, monkeypatch):
     """`group_quantize_transposed` gives the pair group_quantize + transposed_weight byte for byte (fp8_block
     on the Triton backend: the tiles kernel writes the copy from the bytes it holds, no transpose launch)
     at partial tiles, odd and 16-aligned member heights, NaN blocks; into NaN-poisoned storage, fresh and
-    in place (every address kept); with the noop flag at 1.0 both are left as they are, at 0.0 rewritten."""
+    in place (every address kept); with the noop flag at 1.0 both are left as they are, at 0.0 rewritten
+    (`NOOP_SHAPES`)."""
     columnwise = recipe == "fp8_rowwise"
     if backend == "triton" and recipe == "fp8_block":
 
@@ -934,6 +939,8 @@ def test_quantize_with_the_transposed_copy_in_one_call(recipe, backend, monkeypa
         assert_same_transposed(got_t, want_t, f"{recipe} {shape} out=")
         form = "columnwise" if columnwise else "rowwise"
         assert torch.equal(as_bits(getattr(got_q, f"{form}_data")), as_bits(getattr(want_q, f"{form}_data")))
+        if shape not in NOOP_SHAPES:
+            continue
         other = rand(*shape, seed=7) * 3
         for flag, kept in ((1.0, True), (0.0, False)):
             before = [t.clone() for t in got_t]
