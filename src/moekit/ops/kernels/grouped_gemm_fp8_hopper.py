@@ -534,31 +534,8 @@ def _glu_epilogue(
 
 @gluon.jit
 def _glu_math_partition(
-    x_scale_ptr,
-    w_scale_ptr,
-    bias_ptr,
-    probs_ptr,
-    offs_ptr,
-    a_data_ptr,
-    a_scale_ptr,
-    h_data_ptr,
-    h_scale_ptr,
-    M,
-    F,
-    H,
-    N,
-    stride_bias_g,
-    stride_xsm,
-    stride_wsg,
-    stride_ws_red,
-    stride_ws_col,
-    stride_a_scale,
-    stride_h_scale,
-    a_bufs,
-    b_bufs,
+    operands,
     c_smem,
-    ready,
-    empty,
     HALF: gl.constexpr,
     h_ty: gl.constexpr,
     ACT: gl.constexpr,
@@ -574,7 +551,12 @@ def _glu_math_partition(
     STAGES: gl.constexpr,
 ):
     """One warp group of the gated kernel: `_main_loop` over tiles of BLOCK_C / 2 activation columns (the
-    ring's gate half and up half of the weight rows, one weight scale block each), then `_glu_epilogue`."""
+    ring's gate half and up half of the weight rows, one weight scale block each), then `_glu_epilogue`.
+    operands: the kernel's runtime arguments both math warp groups read, with the ring
+    (`grouped_glu_fp8_block_ws_kernel`); c_smem: this warp group's staging tile."""
+    x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr = operands[:8]
+    h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red = operands[8:17]
+    stride_ws_col, stride_a_scale, stride_h_scale, a_bufs, b_bufs, ready, empty = operands[17:]
     SUB: gl.constexpr = BLOCK_C // 2
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, F, BLOCK_M, SUB
@@ -673,24 +655,27 @@ def grouped_glu_fp8_block_ws_kernel(
     a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         x_ptr.dtype.element_ty, gl.uint8, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
+    operands = (
+        x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr, h_scale_ptr, M,
+        F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col, stride_a_scale, stride_h_scale,
+        a_bufs, b_bufs, ready, empty,
+    )  # fmt: skip
+    # The runtime arguments travel as one tuple; each partition's constexprs are written out in its own
+    # tuple (a tuple built in the kernel would not keep them constexpr).
     gl.warp_specialize(
         [
             (
                 _glu_math_partition,
                 (
-                    x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
-                    h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
-                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, c0_smem, ready, empty, 0, h_ty, ACT, GLU_BLOCK,
-                    HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                    operands, c0_smem, 0, h_ty, ACT, GLU_BLOCK, HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
+                    GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
                 ),
             ),
             (
                 _glu_math_partition,
                 (
-                    x_scale_ptr, w_scale_ptr, bias_ptr, probs_ptr, offs_ptr, a_data_ptr, a_scale_ptr, h_data_ptr,
-                    h_scale_ptr, M, F, H, N, stride_bias_g, stride_xsm, stride_wsg, stride_ws_red, stride_ws_col,
-                    stride_a_scale, stride_h_scale, a_bufs, b_bufs, c1_smem, ready, empty, 1, h_ty, ACT, GLU_BLOCK,
-                    HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
+                    operands, c1_smem, 1, h_ty, ACT, GLU_BLOCK, HAS_BIAS, HAS_PROBS, BLOCK_M, BLOCK_C, BLOCK_RED,
+                    GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
                 ),
             ),
             (
@@ -833,19 +818,8 @@ def _ring_scales(bufs, slot, start, length: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _wgrad_math_partition(
-    dw_ptr,
-    offs_ptr,
-    M,
-    O,
-    I,
-    N,
-    a_bufs,
-    b_bufs,
-    sdy_bufs,
-    sx_bufs,
+    operands,
     c_smem,
-    ready,
-    empty,
     HALF: gl.constexpr,
     EPI_TMA: gl.constexpr,
     BLOCK_O: gl.constexpr,
@@ -860,7 +834,10 @@ def _wgrad_math_partition(
     the ring with each step's product promoted by the outer product of its scales (`promote_outer`,
     pinned: s_dy[o] * s_x[i], then one fma), then the epilogue of dw as an (N * O, I) matrix (rows of
     the tile's group only). Two 128-column halves of BLOCK_I = 256: two accumulators, each step two MMAs
-    into the one product register set, each promoted before the next is issued."""
+    into the one product register set, each promoted before the next is issued. operands: the kernel's
+    runtime arguments both math warp groups read, with the ring and its scale rows
+    (`grouped_wgrad_fp8_block_ws_kernel`); c_smem: this warp group's staging tile."""
+    dw_ptr, offs_ptr, M, O, I, N, a_bufs, b_bufs, sdy_bufs, sx_bufs, ready, empty = operands
     offs_g, starts_v, slots_v, cols_used = _wgrad_segments(offs_ptr, M, N, BLOCK_GROUPS, BLOCK_RED)
     num_pid_o = gl.cdiv(O, BLOCK_O)
     num_pid_i = gl.cdiv(I, BLOCK_I)
@@ -988,96 +965,30 @@ def grouped_wgrad_fp8_block_ws_kernel(
     scale_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sdy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_O], scale_layout)
     sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_I], scale_layout)
-    # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
+    operands = (dw_ptr, offs_ptr, M, O, I, N, a_bufs, b_bufs, sdy_bufs, sx_bufs, ready, empty)
+    # The runtime arguments travel as one tuple; each partition's constexprs are written out in its own
+    # tuple (a tuple built in the kernel would not keep them constexpr).
     gl.warp_specialize(
         [
             (
                 _wgrad_math_partition,
-                (
-                    dw_ptr,
-                    offs_ptr,
-                    M,
-                    O,
-                    I,
-                    N,
-                    a_bufs,
-                    b_bufs,
-                    sdy_bufs,
-                    sx_bufs,
-                    c0_smem,
-                    ready,
-                    empty,
-                    0,
-                    EPI_TMA,
-                    BLOCK_O,
-                    BLOCK_I,
-                    BLOCK_RED,
-                    GROUP_O,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
+                (operands, c0_smem, 0, EPI_TMA, BLOCK_O, BLOCK_I, BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS,
+                 STAGES),
             ),
             (
                 _wgrad_math_partition,
-                (
-                    dw_ptr,
-                    offs_ptr,
-                    M,
-                    O,
-                    I,
-                    N,
-                    a_bufs,
-                    b_bufs,
-                    sdy_bufs,
-                    sx_bufs,
-                    c1_smem,
-                    ready,
-                    empty,
-                    1,
-                    EPI_TMA,
-                    BLOCK_O,
-                    BLOCK_I,
-                    BLOCK_RED,
-                    GROUP_O,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
+                (operands, c1_smem, 1, EPI_TMA, BLOCK_O, BLOCK_I, BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS,
+                 STAGES),
             ),
             (
                 _wgrad_load_partition,
                 (
-                    dyt_ptr,
-                    xt_ptr,
-                    dy_scale_ptr,
-                    x_scale_ptr,
-                    offs_ptr,
-                    M,
-                    O,
-                    I,
-                    N,
-                    S,
-                    stride_dyt,
-                    stride_xt,
-                    stride_dys,
-                    stride_xs,
-                    a_bufs,
-                    b_bufs,
-                    sdy_bufs,
-                    sx_bufs,
-                    ready,
-                    empty,
-                    BLOCK_O,
-                    BLOCK_I,
-                    BLOCK_RED,
-                    GROUP_O,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
+                    dyt_ptr, xt_ptr, dy_scale_ptr, x_scale_ptr, offs_ptr, M, O, I, N, S, stride_dyt, stride_xt,
+                    stride_dys, stride_xs, a_bufs, b_bufs, sdy_bufs, sx_bufs, ready, empty, BLOCK_O, BLOCK_I,
+                    BLOCK_RED, GROUP_O, BLOCK_GROUPS, NUM_PROGRAMS, STAGES,
                 ),
             ),
         ],
         [4, 1],
         [MATH_REGS, LOAD_REGS],
-    )
+    )  # fmt: skip
