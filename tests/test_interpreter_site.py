@@ -63,3 +63,35 @@ def test_the_tile_schedules_tuple_reduce_is_numpys_with_the_generic_reduces_valu
     assert got.tolist() == want
     monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", site.original)
     assert _locate_every_tile(tile_end, start, end, tiles).tolist() == want
+
+
+def _attributes(obj) -> dict[str, tuple[str, str]]:
+    """Every attribute of a triton type or tensor as (its type's full name, its repr): what a kernel reads."""
+    names = {k for k in vars(obj) if not k.startswith("_")}
+    if isinstance(obj, tl.dtype):
+        names.add("name")  # the site makes a type's `name` when read
+    kind = {k: type(getattr(obj, k)) for k in names}
+    return {k: (f"{kind[k].__module__}.{kind[k].__qualname__}", repr(getattr(obj, k))) for k in sorted(names)}
+
+
+@pytest.mark.parametrize("dims", [[128], [64, 128], [1, 32], [2, 4, 8]])
+def test_block_types_and_tensors_of_a_shape_are_what_the_originals_build(dims):
+    """The site's block type and tensor construction (each shape's triton tuples made once and shared)
+    gives the attributes, of the same types and values, that triton's own constructors give."""
+    from triton.language import core
+
+    block_init = core.block_type.__init__
+    tensor_init = core.tensor.__init__
+    assert hasattr(block_init, "original") and hasattr(tensor_init, "original"), "the site's types are not installed"
+    for element in (tl.float32, tl.int64, tl.float8e4nv):
+        want_type = core.block_type.__new__(core.block_type)
+        block_init.original(want_type, element, [tl.constexpr(d) for d in dims])
+        got_type = core.block_type(element, dims)
+        assert _attributes(got_type) == _attributes(want_type) and got_type == want_type
+        want = core.tensor.__new__(core.tensor)
+        tensor_init.original(want, None, want_type)
+        got = core.tensor(None, got_type)
+        assert _attributes(got) == _attributes(want)
+        assert core.tensor(None, core.block_type(element, dims)).shape is got.shape  # shared, never rebuilt
+    scalar = core.tensor(None, tl.float32)  # not a block: the original's path
+    assert scalar.shape == () and scalar.numel == 1

@@ -21,6 +21,11 @@ the numpy dtype of a Triton type is looked up in one table built once (triton 3.
 at every call), a block type of plain int dimensions is built without the generic unwrapping (the
 same attributes, of the same types; anything else goes to the original), and a tuple type's and a
 block type's `name` string is made when read rather than at every construction. That test: 28 s -> 20 s.
+Then the shapes themselves: every operation's result type and tensor built its shape as a triton
+`tuple` (of ints for the type, of constexprs for the tensor), and a triton tuple builds the tuple type
+of its members; now each block shape's two are made once and shared by every type and tensor of that
+shape (triton never changes a shape in place). The transposed weight copy's test under fp8_rowwise:
+18.5 s -> 13.2 s.
 
 The interpreter reduces with numpy only for triton's own combine functions (sum, min, max, argmin,
 argmax); any other `tl.reduce` runs its combine function in Python, element by element, building
@@ -33,6 +38,7 @@ value); any other combine function takes the interpreter's own path.
 """
 
 import inspect
+import math
 import os
 
 
@@ -106,15 +112,40 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
 
     block_init = core.block_type.__init__
 
+    # dims -> (shape, numel) of a block type, and (shape, numel) of a tensor of that type: made once
+    # per block shape and shared by every type and tensor of it (none of them is ever changed in place).
+    block_shapes: dict = {}
+    tensor_shapes: dict = {}
+
     def block_type_init(self, element_ty, shape) -> None:
         dims = shape.values if isinstance(shape, core.tuple) else shape
         dims = tuple(d.value if isinstance(d, core.constexpr) else d for d in dims)
-        if not dims or not all(type(d) is int for d in dims):
-            block_init(self, element_ty, shape)  # the original, and its errors
-            return
+        cached = block_shapes.get(dims)
+        if cached is None:
+            if not dims or not all(type(d) is int for d in dims):
+                block_init(self, element_ty, shape)  # the original, and its errors
+                return
+            # the types the original gives (core's `tuple` is triton's own)
+            shape_ = core.tuple(dims)
+            cached = block_shapes[dims] = (shape_, core.validate_block_shape(shape_))
         self.element_ty = element_ty
-        self.shape = core.tuple(dims)  # the type the original gives (core's `tuple` is triton's own)
-        self.numel = core.validate_block_shape(self.shape)
+        self.shape, self.numel = cached
+
+    tensor_init = core.tensor.__init__
+
+    def cached_tensor_init(self, handle, type) -> None:
+        if not isinstance(type, core.block_type):
+            tensor_init(self, handle, type)
+            return
+        dims = tuple(type.shape)
+        cached = tensor_shapes.get(dims)
+        if cached is None:  # what the original computes
+            shape_ = core.tuple([core.constexpr(d) for d in dims])
+            cached = tensor_shapes[dims] = (shape_, core.constexpr(math.prod(dims)))
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        self.shape, self.numel = cached
 
     def block_type_name(self) -> str:
         name = self.__dict__.get("_name")
@@ -125,7 +156,10 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
     def set_block_type_name(self, name: str) -> None:  # the original's construction assigns it
         self.__dict__["_name"] = name
 
+    block_type_init.original = block_init
+    cached_tensor_init.original = tensor_init
     core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = cached_tensor_init
     core.block_type.name = property(block_type_name, set_block_type_name)
 
     def tuple_type_init(self, types, fields=None) -> None:
