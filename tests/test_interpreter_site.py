@@ -95,3 +95,19 @@ def test_block_types_and_tensors_of_a_shape_are_what_the_originals_build(dims):
         assert core.tensor(None, core.block_type(element, dims)).shape is got.shape  # shared, never rebuilt
     scalar = core.tensor(None, tl.float32)  # not a block: the original's path
     assert scalar.shape == () and scalar.numel == 1
+
+
+def test_shape_comparisons_are_the_originals():
+    """The site's comparison of a triton tuple with plain ints (core.tuple, list or tuple) answers what
+    triton's own does, and anything else still takes triton's own."""
+    from triton.language import core
+
+    eq = core.tuple.__eq__
+    assert hasattr(eq, "original"), "the site's comparison is not installed"
+    shape = core.tuple([64, 128])
+    others = [core.tuple([64, 128]), [64, 128], (64, 128), [64, 64], (128,), [], core.tuple([1, 128])]
+    others += [[tl.constexpr(64), 128], core.tuple([tl.constexpr(64), tl.constexpr(128)]), [64.0, 128]]
+    for other in others:
+        got, want = eq(shape, other), eq.original(shape, other)
+        assert type(got) is type(want) and bool(got) == bool(want), other
+        assert bool(shape != other) == (not bool(want)), other
