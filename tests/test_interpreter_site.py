@@ -111,3 +111,15 @@ def test_shape_comparisons_are_the_originals():
         got, want = eq(shape, other), eq.original(shape, other)
         assert type(got) is type(want) and bool(got) == bool(want), other
         assert bool(shape != other) == (not bool(want)), other
+
+
+def test_dtype_comparisons_are_the_originals():
+    """The site's shortcut for a scalar type compared with itself answers what triton's own does, for the
+    same object, another object of the same type, another type, a constexpr and a non-type."""
+    from triton.language import core
+
+    eq = core.dtype.__eq__
+    assert hasattr(eq, "original"), "the site's comparison is not installed"
+    for a in (tl.float32, tl.int64, tl.float8e4nv):
+        for b in (a, core.dtype(a.name), tl.bfloat16, tl.constexpr(a), "fp32", None):
+            assert eq(a, b) == eq.original(a, b), (a, b)

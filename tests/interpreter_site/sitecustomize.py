@@ -26,7 +26,8 @@ Then the shapes themselves: every operation's result type and tensor built its s
 of its members; now each block shape's two are made once and shared by every type and tensor of that
 shape (triton never changes a shape in place), and a shape compared with plain ints (each broadcast
 compares its operands' shapes with the result's) compares the value lists without building a triton
-tuple of the other side first. The transposed weight copy's test under fp8_rowwise: 18.5 s -> 12.6 s.
+tuple of the other side first; a scalar type compared with itself is equal without unwrapping and
+comparing names. The transposed weight copy's test under fp8_rowwise: 18.5 s -> 12.1 s.
 
 The interpreter reduces with numpy only for triton's own combine functions (sum, min, max, argmin,
 argmax); any other `tl.reduce` runs its combine function in Python, element by element, building
@@ -172,6 +173,16 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
         return core.constexpr(self.values == list(values))
 
     tuple_eq_of_ints.original = tuple_eq
+
+    # A scalar type compared with itself (every operation's casts compare its operands' element types,
+    # mostly the same singletons): the original unwraps and compares names, equal for the same object.
+    dtype_eq = core.dtype.__eq__
+
+    def dtype_eq_or_same(self, other) -> bool:
+        return True if self is other else dtype_eq(self, other)
+
+    dtype_eq_or_same.original = dtype_eq
+    core.dtype.__eq__ = dtype_eq_or_same
     core.tuple.__eq__ = tuple_eq_of_ints
     block_type_init.original = block_init
     cached_tensor_init.original = tensor_init
