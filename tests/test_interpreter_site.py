@@ -93,8 +93,10 @@ def test_block_types_and_tensors_of_a_shape_are_what_the_originals_build(dims):
         got = core.tensor(None, got_type)
         assert _attributes(got) == _attributes(want)
         assert core.tensor(None, core.block_type(element, dims)).shape is got.shape  # shared, never rebuilt
-    scalar = core.tensor(None, tl.float32)  # not a block: the original's path
-    assert scalar.shape == () and scalar.numel == 1
+    for scalar_type in (tl.float32, tl.pointer_type(tl.int32)):  # scalars: a shape of ()
+        want = core.tensor.__new__(core.tensor)
+        tensor_init.original(want, None, scalar_type)
+        assert _attributes(core.tensor(None, scalar_type)) == _attributes(want)
 
 
 def test_shape_comparisons_are_the_originals():

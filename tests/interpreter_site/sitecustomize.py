@@ -23,11 +23,12 @@ same attributes, of the same types; anything else goes to the original), and a t
 block type's `name` string is made when read rather than at every construction. That test: 28 s -> 20 s.
 Then the shapes themselves: every operation's result type and tensor built its shape as a triton
 `tuple` (of ints for the type, of constexprs for the tensor), and a triton tuple builds the tuple type
-of its members; now each block shape's two are made once and shared by every type and tensor of that
-shape (triton never changes a shape in place), and a shape compared with plain ints (each broadcast
-compares its operands' shapes with the result's) compares the value lists without building a triton
-tuple of the other side first; a scalar type compared with itself is equal without unwrapping and
-comparing names. The transposed weight copy's test under fp8_rowwise: 18.5 s -> 12.1 s.
+of its members; now each block shape's two (and a scalar tensor's empty one) are made once and shared
+by every type and tensor of that shape (triton never changes a shape in place), and a shape compared
+with plain ints (each broadcast compares its operands' shapes with the result's) compares the value
+lists without building a triton tuple of the other side first; a scalar type compared with itself is
+equal without unwrapping and comparing names. The transposed weight copy's test under fp8_rowwise: 18.5
+s -> 12.1 s.
 
 The interpreter reduces with numpy only for triton's own combine functions (sum, min, max, argmin,
 argmax); any other `tl.reduce` runs its combine function in Python, element by element, building
@@ -138,10 +139,10 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
     tensor_init = core.tensor.__init__
 
     def cached_tensor_init(self, handle, type) -> None:
-        if not isinstance(type, core.block_type):
+        if type.is_block() and not isinstance(type, core.block_type):
             tensor_init(self, handle, type)
             return
-        dims = tuple(type.shape)
+        dims = tuple(type.shape) if type.is_block() else ()  # a scalar's shape: ()
         cached = tensor_shapes.get(dims)
         if cached is None:  # what the original computes
             shape_ = core.tuple([core.constexpr(d) for d in dims])
