@@ -27,8 +27,8 @@ of its members; now each block shape's two (and a scalar tensor's empty one) are
 by every type and tensor of that shape (triton never changes a shape in place), and a shape compared
 with plain ints (each broadcast compares its operands' shapes with the result's) compares the value
 lists without building a triton tuple of the other side first; a scalar type compared with itself is
-equal without unwrapping and comparing names. The transposed weight copy's test under fp8_rowwise: 18.5
-s -> 12.1 s.
+equal without unwrapping and comparing names. The transposed weight copy's test under fp8_rowwise:
+18.5 s -> 12.1 s.
 
 The interpreter reduces with numpy only for triton's own combine functions (sum, min, max, argmin,
 argmax); any other `tl.reduce` runs its combine function in Python, element by element, building
