@@ -168,12 +168,20 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
 
     def tuple_eq_of_ints(self, other):
         kind = type(other)
-        values = other.values if kind is core.tuple else other if kind in (list, _tuple) else None
-        if values is None or not all(type(v) is int for v in values):
+        if kind is core.tuple:
+            values = other.values
+        elif kind is list:
+            values = other
+        elif kind is _tuple:
+            values = list(other)
+        else:
             return tuple_eq(self, other)
-        return core.constexpr(self.values == list(values))
+        if not all(type(v) is int for v in values):
+            return tuple_eq(self, other)
+        return core.constexpr(self.values == values)
 
     tuple_eq_of_ints.original = tuple_eq
+    core.tuple.__eq__ = tuple_eq_of_ints
 
     # A scalar type compared with itself (every operation's casts compare its operands' element types,
     # mostly the same singletons): the original unwraps and compares names, equal for the same object.
@@ -184,7 +192,7 @@ def _cheaper_interpreter_types(np, tl, core, interpreter) -> None:
 
     dtype_eq_or_same.original = dtype_eq
     core.dtype.__eq__ = dtype_eq_or_same
-    core.tuple.__eq__ = tuple_eq_of_ints
+
     block_type_init.original = block_init
     cached_tensor_init.original = tensor_init
     core.block_type.__init__ = block_type_init
