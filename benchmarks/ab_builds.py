@@ -1,8 +1,10 @@
 """Two builds of moekit, kernel by kernel: grouped_mlp forward+backward (triton backend, router probs)
 at the README's four MLP shapes (`--op mlp`), or moe_experts forward+backward at the README's four
 layer shapes (`--op layer`), balanced and skewed, or the gated kernels on h held in FP8 at HELD_CASES
-(`--op held`: their output, dh and d probs), each build in its own processes, alternating (A, B, A, B,
-...), so that a change is timed against the code it replaces on one machine.
+(`--op held`: their output, dh and d probs), or the quantized forward and dgrad GEMMs alone at the layer
+shapes' fc1 and fc2 (`--op qgemm`, with --quantization's recipe, fp8_block by default), each build in its
+own processes, alternating (A, B, A, B, ...), so that a change is timed against the code it replaces on
+one machine.
 
 For each build and cell: the CUDA time of every kernel either build launches (torch.profiler, the
 median call and a step's share: median call x calls per step), the whole step's time (CUDA events,
@@ -14,6 +16,7 @@ source, so the two never share binaries.
     python benchmarks/ab_builds.py --a src --b /tmp/variant/src --rounds 2 --out ab.json
     python benchmarks/ab_builds.py --a src --b src --smoke --out /tmp/ab.json   # CPU: the plumbing
     python benchmarks/ab_builds.py --a /tmp/old/src --b src --op layer --quantization fp8_block --out ab.json
+    python benchmarks/ab_builds.py --a src --b /tmp/variant/src --op qgemm --shapes qwen3-30b-a3b --out ab.json
 
 The JSON records the machine and versions (`runner.machine`), build A's commit (`--commit`, else
 `MOEKIT_BENCH_COMMIT`, else git) as `git_commit`, build B's (`--commit-b`) as `b_commit`, and, per
@@ -196,6 +199,53 @@ def _held_cells(shape_names: str | None, smoke: bool, device, dtype):
         yield name, step, []
 
 
+def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str):
+    """(cell name, step, no leaves) of the quantized forward and dgrad GEMMs alone (the triton backend's
+    `quantized_linear_forward` / `_dgrad` on operands quantized once) at each layer shape's fc1 (I = H,
+    O = 2F) and fc2 (I = F, O = H), M = T*K rows in E balanced groups: where a change to the FP8 GEMM
+    kernels is timed without the rest of the layer."""
+    import bench_moe_layer as layer
+    import runner
+    import torch
+
+    import moekit
+    from moekit.ops import library
+    from moekit.ops.quantize import transposed_weight
+
+    pool = layer.SMOKE_SHAPES if smoke else layer.SHAPES
+    shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool[:4]
+    for shape in shapes:
+        M = shape.tokens * shape.top_k
+        counts = runner.balanced_splits(M, shape.experts)
+        splits = torch.tensor(counts, device=device)
+        offs = torch.tensor([0, *counts], device=device).cumsum(0)
+        for linear, n_in, n_out in (("fc1", shape.hidden, 2 * shape.ffn), ("fc2", shape.ffn, shape.hidden)):
+            gen = torch.Generator(device=device).manual_seed(3)
+            x = torch.randn(M, n_in, device=device, dtype=dtype, generator=gen)
+            dy = torch.randn(M, n_out, device=device, dtype=dtype, generator=gen)
+            w = (torch.randn(shape.experts, n_out, n_in, device=device, generator=gen) / n_in**0.5).to(dtype)
+            x_q = moekit.group_quantize(x, splits, quantization)
+            dy_q = moekit.group_quantize(dy, splits, quantization)
+            w_q = moekit.group_quantize(w, None, quantization, columnwise=quantization == "fp8_rowwise")
+            wt = transposed_weight(w_q)
+            del x, dy, w
+
+            def fwd(x_q=x_q, w_q=w_q, offs=offs):
+                return library.quantized_linear_forward(
+                    "triton", quantization, x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data,
+                    w_q.rowwise_scale_inv, offs, None, None, None, dtype,
+                )  # fmt: skip
+
+            def dgrad(dy_q=dy_q, wt=wt, offs=offs):
+                return library.quantized_linear_dgrad(
+                    "triton", quantization, dy_q.rowwise_data, dy_q.rowwise_scale_inv, wt.data, wt.scale_inv, offs,
+                    None, dtype,
+                )  # fmt: skip
+
+            yield f"{shape.name}/{linear}/fwd", fwd, []
+            yield f"{shape.name}/{linear}/dgrad", dgrad, []
+
+
 def probe(
     op: str,
     shape_names: str | None,
@@ -217,6 +267,8 @@ def probe(
         cells_of = _mlp_cells(shape_names, smoke, device, dtype, dists)
     elif op == "held":
         cells_of = _held_cells(shape_names, smoke, device, dtype)
+    elif op == "qgemm":
+        cells_of = _qgemm_cells(shape_names, smoke, device, dtype, quantization or "fp8_block")
     else:
         cells_of = _case_cells(shape_names, smoke, device, dtype)
     for cell, step, leaves in cells_of:
@@ -298,17 +350,19 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--steps", type=int, default=7, help="profiled forward+backward steps per cell")
     parser.add_argument(
         "--op",
-        choices=("mlp", "layer", "cases", "held"),
+        choices=("mlp", "layer", "cases", "held", "qgemm"),
         default="mlp",
         help="grouped_mlp at the MLP shapes, moe_experts at the layer shapes, grouped_mlp at CASES (hashes "
-        "only), or the held-h gated kernels at HELD_CASES",
+        "only), the held-h gated kernels at HELD_CASES, or the quantized forward and dgrad GEMMs alone at the "
+        "layer shapes",
     )
     parser.add_argument("--shapes", default=None, help="comma list of shape names (default: the four)")
     parser.add_argument(
         "--quantization",
         choices=("fp8_block", "fp8_rowwise", "mxfp8"),
         default=None,
-        help="--op layer: moe_experts with this quantization (weights' caches refreshed every step)",
+        help="--op layer: moe_experts with this quantization (weights' caches refreshed every step); --op "
+        "qgemm: the recipe (default fp8_block)",
     )
     parser.add_argument(
         "--dists", default=None, help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS)"
@@ -325,10 +379,10 @@ def main(argv=None) -> dict | None:
         cells = probe(args.op, args.shapes, args.steps, args.smoke, args.quantization, dists)
         print(PROBE_TAG + json.dumps(cells), flush=True)
         return None
-    if args.dists and args.op in ("cases", "held"):
+    if args.dists and args.op in ("cases", "held", "qgemm"):
         parser.error("--dists is for --op mlp and --op layer")
-    if args.quantization and args.op != "layer":
-        parser.error("--quantization is for --op layer")
+    if args.quantization and args.op not in ("layer", "qgemm"):
+        parser.error("--quantization is for --op layer and --op qgemm")
     for name in ("a", "b"):
         src = getattr(args, name)
         if src is None or not (src / "moekit" / "__init__.py").is_file():

@@ -544,12 +544,28 @@ def test_ab_builds_smoke_quantized_layer(tmp_path):
     assert payload["meta"]["dists"] == ["balanced"] and set(payload["cells"]) == {"smoke/balanced"}
     assert all(c["bit_identical"] for c in payload["cells"].values())
     for extra, message in (
-        (["--op", "mlp", "--quantization", "fp8_block"], "--quantization is for --op layer"),
+        (["--op", "mlp", "--quantization", "fp8_block"], "--quantization is for --op layer and --op qgemm"),
+        (["--op", "qgemm", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
         (["--dists", "balanced,lopsided"], "--dists takes balanced and skewed, got ['lopsided']"),
         (["--op", "cases", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
     ):
         refused = subprocess.run(base + extra, env=env, capture_output=True, text=True)
         assert refused.returncode == 2 and message in refused.stderr.strip().splitlines()[-1], refused.stderr
+
+
+def test_ab_builds_smoke_quantized_gemms(tmp_path):
+    """--op qgemm: the FP8 forward and dgrad GEMMs alone at a layer shape's fc1 and fc2 in each build's
+    processes (here one build against itself: bit-identical), a cell a linear and GEMM."""
+    out = tmp_path / "ab.json"
+    src = str(BENCHMARKS.parent / "src")
+    command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
+    command += ["--op", "qgemm", "--shapes", "smoke", "--out", str(out), "--commit", "abc1234-test", "--timeout", "900"]
+    proc = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["op"] == "qgemm"
+    assert set(payload["cells"]) == {f"smoke/{linear}/{op}" for linear in ("fc1", "fc2") for op in ("fwd", "dgrad")}
+    assert all(c["bit_identical"] for c in payload["cells"].values())
 
 
 def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
