@@ -383,6 +383,8 @@ def main(argv=None) -> dict | None:
         parser.error("--dists is for --op mlp and --op layer")
     if args.quantization and args.op not in ("layer", "qgemm"):
         parser.error("--quantization is for --op layer and --op qgemm")
+    if args.op == "qgemm" and not args.quantization:
+        args.quantization = "fp8_block"  # recorded in the JSON and passed to the probes
     for name in ("a", "b"):
         src = getattr(args, name)
         if src is None or not (src / "moekit" / "__init__.py").is_file():

@@ -563,7 +563,7 @@ def test_ab_builds_smoke_quantized_gemms(tmp_path):
     proc = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
-    assert payload["meta"]["op"] == "qgemm"
+    assert payload["meta"]["op"] == "qgemm" and payload["meta"]["quantization"] == "fp8_block"
     assert set(payload["cells"]) == {f"smoke/{linear}/{op}" for linear in ("fc1", "fc2") for op in ("fwd", "dgrad")}
     assert all(c["bit_identical"] for c in payload["cells"].values())
 
