@@ -207,10 +207,7 @@ def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantizati
     import bench_moe_layer as layer
     import runner
     import torch
-
-    import moekit
-    from moekit.ops import library
-    from moekit.ops.quantize import transposed_weight
+    from bench_quantized import fp8_gemm_calls
 
     pool = layer.SMOKE_SHAPES if smoke else layer.SHAPES
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool[:4]
@@ -224,24 +221,8 @@ def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantizati
             x = torch.randn(M, n_in, device=device, dtype=dtype, generator=gen)
             dy = torch.randn(M, n_out, device=device, dtype=dtype, generator=gen)
             w = (torch.randn(shape.experts, n_out, n_in, device=device, generator=gen) / n_in**0.5).to(dtype)
-            x_q = moekit.group_quantize(x, splits, quantization)
-            dy_q = moekit.group_quantize(dy, splits, quantization)
-            w_q = moekit.group_quantize(w, None, quantization, columnwise=quantization == "fp8_rowwise")
-            wt = transposed_weight(w_q)
+            fwd, dgrad, _ = fp8_gemm_calls(quantization, x, dy, w, splits, offs)
             del x, dy, w
-
-            def fwd(x_q=x_q, w_q=w_q, offs=offs):
-                return library.quantized_linear_forward(
-                    "triton", quantization, x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data,
-                    w_q.rowwise_scale_inv, offs, None, None, None, dtype,
-                )  # fmt: skip
-
-            def dgrad(dy_q=dy_q, wt=wt, offs=offs):
-                return library.quantized_linear_dgrad(
-                    "triton", quantization, dy_q.rowwise_data, dy_q.rowwise_scale_inv, wt.data, wt.scale_inv, offs,
-                    None, dtype,
-                )  # fmt: skip
-
             yield f"{shape.name}/{linear}/fwd", fwd, []
             yield f"{shape.name}/{linear}/dgrad", dgrad, []
 

@@ -740,6 +740,38 @@ def _fp8_reason(recipe: str, x: torch.Tensor, op: str) -> str | None:
     return fp8.quantized_gemm_unavailable_reason(recipe, x)
 
 
+def fp8_gemm_calls(
+    recipe: str, x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, splits: torch.Tensor, offs: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """moekit's FP8 forward, dgrad and wgrad of one linear (the triton backend's library ops) on x (M, I),
+    dy (M, O) and w (N, O, I), quantized here once with `recipe` (both forms of x and dy, the weight's
+    transposed copy for the dgrad): what the `gemm` part times, and ab_builds' `--op qgemm`."""
+    x_q = moekit.group_quantize(x, splits, recipe, columnwise=True)
+    dy_q = moekit.group_quantize(dy, splits, recipe, columnwise=True)
+    w_q = moekit.group_quantize(w, None, recipe, columnwise=recipe == "fp8_rowwise")
+    wt = transposed_weight(w_q)
+    dtype = x.dtype
+
+    def fwd() -> torch.Tensor:
+        return library.quantized_linear_forward(
+            "triton", recipe, x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data, w_q.rowwise_scale_inv,
+            offs, None, None, None, dtype,
+        )  # fmt: skip
+
+    def dgrad() -> torch.Tensor:
+        return library.quantized_linear_dgrad(
+            "triton", recipe, dy_q.rowwise_data, dy_q.rowwise_scale_inv, wt.data, wt.scale_inv, offs, None, dtype
+        )
+
+    def wgrad() -> torch.Tensor:
+        return library.quantized_linear_wgrad(
+            "triton", recipe, dy_q.columnwise_data, dy_q.columnwise_scale_inv, x_q.columnwise_data,
+            x_q.columnwise_scale_inv, offs, None, dtype, None,
+        )  # fmt: skip
+
+    return fwd, dgrad, wgrad
+
+
 def bench_gemm_shape(args, cfg: runner.BenchConfig, shape: LayerShape, budget: Budget) -> list[dict]:
     device, dtype = args.device, args.dtype
     M = shape.tokens * shape.top_k
@@ -767,29 +799,8 @@ def bench_gemm_shape(args, cfg: runner.BenchConfig, shape: LayerShape, budget: B
             if all(reasons.values()):
                 calls.update({(impl, op): (None, reasons[op]) for op in GEMM_OPS})
                 continue
-            x_q = moekit.group_quantize(x, splits, recipe, columnwise=True)
-            dy_q = moekit.group_quantize(dy, splits, recipe, columnwise=True)
-            w_q = moekit.group_quantize(w, None, recipe, columnwise=recipe == "fp8_rowwise")
-            wt = transposed_weight(w_q)
-
-            def fwd(r=recipe, x_q=x_q, w_q=w_q):
-                return library.quantized_linear_forward(
-                    "triton", r, x_q.rowwise_data, x_q.rowwise_scale_inv, w_q.rowwise_data, w_q.rowwise_scale_inv,
-                    offs, None, None, None, dtype,
-                )  # fmt: skip
-
-            def dgrad(r=recipe, dy_q=dy_q, wt=wt):
-                return library.quantized_linear_dgrad(
-                    "triton", r, dy_q.rowwise_data, dy_q.rowwise_scale_inv, wt.data, wt.scale_inv, offs, None, dtype
-                )
-
-            def wgrad(r=recipe, dy_q=dy_q, x_q=x_q):
-                return library.quantized_linear_wgrad(
-                    "triton", r, dy_q.columnwise_data, dy_q.columnwise_scale_inv, x_q.columnwise_data,
-                    x_q.columnwise_scale_inv, offs, None, dtype, None,
-                )  # fmt: skip
-
-            calls.update({(impl, op): (fn, reasons[op]) for op, fn in zip(GEMM_OPS, (fwd, dgrad, wgrad), strict=True)})
+            fns = fp8_gemm_calls(recipe, x, dy, w, splits, offs)
+            calls.update({(impl, op): (fn, reasons[op]) for op, fn in zip(GEMM_OPS, fns, strict=True)})
         flops = 2 * M * n_in * n_out
         for (impl, op), (fn, reason) in calls.items():
             r = {"shape": shape.name, "linear": linear, "rows": M, "in": n_in, "out": n_out, "impl": impl, "op": op}
