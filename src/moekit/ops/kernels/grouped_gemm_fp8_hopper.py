@@ -94,7 +94,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from moekit.ops.kernels.grouped_gemm import wgrad_tile, with_bias
 from moekit.ops.kernels.grouped_gemm_fp8 import promote
-from moekit.ops.kernels.grouped_gemm_hopper import half_tile, output_desc, release_slot, store_halves
+from moekit.ops.kernels.grouped_gemm_hopper import output_desc, release_slot, store_halves
 from moekit.ops.kernels.grouped_wgrad_fp8 import SEGMENT_COLUMNS, promote_outer, scale_slots, segment_starts
 from moekit.ops.kernels.quantize import abs_for_amax, e4m3_tile, fp32_scales
 from moekit.ops.kernels.schedule import gluon_group_ids, tile_coords, tile_schedule
@@ -145,6 +145,7 @@ def _load_partition(
     b_bufs,
     ready,
     empty,
+    records,
     BLOCK_M: gl.constexpr,
     BLOCK_C: gl.constexpr,
     BLOCK_RED: gl.constexpr,
@@ -153,6 +154,7 @@ def _load_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     GLU_BLOCK: gl.constexpr,
+    RECORDS: gl.constexpr,
 ):
     """Each tile's A and B boxes, one reduction step a slot; none for padding tiles. With GLU_BLOCK > 0
     (the gated kernel: COLS = F activation columns, tiles of BLOCK_C / 2 of them) the B box is two boxes
@@ -175,11 +177,15 @@ def _load_partition(
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
+    j = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         g, row_lo, row_hi, row0, c0, _ = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SCHED_C, GROUP_M
         )
         b_row = g * W_ROWS + (glu_weight_rows(c0, GLU_BLOCK) if GLU_BLOCK > 0 else c0)
+        if RECORDS > 0:
+            _put_record(records, j, g, row_lo, row_hi, row0, c0, RECORDS)
+            j += 1
         for step in range(red_steps * (g < N).to(gl.int32)):
             slot = it % STAGES
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -200,6 +206,56 @@ def _load_partition(
 
 
 @gluon.jit
+def _record_ring(RECORDS: gl.constexpr):
+    """A ring of RECORDS tile records (8 int32 each: g, row_lo, row_hi, row0, c0) in shared memory with a
+    ready barrier (the load warp's arrival) and an empty barrier (both math warp groups') each."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    recs = gl.allocate_shared_memory(gl.int32, [RECORDS, 1, 8], layout)
+    rec_ready = gl.allocate_shared_memory(gl.int64, [RECORDS, 1], mbarrier.MBarrierLayout())
+    rec_empty = gl.allocate_shared_memory(gl.int64, [RECORDS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RECORDS):
+        mbarrier.init(rec_ready.index(i), count=1)
+        mbarrier.init(rec_empty.index(i), count=2)
+    return recs, rec_ready, rec_empty
+
+
+@gluon.jit
+def _put_record(records, j, g, row_lo, row_hi, row0, c0, RECORDS: gl.constexpr):
+    """The load warp: tile j's coordinates into record j % RECORDS once both math warp groups have read
+    the record j - RECORDS that held it."""
+    recs, rec_ready, rec_empty = records
+    r = j % RECORDS
+    mbarrier.wait(rec_empty.index(r), ((j // RECORDS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    k = gl.arange(0, 8, layout=layout)
+    v = gl.where(k == 0, g, gl.where(k == 1, row_lo, gl.where(k == 2, row_hi, gl.where(k == 3, row0, c0))))
+    recs.index(r).reshape([8]).store(v)
+    gl.thread_barrier()
+    mbarrier.arrive(rec_ready.index(r), count=1)
+
+
+@gluon.jit
+def _take_record(records, j, pred, RECORDS: gl.constexpr):
+    """A math warp group: tile j's (g, row_lo, row_hi, row0, c0) from record j % RECORDS, then its arrival on
+    the record's empty barrier; where pred is false (no tile j for this program), neither the wait nor the
+    arrival, and the values are not to be used."""
+    recs, rec_ready, rec_empty = records
+    r = j % RECORDS
+    mbarrier.wait(rec_ready.index(r), (j // RECORDS) & 1, pred=pred)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    v = recs.index(r).reshape([8]).load(layout)
+    k = gl.arange(0, 8, layout=layout)
+    g = gl.sum(gl.where(k == 0, v, 0), axis=0)
+    row_lo = gl.sum(gl.where(k == 1, v, 0), axis=0)
+    row_hi = gl.sum(gl.where(k == 2, v, 0), axis=0)
+    row0 = gl.sum(gl.where(k == 3, v, 0), axis=0)
+    c0 = gl.sum(gl.where(k == 4, v, 0), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(rec_empty.index(r), count=1, pred=pred)
+    return g, row_lo, row_hi, row0, c0
+
+
+@gluon.jit
 def glu_weight_rows(c0, GLU_BLOCK: gl.constexpr):
     """fc1's weight row (h's column) of the gate of activation column c0; its up is GLU_BLOCK further
     (`moekit.ops.glu`: GLU blocks of GLU_BLOCK gates then GLU_BLOCK ups, GLU_BLOCK = F for [gate | up])."""
@@ -215,14 +271,73 @@ def _step_scales(
     scale blocks at step 0; the second equals the first where HALVES == 1, unused); 0 for rows outside
     the tile's group, on padding tiles (not real), for a second half past COLS (not hi_ok) and past the
     last step."""
+    sa, sb0, sb1 = _step_factors(
+        sa_ptrs, sb_ptr, sb_hi_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES
+    )
+    return _scale_products(sa, sb0, sb1, HALVES)
+
+
+@gluon.jit
+def _step_factors(
+    sa_ptrs, sb_ptr, sb_hi_ptr, step, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES: gl.constexpr
+):
+    """`_step_scales`' loads: (sa[rows, step], sb[g, first block, step], sb[g, second block, step]), 0 where
+    `_step_scales` says (the third equals the second where HALVES == 1)."""
     inside = step < red_steps
     sa = gl.load(sa_ptrs + step, mask=mask_sa & inside, other=0.0)
-    s0 = sa * gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
+    sb0 = gl.load(sb_ptr + step * stride_bs_red, mask=real & inside, other=0.0)
     if HALVES == 2:
-        s1 = sa * gl.load(sb_hi_ptr + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
+        sb1 = gl.load(sb_hi_ptr + step * stride_bs_red, mask=hi_ok & inside, other=0.0)
+    else:
+        sb1 = sb0
+    return sa, sb0, sb1
+
+
+@gluon.jit
+def _scale_products(sa, sb0, sb1, HALVES: gl.constexpr):
+    """`_step_scales`' products of `_step_factors`' loads."""
+    s0 = sa * sb0
+    if HALVES == 2:
+        s1 = sa * sb1
     else:
         s1 = s0
     return s0, s1
+
+
+@gluon.jit
+def _tile_factors(
+    g,
+    row_lo,
+    row_hi,
+    row0,
+    c0,
+    N,
+    COLS,
+    a_scale_ptr,
+    b_scale_ptr,
+    stride_asm,
+    stride_bsg,
+    stride_bs_col,
+    red_steps,
+    stride_bs_red,
+    pred,
+    HALF: gl.constexpr,
+    ROWS: gl.constexpr,
+    SUB: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    HALVES: gl.constexpr,
+    rows_layout: gl.constexpr,
+):
+    """`_step_factors` of step 0 of the tile a record describes (this warp group's rows), none loaded where
+    pred is false (no such tile: zeros)."""
+    real = (g < N) & pred
+    offs_m = row0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+    mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
+    sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
+    return _step_factors(
+        a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, real,
+        real & (c0 + SUB < COLS), stride_bs_red, HALVES,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -240,6 +355,8 @@ def _main_loop(
     hi_ok,
     red_steps,
     stride_bs_red,
+    scale0,
+    scale1,
     HALF: gl.constexpr,
     ROWS: gl.constexpr,
     SUB: gl.constexpr,
@@ -250,10 +367,10 @@ def _main_loop(
     """One warp group's reduction of one tile over the ring (the module docstring's loop), from ring
     position `it`: (acc0, acc1, it after the tile), acc1 the second 128-column half's accumulator (acc0
     again where HALVES == 1). sa_ptrs: the warp group's rows' scales at step 0; sb_ptr / sb_hi_ptr: the
-    halves' weight scale blocks at step 0 (`_step_scales`)."""
+    halves' weight scale blocks at step 0 (`_step_scales`); scale0 / scale1: step 0's factors, which the
+    caller loads (the forward a tile ahead)."""
     prod = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
     acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-    scale0, scale1 = _step_scales(sa_ptrs, sb_ptr, sb_hi_ptr, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES)
     if HALVES == 2:
         acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
     else:
@@ -317,10 +434,8 @@ def _math_partition(
     (`grouped_mm_fp8_block_ws_kernel`); c_smem: this warp group's staging tile."""
     a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N = operands[:10]
     stride_cm, stride_bias_g, stride_asm, stride_bsg, stride_bs_red, stride_bs_col = operands[10:16]
-    a_bufs, b_bufs, ready, empty = operands[16:]
-    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
-    )
+    a_bufs, b_bufs, ready, empty, records = operands[16:]
+    _, _, _, _, num_tiles = tile_schedule(offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C)
     ROWS: gl.constexpr = BLOCK_M // 2
     SUB: gl.constexpr = BLOCK_C if BLOCK_C < BLOCK_RED else BLOCK_RED  # columns of one weight scale block
     HALVES: gl.constexpr = BLOCK_C // SUB
@@ -332,25 +447,42 @@ def _math_partition(
     c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
-    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
-            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
-        )
+    # This program's tiles, j-th at tile id program_id + j * NUM_PROGRAMS: the first's record and step 0's
+    # scales before the loop, every next one's during the tile before it (before its epilogue), so that a
+    # tile's first MMA never waits for a global load.
+    n_mine = gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS)
+    g, row_lo, row_hi, row0, c0 = _take_record(records, 0, n_mine > 0, STAGES)
+    sa, sb0, sb1 = _tile_factors(
+        g, row_lo, row_hi, row0, c0, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bs_col,
+        red_steps, stride_bs_red, n_mine > 0, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
+    )  # fmt: skip
+    for j in range(n_mine):
+        real = g < N
+        rows0 = row0 + HALF * ROWS
+        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
         # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
         # accumulator's columns lie in one weight scale block: one weight scale a step each.
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
         sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
         hi_ok = real & (c0 + SUB < COLS)
+        scale0, scale1 = _scale_products(sa, sb0, sb1, HALVES)
         acc0, acc1, it = _main_loop(
             a_bufs, b_bufs, ready, empty, it, a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr,
-            sb_ptr + stride_bs_col, mask_sa, real, hi_ok, red_steps, stride_bs_red, HALF, ROWS, SUB, HALVES, STAGES,
-            mma_layout,
+            sb_ptr + stride_bs_col, mask_sa, real, hi_ok, red_steps, stride_bs_red, scale0, scale1, HALF, ROWS, SUB,
+            HALVES, STAGES, mma_layout,
         )  # fmt: skip
-
+        # The next tile's record and step 0's scales, their loads in flight during this tile's epilogue.
+        has_next = j + 1 < n_mine
+        g_n, row_lo_n, row_hi_n, row0_n, c0_n = _take_record(records, j + 1, has_next, STAGES)
+        sa, sb0, sb1 = _tile_factors(
+            g_n, row_lo_n, row_hi_n, row0_n, c0_n, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
+            stride_bs_col, red_steps, stride_bs_red, has_next, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
+        )  # fmt: skip
         store_halves(
             acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
             stride_cm, stride_bias_g, HALVES, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
         )  # fmt: skip
+        g, row_lo, row_hi, row0, c0 = g_n, row_lo_n, row_hi_n, row0_n, c0_n
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -413,9 +545,10 @@ def grouped_mm_fp8_block_ws_kernel(
     a_bufs, b_bufs, c0_smem, c1_smem, ready, empty = _shared_ring(
         a_ptr.dtype.element_ty, c_ptr.dtype.element_ty, BLOCK_M, BLOCK_C, BLOCK_RED, STAGES
     )
+    records = _record_ring(STAGES)
     operands = (
         a_scale_ptr, b_scale_ptr, c_ptr, bias_ptr, scale_ptr, offs_ptr, M, COLS, RED, N, stride_cm, stride_bias_g,
-        stride_asm, stride_bsg, stride_bs_red, stride_bs_col, a_bufs, b_bufs, ready, empty,
+        stride_asm, stride_bsg, stride_bs_red, stride_bs_col, a_bufs, b_bufs, ready, empty, records,
     )  # fmt: skip
     # The runtime arguments travel as one tuple; each partition's constexprs are written out in its own
     # tuple (a tuple built in the kernel would not keep them constexpr), so the two math partitions'
@@ -427,7 +560,8 @@ def grouped_mm_fp8_block_ws_kernel(
             (_math_partition, (operands, c1_smem, 1, HAS_BIAS, HAS_SCALE, EPI_TMA, BLOCK_M, BLOCK_C, BLOCK_RED,
                                GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES)),
             (_load_partition, (a_ptr, b_ptr, offs_ptr, M, COLS, RED, N, stride_am, stride_br, a_bufs, b_bufs, ready,
-                               empty, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, 0)),
+                               empty, records, BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS,
+                               STAGES, 0, STAGES)),
         ],
         [4, 1],
         [MATH_REGS, LOAD_REGS],
@@ -579,10 +713,12 @@ def _glu_math_partition(
         mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
         gate_col = glu_weight_rows(c0, GLU_BLOCK)
         sb_ptr = w_scale_ptr + g.to(gl.int64) * stride_wsg + (gate_col // BLOCK_RED) * stride_ws_col
+        sa_ptrs = x_scale_ptr + offs_m.to(gl.int64) * stride_xsm
+        sb_up_ptr = sb_ptr + (GLU_BLOCK // BLOCK_RED) * stride_ws_col
+        scale_g, scale_u = _step_scales(sa_ptrs, sb_ptr, sb_up_ptr, 0, red_steps, mask_sa, real, real, stride_ws_red, 2)
         acc_g, acc_u, it = _main_loop(
-            a_bufs, b_bufs, ready, empty, it, x_scale_ptr + offs_m.to(gl.int64) * stride_xsm, sb_ptr,
-            sb_ptr + (GLU_BLOCK // BLOCK_RED) * stride_ws_col, mask_sa, real, real, red_steps, stride_ws_red, HALF,
-            ROWS, SUB, 2, STAGES, mma_layout,
+            a_bufs, b_bufs, ready, empty, it, sa_ptrs, sb_ptr, sb_up_ptr, mask_sa, real, real, red_steps,
+            stride_ws_red, scale_g, scale_u, HALF, ROWS, SUB, 2, STAGES, mma_layout,
         )  # fmt: skip
         _glu_epilogue(
             acc_g, acc_u, real, g, N, offs_m, rows0, c0, gate_col, row_lo, row_hi, bias_ptr, probs_ptr, a_data_ptr,
@@ -681,8 +817,8 @@ def grouped_glu_fp8_block_ws_kernel(
             (
                 _load_partition,
                 (
-                    x_ptr, w_ptr, offs_ptr, M, F, H, N, stride_xm, stride_wr, a_bufs, b_bufs, ready, empty, BLOCK_M,
-                    BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, GLU_BLOCK,
+                    x_ptr, w_ptr, offs_ptr, M, F, H, N, stride_xm, stride_wr, a_bufs, b_bufs, ready, empty, 0,
+                    BLOCK_M, BLOCK_C, BLOCK_RED, GROUP_M, BLOCK_GROUPS, NUM_PROGRAMS, STAGES, GLU_BLOCK, 0,
                 ),
             ),
         ],
