@@ -7,7 +7,8 @@ own processes, alternating (A, B, A, B, ...), so that a change is timed against 
 one machine.
 
 For each build and cell: the CUDA time of every kernel either build launches (torch.profiler, the
-median call and a step's share: median call x calls per step), the whole step's time (CUDA events,
+median call, a step's share: the sum of its calls a step, and each call by its position in the step:
+one kernel may run problems of several sizes a step), the whole step's time (CUDA events,
 median), and a hash of the output and
 every gradient, so that a change meant to be bit-identical is checked to be. A build is a source
 tree holding `moekit/` (e.g. a copy of `src/` with one kernel edited); Triton's cache keys on the
@@ -268,17 +269,30 @@ def probe(
                     step()
                 torch.cuda.synchronize()
             by_name: dict[str, list[float]] = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-                    by_name.setdefault(e.name, []).append(e.device_time / 1000)
-            kernels = {
-                name: {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps} for name, ts in by_name.items()
-            }
+            launched = (
+                e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+            )
+            for e in sorted(launched, key=lambda e: e.time_range.start):
+                by_name.setdefault(e.name, []).append(e.device_time / 1000)
+            kernels = {name: kernel_times(ts, steps) for name, ts in by_name.items()}
         cells[cell] = {"hash": digest.hexdigest()[:16], "kernels": kernels, "step_ms": step_ms}
         del leaves, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return cells
+
+
+def kernel_times(ts: list[float], steps: int) -> dict:
+    """One kernel's times over `steps` profiled steps, `ts` in launch order (ms): the median call, the
+    calls a step, a step's share (their sum over the steps / steps) and, where every step launched it
+    the same number of times, each call's median by its position in the step (`per_call_ms`): a
+    kernel that runs problems of several sizes a step (fc1's and fc2's forward and dgrad on one
+    kernel) is compared call by call, not by one median over calls of different sizes."""
+    times: dict = {"ms": statistics.median(ts), "calls_per_step": len(ts) / steps, "step_ms": sum(ts) / steps}
+    calls, rest = divmod(len(ts), steps)
+    if calls > 1 and not rest:
+        times["per_call_ms"] = [statistics.median(ts[s * calls + i] for s in range(steps)) for i in range(calls)]
+    return times
 
 
 def run_build(src: Path, args: argparse.Namespace) -> dict:
@@ -298,10 +312,11 @@ def run_build(src: Path, args: argparse.Namespace) -> dict:
 
 def compare(runs: dict[str, list[dict]]) -> dict:
     """Per cell: each build's per-round times of every kernel either build launched (`{b}_ms`: the median
-    call; `{b}_step_ms`: a step's share, the median call times the calls a step, 0 where the build does
-    not launch it), the B / A ratio of the steps' shares (where both builds launch it: a change that
-    moves work into another kernel shows as one kernel's ratio below 1 and another's appearing), and
-    bit-equality."""
+    call; `{b}_step_ms`: a step's share, its calls' sum a step, 0 where the build does not launch it),
+    the B / A ratio of the steps' shares (where both builds launch it: a change that moves work into
+    another kernel shows as one kernel's ratio below 1 and another's appearing), where both launch it
+    the same number of times a step the B / A ratio of each call by its position in the step
+    (`per_call_b_over_a`), and bit-equality."""
     cells = {}
     for cell in runs["a"][0]:
         hashes = {r[cell]["hash"] for build in runs.values() for r in build}
@@ -310,10 +325,16 @@ def compare(runs: dict[str, list[dict]]) -> dict:
         for name in names:
             got = {b: [r[cell]["kernels"].get(name) for r in runs[b]] for b in runs}
             entry: dict = {f"{b}_ms": [k["ms"] if k else None for k in ks] for b, ks in got.items()}
-            shares = {b: [k["ms"] * k["calls_per_step"] if k else 0.0 for k in ks] for b, ks in got.items()}
+            shares = {b: [k["step_ms"] if k else 0.0 for k in ks] for b, ks in got.items()}
             entry.update({f"{b}_step_ms": ts for b, ts in shares.items()})
             if all(k is not None for ks in got.values() for k in ks):
                 entry["b_over_a"] = statistics.mean(shares["b"]) / statistics.mean(shares["a"])
+                per_call = {b: [k.get("per_call_ms") for k in ks] for b, ks in got.items()}
+                if len({len(c) if c else 0 for cs in per_call.values() for c in cs}) == 1 and per_call["a"][0]:
+                    mean_of = {
+                        b: [statistics.mean(c[i] for c in cs) for i in range(len(cs[0]))] for b, cs in per_call.items()
+                    }
+                    entry["per_call_b_over_a"] = [b / a for a, b in zip(mean_of["a"], mean_of["b"], strict=True)]
             kernels[name] = entry
         steps = {b: [r[cell].get("step_ms") for r in runs[b]] for b in runs}
         step = {f"{b}_step_ms": t for b, t in steps.items()}
@@ -411,6 +432,7 @@ def main(argv=None) -> dict | None:
     for cell, c in cells.items():
         ratios = "  ".join(
             f"{n[:22]} {k['b_over_a']:.3f}"
+            + (f" [{' '.join(f'{r:.3f}' for r in k['per_call_b_over_a'])}]" if "per_call_b_over_a" in k else "")
             for n, k in c["kernels"].items()
             if "b_over_a" in k and ("glu" in n or "grouped" in n or "wgrad" in n)
         )

@@ -572,19 +572,28 @@ def test_ab_builds_compare_flags_a_difference_and_gives_b_over_a(capsys):
     ab = _load("ab_builds")
 
     def run(hash_, ms):
-        return {"cell": {"hash": hash_, "kernels": {"glu_forward_kernel": {"ms": ms, "calls_per_step": 1}}}}
+        return {"cell": {"hash": hash_, "kernels": {"glu_forward_kernel": ab.kernel_times([ms], 1)}}}
 
     same = ab.compare({"a": [run("h", 2.0), run("h", 4.0)], "b": [run("h", 2.5), run("h", 2.0)]})["cell"]
     assert same["bit_identical"] and same["kernels"]["glu_forward_kernel"]["b_over_a"] == 0.75
     assert same["kernels"]["glu_forward_kernel"]["a_ms"] == [2.0, 4.0]
     # A kernel only build B launches is listed (A's share 0, no ratio); the ratio is of a step's share.
     before, after = run("h", 1.0), run("h", 1.5)
-    before["cell"]["kernels"]["glu_forward_kernel"]["calls_per_step"] = 2
-    after["cell"]["kernels"]["new_kernel"] = {"ms": 0.5, "calls_per_step": 1}
+    before["cell"]["kernels"]["glu_forward_kernel"] = ab.kernel_times([1.0, 1.0], 1)
+    after["cell"]["kernels"]["new_kernel"] = ab.kernel_times([0.5], 1)
     cell = ab.compare({"a": [before], "b": [after]})["cell"]
     assert cell["kernels"]["glu_forward_kernel"]["b_over_a"] == 0.75  # 1.5 x 1 against 1.0 x 2
     assert cell["kernels"]["new_kernel"]["a_step_ms"] == [0.0] and cell["kernels"]["new_kernel"]["b_step_ms"] == [0.5]
     assert "b_over_a" not in cell["kernels"]["new_kernel"]
+    # One kernel, two problems a step (a large call then a small one), two steps: the step's share is the
+    # calls' sum and each call is compared by its position, where one median over all calls would mix them.
+    a_times = ab.kernel_times([4.0, 1.0, 4.2, 1.0], 2)
+    assert a_times["step_ms"] == pytest.approx(5.1) and a_times["per_call_ms"] == [4.1, 1.0]
+    mixed = {"a": [{"cell": {"hash": "h", "kernels": {"mm": a_times}}}]}
+    mixed["b"] = [{"cell": {"hash": "h", "kernels": {"mm": ab.kernel_times([4.1, 0.5, 4.1, 0.5], 2)}}}]
+    entry = ab.compare(mixed)["cell"]["kernels"]["mm"]
+    assert entry["b_over_a"] == pytest.approx(4.6 / 5.1)
+    assert entry["per_call_b_over_a"] == pytest.approx([1.0, 0.5])
     differ = ab.compare({"a": [run("h", 1.0)], "b": [run("other", 1.0)]})["cell"]
     assert not differ["bit_identical"]
     with pytest.raises(SystemExit):
