@@ -38,10 +38,17 @@ iteration reads after that wait; ptxas cannot follow it there and serializes eve
 kernel (C7514), with or without the first step peeled off the loop (notes/quantized_gemm.md).
 
 The promotion is the Triton kernel's pinned `promote` (inline asm with side effects, so that it stays
-after the wait that completes its product). Scales are loaded a step ahead of their use.
+after the wait that completes its product). Scales are loaded a step ahead of their use, and a tile's
+first step's a tile ahead: before the previous tile's epilogue, so that no tile's first MMA waits for a
+global load.
 
-Partitions of one persistent program (the tile schedule is `moekit.ops.kernels.schedule`'s, every
-partition computing it for itself from the device offsets, as `glu_hopper`'s kernels do):
+Partitions of one persistent program (the tile schedule is `moekit.ops.kernels.schedule`'s). The load
+warp computes each tile's coordinates from the device offsets and hands them to the math warp groups
+through a ring of tile records in shared memory (`_put_record` / `_take_record`, a ready and an empty
+barrier each), written before the tile's first slot: the math warp groups then run no reduction over
+the groups and keep no group vectors, once a tile, which at fine-grained experts (few steps a tile) is
+a visible share of a tile's time (notes/quantized_gemm.md). The gated kernel's math warp groups still
+compute their own (`tile_coords`).
 
     load      (1 warp)   TMA loads of the rows' (BLOCK_M, BLOCK_RED) box and the weight's
                          (BLOCK_C, BLOCK_RED) box (2-D view (N * COLS, RED); rows past COLS are the
