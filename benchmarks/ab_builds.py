@@ -1,6 +1,7 @@
 """Two builds of moekit, kernel by kernel: grouped_mlp forward+backward (triton backend, router probs)
 at the README's four MLP shapes (`--op mlp`), or moe_experts forward+backward at the README's four
-layer shapes (`--op layer`), balanced and skewed, or the gated kernels on h held in FP8 at HELD_CASES
+layer shapes (`--op layer`), balanced (drawn with equal shares) and skewed, or `exact` (every expert
+M / E rows: the quantized table's and `--op qgemm`'s groups), or the gated kernels on h held in FP8 at HELD_CASES
 (`--op held`: their output, dh and d probs), or the quantized forward and dgrad GEMMs alone at the layer
 shapes' fc1 and fc2 (`--op qgemm`, with --quantization's recipe, fp8_block by default), each build in its
 own processes, alternating (A, B, A, B, ...), so that a change is timed against the code it replaces on
@@ -77,6 +78,7 @@ def _layer_cells(
     import bench_moe_layer as layer
     import runner
     import torch
+    from bench_quantized import balanced_ids
 
     import moekit
 
@@ -86,7 +88,9 @@ def _layer_cells(
     for shape in shapes:
         for dist in dists or runner.DISTS:
             base = layer.make_inputs(shape, device, dtype)
-            ids, weights = layer.make_routing(shape, dist, device, dtype)
+            ids, weights = layer.make_routing(shape, "balanced" if dist == "exact" else dist, device, dtype)
+            if dist == "exact":  # bench_quantized's table: every expert exactly M / E rows
+                ids = balanced_ids(shape, device)
             leaves = [base["x"].requires_grad_(True), weights.requires_grad_(True), base["w1"], base["w2"]]
             leaves[2].requires_grad_(True)
             leaves[3].requires_grad_(True)
@@ -367,7 +371,11 @@ def main(argv=None) -> dict | None:
         "qgemm: the recipe (default fp8_block)",
     )
     parser.add_argument(
-        "--dists", default=None, help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS)"
+        "--dists",
+        default=None,
+        help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS: balanced, drawn with "
+        "equal shares, and skewed); --op layer also takes exact (every expert exactly M / E rows, "
+        "bench_quantized's balanced table)",
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
@@ -397,9 +405,10 @@ def main(argv=None) -> dict | None:
     sys.path[:0] = [str(args.a.resolve()), str(BENCHMARKS)]
     import runner
 
-    unknown = [d for d in dists if d not in runner.DISTS]
+    known = (*runner.DISTS, "exact") if args.op == "layer" else runner.DISTS
+    unknown = [d for d in dists if d not in known]
     if unknown:
-        parser.error(f"--dists takes {' and '.join(runner.DISTS)}, got {unknown}")
+        parser.error(f"--dists for --op {args.op} takes {', '.join(known)}, got {unknown}")
 
     start = time.monotonic()
     runs: dict[str, list[dict]] = {"a": [], "b": []}

@@ -529,24 +529,25 @@ def test_ab_builds_smoke_held_kernels(tmp_path):
 def test_ab_builds_smoke_quantized_layer(tmp_path):
     """--op layer --quantization: moe_experts with fp8_block and refreshed weight caches in each build's
     processes (here one build against itself: bit-identical), the recipe recorded; --dists takes the
-    routings asked for (here one: the other's cells are the same plumbing), recorded too. Mistakes are
-    refused in one line."""
+    routings asked for (here `exact`, the quantized table's: the others' cells are the same plumbing),
+    recorded too. Mistakes are refused in one line."""
     out = tmp_path / "ab.json"
     src = str(BENCHMARKS.parent / "src")
     base = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
-    command = base + ["--op", "layer", "--quantization", "fp8_block", "--shapes", "smoke", "--dists", "balanced"]
+    command = base + ["--op", "layer", "--quantization", "fp8_block", "--shapes", "smoke", "--dists", "exact"]
     command += ["--out", str(out), "--commit", "abc1234-test", "--timeout", "900"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert payload["meta"]["quantization"] == "fp8_block" and payload["meta"]["op"] == "layer"
-    assert payload["meta"]["dists"] == ["balanced"] and set(payload["cells"]) == {"smoke/balanced"}
+    assert payload["meta"]["dists"] == ["exact"] and set(payload["cells"]) == {"smoke/exact"}
     assert all(c["bit_identical"] for c in payload["cells"].values())
     for extra, message in (
         (["--op", "mlp", "--quantization", "fp8_block"], "--quantization is for --op layer and --op qgemm"),
         (["--op", "qgemm", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
-        (["--dists", "balanced,lopsided"], "--dists takes balanced and skewed, got ['lopsided']"),
+        (["--dists", "balanced,lopsided"], "--dists for --op mlp takes balanced, skewed, got ['lopsided']"),
+        (["--dists", "exact"], "--dists for --op mlp takes balanced, skewed, got ['exact']"),
         (["--op", "cases", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
     ):
         refused = subprocess.run(base + extra, env=env, capture_output=True, text=True)
