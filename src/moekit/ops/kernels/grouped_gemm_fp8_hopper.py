@@ -186,12 +186,12 @@ def _load_partition(
     it = 0
     j = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+        g, row_lo, row_hi, row0, c0, pid_c = tile_coords(
             tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, SCHED_C, GROUP_M
         )
         b_row = g * W_ROWS + (glu_weight_rows(c0, GLU_BLOCK) if GLU_BLOCK > 0 else c0)
         if RECORDS > 0:
-            _put_record(records, j, g, row_lo, row_hi, row0, c0, RECORDS)
+            _put_record(records, j, g, row_lo, row_hi, row0, pid_c, RECORDS)
             j += 1
         for step in range(red_steps * (g < N).to(gl.int32)):
             slot = it % STAGES
@@ -214,7 +214,7 @@ def _load_partition(
 
 @gluon.jit
 def _record_ring(RECORDS: gl.constexpr):
-    """A ring of RECORDS tile records (8 int32 each: g, row_lo, row_hi, row0, c0) in shared memory with a
+    """A ring of RECORDS tile records (8 int32 each: g, row_lo, row_hi, row0, pid_c) in shared memory with a
     ready barrier (the load warp's arrival) and an empty barrier (both math warp groups') each."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     recs = gl.allocate_shared_memory(gl.int32, [RECORDS, 1, 8], layout)
@@ -227,25 +227,28 @@ def _record_ring(RECORDS: gl.constexpr):
 
 
 @gluon.jit
-def _put_record(records, j, g, row_lo, row_hi, row0, c0, RECORDS: gl.constexpr):
-    """The load warp: tile j's coordinates into record j % RECORDS once both math warp groups have read
-    the record j - RECORDS that held it."""
+def _put_record(records, j, g, row_lo, row_hi, row0, pid_c, RECORDS: gl.constexpr):
+    """The load warp: tile j's coordinates (`tile_coords`' column tile pid_c, not its first column) into
+    record j % RECORDS once both math warp groups have read the record j - RECORDS that held it."""
     recs, rec_ready, rec_empty = records
     r = j % RECORDS
     mbarrier.wait(rec_empty.index(r), ((j // RECORDS) & 1) ^ 1)
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
     k = gl.arange(0, 8, layout=layout)
-    v = gl.where(k == 0, g, gl.where(k == 1, row_lo, gl.where(k == 2, row_hi, gl.where(k == 3, row0, c0))))
+    v = gl.where(k == 0, g, gl.where(k == 1, row_lo, gl.where(k == 2, row_hi, gl.where(k == 3, row0, pid_c))))
     recs.index(r).reshape([8]).store(v)
     gl.thread_barrier()
     mbarrier.arrive(rec_ready.index(r), count=1)
 
 
 @gluon.jit
-def _take_record(records, j, pred, RECORDS: gl.constexpr):
+def _take_record(records, j, pred, RECORDS: gl.constexpr, BLOCK_C: gl.constexpr):
     """A math warp group: tile j's (g, row_lo, row_hi, row0, c0) from record j % RECORDS, then its arrival on
     the record's empty barrier; where pred is false (no tile j for this program), neither the wait nor the
-    arrival, and the values are not to be used."""
+    arrival, and the values are not to be used. c0 = pid_c * BLOCK_C here, not stored: so the compiler
+    knows c0 a multiple of BLOCK_C, as where it computes `tile_coords` (a first column read from shared
+    memory would be any integer, and the epilogue's masked pointer stores of a group's last rows would
+    store single elements instead of pairs)."""
     recs, rec_ready, rec_empty = records
     r = j % RECORDS
     mbarrier.wait(rec_ready.index(r), (j // RECORDS) & 1, pred=pred)
@@ -256,7 +259,7 @@ def _take_record(records, j, pred, RECORDS: gl.constexpr):
     row_lo = gl.sum(gl.where(k == 1, v, 0), axis=0)
     row_hi = gl.sum(gl.where(k == 2, v, 0), axis=0)
     row0 = gl.sum(gl.where(k == 3, v, 0), axis=0)
-    c0 = gl.sum(gl.where(k == 4, v, 0), axis=0)
+    c0 = gl.sum(gl.where(k == 4, v, 0), axis=0) * BLOCK_C
     gl.thread_barrier()
     mbarrier.arrive(rec_empty.index(r), count=1, pred=pred)
     return g, row_lo, row_hi, row0, c0
@@ -458,7 +461,7 @@ def _math_partition(
     # scales before the loop, every next one's during the tile before it (before its epilogue), so that a
     # tile's first MMA never waits for a global load.
     n_mine = gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS)
-    g, row_lo, row_hi, row0, c0 = _take_record(records, 0, n_mine > 0, STAGES)
+    g, row_lo, row_hi, row0, c0 = _take_record(records, 0, n_mine > 0, STAGES, BLOCK_C)
     sa, sb0, sb1 = _tile_factors(
         g, row_lo, row_hi, row0, c0, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bs_col,
         red_steps, stride_bs_red, n_mine > 0, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
@@ -480,7 +483,7 @@ def _math_partition(
         )  # fmt: skip
         # The next tile's record and step 0's scales, their loads in flight during this tile's epilogue.
         has_next = j + 1 < n_mine
-        g_n, row_lo_n, row_hi_n, row0_n, c0_n = _take_record(records, j + 1, has_next, STAGES)
+        g_n, row_lo_n, row_hi_n, row0_n, c0_n = _take_record(records, j + 1, has_next, STAGES, BLOCK_C)
         sa, sb0, sb1 = _tile_factors(
             g_n, row_lo_n, row_hi_n, row0_n, c0_n, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
             stride_bs_col, red_steps, stride_bs_red, has_next, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
