@@ -167,6 +167,7 @@ def _load_partition(
     (the gated kernel: COLS = F activation columns, tiles of BLOCK_C / 2 of them) the B box is two boxes
     of BLOCK_C / 2 weight rows, the tile's gate rows and its up rows (`glu_weight_rows`)."""
     SCHED_C: gl.constexpr = BLOCK_C // 2 if GLU_BLOCK > 0 else BLOCK_C
+    gl.static_assert(RECORDS == 0 or GLU_BLOCK == 0, "records' column tiles are BLOCK_C wide (`_take_record`)")
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, SCHED_C
     )
