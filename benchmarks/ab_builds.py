@@ -204,11 +204,13 @@ def _held_cells(shape_names: str | None, smoke: bool, device, dtype):
         yield name, step, []
 
 
-def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str):
+def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantization: str, dists: tuple[str, ...] = ()):
     """(cell name, step, no leaves) of the quantized forward and dgrad GEMMs alone (the triton backend's
     `quantized_linear_forward` / `_dgrad` on operands quantized once) at each layer shape's fc1 (I = H,
-    O = 2F) and fc2 (I = F, O = H), M = T*K rows in E balanced groups: where a change to the FP8 GEMM
-    kernels is timed without the rest of the layer."""
+    O = 2F) and fc2 (I = F, O = H), M = T*K rows in E groups: where a change to the FP8 GEMM kernels is
+    timed without the rest of the layer. The groups (`dists`): `exact` (the default: M / E rows each),
+    or the counts of `--op layer`'s drawn `balanced` or `skewed` routing (groups of any count, so a
+    group's last row tile is partial); cells of another routing than `exact` name it."""
     import bench_moe_layer as layer
     import runner
     import torch
@@ -218,18 +220,23 @@ def _qgemm_cells(shape_names: str | None, smoke: bool, device, dtype, quantizati
     shapes = runner.select_by_name(pool, shape_names, "shapes", [s.name for s in pool]) if shape_names else pool[:4]
     for shape in shapes:
         M = shape.tokens * shape.top_k
-        counts = runner.balanced_splits(M, shape.experts)
-        splits = torch.tensor(counts, device=device)
-        offs = torch.tensor([0, *counts], device=device).cumsum(0)
-        for linear, n_in, n_out in (("fc1", shape.hidden, 2 * shape.ffn), ("fc2", shape.ffn, shape.hidden)):
-            gen = torch.Generator(device=device).manual_seed(3)
-            x = torch.randn(M, n_in, device=device, dtype=dtype, generator=gen)
-            dy = torch.randn(M, n_out, device=device, dtype=dtype, generator=gen)
-            w = (torch.randn(shape.experts, n_out, n_in, device=device, generator=gen) / n_in**0.5).to(dtype)
-            fwd, dgrad, _ = fp8_gemm_calls(quantization, x, dy, w, splits, offs)
-            del x, dy, w
-            yield f"{shape.name}/{linear}/fwd", fwd, []
-            yield f"{shape.name}/{linear}/dgrad", dgrad, []
+        for dist in dists or ("exact",):
+            if dist == "exact":
+                splits = torch.tensor(runner.balanced_splits(M, shape.experts), device=device)
+            else:
+                ids = layer.make_routing(shape, dist, device, dtype)[0]
+                splits = torch.bincount(ids.flatten(), minlength=shape.experts)
+            offs = torch.cat([splits.new_zeros(1), splits.cumsum(0)])
+            cell = shape.name if dist == "exact" else f"{shape.name}/{dist}"
+            for linear, n_in, n_out in (("fc1", shape.hidden, 2 * shape.ffn), ("fc2", shape.ffn, shape.hidden)):
+                gen = torch.Generator(device=device).manual_seed(3)
+                x = torch.randn(M, n_in, device=device, dtype=dtype, generator=gen)
+                dy = torch.randn(M, n_out, device=device, dtype=dtype, generator=gen)
+                w = (torch.randn(shape.experts, n_out, n_in, device=device, generator=gen) / n_in**0.5).to(dtype)
+                fwd, dgrad, _ = fp8_gemm_calls(quantization, x, dy, w, splits, offs)
+                del x, dy, w
+                yield f"{cell}/{linear}/fwd", fwd, []
+                yield f"{cell}/{linear}/dgrad", dgrad, []
 
 
 def probe(
@@ -254,7 +261,7 @@ def probe(
     elif op == "held":
         cells_of = _held_cells(shape_names, smoke, device, dtype)
     elif op == "qgemm":
-        cells_of = _qgemm_cells(shape_names, smoke, device, dtype, quantization or "fp8_block")
+        cells_of = _qgemm_cells(shape_names, smoke, device, dtype, quantization or "fp8_block", dists)
     else:
         cells_of = _case_cells(shape_names, smoke, device, dtype)
     for cell, step, leaves in cells_of:
@@ -374,8 +381,8 @@ def main(argv=None) -> dict | None:
         "--dists",
         default=None,
         help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS: balanced, drawn with "
-        "equal shares, and skewed); --op layer also takes exact (every expert exactly M / E rows, "
-        "bench_quantized's balanced table)",
+        "equal shares, and skewed); --op layer and --op qgemm also take exact (every expert exactly M / E "
+        "rows, bench_quantized's balanced table; qgemm's default)",
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
@@ -389,8 +396,8 @@ def main(argv=None) -> dict | None:
         cells = probe(args.op, args.shapes, args.steps, args.smoke, args.quantization, dists)
         print(PROBE_TAG + json.dumps(cells), flush=True)
         return None
-    if args.dists and args.op in ("cases", "held", "qgemm"):
-        parser.error("--dists is for --op mlp and --op layer")
+    if args.dists and args.op in ("cases", "held"):
+        parser.error("--dists is for --op mlp, --op layer and --op qgemm")
     if args.quantization and args.op not in ("layer", "qgemm"):
         parser.error("--quantization is for --op layer and --op qgemm")
     if args.op == "qgemm" and not args.quantization:
@@ -405,7 +412,7 @@ def main(argv=None) -> dict | None:
     sys.path[:0] = [str(args.a.resolve()), str(BENCHMARKS)]
     import runner
 
-    known = (*runner.DISTS, "exact") if args.op == "layer" else runner.DISTS
+    known = (*runner.DISTS, "exact") if args.op in ("layer", "qgemm") else runner.DISTS
     unknown = [d for d in dists if d not in known]
     if unknown:
         parser.error(f"--dists for --op {args.op} takes {', '.join(known)}, got {unknown}")

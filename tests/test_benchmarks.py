@@ -545,10 +545,10 @@ def test_ab_builds_smoke_quantized_layer(tmp_path):
     assert all(c["bit_identical"] for c in payload["cells"].values())
     for extra, message in (
         (["--op", "mlp", "--quantization", "fp8_block"], "--quantization is for --op layer and --op qgemm"),
-        (["--op", "qgemm", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
+        (["--op", "held", "--dists", "skewed"], "--dists is for --op mlp, --op layer and --op qgemm"),
         (["--dists", "balanced,lopsided"], "--dists for --op mlp takes balanced, skewed, got ['lopsided']"),
         (["--dists", "exact"], "--dists for --op mlp takes balanced, skewed, got ['exact']"),
-        (["--op", "cases", "--dists", "skewed"], "--dists is for --op mlp and --op layer"),
+        (["--op", "cases", "--dists", "skewed"], "--dists is for --op mlp, --op layer and --op qgemm"),
     ):
         refused = subprocess.run(base + extra, env=env, capture_output=True, text=True)
         assert refused.returncode == 2 and message in refused.stderr.strip().splitlines()[-1], refused.stderr
@@ -556,16 +556,19 @@ def test_ab_builds_smoke_quantized_layer(tmp_path):
 
 def test_ab_builds_smoke_quantized_gemms(tmp_path):
     """--op qgemm: the FP8 forward and dgrad GEMMs alone at a layer shape's fc1 and fc2 in each build's
-    processes (here one build against itself: bit-identical), a cell a linear and GEMM."""
+    processes (here one build against itself: bit-identical), a cell a linear and GEMM, for the groups
+    asked for: exact splits (unnamed) and the layer's drawn balanced routing's counts (named)."""
     out = tmp_path / "ab.json"
     src = str(BENCHMARKS.parent / "src")
     command = [sys.executable, str(BENCHMARKS / "ab_builds.py"), "--a", src, "--b", src, "--smoke", "--rounds", "1"]
-    command += ["--op", "qgemm", "--shapes", "smoke", "--out", str(out), "--commit", "abc1234-test", "--timeout", "900"]
+    command += ["--op", "qgemm", "--shapes", "smoke", "--dists", "exact,balanced", "--out", str(out)]
+    command += ["--commit", "abc1234-test", "--timeout", "900"]
     proc = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert payload["meta"]["op"] == "qgemm" and payload["meta"]["quantization"] == "fp8_block"
-    assert set(payload["cells"]) == {f"smoke/{linear}/{op}" for linear in ("fc1", "fc2") for op in ("fwd", "dgrad")}
+    gemms = [f"{linear}/{op}" for linear in ("fc1", "fc2") for op in ("fwd", "dgrad")]
+    assert set(payload["cells"]) == {f"smoke{routing}/{g}" for routing in ("", "/balanced") for g in gemms}
     assert all(c["bit_identical"] for c in payload["cells"].values())
 
 
