@@ -380,9 +380,10 @@ def main(argv=None) -> dict | None:
     parser.add_argument(
         "--dists",
         default=None,
-        help="--op mlp / layer: comma list of the routings (default: all of runner.DISTS: balanced, drawn with "
-        "equal shares, and skewed); --op layer and --op qgemm also take exact (every expert exactly M / E "
-        "rows, bench_quantized's balanced table; qgemm's default)",
+        help="comma list of the groups: --op mlp balanced (equal counts) and skewed (both by default); --op "
+        "layer and --op qgemm balanced (each token's experts drawn with equal shares: groups of about M / E "
+        "rows), skewed and exact (every expert exactly M / E rows, bench_quantized's balanced table; qgemm's "
+        "default, layer's default balanced and skewed)",
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--commit", default=None, help="the commit build A is (for a tree without .git)")
