@@ -316,6 +316,41 @@ def _scale_products(sa, sb0, sb1, HALVES: gl.constexpr):
 
 
 @gluon.jit
+def _tile_rows(
+    g,
+    row_lo,
+    row_hi,
+    row0,
+    c0,
+    pred,
+    N,
+    COLS,
+    a_scale_ptr,
+    b_scale_ptr,
+    stride_asm,
+    stride_bsg,
+    stride_bs_col,
+    HALF: gl.constexpr,
+    ROWS: gl.constexpr,
+    SUB: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    rows_layout: gl.constexpr,
+):
+    """This warp group's view of the tile a record describes: (real, its first row rows0, its rows offs_m,
+    their step-0 row scales' pointers, the mask of those in the tile's group, the first half's weight
+    scale block at step 0, whether a second half lies below COLS). Scales of the tile's own rows only
+    (other groups' rows read 0; they are never stored); each accumulator's columns lie in one weight
+    scale block: one weight scale a step each. Nothing is real where pred is false (no such tile)."""
+    real = (g < N) & pred
+    rows0 = row0 + HALF * ROWS
+    offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
+    mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
+    sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
+    hi_ok = real & (c0 + SUB < COLS)
+    return real, rows0, offs_m, a_scale_ptr + offs_m.to(gl.int64) * stride_asm, mask_sa, sb_ptr, hi_ok
+
+
+@gluon.jit
 def _tile_factors(
     g,
     row_lo,
@@ -339,16 +374,15 @@ def _tile_factors(
     HALVES: gl.constexpr,
     rows_layout: gl.constexpr,
 ):
-    """`_step_factors` of step 0 of the tile a record describes (this warp group's rows), none loaded where
-    pred is false (no such tile: zeros)."""
-    real = (g < N) & pred
-    offs_m = row0 + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
-    mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
-    sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
-    return _step_factors(
-        a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, real,
-        real & (c0 + SUB < COLS), stride_bs_red, HALVES,
+    """`_step_factors` of step 0 of the tile a record describes (this warp group's rows, `_tile_rows`),
+    none loaded where pred is false (no such tile: zeros)."""
+    real, _, _, sa_ptrs, mask_sa, sb_ptr, hi_ok = _tile_rows(
+        g, row_lo, row_hi, row0, c0, pred, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bs_col,
+        HALF, ROWS, SUB, BLOCK_RED, rows_layout,
     )  # fmt: skip
+    return _step_factors(
+        sa_ptrs, sb_ptr, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES
+    )
 
 
 @gluon.jit
@@ -468,19 +502,14 @@ def _math_partition(
         red_steps, stride_bs_red, n_mine > 0, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
     )  # fmt: skip
     for j in range(n_mine):
-        real = g < N
-        rows0 = row0 + HALF * ROWS
-        offs_m = rows0 + gl.arange(0, ROWS, layout=rows_layout)
-        # Scales of the tile's own rows only (other groups' rows read 0; they are never stored); each
-        # accumulator's columns lie in one weight scale block: one weight scale a step each.
-        mask_sa = (offs_m >= row_lo) & (offs_m < row_hi) & real
-        sb_ptr = b_scale_ptr + g.to(gl.int64) * stride_bsg + (c0 // BLOCK_RED) * stride_bs_col
-        hi_ok = real & (c0 + SUB < COLS)
+        real, rows0, offs_m, sa_ptrs, mask_sa, sb_ptr, hi_ok = _tile_rows(
+            g, row_lo, row_hi, row0, c0, True, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
+            stride_bs_col, HALF, ROWS, SUB, BLOCK_RED, rows_layout,
+        )  # fmt: skip
         scale0, scale1 = _scale_products(sa, sb0, sb1, HALVES)
         acc0, acc1, it = _main_loop(
-            a_bufs, b_bufs, ready, empty, it, a_scale_ptr + offs_m.to(gl.int64) * stride_asm, sb_ptr,
-            sb_ptr + stride_bs_col, mask_sa, real, hi_ok, red_steps, stride_bs_red, scale0, scale1, HALF, ROWS, SUB,
-            HALVES, STAGES, mma_layout,
+            a_bufs, b_bufs, ready, empty, it, sa_ptrs, sb_ptr, sb_ptr + stride_bs_col, mask_sa, real, hi_ok,
+            red_steps, stride_bs_red, scale0, scale1, HALF, ROWS, SUB, HALVES, STAGES, mma_layout,
         )  # fmt: skip
         # The next tile's record and step 0's scales, their loads in flight during this tile's epilogue.
         has_next = j + 1 < n_mine
