@@ -351,35 +351,10 @@ def _tile_rows(
 
 
 @gluon.jit
-def _tile_factors(
-    g,
-    row_lo,
-    row_hi,
-    row0,
-    c0,
-    N,
-    COLS,
-    a_scale_ptr,
-    b_scale_ptr,
-    stride_asm,
-    stride_bsg,
-    stride_bs_col,
-    red_steps,
-    stride_bs_red,
-    pred,
-    HALF: gl.constexpr,
-    ROWS: gl.constexpr,
-    SUB: gl.constexpr,
-    BLOCK_RED: gl.constexpr,
-    HALVES: gl.constexpr,
-    rows_layout: gl.constexpr,
-):
-    """`_step_factors` of step 0 of the tile a record describes (this warp group's rows, `_tile_rows`),
-    none loaded where pred is false (no such tile: zeros)."""
-    real, _, _, sa_ptrs, mask_sa, sb_ptr, hi_ok = _tile_rows(
-        g, row_lo, row_hi, row0, c0, pred, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bs_col,
-        HALF, ROWS, SUB, BLOCK_RED, rows_layout,
-    )  # fmt: skip
+def _tile_factors(rows, red_steps, stride_bs_col, stride_bs_red, HALVES: gl.constexpr):
+    """`_step_factors` of step 0 of the tile whose `_tile_rows` view is `rows` (zeros where that tile is
+    not real: a padding tile, or none)."""
+    real, _, _, sa_ptrs, mask_sa, sb_ptr, hi_ok = rows
     return _step_factors(
         sa_ptrs, sb_ptr, sb_ptr + stride_bs_col, 0, red_steps, mask_sa, real, hi_ok, stride_bs_red, HALVES
     )
@@ -498,10 +473,15 @@ def _math_partition(
     n_mine = gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS)
     g, row_lo, row_hi, row0, c0 = _take_record(records, 0, n_mine > 0, STAGES, BLOCK_C)
     sa, sb0, sb1 = _tile_factors(
-        g, row_lo, row_hi, row0, c0, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg, stride_bs_col,
-        red_steps, stride_bs_red, n_mine > 0, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
+        _tile_rows(
+            g, row_lo, row_hi, row0, c0, n_mine > 0, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
+            stride_bs_col, HALF, ROWS, SUB, BLOCK_RED, rows_layout,
+        ),
+        red_steps, stride_bs_col, stride_bs_red, HALVES,
     )  # fmt: skip
     for j in range(n_mine):
+        # The tile's rows and pointers again, not carried from the factors' loads above: carried, its
+        # 64-element vectors would stay live through the previous tile's epilogue.
         real, rows0, offs_m, sa_ptrs, mask_sa, sb_ptr, hi_ok = _tile_rows(
             g, row_lo, row_hi, row0, c0, True, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
             stride_bs_col, HALF, ROWS, SUB, BLOCK_RED, rows_layout,
@@ -515,8 +495,11 @@ def _math_partition(
         has_next = j + 1 < n_mine
         g_n, row_lo_n, row_hi_n, row0_n, c0_n = _take_record(records, j + 1, has_next, STAGES, BLOCK_C)
         sa, sb0, sb1 = _tile_factors(
-            g_n, row_lo_n, row_hi_n, row0_n, c0_n, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm, stride_bsg,
-            stride_bs_col, red_steps, stride_bs_red, has_next, HALF, ROWS, SUB, BLOCK_RED, HALVES, rows_layout,
+            _tile_rows(
+                g_n, row_lo_n, row_hi_n, row0_n, c0_n, has_next, N, COLS, a_scale_ptr, b_scale_ptr, stride_asm,
+                stride_bsg, stride_bs_col, HALF, ROWS, SUB, BLOCK_RED, rows_layout,
+            ),
+            red_steps, stride_bs_col, stride_bs_red, HALVES,
         )  # fmt: skip
         store_halves(
             acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
