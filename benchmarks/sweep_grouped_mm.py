@@ -6,9 +6,10 @@ Triton kernel's bits (`equal`). Times: CUDA events, the median of the repetition
 call; the variants interleaved in `--rounds` rounds (each keeps its median of the rounds), the dense
 8192^3 bf16 matmul's TFLOP/s measured in the same run as the roof.
 
-`--variants` times the Gluon kernel again with its configuration table (`configs.MM_WS`) changed
-(`VARIANTS`), each variant's plans built afresh, every variant's bits checked against the Triton
-kernel's; `--triton first` times only the Triton candidate that gives the reference bits.
+`--variants` times the Gluon kernels again with their configuration tables (`configs.MM_WS`,
+`MM_PINGPONG`, `MM_SCHEDULE`) changed (`VARIANTS`), each variant's plans built afresh, every variant's
+bits checked against the Triton kernel's; `--triton first` times only the Triton candidate that gives
+the reference bits.
 
     python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16]
         [--variants base,red32] [--triton first]
@@ -50,6 +51,10 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "stages3": {"MM_WS": dict(STAGES=3)},
     # 32-deep steps and twice the slots: the same bytes in flight, in finer pieces.
     "red32": {"MM_WS": dict(BLOCK_RED=32, STAGES=8)},
+    # The ping-pong schedule (`configs.MM_PINGPONG`: each math warp group a whole 128 x 192 tile in turn)
+    # at every reduction, and at 128 x (64 + 64) tiles with a fourth slot.
+    "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
+    "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=4)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 

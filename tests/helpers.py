@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -473,6 +474,34 @@ def compile_in_subprocess(script: str, *args: str, timeout: float = 300.0) -> di
     answer = json.loads(line)
     assert answer["ok"], answer.get("error", "")[-3000:]
     return json.loads(answer["stdout"].strip().splitlines()[-1])
+
+
+def main_loop_spills(sass: str, mma: str) -> list[int]:
+    """Local-memory instructions (LDL / STL: spills) in each main loop of a kernel's SASS (`nvdisasm -c`'s
+    listing): the innermost loops, from a label to the branch back to it, that hold an `mma` instruction
+    (HGMMA for 16-bit wgmma, QGMMA for FP8), the shortest of them and those less than 1.5 times as long
+    (a loop's unrolled or predicated copies). Where the kernel's spills lie decides what they cost: in
+    the tile set-up or the epilogue once a tile, in a main loop every step."""
+    labels: dict[str, int] = {}
+    ins: list[str] = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    loops = []
+    for k, s in enumerate(ins):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", s)
+        if m and m.group(1) in labels and labels[m.group(1)] <= k:
+            body = ins[labels[m.group(1)] : k + 1]
+            if any(mma in b for b in body):
+                loops.append((len(body), sum(("LDL" in b or "STL" in b) for b in body)))
+    assert loops, f"no loop holds {mma}"
+    shortest = min(n for n, _ in loops)
+    return [spills for n, spills in loops if n < 1.5 * shortest]
 
 
 def quantized_mlp_step(grouped_mlp: Callable[..., torch.Tensor], recipe: str) -> Callable[[], list[torch.Tensor]]:

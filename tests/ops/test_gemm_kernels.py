@@ -24,7 +24,14 @@ if not torch.cuda.is_available():
 
 gg = pytest.importorskip("moekit.ops.runtime.gemm")
 import moekit  # noqa: E402
-from helpers import check_against_reference, compile_in_subprocess, rand, torch_glu, torch_grouped_mlp  # noqa: E402
+from helpers import (  # noqa: E402
+    check_against_reference,
+    compile_in_subprocess,
+    main_loop_spills,
+    rand,
+    torch_glu,
+    torch_grouped_mlp,
+)
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
 from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
@@ -502,14 +509,31 @@ MM_WS_CASES = {
 }
 
 
+# The Hopper forward/dgrad's schedules: kernel name -> the reductions up to which it runs
+# (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile everywhere, any larger the
+# ping-pong at every reduction of these tests).
+MM_SCHEDULES = {"grouped_mm_ws_kernel": 0, "grouped_mm_pingpong_kernel": 1 << 30}
+
+
+@pytest.fixture(params=list(MM_SCHEDULES))
+def mm_kernel(request, monkeypatch):
+    """The Hopper forward/dgrad kernel a test runs, selected in `configs.MM_SCHEDULE` (plans made afresh
+    before and after)."""
+    monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", MM_SCHEDULES[request.param])
+    launch.forget_plans()
+    yield request.param
+    monkeypatch.undo()
+    launch.forget_plans()
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(MM_WS_CASES), ids=list(MM_WS_CASES))
-def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
-    """On sm_90 the forward and the dgrad run the Gluon kernel (profiled, no host sync) and give the Triton
-    kernel's bits (its first candidate: the same tile), within the tolerance rule of the float64
-    reference, padding rows (NaN inputs) exact zeros."""
+def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, mm_kernel, nan_outputs):
+    """On sm_90 the forward and the dgrad run the Gluon kernel of each schedule (profiled, no host sync)
+    and give the Triton kernel's bits (its first candidate: the same reduction order), within the
+    tolerance rule of the float64 reference, padding rows (NaN inputs) exact zeros."""
     from helpers import run_on_kernel
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -528,7 +552,7 @@ def test_gpu_forward_dgrad_run_the_hopper_kernel(case, dtype, nan_outputs):
     else:
         run = lambda cfg=None: gg.grouped_gemm_dgrad(dy, w, offs, cfg=cfg)  # noqa: E731
         ref = lambda d: ref_dgrad(dy[:used], w, splits, dtype=d)  # noqa: E731
-    out = run_on_kernel(run, "grouped_mm_ws_kernel")
+    out = run_on_kernel(run, mm_kernel)
     assert torch.equal(out, run(configs.gemm_candidates(op, dtype, True, "sm90", cols)[0]))
     assert (out[used:] == 0).all()
     assert_close(out[:used], ref(torch.float64), ref(dtype), dtype)
@@ -561,18 +585,19 @@ def test_gpu_products_the_hopper_kernel_does_not_take_run_triton(op, O, I, dtype
         assert_close(out, ref_dgrad(dy, w, splits), ref_dgrad(dy, w, splits, dtype=dtype), dtype)
 
 
-_COMPILE_MM_WS_FOR_SM90 = """
+_COMPILE_MM_FOR_SM90 = """
 import json, re, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
-from moekit.ops.runtime.configs import MM_WS
+from moekit.ops.kernels import grouped_gemm_hopper
+from moekit.ops.runtime import configs
 
-dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
-options = {k: MM_WS[k] for k in ("num_warps", "maxnreg")}
-const = {k: v for k, v in MM_WS.items() if k not in options}
+name, table, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
+kernel = getattr(grouped_gemm_hopper, name)
+options = {k: getattr(configs, table)[k] for k in ("num_warps", "maxnreg")}
+const = {k: v for k, v in getattr(configs, table).items() if k not in options}
 const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
 pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
@@ -584,8 +609,11 @@ compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options
 ptx = compiled.asm["ptx"]
 with open(sys.argv[2], "w") as f:
     f.write(ptx)
-log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", "/dev/null"],
+log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o", sys.argv[3]],
                      capture_output=True, text=True).stderr
+nvdisasm = get_ptxas(90).path.replace("ptxas", "nvdisasm")
+with open(sys.argv[4], "w") as f:
+    f.write(subprocess.run([nvdisasm, "-c", sys.argv[3]], capture_output=True, text=True).stdout)
 print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
                   "wgmma": sorted(set(re.findall(r"wgmma\\.mma_async\\S*", ptx))),
                   "spills": re.findall(r"(\\d+) bytes spill stores", log),
@@ -593,6 +621,16 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
 """
 
 
+# kernel -> (its configuration table, the wgmma shapes its accumulators take, whether ptxas spills
+# nothing at the table's registers anywhere in it, else in its main loops only). The ping-pong's 192
+# accumulator registers a thread leave its tile set-up and epilogue a few spills, once a tile.
+MM_COMPILES = {
+    "grouped_mm_ws_kernel": ("MM_WS", ["m64n128k16"], True),
+    "grouped_mm_pingpong_kernel": ("MM_PINGPONG", ["m64n128k16", "m64n64k16"], False),
+}
+
+
+@pytest.mark.parametrize("name", list(MM_COMPILES))
 @pytest.mark.parametrize(
     "dtype,trans_b,bias,scale,epi_tma",
     [
@@ -602,17 +640,24 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
     ],
     ids=["fwd", "dgrad", "fwd-fp16-bias-scale-pointer-stores"],
 )
-def test_hopper_forward_dgrad_kernel_compiles_for_sm90(dtype, trans_b, bias, scale, epi_tma, tmp_path):
-    """The Gluon forward/dgrad compiles for sm_90a (in its own process, as the other Gluon kernels): 12
-    warps (two math warp groups and the load warp's), inside 227 KB of shared memory, m64n128k16 wgmma
-    only, no wgmma serialized by ptxas (C7514 / C7515) and no spills at the configuration's registers."""
-    args = json.dumps([dtype, trans_b, bias, scale, epi_tma])
-    got = compile_in_subprocess(_COMPILE_MM_WS_FOR_SM90, args, str(tmp_path / "k.ptx"))
+def test_hopper_forward_dgrad_kernel_compiles_for_sm90(name, dtype, trans_b, bias, scale, epi_tma, tmp_path):
+    """The Gluon forward/dgrad kernels compile for sm_90a (in their own process, as the other Gluon
+    kernels): 12 warps (two math warp groups and the load warp's), inside 227 KB of shared memory, the
+    wgmma shapes of their accumulators only, no wgmma serialized by ptxas (C7514 / C7515); the shared
+    tile's kernel without spills at its configuration's registers."""
+    table, shapes, no_spills = MM_COMPILES[name]
+    args = json.dumps([name, table, dtype, trans_b, bias, scale, epi_tma])
+    ptx, cubin, sass = (str(tmp_path / f"k.{ext}") for ext in ("ptx", "cubin", "sass"))
+    got = compile_in_subprocess(_COMPILE_MM_FOR_SM90, args, ptx, cubin, sass)
     assert got["num_warps"] == 12 and 0 < got["shared"] <= 227 * 1024
     kind = dtype.strip("*").replace("fp16", "f16")
-    assert got["wgmma"] == [f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{kind}.{kind}"]
+    assert got["wgmma"] == sorted(f"wgmma.mma_async.sync.aligned.{s}.f32.{kind}.{kind}" for s in shapes)
     assert not got["serialized"], got["serialized"]
-    assert got["spills"] and set(got["spills"]) == {"0"}, got["spills"]
+    if no_spills:
+        assert got["spills"] and set(got["spills"]) == {"0"}, got["spills"]
+    with open(sass) as f:
+        spills = main_loop_spills(f.read(), "HGMMA")
+    assert len(spills) == 2 and set(spills) == {0}, spills  # each math warp group's main loop
 
 
 _COMPILE_WGRAD_FOR_SM90 = """

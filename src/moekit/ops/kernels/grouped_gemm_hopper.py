@@ -10,6 +10,8 @@ group's rows BLOCK_M at a time.
     grouped_mm_ws_kernel       c[r] = a[r] @ op(w[g]) (+ bias[g] (* bias_scale[r]))
                                a (M, RED), w (N, B_ROWS, B_COLS) -> c (M, COLS): grouped_mm_kernel's
                                forward (TRANS_B) and dgrad
+    grouped_mm_pingpong_kernel the same product on 128 x 192 tiles, each math warp group a whole tile in
+                               turn (ping-pong)
     wgrad_gathered_ws_kernel   dw[g] = dy[rows of g]^T @ x[idx[rows of g]]
                                dy (M, O) in expert order, x (T, I) token rows, idx (M,) -> dw (N, O, I)
 
@@ -238,6 +240,21 @@ def store_halves(
 
 
 @gluon.jit
+def _weight_desc(b_ptr, COLS, RED, N, stride_br, bufs, TRANS_B: gl.constexpr):
+    """The weight's 2-D view as a TMA descriptor whose boxes are `bufs`' slots: (N * COLS, RED), K-major
+    boxes (TRANS_B), or (N * RED, COLS), MN-major boxes."""
+    box: gl.constexpr = [bufs.shape[1], bufs.shape[2]]
+    if TRANS_B:
+        return tma.make_tensor_descriptor(
+            b_ptr, shape=[N * COLS, RED], strides=[stride_br, 1], block_shape=box, layout=bufs.type.layout
+        )
+    else:
+        return tma.make_tensor_descriptor(
+            b_ptr, shape=[N * RED, COLS], strides=[stride_br, 1], block_shape=box, layout=bufs.type.layout
+        )
+
+
+@gluon.jit
 def _mm_load_partition(
     a_ptr,
     b_ptr,
@@ -255,38 +272,29 @@ def _mm_load_partition(
     empty,
     TRANS_B: gl.constexpr,
     BLOCK_M: gl.constexpr,
-    BLOCK_C: gl.constexpr,
     BLOCK_RED: gl.constexpr,
     GROUP_M: gl.constexpr,
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Each tile's a box and its two weight boxes (the tile's column halves), one reduction step a slot;
-    none for padding tiles."""
+    """Each tile's a box and its two weight boxes (the tile's first BLOCK_C0 columns into b0_bufs, the
+    next BLOCK_C1 into b1_bufs; the slots' shapes say which), one reduction step a slot; none for padding
+    tiles. The tiles in the order of `tile_schedule`'s space, this program's every NUM_PROGRAMS-th."""
+    BLOCK_C0: gl.constexpr = b0_bufs.shape[1] if TRANS_B else b0_bufs.shape[2]
+    BLOCK_C1: gl.constexpr = b1_bufs.shape[1] if TRANS_B else b1_bufs.shape[2]
+    BLOCK_C: gl.constexpr = BLOCK_C0 + BLOCK_C1
     num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
         offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
     )
-    SUB: gl.constexpr = BLOCK_C // 2
     a_desc = tma.make_tensor_descriptor(
         a_ptr, shape=[M, RED], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_RED], layout=a_bufs.type.layout
     )
-    if TRANS_B:  # the 2-D view (N * COLS, RED): K-major boxes
-        b_desc = tma.make_tensor_descriptor(
-            b_ptr,
-            shape=[N * COLS, RED],
-            strides=[stride_br, 1],
-            block_shape=[SUB, BLOCK_RED],
-            layout=b0_bufs.type.layout,
-        )
-    else:  # the 2-D view (N * RED, COLS): MN-major boxes
-        b_desc = tma.make_tensor_descriptor(
-            b_ptr,
-            shape=[N * RED, COLS],
-            strides=[stride_br, 1],
-            block_shape=[BLOCK_RED, SUB],
-            layout=b0_bufs.type.layout,
-        )
+    b0_desc = _weight_desc(b_ptr, COLS, RED, N, stride_br, b0_bufs, TRANS_B)
+    if BLOCK_C1 == BLOCK_C0:
+        b1_desc = b0_desc
+    else:
+        b1_desc = _weight_desc(b_ptr, COLS, RED, N, stride_br, b1_bufs, TRANS_B)
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_C) * BLOCK_RED * a_ptr.dtype.element_ty.primitive_bitwidth // 8
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
@@ -301,14 +309,14 @@ def _mm_load_partition(
             red0 = step * BLOCK_RED
             tma.async_copy_global_to_shared(a_desc, [row0, red0], ready.index(slot), a_bufs.index(slot))
             if TRANS_B:
-                tma.async_copy_global_to_shared(b_desc, [g * COLS + c0, red0], ready.index(slot), b0_bufs.index(slot))
+                tma.async_copy_global_to_shared(b0_desc, [g * COLS + c0, red0], ready.index(slot), b0_bufs.index(slot))
                 tma.async_copy_global_to_shared(
-                    b_desc, [g * COLS + c0 + SUB, red0], ready.index(slot), b1_bufs.index(slot)
+                    b1_desc, [g * COLS + c0 + BLOCK_C0, red0], ready.index(slot), b1_bufs.index(slot)
                 )
             else:
-                tma.async_copy_global_to_shared(b_desc, [g * RED + red0, c0], ready.index(slot), b0_bufs.index(slot))
+                tma.async_copy_global_to_shared(b0_desc, [g * RED + red0, c0], ready.index(slot), b0_bufs.index(slot))
                 tma.async_copy_global_to_shared(
-                    b_desc, [g * RED + red0, c0 + SUB], ready.index(slot), b1_bufs.index(slot)
+                    b1_desc, [g * RED + red0, c0 + BLOCK_C0], ready.index(slot), b1_bufs.index(slot)
                 )
             it += 1
 
@@ -545,7 +553,299 @@ def grouped_mm_ws_kernel(
                     empty,
                     TRANS_B,
                     BLOCK_M,
-                    BLOCK_C,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [MATH_REGS, LOAD_REGS],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped_mm_pingpong_kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _pingpong_store(acc, real, g, N, row0, c0, row_lo, row_hi, c_ptr, c_smem, bias_ptr, scale_ptr, M, COLS,
+                    stride_cm, stride_bias_g, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+                    EPI_TMA: gl.constexpr):  # fmt: skip
+    """`tile_epilogue` of one of a ping-pong tile's accumulators (all BLOCK_M rows, columns c0 onwards),
+    through its own staging tile c_smem."""
+    layout: gl.constexpr = acc.type.layout
+    offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
+    tile_epilogue(
+        acc, real, g, N, offs_m, c0, row0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
+        stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout),
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mm_pingpong_math_partition(
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_cm,
+    stride_bias_g,
+    a_bufs,
+    b0_bufs,
+    b1_bufs,
+    c0_smem,
+    c1_smem,
+    ready,
+    empty,
+    turn,
+    WG: gl.constexpr,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Math warp group WG: every second of the program's tiles (its j-th tile, j = WG, WG + 2, ...),
+    whole: two (BLOCK_M, BLOCK_C0) / (BLOCK_M, BLOCK_C1) accumulators over the ring, its main loop
+    only on its turn (turn[WG]'s barrier, which the other warp group arrives on once its main loop has
+    issued its last MMAs), then the tile's epilogue beside the other group's main loop.
+
+    The ring slots a tile reads follow from j alone: the load warp loads the tiles in order, every real
+    tile RED / BLOCK_RED steps and the padding tiles (the last of the tile space) none, so tile j's
+    first slot is red_steps * min(j, the program's real tiles). Taking turns also keeps a warp group's
+    wait on a slot's ready barrier within one phase of the load warp (a parity names the last phase or
+    the one before, never two back)."""
+    BLOCK_C0: gl.constexpr = c0_smem.shape[1]
+    BLOCK_C1: gl.constexpr = c1_smem.shape[1]
+    BLOCK_C: gl.constexpr = BLOCK_C0 + BLOCK_C1
+    offs_g = gluon_group_ids(BLOCK_GROUPS)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(offs_ptr, offs_g, M, N, COLS, BLOCK_M, BLOCK_C)
+    # tile_end is non-decreasing: its largest entry below N ends the real tiles.
+    num_real = gl.max(gl.where(offs_g < N, tile_end, 0), axis=0)
+    pid = gl.program_id(0)
+    real_tiles = gl.cdiv(gl.maximum(num_real - pid, 0), NUM_PROGRAMS)
+    red_steps = gl.cdiv(RED, BLOCK_RED)
+    layout0: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C0, 16]
+    )
+    layout1: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C1, 16]
+    )
+    k = 0
+    for tile_id in range(pid + WG * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
+        )
+        real = g < N
+        steps = red_steps * real.to(gl.int32)
+        it = red_steps * gl.minimum(2 * k + WG, real_tiles)
+        acc0 = gl.zeros([BLOCK_M, BLOCK_C0], gl.float32, layout0)
+        acc1 = gl.zeros([BLOCK_M, BLOCK_C1], gl.float32, layout1)
+        # Group 0's first turn is free (the barrier's phase before its first).
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+        for step in range(steps):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            if TRANS_B:  # K-major boxes
+                acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+                acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            else:  # MN-major boxes
+                acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
+                acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
+            # The previous slot's two products are done once at most these two are in flight.
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+            if step > 0:
+                release_slot(empty, it - 1, STAGES)
+            it += 1
+        # The main loop has issued its MMAs: the other group's turn.
+        gl.thread_barrier()
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        if steps > 0:
+            release_slot(empty, it - 1, STAGES)
+        _pingpong_store(
+            acc0, real, g, N, row0, c0, row_lo, row_hi, c_ptr, c0_smem, bias_ptr, scale_ptr, M, COLS, stride_cm,
+            stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA,
+        )  # fmt: skip
+        if c0 + BLOCK_C0 < COLS:
+            _pingpong_store(
+                acc1, real, g, N, row0, c0 + BLOCK_C0, row_lo, row_hi, c_ptr, c1_smem, bias_ptr, scale_ptr, M, COLS,
+                stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA,
+            )  # fmt: skip
+        k += 1
+    if EPI_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_mm_pingpong_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    scale_ptr,
+    offs_ptr,
+    M,
+    COLS,
+    RED,
+    N,
+    stride_am,
+    stride_br,
+    stride_cm,
+    stride_bias_g,
+    TRANS_B: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
+    EPI_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_C0: gl.constexpr,
+    BLOCK_C1: gl.constexpr,
+    BLOCK_RED: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    BLOCK_GROUPS: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+    MATH_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr,
+):
+    """`grouped_mm_ws_kernel`'s product (same arguments, same bits) on BLOCK_M x (BLOCK_C0 + BLOCK_C1)
+    tiles, ping-pong: each math warp group takes whole tiles in turn (`_mm_pingpong_math_partition`), so
+    that one group's epilogue runs beside the other's main loop, where the shared tile's two groups
+    store together while the tensor cores wait. The load warp is `grouped_mm_ws_kernel`'s; a ring slot is
+    read by one warp group. BLOCK_M = 128 (wgmma m64, two row blocks a warp group); BLOCK_C0 and
+    BLOCK_C1 powers of two (an accumulator's width), e.g. 128 + 64 = 192; num_warps = 4 (math warp
+    group 0; group 1 and the load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
+    """
+    gl.static_assert(BLOCK_M == 128, "a math warp group's tile: two wgmma row blocks of 64")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    B0_SHAPE: gl.constexpr = [BLOCK_C0, BLOCK_RED] if TRANS_B else [BLOCK_RED, BLOCK_C0]
+    B1_SHAPE: gl.constexpr = [BLOCK_C1, BLOCK_RED] if TRANS_B else [BLOCK_RED, BLOCK_C1]
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
+    b0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(B0_SHAPE, dtype)
+    b1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(B1_SHAPE, dtype)
+    c0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C0], dtype)
+    c1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C1], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
+    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B0_SHAPE, b0_layout)
+    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B1_SHAPE, b1_layout)
+    # A staging tile an accumulator and warp group: one group's stores drain during the other's tile.
+    c00_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C0], c0_layout)
+    c01_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C1], c1_layout)
+    c10_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C0], c0_layout)
+    c11_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C1], c1_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # A slot is ready on the load warp's expect and its bytes, free once its one reader's MMAs are done;
+    # turn[w] completes a phase when the other warp group hands the main loop to group w.
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
+    gl.warp_specialize(
+        [
+            (
+                _mm_pingpong_math_partition,
+                (
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    c00_smem,
+                    c01_smem,
+                    ready,
+                    empty,
+                    turn,
+                    0,
+                    TRANS_B,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _mm_pingpong_math_partition,
+                (
+                    c_ptr,
+                    bias_ptr,
+                    scale_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_cm,
+                    stride_bias_g,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    c10_smem,
+                    c11_smem,
+                    ready,
+                    empty,
+                    turn,
+                    1,
+                    TRANS_B,
+                    HAS_BIAS,
+                    HAS_SCALE,
+                    EPI_TMA,
+                    BLOCK_M,
+                    BLOCK_RED,
+                    GROUP_M,
+                    BLOCK_GROUPS,
+                    NUM_PROGRAMS,
+                    STAGES,
+                ),
+            ),
+            (
+                _mm_load_partition,
+                (
+                    a_ptr,
+                    b_ptr,
+                    offs_ptr,
+                    M,
+                    COLS,
+                    RED,
+                    N,
+                    stride_am,
+                    stride_br,
+                    a_bufs,
+                    b0_bufs,
+                    b1_bufs,
+                    ready,
+                    empty,
+                    TRANS_B,
+                    BLOCK_M,
                     BLOCK_RED,
                     GROUP_M,
                     BLOCK_GROUPS,

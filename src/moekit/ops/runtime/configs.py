@@ -297,6 +297,27 @@ MM_WS = dict(
     num_warps=4,
     maxnreg=168,
 )
+# The forward / dgrad's ping-pong schedule on Hopper (kernels.grouped_gemm_hopper.grouped_mm_pingpong_kernel,
+# Gluon): each math warp group a whole 128 x (128 + 64) tile in turn (fp32 accumulators of 192 registers
+# a thread), its epilogue beside the other group's main loop; the same bits as MM_WS. 3 slots of 40 KiB
+# beside a 128 x 128 and a 128 x 64 staging tile a warp group (216.5 KiB); 12 warps of 168 registers at
+# launch, then 232 for math warp group 1 and 48 for the load warp.
+MM_PINGPONG = dict(
+    BLOCK_M=128,
+    BLOCK_C0=128,
+    BLOCK_C1=64,
+    BLOCK_RED=64,
+    GROUP_M=8,
+    STAGES=3,
+    MATH_REGS=232,
+    LOAD_REGS=48,
+    num_warps=4,
+    maxnreg=168,
+)
+# Which schedule the Hopper forward / dgrad run: MM_PINGPONG at reductions of at most PINGPONG_MAX_RED
+# columns, MM_WS above. 0: MM_PINGPONG nowhere (not measured faster yet; the sweep's "pingpong" variants
+# select it).
+MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)
 # Pipeline stages a wgrad launch adds where an operand's rows come through a row map: the software
 # pipeliner gives the map's load a stage of its own ahead of the rows' cp.async, so at the table's 3
 # stages the rows would be prefetched one step ahead (the TMA loads: two). Stages do not change the

@@ -28,10 +28,16 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel, wgrad_gathered_ws_kernel
+from moekit.ops.kernels.grouped_gemm_hopper import (
+    grouped_mm_pingpong_kernel,
+    grouped_mm_ws_kernel,
+    wgrad_gathered_ws_kernel,
+)
 from moekit.ops.runtime.configs import (
     GATHERED_WGRAD_EXTRA_STAGES,
     GATHERED_WGRAD_MAX_FFN,
+    MM_PINGPONG,
+    MM_SCHEDULE,
     MM_WS,
     ROW_SUM_TILES,
     WGRAD_GATHERED_WS,
@@ -63,6 +69,7 @@ from moekit.ops.runtime.rows import checked_row_map
 
 _GROUPED_MM = Launcher(grouped_mm_kernel)
 _GROUPED_MM_WS = Launcher(grouped_mm_ws_kernel)
+_GROUPED_MM_PINGPONG = Launcher(grouped_mm_pingpong_kernel)
 _WGRAD = Launcher(wgrad_kernel)
 _WGRAD_GATHERED_WS = Launcher(wgrad_gathered_ws_kernel)
 _ROW_SUM = Launcher(group_row_sum_kernel)
@@ -210,15 +217,18 @@ def hopper_mm_takes(
 def _mm_ws_launch(
     a: torch.Tensor, b: torch.Tensor, out_cols: int, bias: torch.Tensor | None, has_scale: bool, trans_b: bool
 ) -> LaunchPlan:
-    """grouped_mm_ws_kernel for a (M, red) row-major input, a fresh (M, out_cols) output and b as
-    `_mm_launch`'s; the same tensors."""
-    M = a.shape[0]
+    """The Hopper forward/dgrad for a (M, red) row-major input, a fresh (M, out_cols) output and b as
+    `_mm_launch`'s, the same tensors: grouped_mm_pingpong_kernel at reductions up to
+    MM_SCHEDULE["PINGPONG_MAX_RED"], grouped_mm_ws_kernel above (the same bits)."""
+    M, red = a.shape
     N = b.shape[0]
-    cfg = MM_WS
-    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C"])
-    ints = (M, out_cols, a.shape[1], N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
+    pingpong = red <= MM_SCHEDULE["PINGPONG_MAX_RED"]
+    cfg = MM_PINGPONG if pingpong else MM_WS
+    block_c = cfg["BLOCK_C0"] + cfg["BLOCK_C1"] if pingpong else cfg["BLOCK_C"]
+    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], block_c)
+    ints = (M, out_cols, red, N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
-        _GROUPED_MM_WS,
+        _GROUPED_MM_PINGPONG if pingpong else _GROUPED_MM_WS,
         (nprog,),
         ints,
         dict(

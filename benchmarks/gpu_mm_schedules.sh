@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The Hopper forward/dgrad's two schedules on one GPU in one call (<= 10 min, from the repository root):
+# the shared 128 x 256 tile (`grouped_mm_ws_kernel`, configs.MM_WS) and the ping-pong
+# (`grouped_mm_pingpong_kernel`, configs.MM_PINGPONG, selected by configs.MM_SCHEDULE).
+#
+#   1. `pytest -m gpu` of the forward/dgrad kernels under both schedules (bits against the Triton kernel,
+#      float64 references, no host sync) and their sm_90a compiles;
+#   2. `sweep_grouped_mm.py --variants base,pingpong,pingpong128 --triton first` at the fine shapes: fc2's
+#      forward and fc1's dgrad alone, every variant's bits checked, the dense roof in the same run;
+#   3. `ab_builds.py --op layer`: the layer's step with src as it is (A) and with the ping-pong at every
+#      reduction (B: a copy of src with MM_SCHEDULE["PINGPONG_MAX_RED"] raised), bits compared.
+#
+#   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
+#
+# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_$C.json.
+# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, AB_SHAPES, SKIP_TESTS.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=benchmarks/gpu_prelude.sh
+. benchmarks/gpu_prelude.sh
+export MOEKIT_BENCH_COMMIT=$C PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks
+if [ -z "${SKIP_TESTS:-}" ]; then
+    t0=$(date +%s)
+    timeout "${TESTS_S:-150}" python3 -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE tests/ops/test_gemm_kernels.py \
+        -k "run_the_hopper_kernel or does_not_take or forward_dgrad_kernel_compiles" \
+        >"$OUT/${P}_gpu_tests_mm_schedules_$C.log" 2>&1
+    echo "tests rc=$? $(($(date +%s) - t0)) s"
+    tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
+fi
+t0=$(date +%s)
+timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants base,pingpong,pingpong128 --triton first \
+    --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
+    --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
+echo "sweep rc=$? $(($(date +%s) - t0)) s"
+grep -v "^\s*$" "$OUT/sweep.log" | tail -12
+B=$(mktemp -d)
+cp -r src "$B/src"
+sed -i 's/^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$/MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)/' "$B/src/moekit/ops/runtime/configs.py"
+grep -q "PINGPONG_MAX_RED=1 << 30" "$B/src/moekit/ops/runtime/configs.py" || { echo "build B: the schedule line moved"; exit 3; }
+t0=$(date +%s)
+timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B/src" --op layer --dists balanced --rounds 2 \
+    --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+pingpong" \
+    --out "$OUT/${P}_ab_layer_pingpong_$C.json" >"$OUT/ab.log" 2>&1
+echo "ab rc=$? $(($(date +%s) - t0)) s"
+tail -15 "$OUT/ab.log"
+ls "$OUT"
