@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Hopper forward/dgrad's two schedules on one GPU in one call (<= 10 min, from the repository root):
-# the shared 128 x 256 tile (`grouped_mm_ws_kernel`, configs.MM_WS) and the ping-pong
-# (`grouped_mm_pingpong_kernel`, configs.MM_PINGPONG, selected by configs.MM_SCHEDULE).
+# the shared 128 x 256 tile (`grouped_mm_ws_kernel`, configs.MM_WS) and the ping-pong (the same kernel
+# under configs.MM_PINGPONG, compiled as `grouped_mm_pingpong_kernel`, selected by configs.MM_SCHEDULE).
 #
 #   1. `pytest -m gpu` of the forward/dgrad kernels under both schedules (bits against the Triton kernel,
 #      float64 references, no host sync) and their sm_90a compiles;

@@ -509,9 +509,9 @@ MM_WS_CASES = {
 }
 
 
-# The Hopper forward/dgrad's schedules: kernel name -> the reductions up to which it runs
-# (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile everywhere, any larger the
-# ping-pong at every reduction of these tests).
+# The Hopper forward/dgrad's schedules: the name it compiles to -> the reductions up to which the
+# ping-pong runs (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile everywhere, any
+# larger the ping-pong at every reduction of these tests).
 MM_SCHEDULES = {"grouped_mm_ws_kernel": 0, "grouped_mm_pingpong_kernel": 1 << 30}
 
 
@@ -591,11 +591,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
-from moekit.ops.kernels import grouped_gemm_hopper
+from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
 from moekit.ops.runtime import configs
 
-name, table, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
-kernel = getattr(grouped_gemm_hopper, name)
+table, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
 options = {k: getattr(configs, table)[k] for k in ("num_warps", "maxnreg")}
 const = {k: v for k, v in getattr(configs, table).items() if k not in options}
 const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
@@ -614,23 +613,24 @@ log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", sys.argv[2], "-o
 nvdisasm = get_ptxas(90).path.replace("ptxas", "nvdisasm")
 with open(sys.argv[4], "w") as f:
     f.write(subprocess.run([nvdisasm, "-c", sys.argv[3]], capture_output=True, text=True).stdout)
-print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-                  "wgmma": sorted(set(re.findall(r"wgmma\\.mma_async\\S*", ptx))),
+print(json.dumps({"name": compiled.metadata.name, "num_warps": compiled.metadata.num_warps,
+                  "shared": compiled.metadata.shared, "wgmma": sorted(set(re.findall(r"wgmma\\.mma_async\\S*", ptx))),
                   "spills": re.findall(r"(\\d+) bytes spill stores", log),
                   "serialized": [l for l in log.splitlines() if "C7514" in l or "C7515" in l]}))
 """
 
 
-# kernel -> (its configuration table, the wgmma shapes its accumulators take, whether ptxas spills
-# nothing at the table's registers anywhere in it, else in its main loops only). The ping-pong's 192
-# accumulator registers a thread leave its tile set-up and epilogue a few spills, once a tile.
+# The Hopper forward/dgrad's configuration tables -> (the name it compiles to, the wgmma shapes its
+# accumulators take, whether ptxas spills nothing at the table's registers anywhere in it, else in its
+# main loops only). The ping-pong's 192 accumulator registers a thread leave its tile set-up and
+# epilogue a few spills, once a tile.
 MM_COMPILES = {
-    "grouped_mm_ws_kernel": ("MM_WS", ["m64n128k16"], True),
-    "grouped_mm_pingpong_kernel": ("MM_PINGPONG", ["m64n128k16", "m64n64k16"], False),
+    "MM_WS": ("grouped_mm_ws_kernel", ["m64n128k16"], True),
+    "MM_PINGPONG": ("grouped_mm_pingpong_kernel", ["m64n128k16", "m64n64k16"], False),
 }
 
 
-@pytest.mark.parametrize("name", list(MM_COMPILES))
+@pytest.mark.parametrize("table", list(MM_COMPILES))
 @pytest.mark.parametrize(
     "dtype,trans_b,bias,scale,epi_tma",
     [
@@ -640,15 +640,16 @@ MM_COMPILES = {
     ],
     ids=["fwd", "dgrad", "fwd-fp16-bias-scale-pointer-stores"],
 )
-def test_hopper_forward_dgrad_kernel_compiles_for_sm90(name, dtype, trans_b, bias, scale, epi_tma, tmp_path):
-    """The Gluon forward/dgrad kernels compile for sm_90a (in their own process, as the other Gluon
-    kernels): 12 warps (two math warp groups and the load warp's), inside 227 KB of shared memory, the
-    wgmma shapes of their accumulators only, no wgmma serialized by ptxas (C7514 / C7515); the shared
-    tile's kernel without spills at its configuration's registers."""
-    table, shapes, no_spills = MM_COMPILES[name]
-    args = json.dumps([name, table, dtype, trans_b, bias, scale, epi_tma])
+def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bias, scale, epi_tma, tmp_path):
+    """The Gluon forward/dgrad compiles for sm_90a under each schedule's table (in its own process, as the
+    other Gluon kernels), named by its schedule: 12 warps (two math warp groups and the load warp's),
+    inside 227 KB of shared memory, the wgmma shapes of its accumulators only, no wgmma serialized by
+    ptxas (C7514 / C7515), no spills in the main loops and, on the shared tile, none at all."""
+    name, shapes, no_spills = MM_COMPILES[table]
+    args = json.dumps([table, dtype, trans_b, bias, scale, epi_tma])
     ptx, cubin, sass = (str(tmp_path / f"k.{ext}") for ext in ("ptx", "cubin", "sass"))
     got = compile_in_subprocess(_COMPILE_MM_FOR_SM90, args, ptx, cubin, sass)
+    assert got["name"] == name
     assert got["num_warps"] == 12 and 0 < got["shared"] <= 227 * 1024
     kind = dtype.strip("*").replace("fp16", "f16")
     assert got["wgmma"] == sorted(f"wgmma.mma_async.sync.aligned.{s}.f32.{kind}.{kind}" for s in shapes)

@@ -10,8 +10,8 @@ group's rows BLOCK_M at a time.
     grouped_mm_ws_kernel       c[r] = a[r] @ op(w[g]) (+ bias[g] (* bias_scale[r]))
                                a (M, RED), w (N, B_ROWS, B_COLS) -> c (M, COLS): grouped_mm_kernel's
                                forward (TRANS_B) and dgrad
-    grouped_mm_pingpong_kernel the same product on 128 x 192 tiles, each math warp group a whole tile in
-                               turn (ping-pong)
+                               (PINGPONG: compiled as grouped_mm_pingpong_kernel, 128 x 192 tiles,
+                               each math warp group a whole tile in turn)
     wgrad_gathered_ws_kernel   dw[g] = dy[rows of g]^T @ x[idx[rows of g]]
                                dy (M, O) in expert order, x (T, I) token rows, idx (M,) -> dw (N, O, I)
 
@@ -48,6 +48,12 @@ Padding tiles (the rows offs[N]:M) load nothing, run no step and store zeros.
 Both operands through TMA, fp32 accumulation of m64n128k16 wgmma chains in k order, the Triton kernel's
 epilogue (`grouped_gemm.with_bias`) in its order: the products the Triton kernel's sm_90 tile computes
 (128 x 256, 64-deep steps), so the same bits.
+
+With PINGPONG each math warp group takes whole 128 x (BLOCK_C0 + BLOCK_C1) tiles in turn (CUTLASS's
+ping-pong schedule): its main loop runs while the other group stores its tile, where the shared tile's
+two groups store together and the tensor cores wait. Taking turns is a barrier a group (the other arrives
+once its main loop has issued its last MMAs). 128 x 192 tiles (accumulators of 128 and 64 columns, 192
+registers a thread) read 11 % more operand bytes an output element than 128 x 256 for that overlap.
 
 ## wgrad_gathered_ws_kernel
 
@@ -168,30 +174,6 @@ def output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA: gl.constexpr):
         )
     else:
         return c_ptr
-
-
-@gluon.jit
-def half_tile(
-    tile_id,
-    num_pid_c,
-    row_start,
-    row_end,
-    tile_end,
-    N,
-    HALF: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_C: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    rows_layout: gl.constexpr,
-):
-    """Where math warp group HALF's rows of flat tile `tile_id` (`moekit.ops.kernels.schedule`'s tile
-    space) lie: (group g, real (g < N: not the padding rows), the group's rows [row_lo, row_hi), the
-    tile's first column c0, the warp group's first row rows0 and its BLOCK_M / 2 rows offs_m)."""
-    g, row_lo, row_hi, row0, c0, _ = tile_coords(
-        tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
-    )
-    rows0 = row0 + HALF * (BLOCK_M // 2)
-    return g, g < N, row_lo, row_hi, c0, rows0, rows0 + gl.arange(0, BLOCK_M // 2, layout=rows_layout)
 
 
 @gluon.jit
@@ -336,53 +318,84 @@ def _mm_math_partition(
     a_bufs,
     b0_bufs,
     b1_bufs,
-    c_smem,
+    c0_smem,
+    c1_smem,
     ready,
     empty,
-    HALF: gl.constexpr,
+    turn,
+    WG: gl.constexpr,
+    PINGPONG: gl.constexpr,
     TRANS_B: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
     BLOCK_M: gl.constexpr,
-    BLOCK_C: gl.constexpr,
     BLOCK_RED: gl.constexpr,
     GROUP_M: gl.constexpr,
     BLOCK_GROUPS: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """One warp group: rows HALF * BLOCK_M / 2 onwards of every tile, two (BLOCK_M / 2, BLOCK_C / 2)
-    accumulators over the ring (a step's MMAs in flight while the next slot's are issued), then those
-    rows' epilogue."""
-    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(
-        offs_ptr, gluon_group_ids(BLOCK_GROUPS), M, N, COLS, BLOCK_M, BLOCK_C
+    """Math warp group WG: two accumulators, (ROWS, BLOCK_C0) and (ROWS, BLOCK_C1) (its staging tiles'
+    shapes), over the ring, a step's MMAs in flight while the next slot's are issued; then their
+    epilogue through the staging tiles (one tile for both where c0_smem is c1_smem).
+
+    Shared tile (not PINGPONG): rows WG * BLOCK_M / 2 onwards of every tile of the program, the two
+    groups side by side on each slot. Ping-pong: every second tile of the program (its j-th, j = WG,
+    WG + 2, ...), all BLOCK_M rows, its main loop only on its turn (turn[WG], which the other group
+    arrives on once its main loop has issued its last MMAs), so that its epilogue runs beside the
+    other's main loop. A ping-pong tile's first ring slot follows from j alone: the load warp loads the
+    tiles in order, every real tile RED / BLOCK_RED steps and the padding tiles (the last of the tile
+    space) none, so it is red_steps * min(j, the program's real tiles). Taking turns also keeps a
+    group's wait on a slot's ready barrier within one phase of the load warp (a parity names the last
+    phase or the one before, never two back)."""
+    ROWS: gl.constexpr = c0_smem.shape[0]
+    BLOCK_C0: gl.constexpr = c0_smem.shape[1]
+    BLOCK_C1: gl.constexpr = c1_smem.shape[1]
+    BLOCK_C: gl.constexpr = BLOCK_C0 + BLOCK_C1
+    FIRST_ROW: gl.constexpr = 0 if PINGPONG else WG * ROWS
+    FIRST_TILE: gl.constexpr = WG * NUM_PROGRAMS if PINGPONG else 0
+    TILE_STRIDE: gl.constexpr = 2 * NUM_PROGRAMS if PINGPONG else NUM_PROGRAMS
+    offs_g = gluon_group_ids(BLOCK_GROUPS)
+    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(offs_ptr, offs_g, M, N, COLS, BLOCK_M, BLOCK_C)
+    layout0: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C0, 16]
     )
-    ROWS: gl.constexpr = BLOCK_M // 2
-    SUB: gl.constexpr = BLOCK_C // 2
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB, 16]
+    layout1: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C1, 16]
     )
-    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
+    c0_desc = output_desc(c_ptr, c0_smem, M, COLS, stride_cm, EPI_TMA)
+    if PINGPONG:
+        c1_desc = output_desc(c_ptr, c1_smem, M, COLS, stride_cm, EPI_TMA)
+        # tile_end is non-decreasing: its largest entry below N ends the real tiles.
+        num_real = gl.max(gl.where(offs_g < N, tile_end, 0), axis=0)
+        real_tiles = gl.cdiv(gl.maximum(num_real - gl.program_id(0), 0), NUM_PROGRAMS)
+    else:
+        c1_desc = c0_desc
     red_steps = gl.cdiv(RED, BLOCK_RED)
     it = 0
-    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        g, real, row_lo, row_hi, c0, rows0, offs_m = half_tile(
-            tile_id, num_pid_c, row_start, row_end, tile_end, N, HALF, BLOCK_M, BLOCK_C, GROUP_M, rows_layout
+    k = 0
+    for tile_id in range(gl.program_id(0) + FIRST_TILE, num_tiles, TILE_STRIDE):
+        g, row_lo, row_hi, row0, c0, _ = tile_coords(
+            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
         )
-        acc0 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
-        acc1 = gl.zeros([ROWS, SUB], gl.float32, mma_layout)
+        real = g < N
+        rows0 = row0 + FIRST_ROW
+        acc0 = gl.zeros([ROWS, BLOCK_C0], gl.float32, layout0)
+        acc1 = gl.zeros([ROWS, BLOCK_C1], gl.float32, layout1)
         steps = red_steps * real.to(gl.int32)
+        if PINGPONG:
+            it = red_steps * gl.minimum(2 * k + WG, real_tiles)
+            # Group 0's first turn is free (the barrier's phase before its first).
+            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
         for step in range(steps):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            a_rows = a_bufs.index(slot).slice(HALF * ROWS, ROWS, dim=0)
-            if TRANS_B:  # (SUB, BLOCK_RED) K-major boxes
+            a_rows = a_bufs.index(slot).slice(FIRST_ROW, ROWS, dim=0)
+            if TRANS_B:  # K-major boxes
                 acc0 = warpgroup_mma(a_rows, b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
                 acc1 = warpgroup_mma(a_rows, b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-            else:  # (BLOCK_RED, SUB) MN-major boxes
+            else:  # MN-major boxes
                 acc0 = warpgroup_mma(a_rows, b0_bufs.index(slot), acc0, is_async=True)
                 acc1 = warpgroup_mma(a_rows, b1_bufs.index(slot), acc1, is_async=True)
             # The previous slot's two products are done once at most these two are in flight.
@@ -390,18 +403,35 @@ def _mm_math_partition(
             if step > 0:
                 release_slot(empty, it - 1, STAGES)
             it += 1
+        if PINGPONG:  # the main loop has issued its MMAs: the other group's turn
+            gl.thread_barrier()
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         if steps > 0:
             release_slot(empty, it - 1, STAGES)
-        store_halves(
-            acc0, acc1, real, g, N, offs_m, c0, rows0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
-            stride_cm, stride_bias_g, 2, HAS_BIAS, HAS_SCALE, EPI_TMA, cols_layout,
+        offs_m0 = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout0))
+        tile_epilogue(
+            acc0, real, g, N, offs_m0, c0, rows0, row_lo, row_hi, c_ptr, c0_desc, c0_smem, bias_ptr, scale_ptr, COLS,
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout0),
         )  # fmt: skip
+        if c0 + BLOCK_C0 < COLS:  # the second accumulator holds columns below COLS
+            offs_m1 = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout1))
+            tile_epilogue(
+                acc1, real, g, N, offs_m1, c0 + BLOCK_C0, rows0, row_lo, row_hi, c_ptr, c1_desc, c1_smem, bias_ptr,
+                scale_ptr, COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout1),
+            )  # fmt: skip
+        k += 1
     if EPI_TMA:
         tma.store_wait(0)
 
 
-@gluon.jit
+def _mm_kernel_name(specialization) -> str:
+    """The compiled name of `grouped_mm_ws_kernel` (what profilers show): grouped_mm_pingpong_kernel
+    under the ping-pong schedule."""
+    return "grouped_mm_pingpong_kernel" if specialization.constants["PINGPONG"] else "grouped_mm_ws_kernel"
+
+
+@gluon.jit(repr=_mm_kernel_name)
 def grouped_mm_ws_kernel(
     a_ptr,
     b_ptr,
@@ -421,295 +451,7 @@ def grouped_mm_ws_kernel(
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_C: gl.constexpr,
-    BLOCK_RED: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr,
-    NUM_PROGRAMS: gl.constexpr,
-    STAGES: gl.constexpr,
-    MATH_REGS: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
-):
-    """c (M, COLS) = a (M, RED) @ op(w[g]) (+ bias[g] (* bias_scale[r])) per group, padding rows zero:
-    `grouped_mm_kernel`'s forward (TRANS_B: w[g] stored (COLS, RED)) and dgrad (w[g] stored (RED, COLS)).
-
-    a: (M, RED) bf16/fp16, row stride stride_am, unit column stride. b: the weight, groups one after the
-    other with rows stride_br apart (the 2-D view (N * COLS, RED) with TRANS_B, else (N * RED, COLS) and
-    RED a multiple of BLOCK_RED), unit last stride. c: (M, COLS) in a's dtype, row stride stride_cm
-    (EPI_TMA: TMA stores of the 64-row blocks inside a group, needs a 16-byte aligned row stride and
-    base). bias (N, COLS) row stride stride_bias_g and its per-row scale (M,) as the Triton kernel's.
-    offs: (N + 1,) int64 device offsets. TMA-aligned a and b (16-byte row strides and bases), a
-    non-empty reduction, the view's rows below 2**31. BLOCK_M = 128 (two warp groups of 64 rows);
-    num_warps = 4 (math warp group 0; group 1 and the load warp are workers with MATH_REGS and
-    LOAD_REGS registers a thread).
-    """
-    gl.static_assert(BLOCK_M == 128, "two math warp groups of 64 rows")
-    dtype: gl.constexpr = a_ptr.dtype.element_ty
-    SUB: gl.constexpr = BLOCK_C // 2
-    B_ROWS: gl.constexpr = SUB if TRANS_B else BLOCK_RED
-    B_COLS: gl.constexpr = BLOCK_RED if TRANS_B else SUB
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([B_ROWS, B_COLS], dtype)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, SUB], dtype)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
-    b0_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
-    b1_bufs = gl.allocate_shared_memory(dtype, [STAGES, B_ROWS, B_COLS], b_layout)
-    c0_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
-    c1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M // 2, SUB], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # A slot is ready on the load warp's expect and its bytes; free once both math warp groups' MMAs
-    # on it are done.
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    # The two math partitions' argument tuples differ only in their staging tile and index, yet are
-    # written out: a tuple built in the kernel would not keep its constexprs.
-    gl.warp_specialize(
-        [
-            (
-                _mm_math_partition,
-                (
-                    c_ptr,
-                    bias_ptr,
-                    scale_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_cm,
-                    stride_bias_g,
-                    a_bufs,
-                    b0_bufs,
-                    b1_bufs,
-                    c0_smem,
-                    ready,
-                    empty,
-                    0,
-                    TRANS_B,
-                    HAS_BIAS,
-                    HAS_SCALE,
-                    EPI_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
-            ),
-            (
-                _mm_math_partition,
-                (
-                    c_ptr,
-                    bias_ptr,
-                    scale_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_cm,
-                    stride_bias_g,
-                    a_bufs,
-                    b0_bufs,
-                    b1_bufs,
-                    c1_smem,
-                    ready,
-                    empty,
-                    1,
-                    TRANS_B,
-                    HAS_BIAS,
-                    HAS_SCALE,
-                    EPI_TMA,
-                    BLOCK_M,
-                    BLOCK_C,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
-            ),
-            (
-                _mm_load_partition,
-                (
-                    a_ptr,
-                    b_ptr,
-                    offs_ptr,
-                    M,
-                    COLS,
-                    RED,
-                    N,
-                    stride_am,
-                    stride_br,
-                    a_bufs,
-                    b0_bufs,
-                    b1_bufs,
-                    ready,
-                    empty,
-                    TRANS_B,
-                    BLOCK_M,
-                    BLOCK_RED,
-                    GROUP_M,
-                    BLOCK_GROUPS,
-                    NUM_PROGRAMS,
-                    STAGES,
-                ),
-            ),
-        ],
-        [4, 1],
-        [MATH_REGS, LOAD_REGS],
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# grouped_mm_pingpong_kernel
-# --------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _pingpong_store(acc, real, g, N, row0, c0, row_lo, row_hi, c_ptr, c_smem, bias_ptr, scale_ptr, M, COLS,
-                    stride_cm, stride_bias_g, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-                    EPI_TMA: gl.constexpr):  # fmt: skip
-    """`tile_epilogue` of one of a ping-pong tile's accumulators (all BLOCK_M rows, columns c0 onwards),
-    through its own staging tile c_smem."""
-    layout: gl.constexpr = acc.type.layout
-    offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-    c_desc = output_desc(c_ptr, c_smem, M, COLS, stride_cm, EPI_TMA)
-    tile_epilogue(
-        acc, real, g, N, offs_m, c0, row0, row_lo, row_hi, c_ptr, c_desc, c_smem, bias_ptr, scale_ptr, COLS,
-        stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout),
-    )  # fmt: skip
-
-
-@gluon.jit
-def _mm_pingpong_math_partition(
-    c_ptr,
-    bias_ptr,
-    scale_ptr,
-    offs_ptr,
-    M,
-    COLS,
-    RED,
-    N,
-    stride_cm,
-    stride_bias_g,
-    a_bufs,
-    b0_bufs,
-    b1_bufs,
-    c0_smem,
-    c1_smem,
-    ready,
-    empty,
-    turn,
-    WG: gl.constexpr,
-    TRANS_B: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    HAS_SCALE: gl.constexpr,
-    EPI_TMA: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_RED: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    BLOCK_GROUPS: gl.constexpr,
-    NUM_PROGRAMS: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Math warp group WG: every second of the program's tiles (its j-th tile, j = WG, WG + 2, ...),
-    whole: two (BLOCK_M, BLOCK_C0) / (BLOCK_M, BLOCK_C1) accumulators over the ring, its main loop
-    only on its turn (turn[WG]'s barrier, which the other warp group arrives on once its main loop has
-    issued its last MMAs), then the tile's epilogue beside the other group's main loop.
-
-    The ring slots a tile reads follow from j alone: the load warp loads the tiles in order, every real
-    tile RED / BLOCK_RED steps and the padding tiles (the last of the tile space) none, so tile j's
-    first slot is red_steps * min(j, the program's real tiles). Taking turns also keeps a warp group's
-    wait on a slot's ready barrier within one phase of the load warp (a parity names the last phase or
-    the one before, never two back)."""
-    BLOCK_C0: gl.constexpr = c0_smem.shape[1]
-    BLOCK_C1: gl.constexpr = c1_smem.shape[1]
-    BLOCK_C: gl.constexpr = BLOCK_C0 + BLOCK_C1
-    offs_g = gluon_group_ids(BLOCK_GROUPS)
-    num_pid_c, row_start, row_end, tile_end, num_tiles = tile_schedule(offs_ptr, offs_g, M, N, COLS, BLOCK_M, BLOCK_C)
-    # tile_end is non-decreasing: its largest entry below N ends the real tiles.
-    num_real = gl.max(gl.where(offs_g < N, tile_end, 0), axis=0)
-    pid = gl.program_id(0)
-    real_tiles = gl.cdiv(gl.maximum(num_real - pid, 0), NUM_PROGRAMS)
-    red_steps = gl.cdiv(RED, BLOCK_RED)
-    layout0: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C0, 16]
-    )
-    layout1: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_C1, 16]
-    )
-    k = 0
-    for tile_id in range(pid + WG * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
-        g, row_lo, row_hi, row0, c0, _ = tile_coords(
-            tile_id, num_pid_c, row_start, row_end, tile_end, BLOCK_M, BLOCK_C, GROUP_M
-        )
-        real = g < N
-        steps = red_steps * real.to(gl.int32)
-        it = red_steps * gl.minimum(2 * k + WG, real_tiles)
-        acc0 = gl.zeros([BLOCK_M, BLOCK_C0], gl.float32, layout0)
-        acc1 = gl.zeros([BLOCK_M, BLOCK_C1], gl.float32, layout1)
-        # Group 0's first turn is free (the barrier's phase before its first).
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
-        for step in range(steps):
-            slot = it % STAGES
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            if TRANS_B:  # K-major boxes
-                acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
-                acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-            else:  # MN-major boxes
-                acc0 = warpgroup_mma(a_bufs.index(slot), b0_bufs.index(slot), acc0, is_async=True)
-                acc1 = warpgroup_mma(a_bufs.index(slot), b1_bufs.index(slot), acc1, is_async=True)
-            # The previous slot's two products are done once at most these two are in flight.
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-            if step > 0:
-                release_slot(empty, it - 1, STAGES)
-            it += 1
-        # The main loop has issued its MMAs: the other group's turn.
-        gl.thread_barrier()
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        if steps > 0:
-            release_slot(empty, it - 1, STAGES)
-        _pingpong_store(
-            acc0, real, g, N, row0, c0, row_lo, row_hi, c_ptr, c0_smem, bias_ptr, scale_ptr, M, COLS, stride_cm,
-            stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA,
-        )  # fmt: skip
-        if c0 + BLOCK_C0 < COLS:
-            _pingpong_store(
-                acc1, real, g, N, row0, c0 + BLOCK_C0, row_lo, row_hi, c_ptr, c1_smem, bias_ptr, scale_ptr, M, COLS,
-                stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA,
-            )  # fmt: skip
-        k += 1
-    if EPI_TMA:
-        tma.store_wait(0)
-
-
-@gluon.jit
-def grouped_mm_pingpong_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    bias_ptr,
-    scale_ptr,
-    offs_ptr,
-    M,
-    COLS,
-    RED,
-    N,
-    stride_am,
-    stride_br,
-    stride_cm,
-    stride_bias_g,
-    TRANS_B: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    HAS_SCALE: gl.constexpr,
-    EPI_TMA: gl.constexpr,
+    PINGPONG: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_C0: gl.constexpr,
     BLOCK_C1: gl.constexpr,
@@ -721,46 +463,63 @@ def grouped_mm_pingpong_kernel(
     MATH_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
 ):
-    """`grouped_mm_ws_kernel`'s product (same arguments, same bits) on BLOCK_M x (BLOCK_C0 + BLOCK_C1)
-    tiles, ping-pong: each math warp group takes whole tiles in turn (`_mm_pingpong_math_partition`), so
-    that one group's epilogue runs beside the other's main loop, where the shared tile's two groups
-    store together while the tensor cores wait. The load warp is `grouped_mm_ws_kernel`'s; a ring slot is
-    read by one warp group. BLOCK_M = 128 (wgmma m64, two row blocks a warp group); BLOCK_C0 and
-    BLOCK_C1 powers of two (an accumulator's width), e.g. 128 + 64 = 192; num_warps = 4 (math warp
-    group 0; group 1 and the load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
+    """c (M, COLS) = a (M, RED) @ op(w[g]) (+ bias[g] (* bias_scale[r])) per group, padding rows zero:
+    `grouped_mm_kernel`'s forward (TRANS_B: w[g] stored (COLS, RED)) and dgrad (w[g] stored (RED, COLS)),
+    on BLOCK_M x (BLOCK_C0 + BLOCK_C1) tiles, the shared tile's two math warp groups 64 rows each
+    (BLOCK_C0 = BLOCK_C1) or, with PINGPONG, each group whole tiles in turn (`_mm_math_partition`).
+
+    a: (M, RED) bf16/fp16, row stride stride_am, unit column stride. b: the weight, groups one after the
+    other with rows stride_br apart (the 2-D view (N * COLS, RED) with TRANS_B, else (N * RED, COLS) and
+    RED a multiple of BLOCK_RED), unit last stride. c: (M, COLS) in a's dtype, row stride stride_cm
+    (EPI_TMA: TMA stores of a warp group's row blocks inside a group, needs a 16-byte aligned row stride
+    and base). bias (N, COLS) row stride stride_bias_g and its per-row scale (M,) as the Triton kernel's.
+    offs: (N + 1,) int64 device offsets. TMA-aligned a and b (16-byte row strides and bases), a
+    non-empty reduction, the view's rows below 2**31. BLOCK_M = 128 (wgmma m64 row blocks); BLOCK_C0 and
+    BLOCK_C1 powers of two (an accumulator's width); num_warps = 4 (math warp group 0; group 1 and the
+    load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
     """
-    gl.static_assert(BLOCK_M == 128, "a math warp group's tile: two wgmma row blocks of 64")
+    gl.static_assert(BLOCK_M == 128, "wgmma row blocks of 64: two a warp group (PINGPONG) or one")
+    gl.static_assert(PINGPONG or BLOCK_C0 == BLOCK_C1, "the shared tile's halves are equal")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     B0_SHAPE: gl.constexpr = [BLOCK_C0, BLOCK_RED] if TRANS_B else [BLOCK_RED, BLOCK_C0]
     B1_SHAPE: gl.constexpr = [BLOCK_C1, BLOCK_RED] if TRANS_B else [BLOCK_RED, BLOCK_C1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     b0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(B0_SHAPE, dtype)
     b1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(B1_SHAPE, dtype)
-    c0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C0], dtype)
-    c1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_C1], dtype)
+    c0_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_C0], dtype)
+    c1_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_C1], dtype)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
     b0_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B0_SHAPE, b0_layout)
     b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B1_SHAPE, b1_layout)
-    # A staging tile an accumulator and warp group: one group's stores drain during the other's tile.
-    c00_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C0], c0_layout)
-    c01_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C1], c1_layout)
-    c10_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C0], c0_layout)
-    c11_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_C1], c1_layout)
+    # Staging tiles, c<group><accumulator>: the shared tile's groups store both halves through one tile
+    # each; the ping-pong's a tile an accumulator, so one group's stores drain during the other's tile.
+    c00_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
+    c10_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # A slot is ready on the load warp's expect and its bytes, free once its one reader's MMAs are done;
-    # turn[w] completes a phase when the other warp group hands the main loop to group w.
+    # A slot is ready on the load warp's expect and its bytes; free once its readers' MMAs on it are done
+    # (both groups' on the shared tile, one group's in ping-pong).
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    # (The argument tuples are written out: a tuple built in the kernel would not keep its constexprs.)
+        mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
+    if PINGPONG:
+        c01_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C1], c1_layout)
+        c11_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C1], c1_layout)
+        # turn[w] completes a phase when the other group hands the main loop to group w.
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+    else:
+        c01_smem = c00_smem
+        c11_smem = c10_smem
+        turn = ready  # never waited on or arrived at without PINGPONG
+    # The two math partitions' argument tuples differ only in their staging tiles and index, yet are
+    # written out: a tuple built in the kernel would not keep its constexprs.
     gl.warp_specialize(
         [
             (
-                _mm_pingpong_math_partition,
+                _mm_math_partition,
                 (
                     c_ptr,
                     bias_ptr,
@@ -781,6 +540,7 @@ def grouped_mm_pingpong_kernel(
                     empty,
                     turn,
                     0,
+                    PINGPONG,
                     TRANS_B,
                     HAS_BIAS,
                     HAS_SCALE,
@@ -794,7 +554,7 @@ def grouped_mm_pingpong_kernel(
                 ),
             ),
             (
-                _mm_pingpong_math_partition,
+                _mm_math_partition,
                 (
                     c_ptr,
                     bias_ptr,
@@ -815,6 +575,7 @@ def grouped_mm_pingpong_kernel(
                     empty,
                     turn,
                     1,
+                    PINGPONG,
                     TRANS_B,
                     HAS_BIAS,
                     HAS_SCALE,

@@ -287,8 +287,10 @@ WGRAD_GATHERED_WS = dict(
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
 # would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
 MM_WS = dict(
+    PINGPONG=False,
     BLOCK_M=128,
-    BLOCK_C=256,
+    BLOCK_C0=128,
+    BLOCK_C1=128,
     BLOCK_RED=64,
     GROUP_M=8,
     STAGES=4,
@@ -297,12 +299,14 @@ MM_WS = dict(
     num_warps=4,
     maxnreg=168,
 )
-# The forward / dgrad's ping-pong schedule on Hopper (kernels.grouped_gemm_hopper.grouped_mm_pingpong_kernel,
-# Gluon): each math warp group a whole 128 x (128 + 64) tile in turn (fp32 accumulators of 192 registers
-# a thread), its epilogue beside the other group's main loop; the same bits as MM_WS. 3 slots of 40 KiB
+# The forward / dgrad's ping-pong schedule on Hopper (the same kernel with PINGPONG, compiled as
+# grouped_mm_pingpong_kernel): each math warp group a whole 128 x (128 + 64) tile in turn (fp32
+# accumulators of 192 registers a thread), its epilogue beside the other group's main loop; the same
+# bits as MM_WS. 3 slots of 40 KiB
 # beside a 128 x 128 and a 128 x 64 staging tile a warp group (216.5 KiB); 12 warps of 168 registers at
 # launch, then 232 for math warp group 1 and 48 for the load warp.
 MM_PINGPONG = dict(
+    PINGPONG=True,
     BLOCK_M=128,
     BLOCK_C0=128,
     BLOCK_C1=64,

@@ -28,11 +28,7 @@ import torch
 import triton
 
 from moekit.ops.kernels.grouped_gemm import group_row_sum_kernel, grouped_mm_kernel, wgrad_kernel
-from moekit.ops.kernels.grouped_gemm_hopper import (
-    grouped_mm_pingpong_kernel,
-    grouped_mm_ws_kernel,
-    wgrad_gathered_ws_kernel,
-)
+from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel, wgrad_gathered_ws_kernel
 from moekit.ops.runtime.configs import (
     GATHERED_WGRAD_EXTRA_STAGES,
     GATHERED_WGRAD_MAX_FFN,
@@ -69,7 +65,6 @@ from moekit.ops.runtime.rows import checked_row_map
 
 _GROUPED_MM = Launcher(grouped_mm_kernel)
 _GROUPED_MM_WS = Launcher(grouped_mm_ws_kernel)
-_GROUPED_MM_PINGPONG = Launcher(grouped_mm_pingpong_kernel)
 _WGRAD = Launcher(wgrad_kernel)
 _WGRAD_GATHERED_WS = Launcher(wgrad_gathered_ws_kernel)
 _ROW_SUM = Launcher(group_row_sum_kernel)
@@ -206,7 +201,7 @@ def hopper_mm_takes(
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or cuda_capability(a.device) != (9, 0):
         return False
-    if cols <= MM_WS["BLOCK_C"] // 2:
+    if cols <= MM_WS["BLOCK_C0"]:
         return False
     N, b_rows, _ = b.shape
     if b.stride(0) != b_rows * b.stride(1) or N * b_rows >= 2**31:
@@ -217,18 +212,16 @@ def hopper_mm_takes(
 def _mm_ws_launch(
     a: torch.Tensor, b: torch.Tensor, out_cols: int, bias: torch.Tensor | None, has_scale: bool, trans_b: bool
 ) -> LaunchPlan:
-    """The Hopper forward/dgrad for a (M, red) row-major input, a fresh (M, out_cols) output and b as
-    `_mm_launch`'s, the same tensors: grouped_mm_pingpong_kernel at reductions up to
-    MM_SCHEDULE["PINGPONG_MAX_RED"], grouped_mm_ws_kernel above (the same bits)."""
+    """grouped_mm_ws_kernel for a (M, red) row-major input, a fresh (M, out_cols) output and b as
+    `_mm_launch`'s, the same tensors: the ping-pong schedule (MM_PINGPONG) at reductions up to
+    MM_SCHEDULE["PINGPONG_MAX_RED"], the shared tile (MM_WS) above; the same bits."""
     M, red = a.shape
     N = b.shape[0]
-    pingpong = red <= MM_SCHEDULE["PINGPONG_MAX_RED"]
-    cfg = MM_PINGPONG if pingpong else MM_WS
-    block_c = cfg["BLOCK_C0"] + cfg["BLOCK_C1"] if pingpong else cfg["BLOCK_C"]
-    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], block_c)
+    cfg = MM_PINGPONG if red <= MM_SCHEDULE["PINGPONG_MAX_RED"] else MM_WS
+    nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C0"] + cfg["BLOCK_C1"])
     ints = (M, out_cols, red, N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
-        _GROUPED_MM_PINGPONG if pingpong else _GROUPED_MM_WS,
+        _GROUPED_MM_WS,
         (nprog,),
         ints,
         dict(
