@@ -11,14 +11,7 @@ set -uo pipefail
 . benchmarks/gpu_prelude.sh
 SHAPE=${SHAPE:-deepseek-v3-ep8}
 export PYTHONPATH=$PWD/src:$PWD/benchmarks
-SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats
-  --section Occupancy --section LaunchStats --section InstructionStats"
 for K in grouped_mm_fp8_block_ws_kernel grouped_wgrad_fp8_block_ws_kernel; do
-    # shellcheck disable=SC2086  # the sections are words
-    ncu --clock-control none -k "regex:^$K" --launch-count 1 $SECTIONS --page details --csv \
-        --log-file "$OUT/${P}_ncu_${K}_${SHAPE}_$C.csv" \
-        python3 benchmarks/bench_quantized.py --parts gemm --shapes "$SHAPE" --recipes fp8_block \
-        --roofs bf16_mm --rounds 1 --out "$OUT/gemm_$K" --commit "$C" > "$OUT/ncu_$K.log" 2>&1
-    echo "$K: rc $? ($(wc -l < "$OUT/${P}_ncu_${K}_${SHAPE}_$C.csv") lines)"
+    ncu_first_launch "$K" "${K}_$SHAPE" python3 benchmarks/bench_quantized.py --parts gemm --shapes "$SHAPE" \
+        --recipes fp8_block --roofs bf16_mm --rounds 1 --out "$OUT/gemm_$K" --commit "$C"
 done

@@ -12,15 +12,8 @@ cd "$(dirname "$0")/.." || exit 2
 . benchmarks/gpu_prelude.sh
 SHAPE=${SHAPE:-sonicmoe-e256-k16}
 export PYTHONPATH=$PWD/src:$PWD/benchmarks
-SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats
-  --section Occupancy --section LaunchStats --section InstructionStats"
 for K in grouped_mm_ws_kernel grouped_mm_pingpong_kernel; do
-    # shellcheck disable=SC2086  # the sections are words
-    ncu --clock-control none -k "regex:^$K" --launch-count 1 $SECTIONS --page details --csv \
-        --log-file "$OUT/${P}_ncu_${K}_${SHAPE}_$C.csv" \
-        python3 benchmarks/sweep_grouped_mm.py --variants base,pingpong --triton first --rounds 1 --reps 2 \
-        --shapes "$SHAPE" --out "$OUT/sweep_$K.json" > "$OUT/ncu_$K.log" 2>&1
-    echo "$K: rc $? ($(wc -l < "$OUT/${P}_ncu_${K}_${SHAPE}_$C.csv") lines)"
+    ncu_first_launch "$K" "${K}_$SHAPE" python3 benchmarks/sweep_grouped_mm.py --variants base,pingpong \
+        --triton first --rounds 1 --reps 2 --shapes "$SHAPE" --out "$OUT/sweep_$K.json"
 done
 rm -f "$OUT"/sweep_*.json
