@@ -13,7 +13,7 @@
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_$C.json.
-# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, AB_SHAPES, SKIP_TESTS.
+# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, AB_SHAPES, SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/gpu_prelude.sh
@@ -33,6 +33,7 @@ timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants base
     --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
 echo "sweep rc=$? $(($(date +%s) - t0)) s"
 grep -v "^\s*$" "$OUT/sweep.log" | tail -12
+[ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
 B=$(mktemp -d)
 cp -r src "$B/src"
 sed -i 's/^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$/MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)/' "$B/src/moekit/ops/runtime/configs.py"
