@@ -13,7 +13,7 @@
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_$C.json.
-# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, AB_SHAPES, SKIP_TESTS, SKIP_AB.
+# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB_SHAPES, SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/gpu_prelude.sh
@@ -28,7 +28,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
 fi
 t0=$(date +%s)
-timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants base,pingpong,pingpong128 --triton first \
+timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,pingpong,pingpong128}" --triton first \
     --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
     --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
 echo "sweep rc=$? $(($(date +%s) - t0)) s"
