@@ -41,10 +41,10 @@ SHAPES = {
     "deepseek-v3-ep8": (16384, 8, 32, 7168, 2048),
     "mixtral-8x7b": (16384, 2, 8, 4096, 14336),
 }
-# Changes to the Gluon kernel's table (`configs.MM_WS`), by table name: the same products in the same
-# order, another ring. (The variants "pingpong" (the math warp groups on 64-row tiles of their own, in
-# turn) and "staged" (two staging tiles a group, 3 slots) lived in the kernel at `9d6902c` and lost at
-# every shape: benchmarks/results/h100_mm_ws_variants_9d6902c.json, notes/grouped_gemm.md.)
+# Changes to the Gluon kernel's tables, by table name: the same products in the same order, another
+# ring or schedule. (A 64-row ping-pong (the math warp groups on 64-row tiles of their own, in turn)
+# and "staged" (two staging tiles a group, 3 slots) lived in the kernel at `9d6902c` and lost at every
+# shape: benchmarks/results/h100_mm_ws_variants_9d6902c.json, notes/grouped_gemm.md.)
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "base": {},
     # One slot fewer (what "staged" gave up for its second staging tile).
