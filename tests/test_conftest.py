@@ -1,4 +1,5 @@
-"""The suite's own setup (tests/conftest.py), where it does more than provide fixtures."""
+"""The suite's own setup (tests/conftest.py, where it does more than provide fixtures) and the helpers
+whose answers decide other tests' verdicts (tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from helpers import main_loop_spills
 
 TESTS = Path(__file__).resolve().parent
 
@@ -71,3 +76,40 @@ def test_an_xdist_worker_takes_its_share_of_the_cores(tmp_path):
         )
         seen = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("THREADS")]
         assert seen and all(s == [want, want] for s in seen), proc.stdout[-2000:]
+
+
+# nvdisasm -c's form: labels on lines of their own, instructions as /*address*/ text ;
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ ;
+        /*0030*/                   STL [R1+0x8], R3 ;
+        /*0040*/               @P1 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ ;
+        /*0060*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0070*/               @P1 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0080*/                   LDL R5, [R1] ;
+        /*0090*/                   STL [R1+0x4], R5 ;
+        /*00a0*/               @P2 BRA `(.L_x_3) ;
+.L_x_4:
+        /*00b0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ ;
+        /*00c0*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*00d0*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*00e0*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*00f0*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0100*/                   LDL R5, [R1] ;
+        /*0110*/               @P1 BRA `(.L_x_4) ;
+        /*0120*/                   EXIT ;
+"""
+
+
+def test_main_loop_spills_counts_the_short_loops_that_hold_the_mma():
+    """`helpers.main_loop_spills`: the loops holding the MMA instruction, the shortest and those under 1.5x
+    its length (the 4-instruction loop with a spill, the 3-instruction one without), not the loop without
+    an MMA nor the 7-instruction one; no such loop at all is an error, not an empty list."""
+    assert main_loop_spills(SASS, "HGMMA") == [1, 0]
+    with pytest.raises(AssertionError, match="no loop holds QGMMA"):
+        main_loop_spills(SASS, "QGMMA")
