@@ -52,9 +52,11 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # 32-deep steps and twice the slots: the same bytes in flight, in finer pieces.
     "red32": {"MM_WS": dict(BLOCK_RED=32, STAGES=8)},
     # The ping-pong schedule (`configs.MM_PINGPONG`: each math warp group a whole 128 x 192 tile in turn)
-    # at every reduction, and at 128 x (64 + 64) tiles with a fourth slot.
+    # at every reduction, with slots of 32 reduction columns (half the bytes a slot: a group's MMAs hold
+    # fewer of the ring's bytes), and at 128 x (64 + 64) tiles with six slots (the same shared memory).
     "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
-    "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=4)},
+    "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
+    "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 

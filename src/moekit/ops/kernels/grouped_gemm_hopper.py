@@ -338,7 +338,7 @@ def _mm_math_partition(
 ):
     """Math warp group WG: two accumulators, (ROWS, BLOCK_C0) and (ROWS, BLOCK_C1) (its staging tiles'
     shapes), over the ring, a step's MMAs in flight while the next slot's are issued; then their
-    epilogue through the staging tiles (one tile for both where c0_smem is c1_smem).
+    epilogue through the staging tiles (the same bytes: c1_smem is c0_smem or its reinterpretation).
 
     Shared tile (not PINGPONG): rows WG * BLOCK_M / 2 onwards of every tile of the program, the two
     groups side by side on each slot. Ping-pong: every second tile of the program (its j-th, j = WG,
@@ -480,6 +480,7 @@ def grouped_mm_ws_kernel(
     """
     gl.static_assert(BLOCK_M == 128, "wgmma row blocks of 64: two a warp group (PINGPONG) or one")
     gl.static_assert(PINGPONG or BLOCK_C0 == BLOCK_C1, "the shared tile's halves are equal")
+    gl.static_assert(BLOCK_C1 <= BLOCK_C0, "the second accumulator stores through the first's staging tile")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     B0_SHAPE: gl.constexpr = [BLOCK_C0, BLOCK_RED] if TRANS_B else [BLOCK_RED, BLOCK_C0]
@@ -492,8 +493,9 @@ def grouped_mm_ws_kernel(
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_RED], a_layout)
     b0_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B0_SHAPE, b0_layout)
     b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B1_SHAPE, b1_layout)
-    # Staging tiles, c<group><accumulator>: the shared tile's groups store both halves through one tile
-    # each; the ping-pong's a tile an accumulator, so one group's stores drain during the other's tile.
+    # Staging tiles, c<group><accumulator>: each group stores both its accumulators through one tile of
+    # its own (the ping-pong's narrower second accumulator through the same bytes, reinterpreted, once
+    # the first's store has read them), so the ring keeps its fourth slot beside them.
     c00_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
     c10_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -504,8 +506,8 @@ def grouped_mm_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
     if PINGPONG:
-        c01_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C1], c1_layout)
-        c11_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C1], c1_layout)
+        c01_smem = c00_smem._reinterpret(dtype, [ROWS, BLOCK_C1], c1_layout)
+        c11_smem = c10_smem._reinterpret(dtype, [ROWS, BLOCK_C1], c1_layout)
         # turn[w] completes a phase when the other group hands the main loop to group w.
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):

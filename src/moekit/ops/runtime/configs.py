@@ -302,9 +302,10 @@ MM_WS = dict(
 # The forward / dgrad's ping-pong schedule on Hopper (the same kernel with PINGPONG, compiled as
 # grouped_mm_pingpong_kernel): each math warp group a whole 128 x (128 + 64) tile in turn (fp32
 # accumulators of 192 registers a thread), its epilogue beside the other group's main loop; the same
-# bits as MM_WS. 3 slots of 40 KiB
-# beside a 128 x 128 and a 128 x 64 staging tile a warp group (216.5 KiB); 12 warps of 168 registers at
-# launch, then 232 for math warp group 1 and 48 for the load warp.
+# bits as MM_WS. 4 slots of 40 KiB beside one 128 x 128 staging tile a warp group (224 KiB): while one
+# group drains its tile, the other's loads need about a microsecond's bytes in flight beyond the slots
+# its MMAs hold, which a third slot alone does not give (notes/grouped_gemm.md); 12 warps of 168
+# registers at launch, then 232 for the math warp groups and 48 for the load warp.
 MM_PINGPONG = dict(
     PINGPONG=True,
     BLOCK_M=128,
@@ -312,7 +313,7 @@ MM_PINGPONG = dict(
     BLOCK_C1=64,
     BLOCK_RED=64,
     GROUP_M=8,
-    STAGES=3,
+    STAGES=4,
     MATH_REGS=232,
     LOAD_REGS=48,
     num_warps=4,
