@@ -12,7 +12,7 @@
 #
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
-# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_$C.json.
+# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB_SHAPES, SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -41,7 +41,7 @@ grep -q "PINGPONG_MAX_RED=1 << 30" "$B/src/moekit/ops/runtime/configs.py" || { e
 t0=$(date +%s)
 timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B/src" --op layer --dists balanced --rounds 2 \
     --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+pingpong" \
-    --out "$OUT/${P}_ab_layer_pingpong_$C.json" >"$OUT/ab.log" 2>&1
+    --out "$OUT/${P}_ab_layer_pingpong_${C}_$C.json" >"$OUT/ab.log" 2>&1
 echo "ab rc=$? $(($(date +%s) - t0)) s"
 tail -15 "$OUT/ab.log"
 ls "$OUT"
