@@ -1,7 +1,8 @@
 """The grouped forward and dgrad the fused MLP runs as plain products (fc2's forward: act (M, F) @ w2[g]^T
 -> (M, H); fc1's dgrad: dh (M, 2F) @ w1[g] -> (M, H)), Hopper's warp-specialised Gluon kernel
 (`grouped_mm_ws_kernel`) against every candidate of the Triton kernel (`configs.gemm_candidates`), at
-the layer benchmark's fine-grained shapes, balanced routing (equal groups). Every result must be the
+the layer benchmark's fine-grained shapes, balanced routing: equal groups, and (the `_ragged`
+products) each row's group drawn uniformly, as the layer's routing leaves them. Every result must be the
 Triton kernel's bits (`equal`). Times: CUDA events, the median of the repetitions after one warm-up
 call; the variants interleaved in `--rounds` rounds (each keeps its median of the rounds), the dense
 8192^3 bf16 matmul's TFLOP/s measured in the same run as the roof.
@@ -55,6 +56,9 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # at every reduction, with slots of 32 reduction columns (half the bytes a slot: a group's MMAs hold
     # fewer of the ring's bytes), and at 128 x (64 + 64) tiles with six slots (the same shared memory).
     "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
+    # The tiles a group's rows end inside (the _ragged products' ~1 in 17 at 256 experts) through the
+    # staging tile and 16-byte row pieces, not the accumulator layout's pairs.
+    "staged_rows": {"MM_WS": dict(STAGED_ROWS=True)},
     "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
     "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
 }
@@ -79,18 +83,27 @@ def sweep_shape(
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
     offs = torch.linspace(0, M, N + 1, device=device).round().to(torch.int64)
+    # The layer's balanced routing: each row's expert drawn uniformly, so groups end inside tiles.
+    counts = torch.bincount(torch.randint(0, N, (M,), generator=torch.Generator().manual_seed(0)), minlength=N)
+    ragged = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
     act = torch.randn(M, F, device=device, dtype=dtype, generator=gen)
     dh = torch.randn(M, 2 * F, device=device, dtype=dtype, generator=gen)
     w1 = torch.randn(N, 2 * F, H, device=device, dtype=dtype, generator=gen) / H**0.5
     w2 = torch.randn(N, H, F, device=device, dtype=dtype, generator=gen) / F**0.5
-    products = {
-        "fc2_fwd": (lambda cfg=None: gemm.grouped_gemm_forward(act, w2, offs, cfg=cfg), 2 * M * F * H),
-        "fc1_dgrad": (lambda cfg=None: gemm.grouped_gemm_dgrad(dh, w1, offs, cfg=cfg), 2 * M * 2 * F * H),
-    }
+    products = {}
+    for suffix, o in (("", offs), ("_ragged", ragged)):
+        products[f"fc2_fwd{suffix}"] = (
+            lambda cfg=None, o=o: gemm.grouped_gemm_forward(act, w2, o, cfg=cfg),
+            2 * M * F * H,
+        )
+        products[f"fc1_dgrad{suffix}"] = (
+            lambda cfg=None, o=o: gemm.grouped_gemm_dgrad(dh, w1, o, cfg=cfg),
+            2 * M * 2 * F * H,
+        )
     saved = saved_tables(VARIANTS)
     cells = {}
     for kind, (run, flops) in products.items():
-        op = "fwd" if kind == "fc2_fwd" else "dgrad"
+        op = "fwd" if kind.startswith("fc2_fwd") else "dgrad"
         candidates = gemm_candidates(op, dtype, True, arch_of(act.device), H)
         if not triton_all:
             candidates = candidates[:1]

@@ -509,19 +509,28 @@ MM_WS_CASES = {
 }
 
 
-# The Hopper forward/dgrad's schedules: the name it compiles to -> the reductions up to which the
-# ping-pong runs (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile everywhere, any
-# larger the ping-pong at every reduction of these tests).
-MM_SCHEDULES = {"grouped_mm_ws_kernel": 0, "grouped_mm_pingpong_kernel": 1 << 30}
+# The Hopper forward/dgrad's schedules: the name it compiles to (and a variant's) -> the reductions up
+# to which the ping-pong runs (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile
+# everywhere, any larger the ping-pong at every reduction of these tests) and whether the tiles that a
+# group's rows end inside store through the staging tile (the tables' STAGED_ROWS).
+MM_SCHEDULES = {
+    "grouped_mm_ws_kernel": (0, False),
+    "grouped_mm_pingpong_kernel": (1 << 30, False),
+    "grouped_mm_ws_kernel-staged_rows": (0, True),
+    "grouped_mm_pingpong_kernel-staged_rows": (1 << 30, True),
+}
 
 
 @pytest.fixture(params=list(MM_SCHEDULES))
 def mm_kernel(request, monkeypatch):
-    """The Hopper forward/dgrad kernel a test runs, selected in `configs.MM_SCHEDULE` (plans made afresh
-    before and after)."""
-    monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", MM_SCHEDULES[request.param])
+    """The Hopper forward/dgrad kernel a test runs, selected in `configs.MM_SCHEDULE` and the tables
+    (plans made afresh before and after)."""
+    max_red, staged = MM_SCHEDULES[request.param]
+    monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", max_red)
+    for table in (configs.MM_WS, configs.MM_PINGPONG):
+        monkeypatch.setitem(table, "STAGED_ROWS", staged)
     launch.forget_plans()
-    yield request.param
+    yield request.param.split("-")[0]
     monkeypatch.undo()
     launch.forget_plans()
 
@@ -594,7 +603,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kernel
 from moekit.ops.runtime import configs
 
-table, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
+table, changes, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
+getattr(configs, table).update(changes)
 options = {k: getattr(configs, table)[k] for k in ("num_warps", "maxnreg")}
 const = {k: v for k, v in getattr(configs, table).items() if k not in options}
 const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
@@ -620,12 +630,13 @@ print(json.dumps({"name": compiled.metadata.name, "num_warps": compiled.metadata
 """
 
 
-# The Hopper forward/dgrad's configuration tables -> (the name it compiles to, the wgmma shapes its
-# accumulators take, whether ptxas spills nothing at the table's registers anywhere in it, else in its
-# main loops only). The ping-pong's 192 accumulator registers a thread leave its tile set-up and
-# epilogue a few spills, once a tile.
+# The Hopper forward/dgrad's configuration tables (and changes to them) -> (the name it compiles to, the
+# wgmma shapes its accumulators take, whether ptxas spills nothing at the table's registers anywhere in
+# it, else in its main loops only). The ping-pong's 192 accumulator registers a thread leave its tile
+# set-up and epilogue a few spills, once a tile.
 MM_COMPILES = {
     "MM_WS": ("grouped_mm_ws_kernel", ["m64n128k16"], True),
+    "MM_WS-staged_rows": ("grouped_mm_ws_kernel", ["m64n128k16"], True),
     "MM_PINGPONG": ("grouped_mm_pingpong_kernel", ["m64n128k16", "m64n64k16"], False),
 }
 
@@ -644,9 +655,11 @@ def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bi
     """The Gluon forward/dgrad compiles for sm_90a under each schedule's table (in its own process, as the
     other Gluon kernels), named by its schedule: 12 warps (two math warp groups and the load warp's),
     inside 227 KB of shared memory, the wgmma shapes of its accumulators only, no wgmma serialized by
-    ptxas (C7514 / C7515), no spills in the main loops and, on the shared tile, none at all."""
+    ptxas (C7514 / C7515), no spills in the main loops and, on the shared tile, none at all; 16-byte
+    stores exactly where the tiles a group's rows end inside go through the staging tile."""
     name, shapes, no_spills = MM_COMPILES[table]
-    args = json.dumps([table, dtype, trans_b, bias, scale, epi_tma])
+    changes = {"STAGED_ROWS": True} if table.endswith("-staged_rows") else {}
+    args = json.dumps([table.split("-")[0], changes, dtype, trans_b, bias, scale, epi_tma])
     ptx, cubin, sass = (str(tmp_path / f"k.{ext}") for ext in ("ptx", "cubin", "sass"))
     got = compile_in_subprocess(_COMPILE_MM_FOR_SM90, args, ptx, cubin, sass)
     assert got["name"] == name
@@ -657,8 +670,11 @@ def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bi
     if no_spills:
         assert got["spills"] and set(got["spills"]) == {"0"}, got["spills"]
     with open(sass) as f:
-        spills = main_loop_spills(f.read(), "HGMMA")
+        listing = f.read()
+    spills = main_loop_spills(listing, "HGMMA")
     assert len(spills) == 2 and set(spills) == {0}, spills  # each math warp group's main loop
+    # A group's last rows leave as 16-byte row pieces only when staged (through the TMA staging tile).
+    assert ("STG.E.128" in listing) == (table.endswith("-staged_rows") and epi_tma)
 
 
 _COMPILE_WGRAD_FOR_SM90 = """

@@ -136,11 +136,15 @@ def tile_epilogue(
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
     cols_layout: gl.constexpr,
+    STAGED_ROWS: gl.constexpr = False,
 ):
     """One (ROWS, SUB) accumulator of columns c0: onwards: the Triton kernel's epilogue
     (`grouped_gemm.fwd_epilogue`) in its order (padding rows exact zeros whatever they hold, then the
     bias, none on padding tiles, then the output dtype), stored by TMA (rows all in the group: through
-    the warp group's staging tile, asynchronously) or by masked pointer stores."""
+    the warp group's staging tile, asynchronously) or by masked pointer stores. STAGED_ROWS (with
+    EPI_TMA): a tile's rows that end inside it (a group's last) also go through the staging tile, read
+    back as 16-byte row pieces for the masked stores, where the accumulator's own layout stores pairs
+    of elements scattered over 8 rows a warp: the same values, fewer and whole-sector stores."""
     ROWS: gl.constexpr = acc.shape[0]
     SUB: gl.constexpr = acc.shape[1]
     offs_c = c0 + gl.arange(0, SUB, layout=cols_layout)
@@ -150,14 +154,23 @@ def tile_epilogue(
         acc = with_bias(acc, bias_ptr, scale_ptr, g, N, offs_m, offs_c, mask_m, offs_c < COLS, stride_bias_g, HAS_SCALE)
     out = acc.to(c_ptr.dtype.element_ty)
     if EPI_TMA:
-        if rows0 + ROWS <= row_hi:
+        whole = rows0 + ROWS <= row_hi
+        if whole or STAGED_ROWS:
             # The previous store has read the staging tile (every warp waits past it).
             tma.store_wait(0)
             gl.thread_barrier()
             c_smem.store(out)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+            if whole:
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(c_desc, [rows0, c0], c_smem)
+            else:
+                gl.thread_barrier()
+                elem_bytes: gl.constexpr = c_ptr.dtype.element_ty.primitive_bitwidth // 8
+                pieces: gl.constexpr = gather_layout(elem_bytes, SUB, gl.num_warps())
+                rows = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, pieces))
+                cols = c0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, pieces))
+                store_rows(c_smem.load(pieces), c_ptr, rows, cols, row_lo, row_hi, COLS, stride_cm)
         else:
             store_rows(out, c_ptr, offs_m, offs_c, row_lo, row_hi, COLS, stride_cm)
     else:
@@ -329,6 +342,7 @@ def _mm_math_partition(
     HAS_BIAS: gl.constexpr,
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
+    STAGED_ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_RED: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -412,13 +426,14 @@ def _mm_math_partition(
         offs_m0 = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout0))
         tile_epilogue(
             acc0, real, g, N, offs_m0, c0, rows0, row_lo, row_hi, c_ptr, c0_desc, c0_smem, bias_ptr, scale_ptr, COLS,
-            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout0),
+            stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout0), STAGED_ROWS,
         )  # fmt: skip
         if c0 + BLOCK_C0 < COLS:  # the second accumulator holds columns below COLS
             offs_m1 = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout1))
             tile_epilogue(
                 acc1, real, g, N, offs_m1, c0 + BLOCK_C0, rows0, row_lo, row_hi, c_ptr, c1_desc, c1_smem, bias_ptr,
                 scale_ptr, COLS, stride_cm, stride_bias_g, HAS_BIAS, HAS_SCALE, EPI_TMA, gl.SliceLayout(0, layout1),
+                STAGED_ROWS,
             )  # fmt: skip
         k += 1
     if EPI_TMA:
@@ -452,6 +467,7 @@ def grouped_mm_ws_kernel(
     HAS_SCALE: gl.constexpr,
     EPI_TMA: gl.constexpr,
     PINGPONG: gl.constexpr,
+    STAGED_ROWS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_C0: gl.constexpr,
     BLOCK_C1: gl.constexpr,
@@ -547,6 +563,7 @@ def grouped_mm_ws_kernel(
                     HAS_BIAS,
                     HAS_SCALE,
                     EPI_TMA,
+                    STAGED_ROWS,
                     BLOCK_M,
                     BLOCK_RED,
                     GROUP_M,
@@ -582,6 +599,7 @@ def grouped_mm_ws_kernel(
                     HAS_BIAS,
                     HAS_SCALE,
                     EPI_TMA,
+                    STAGED_ROWS,
                     BLOCK_M,
                     BLOCK_RED,
                     GROUP_M,

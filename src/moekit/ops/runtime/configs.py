@@ -286,8 +286,12 @@ WGRAD_GATHERED_WS = dict(
 # load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56). Both
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
 # would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
+# STAGED_ROWS: the tiles a group's rows end inside (about one in 17 at 256 experts under the layer's
+# routing) store through the staging tile as 16-byte row pieces instead of the accumulator layout's
+# element pairs; off until timed (the sweep's staged_rows variant).
 MM_WS = dict(
     PINGPONG=False,
+    STAGED_ROWS=False,
     BLOCK_M=128,
     BLOCK_C0=128,
     BLOCK_C1=128,
@@ -308,6 +312,7 @@ MM_WS = dict(
 # registers at launch, then 232 for the math warp groups and 48 for the load warp.
 MM_PINGPONG = dict(
     PINGPONG=True,
+    STAGED_ROWS=False,
     BLOCK_M=128,
     BLOCK_C0=128,
     BLOCK_C1=64,
