@@ -457,8 +457,9 @@ def compile_in_subprocess(script: str, *args: str, timeout: float = 300.0) -> di
     them) and return the JSON object its output's last line prints; a failing script fails the test
     with its traceback's end. The process is this test process's compile server, started at the first
     call and kept for the next ones: each compile pays for its own work, not for importing torch and
-    triton again (a second each). A script that takes longer than `timeout` seconds fails the test and
-    the server is killed (the next call starts another)."""
+    triton again (a second each); its imported modules are shared with the next scripts, so a script
+    changes none of them (a table's changes go into a copy). A script that takes longer than `timeout`
+    seconds fails the test and the server is killed (the next call starts another)."""
     global _server
     server = _compile_server()
     assert server.stdin is not None and server.stdout is not None

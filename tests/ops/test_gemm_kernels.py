@@ -604,9 +604,9 @@ from moekit.ops.kernels.grouped_gemm_hopper import grouped_mm_ws_kernel as kerne
 from moekit.ops.runtime import configs
 
 table, changes, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
-getattr(configs, table).update(changes)
-options = {k: getattr(configs, table)[k] for k in ("num_warps", "maxnreg")}
-const = {k: v for k, v in getattr(configs, table).items() if k not in options}
+cfg = {**getattr(configs, table), **changes}  # a copy: the compile server's configs stay as imported
+options = {k: cfg[k] for k in ("num_warps", "maxnreg")}
+const = {k: v for k, v in cfg.items() if k not in options}
 const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
 pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
