@@ -7,13 +7,15 @@
 #      float64 references, no host sync) and their sm_90a compiles;
 #   2. `sweep_grouped_mm.py --variants base,pingpong,pingpong128 --triton first` at the fine shapes: fc2's
 #      forward and fc1's dgrad alone, every variant's bits checked, the dense roof in the same run;
-#   3. `ab_builds.py --op layer`: the layer's step with src as it is (A) and with the ping-pong at every
-#      reduction (B: a copy of src with MM_SCHEDULE["PINGPONG_MAX_RED"] raised), bits compared.
+#   3. `ab_builds.py --op layer`: the layer's step with src as it is (A) and with one change to the tables
+#      (B: a copy of src with AB's line of configs.py changed; pingpong: MM_SCHEDULE["PINGPONG_MAX_RED"]
+#      raised, staged_rows: the tables' STAGED_ROWS on), bits compared.
 #
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
-# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_pingpong_${C}_$C.json.
-# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB_SHAPES, SKIP_TESTS, SKIP_AB.
+# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_${AB}_${C}_$C.json.
+# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong), AB_SHAPES,
+# SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/gpu_prelude.sh
@@ -34,14 +36,21 @@ timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${V
 echo "sweep rc=$? $(($(date +%s) - t0)) s"
 grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 [ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
+AB=${AB:-pingpong}
+case "$AB" in
+    pingpong) FROM='^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$' TO='MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)' ;;
+    staged_rows) FROM='^    STAGED_ROWS=False,$' TO='    STAGED_ROWS=True,' ;;
+    *) echo "AB: pingpong or staged_rows, got $AB"; exit 2 ;;
+esac
 B=$(mktemp -d)
 cp -r src "$B/src"
-sed -i 's/^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$/MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)/' "$B/src/moekit/ops/runtime/configs.py"
-grep -q "PINGPONG_MAX_RED=1 << 30" "$B/src/moekit/ops/runtime/configs.py" || { echo "build B: the schedule line moved"; exit 3; }
+CFG=$B/src/moekit/ops/runtime/configs.py
+grep -q "$FROM" "$CFG" || { echo "build B: no line $FROM in configs.py"; exit 3; }
+sed -i "s/$FROM/$TO/" "$CFG"
 t0=$(date +%s)
 timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B/src" --op layer --dists balanced --rounds 2 \
-    --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+pingpong" \
-    --out "$OUT/${P}_ab_layer_pingpong_${C}_$C.json" >"$OUT/ab.log" 2>&1
+    --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+$AB" \
+    --out "$OUT/${P}_ab_layer_${AB}_${C}_$C.json" >"$OUT/ab.log" 2>&1
 echo "ab rc=$? $(($(date +%s) - t0)) s"
 tail -15 "$OUT/ab.log"
 ls "$OUT"
