@@ -14,7 +14,8 @@
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_${AB}_${C}_$C.json.
-# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong), AB_SHAPES,
+# Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
+# auto: the sweep's fastest of pingpong and staged_rows on the _ragged products, none under 1.02x), AB_SHAPES,
 # SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -37,6 +38,11 @@ echo "sweep rc=$? $(($(date +%s) - t0)) s"
 grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 [ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
 AB=${AB:-pingpong}
+if [ "$AB" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
+    AB=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows)
+    [ -z "$AB" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; ls "$OUT"; exit 0; }
+    echo "AB=auto: $AB"
+fi
 case "$AB" in
     pingpong) FROM='^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$' TO='MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)' ;;
     staged_rows) FROM='^    STAGED_ROWS=False,$' TO='    STAGED_ROWS=True,' ;;

@@ -14,12 +14,14 @@ the reference bits.
 
     python benchmarks/sweep_grouped_mm.py --out results.json [--shapes sonicmoe-e256-k16]
         [--variants base,red32] [--triton first]
+    python benchmarks/sweep_grouped_mm.py --pick results.json --among pingpong,staged_rows
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +137,32 @@ def sweep_shape(
     return cells
 
 
+def pick(results: dict, among: list[str], margin: float = 1.02) -> str:
+    """The variant of `among` that a sweep's results (`main`'s JSON) found fastest on the _ragged products
+    (the layer's routing): the base kernel's time over the variant's, the geometric mean over the shapes,
+    at least `margin`, its bits the reference's in every product; "" where none is."""
+    best, best_gain = "", margin
+    for variant in among:
+        ratios = []
+        for key, record in results["cells"].items():
+            if not record.get(f"ws_{variant}_equal", False):
+                ratios = []
+                break
+            if key.endswith("_ragged"):
+                ratios.append(record["ws_ms"] / record[f"ws_{variant}_ms"])
+        gain = statistics.geometric_mean(ratios) if ratios else 0.0
+        if gain >= best_gain:
+            best, best_gain = variant, gain
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--pick", type=Path, help="print the variant (of --among) a sweep's JSON found fastest by `pick`, and stop"
+    )
+    parser.add_argument("--among", default="pingpong,staged_rows")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
@@ -147,6 +172,12 @@ def main() -> None:
         "--triton", choices=("all", "first"), default="all", help="time every Triton candidate or the first"
     )
     args = parser.parse_args()
+    if args.pick is not None:
+        among = select_by_name(list(VARIANTS), args.among, "among", VARIANTS)
+        print(pick(json.loads(args.pick.read_text()), among))
+        return
+    if args.out is None:
+        raise SystemExit("--out: the results' path is needed (or --pick)")
     variants = select_by_name(list(VARIANTS), args.variants, "variants", VARIANTS)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("sweep_grouped_mm.py needs a CUDA device (or --smoke)")

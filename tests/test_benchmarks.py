@@ -101,6 +101,44 @@ def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_pa
     assert len(rounds) == 2 * 2 + 4 * 6 and all(len(r) == 1 for r in rounds), cells
 
 
+def test_sweep_grouped_mm_smoke_times_equal_and_ragged_groups(tmp_path):
+    """sweep_grouped_mm.py on a tiny shape under the interpreter: fc2's forward and fc1's dgrad on equal
+    groups and on the layer's ragged ones, the Triton kernel's bits checked in each; --pick without a
+    results file is refused in one line."""
+    out = tmp_path / "mm.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "PYTHONPATH": str(BENCHMARKS)}
+    command = [sys.executable, str(BENCHMARKS / "sweep_grouped_mm.py"), "--smoke", "--rounds", "1", "--reps", "1"]
+    proc = subprocess.run(command + ["--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    products = ("fc2_fwd", "fc1_dgrad", "fc2_fwd_ragged", "fc1_dgrad_ragged")
+    assert set(cells) == {f"smoke/{p}" for p in products}
+    assert all(cell["triton0_equal"] is True for cell in cells.values()), cells
+    bad = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--out: the results' path is needed" in bad.stderr
+
+
+def test_sweep_grouped_mm_pick_takes_the_fastest_bit_equal_variant_on_ragged_groups(monkeypatch):
+    """`pick` (gpu_mm_schedules.sh's AB=auto): the variant with the best geometric-mean speed-up over the
+    base kernel on the _ragged products, at least the margin, and none whose bits differ anywhere."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sweep = _load("sweep_grouped_mm")
+
+    def cell(staged_ms, pingpong_ms, pingpong_equal=True):
+        return {"ws_ms": 1.0, "ws_staged_rows_ms": staged_ms, "ws_staged_rows_equal": True,
+                "ws_pingpong_ms": pingpong_ms, "ws_pingpong_equal": pingpong_equal}  # fmt: skip
+
+    results = {
+        "cells": {"a/fc2_fwd": cell(1.0, 0.5), "a/fc2_fwd_ragged": cell(0.9, 0.95), "b/x_ragged": cell(0.95, 1.0)}
+    }
+    assert sweep.pick(results, ["pingpong", "staged_rows"]) == "staged_rows"  # equal groups do not count
+    results["cells"]["b/x_ragged"] = cell(0.95, 0.8)
+    assert sweep.pick(results, ["pingpong", "staged_rows"]) == "pingpong"
+    results["cells"]["a/fc2_fwd"] = cell(1.0, 0.5, pingpong_equal=False)
+    assert sweep.pick(results, ["pingpong", "staged_rows"]) == "staged_rows"
+    assert sweep.pick(results, ["pingpong", "staged_rows"], margin=1.2) == ""
+
+
 def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
     """sweep_rows.py on a tiny shape under the interpreter: the three kinds (bf16 and FP8 gathers, the
     combine) under every table variant (the unrolled sums and the gathers' other tiles among them), each
