@@ -511,7 +511,8 @@ def grouped_mm_ws_kernel(
     b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + B1_SHAPE, b1_layout)
     # Staging tiles, c<group><accumulator>: each group stores both its accumulators through one tile of
     # its own (the ping-pong's narrower second accumulator through the same bytes, reinterpreted, once
-    # the first's store has read them), so the ring keeps its fourth slot beside them.
+    # the first's store has read them; `_reinterpret` is Gluon's aliasing view in Triton 3.6), so the ring
+    # keeps its fourth slot beside them.
     c00_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
     c10_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK_C0], c0_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
