@@ -43,18 +43,9 @@ if [ "$AB" = auto ]; then  # the variant the sweep found fastest at the layer's 
     [ -z "$AB" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; ls "$OUT"; exit 0; }
     echo "AB=auto: $AB"
 fi
-case "$AB" in
-    pingpong) FROM='^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$' TO='MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)' ;;
-    staged_rows) FROM='^    STAGED_ROWS=False,$' TO='    STAGED_ROWS=True,' ;;
-    *) echo "AB: pingpong or staged_rows, got $AB"; exit 2 ;;
-esac
-B=$(mktemp -d)
-cp -r src "$B/src"
-CFG=$B/src/moekit/ops/runtime/configs.py
-grep -q "$FROM" "$CFG" || { echo "build B: no line $FROM in configs.py"; exit 3; }
-sed -i "s/$FROM/$TO/" "$CFG"
+B=$(changed_src "$AB") || exit 3
 t0=$(date +%s)
-timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B/src" --op layer --dists balanced --rounds 2 \
+timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B" --op layer --dists balanced --rounds 2 \
     --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+$AB" \
     --out "$OUT/${P}_ab_layer_${AB}_${C}_$C.json" >"$OUT/ab.log" 2>&1
 echo "ab rc=$? $(($(date +%s) - t0)) s"
