@@ -5,17 +5,16 @@
 #
 #   1. `pytest -m gpu` of the forward/dgrad kernels under both schedules (bits against the Triton kernel,
 #      float64 references, no host sync) and their sm_90a compiles;
-#   2. `sweep_grouped_mm.py --variants base,pingpong,pingpong128 --triton first` at the fine shapes: fc2's
-#      forward and fc1's dgrad alone, every variant's bits checked, the dense roof in the same run;
+#   2. `sweep_grouped_mm.py --variants ... --triton first` at the fine shapes: fc2's forward and fc1's
+#      dgrad alone on equal and ragged groups, every variant's bits checked, the dense roof in the same run;
 #   3. `ab_builds.py --op layer`: the layer's step with src as it is (A) and with one change to the tables
-#      (B: a copy of src with AB's line of configs.py changed; pingpong: MM_SCHEDULE["PINGPONG_MAX_RED"]
-#      raised, staged_rows: the tables' STAGED_ROWS on), bits compared.
+#      (B: gpu_prelude.sh's `changed_src AB`: pingpong, staged_rows or regs208), bits compared.
 #
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_${AB}_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
-# auto: the sweep's fastest of pingpong and staged_rows on the _ragged products, none under 1.02x), AB_SHAPES,
+# auto: the sweep's fastest of pingpong, staged_rows and regs208 on the _ragged products, none under 1.02x), AB_SHAPES,
 # SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -31,7 +30,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
 fi
 t0=$(date +%s)
-timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,pingpong,pingpong128}" --triton first \
+timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,staged_rows,regs208,pingpong,pingpong_red32,pingpong128}" --triton first \
     --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
     --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
 echo "sweep rc=$? $(($(date +%s) - t0)) s"
@@ -39,7 +38,7 @@ grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 [ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
 AB=${AB:-pingpong}
 if [ "$AB" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
-    AB=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows)
+    AB=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208)
     [ -z "$AB" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; ls "$OUT"; exit 0; }
     echo "AB=auto: $AB"
 fi

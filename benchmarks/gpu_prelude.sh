@@ -22,20 +22,31 @@ ncu_first_launch() {
     echo "$kernel: rc $? ($(wc -l <"$OUT/${P}_ncu_${name}_$C.csv") lines)"
 }
 
-# changed_src CHANGE: prints the path of a copy of src with one line of configs.py changed, what a
-# script times beside src as it is without a commit between (pingpong: the ping-pong schedule at every
-# reduction; staged_rows: the tables' STAGED_ROWS on); fails, naming it, where that line is not found.
+# changed_src CHANGE: prints the path of a copy of src with one change to configs.py, what a script
+# times beside src as it is without a commit between (pingpong: the ping-pong schedule at every
+# reduction; staged_rows: the tables' STAGED_ROWS on; regs208: MM_WS's registers 208 / 88, the sweep's
+# variant of that name); fails, naming it, where configs.py does not hold the lines it changes.
 changed_src() {
-    local from to dir cfg
-    case "$1" in
-        pingpong) from='^MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)$' to='MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)' ;;
-        staged_rows) from='^    STAGED_ROWS=False,$' to='    STAGED_ROWS=True,' ;;
-        *) echo "changed_src: pingpong or staged_rows, got $1" >&2; return 2 ;;
-    esac
+    local dir
     dir=$(mktemp -d)
     cp -r src "$dir/src"
-    cfg=$dir/src/moekit/ops/runtime/configs.py
-    grep -q "$from" "$cfg" || { echo "changed_src: no line $from in configs.py" >&2; return 3; }
-    sed -i "s/$from/$to/" "$cfg"
+    python3 - "$1" "$dir/src/moekit/ops/runtime/configs.py" <<'PY' || return 3
+import sys
+
+change, path = sys.argv[1:]
+# change -> (old text, new text, how many times configs.py holds the old)
+edits = {
+    "pingpong": ("MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)\n", "MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)\n", 1),
+    "staged_rows": ("    STAGED_ROWS=False,\n", "    STAGED_ROWS=True,\n", 2),
+    "regs208": ("    MATH_REGS=224,\n    LOAD_REGS=56,\n", "    MATH_REGS=208,\n    LOAD_REGS=88,\n", 1),
+}
+if change not in edits:
+    sys.exit(f"changed_src: one of {', '.join(edits)}, got {change!r}")
+old, new, count = edits[change]
+text = open(path).read()
+if text.count(old) != count:
+    sys.exit(f"changed_src: configs.py holds {old!r} {text.count(old)} times, not {count}")
+open(path, "w").write(text.replace(old, new))
+PY
     echo "$dir/src"
 }

@@ -61,6 +61,10 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # The tiles a group's rows end inside (the _ragged products' ~1 in 17 at 256 experts) through the
     # staging tile and 16-byte row pieces, not the accumulator layout's pairs.
     "staged_rows": {"MM_WS": dict(STAGED_ROWS=True)},
+    # Registers moved from the math warp groups to the load warp: at 255 experts or more the tile
+    # schedule's group vectors (512 entries) spill in a 56-register load warp (sm_90a: 128 bytes), none
+    # at 208 / 88 (notes/grouped_gemm.md).
+    "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
     "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
     "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
 }
@@ -162,7 +166,7 @@ def main() -> None:
     parser.add_argument(
         "--pick", type=Path, help="print the variant (of --among) a sweep's JSON found fastest by `pick`, and stop"
     )
-    parser.add_argument("--among", default="pingpong,staged_rows")
+    parser.add_argument("--among", default="pingpong,staged_rows,regs208")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
