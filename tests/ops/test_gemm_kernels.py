@@ -607,7 +607,8 @@ table, changes, dtype, trans_b, bias, scale, epi_tma = json.loads(sys.argv[1])
 cfg = {**getattr(configs, table), **changes}  # a copy: the compile server's configs stay as imported
 options = {k: cfg[k] for k in ("num_warps", "maxnreg")}
 const = {k: v for k, v in cfg.items() if k not in options}
-const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, BLOCK_GROUPS=256, NUM_PROGRAMS=132)
+const = {"BLOCK_GROUPS": 256, **const}  # changes may name another group vector's length
+const.update(TRANS_B=trans_b, HAS_BIAS=bias, HAS_SCALE=scale, EPI_TMA=epi_tma, NUM_PROGRAMS=132)
 pointer = {"offs_ptr": "*i64", "scale_ptr": "*fp32"}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
@@ -630,14 +631,23 @@ print(json.dumps({"name": compiled.metadata.name, "num_warps": compiled.metadata
 """
 
 
-# The Hopper forward/dgrad's configuration tables (and changes to them) -> (the name it compiles to, the
-# wgmma shapes its accumulators take, whether ptxas spills nothing at the table's registers anywhere in
-# it, else in its main loops only). The ping-pong's 192 accumulator registers a thread leave its tile
-# set-up and epilogue a few spills, once a tile.
+# The Hopper forward/dgrad's configuration tables and changes to them -> (table, changes, the name it
+# compiles to, the wgmma shapes its accumulators take, whether ptxas spills nothing at the table's
+# registers anywhere in it, else in its main loops only). The ping-pong's 192 accumulator registers a
+# thread leave its tile set-up and epilogue a few spills, once a tile. At 255 groups or more the group
+# vectors are 512 long and the shared tile's 56-register load warp spills (128 bytes); 208 / 88
+# registers (the sweep's regs208) hold them.
 MM_COMPILES = {
-    "MM_WS": ("grouped_mm_ws_kernel", ["m64n128k16"], True),
-    "MM_WS-staged_rows": ("grouped_mm_ws_kernel", ["m64n128k16"], True),
-    "MM_PINGPONG": ("grouped_mm_pingpong_kernel", ["m64n128k16", "m64n64k16"], False),
+    "MM_WS": ("MM_WS", {}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
+    "MM_WS-staged_rows": ("MM_WS", {"STAGED_ROWS": True}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
+    "MM_WS-regs208-512_groups": (
+        "MM_WS",
+        {"MATH_REGS": 208, "LOAD_REGS": 88, "BLOCK_GROUPS": 512},
+        "grouped_mm_ws_kernel",
+        ["m64n128k16"],
+        True,
+    ),
+    "MM_PINGPONG": ("MM_PINGPONG", {}, "grouped_mm_pingpong_kernel", ["m64n128k16", "m64n64k16"], False),
 }
 
 
@@ -657,9 +667,8 @@ def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bi
     inside 227 KB of shared memory, the wgmma shapes of its accumulators only, no wgmma serialized by
     ptxas (C7514 / C7515), no spills in the main loops and, on the shared tile, none at all; 16-byte
     stores exactly where the tiles a group's rows end inside go through the staging tile."""
-    name, shapes, no_spills = MM_COMPILES[table]
-    changes = {"STAGED_ROWS": True} if table.endswith("-staged_rows") else {}
-    args = json.dumps([table.split("-")[0], changes, dtype, trans_b, bias, scale, epi_tma])
+    base, changes, name, shapes, no_spills = MM_COMPILES[table]
+    args = json.dumps([base, changes, dtype, trans_b, bias, scale, epi_tma])
     ptx, cubin, sass = (str(tmp_path / f"k.{ext}") for ext in ("ptx", "cubin", "sass"))
     got = compile_in_subprocess(_COMPILE_MM_FOR_SM90, args, ptx, cubin, sass)
     assert got["name"] == name
@@ -674,7 +683,7 @@ def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bi
     spills = main_loop_spills(listing, "HGMMA")
     assert len(spills) == 2 and set(spills) == {0}, spills  # each math warp group's main loop
     # A group's last rows leave as 16-byte row pieces only when staged (through the TMA staging tile).
-    assert ("STG.E.128" in listing) == (table.endswith("-staged_rows") and epi_tma)
+    assert ("STG.E.128" in listing) == (changes.get("STAGED_ROWS", False) and epi_tma)
 
 
 _COMPILE_WGRAD_FOR_SM90 = """
