@@ -7,14 +7,15 @@
 #      float64 references, no host sync) and their sm_90a compiles;
 #   2. `sweep_grouped_mm.py --variants ... --triton first` at the fine shapes: fc2's forward and fc1's
 #      dgrad alone on equal and ragged groups, every variant's bits checked, the dense roof in the same run;
-#   3. `ab_builds.py --op layer`: the layer's step with src as it is (A) and with one change to the tables
-#      (B: gpu_prelude.sh's `changed_src AB`: pingpong, staged_rows or regs208), bits compared.
+#   3. `ab_builds.py --op layer` for each change in AB (a comma list): the layer's step with src as it is (A)
+#      and with that change to the tables (B: gpu_prelude.sh's `changed_src`), bits compared.
 #
 #   OUT=/path C=<commit> bash benchmarks/gpu_mm_schedules.sh
 #
-# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_${AB}_${C}_$C.json.
+# Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_<change>_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
-# auto: the sweep's fastest of pingpong, staged_rows and regs208 on the _ragged products, none under 1.02x), AB_SHAPES,
+# changes as changed_src names them, and auto: the sweep's fastest of pingpong, staged_rows and regs208 on
+# the _ragged products, none under 1.02x; AB_S seconds each), AB_SHAPES,
 # SKIP_TESTS, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -37,16 +38,18 @@ echo "sweep rc=$? $(($(date +%s) - t0)) s"
 grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 [ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
 AB=${AB:-pingpong}
-if [ "$AB" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
-    AB=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208)
-    [ -z "$AB" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; ls "$OUT"; exit 0; }
-    echo "AB=auto: $AB"
-fi
-B=$(changed_src "$AB") || exit 3
-t0=$(date +%s)
-timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B" --op layer --dists balanced --rounds 2 \
-    --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+$AB" \
-    --out "$OUT/${P}_ab_layer_${AB}_${C}_$C.json" >"$OUT/ab.log" 2>&1
-echo "ab rc=$? $(($(date +%s) - t0)) s"
-tail -15 "$OUT/ab.log"
+for ab in ${AB//,/ }; do
+    if [ "$ab" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
+        ab=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208)
+        [ -z "$ab" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; continue; }
+        echo "AB=auto: $ab"
+    fi
+    B=$(changed_src "$ab") || exit 3
+    t0=$(date +%s)
+    timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B" --op layer --dists balanced --rounds 2 \
+        --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+$ab" \
+        --out "$OUT/${P}_ab_layer_${ab}_${C}_$C.json" >"$OUT/ab_$ab.log" 2>&1
+    echo "ab $ab rc=$? $(($(date +%s) - t0)) s"
+    tail -6 "$OUT/ab_$ab.log"
+done
 ls "$OUT"

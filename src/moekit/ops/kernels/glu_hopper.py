@@ -524,7 +524,9 @@ def glu_forward_ws_kernel(
 
     GATHER: x is (T, H) and routed row r reads x's row idx[r] (idx: (M,) int32 or int64, read for
     the rows before offs[N] only, values in [0, T)); the load partition is LOAD_WARPS = 4 warps
-    (cp.async needs the threads). Otherwise idx is not read (any pointer) and LOAD_WARPS = 1.
+    (cp.async needs the threads). Otherwise idx is not read (any pointer) and LOAD_WARPS is 1 or 4 (one
+    thread issues the TMA copies either way; 4 spread the tile schedule's group vectors over a warp
+    group's lanes instead of one warp's).
     """
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
@@ -1130,7 +1132,8 @@ def glu_backward_ws_kernel(
 
     GATHER: dy is d out (T, H) and routed row r reads its row idx[r] (idx: (M,) int32 or int64, read
     for the rows before offs[N] only, values in [0, T)), as the forward's GATHER; the load partition is
-    LOAD_WARPS = 4 warps. Otherwise idx is not read (any pointer) and LOAD_WARPS = 1."""
+    LOAD_WARPS = 4 warps. Otherwise idx is not read (any pointer) and LOAD_WARPS is 1 or 4, as the
+    forward's."""
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_RED], dtype)
     # The weight boxes: (BLOCK_C, BLOCK_RED) of fc2's transposed storage, else (BLOCK_RED, BLOCK_C).
