@@ -14,7 +14,7 @@
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_<change>_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
-# changes as changed_src names them, and auto: the sweep's fastest of pingpong, staged_rows and regs208 on
+# changes as changed_src names them, and auto: the sweep's fastest of pingpong, staged_rows, regs208 and load4 on
 # the _ragged products, none under 1.02x; AB_S seconds each), AB_SHAPES,
 # SKIP_TESTS, SKIP_AB.
 set -u
@@ -31,7 +31,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
 fi
 t0=$(date +%s)
-timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,staged_rows,regs208,pingpong,pingpong_red32,pingpong128}" --triton first \
+timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,staged_rows,regs208,load4,pingpong,pingpong_load4,pingpong_red32}" --triton first \
     --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
     --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
 echo "sweep rc=$? $(($(date +%s) - t0)) s"
@@ -40,7 +40,7 @@ grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 AB=${AB:-pingpong}
 for ab in ${AB//,/ }; do
     if [ "$ab" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
-        ab=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208)
+        ab=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208,load4)
         [ -z "$ab" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; continue; }
         echo "AB=auto: $ab"
     fi

@@ -25,8 +25,9 @@ ncu_first_launch() {
 # changed_src CHANGE: prints the path of a copy of src with one change to configs.py, what a script
 # times beside src as it is without a commit between (pingpong: the ping-pong schedule at every
 # reduction; staged_rows: the tables' STAGED_ROWS on; regs208: MM_WS's registers 208 / 88, the sweep's
-# variant of that name; glu_load4: the fused MLP's TMA forms load from a whole warp group of 40 registers,
-# as their GATHER forms); fails, naming it, where configs.py does not hold the lines it changes.
+# variant of that name; load4: MM_WS's load partition a warp group, the sweep's variant of that name;
+# glu_load4: the fused MLP's TMA forms load from a whole warp group of 40 registers, as their GATHER
+# forms); fails, naming it, where configs.py does not hold the lines it changes.
 changed_src() {
     local dir
     dir=$(mktemp -d)
@@ -40,6 +41,7 @@ edits = {
     "pingpong": ("MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)\n", "MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)\n", 1),
     "staged_rows": ("    STAGED_ROWS=False,\n", "    STAGED_ROWS=True,\n", 2),
     "regs208": ("    MATH_REGS=224,\n    LOAD_REGS=56,\n", "    MATH_REGS=208,\n    LOAD_REGS=88,\n", 1),
+    "load4": ("    LOAD_REGS=56,\n    LOAD_WARPS=1,\n", "    LOAD_REGS=56,\n    LOAD_WARPS=4,\n", 1),
     "glu_load4": ("    LOAD_WARPS=1,\n    LOAD_REGS=24,\n", "    LOAD_WARPS=4,\n    LOAD_REGS=40,\n", 2),
 }
 if change not in edits:

@@ -65,6 +65,10 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # schedule's group vectors (512 entries) spill in a 56-register load warp (sm_90a: 128 bytes), none
     # at 208 / 88 (notes/grouped_gemm.md).
     "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
+    # The same vectors over a load partition of a warp group's lanes, for each schedule (sm_90a spills at
+    # 256 / 512 groups: the shared tile 0 / 4 bytes, the ping-pong 60 / 56 instead of 140 / 316).
+    "load4": {"MM_WS": dict(LOAD_WARPS=4)},
+    "pingpong_load4": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(LOAD_WARPS=4)},
     "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
     "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
 }
@@ -166,7 +170,7 @@ def main() -> None:
     parser.add_argument(
         "--pick", type=Path, help="print the variant (of --among) a sweep's JSON found fastest by `pick`, and stop"
     )
-    parser.add_argument("--among", default="pingpong,staged_rows,regs208")
+    parser.add_argument("--among", default="pingpong,staged_rows,regs208,load4")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)

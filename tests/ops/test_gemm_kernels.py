@@ -511,13 +511,15 @@ MM_WS_CASES = {
 
 # The Hopper forward/dgrad's schedules: the name it compiles to (and a variant's) -> the reductions up
 # to which the ping-pong runs (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile
-# everywhere, any larger the ping-pong at every reduction of these tests) and whether the tiles that a
-# group's rows end inside store through the staging tile (the tables' STAGED_ROWS).
+# everywhere, any larger the ping-pong at every reduction of these tests) and changes to both tables: the
+# variants' two switches together (the tiles a group's rows end inside stored through the staging tile;
+# a load partition of a warp group), each a code path of its own.
+VARIANT = {"STAGED_ROWS": True, "LOAD_WARPS": 4}
 MM_SCHEDULES = {
-    "grouped_mm_ws_kernel": (0, False),
-    "grouped_mm_pingpong_kernel": (1 << 30, False),
-    "grouped_mm_ws_kernel-staged_rows": (0, True),
-    "grouped_mm_pingpong_kernel-staged_rows": (1 << 30, True),
+    "grouped_mm_ws_kernel": (0, {}),
+    "grouped_mm_pingpong_kernel": (1 << 30, {}),
+    "grouped_mm_ws_kernel-staged_rows-load4": (0, VARIANT),
+    "grouped_mm_pingpong_kernel-staged_rows-load4": (1 << 30, VARIANT),
 }
 
 
@@ -525,10 +527,11 @@ MM_SCHEDULES = {
 def mm_kernel(request, monkeypatch):
     """The Hopper forward/dgrad kernel a test runs, selected in `configs.MM_SCHEDULE` and the tables
     (plans made afresh before and after)."""
-    max_red, staged = MM_SCHEDULES[request.param]
+    max_red, changes = MM_SCHEDULES[request.param]
     monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", max_red)
     for table in (configs.MM_WS, configs.MM_PINGPONG):
-        monkeypatch.setitem(table, "STAGED_ROWS", staged)
+        for key, value in changes.items():
+            monkeypatch.setitem(table, key, value)
     launch.forget_plans()
     yield request.param.split("-")[0]
     monkeypatch.undo()
@@ -635,8 +638,9 @@ print(json.dumps({"name": compiled.metadata.name, "num_warps": compiled.metadata
 # compiles to, the wgmma shapes its accumulators take, whether ptxas spills nothing at the table's
 # registers anywhere in it, else in its main loops only). The ping-pong's 192 accumulator registers a
 # thread leave its tile set-up and epilogue a few spills, once a tile. At 255 groups or more the group
-# vectors are 512 long and the shared tile's 56-register load warp spills (128 bytes); 208 / 88
-# registers (the sweep's regs208) hold them.
+# vectors are 512 long and the shared tile's one-warp load partition spills them (128 bytes at 56
+# registers); 208 / 88 registers (the sweep's regs208) hold them, a load partition of a warp group
+# (load4) nearly (4 bytes, outside the main loops).
 MM_COMPILES = {
     "MM_WS": ("MM_WS", {}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
     "MM_WS-staged_rows": ("MM_WS", {"STAGED_ROWS": True}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
@@ -647,7 +651,21 @@ MM_COMPILES = {
         ["m64n128k16"],
         True,
     ),
+    "MM_WS-load4-512_groups": (
+        "MM_WS",
+        {"LOAD_WARPS": 4, "BLOCK_GROUPS": 512},
+        "grouped_mm_ws_kernel",
+        ["m64n128k16"],
+        False,
+    ),
     "MM_PINGPONG": ("MM_PINGPONG", {}, "grouped_mm_pingpong_kernel", ["m64n128k16", "m64n64k16"], False),
+    "MM_PINGPONG-load4-512_groups": (
+        "MM_PINGPONG",
+        {"LOAD_WARPS": 4, "BLOCK_GROUPS": 512},
+        "grouped_mm_pingpong_kernel",
+        ["m64n128k16", "m64n64k16"],
+        False,
+    ),
 }
 
 

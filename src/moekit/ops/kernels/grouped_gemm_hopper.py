@@ -478,6 +478,7 @@ def grouped_mm_ws_kernel(
     STAGES: gl.constexpr,
     MATH_REGS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr,
 ):
     """c (M, COLS) = a (M, RED) @ op(w[g]) (+ bias[g] (* bias_scale[r])) per group, padding rows zero:
     `grouped_mm_kernel`'s forward (TRANS_B: w[g] stored (COLS, RED)) and dgrad (w[g] stored (RED, COLS)),
@@ -492,7 +493,10 @@ def grouped_mm_ws_kernel(
     offs: (N + 1,) int64 device offsets. TMA-aligned a and b (16-byte row strides and bases), a
     non-empty reduction, the view's rows below 2**31. BLOCK_M = 128 (wgmma m64 row blocks); BLOCK_C0 and
     BLOCK_C1 powers of two (an accumulator's width); num_warps = 4 (math warp group 0; group 1 and the
-    load warp are workers with MATH_REGS and LOAD_REGS registers a thread).
+    load partition are workers with MATH_REGS and LOAD_REGS registers a thread). LOAD_WARPS: the load
+    partition's warps, 1 or 4 (one elected thread issues each TMA copy either way; 4 spread the tile
+    schedule's group vectors, BLOCK_GROUPS long, over a warp group's lanes, where one warp's registers
+    spill them at 512).
     """
     gl.static_assert(BLOCK_M == 128, "wgmma row blocks of 64: two a warp group (PINGPONG) or one")
     gl.static_assert(PINGPONG or BLOCK_C0 == BLOCK_C1, "the shared tile's halves are equal")
@@ -636,7 +640,7 @@ def grouped_mm_ws_kernel(
                 ),
             ),
         ],
-        [4, 1],
+        [4, LOAD_WARPS],
         [MATH_REGS, LOAD_REGS],
     )
 

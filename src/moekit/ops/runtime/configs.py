@@ -283,7 +283,9 @@ WGRAD_GATHERED_WS = dict(
 # each of two math warp groups (64 rows, two 64 x 128 fp32 accumulators: 128 registers a thread) storing
 # its own rows. 4 slots of 48 KiB beside the two warp groups' 16 KiB staging tiles (224 KiB of Hopper's
 # 227); 12 warps of 168 registers a thread at launch, then 224 for each math warp group and 56 for the
-# load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56). Both
+# load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56 up to 254
+# groups, 128 bytes in the load warp past that, where the group vectors are 512 long: the sweep's regs208
+# holds them, its load4, LOAD_WARPS 4, all but 4 bytes; off until timed). Both
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
 # would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
 # STAGED_ROWS: the tiles a group's rows end inside (about one in 17 at 256 experts under the layer's
@@ -300,6 +302,7 @@ MM_WS = dict(
     STAGES=4,
     MATH_REGS=224,
     LOAD_REGS=56,
+    LOAD_WARPS=1,
     num_warps=4,
     maxnreg=168,
 )
@@ -321,6 +324,7 @@ MM_PINGPONG = dict(
     STAGES=4,
     MATH_REGS=232,
     LOAD_REGS=48,
+    LOAD_WARPS=1,
     num_warps=4,
     maxnreg=168,
 )
