@@ -29,8 +29,8 @@ time, and Triton 3.6 does not warp-specialise the loop on Hopper. Here the loads
 their own, ahead across tiles, and each of two math warp groups owns 64 rows of the 128 x 256 tile
 with its own epilogue, so neither waits for the other's:
 
-    load      (1 warp)   the tile's (BLOCK_M, BLOCK_RED) box of a and two boxes of the weight (the
-                         tile's two column halves), one reduction step a ring slot, running ahead
+    load      (1 warp,   the tile's (BLOCK_M, BLOCK_RED) box of a and two boxes of the weight (the
+               or 4)     tile's two column halves), one reduction step a ring slot, running ahead
     math 0/1  (4 warps   wgmma of its 64 rows into two (64, BLOCK_C / 2) fp32 accumulators, each
                each)     step's MMAs in flight while the next slot's are issued; then its rows'
                          epilogue (`tile_epilogue`: TMA stores through its staging tile, drained
