@@ -40,7 +40,7 @@ grep -v "^\s*$" "$OUT/sweep.log" | tail -12
 AB=${AB:-pingpong}
 for ab in ${AB//,/ }; do
     if [ "$ab" = auto ]; then  # the variant the sweep found fastest at the layer's routing, if any is 2 % faster
-        ab=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json" --among pingpong,staged_rows,regs208,load4)
+        ab=$(python3 benchmarks/sweep_grouped_mm.py --pick "$OUT/${P}_mm_schedules_sweep_$C.json")
         [ -z "$ab" ] && { echo "AB=auto: no variant 2 % faster on the _ragged products: no layer A/B"; continue; }
         echo "AB=auto: $ab"
     fi

@@ -22,35 +22,13 @@ ncu_first_launch() {
     echo "$kernel: rc $? ($(wc -l <"$OUT/${P}_ncu_${name}_$C.csv") lines)"
 }
 
-# changed_src CHANGE: prints the path of a copy of src with one change to configs.py, what a script
-# times beside src as it is without a commit between (pingpong: the ping-pong schedule at every
-# reduction; staged_rows: the tables' STAGED_ROWS on; regs208: MM_WS's registers 208 / 88, the sweep's
-# variant of that name; load4: MM_WS's load partition a warp group, the sweep's variant of that name;
-# glu_load4: the fused MLP's TMA forms load from a whole warp group of 40 registers, as their GATHER
-# forms); fails, naming it, where configs.py does not hold the lines it changes.
+# changed_src CHANGE: prints the path of a copy of src whose configs.py holds one of runner.py's
+# TABLE_CHANGES (pingpong, staged_rows, regs208, load4, glu_load4), what a script times beside src as
+# it is without a commit between; fails, naming it, where configs.py does not hold what it changes.
 changed_src() {
     local dir
     dir=$(mktemp -d)
     cp -r src "$dir/src"
-    python3 - "$1" "$dir/src/moekit/ops/runtime/configs.py" <<'PY' || return 3
-import sys
-
-change, path = sys.argv[1:]
-# change -> (old text, new text, how many times configs.py holds the old)
-edits = {
-    "pingpong": ("MM_SCHEDULE = dict(PINGPONG_MAX_RED=0)\n", "MM_SCHEDULE = dict(PINGPONG_MAX_RED=1 << 30)\n", 1),
-    "staged_rows": ("    STAGED_ROWS=False,\n", "    STAGED_ROWS=True,\n", 2),
-    "regs208": ("    MATH_REGS=224,\n    LOAD_REGS=56,\n", "    MATH_REGS=208,\n    LOAD_REGS=88,\n", 1),
-    "load4": ("    LOAD_REGS=56,\n    LOAD_WARPS=1,\n", "    LOAD_REGS=56,\n    LOAD_WARPS=4,\n", 1),
-    "glu_load4": ("    LOAD_WARPS=1,\n    LOAD_REGS=24,\n", "    LOAD_WARPS=4,\n    LOAD_REGS=40,\n", 2),
-}
-if change not in edits:
-    sys.exit(f"changed_src: one of {', '.join(edits)}, got {change!r}")
-old, new, count = edits[change]
-text = open(path).read()
-if text.count(old) != count:
-    sys.exit(f"changed_src: configs.py holds {old!r} {text.count(old)} times, not {count}")
-open(path, "w").write(text.replace(old, new))
-PY
+    PYTHONPATH=$PWD/src:$PWD/benchmarks python3 benchmarks/runner.py "$1" "$dir/src/moekit/ops/runtime/configs.py" || return 3
     echo "$dir/src"
 }

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -210,6 +211,49 @@ def saved_tables(variants: dict[str, dict[str, dict]]) -> dict[str, dict]:
     from moekit.ops.runtime import configs  # here, not at the top: importing it imports triton
 
     return {table: dict(getattr(configs, table)) for changes in variants.values() for table in changes}
+
+
+# Named changes to the configuration tables (table name -> entries) that more than one script times:
+# the sweeps' variants of these names and the layer A/Bs' builds (`write_tables`, gpu_prelude.sh's
+# `changed_src`). Each is off in the tables until a GPU has timed it (notes/grouped_gemm.md).
+TABLE_CHANGES: dict[str, dict[str, dict]] = {
+    # The forward/dgrad's ping-pong schedule at every reduction.
+    "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
+    # The tiles a group's rows end inside stored through the staging tile as 16-byte row pieces.
+    "staged_rows": {"MM_WS": dict(STAGED_ROWS=True), "MM_PINGPONG": dict(STAGED_ROWS=True)},
+    # Registers moved from the shared tile's math warp groups to its load warp (the 512-entry group
+    # vectors at 255+ experts spill at 56).
+    "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
+    # The shared tile's load partition a warp group (those vectors over 128 lanes).
+    "load4": {"MM_WS": dict(LOAD_WARPS=4)},
+    # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.
+    "glu_load4": {"WS_FORWARD": dict(LOAD_WARPS=4, LOAD_REGS=40), "WS_BACKWARD": dict(LOAD_WARPS=4, LOAD_REGS=40)},
+}
+
+
+def write_tables(configs_py: Path, changes: dict[str, dict]) -> None:
+    """`changes` (table name -> entries) written into the source of a copy of configs.py, for a build a
+    layer A/B times beside src: each entry's `KEY=value,` line inside its table's `NAME = dict(` block,
+    or its `KEY=value` in a one-line `NAME = dict(...)`. An entry the source does not hold exactly once
+    is refused, so that no build is timed with a change that did not apply."""
+    lines = configs_py.read_text().splitlines(keepends=True)
+    for table, entries in changes.items():
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"{table} = dict(")]
+        if len(starts) != 1:
+            raise SystemExit(f"write_tables: {table} = dict( is in {configs_py} {len(starts)} times, not once")
+        start = starts[0]
+        end = (
+            start
+            if lines[start].rstrip().endswith(")")
+            else next(i for i in range(start, len(lines)) if lines[i].startswith(")"))
+        )
+        for key, value in entries.items():
+            pattern = re.compile(rf"(\b{key}=)[^,()\n]+")
+            hits = [i for i in range(start, end + 1) if pattern.search(lines[i])]
+            if len(hits) != 1:
+                raise SystemExit(f"write_tables: {table}'s {key} is in {configs_py} {len(hits)} times, not once")
+            lines[hits[0]] = pattern.sub(lambda m, v=value: f"{m.group(1)}{v!r}", lines[hits[0]], count=1)
+    configs_py.write_text("".join(lines))
 
 
 def apply_tables(changes: dict[str, dict], saved: dict[str, dict]) -> None:
@@ -653,3 +697,11 @@ def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":  # gpu_prelude.sh's changed_src: python3 runner.py CHANGE CONFIGS_PY
+    parser = argparse.ArgumentParser(description="write one of TABLE_CHANGES into a copy of configs.py")
+    parser.add_argument("change", choices=sorted(TABLE_CHANGES))
+    parser.add_argument("configs_py", type=Path)
+    args = parser.parse_args()
+    write_tables(args.configs_py, TABLE_CHANGES[args.change])

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from runner import apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
+from runner import TABLE_CHANGES, apply_tables, event_median_ms, machine, saved_tables, select_by_name, write_json
 
 from moekit.ops.runtime import gemm
 from moekit.ops.runtime.configs import gemm_candidates
@@ -54,20 +54,17 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "stages3": {"MM_WS": dict(STAGES=3)},
     # 32-deep steps and twice the slots: the same bytes in flight, in finer pieces.
     "red32": {"MM_WS": dict(BLOCK_RED=32, STAGES=8)},
+    # The named changes (runner.TABLE_CHANGES) to the forward/dgrad's tables, which the layer A/Bs
+    # time too: the ping-pong everywhere; the tiles a group's rows end inside (the _ragged products' ~1
+    # in 17 at 256 experts) through the staging tile as 16-byte row pieces; at 255 experts or more the
+    # tile schedule's 512-entry group vectors, which spill in a 56-register load warp (sm_90a: 128
+    # bytes), held by 208 / 88 registers or (all but 4 bytes) by a load partition of a warp group.
+    **{name: TABLE_CHANGES[name] for name in ("pingpong", "staged_rows", "regs208", "load4")},
     # The ping-pong schedule (`configs.MM_PINGPONG`: each math warp group a whole 128 x 192 tile in turn)
-    # at every reduction, with slots of 32 reduction columns (half the bytes a slot: a group's MMAs hold
-    # fewer of the ring's bytes), and at 128 x (64 + 64) tiles with six slots (the same shared memory).
-    "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
-    # The tiles a group's rows end inside (the _ragged products' ~1 in 17 at 256 experts) through the
-    # staging tile and 16-byte row pieces, not the accumulator layout's pairs.
-    "staged_rows": {"MM_WS": dict(STAGED_ROWS=True)},
-    # Registers moved from the math warp groups to the load warp: at 255 experts or more the tile
-    # schedule's group vectors (512 entries) spill in a 56-register load warp (sm_90a: 128 bytes), none
-    # at 208 / 88 (notes/grouped_gemm.md).
-    "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
-    # The same vectors over a load partition of a warp group's lanes, for each schedule (sm_90a spills at
-    # 256 / 512 groups: the shared tile 0 / 4 bytes, the ping-pong 60 / 56 instead of 140 / 316).
-    "load4": {"MM_WS": dict(LOAD_WARPS=4)},
+    # at every reduction with its load partition a warp group (spills at 256 / 512 groups 60 / 56 bytes
+    # instead of 140 / 316), with slots of 32 reduction columns (half the bytes a slot: a group's MMAs
+    # hold fewer of the ring's bytes), and at 128 x (64 + 64) tiles with six slots (the same shared
+    # memory).
     "pingpong_load4": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(LOAD_WARPS=4)},
     "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
     "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},

@@ -139,6 +139,30 @@ def test_sweep_grouped_mm_pick_takes_the_fastest_bit_equal_variant_on_ragged_gro
     assert sweep.pick(results, ["pingpong", "staged_rows"], margin=1.2) == ""
 
 
+def test_write_tables_puts_each_named_change_into_a_copy_of_configs(tmp_path, monkeypatch):
+    """runner.write_tables (gpu_prelude.sh's changed_src): every TABLE_CHANGES entry written into a copy
+    of configs.py's source holds there, on import, exactly what the change names, every other entry as
+    it was; an entry the source does not hold is refused in one line."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    runner = _load("runner")
+    from moekit.ops.runtime import configs
+
+    source = Path(configs.__file__)
+    for name, changes in runner.TABLE_CHANGES.items():
+        copy = tmp_path / f"configs_{name}.py"
+        copy.write_text(source.read_text())
+        runner.write_tables(copy, changes)
+        spec = importlib.util.spec_from_file_location(f"configs_{name}", copy)
+        changed = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, changed)  # its dataclasses look their module up there
+        spec.loader.exec_module(changed)
+        for table in changes:
+            assert getattr(changed, table) == {**getattr(configs, table), **changes[table]}, (name, table)
+    copy.write_text(source.read_text())
+    with pytest.raises(SystemExit, match="write_tables: MM_WS's NO_SUCH_KEY is in .* 0 times, not once"):
+        runner.write_tables(copy, {"MM_WS": {"NO_SUCH_KEY": 1}})
+
+
 def test_sweep_rows_smoke_checks_every_variant_against_the_base_bits(tmp_path):
     """sweep_rows.py on a tiny shape under the interpreter: the three kinds (bf16 and FP8 gathers, the
     combine) under every table variant (the unrolled sums and the gathers' other tiles among them), each
