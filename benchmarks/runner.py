@@ -224,6 +224,8 @@ TABLE_CHANGES: dict[str, dict[str, dict]] = {
     # Registers moved from the shared tile's math warp groups to its load warp (the 512-entry group
     # vectors at 255+ experts spill at 56).
     "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
+    # regs208 where the group vectors are 512 long only.
+    "regs208_512": {"MM_WS_512_GROUPS": dict(MATH_REGS=208, LOAD_REGS=88)},
     # The shared tile's load partition a warp group (those vectors over 128 lanes).
     "load4": {"MM_WS": dict(LOAD_WARPS=4)},
     # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.

@@ -290,10 +290,11 @@ WGRAD_GATHERED_WS = dict(
 # would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
 # STAGED_ROWS: the tiles a group's rows end inside (about one in 17 at 256 experts under the layer's
 # routing) store through the staging tile as 16-byte row pieces instead of the accumulator layout's
-# element pairs; off until timed (the sweep's staged_rows variant).
+# element pairs: the layer's step faster at fine-grained experts (benchmarks/README.md, the staged
+# rows A/B).
 MM_WS = dict(
     PINGPONG=False,
-    STAGED_ROWS=False,
+    STAGED_ROWS=True,
     BLOCK_M=128,
     BLOCK_C0=128,
     BLOCK_C1=128,
@@ -306,6 +307,10 @@ MM_WS = dict(
     num_warps=4,
     maxnreg=168,
 )
+# MM_WS's registers where the group vectors are 512 or more long (255 experts or more), which spill in the load
+# warp at 56 registers (ptxas, sm_90a): the same kernel otherwise. The same as MM_WS until timed (the
+# A/B's regs208_512).
+MM_WS_512_GROUPS = dict(MATH_REGS=224, LOAD_REGS=56)
 # The forward / dgrad's ping-pong schedule on Hopper (the same kernel with PINGPONG, compiled as
 # grouped_mm_pingpong_kernel): each math warp group a whole 128 x (128 + 64) tile in turn (fp32
 # accumulators of 192 registers a thread), its epilogue beside the other group's main loop; the same

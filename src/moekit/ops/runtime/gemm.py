@@ -35,6 +35,7 @@ from moekit.ops.runtime.configs import (
     MM_PINGPONG,
     MM_SCHEDULE,
     MM_WS,
+    MM_WS_512_GROUPS,
     ROW_SUM_TILES,
     WGRAD_GATHERED_WS,
     GemmConfig,
@@ -218,6 +219,8 @@ def _mm_ws_launch(
     M, red = a.shape
     N = b.shape[0]
     cfg = MM_PINGPONG if red <= MM_SCHEDULE["PINGPONG_MAX_RED"] else MM_WS
+    if cfg is MM_WS and block_groups(N + 2) >= 512:
+        cfg = {**MM_WS, **MM_WS_512_GROUPS}
     nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C0"] + cfg["BLOCK_C1"])
     ints = (M, out_cols, red, N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
