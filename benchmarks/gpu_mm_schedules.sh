@@ -14,7 +14,7 @@
 #
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_<change>_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
-# changes as changed_src names them, and auto: the sweep's fastest of pingpong, staged_rows, regs208 and load4 on
+# changes as changed_src names them, and auto: the sweep's fastest of pingpong, regs208 and load4 on
 # the _ragged products, none under 1.02x; AB_S seconds each), AB_SHAPES,
 # SKIP_TESTS, SKIP_AB.
 set -u
@@ -31,7 +31,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
 fi
 t0=$(date +%s)
-timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,staged_rows,regs208,load4,pingpong,pingpong_load4,pingpong_red32}" --triton first \
+timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,unstaged,regs208,load4,pingpong,pingpong_load4}" --triton first \
     --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
     --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
 echo "sweep rc=$? $(($(date +%s) - t0)) s"

@@ -219,13 +219,13 @@ def saved_tables(variants: dict[str, dict[str, dict]]) -> dict[str, dict]:
 TABLE_CHANGES: dict[str, dict[str, dict]] = {
     # The forward/dgrad's ping-pong schedule at every reduction.
     "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},
-    # The tiles a group's rows end inside stored through the staging tile as 16-byte row pieces.
+    # The tiles a group's rows end inside stored through the staging tile as 16-byte row pieces (the
+    # shared tile's default since the layer A/B at 232e5fc), and the reverse: as the accumulator's pairs.
     "staged_rows": {"MM_WS": dict(STAGED_ROWS=True), "MM_PINGPONG": dict(STAGED_ROWS=True)},
-    # Registers moved from the shared tile's math warp groups to its load warp (the 512-entry group
-    # vectors at 255+ experts spill at 56).
+    "unstaged": {"MM_WS": dict(STAGED_ROWS=False), "MM_PINGPONG": dict(STAGED_ROWS=False)},
+    # Registers moved from the shared tile's math warp groups to its load warp at every group count
+    # (at 255+ experts, whose 512-entry group vectors spill at 56, MM_WS_512_GROUPS has them already).
     "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
-    # regs208 where the group vectors are 512 long only.
-    "regs208_512": {"MM_WS_512_GROUPS": dict(MATH_REGS=208, LOAD_REGS=88)},
     # The shared tile's load partition a warp group (those vectors over 128 lanes).
     "load4": {"MM_WS": dict(LOAD_WARPS=4)},
     # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.

@@ -35,6 +35,7 @@ from helpers import (  # noqa: E402
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
 from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
+from moekit.ops.runtime import gemm as rgemm  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 from moekit.reference import grouped_mlp_reference  # noqa: E402
 
@@ -512,14 +513,14 @@ MM_WS_CASES = {
 # The Hopper forward/dgrad's schedules: the name it compiles to (and a variant's) -> the reductions up
 # to which the ping-pong runs (configs.MM_SCHEDULE["PINGPONG_MAX_RED"]: 0 the shared 128 x 256 tile
 # everywhere, any larger the ping-pong at every reduction of these tests) and changes to both tables: the
-# variants' two switches together (the tiles a group's rows end inside stored through the staging tile;
-# a load partition of a warp group), each a code path of its own.
-VARIANT = {"STAGED_ROWS": True, "LOAD_WARPS": 4}
+# variants' two switches together (the tiles a group's rows end inside stored through the staging tile
+# or not, the other way from each table's own; a load partition of a warp group), each a code path of
+# its own.
 MM_SCHEDULES = {
     "grouped_mm_ws_kernel": (0, {}),
     "grouped_mm_pingpong_kernel": (1 << 30, {}),
-    "grouped_mm_ws_kernel-staged_rows-load4": (0, VARIANT),
-    "grouped_mm_pingpong_kernel-staged_rows-load4": (1 << 30, VARIANT),
+    "grouped_mm_ws_kernel-unstaged-load4": (0, {"STAGED_ROWS": False, "LOAD_WARPS": 4}),
+    "grouped_mm_pingpong_kernel-staged_rows-load4": (1 << 30, {"STAGED_ROWS": True, "LOAD_WARPS": 4}),
 }
 
 
@@ -529,9 +530,10 @@ def mm_kernel(request, monkeypatch):
     (plans made afresh before and after)."""
     max_red, changes = MM_SCHEDULES[request.param]
     monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", max_red)
-    for table in (configs.MM_WS, configs.MM_PINGPONG):
+    for table in (configs.MM_WS, configs.MM_WS_512_GROUPS, configs.MM_PINGPONG):
         for key, value in changes.items():
-            monkeypatch.setitem(table, key, value)
+            if key in table:
+                monkeypatch.setitem(table, key, value)
     launch.forget_plans()
     yield request.param.split("-")[0]
     monkeypatch.undo()
@@ -638,15 +640,15 @@ print(json.dumps({"name": compiled.metadata.name, "num_warps": compiled.metadata
 # compiles to, the wgmma shapes its accumulators take, whether ptxas spills nothing at the table's
 # registers anywhere in it, else in its main loops only). The ping-pong's 192 accumulator registers a
 # thread leave its tile set-up and epilogue a few spills, once a tile. At 255 groups or more the group
-# vectors are 512 long and the shared tile's one-warp load partition spills them (128 bytes at 56
-# registers); 208 / 88 registers (the sweep's regs208) hold them, a load partition of a warp group
-# (load4) nearly (4 bytes, outside the main loops).
+# vectors are 512 long and the shared tile's one-warp load partition would spill them (128 bytes at
+# 56 registers); the launch then takes MM_WS_512_GROUPS' registers, which hold them, and a load
+# partition of a warp group (load4) nearly does (4 bytes, outside the main loops).
 MM_COMPILES = {
     "MM_WS": ("MM_WS", {}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
-    "MM_WS-staged_rows": ("MM_WS", {"STAGED_ROWS": True}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
-    "MM_WS-regs208-512_groups": (
+    "MM_WS-unstaged": ("MM_WS", {"STAGED_ROWS": False}, "grouped_mm_ws_kernel", ["m64n128k16"], True),
+    "MM_WS-512_groups": (
         "MM_WS",
-        {"MATH_REGS": 208, "LOAD_REGS": 88, "BLOCK_GROUPS": 512},
+        {**configs.MM_WS_512_GROUPS, "BLOCK_GROUPS": 512},
         "grouped_mm_ws_kernel",
         ["m64n128k16"],
         True,
@@ -667,6 +669,20 @@ MM_COMPILES = {
         False,
     ),
 }
+
+
+def test_hopper_forward_dgrad_table_by_reduction_and_groups(monkeypatch):
+    """The launch's table: the ping-pong's up to MM_SCHEDULE's reduction, else the shared tile's, whose
+    registers are MM_WS_512_GROUPS' from 255 groups on (group vectors of 512 entries) and its own below."""
+    monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", 0)
+    assert rgemm.mm_ws_table(256, 128) is configs.MM_WS
+    assert rgemm.mm_ws_table(4096, 254) is configs.MM_WS
+    for groups in (255, 256, 1000):
+        table = rgemm.mm_ws_table(256, groups)
+        assert table == {**configs.MM_WS, **configs.MM_WS_512_GROUPS}
+    monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", 256)
+    assert rgemm.mm_ws_table(256, 256) is configs.MM_PINGPONG
+    assert rgemm.mm_ws_table(320, 256) == {**configs.MM_WS, **configs.MM_WS_512_GROUPS}
 
 
 @pytest.mark.parametrize("table", list(MM_COMPILES))
@@ -701,7 +717,8 @@ def test_hopper_forward_dgrad_kernel_compiles_for_sm90(table, dtype, trans_b, bi
     spills = main_loop_spills(listing, "HGMMA")
     assert len(spills) == 2 and set(spills) == {0}, spills  # each math warp group's main loop
     # A group's last rows leave as 16-byte row pieces only when staged (through the TMA staging tile).
-    assert ("STG.E.128" in listing) == (changes.get("STAGED_ROWS", False) and epi_tma)
+    staged = {**getattr(configs, base), **changes}["STAGED_ROWS"]
+    assert ("STG.E.128" in listing) == (staged and epi_tma)
 
 
 _COMPILE_WGRAD_FOR_SM90 = """

@@ -308,9 +308,10 @@ MM_WS = dict(
     maxnreg=168,
 )
 # MM_WS's registers where the group vectors are 512 or more long (255 experts or more), which spill in the load
-# warp at 56 registers (ptxas, sm_90a): the same kernel otherwise. The same as MM_WS until timed (the
-# A/B's regs208_512).
-MM_WS_512_GROUPS = dict(MATH_REGS=224, LOAD_REGS=56)
+# warp at 56 registers (ptxas, sm_90a): 208 for the math warp groups and 88 for the load warp hold them
+# without spills, and the layer's step is faster at 256 experts (benchmarks/README.md, the regs208 A/Bs;
+# at 256 groups and fewer the same registers were slower, so MM_WS keeps 224 / 56 there).
+MM_WS_512_GROUPS = dict(MATH_REGS=208, LOAD_REGS=88)
 # The forward / dgrad's ping-pong schedule on Hopper (the same kernel with PINGPONG, compiled as
 # grouped_mm_pingpong_kernel): each math warp group a whole 128 x (128 + 64) tile in turn (fp32
 # accumulators of 192 registers a thread), its epilogue beside the other group's main loop; the same

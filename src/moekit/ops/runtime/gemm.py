@@ -210,17 +210,24 @@ def hopper_mm_takes(
     return trans_b or b_rows % MM_WS["BLOCK_RED"] == 0
 
 
+def mm_ws_table(red: int, num_groups: int) -> dict:
+    """The table of the Hopper forward/dgrad's launch for a reduction of `red` columns over `num_groups`
+    groups: the ping-pong (MM_PINGPONG) at reductions up to MM_SCHEDULE["PINGPONG_MAX_RED"], else the
+    shared tile (MM_WS), with MM_WS_512_GROUPS' registers where the tile schedule's group vectors are
+    512 entries or more (their kernel holds them in its load warp)."""
+    if red <= MM_SCHEDULE["PINGPONG_MAX_RED"]:
+        return MM_PINGPONG
+    return {**MM_WS, **MM_WS_512_GROUPS} if block_groups(num_groups + 2) >= 512 else MM_WS
+
+
 def _mm_ws_launch(
     a: torch.Tensor, b: torch.Tensor, out_cols: int, bias: torch.Tensor | None, has_scale: bool, trans_b: bool
 ) -> LaunchPlan:
     """grouped_mm_ws_kernel for a (M, red) row-major input, a fresh (M, out_cols) output and b as
-    `_mm_launch`'s, the same tensors: the ping-pong schedule (MM_PINGPONG) at reductions up to
-    MM_SCHEDULE["PINGPONG_MAX_RED"], the shared tile (MM_WS) above; the same bits."""
+    `_mm_launch`'s, the same tensors, under `mm_ws_table`'s table; the same bits under every one."""
     M, red = a.shape
     N = b.shape[0]
-    cfg = MM_PINGPONG if red <= MM_SCHEDULE["PINGPONG_MAX_RED"] else MM_WS
-    if cfg is MM_WS and block_groups(N + 2) >= 512:
-        cfg = {**MM_WS, **MM_WS_512_GROUPS}
+    cfg = mm_ws_table(red, N)
     nprog = row_tiled_grid(a.device, M, N, out_cols, cfg["BLOCK_M"], cfg["BLOCK_C0"] + cfg["BLOCK_C1"])
     ints = (M, out_cols, red, N, a.stride(0), b.stride(1), out_cols, bias.stride(0) if bias is not None else 0)
     return LaunchPlan(
