@@ -228,6 +228,9 @@ TABLE_CHANGES: dict[str, dict[str, dict]] = {
     "regs208": {"MM_WS": dict(MATH_REGS=208, LOAD_REGS=88)},
     # The shared tile's load partition a warp group (those vectors over 128 lanes).
     "load4": {"MM_WS": dict(LOAD_WARPS=4)},
+    # A wgrad whose dy rows come through a row map (fc2's in the layer) on the Gluon kernel, operands
+    # swapped and dw stored transposed, instead of the Triton kernel.
+    "wgrad_dy_rows": {"WGRAD_GATHERED_DY_ROWS": dict(SWAPPED=True)},
     # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.
     "glu_load4": {"WS_FORWARD": dict(LOAD_WARPS=4, LOAD_REGS=40), "WS_BACKWARD": dict(LOAD_WARPS=4, LOAD_REGS=40)},
 }

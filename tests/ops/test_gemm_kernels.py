@@ -729,10 +729,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from moekit.ops.kernels.grouped_gemm_hopper import wgrad_gathered_ws_kernel as kernel
 from moekit.ops.runtime.configs import WGRAD_GATHERED_WS
 
-dtype, idx = json.loads(sys.argv[1])
+dtype, idx, trans_out = json.loads(sys.argv[1])
 options = {k: WGRAD_GATHERED_WS[k] for k in ("num_warps", "maxnreg")}
 const = {k: v for k, v in WGRAD_GATHERED_WS.items() if k not in options}
-const.update(NUM_PROGRAMS=132)
+const.update(NUM_PROGRAMS=132, TRANS_OUT=trans_out)
 pointer = {"offs_ptr": "*i64", "unused_ptr": "*i64", "idx_ptr": idx}
 sig = {n: "constexpr" if n in const else pointer.get(n, dtype) if n.endswith("_ptr") else "i32"
        for n in kernel.arg_names}
@@ -745,20 +745,25 @@ print(json.dumps({"num_warps": compiled.metadata.num_warps, "shared": compiled.m
                   "wgmma": re.findall(r"wgmma\\.mma_async\\S*", ptx),
                   "cp_async_16": len(re.findall(r"cp\\.async\\.\\w+\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10",
                                                 ptx)),
+                  "stores": sorted(set(re.findall(r"st\\.global\\S*", ptx))),
                   "setmaxnreg": "setmaxnreg" in ptx}))
 """
 
 
+@pytest.mark.parametrize("trans_out", [False, True], ids=["dw", "dw_transposed"])
 @pytest.mark.parametrize("dtype,idx", [("*bf16", "*i64"), ("*fp16", "*i32")])
-def test_hopper_gathered_wgrad_compiles_for_sm90(dtype, idx):
+def test_hopper_gathered_wgrad_compiles_for_sm90(dtype, idx, trans_out):
     """The Gluon gathered wgrad's configuration compiles for sm_90 (in its own process, as the fused
     MLP's kernels): 16 warps (8 for the main loop, the load partition's two warp groups), inside 227 KB
-    of shared memory, m64n128k16 wgmma on both operands MN-major, x's rows by 16-byte cp.async copies."""
-    got = compile_in_subprocess(_COMPILE_WGRAD_FOR_SM90, json.dumps([dtype, idx]))
+    of shared memory, m64n128k16 wgmma on both operands MN-major, x's rows by 16-byte cp.async copies;
+    dw stored in pairs of elements along its rows, and with TRANS_OUT (dw's transpose) in 16-byte
+    pieces along the transposed rows."""
+    got = compile_in_subprocess(_COMPILE_WGRAD_FOR_SM90, json.dumps([dtype, idx, trans_out]))
     assert got["num_warps"] == 16 and got["setmaxnreg"] and 0 < got["shared"] <= 227 * 1024
     kind = dtype.strip("*").replace("fp16", "f16")
     assert got["wgmma"] and set(got["wgmma"]) == {f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{kind}.{kind}"}
     assert got["cp_async_16"] > 0, got
+    assert got["stores"] == (["st.global.v4.b32"] if trans_out else ["st.global.b32"]), got["stores"]
 
 
 @gpu
@@ -784,6 +789,41 @@ def test_gpu_wgrad_gathered_runs_the_hopper_kernel(O, I, nan_outputs):
     assert not gg.hopper_wgrad_takes(dy_M, x_odd, (False, True), None, True)
     odd = run_on_kernel(lambda: gg.grouped_gemm_wgrad(dy_M, x_odd, offs, x_rows=x_rows), "wgrad_kernel")
     assert torch.equal(odd, dw)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("O,I", [(2048, 256), (272, 200)], ids=["fc2", "odd"])
+def test_gpu_wgrad_gathered_dy_rows_swapped(O, I, monkeypatch, nan_outputs):
+    """On sm_90 with configs.WGRAD_GATHERED_DY_ROWS' SWAPPED, the wgrad of dy's rows through a row map (fc2's
+    in the layer) runs the Gluon kernel on the swapped operands (profiled, no host sync), storing dw's
+    transpose: the bits of the kernel's x-rows form on those operands, transposed (its GPU test above
+    holds that form to the Triton kernel's bits), and within the rule of float64; off, the Triton kernel
+    with dy's row map runs."""
+    from helpers import assert_within_tolerance, run_on_kernel
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon wgrad runs on sm_90")
+    splits = [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]
+    dy_T, x_T, dy_rows, _, dy_M, x_M = gathered_wgrad_problem(splits, 37, 3000, O, I, torch.bfloat16, "cuda")
+    x_M[sum(splits) :] = float("nan")  # padding rows of the plain operand: never read
+    offs = offs_of(splits, "cuda")
+    launch.forget_plans()
+    plain = run_on_kernel(lambda: gg.grouped_gemm_wgrad(dy_T, x_M, offs, dy_rows=dy_rows), "wgrad_kernel")
+    monkeypatch.setitem(configs.WGRAD_GATHERED_DY_ROWS, "SWAPPED", True)
+    launch.forget_plans()
+    try:
+        dw = run_on_kernel(lambda: gg.grouped_gemm_wgrad(dy_T, x_M, offs, dy_rows=dy_rows), "wgrad_gathered_ws_kernel")
+    finally:
+        monkeypatch.undo()
+        launch.forget_plans()
+    assert dw.shape == (len(splits), O, I) and dw.is_contiguous()
+    assert torch.equal(dw, gg.grouped_gemm_wgrad(x_M, dy_T, offs, x_rows=dy_rows).transpose(1, 2))
+    bounds = [0, *torch.tensor(splits).cumsum(0).tolist()]
+    ref = torch.stack([dy_M[a:b].double().T @ x_M[a:b].double() for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    lowp = torch.stack([dy_M[a:b].T @ x_M[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    assert_within_tolerance(dw, ref, lowp, "dw", reduction_length=max(splits))
+    assert_within_tolerance(plain, ref, lowp, "dw (Triton)", reduction_length=max(splits))
 
 
 @gpu

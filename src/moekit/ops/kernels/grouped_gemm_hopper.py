@@ -734,14 +734,30 @@ def _wgrad_load_partition(
             it += 1
 
 
+@gluon.constexpr_function
+def _dw_store_layout(trans_out, acc_layout, num_warps):
+    """The layout a dw tile is stored from: the accumulator's own (pairs of elements along dw's rows), or
+    for a transposed store 8 consecutive accumulator rows a thread (16 bytes along the transposed rows)."""
+    return gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1]) if trans_out else acc_layout
+
+
 @gluon.jit
-def _store_half(acc, dw_ptr, g, offs_o, i0, O, I, cols_layout: gl.constexpr):
-    """dw[g, offs_o, i0 : i0 + width] = acc (rounded to dw's dtype), masked to O and I."""
-    offs_i = i0 + gl.arange(0, acc.shape[1], layout=cols_layout)
+def _store_half(acc, dw_ptr, g, o0, i0, O, I, TRANS_OUT: gl.constexpr):
+    """dw[g, o0 : o0 + rows, i0 : i0 + cols] = acc (rounded to dw's dtype), masked to O and I; with
+    TRANS_OUT dw[g] is (I, O) and takes acc's transpose, through a layout whose threads hold 8
+    consecutive o each (16-byte stores along dw's rows; in the accumulator's layout a thread's
+    neighbours along o are other threads)."""
+    layout: gl.constexpr = _dw_store_layout(TRANS_OUT, acc.type.layout, gl.num_warps())
+    val = gl.convert_layout(acc.to(dw_ptr.dtype.element_ty), layout)
     base = dw_ptr + g.to(gl.int64) * O * I
-    ptrs = base + gl.expand_dims(offs_o.to(gl.int64) * I, 1) + gl.expand_dims(offs_i, 0)
+    offs_o = o0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_i = i0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     mask = gl.expand_dims(offs_o < O, 1) & gl.expand_dims(offs_i < I, 0)
-    gl.store(ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+    if TRANS_OUT:
+        ptrs = base + gl.expand_dims(offs_o, 1) + gl.expand_dims(offs_i.to(gl.int64) * O, 0)
+    else:
+        ptrs = base + gl.expand_dims(offs_o.to(gl.int64) * I, 1) + gl.expand_dims(offs_i, 0)
+    gl.store(ptrs, val, mask=mask)
 
 
 @gluon.jit
@@ -763,6 +779,7 @@ def _wgrad_mma_partition(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     SPLIT_O: gl.constexpr,
+    TRANS_OUT: gl.constexpr,
 ):
     """The tile's two (BLOCK_O / SO, BLOCK_I / SI) accumulators over the ring, one step's MMAs kept in
     flight while the next slot's are issued; then the tile's stores."""
@@ -802,10 +819,8 @@ def _wgrad_mma_partition(
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
             gl.thread_barrier()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-        offs_o = o0 + gl.arange(0, PART_O, layout=gl.SliceLayout(1, mma_layout))
-        cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        _store_half(acc0, dw_ptr, g, offs_o, i0, O, I, cols_layout)
-        _store_half(acc1, dw_ptr, g, offs_o + (SO - 1) * PART_O, i0 + (SI - 1) * PART_I, O, I, cols_layout)
+        _store_half(acc0, dw_ptr, g, o0, i0, O, I, TRANS_OUT)
+        _store_half(acc1, dw_ptr, g, o0 + (SO - 1) * PART_O, i0 + (SI - 1) * PART_I, O, I, TRANS_OUT)
 
 
 @gluon.jit
@@ -831,19 +846,22 @@ def wgrad_gathered_ws_kernel(
     LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr,
     SPLIT_O: gl.constexpr,
+    TRANS_OUT: gl.constexpr = False,
 ):
-    """dw[g] (O, I) = dy[rows of g]^T @ x[idx[rows of g]] for every group in one launch.
+    """dw[g] (O, I) = dy[rows of g]^T @ x[idx[rows of g]] for every group in one launch; with TRANS_OUT
+    its transpose, dw[g] (I, O) = x[idx[rows of g]]^T @ dy[rows of g] (a wgrad whose gathered operand is
+    the output-gradient side: the caller passes the operands swapped).
 
     dy: (M, O) in expert order, row stride stride_dym, unit column stride, TMA-aligned (16-byte base and
     row stride). x: (T, I) token rows, row stride stride_xm a multiple of 16 elements on a 16-byte
     aligned base, I a multiple of 8 (16-byte copies). idx: (M,) int32 or int64, read below offs[N]
-    only, values in [0, T). dw: a contiguous (N, O, I) in dy's dtype. offs: (N + 1,) int64 device
-    offsets. unused_ptr: the slot of the Triton wgrad's dy row map (not read), so both kernels take one
-    argument list. num_warps = 8 (the mma partition: two warp groups of 64 rows of each accumulator), the
-    load partition LOAD_WARPS = 4 or 8 warps (one or two warp groups of copies) with LOAD_REGS registers
-    a thread. The tile's two accumulators split it along O (SPLIT_O: BLOCK_O = 256, two dy boxes and one
-    x slot of BLOCK_I columns a step) or along I (BLOCK_O = 128: one dy box, two x slots of BLOCK_I / 2
-    columns).
+    only, values in [0, T). dw: a contiguous (N, O, I) in dy's dtype ((N, I, O) with TRANS_OUT). offs:
+    (N + 1,) int64 device offsets. unused_ptr: the slot of the Triton wgrad's dy row map (not read),
+    so both kernels take one argument list. num_warps = 8 (the mma partition: two warp groups of 64
+    rows of each accumulator), the load partition LOAD_WARPS = 4 or 8 warps (one or two warp groups of
+    copies) with LOAD_REGS registers a thread. The tile's two accumulators split it along O (SPLIT_O:
+    BLOCK_O = 256, two dy boxes and one x slot of BLOCK_I columns a step) or along I (BLOCK_O = 128:
+    one dy box, two x slots of BLOCK_I / 2 columns).
     """
     SO: gl.constexpr = _wgrad_split(SPLIT_O)[0]
     SI: gl.constexpr = _wgrad_split(SPLIT_O)[1]
@@ -883,6 +901,7 @@ def wgrad_gathered_ws_kernel(
                     NUM_PROGRAMS,
                     STAGES,
                     SPLIT_O,
+                    TRANS_OUT,
                 ),
             ),
             (

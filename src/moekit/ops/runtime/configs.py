@@ -278,14 +278,20 @@ WGRAD_GATHERED_WS = dict(
     num_warps=8,
     maxnreg=128,
 )
+# A wgrad whose dy rows come through a row map (the layer's fc2 weight gradient reading d out's token
+# rows in its loads): with SWAPPED on sm90, the Gluon kernel above on the swapped operands (x^T dy, d
+# out's rows copied as its x rows, dw's transpose stored: TRANS_OUT), whose bits are the Triton wgrad's
+# of the swapped operands; else the Triton kernel with dy's row map. Off until timed (runner's
+# TABLE_CHANGES, wgrad_dy_rows).
+WGRAD_GATHERED_DY_ROWS = dict(SWAPPED=False)
 # The forward / dgrad on Hopper (kernels.grouped_gemm_hopper.grouped_mm_ws_kernel, Gluon): the Triton
 # kernel's sm_90 tile (128 x 256, 64-deep steps, the same bits) with the loads in a warp of their own and
 # each of two math warp groups (64 rows, two 64 x 128 fp32 accumulators: 128 registers a thread) storing
 # its own rows. 4 slots of 48 KiB beside the two warp groups' 16 KiB staging tiles (224 KiB of Hopper's
 # 227); 12 warps of 168 registers a thread at launch, then 224 for each math warp group and 56 for the
 # load warp (whose tile schedule spills 64 bytes at 40; ptxas, sm_90a: no spills at 224 / 56 up to 254
-# groups, 128 bytes in the load warp past that, where the group vectors are 512 long: the sweep's regs208
-# holds them, its load4, LOAD_WARPS 4, all but 4 bytes; off until timed). Both
+# groups, 128 bytes in the load warp past that, where the group vectors are 512 long: MM_WS_512_GROUPS'
+# registers hold them, LOAD_WARPS 4 all but 4 bytes). Both
 # math warp groups start together: group 1 started 1 or 2 steps behind, so that one group's epilogue
 # would fall beside the other's MMAs, ran slower (benchmarks/README.md, the Gluon forward/dgrad).
 # STAGED_ROWS: the tiles a group's rows end inside (about one in 17 at 256 experts under the layer's

@@ -37,6 +37,7 @@ from moekit.ops.runtime.configs import (
     MM_WS,
     MM_WS_512_GROUPS,
     ROW_SUM_TILES,
+    WGRAD_GATHERED_DY_ROWS,
     WGRAD_GATHERED_WS,
     GemmConfig,
     gemm_candidates,
@@ -400,15 +401,15 @@ def hopper_wgrad_takes(
     return x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0
 
 
-def _wgrad_ws_launch(dy: torch.Tensor, x: torch.Tensor, rows: int, num_groups: int) -> LaunchPlan:
+def _wgrad_ws_launch(dy: torch.Tensor, x: torch.Tensor, rows: int, num_groups: int, trans_out: bool) -> LaunchPlan:
     """wgrad_gathered_ws_kernel over `rows` routed rows, tensors as `_wgrad_launch`'s (dy's map slot not
-    read)."""
+    read); with trans_out dw's transpose (N, I, O) is stored."""
     O, I = dy.shape[1], x.shape[1]
     cfg = WGRAD_GATHERED_WS
     bound = num_groups * triton.cdiv(O, cfg["BLOCK_O"]) * triton.cdiv(I, cfg["BLOCK_I"])
     nprog = grid_size(dy.device, bound)
     ints = (rows, O, I, num_groups, dy.stride(0), x.stride(0))
-    return LaunchPlan(_WGRAD_GATHERED_WS, (nprog,), ints, dict(NUM_PROGRAMS=nprog, **cfg))
+    return LaunchPlan(_WGRAD_GATHERED_WS, (nprog,), ints, dict(NUM_PROGRAMS=nprog, TRANS_OUT=trans_out, **cfg))
 
 
 def _plan_wgrad(
@@ -446,7 +447,11 @@ def _plan_wgrad(
     tma, arch = use_tma(forced_tma, M > 0, dy, x)
     gather = (maps[0] is not None, maps[1] is not None)
     if hopper_wgrad_takes(dy, x, gather, cfg, tma):
-        return Plan(_wgrad_ws_launch(dy, x, M, N), I, contiguous)
+        return Plan(_wgrad_ws_launch(dy, x, M, N, False), I, contiguous)
+    if WGRAD_GATHERED_DY_ROWS["SWAPPED"] and hopper_wgrad_takes(x, dy, gather[::-1], cfg, tma):
+        # dy's rows through the map: the same kernel computes x^T dy, dy's rows as its gathered operand,
+        # and stores the transpose, dw.
+        return Plan(_wgrad_ws_launch(x, dy, M, N, True), I, contiguous, swapped=True)
     with device_ctx(dy.device):
         if cfg is None:
 
@@ -483,7 +488,9 @@ def grouped_gemm_wgrad(
     bit for bit, without writing them (the kernel reads them; `moe_experts` passes x's token rows and
     each sorted row's token). Values must be valid rows below offs[N] (not checked: they stay on the
     device); entries at or past offs[N] are not read. On sm_90 x's rows come through the Gluon kernel
-    where `hopper_wgrad_takes` says so (the same bits as the Triton kernel's).
+    where `hopper_wgrad_takes` says so (the same bits as the Triton kernel's), and dy's where it takes
+    the swapped problem and `configs.WGRAD_GATHERED_DY_ROWS` says so (x^T dy stored transposed: the
+    bits of the Triton kernel's wgrad of the swapped operands).
     """
     maps = (
         None if dy_rows is None else checked_row_map(dy_rows, "dy_rows", dy_MO, "dy").view(-1),
@@ -498,7 +505,12 @@ def grouped_gemm_wgrad(
     dw = empty((N, dy.shape[1], x.shape[1]), dy.device, dy.dtype)
     if plan.launch is not None:
         with device_ctx(dy.device):
-            plan.launch(dy, x, dw, offs, *(m if m is not None else offs for m in maps))
+            if plan.swapped:  # x as the kernel's dy, dy's rows through the map as its x rows
+                dy_map = maps[0]
+                assert dy_map is not None  # a swapped plan reads dy's rows through its map
+                plan.launch(x, dy, dw, offs, offs, dy_map)
+            else:
+                plan.launch(dy, x, dw, offs, *(m if m is not None else offs for m in maps))
     return dw
 
 

@@ -313,13 +313,16 @@ def empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> t
 
 class Plan(NamedTuple):
     """One problem's launch: `launch` (None: nothing to compute; `zero` then says whether the output
-    is zeros rather than empty), `cols` (the output columns, or the rows of a partials output) and
-    `contiguous` (whether row operands are copied to unit column stride first)."""
+    is zeros rather than empty), `cols` (the output columns, or the rows of a partials output),
+    `contiguous` (whether row operands are copied to unit column stride first) and `swapped` (whether
+    the launch takes a two-operand problem's operands the other way round, as a wgrad whose gathered
+    operand is dy: `gemm.grouped_gemm_wgrad`)."""
 
     launch: LaunchPlan | None
     cols: int = 0
     contiguous: bool = False
     zero: bool = False
+    swapped: bool = False
 
 
 _PLANS = PlanCache()
