@@ -117,15 +117,18 @@ def test_random_logits_with_bf16_ties(backend, nan_poison):
     assert_within_tolerance(w, w_ref, w_torch, "weights", reduction_length=64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ties_by_hand(backend):
-    """Equal values: the lower expert first (-0.0 equals +0.0); a row of equal values gives 0..k-1."""
+def test_ties_by_hand(backend, dtype):
+    """Equal values: the lower expert first (-0.0 equals +0.0); a row of equal values gives 0..k-1. In
+    every dtype (the kernel packs the column into the keys' low bits for the 16-bit ones)."""
     logits = torch.tensor(
         [
             [1.0, 3.0, 3.0, 0.0, 3.0, -0.0, 0.0, 2.0],
             [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0],
             [-0.0, 0.0, -1.0, -0.0, -2.0, 0.0, -3.0, -4.0],
-        ]
+        ],
+        dtype=dtype,
     )
     w, ids = moekit.topk_softmax(logits, 8, backend=backend)
     assert ids.tolist() == [[1, 2, 4, 7, 0, 3, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 3, 5, 2, 4, 6, 7]]
@@ -134,12 +137,13 @@ def test_ties_by_hand(backend):
     assert ids3.tolist() == [[1, 2, 4], [0, 1, 2], [0, 1, 3]]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_and_inf_rows(backend, nan_poison):
+def test_nan_and_inf_rows(backend, dtype, nan_poison):
     """NaN counts as larger than every number: a row's NaNs are chosen first (lowest expert first) and
     its weights are all NaN; +inf chosen gives NaN weights (as torch's softmax); -inf logits chosen past
     the finite ones get weight 0; a row of -inf gives NaN weights. Ids stay distinct, in [0, N), and
-    equal the reference's; the rows without such values are untouched."""
+    equal the reference's; the rows without such values are untouched. In every dtype."""
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor(
         [
@@ -148,7 +152,8 @@ def test_nan_and_inf_rows(backend, nan_poison):
             [-inf, 1.0, -inf, -inf, 2.0, -inf],
             [-inf, -inf, -inf, -inf, -inf, -inf],
             [0.5, 1.0, 2.0, -1.0, 3.0, 0.0],
-        ]
+        ],
+        dtype=dtype,
     )
     w, ids = moekit.topk_softmax(logits, 4, backend=backend)
     w_ref, ids_ref = topk_softmax_reference(logits, 4)
@@ -159,6 +164,24 @@ def test_nan_and_inf_rows(backend, nan_poison):
     assert w[2, 2:].tolist() == [0.0, 0.0]
     torch.testing.assert_close(w.double(), w_ref, equal_nan=True)
     assert not torch.isnan(w[[2, 4]]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_widest_rows_with_ties_and_subnormals(backend, dtype, nan_poison):
+    """The widest rows the kernel takes (TOPK_MAX_EXPERTS columns), in the 16-bit dtypes whose keys carry
+    the column in their low bits: values drawn from a few levels (many ties, the lowest expert first),
+    subnormals, both zeros and values one unit apart; the ids equal the reference's and the weights its
+    within the rule."""
+    gen = torch.Generator().manual_seed(11)
+    tiny = torch.finfo(dtype).smallest_normal
+    levels = torch.tensor([-3.0, -1.0, -tiny / 4, -0.0, 0.0, tiny / 8, tiny / 2, 1.0, 1.0 + torch.finfo(dtype).eps])
+    logits = levels[torch.randint(0, len(levels), (6, TOPK_MAX_EXPERTS), generator=gen)].to(dtype)
+    assert (logits != 0).logical_and(logits.abs() < tiny).any(), "the test needs subnormals"
+    w, ids = moekit.topk_softmax(logits, 16, backend=backend)
+    w_ref, ids_ref = topk_softmax_reference(logits, 16)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

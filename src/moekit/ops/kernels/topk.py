@@ -13,6 +13,9 @@ key of +0.0 (equal values), the padding columns past N the smallest of all (belo
 columns always come first. Round j takes the row's largest key (one max reduction), then the lowest
 column holding it (one min reduction), and retires that column: two 32-bit reductions a round, cheaper
 than one int64 max over (key, column) packed together (notes/moe_experts.md has the comparison).
+Logits of a 16-bit dtype leave the low bits of their fp32 keys constant (FREE_BITS: 16 for bf16, 13 for
+fp16), so there the column rides in those bits, inverted, and one 32-bit max a round gives the largest
+value and, among equal ones, the lowest column: the same choices from one reduction instead of two.
 """
 
 import triton
@@ -49,6 +52,7 @@ def topk_softmax_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FREE_BITS: tl.constexpr = 0,
 ):
     """weights (T, K) fp32 and ids (T, K) of logits (T, N), unit column stride; weights and ids
     contiguous. One program owns BLOCK_T rows, each read once into registers (BLOCK_N >= N columns).
@@ -56,7 +60,9 @@ def topk_softmax_kernel(
     column; the K values so chosen, in descending order, go through a softmax in fp32 (minus the first,
     the largest). k rounds over the whole row: the work is T * N * K compares, and no program waits on
     memory after its one load. A row with a NaN chooses its NaNs first, so its weights are NaN;
-    its ids are still K distinct columns in [0, N)."""
+    its ids are still K distinct columns in [0, N). FREE_BITS > 0 (at most 16, 2^FREE_BITS >= BLOCK_N):
+    the low FREE_BITS bits of every key are the same within each sign (the logits' dtype has no more
+    precision), and they carry the column instead (module docstring)."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.arange(0, BLOCK_N)
@@ -71,16 +77,29 @@ def topk_softmax_kernel(
         other=0.0,
     ).to(tl.float32)
     retired = -2147483648  # the key of padding and of chosen columns: below every logit's key
-    key = tl.where(mask_n[None, :], _order_key(x), retired)
 
     vals = tl.full((BLOCK_T, BLOCK_K), float("-inf"), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-    for j in range(0, top_k):
-        best = tl.max(key, axis=1)
-        col = tl.min(tl.where(key == best[:, None], offs_n[None, :], BLOCK_N), axis=1)
-        key = tl.where(offs_n[None, :] == col[:, None], retired, key)
-        vals = tl.where(offs_k[None, :] == j, _value_of_key(best)[:, None], vals)
-        ids = tl.where(offs_k[None, :] == j, col[:, None], ids)
+    if FREE_BITS > 0:
+        # (key's high bits | LOW - column): distinct within a row, ordered by value, then lowest column.
+        LOW: tl.constexpr = (1 << FREE_BITS) - 1
+        packed = tl.where(mask_n[None, :], (_order_key(x) & ~LOW) | (LOW - offs_n[None, :]), retired)
+        for j in range(0, top_k):
+            best = tl.max(packed, axis=1)
+            packed = tl.where(packed == best[:, None], retired, packed)
+            # The key's low bits as the dtype leaves them: all ones below zero (flipped), zeros above.
+            high = best & ~LOW
+            key = tl.where(high < 0, high | LOW, high)
+            vals = tl.where(offs_k[None, :] == j, _value_of_key(key)[:, None], vals)
+            ids = tl.where(offs_k[None, :] == j, (LOW - (best & LOW))[:, None], ids)
+    else:
+        key = tl.where(mask_n[None, :], _order_key(x), retired)
+        for j in range(0, top_k):
+            best = tl.max(key, axis=1)
+            col = tl.min(tl.where(key == best[:, None], offs_n[None, :], BLOCK_N), axis=1)
+            key = tl.where(offs_n[None, :] == col[:, None], retired, key)
+            vals = tl.where(offs_k[None, :] == j, _value_of_key(best)[:, None], vals)
+            ids = tl.where(offs_k[None, :] == j, col[:, None], ids)
 
     # The first value is the row's largest (NaN where the row has one): the softmax's shift.
     top = tl.sum(tl.where(offs_k[None, :] == 0, vals, 0.0), axis=1)

@@ -25,6 +25,10 @@ from moekit.ops.runtime.launch import (
 _FORWARD = Launcher(topk_softmax_kernel)
 _BACKWARD = Launcher(topk_softmax_backward_kernel)
 
+# The low bits of a logit's fp32 key that its dtype leaves constant (bf16 keeps 8 of fp32's 24 significand
+# bits, fp16 11, its subnormals fewer): the forward kernel's FREE_BITS, which carry the column there.
+_FREE_KEY_BITS: dict[torch.dtype, int] = {torch.bfloat16: 16, torch.float16: 13}
+
 
 def _blocks(
     device: torch.device, num_tokens: int, num_experts: int, top_k: int, backward: bool
@@ -41,6 +45,9 @@ def _blocks(
 def _plan_forward(logits_TN: torch.Tensor, top_k: int) -> LaunchPlan:
     num_tokens, num_experts = logits_TN.shape
     grid, constexprs = _blocks(logits_TN.device, num_tokens, num_experts, top_k, backward=False)
+    free_bits = _FREE_KEY_BITS.get(logits_TN.dtype, 0)
+    assert constexprs["BLOCK_N"] <= 1 << free_bits or free_bits == 0  # TOPK_MAX_EXPERTS is 1024
+    constexprs["FREE_BITS"] = free_bits
     return LaunchPlan(_FORWARD, grid, (num_tokens, num_experts, top_k, logits_TN.stride(0)), constexprs)
 
 
