@@ -15,9 +15,15 @@ With --sweep, also the Triton path's GPU and host time under other tile sizes (r
 target number of chunks, warps of the scatter kernel) at 2048 and 262144 rows: records with a
 "config" entry, for choosing the defaults of `moekit.ops.runtime.configs.ROUTING_TILES`.
 
+With --topk, also the router's top-k + softmax before the sort (`moekit.topk_softmax`) on bf16 logits
+at 32768 tokens: GPU time of the forward and of forward+backward, moekit's kernel with the column
+packed into the keys and without (`configs.TOPK_PACKED_KEYS`; their ids and weights asserted equal),
+and torch's topk then softmax over the K: records with "part": "topk".
+
     python benchmarks/bench_routing.py --out $OUT/routing.json
     python benchmarks/bench_routing.py --sweep --out $OUT/routing.json
-    python benchmarks/bench_routing.py --smoke --sweep --out /tmp/routing.json   # CPU interpreter, tiny
+    python benchmarks/bench_routing.py --topk --out $OUT/routing.json
+    python benchmarks/bench_routing.py --smoke --sweep --topk --out /tmp/routing.json   # CPU interpreter, tiny
 
 Writes the JSON (machine, versions, commit: runner.machine) and prints a table.
 """
@@ -38,6 +44,9 @@ import torch
 SHAPES = ((256, 8, 128), (1024, 8, 128), (4096, 8, 128), (32768, 8, 128), (2048, 4, 32))
 SMOKE_SHAPES = ((3, 2, 5), (40, 4, 7))
 SWEEP_SHAPES = ((256, 8, 128), (32768, 8, 128))
+# (T, K, N) of --topk: SonicMoE's 256-expert top-16, Qwen3-30B-A3B's 128 top-8, 512 top-8.
+TOPK_SHAPES = ((32768, 16, 256), (32768, 8, 128), (32768, 8, 512))
+SMOKE_TOPK_SHAPES = ((9, 3, 20),)
 # Tile sizes tried by --sweep (the first is the default): fields of configs.RoutingTiles.
 SWEEP_CONFIGS = (
     {"sub": 32, "target_chunks": 2048, "scatter_warps": 4},
@@ -55,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=300, help="calls per host-time measurement")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     p.add_argument("--sweep", action="store_true", help="also time the Triton path under other tile sizes")
+    p.add_argument("--topk", action="store_true", help="also time the router's top-k + softmax (bf16 logits)")
     return p.parse_args(argv)
 
 
@@ -177,14 +187,75 @@ def main(argv=None) -> dict:
             device,
             lambda: runner.write_json(args.out, {"meta": meta, "records": records, "partial": True}),
         )
+    if args.topk:
+        records += topk(
+            SMOKE_TOPK_SHAPES if args.smoke else TOPK_SHAPES,
+            device,
+            lambda: runner.write_json(args.out, {"meta": meta, "records": records, "partial": True}),
+        )
     payload = {"meta": meta, "records": records}
     runner.write_json(args.out, payload)
-    print_table([r for r in records if "config" not in r])
+    print_table([r for r in records if "config" not in r and "part" not in r])
+    for r in records:
+        if r.get("part") == "topk":
+            fwd, both = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("gpu_us", "gpu_us_fwd_bwd"))
+            print(f"topk T={r['tokens']} N={r['num_experts']} K={r['top_k']} {r['form']:>13}: GPU {fwd} / {both} us")
     for r in records:
         if "config" in r:
             gpu = f"{r['gpu_us']:.1f}" if r["gpu_us"] is not None else "-"
             print(f"sweep M={r['rows']:>7} {r['config']}: GPU {gpu} us, host {r['host_us']:.1f} us")
     return payload
+
+
+def topk(shapes, device: torch.device, checkpoint) -> list[dict]:
+    """moekit.topk_softmax (forward, forward+backward) with packed keys on and off, and torch's topk with a
+    softmax over the K, on the same bf16 logits: one record per form and shape."""
+    records = []
+    for tokens, top_k, num_experts in shapes:
+        records += topk_shape(tokens, top_k, num_experts, device)
+        checkpoint()
+    return records
+
+
+def topk_shape(tokens: int, top_k: int, num_experts: int, device: torch.device) -> list[dict]:
+    """One shape of `topk`. The two kernel forms must give the same ids and weights (asserted)."""
+    import moekit
+    from moekit.ops.runtime import configs, launch
+
+    gen = torch.Generator(device=device).manual_seed(tokens + num_experts)
+    logits = torch.randn(tokens, num_experts, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+    d_weights = torch.randn(tokens, top_k, device=device, generator=gen)
+
+    def torch_router():
+        values, ids = logits.topk(top_k, dim=-1)
+        return torch.softmax(values.float(), dim=-1), ids
+
+    def moekit_router():
+        return moekit.topk_softmax(logits, top_k, backend="triton")
+
+    def step(fwd):
+        torch.autograd.backward(fwd()[0], d_weights)
+
+    records, outputs = [], {}
+    for form, packed in (("moekit_packed", True), ("moekit", False), ("torch", None)):
+        fwd = moekit_router if packed is not None else torch_router
+        saved = configs.TOPK_PACKED_KEYS["ON"]
+        configs.TOPK_PACKED_KEYS["ON"] = bool(packed)
+        launch.forget_plans()
+        try:
+            with torch.no_grad():
+                outputs[form] = fwd()
+                fwd_us = gpu_us(fwd, device)
+            both_us = gpu_us(functools.partial(step, fwd), device)
+        finally:
+            configs.TOPK_PACKED_KEYS["ON"] = saved
+            launch.forget_plans()
+        shape = {"part": "topk", "tokens": tokens, "top_k": top_k, "num_experts": num_experts}
+        records.append({**shape, "dtype": "bfloat16", "form": form, "gpu_us": fwd_us, "gpu_us_fwd_bwd": both_us})
+    (w_packed, ids_packed), (w_plain, ids_plain) = outputs["moekit_packed"], outputs["moekit"]
+    if not (torch.equal(ids_packed, ids_plain) and torch.equal(w_packed, w_plain)):
+        raise SystemExit(f"topk T={tokens} N={num_experts} K={top_k}: the packed keys chose otherwise")
+    return records
 
 
 def sweep(shapes, calls: int, device: torch.device, checkpoint) -> list[dict]:

@@ -70,15 +70,18 @@ def test_gpu_session_smoke_leaves_its_eight_files(tmp_path):
 def test_bench_routing_smoke_checks_both_paths(tmp_path):
     out = tmp_path / "routing.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
-    command = [sys.executable, str(BENCHMARKS / "bench_routing.py"), "--smoke", "--sweep", "--out", str(out)]
+    command = [sys.executable, str(BENCHMARKS / "bench_routing.py"), "--smoke", "--sweep", "--topk", "--out", str(out)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert "partial" not in payload and payload["meta"]["smoke"]
-    timed = [r for r in payload["records"] if "config" not in r]
+    topk = [r for r in payload["records"] if r.get("part") == "topk"]
+    assert [r["form"] for r in topk] == ["moekit_packed", "moekit", "torch"]  # --topk: one smoke shape
+    routing = [r for r in payload["records"] if r.get("part") != "topk"]
+    timed = [r for r in routing if "config" not in r]
     assert [r["path"] for r in timed] == ["torch", "triton"] * 2
-    assert len(payload["records"]) == len(timed) + 6  # --sweep: six tile configs on one shape
-    assert all(r["exact"] and r["host_us"] > 0 for r in payload["records"])
+    assert len(routing) == len(timed) + 6  # --sweep: six tile configs on one shape
+    assert all(r["exact"] and r["host_us"] > 0 for r in routing)
 
 
 def test_sweep_gathered_loads_smoke_checks_every_form_against_the_tma_one(tmp_path):

@@ -744,6 +744,12 @@ TOPK_TILES: dict[Arch, dict[int, tuple[int, int, int, int]]] = {
 }
 
 
+# Whether the forward packs each column into the low bits of 16-bit logits' keys (one 32-bit max a round
+# instead of a max and a min; the same choices): a table entry so that both forms can be timed side by
+# side (`benchmarks/bench_routing.py --topk`).
+TOPK_PACKED_KEYS = dict(ON=True)
+
+
 def topk_tiles(arch: Arch, block_n: int) -> tuple[int, int, int, int]:
     """(forward BLOCK_T, forward warps, backward BLOCK_T, backward warps) of the top-k kernels for rows
     padded to block_n columns (a power of two up to TOPK_MAX_EXPERTS)."""

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from moekit.ops.kernels.topk import topk_softmax_backward_kernel, topk_softmax_kernel
-from moekit.ops.runtime.configs import topk_tiles
+from moekit.ops.runtime.configs import TOPK_PACKED_KEYS, topk_tiles
 from moekit.ops.runtime.launch import (
     Launcher,
     LaunchPlan,
@@ -45,7 +45,7 @@ def _blocks(
 def _plan_forward(logits_TN: torch.Tensor, top_k: int) -> LaunchPlan:
     num_tokens, num_experts = logits_TN.shape
     grid, constexprs = _blocks(logits_TN.device, num_tokens, num_experts, top_k, backward=False)
-    free_bits = _FREE_KEY_BITS.get(logits_TN.dtype, 0)
+    free_bits = _FREE_KEY_BITS.get(logits_TN.dtype, 0) if TOPK_PACKED_KEYS["ON"] else 0
     assert constexprs["BLOCK_N"] <= 1 << free_bits or free_bits == 0  # TOPK_MAX_EXPERTS is 1024
     constexprs["FREE_BITS"] = free_bits
     return LaunchPlan(_FORWARD, grid, (num_tokens, num_experts, top_k, logits_TN.stride(0)), constexprs)
