@@ -231,6 +231,9 @@ TABLE_CHANGES: dict[str, dict[str, dict]] = {
     # A wgrad whose dy rows come through a row map (fc2's in the layer) on the Gluon kernel, operands
     # swapped and dw stored transposed, instead of the Triton kernel.
     "wgrad_dy_rows": {"WGRAD_GATHERED_DY_ROWS": dict(SWAPPED=True)},
+    # fc1's weight gradient reading x's token rows in its loads up to F 768 (Qwen3-30B-A3B's width)
+    # instead of 512, where it gathers them into an (M, H) tensor first.
+    "gathered_wgrad_768": {"GATHERED_WGRAD_MAX_FFN": {"sm90": 768}},
     # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.
     "glu_load4": {"WS_FORWARD": dict(LOAD_WARPS=4, LOAD_REGS=40), "WS_BACKWARD": dict(LOAD_WARPS=4, LOAD_REGS=40)},
 }
@@ -239,21 +242,26 @@ TABLE_CHANGES: dict[str, dict[str, dict]] = {
 def write_tables(configs_py: Path, changes: dict[str, dict]) -> None:
     """`changes` (table name -> entries) written into the source of a copy of configs.py, for a build a
     layer A/B times beside src: each entry's `KEY=value,` line inside its table's `NAME = dict(` block,
-    or its `KEY=value` in a one-line `NAME = dict(...)`. An entry the source does not hold exactly once
+    or its `KEY=value` in a one-line `NAME = dict(...)`, or its `"KEY": value` in a one-line literal
+    `NAME: type = {...}` (the tables by architecture). An entry the source does not hold exactly once
     is refused, so that no build is timed with a change that did not apply."""
     lines = configs_py.read_text().splitlines(keepends=True)
     for table, entries in changes.items():
-        starts = [i for i, line in enumerate(lines) if line.startswith(f"{table} = dict(")]
+        literal = re.compile(rf"^{table}(: [^=]+)? = {{.*}}$")
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"{table} = dict(") or literal.match(line)]
         if len(starts) != 1:
-            raise SystemExit(f"write_tables: {table} = dict( is in {configs_py} {len(starts)} times, not once")
+            raise SystemExit(f"write_tables: the table {table} is in {configs_py} {len(starts)} times, not once")
         start = starts[0]
         end = (
             start
-            if lines[start].rstrip().endswith(")")
+            if lines[start].rstrip().endswith((")", "}"))
             else next(i for i in range(start, len(lines)) if lines[i].startswith(")"))
         )
         for key, value in entries.items():
-            pattern = re.compile(rf"(\b{key}=)[^,()\n]+")
+            if literal.match(lines[start]):
+                pattern = re.compile(rf"""(['"]{re.escape(key)}['"]: )[^,{{}}\n]+""")
+            else:
+                pattern = re.compile(rf"(\b{key}=)[^,()\n]+")
             hits = [i for i in range(start, end + 1) if pattern.search(lines[i])]
             if len(hits) != 1:
                 raise SystemExit(f"write_tables: {table}'s {key} is in {configs_py} {len(hits)} times, not once")
