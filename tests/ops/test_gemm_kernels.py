@@ -497,9 +497,11 @@ def test_gpu_wgrad_gathered_rows_bit_for_bit(gathered, nan_outputs):
             assert_close(dw[g], ref64[g], ref_bf16[g], torch.bfloat16)
 
 
+# 300 groups of 0-96 rows: group vectors of 512 entries, whose launches take MM_WS_512_GROUPS' registers.
+SPLITS_300 = [(37 * g) % 97 for g in range(300)]
 # (op, weight stored (N, O, I) or under a transposed view of (N, I, O), bias, bias row scale, O, I, splits):
 # the layer's products (fc2's forward, fc1's dgrad) and sizes no tile divides, ragged, empty and one-row
-# groups, a last group ending inside a tile.
+# groups, a last group ending inside a tile, 255 groups or more.
 MM_WS_CASES = {
     "fwd": ("fwd", False, False, False, 2048, 256, [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]),
     "fwd_bias_scale_odd": ("fwd", False, True, True, 200, 320, [0, 700, 1, 0, 377, 901, 64]),
@@ -507,6 +509,8 @@ MM_WS_CASES = {
     "dgrad": ("dgrad", False, False, False, 512, 2048, [1000, 0, 777, 1, 2048, 63, 65, 0, 1500]),
     "dgrad_odd_cols": ("dgrad", False, False, False, 320, 200, [0, 700, 1, 0, 377, 901, 64]),
     "dgrad_transposed": ("dgrad", True, False, False, 1536, 320, [129, 0, 3000, 1, 17]),
+    "fwd_300_groups": ("fwd", False, False, False, 512, 256, SPLITS_300),
+    "dgrad_300_groups": ("dgrad", False, False, False, 256, 512, SPLITS_300),
 }
 
 
