@@ -215,7 +215,8 @@ def saved_tables(variants: dict[str, dict[str, dict]]) -> dict[str, dict]:
 
 # Named changes to the configuration tables (table name -> entries) that more than one script times:
 # the sweeps' variants of these names and the layer A/Bs' builds (`write_tables`, gpu_prelude.sh's
-# `changed_src`). Each is off in the tables until a GPU has timed it (notes/grouped_gemm.md).
+# `changed_src`). Each is a change from the tables as they are (one, `staged_rows`, now their default
+# for the shared tile, beside its reverse); what a GPU timing kept is written into configs.py itself.
 TABLE_CHANGES: dict[str, dict[str, dict]] = {
     # The forward/dgrad's ping-pong schedule at every reduction.
     "pingpong": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30)},

@@ -64,9 +64,9 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     # instead of 140 / 316), with slots of 32 reduction columns (half the bytes a slot: a group's MMAs
     # hold fewer of the ring's bytes), and at 128 x (64 + 64) tiles with six slots (the same shared
     # memory).
-    "pingpong_load4": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(LOAD_WARPS=4)},
-    "pingpong_red32": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
-    "pingpong128": {"MM_SCHEDULE": dict(PINGPONG_MAX_RED=1 << 30), "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
+    "pingpong_load4": {**TABLE_CHANGES["pingpong"], "MM_PINGPONG": dict(LOAD_WARPS=4)},
+    "pingpong_red32": {**TABLE_CHANGES["pingpong"], "MM_PINGPONG": dict(BLOCK_RED=32, STAGES=8)},
+    "pingpong128": {**TABLE_CHANGES["pingpong"], "MM_PINGPONG": dict(BLOCK_C0=64, STAGES=6)},
 }
 SMOKE_SHAPES = {"smoke": (40, 2, 3, 64, 32)}
 

@@ -35,7 +35,6 @@ from helpers import (  # noqa: E402
 from moekit.ops.activations import ACTIVATIONS  # noqa: E402
 from moekit.ops.glu import glu_reference  # noqa: E402
 from moekit.ops.runtime import configs, launch  # noqa: E402
-from moekit.ops.runtime import gemm as rgemm  # noqa: E402
 from moekit.ops.runtime import glu as rglu  # noqa: E402
 from moekit.reference import grouped_mlp_reference  # noqa: E402
 
@@ -679,14 +678,14 @@ def test_hopper_forward_dgrad_table_by_reduction_and_groups(monkeypatch):
     """The launch's table: the ping-pong's up to MM_SCHEDULE's reduction, else the shared tile's, whose
     registers are MM_WS_512_GROUPS' from 255 groups on (group vectors of 512 entries) and its own below."""
     monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", 0)
-    assert rgemm.mm_ws_table(256, 128) is configs.MM_WS
-    assert rgemm.mm_ws_table(4096, 254) is configs.MM_WS
+    assert gg.mm_ws_table(256, 128) is configs.MM_WS
+    assert gg.mm_ws_table(4096, 254) is configs.MM_WS
     for groups in (255, 256, 1000):
-        table = rgemm.mm_ws_table(256, groups)
+        table = gg.mm_ws_table(256, groups)
         assert table == {**configs.MM_WS, **configs.MM_WS_512_GROUPS}
     monkeypatch.setitem(configs.MM_SCHEDULE, "PINGPONG_MAX_RED", 256)
-    assert rgemm.mm_ws_table(256, 256) is configs.MM_PINGPONG
-    assert rgemm.mm_ws_table(320, 256) == {**configs.MM_WS, **configs.MM_WS_512_GROUPS}
+    assert gg.mm_ws_table(256, 256) is configs.MM_PINGPONG
+    assert gg.mm_ws_table(320, 256) == {**configs.MM_WS, **configs.MM_WS_512_GROUPS}
 
 
 @pytest.mark.parametrize("table", list(MM_COMPILES))

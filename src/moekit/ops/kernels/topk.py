@@ -78,28 +78,29 @@ def topk_softmax_kernel(
     ).to(tl.float32)
     retired = -2147483648  # the key of padding and of chosen columns: below every logit's key
 
+    # With FREE_BITS, (the key's high bits | LOW - column): distinct within a row, ordered by value, then
+    # by the lowest column.
+    LOW: tl.constexpr = (1 << FREE_BITS) - 1
+    key = _order_key(x)
+    if FREE_BITS > 0:
+        key = (key & ~LOW) | (LOW - offs_n[None, :])
+    key = tl.where(mask_n[None, :], key, retired)
+
     vals = tl.full((BLOCK_T, BLOCK_K), float("-inf"), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-    if FREE_BITS > 0:
-        # (key's high bits | LOW - column): distinct within a row, ordered by value, then lowest column.
-        LOW: tl.constexpr = (1 << FREE_BITS) - 1
-        packed = tl.where(mask_n[None, :], (_order_key(x) & ~LOW) | (LOW - offs_n[None, :]), retired)
-        for j in range(0, top_k):
-            best = tl.max(packed, axis=1)
-            packed = tl.where(packed == best[:, None], retired, packed)
+    for j in range(0, top_k):
+        best = tl.max(key, axis=1)
+        if FREE_BITS > 0:
+            key = tl.where(key == best[:, None], retired, key)
+            col = LOW - (best & LOW)
             # The key's low bits as the dtype leaves them: all ones below zero (flipped), zeros above.
             high = best & ~LOW
-            key = tl.where(high < 0, high | LOW, high)
-            vals = tl.where(offs_k[None, :] == j, _value_of_key(key)[:, None], vals)
-            ids = tl.where(offs_k[None, :] == j, (LOW - (best & LOW))[:, None], ids)
-    else:
-        key = tl.where(mask_n[None, :], _order_key(x), retired)
-        for j in range(0, top_k):
-            best = tl.max(key, axis=1)
+            best = tl.where(high < 0, high | LOW, high)
+        else:
             col = tl.min(tl.where(key == best[:, None], offs_n[None, :], BLOCK_N), axis=1)
             key = tl.where(offs_n[None, :] == col[:, None], retired, key)
-            vals = tl.where(offs_k[None, :] == j, _value_of_key(best)[:, None], vals)
-            ids = tl.where(offs_k[None, :] == j, col[:, None], ids)
+        vals = tl.where(offs_k[None, :] == j, _value_of_key(best)[:, None], vals)
+        ids = tl.where(offs_k[None, :] == j, col[:, None], ids)
 
     # The first value is the row's largest (NaN where the row has one): the softmax's shift.
     top = tl.sum(tl.where(offs_k[None, :] == 0, vals, 0.0), axis=1)
