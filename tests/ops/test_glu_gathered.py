@@ -7,8 +7,8 @@ legend: T tokens, M routed rows, N experts, H hidden size, F ffn size, K top-k.
 On the CPU: argument checks, which path is taken, the gather-first path under the interpreter (float16
 and float32: the interpreter's bfloat16 dot is wrong), and the GATHER kernel compiled for sm_90 (its
 load loop's instructions read from the PTX). On an H200 (`-m gpu`): the GATHER kernel against gather +
-kernel bit for bit. `moe_experts` does not take this op (it gathers the rows first: measured faster,
-notes/grouped_mlp.md); the op stands on its own.
+kernel bit for bit. `moe_experts` takes this op where `gathered_fc1_pays` (F up to
+configs.GATHERED_FC1_MAX_FFN; notes/moe_experts.md, "The gathered forms"); the op also stands on its own.
 """
 
 from __future__ import annotations

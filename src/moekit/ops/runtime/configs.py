@@ -227,8 +227,8 @@ WS_FORWARD = dict(
     maxnreg=128,
 )
 # The forward with x's rows gathered by cp.async (`WS_FORWARD` with these): the load partition takes
-# its whole warp group, 128 threads forming a slot's 128 row addresses (8 rows a thread, their
-# 64-bit bases held for the tile), with 40 registers; the same 16 warps. Steps of 32 reduction columns
+# its whole warp group, 128 threads forming a slot's 128 row addresses (4 rows a thread at 32-column
+# steps, their 64-bit bases held for the tile), with 40 registers; the same 16 warps. Steps of 32 reduction columns
 # in 5 slots (the same shared memory as 3 of 64): the main loop holds two slots (the one it reads and
 # the one in flight), so 3 slots of 64 left one step of copies ahead, and the copies' latency, not
 # their bytes, is what the main loop waited for (ncu: the mma warps at the ready barrier, the copy
