@@ -15,8 +15,9 @@ call it reads the token rows itself (its GATHER variant, no (M, H) copy of x); e
 gathered first and `glu_forward` runs on them. Both give the same bits (a gather is exact, and the
 gathered kernel computes the same products in the same order). `moe_experts` takes it where
 `gathered_fc1_pays` (narrow experts: elsewhere the GATHER kernel's cp.async main loop is slower than the
-TMA kernel's by more than the gather costs; notes/moe_experts.md, "The gathered forms"). `glu_backward_gathered_partials` is
-the backward's counterpart over d out's token rows (`gathered_backward_pays`).
+TMA kernel's by more than the gather costs; notes/moe_experts.md, "The gathered forms").
+`glu_backward_gathered_partials` is the backward's counterpart over d out's token rows
+(`gathered_backward_pays`).
 
 The activation is a name of the registry (`moekit.ops.activations`); its jit pair is the function of
 that name and `<name>_grad` in `moekit.ops.kernels.activations`, passed to the kernels as constexprs.
