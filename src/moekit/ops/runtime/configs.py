@@ -697,8 +697,10 @@ GATED_QUANTIZE_TILES: dict[Arch, dict[bool, tuple[int, int, int, int]]] = {
 
 # The held activation quantized columnwise into fc2's wgrad segments (kernels.gated.held_columns_kernel):
 # (BLOCK_C, warps), a program one slot (the recipe's block of rows) by BLOCK_C activation columns, held in
-# registers from the load to the bytes. sm90: a first choice (128 x 64 elements, 8 warps: the slots kernel's
-# one-walk strip), to be swept on the GPU. Under the interpreter 16 columns, so that a tile ends inside F.
+# registers from the load to the bytes. sm90: 128 x 64 elements, 8 warps (the slots kernel's one-walk
+# strip); every other entry of a sweep (32-128 columns, 4-16 warps) was slower, and the kernel itself is off
+# on sm90 (HELD_COLUMNS_FUSED below; notes/quantize.md). Under the interpreter 16 columns, so that a tile
+# ends inside F.
 HELD_COLUMNS: dict[Arch, tuple[int, int]] = {
     "sm90": (64, 8),
     "sm80": (64, 8),
