@@ -73,11 +73,15 @@ layer      the routed experts given their routing, forward+backward, at four sha
 seconds: the cells not started are recorded as "skipped" with the reason, and the run ends with
 whatever was started (a default run on an H200 takes about 5-7 minutes, Triton compilation
 included). The JSON is rewritten after every shape (`"partial": true` until the end), and a
-markdown summary is printed and written next to it.
+markdown summary is printed and written next to it, and where the layer part ran a plot of it
+(`quantized.png`: each shape's step time per column, with the FP8 columns' ratio to moekit's bf16, and
+the memory held for the backward and the peak; `--replot` draws it again from a run's JSON).
 
     python benchmarks/bench_quantized.py --out $OUT                 # H200: OUT/quantized.{json,md}
     python benchmarks/bench_quantized.py --out $OUT --parts layer --shapes qwen3-30b-a3b
     python benchmarks/bench_quantized.py --smoke --out /tmp/q       # tiny shapes, CPU, a few seconds
+    python benchmarks/bench_quantized.py --replot benchmarks/results/h100_quantized_layer_3eaa03f.json \
+        --out /tmp/q                                                 # the layer's plot of a run, no GPU
     python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy \
         --baseline benchmarks/results/h200_quantized_99508e5.json   # group_quantize, before beside after
     python benchmarks/bench_quantized.py --out $OUT --parts quantize --roofs hbm_copy --recipes fp8_block \
@@ -964,6 +968,90 @@ def summary_markdown(payload: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# The layer's plot
+# --------------------------------------------------------------------------------------------------
+
+
+def plot_layer(payload: dict, path: Path) -> bool:
+    """Draw the layer part of a run: each shape's forward+backward step time per column (ms, lower is
+    better; the FP8 columns labelled with their speed against moekit's bf16 step), and per column the
+    memory held for the backward (bars) and the peak above the start (markers), GiB. False, nothing
+    written, where the run has no timed layer cell."""
+    records = [r for r in payload.get("layer", []) if r.get("status") == "ok" and r.get("ms")]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    columns = [c for c in COLUMNS if any(r["column"] == c for r in records)]
+    by = {(r["shape"], r["column"]): r for r in records}
+    width = 0.8 / len(columns)
+    fig, (ax_ms, ax_mem) = plt.subplots(2, 1, figsize=(max(8.0, 2.2 * len(shapes) + 2), 8.0))
+    gib = 2**30
+    for i, column in enumerate(columns):
+        xs = [s + (i - (len(columns) - 1) / 2) * width for s in range(len(shapes))]
+        cells = [by.get((shape, column)) for shape in shapes]
+        ms = [r["ms"] if r else 0.0 for r in cells]
+        bars = ax_ms.bar(xs, ms, width, label=column, color=f"C{i}")
+        for bar, shape, r in zip(bars, shapes, cells, strict=True):
+            bf16 = by.get((shape, "moekit_bf16"))
+            if r and bf16 and column.startswith("moekit_fp8"):
+                ax_ms.annotate(
+                    f"{bf16['ms'] / r['ms']:.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                    rotation=90,
+                )
+        held = [r["held_bytes"] / gib if r and r.get("held_bytes") is not None else 0.0 for r in cells]
+        ax_mem.bar(xs, held, width, label=column, color=f"C{i}")
+        peaks = [
+            (x, r["peak_extra_bytes"] / gib)
+            for x, r in zip(xs, cells, strict=True)
+            if r and r.get("peak_extra_bytes") is not None
+        ]
+        if peaks:
+            ax_mem.plot(*zip(*peaks, strict=True), "v", color=f"C{i}", markeredgecolor="k", markersize=6)
+    labels = [f"{shape}\n{_dims_of(by, shape)}" for shape in shapes]
+    for ax in (ax_ms, ax_mem):
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(labels, fontsize=7)
+    ax_ms.set_ylabel("ms a forward+backward step (lower is better)")
+    ax_ms.set_title("moe_experts forward+backward; FP8 columns: speed against moekit bf16", fontsize=9)
+    ax_mem.set_ylabel("GiB")
+    ax_mem.set_title("held for the backward (bars) and peak above the start (markers)", fontsize=9)
+    meta = payload.get("meta", {})
+    roofs = payload.get("roofs", {})
+    roof = ", ".join(
+        f"{name} {roofs[name]['tflops']:.0f} TFLOP/s"
+        for name in ("bf16_mm", "fp8_mm_rowwise")
+        if isinstance(roofs.get(name), dict) and roofs[name].get("tflops")
+    )
+    title = (
+        f"{(meta.get('gpu') or {}).get('name', meta.get('device', '?'))}, moekit {str(meta.get('git_commit'))[:7]}, "
+        f"routing {str(meta.get('routing', '?')).split(':')[0]}; dense roofs in the run: {roof or 'not measured'}"
+    )
+    fig.suptitle(title, fontsize=8, x=0.01, ha="left")
+    handles, names = ax_ms.get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncols=len(names), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return True
+
+
+def _dims_of(by: dict, shape: str) -> str:
+    r = next(v for (s, _), v in by.items() if s == shape)
+    return f"T {r['tokens']} E {r['experts']} K {r['top_k']} H {r['hidden']} F {r['ffn']}"
+
+
+# --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
 
@@ -1021,7 +1109,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kernels", action="store_true", help="the layer part also profiles one step per column (kernels by name)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: proves the script runs")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="draw the layer's plot of an earlier run's JSON into --out (as <its name>.png) and measure nothing",
+    )
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        return args
     args.device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.device.type == "cpu" and not args.smoke:
         raise SystemExit("the full shapes need a CUDA device; use --smoke on CPU")
@@ -1044,8 +1140,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def replot(source: Path, out: Path) -> Path:
+    """The layer's plot of a run's JSON (a bench_quantized payload), written to out/<source's stem>.png."""
+    if not source.is_file():
+        raise SystemExit(f"--replot must be a bench_quantized JSON file, got {source}")
+    payload = json.loads(source.read_text())
+    path = out / f"{source.stem}.png"
+    if not plot_layer(payload, path):
+        raise SystemExit(f"--replot: {source} has no timed layer cell to plot")
+    return path
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot is not None:
+        replot(args.replot, args.out)
+        return {}
     budget = Budget(args.budget_s)
     cfg = runner.BenchConfig(
         device=args.device,
@@ -1127,6 +1237,10 @@ def main(argv=None) -> dict:
     print("\n" + summary, flush=True)
     (args.out / f"{NAME}.md").write_text(summary)
     print(f"wrote {args.out / f'{NAME}.md'}", flush=True)
+    try:
+        plot_layer(payload, args.out / f"{NAME}.png")
+    except Exception as exc:  # a broken matplotlib must not lose the run: the JSON and the summary are written
+        print(f"no plot: {type(exc).__name__}: {exc}", flush=True)
     return payload
 
 

@@ -8,7 +8,7 @@
 #
 # torchao and liger-kernel are installed from .whl/ into a temporary --target directory (carry .whl:
 # `pip download --no-deps -d .whl torchao==0.18.0 liger-kernel==0.8.5` here). The results are named by
-# the GPU (h100_/h200_) and the commit: ${P}_gpu_tests_$C.log, ${P}_${NAME}_$C.{json,md}
+# the GPU (h100_/h200_) and the commit: ${P}_gpu_tests_$C.log, ${P}_${NAME}_$C.{json,md,png}
 # (NAME default quantized_layer). Settings by environment: SKIP_TESTS, TESTS_S (300; cold, the default files need about 290 s at 4 workers, extrapolated from the H100 run at 1a128e9), TEST_FILES,
 # W (pytest workers, 4), SKIP_TABLE, TABLE_S (270), BUDGET_S (230: no cell starts after it), COLS, SHAPES_ARG
 # (e.g. "--shapes qwen3-30b-a3b"), KERNELS, ROUTING (balanced, skewed), NAME. The device returns at most 8 files: keep $OUT small.
@@ -46,7 +46,8 @@ if [ -z "${SKIP_TABLE:-}" ]; then
     if [ -f "$OUT/tab/quantized.json" ]; then
         mv "$OUT/tab/quantized.json" "$OUT/${P}_${N}_$C.json"
         mv "$OUT/tab/quantized.md" "$OUT/${P}_${N}_$C.md"
-        rmdir "$OUT/tab"
+        [ -f "$OUT/tab/quantized.png" ] && mv "$OUT/tab/quantized.png" "$OUT/${P}_${N}_$C.png"
+        rm -rf "$OUT/tab"
         grep "^|" "$OUT/${P}_${N}_$C.md" | head -40
     else
         tail -30 "$OUT/table.log"

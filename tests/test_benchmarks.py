@@ -287,8 +287,11 @@ def _run_quantized(out: Path, *extra: str) -> dict:
     command = [sys.executable, str(BENCHMARKS / "bench_quantized.py"), "--smoke", "--out", str(out), *extra]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"quantized.json", "quantized.md"}
     payload = json.loads((out / "quantized.json").read_text())
+    timed = any(r["status"] == "ok" for r in payload["layer"])  # the layer's plot where it has a cell
+    assert {p.name for p in out.iterdir()} == {"quantized.json", "quantized.md"} | (
+        {"quantized.png"} if timed else set()
+    )
     assert "partial" not in payload and payload["meta"]["smoke"]
     assert payload["meta"]["git_commit"] == "abc1234-test" and "torchao" in payload["meta"]
     return payload
@@ -351,6 +354,22 @@ def test_bench_quantized_smoke_runs_every_cpu_path(tmp_path):
     summary = (tmp_path / "quantized.md").read_text()
     assert "| smoke | moekit_fp8_rowwise |" in summary and "| hbm_copy |" in summary
     assert "| smoke | fc1 | wgrad | skipped |" in summary
+
+
+def test_bench_quantized_replots_a_committed_run(tmp_path):
+    """--replot draws the layer's plot of a committed run (the README's) without measuring; a file that is
+    not a run, or a run without a timed layer cell, is refused in one line."""
+    source = RESULTS / "h100_quantized_layer_3eaa03f.json"
+    command = [sys.executable, str(BENCHMARKS / "bench_quantized.py"), "--out", str(tmp_path)]
+    proc = subprocess.run([*command, "--replot", str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    png = tmp_path / "h100_quantized_layer_3eaa03f.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "layer": []}))
+    for bad, says in ((tmp_path / "absent.json", "must be a bench_quantized JSON file"), (empty, "no timed layer")):
+        proc = subprocess.run([*command, "--replot", str(bad)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and says in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def test_bench_quantized_routed_splits_take_the_routing_counts(tmp_path):
