@@ -979,3 +979,39 @@ def test_sonicmoe_column_passes_its_layouts(monkeypatch):
     got = run(x, moekit.interleave_glu(w1, 1, dim=1), w2, router_w, shape.top_k)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert (run(x, w1, w2, router_w, shape.top_k) - want).abs().max() > 1e-2  # a layout mistake shows
+
+
+def test_plot_sonic_draws_each_shape_from_its_latest_run_and_refuses_other_files(tmp_path):
+    """plot_sonic.py: the README's SonicMoE plot from committed runs (no GPU); a file that is not a
+    bench_moe_layer run, or runs without a shape timed in both columns, is refused in one line."""
+    runs = [
+        RESULTS / "h100_moe_layer_sonic_fine_staged_rows_232e5fc.json",
+        RESULTS / "h200_moe_layer_sonic_d1a2222.json",
+    ]
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import plot_sonic
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    found = plot_sonic.pairs(runs)
+    assert set(found) == {"sonicmoe-e256-k16", "sonicmoe-7b", "deepseek-v3-ep8", "mixtral-8x7b", "sonicmoe"}
+    assert found["sonicmoe-e256-k16"]["run"] == ("H100", "232e5fc")
+    later = plot_sonic.pairs([*runs, RESULTS / "h100_moe_layer_sonic_fine_regs208_512_97d7dcb.json"])
+    assert later["sonicmoe-e256-k16"]["run"] == ("H100", "97d7dcb") and later["sonicmoe-7b"]["run"][1] == "232e5fc"
+    png = tmp_path / "sonic.png"
+    command = [sys.executable, str(BENCHMARKS / "plot_sonic.py")]
+    proc = subprocess.run([*command, *map(str, runs), "--out", str(png)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    quantized = RESULTS / "h100_quantized_layer_3eaa03f.json"
+    plain_only = tmp_path / "plain.json"
+    plain_only.write_text(json.dumps({"meta": {}, "records": []}))
+    for bad, says in (
+        ([quantized], "is not a bench_moe_layer JSON"),
+        ([plain_only], "no run given timed both"),
+        ([tmp_path / "absent.json"], "is not a file"),
+    ):
+        proc = subprocess.run(
+            [*command, *map(str, bad), "--out", str(png)], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode != 0 and says in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
