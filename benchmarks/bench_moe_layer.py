@@ -464,10 +464,7 @@ def print_table(records: list[dict], roofs: list[dict]) -> None:
 
 
 def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = runner.pyplot()
 
     cells = list(dict.fromkeys((r["shape"], r["dist"]) for r in records))
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(cells) + 2), 7.5), squeeze=False)
@@ -495,10 +492,7 @@ def plot(records: list[dict], roofs: list[dict], path: Path, title: str) -> None
     fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8, x=0.01, y=0.995, ha="left", va="top")
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncols=len(labels), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    runner.save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -980,10 +980,7 @@ def plot_layer(payload: dict, path: Path) -> bool:
     records = [r for r in payload.get("layer", []) if r.get("status") == "ok" and r.get("ms")]
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = runner.pyplot()
 
     shapes = list(dict.fromkeys(r["shape"] for r in records))
     columns = [c for c in COLUMNS if any(r["column"] == c for r in records)]
@@ -1039,10 +1036,7 @@ def plot_layer(payload: dict, path: Path) -> bool:
     handles, names = ax_ms.get_legend_handles_labels()
     fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncols=len(names), fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    runner.save_figure(fig, path)
     return True
 
 

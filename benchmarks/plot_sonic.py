@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+import runner
+
 OPS = ("forward", "forward+backward")
 SPEED_BARS = {"forward": 1.0, "forward+backward": 1.05}
 
@@ -51,10 +53,7 @@ def pairs(paths: list[Path]) -> dict[str, dict]:
 
 
 def plot(found: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = runner.pyplot()
 
     shapes = list(found)
     fig, (ax_speed, ax_mem) = plt.subplots(2, 1, figsize=(max(8.0, 1.5 * len(shapes) + 2), 7.5))
@@ -92,10 +91,7 @@ def plot(found: dict[str, dict], path: Path) -> None:
         "moekit beside SonicMoE; each shape from its run: GPU and commit under it", fontsize=8, x=0.01, ha="left"
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    runner.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> Path:

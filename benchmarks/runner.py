@@ -8,7 +8,7 @@ JSON's meta), `measure_roof` (the dense matmul roof timed in the same process), 
 (the same with torch._scaled_mm on float8 e4m3), `measure_copy_bandwidth` (HBM: a device-to-device
 copy), `time_ms`, `time_steps` (a fixed number of calls, CUDA events around each), `time_rounds`
 (interleaved rounds), `memory_of` (peak and held memory), `rel_errors` / `check_summary` (errors
-against a float32 reference), `write_json`.
+against a float32 reference), `write_json`, `pyplot` / `save_figure` (the plots).
 """
 
 from __future__ import annotations
@@ -710,6 +710,25 @@ def environment(cfg: BenchConfig, roof: dict) -> dict:
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display): the plots' one import, made
+    where a plot is drawn, so the benchmarks run where matplotlib is absent or broken."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write a plot to `path` (its folder made) and free it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
     print(f"wrote {path}", flush=True)
 
 
