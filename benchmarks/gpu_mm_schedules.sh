@@ -15,8 +15,8 @@
 # Results: ${P}_gpu_tests_mm_schedules_$C.log, ${P}_mm_schedules_sweep_$C.json, ${P}_ab_layer_<change>_${C}_$C.json.
 # Settings by environment: TESTS_S (150), SWEEP_S (240), AB_S (170), SWEEP_SHAPES, VARIANTS, AB (pingpong;
 # changes as changed_src names them, and auto: the sweep's fastest of pingpong, regs208 and load4 on
-# the _ragged products, none under 1.02x; AB_S seconds each), AB_SHAPES,
-# SKIP_TESTS, SKIP_AB.
+# the _ragged products, none under 1.02x; AB_S seconds each), AB_SHAPES, AB_ARGS (more ab_builds.py
+# arguments, e.g. "--quantization fp8_block" for AB=gated_fc1_epilogue), SKIP_TESTS, SKIP_SWEEP, SKIP_AB.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/gpu_prelude.sh
@@ -30,12 +30,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     echo "tests rc=$? $(($(date +%s) - t0)) s"
     tail -4 "$OUT/${P}_gpu_tests_mm_schedules_$C.log"
 fi
-t0=$(date +%s)
-timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,unstaged,regs208,load4,pingpong,pingpong_load4}" --triton first \
-    --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
-    --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
-echo "sweep rc=$? $(($(date +%s) - t0)) s"
-grep -v "^\s*$" "$OUT/sweep.log" | tail -12
+if [ -z "${SKIP_SWEEP:-}" ]; then
+    t0=$(date +%s)
+    timeout "${SWEEP_S:-240}" python3 benchmarks/sweep_grouped_mm.py --variants "${VARIANTS:-base,unstaged,regs208,load4,pingpong,pingpong_load4}" --triton first \
+        --rounds 2 --shapes "${SWEEP_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b,sonicmoe-7b,sonicmoe-e64-k4}" \
+        --out "$OUT/${P}_mm_schedules_sweep_$C.json" >"$OUT/sweep.log" 2>&1
+    echo "sweep rc=$? $(($(date +%s) - t0)) s"
+    grep -v "^\s*$" "$OUT/sweep.log" | tail -12
+fi
 [ -n "${SKIP_AB:-}" ] && { ls "$OUT"; exit 0; }
 AB=${AB:-pingpong}
 for ab in ${AB//,/ }; do
@@ -46,7 +48,8 @@ for ab in ${AB//,/ }; do
     fi
     B=$(changed_src "$ab") || exit 3
     t0=$(date +%s)
-    timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B" --op layer --dists balanced --rounds 2 \
+    # shellcheck disable=SC2086
+    timeout "${AB_S:-170}" python3 benchmarks/ab_builds.py --a src --b "$B" --op layer --dists balanced --rounds 2 ${AB_ARGS:-} \
         --shapes "${AB_SHAPES:-sonicmoe-e256-k16,qwen3-30b-a3b}" --commit "$C" --commit-b "$C+$ab" \
         --out "$OUT/${P}_ab_layer_${ab}_${C}_$C.json" >"$OUT/ab_$ab.log" 2>&1
     echo "ab $ab rc=$? $(($(date +%s) - t0)) s"

@@ -237,6 +237,9 @@ TABLE_CHANGES: dict[str, dict[str, dict]] = {
     "gathered_wgrad_768": {"GATHERED_WGRAD_MAX_FFN": {"sm90": 768}},
     # The fused MLP's TMA forms loading from a warp group of 40 registers, as their GATHER forms.
     "glu_load4": {"WS_FORWARD": dict(LOAD_WARPS=4, LOAD_REGS=40), "WS_BACKWARD": dict(LOAD_WARPS=4, LOAD_REGS=40)},
+    # The quantized fc1 (fp8_block) with the gated activation and both FP8 forms in its epilogue, h never
+    # written, instead of the FP8 GEMM and the gated pass apart (for `ab_builds.py --quantization`).
+    "gated_fc1_epilogue": {"GATED_FC1_EPILOGUE": {"sm90": True}},
 }
 
 

@@ -106,12 +106,14 @@ SPLITS = [0, 300, 1, 0, 129, 427]
 ROWS = sum(SPLITS) + 73
 
 
-def _case(ffn: int, k: int | None, hidden: int, dtype: torch.dtype, bias: bool, probs: bool):
+def _case(ffn: int, k: int | None, hidden: int, dtype: torch.dtype, bias: bool, probs: bool, nonfinite: bool = False):
     cuda = torch.device("cuda")
     gen = torch.Generator(device=cuda).manual_seed(ffn + hidden)
     n = len(SPLITS)
     x = torch.randn(ROWS, hidden, device=cuda, generator=gen).to(dtype)
     x[5, 7] = 300.0  # a large value: its block's scale differs from its neighbours'
+    if nonfinite:  # one row of x non-finite (NaN scale and data): that row of h and a is NaN
+        x[320, 3] = float("inf")
     w1 = (torch.randn(n, 2 * ffn, hidden, device=cuda, generator=gen) / hidden**0.5).to(dtype)
     b1 = (torch.randn(n, 2 * ffn, device=cuda, generator=gen) * 0.1).to(dtype) if bias else None
     p = torch.rand(ROWS, device=cuda, generator=gen) if probs else None
@@ -148,6 +150,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
+def _same_bytes(fused, apart) -> None:
+    for name, f, s in zip(("a_data", "a_scale", "h_data", "h_scale"), fused, apart, strict=True):
+        diff = (_bytes(f) != _bytes(s)).nonzero()
+        assert diff.numel() == 0, f"{name}: {diff.shape[0]} elements differ, first at {diff[0].tolist()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
@@ -164,9 +172,7 @@ def test_gpu_bytes_are_the_gemm_and_the_gated_pass(layout, hidden, dtype, bias, 
     case = _case(ffn, k, hidden, dtype, bias, probs)
     fused = _fused(*case, glu_block, dtype)
     apart, h = _apart(*case, glu_block, dtype)
-    for name, f, s in zip(("a_data", "a_scale", "h_data", "h_scale"), fused, apart, strict=True):
-        diff = (_bytes(f) != _bytes(s)).nonzero()
-        assert diff.numel() == 0, f"{name}: {diff.shape[0]} elements differ, first at {diff[0].tolist()}"
+    _same_bytes(fused, apart)
     # The activation against float64 from the FP8 operands (the GEMM's own check covers h).
     x_q, w_q, b1, p, offs = case
     info = RECIPES["fp8_block"]
@@ -180,6 +186,22 @@ def test_gpu_bytes_are_the_gemm_and_the_gated_pass(layout, hidden, dtype, bias, 
     a = dequantize_rowwise(info, fused[0], fused[1], torch.float64)
     assert rel_err(a[:used], a64[:used]) < 0.08
     assert torch.count_nonzero(fused[0].view(torch.uint8)[used:]) == 0 and bool((fused[1][used:] == 1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[2]])
+def test_gpu_bytes_with_a_nonfinite_row_are_the_gemm_and_the_gated_pass(layout, nan_poison):
+    """A non-finite row of h (x's row holds an inf: its FP8 scale and bytes are NaN) takes the epilogue's
+    NaN fix-up, which runs only in a warp group whose rows hold a non-finite block maximum: every byte,
+    NaN bytes and their signs included, equals the FP8 forward followed by `gated_quantize_into`."""
+    _hopper_or_skip()
+    ffn, k = layout
+    glu_block = check_interleave(ffn, k)
+    case = _case(ffn, k, 384, torch.bfloat16, True, True, nonfinite=True)
+    fused = _fused(*case, glu_block, torch.bfloat16)
+    apart, h = _apart(*case, glu_block, torch.bfloat16)
+    assert bool(h[320].isnan().all()) and not bool(h[319].isnan().any())
+    _same_bytes(fused, apart)
 
 
 @pytest.mark.gpu

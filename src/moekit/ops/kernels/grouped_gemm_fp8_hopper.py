@@ -603,19 +603,27 @@ def _quantized_block(
     """fp8_block's rowwise form of v (ROWS, 128) fp32, the columns col0 + [0, 128) of its tensor (col0 a
     multiple of 128: one 1 x 128 block a row): the scale_inv at scale[r, col0 / 128] and the E4M3 bytes,
     for the rows of [row_lo, row_hi) (v's rows: offs_m = rows0 + [0, ROWS); mask_m those in range).
-    `group_quantize`'s bytes (the block maxima with NaN read as inf, `fp32_scales`, `e4m3_tile` with its
-    NaN fix-up). The bytes leave through the warp group's staging tile c_smem: written in the
-    accumulator's layout, read back 16 consecutive bytes a thread and stored as 16-byte vectors (stored
-    straight from the accumulator's layout they are single bytes, eight rows apart in each warp's store)."""
+    `group_quantize`'s bytes (the block maxima with NaN read as inf, `fp32_scales`, `e4m3_tile`). The
+    NaN fix-up of `e4m3_tile` runs only where one of the warp group's rows has a non-finite maximum (one
+    reduction over its rows): elsewhere no product is NaN and the hardware's bytes are torch's. Each branch
+    writes its own bytes into the staging tile, so that the compiler does not join the two branches' bytes
+    one register a byte (`store_e4m3` says why). The bytes leave through the warp group's staging tile
+    c_smem: written in the accumulator's layout, read back 16 consecutive bytes a thread and stored as
+    16-byte vectors (stored straight from the accumulator's layout they are single bytes, eight rows
+    apart in each warp's store)."""
     ROWS: gl.constexpr = v.shape[0]
     SUB: gl.constexpr = v.shape[1]
     amax = gl.max(abs_for_amax(v), axis=1)
     scale, scale_inv = fp32_scales(amax)
     gl.store(scale_ptr + offs_m.to(gl.int64) * stride_scale + col0 // 128, scale_inv, mask=mask_m)
-    q = e4m3_tile(v, gl.expand_dims(scale, 1), True, True)
+    s = gl.expand_dims(scale, 1)
+    any_nan = gl.max(amax, axis=0) == float("inf")
     store_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // SUB, SUB // 16], [gl.num_warps(), 1], [1, 0])
     gl.thread_barrier()  # every warp is past its reads of the staging tile's last use
-    c_smem.store(q)
+    if any_nan:
+        c_smem.store(e4m3_tile(v, s, True, True))
+    else:
+        c_smem.store((v * s).to(gl.float8e4nv, fp_downcast_rounding="rtne").to(gl.uint8, bitcast=True))
     gl.thread_barrier()
     qb = c_smem.load(store_layout)
     rows = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
