@@ -226,14 +226,14 @@ WS_FORWARD = dict(
     num_warps=8,
     maxnreg=128,
 )
-# The forward with x's rows gathered by cp.async (`WS_FORWARD` with these): the load partition takes
-# its whole warp group, 128 threads forming a slot's 128 row addresses (4 rows a thread at 32-column
-# steps, their 64-bit bases held for the tile), with 40 registers; the same 16 warps. Steps of 32 reduction columns
-# in 5 slots (the same shared memory as 3 of 64): the main loop holds two slots (the one it reads and
-# the one in flight), so 3 slots of 64 left one step of copies ahead, and the copies' latency, not
-# their bytes, is what the main loop waited for (ncu: the mma warps at the ready barrier, the copy
-# warps at the empty one). The TMA form keeps 64-column steps: with 32 it was slower (more barrier
-# rounds a tile for the same bytes; benchmarks/README.md, the gathered loads sweep).
+# The forward with x's rows gathered by cp.async (`WS_FORWARD` with these): the load partition takes its
+# whole warp group, 128 threads forming a slot's 128 row addresses (4 rows a thread at 32-column steps,
+# their 64-bit bases held for the tile), with 40 registers; the same 16 warps. Steps of 32 reduction
+# columns in 5 slots (the same shared memory as 3 of 64): the main loop holds two slots (the one it reads
+# and the one in flight), so 3 slots of 64 left one step of copies ahead, and the copies' latency, not
+# their bytes, is what the main loop waited for (ncu: the mma warps at the ready barrier, the copy warps
+# at the empty one). The TMA form keeps 64-column steps: with 32 it was slower (more barrier rounds a tile
+# for the same bytes; benchmarks/README.md, the gathered loads sweep).
 WS_FORWARD_GATHER = dict(WS_FORWARD, GATHER=True, LOAD_WARPS=4, LOAD_REGS=40, BLOCK_RED=32, STAGES=5)
 # The widest F at which the layer's fc1 (moe_experts' fused node 1) reads x's token rows in its loads
 # (the GATHER variant) instead of gathering them into an (M, H) tensor first; an architecture absent
