@@ -219,8 +219,9 @@ def topk(shapes, device: torch.device, checkpoint) -> list[dict]:
 
 def topk_shape(tokens: int, top_k: int, num_experts: int, device: torch.device) -> list[dict]:
     """One shape of `topk`. The two kernel forms must give the same ids and weights (asserted)."""
+    import runner
+
     import moekit
-    from moekit.ops.runtime import configs, launch
 
     gen = torch.Generator(device=device).manual_seed(tokens + num_experts)
     logits = torch.randn(tokens, num_experts, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -237,19 +238,17 @@ def topk_shape(tokens: int, top_k: int, num_experts: int, device: torch.device) 
         torch.autograd.backward(fwd()[0], d_weights)
 
     records, outputs = [], {}
+    saved = runner.saved_tables({"packed": {"TOPK_PACKED_KEYS": {}}})
     for form, packed in (("moekit_packed", True), ("moekit", False), ("torch", None)):
         fwd = moekit_router if packed is not None else torch_router
-        saved = configs.TOPK_PACKED_KEYS["ON"]
-        configs.TOPK_PACKED_KEYS["ON"] = bool(packed)
-        launch.forget_plans()
+        runner.apply_tables({"TOPK_PACKED_KEYS": dict(ON=bool(packed))}, saved)
         try:
             with torch.no_grad():
                 outputs[form] = fwd()
                 fwd_us = gpu_us(fwd, device)
             both_us = gpu_us(functools.partial(step, fwd), device)
         finally:
-            configs.TOPK_PACKED_KEYS["ON"] = saved
-            launch.forget_plans()
+            runner.apply_tables({}, saved)
         shape = {"part": "topk", "tokens": tokens, "top_k": top_k, "num_experts": num_experts}
         records.append({**shape, "dtype": "bfloat16", "form": form, "gpu_us": fwd_us, "gpu_us_fwd_bwd": both_us})
     (w_packed, ids_packed), (w_plain, ids_plain) = outputs["moekit_packed"], outputs["moekit"]

@@ -23,9 +23,8 @@ ncu_first_launch() {
 }
 
 # changed_src CHANGE: prints the path of a copy of src whose configs.py holds one of runner.py's
-# TABLE_CHANGES (pingpong, staged_rows, unstaged, regs208, load4, glu_load4, wgrad_dy_rows,
-# gathered_wgrad_768), what a script times beside src as it is without a commit between; fails,
-# naming it, where configs.py does not hold what it changes.
+# TABLE_CHANGES (`python3 benchmarks/runner.py --help` names them), what a script times beside src as
+# it is without a commit between; fails, naming it, where configs.py does not hold what it changes.
 changed_src() {
     local dir
     dir=$(mktemp -d)

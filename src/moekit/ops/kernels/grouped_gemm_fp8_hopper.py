@@ -623,7 +623,7 @@ def _quantized_block(
     if any_nan:
         c_smem.store(e4m3_tile(v, s, True, True))
     else:
-        c_smem.store((v * s).to(gl.float8e4nv, fp_downcast_rounding="rtne").to(gl.uint8, bitcast=True))
+        c_smem.store(e4m3_tile(v, s, False, True))
     gl.thread_barrier()
     qb = c_smem.load(store_layout)
     rows = rows0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
